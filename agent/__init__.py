@@ -1,0 +1,1 @@
+"""In-process instrumentation for training ranks (imports no collector code)."""

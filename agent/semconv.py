@@ -1,0 +1,68 @@
+"""Telemetry names: the one definition of every `rankwatch.*` attribute,
+span kind, event and device metric that crosses the wire.
+
+The agent writes these names and the collector reads them; both import them
+from here so the two can never drift. docs/telemetry.md documents each one.
+"""
+
+# Resource attributes: who is talking. Span, data point and log attributes of
+# the same name override the resource (one process may speak for many ranks).
+RUN_ID = "rankwatch.run_id"
+RANK = "rankwatch.rank"
+LOCAL_RANK = "rankwatch.local_rank"
+WORLD_SIZE = "rankwatch.world_size"
+DP_RANK = "rankwatch.dp_rank"
+PP_STAGE = "rankwatch.pp_stage"
+TP_RANK = "rankwatch.tp_rank"
+DEVICE = "rankwatch.device"
+HOST_NAME = "host.name"  # OpenTelemetry semantic convention
+PROCESS_PID = "process.pid"  # OpenTelemetry semantic convention
+
+# Span attributes.
+KIND = "rankwatch.kind"
+STEP = "rankwatch.step"
+MICROBATCH = "rankwatch.microbatch"
+# on `step` spans
+LOSS = "rankwatch.loss"
+GRAD_NORM = "rankwatch.grad_norm"
+TOKENS = "rankwatch.tokens"
+LR = "rankwatch.lr"
+MFU = "rankwatch.mfu"
+DATA_S = "rankwatch.data_s"
+COMPUTE_S = "rankwatch.compute_s"
+COMM_WAIT_S = "rankwatch.comm_wait_s"
+# on `comm` spans
+COMM_GROUP = "rankwatch.comm.group"
+COMM_GROUP_SIZE = "rankwatch.comm.group_size"
+COMM_SEQ = "rankwatch.comm.seq"
+COMM_BYTES = "rankwatch.comm.bytes"
+
+# Values of rankwatch.kind. A `step` span becomes a row of `steps`; every
+# other span becomes a row of `ops`.
+KIND_STEP = "step"
+KIND_PHASE = "phase"
+KIND_COMM = "comm"
+KIND_COMPUTE = "compute"
+KIND_DATA = "data"
+KIND_OTHER = "other"
+OP_KINDS = (KIND_PHASE, KIND_COMM, KIND_COMPUTE, KIND_DATA, KIND_OTHER)
+
+# Log records: the event name, plus the step it happened at.
+EVENT = "rankwatch.event"
+
+# Data point attributes of device metrics.
+GPU = "gpu"  # device index on the host, as in DCGM exporter labels
+SOURCE = "rankwatch.source"  # "nvml" or "simulated"
+SOURCE_NVML = "nvml"
+SOURCE_SIMULATED = "simulated"
+
+# Device metric names, aligned with DCGM field names.
+POWER_W = "DCGM_FI_DEV_POWER_USAGE"
+POWER_INSTANT_W = "DCGM_FI_DEV_POWER_USAGE_INSTANT"
+ENERGY_J = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
+SM_CLOCK_MHZ = "DCGM_FI_DEV_SM_CLOCK"
+MEM_CLOCK_MHZ = "DCGM_FI_DEV_MEM_CLOCK"
+GPU_TEMP_C = "DCGM_FI_DEV_GPU_TEMP"
+GPU_UTIL_PCT = "DCGM_FI_DEV_GPU_UTIL"
+POWER_LIMIT_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT"
+CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"

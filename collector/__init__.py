@@ -1,0 +1,1 @@
+"""OTLP receiver, DuckDB store, analyzers and APIs."""

@@ -1,0 +1,60 @@
+"""SQL over a store file for post-mortems, printed as a table, CSV or JSON."""
+
+import csv
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import duckdb
+from rich.console import Console
+from rich.table import Table
+
+from collector.store import connect
+
+FORMATS = ("table", "csv", "json")
+
+
+class QueryError(Exception):
+    """SQL that DuckDB refused, with its one-line reason."""
+
+
+def run_sql(db: Path, sql: str) -> tuple[list[str], list[tuple]]:
+    """(column names, rows) of a query against a store opened read-only."""
+    if not db.exists():
+        raise QueryError(f"no store at {db}")
+    con = connect(db, read_only=True)
+    try:
+        cursor = con.execute(sql)
+        if cursor.description is None:
+            return [], []
+        return [d[0] for d in cursor.description], cursor.fetchall()
+    except duckdb.Error as e:
+        raise QueryError(str(e).splitlines()[0]) from None
+    finally:
+        con.close()
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (dt.datetime, dt.date, dt.time, dt.timedelta)):
+        return value.isoformat() if hasattr(value, "isoformat") else str(value)
+    return value
+
+
+def write(columns: list[str], rows: list[tuple], fmt: str, out: TextIO = sys.stdout) -> None:
+    """Print a result in one of FORMATS."""
+    if fmt == "csv":
+        writer = csv.writer(out)
+        writer.writerow(columns)
+        writer.writerows([_plain(v) for v in row] for row in rows)
+    elif fmt == "json":
+        json.dump([dict(zip(columns, map(_plain, row))) for row in rows], out, default=str)
+        out.write("\n")
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*("" if v is None else str(_plain(v)) for v in row))
+        Console(file=out).print(table)

@@ -1,0 +1,136 @@
+"""The DuckDB schema: the one definition of every table the collector writes.
+
+docs/telemetry.md documents each column and how OTLP maps onto it. Ingest
+builds Arrow batches whose column names match these tables and inserts them
+BY NAME, so a column missing from a batch takes its default.
+"""
+
+DDL = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id      VARCHAR PRIMARY KEY,
+    world_size  INTEGER,
+    first_seen  TIMESTAMPTZ NOT NULL,
+    last_seen   TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS ranks (
+    run_id      VARCHAR NOT NULL,
+    rank        INTEGER NOT NULL,
+    host        VARCHAR,
+    local_rank  INTEGER,
+    dp_rank     INTEGER,
+    pp_stage    INTEGER,
+    tp_rank     INTEGER,
+    device      VARCHAR,
+    pid         BIGINT,
+    first_seen  TIMESTAMPTZ NOT NULL,
+    last_seen   TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (run_id, rank)
+);
+
+CREATE TABLE IF NOT EXISTS steps (
+    run_id       VARCHAR NOT NULL,
+    rank         INTEGER NOT NULL,
+    step         BIGINT NOT NULL,
+    start_ts     TIMESTAMP_NS NOT NULL,
+    end_ts       TIMESTAMP_NS NOT NULL,
+    duration_s   DOUBLE NOT NULL,
+    data_s       DOUBLE,
+    compute_s    DOUBLE,
+    comm_wait_s  DOUBLE,
+    loss         DOUBLE,
+    grad_norm    DOUBLE,
+    tokens       BIGINT,
+    lr           DOUBLE,
+    mfu          DOUBLE,
+    trace_id     BLOB,
+    span_id      BLOB,
+    attrs        JSON
+);
+
+CREATE TABLE IF NOT EXISTS ops (
+    run_id          VARCHAR NOT NULL,
+    rank            INTEGER NOT NULL,
+    step            BIGINT,
+    kind            VARCHAR NOT NULL,
+    name            VARCHAR NOT NULL,
+    start_ts        TIMESTAMP_NS NOT NULL,
+    end_ts          TIMESTAMP_NS NOT NULL,
+    duration_s      DOUBLE NOT NULL,
+    microbatch      INTEGER,
+    comm_group      VARCHAR,
+    group_size      INTEGER,
+    seq             BIGINT,
+    bytes           BIGINT,
+    algbw_gbps      DOUBLE,
+    busbw_gbps      DOUBLE,
+    trace_id        BLOB,
+    span_id         BLOB,
+    parent_span_id  BLOB,
+    attrs           JSON
+);
+
+CREATE TABLE IF NOT EXISTS device_samples (
+    run_id  VARCHAR NOT NULL,
+    rank    INTEGER NOT NULL,
+    ts      TIMESTAMP_NS NOT NULL,
+    metric  VARCHAR NOT NULL,
+    value   DOUBLE NOT NULL,
+    gpu     INTEGER,
+    source  VARCHAR,
+    attrs   JSON
+);
+
+CREATE TABLE IF NOT EXISTS events (
+    run_id    VARCHAR NOT NULL,
+    rank      INTEGER,
+    ts        TIMESTAMP_NS NOT NULL,
+    event     VARCHAR NOT NULL,
+    step      BIGINT,
+    severity  VARCHAR,
+    body      VARCHAR,
+    attrs     JSON
+);
+
+CREATE SEQUENCE IF NOT EXISTS findings_id;
+CREATE TABLE IF NOT EXISTS findings (
+    id          BIGINT PRIMARY KEY DEFAULT nextval('findings_id'),
+    run_id      VARCHAR NOT NULL,
+    analyzer    VARCHAR NOT NULL,
+    kind        VARCHAR NOT NULL,
+    ranks       INTEGER[],
+    step_start  BIGINT,
+    step_end    BIGINT,
+    severity    VARCHAR NOT NULL,
+    score       DOUBLE,
+    summary     VARCHAR,
+    evidence    JSON,
+    state       VARCHAR NOT NULL DEFAULT 'firing',
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+CREATE SEQUENCE IF NOT EXISTS commands_id;
+CREATE TABLE IF NOT EXISTS commands (
+    id          BIGINT PRIMARY KEY DEFAULT nextval('commands_id'),
+    run_id      VARCHAR NOT NULL,
+    kind        VARCHAR NOT NULL,
+    args        JSON,
+    state       VARCHAR NOT NULL DEFAULT 'pending',
+    created_by  VARCHAR NOT NULL,
+    finding_id  BIGINT,
+    apply_step  BIGINT,
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+CREATE TABLE IF NOT EXISTS exports (
+    digest       BLOB PRIMARY KEY,
+    signal       VARCHAR NOT NULL,
+    items        INTEGER NOT NULL,
+    received_at  TIMESTAMPTZ NOT NULL
+);
+"""
+
+# Tables that ingest appends Arrow batches to, by OTLP signal.
+TELEMETRY_TABLES = ("steps", "ops", "device_samples", "events")

@@ -1,0 +1,31 @@
+"""The collector's own health, in Prometheus format at /metrics."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class SelfMetrics:
+    """Counters of what was received, rejected and committed."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("rankwatch_collector_requests", "OTLP export requests by signal and HTTP status",
+                                ["signal", "code"], registry=self.registry)
+        self.received = Counter("rankwatch_collector_items_received", "Spans, data points and log records stored",
+                                ["signal"], registry=self.registry)
+        self.rejected = Counter("rankwatch_collector_items_rejected",
+                                "Items refused (partial success) or in refused requests", ["signal"],
+                                registry=self.registry)
+        self.duplicates = Counter("rankwatch_collector_duplicate_requests",
+                                  "Retried exports acknowledged without writing again", ["signal"],
+                                  registry=self.registry)
+        self.queue_items = Gauge("rankwatch_collector_queue_items", "Items decoded and waiting for commit",
+                                 registry=self.registry)
+        self.commit_seconds = Histogram("rankwatch_collector_commit_seconds", "Group commit latency",
+                                        buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5),
+                                        registry=self.registry)
+        self.commit_rows = Counter("rankwatch_collector_rows_committed", "Rows appended to telemetry tables",
+                                   registry=self.registry)
+
+    def observe_commit(self, seconds: float, rows: int) -> None:
+        self.commit_seconds.observe(seconds)
+        self.commit_rows.inc(rows)

@@ -1,0 +1,121 @@
+"""The collector's HTTP server: OTLP/HTTP receiver, /healthz and /metrics.
+
+Checks run cheapest first (token, content type, size) so a refused request
+costs almost nothing; a request is answered 200 only after its rows are
+committed. /healthz and /metrics carry no training data and need no token,
+as Prometheus and load balancers expect.
+"""
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from collector import otlp
+from collector.auth import authorized, load_or_create_token
+from collector.ingest import Ingestor
+from collector.selfmetrics import SelfMetrics
+from collector.store import Overloaded, Store
+
+log = logging.getLogger("rankwatch.collector")
+RETRY_AFTER_S = 2
+_DRAIN_LIMIT = 4 * otlp.MAX_BODY  # read past an oversized body this far so the client sees the 413
+
+
+@dataclass
+class Config:
+    """How a collector is started (defaults are the newcomer's)."""
+
+    db: Path = Path("rankwatch-data/rankwatch.duckdb")
+    host: str = "127.0.0.1"
+    port: int = 4318
+    token: str | None = None  # None: the token file beside the DB, created on first start
+    workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
+    max_queue_items: int = 2_000_000
+
+
+async def _read_body(request: Request) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > _DRAIN_LIMIT:
+        raise otlp.OtlpError(413, f"body larger than {otlp.MAX_BODY} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= otlp.MAX_BODY:
+            chunks.append(chunk)
+        elif size > _DRAIN_LIMIT:
+            break
+    if size > otlp.MAX_BODY:
+        raise otlp.OtlpError(413, f"body larger than {otlp.MAX_BODY} bytes")
+    return b"".join(chunks)
+
+
+def create_app(config: Config) -> Starlette:
+    """The ASGI app; the store opens on startup and drains on shutdown."""
+    token = config.token or load_or_create_token(config.db.parent)
+    metrics = SelfMetrics()
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        store = Store(config.db, config.max_queue_items, on_commit=metrics.observe_commit)
+        metrics.queue_items.set_function(lambda: store.queued_items)
+        state["ingestor"] = Ingestor(store, config.workers)
+        try:
+            yield
+        finally:
+            state["ingestor"].close()
+            store.close()
+
+    def receiver(signal: str):
+        async def export(request: Request) -> Response:
+            kind = otlp.PROTOBUF
+            try:
+                if not authorized(request.headers.get("authorization"), token):
+                    raise otlp.OtlpError(401, "missing or wrong bearer token")
+                kind = otlp.media_type(request.headers.get("content-type"))
+                body = otlp.decompress(await _read_body(request), request.headers.get("content-encoding"))
+                decoded = await state["ingestor"].export(signal, kind, body)
+            except otlp.OtlpError as e:
+                metrics.requests.labels(signal, e.status).inc()
+                headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+                return Response(otlp.status(e.status, str(e), kind), e.status, headers, media_type=kind)
+            except Overloaded as e:
+                return _unavailable(signal, str(e), kind)
+            except Exception as e:  # a failed commit or a dead worker: transient, the exporter retries
+                log.exception("export failed")
+                return _unavailable(signal, f"collector could not store the export: {e}", kind)
+            metrics.requests.labels(signal, 200).inc()
+            metrics.received.labels(signal).inc(decoded.accepted)
+            metrics.rejected.labels(signal).inc(decoded.rejected)
+            return Response(otlp.success(signal, decoded.rejected, decoded.error, kind), media_type=kind)
+
+        return export
+
+    def _unavailable(signal: str, message: str, kind: str) -> Response:
+        metrics.requests.labels(signal, 503).inc()
+        return Response(otlp.status(503, message, kind), 503, {"Retry-After": str(RETRY_AFTER_S)}, media_type=kind)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "queue_items": state["ingestor"].store.queued_items})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
+    routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def serve(config: Config) -> None:
+    """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint."""
+    app = create_app(config)
+    print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=30)

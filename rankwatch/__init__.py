@@ -1,0 +1,1 @@
+"""The `rankwatch` command line."""

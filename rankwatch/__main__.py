@@ -1,0 +1,3 @@
+from rankwatch.cli import main
+
+main()

@@ -1,0 +1,94 @@
+"""`rankwatch` command line: one subcommand per public job (DESIGN.md's contract).
+
+Bad input ends in a one-line `rankwatch: error: ...` on stderr and exit 2.
+Subcommands import their machinery lazily, so `rankwatch train` never loads
+duckdb and `rankwatch query` never loads torch.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+    def __init__(self, message: str, prog: str = "rankwatch"):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message, self.prog)
+
+
+def _db(args) -> Path:
+    return Path(args.db or os.environ.get("RANKWATCH_DB") or DEFAULT_DB)
+
+
+def cmd_collector(args) -> None:
+    from collector.server import Config, serve
+
+    serve(Config(db=_db(args), host=args.host, port=args.port,
+                 token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
+                 max_queue_items=args.max_queue_items))
+
+
+def cmd_query(args) -> None:
+    from collector.query import QueryError, run_sql, write
+    from collector.store import StoreLocked
+
+    try:
+        columns, rows = run_sql(_db(args), args.sql)
+    except (QueryError, StoreLocked) as e:
+        raise UsageError(str(e)) from None
+    write(columns, rows, args.format)
+
+
+def cmd_demo(args) -> None:
+    from rankwatch.demo import run
+
+    run(db=_db(args), steps=args.steps, port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rankwatch", description="Observability and diagnostics for distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("demo", help="collector + a 4-rank job with injected faults, end to end")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--port", type=int, default=4318, help="collector port")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=4318)
+    p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
+    p.add_argument("--workers", type=int, help="decode processes (default: one per core; 0: none)")
+    p.add_argument("--max-queue-items", type=int, default=2_000_000,
+                   help="items waiting for commit before exports get 503 + Retry-After")
+    p.set_defaults(func=cmd_collector)
+
+    p = sub.add_parser("query", help="run read-only SQL against a store file")
+    p.add_argument("sql")
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    p.set_defaults(func=cmd_query)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,1 @@
+"""Reference GPT trainer, checkpointer, fault injection and fleet simulator."""
