@@ -13,16 +13,18 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from collector import otlp
-from collector.decode import REQUESTS, Decoded, arrow_schema
+from collector.decode import DECODERS, Decoded, arrow_schema
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
 
 
 def decode_body(signal: str, kind: str, body: bytes) -> tuple[bytes, Decoded]:
     """(digest, decoded rows) of one decompressed request body; raises OtlpError."""
-    message, decode = REQUESTS[signal]
+    message, decode = DECODERS[signal]
     digest = hashlib.blake2b(signal.encode() + b"\0" + body, digest_size=16).digest()
-    return digest, decode(otlp.parse(body, kind, message))
+    if kind == otlp.JSON:
+        body = otlp.parse(body, kind, message).SerializeToString()
+    return digest, decode(body)
 
 
 def _warm_up() -> None:

@@ -10,6 +10,10 @@ input before scattering).
 """
 
 import re
+from functools import cache
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 _BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -25,38 +29,54 @@ _BUS_FACTORS = {
 _ALIASES = {
     "allreduce": "all_reduce",
     "allgather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "_allgather_base": "all_gather",
+    "allgatherintotensor": "all_gather",
+    "allgatherbase": "all_gather",
     "reducescatter": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
+    "reducescattertensor": "reduce_scatter",
+    "reducescatterbase": "reduce_scatter",
     "alltoall": "all_to_all",
-    "all_to_all_single": "all_to_all",
+    "alltoallsingle": "all_to_all",
     "alltoallv": "all_to_all",
+    "broadcast": "broadcast",
     "bcast": "broadcast",
-    "sendrecv": "send",
+    "reduce": "reduce",
+    "send": "send",
     "isend": "send",
+    "sendrecv": "send",
+    "recv": "recv",
     "irecv": "recv",
 }
+_DECORATION = re.compile(r"^(nccl|c10d|gloo)[:_]*|^(nccl)?(dev)?kernel_?|[_:](sum|prod|max|min|avg|premulsum|ring|"
+                         r"tree|ll|ll128|simple|collnet\w*|nvls\w*|[fiu](8|16|32|64)|u?int\d+(_t)?|half|float|"
+                         r"double|bf16|e4m3|e5m2)(?=[_:]|$).*$")
 
 
+@cache
 def canonical_op(name: str) -> str | None:
-    """The collective a name denotes (`nccl:all_reduce`, `ncclDevKernel_AllReduce_Sum_f32_RING_LL`,
-    `AllReduce`, `all_gather_into_tensor` ...), or None when it names none."""
-    base = name.rsplit(":", 1)[-1]
-    base = re.sub(r"^nccl(DevKernel|Kernel)?_?", "", base)
-    base = re.split(r"[_ ]?(Sum|Prod|Max|Min|Avg|RING|TREE|LL|Simple|f32|f16|bf16)\b", base)[0]
-    snake = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", base).lower().strip("_")
-    snake = _ALIASES.get(snake.replace("_", ""), _ALIASES.get(snake, snake))
-    return snake if snake in _BUS_FACTORS else None
+    """The collective a name denotes (`nccl:all_reduce`, `AllReduce`, `all_gather_into_tensor`,
+    `ncclDevKernel_AllReduce_Sum_f32_RING_LL` ...), or None when it names none."""
+    base = name.strip().lower()
+    previous = None
+    while previous != base:
+        previous, base = base, _DECORATION.sub("", base)
+    return _ALIASES.get(re.sub(r"[^a-z]", "", base))
 
 
-def bandwidths(op: str, nbytes: int | None, seconds: float, group_size: int | None) -> tuple[float | None, float | None]:
-    """(algbw, busbw) in GB/s for one collective; None where they are undefined."""
-    if not nbytes or seconds <= 0:
-        return None, None
-    algbw = nbytes / seconds / 1e9
-    factor = _BUS_FACTORS.get(op)
-    if factor is None or not group_size or group_size < 1:
-        return algbw, None
-    return algbw, algbw * factor(group_size)
+@cache
+def bus_factor(name: str, group_size: int) -> float | None:
+    """busbw / algbw for a collective on `group_size` ranks; None when unknown."""
+    op = canonical_op(name)
+    return _BUS_FACTORS[op](group_size) if op and group_size >= 1 else None
+
+
+def add_bandwidths(ops: pa.Table) -> pa.Table:
+    """Set algbw_gbps and busbw_gbps (GB/s) from name, bytes, duration_s and group_size."""
+    seconds = ops["duration_s"]
+    nbytes = pc.cast(ops["bytes"], pa.float64())
+    algbw = pc.if_else(pc.greater(seconds, 0), pc.divide(pc.divide(nbytes, seconds), 1e9), None)
+    factors = pa.array([bus_factor(name, n) if b is not None and n is not None else None for name, n, b in
+                        zip(ops["name"].to_pylist(), ops["group_size"].to_pylist(), ops["bytes"].to_pylist())],
+                       pa.float64())
+    busbw = pc.multiply(algbw, factors)
+    ops = ops.set_column(ops.schema.get_field_index("algbw_gbps"), "algbw_gbps", algbw)
+    return ops.set_column(ops.schema.get_field_index("busbw_gbps"), "busbw_gbps", busbw)

@@ -9,8 +9,7 @@ DDL = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id      VARCHAR PRIMARY KEY,
     world_size  INTEGER,
-    first_seen  TIMESTAMPTZ NOT NULL,
-    last_seen   TIMESTAMPTZ NOT NULL
+    first_seen  TIMESTAMPTZ NOT NULL
 );
 
 CREATE TABLE IF NOT EXISTS ranks (
@@ -24,7 +23,6 @@ CREATE TABLE IF NOT EXISTS ranks (
     device      VARCHAR,
     pid         BIGINT,
     first_seen  TIMESTAMPTZ NOT NULL,
-    last_seen   TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (run_id, rank)
 );
 

@@ -31,18 +31,18 @@ from collector.schema import DDL, TELEMETRY_TABLES
 DIGEST_RETENTION = timedelta(hours=1)
 _STOP = object()
 
+# Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
 _UPSERT_RANKS = """
-INSERT INTO ranks BY NAME SELECT * EXCLUDE (world_size), now() AS first_seen, now() AS last_seen FROM new_ranks
+INSERT INTO ranks BY NAME SELECT * EXCLUDE (world_size), now() AS first_seen FROM new_ranks
 ON CONFLICT (run_id, rank) DO UPDATE SET
     host = coalesce(excluded.host, host), local_rank = coalesce(excluded.local_rank, local_rank),
     dp_rank = coalesce(excluded.dp_rank, dp_rank), pp_stage = coalesce(excluded.pp_stage, pp_stage),
     tp_rank = coalesce(excluded.tp_rank, tp_rank), device = coalesce(excluded.device, device),
-    pid = coalesce(excluded.pid, pid), last_seen = excluded.last_seen
+    pid = coalesce(excluded.pid, pid)
 """
 _UPSERT_RUNS = """
-INSERT INTO runs SELECT run_id, max(world_size), now(), now() FROM new_ranks GROUP BY run_id
-ON CONFLICT (run_id) DO UPDATE SET
-    world_size = coalesce(excluded.world_size, world_size), last_seen = excluded.last_seen
+INSERT INTO runs SELECT run_id, max(world_size), now() FROM new_ranks GROUP BY run_id
+ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, world_size)
 """
 
 
@@ -87,6 +87,9 @@ class Store:
             (d, t) for d, t in self._con.execute(
                 "SELECT digest, epoch(received_at) FROM exports WHERE received_at > now() - ?::INTERVAL "
                 "ORDER BY received_at", [DIGEST_RETENTION]).fetchall())
+        cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
+        columns = [d[0] for d in cursor.description]
+        self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._queued_items = 0
@@ -142,7 +145,7 @@ class Store:
                     batch = pa.concat_tables(parts, promote_options="default")
                     rows += batch.num_rows
                     self._append(table, batch)
-            ranks = [r for p in fresh.values() for r in p.decoded.ranks]
+            ranks = self._changed_placements(r for p in fresh.values() for r in p.decoded.ranks)
             if ranks:
                 self._con.register("new_ranks", pa.Table.from_pylist(ranks))
                 self._con.execute(_UPSERT_RANKS)
@@ -159,6 +162,8 @@ class Store:
             self._con.rollback()
             self._settle(group, error=e)
             return
+        for r in ranks:
+            self._placements[r["run_id"], r["rank"]] = r
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
@@ -168,9 +173,15 @@ class Store:
         self._settle(group, fresh=fresh)
 
     def _append(self, table: str, batch: pa.Table) -> None:
-        self._con.register("batch", batch)
-        self._con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM batch")
-        self._con.unregister("batch")
+        self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
+
+    def _changed_placements(self, ranks) -> list[dict]:
+        changed = {}
+        for r in ranks:
+            known = self._placements.get((r["run_id"], r["rank"]))
+            if known is None or any(v is not None and known.get(k) != v for k, v in r.items()):
+                changed[r["run_id"], r["rank"]] = r
+        return list(changed.values())
 
     def _settle(self, group: list[_Pending], fresh: dict | None = None, error: Exception | None = None) -> None:
         with self._lock:

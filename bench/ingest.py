@@ -1,0 +1,196 @@
+"""Ingest throughput: spans/s committed by a real collector, against a parse-only baseline.
+
+N simulated ranks each export step spans with ten children (four phases, six
+collectives), OTLP/HTTP protobuf, gzip, as the agent sends them. Request bodies
+are built before the clock starts so the sender costs little; both servers run
+as separate processes on loopback and receive the same bodies:
+
+  rankwatch  `rankwatch collector`: decode to Arrow, group commit to DuckDB, ack
+  baseline   the same HTTP stack that only gunzips and parses the protobuf
+
+Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 40] [--concurrency 64]
+"""
+
+import argparse
+import asyncio
+import gzip
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent import semconv as sc  # noqa: E402
+from rankwatch.demo import wait_healthy  # noqa: E402
+
+TOKEN = "bench-token"
+BASELINE_APP = '''
+import gzip, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest, ExportTraceServiceResponse)
+
+async def traces(request):
+    body = gzip.decompress(await request.body())
+    ExportTraceServiceRequest().ParseFromString(body)
+    return Response(ExportTraceServiceResponse().SerializeToString(), media_type="application/x-protobuf")
+
+async def healthz(request):
+    return Response("ok")
+
+app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]), Route("/healthz", healthz)])
+uvicorn.run(app, host="127.0.0.1", port=int(__import__("sys").argv[1]), log_level="warning")
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kv(attrs, key, value):
+    a = attrs.add()
+    a.key = key
+    if isinstance(value, str):
+        a.value.string_value = value
+    elif isinstance(value, float):
+        a.value.double_value = value
+    else:
+        a.value.int_value = value
+
+
+def build_bodies(ranks: int, steps: int, per_request: int) -> tuple[list[bytes], int]:
+    """gzip'd ExportTraceServiceRequest bodies, one per rank per `per_request` steps."""
+    rng = random.Random(0)
+    bodies, spans = [], 0
+    t0 = time.time_ns()
+    for rank in track(range(ranks), description="building requests"):
+        for first in range(0, steps, per_request):
+            request = ExportTraceServiceRequest()
+            rs = request.resource_spans.add()
+            for key, value in ((sc.RUN_ID, "bench"), (sc.RANK, rank), (sc.WORLD_SIZE, ranks),
+                               (sc.HOST_NAME, f"node{rank // 8}")):
+                _kv(rs.resource.attributes, key, value)
+            scope = rs.scope_spans.add()
+            for step in range(first, min(first + per_request, steps)):
+                start = t0 + step * 200_000_000
+                trace_id, step_id = rng.randbytes(16), rng.randbytes(8)
+                s = scope.spans.add(trace_id=trace_id, span_id=step_id, name="step",
+                                    start_time_unix_nano=start, end_time_unix_nano=start + 190_000_000)
+                for key, value in ((sc.KIND, sc.KIND_STEP), (sc.STEP, step), (sc.LOSS, 2.5), (sc.GRAD_NORM, 1.1),
+                                   (sc.TOKENS, 8192), (sc.LR, 3e-4), (sc.COMM_WAIT_S, 0.012)):
+                    _kv(s.attributes, key, value)
+                children = [("data", sc.KIND_PHASE), ("forward", sc.KIND_PHASE), ("backward", sc.KIND_PHASE),
+                            ("optimizer", sc.KIND_PHASE)] + [("all_reduce", sc.KIND_COMM)] * 6
+                for i, (name, kind) in enumerate(children):
+                    c = scope.spans.add(trace_id=trace_id, span_id=rng.randbytes(8), parent_span_id=step_id,
+                                        name=name, start_time_unix_nano=start + i * 15_000_000,
+                                        end_time_unix_nano=start + (i + 1) * 15_000_000)
+                    _kv(c.attributes, sc.KIND, kind)
+                    _kv(c.attributes, sc.STEP, step)
+                    if kind == sc.KIND_COMM:
+                        for key, value in ((sc.COMM_GROUP, "dp"), (sc.COMM_GROUP_SIZE, ranks),
+                                           (sc.COMM_SEQ, step * 6 + i), (sc.COMM_BYTES, 25 << 20)):
+                            _kv(c.attributes, key, value)
+                spans += 1 + len(children)
+            bodies.append(gzip.compress(request.SerializeToString(), compresslevel=1))
+    return bodies, spans
+
+
+async def send_all(port: int, bodies: list[bytes], concurrency: int) -> tuple[float, list[float]]:
+    """Wall time to get every body acknowledged, and each request's ack latency.
+
+    Each of `concurrency` keep-alive connections writes prebuilt HTTP/1.1
+    requests and reads the replies: a load generator this thin leaves the
+    CPU to the server under test (an HTTP client library costs more per
+    request than the baseline server does).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/x-protobuf\r\nContent-Encoding: gzip\r\n"
+                         b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    latencies: list[float] = []
+
+    async def connection():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while not queue.empty():
+            request = queue.get_nowait()
+            while True:
+                started = time.perf_counter()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = int(head.split(b" ", 2)[1])
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                if status == 200:
+                    latencies.append(time.perf_counter() - started)
+                    break
+                if status != 503:
+                    raise RuntimeError(f"server answered {status}")
+                await asyncio.sleep(2)
+        writer.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(connection() for _ in range(concurrency)))
+    return time.perf_counter() - started, latencies
+
+
+def measure(name: str, command: list[str], port: int, bodies: list[bytes], spans: int, concurrency: int) -> dict:
+    server = subprocess.Popen(command, env={**os.environ, "RANKWATCH_TOKEN": TOKEN})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", server)
+        wall, latencies = asyncio.run(send_all(port, bodies, concurrency))
+    finally:
+        server.terminate()
+        server.wait()
+    q = statistics.quantiles(latencies, n=100)
+    return {"name": name, "spans_s": spans / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps-per-request", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--workers", type=int, help="collector decode processes (default: one per core)")
+    args = parser.parse_args()
+
+    bodies, spans = build_bodies(args.ranks, args.steps, args.steps_per_request)
+    console = Console()
+    console.print(f"{args.ranks} ranks x {args.steps} steps x 11 spans = {spans:,} spans in {len(bodies):,} "
+                  f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        collector = [sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/bench.duckdb",
+                     "--port", str(port)]
+        if args.workers is not None:
+            collector += ["--workers", str(args.workers)]
+        results = [measure("rankwatch (decode + DuckDB commit)", collector, port, bodies, spans, args.concurrency)]
+        port = free_port()
+        results.append(measure("baseline (protobuf parse only)", [sys.executable, "-c", BASELINE_APP, str(port)],
+                               port, bodies, spans, args.concurrency))
+    table = Table("server", "spans/s", "p50 ack ms", "p99 ack ms", "wall s", "vs baseline")
+    for r in results:
+        table.add_row(r["name"], f"{r['spans_s']:,.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['wall_s']:.2f}", f"{r['spans_s'] / results[1]['spans_s']:.2f}x")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
