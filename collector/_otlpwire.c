@@ -2,12 +2,15 @@
  * OTLP ExportTraceServiceRequest wire decoder: the ingest hot path.
  *
  * The protobuf runtime's Python objects cost about 2 us per attribute; this
- * walks the wire format once and returns plain Python values, so the
- * collector's Python code only maps known attribute names onto columns.
+ * walks the wire format once and returns columns of plain Python values that
+ * pyarrow converts whole, so no Python code runs per span.
  *
- * traces(body: bytes) -> list[(resource_attrs: dict, spans: list[span])]
- * span = (trace_id: bytes, span_id: bytes, parent_span_id: bytes, name: str,
- *         start_ns: int, end_ns: int, attrs: dict)
+ * traces(body: bytes, keys: tuple[str, ...]) -> (resources, columns)
+ *   resources: one dict of attributes per ResourceSpans
+ *   columns: lists, one cell per span: resource index, trace_id, span_id,
+ *     parent_span_id (None when empty), name, start_ns, end_ns, then one
+ *     column per wanted attribute key (None where absent), then a dict of the
+ *     span's other attributes (None when it has none).
  *
  * Every read is bounds-checked; malformed input raises ValueError. Unknown
  * fields are skipped, as protobuf requires, so newer OTLP versions decode.
@@ -196,57 +199,125 @@ static PyObject *bytes_of(Reader *s) {
     return PyBytes_FromStringAndSize((const char *)s->p, s->end - s->p);
 }
 
-static PyObject *span(Reader *r) {
-    PyObject *trace_id = NULL, *span_id = NULL, *parent = NULL, *name = NULL, *attrs = PyDict_New();
-    uint64_t start = 0, end = 0;
-    uint32_t field, wire;
-    if (!attrs) return NULL;
-    while (r->p < r->end) {
-        Reader s;
-        if (read_tag(r, &field, &wire) < 0) goto error;
-        if (wire == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 9)) {
-            if (read_len(r, &s) < 0) goto error;
-            switch (field) {
-            case 1: Py_XSETREF(trace_id, bytes_of(&s)); if (!trace_id) goto error; break;
-            case 2: Py_XSETREF(span_id, bytes_of(&s)); if (!span_id) goto error; break;
-            case 4: Py_XSETREF(parent, bytes_of(&s)); if (!parent) goto error; break;
-            case 5:
-                Py_XSETREF(name, PyUnicode_DecodeUTF8((const char *)s.p, s.end - s.p, "strict"));
-                if (!name) goto error;
-                break;
-            case 9: if (key_value(&s, attrs, 0) < 0) goto error; break;
-            }
-        } else if (field == 7 && wire == 1) {
-            if (read_fixed64(r, &start) < 0) goto error;
-        } else if (field == 8 && wire == 1) {
-            if (read_fixed64(r, &end) < 0) goto error;
-        } else if (skip(r, wire) < 0) {
-            goto error;
-        }
-    }
-    PyObject *out = Py_BuildValue("(OOOOKKO)", trace_id ? trace_id : Py_None, span_id ? span_id : Py_None,
-                                  parent ? parent : Py_None, name ? name : Py_None,
-                                  (unsigned long long)start, (unsigned long long)end, attrs);
-    Py_XDECREF(trace_id); Py_XDECREF(span_id); Py_XDECREF(parent); Py_XDECREF(name); Py_DECREF(attrs);
-    return out;
-error:
-    Py_XDECREF(trace_id); Py_XDECREF(span_id); Py_XDECREF(parent); Py_XDECREF(name); Py_DECREF(attrs);
-    return NULL;
+/* The attribute keys the caller wants as columns, as UTF-8 for memcmp. */
+typedef struct {
+    Py_ssize_t n;
+    const char **key;
+    Py_ssize_t *len;
+} Keys;
+
+/* Column layout of traces()' result. */
+enum { COL_RESOURCE, COL_TRACE_ID, COL_SPAN_ID, COL_PARENT, COL_NAME, COL_START, COL_END, COL_KEYS };
+
+static int append(PyObject *list, PyObject *item) {
+    /* steals item */
+    if (!item) return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
 }
 
-/* ScopeSpans{scope = 1; repeated Span spans = 2} -> appended to `spans`. */
-static int scope_spans(Reader *r, PyObject *spans) {
+/* One KeyValue of a span: into its column slot when wanted, else into `other`. */
+static int span_attribute(Reader *r, const Keys *keys, PyObject **slots, PyObject **other) {
+    Reader key = {NULL, NULL}, val = {NULL, NULL};
+    uint32_t field, wire;
+    while (r->p < r->end) {
+        if (read_tag(r, &field, &wire) < 0) return -1;
+        if (field == 1 && wire == 2) {
+            if (read_len(r, &key) < 0) return -1;
+        } else if (field == 2 && wire == 2) {
+            if (read_len(r, &val) < 0) return -1;
+        } else if (skip(r, wire) < 0) {
+            return -1;
+        }
+    }
+    if (!key.p) return 0;
+    Py_ssize_t klen = key.end - key.p;
+    PyObject *value;
+    if (val.p) {
+        value = any_value(&val, 0);
+    } else {
+        value = Py_None;
+        Py_INCREF(value);
+    }
+    if (!value) return -1;
+    for (Py_ssize_t i = 0; i < keys->n; i++) {
+        if (keys->len[i] == klen && memcmp(keys->key[i], key.p, klen) == 0) {
+            Py_XSETREF(slots[i], value);
+            return 0;
+        }
+    }
+    PyObject *name = PyUnicode_DecodeUTF8((const char *)key.p, klen, "strict");
+    if (!name || (!*other && !(*other = PyDict_New()))) {
+        Py_XDECREF(name);
+        Py_DECREF(value);
+        return -1;
+    }
+    int rc = PyDict_SetItem(*other, name, value);
+    Py_DECREF(name);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* One Span message -> one cell appended to every column. */
+static int span(Reader *r, const Keys *keys, PyObject *columns, PyObject *resource) {
+    PyObject *trace_id = NULL, *span_id = NULL, *parent = NULL, *name = NULL, *other = NULL;
+    PyObject **slots = PyMem_Calloc(keys->n ? keys->n : 1, sizeof(PyObject *));
+    uint64_t start = 0, end = 0;
+    uint32_t field, wire;
+    int rc = -1;
+    if (!slots) return -1;
+    while (r->p < r->end) {
+        Reader s;
+        if (read_tag(r, &field, &wire) < 0) goto done;
+        if (wire == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 9)) {
+            if (read_len(r, &s) < 0) goto done;
+            switch (field) {
+            case 1: Py_XSETREF(trace_id, bytes_of(&s)); if (!trace_id) goto done; break;
+            case 2: Py_XSETREF(span_id, bytes_of(&s)); if (!span_id) goto done; break;
+            case 4: Py_XSETREF(parent, s.p == s.end ? NULL : bytes_of(&s)); break;
+            case 5:
+                Py_XSETREF(name, PyUnicode_DecodeUTF8((const char *)s.p, s.end - s.p, "strict"));
+                if (!name) goto done;
+                break;
+            case 9: if (span_attribute(&s, keys, slots, &other) < 0) goto done; break;
+            }
+        } else if (field == 7 && wire == 1) {
+            if (read_fixed64(r, &start) < 0) goto done;
+        } else if (field == 8 && wire == 1) {
+            if (read_fixed64(r, &end) < 0) goto done;
+        } else if (skip(r, wire) < 0) {
+            goto done;
+        }
+    }
+#define CELL(obj) ((obj) ? (Py_INCREF(obj), (obj)) : (Py_INCREF(Py_None), Py_None))
+    if (append(PyList_GET_ITEM(columns, COL_RESOURCE), CELL(resource)) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_TRACE_ID), CELL(trace_id)) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_SPAN_ID), CELL(span_id)) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_PARENT), CELL(parent)) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_NAME), name ? CELL(name) : PyUnicode_FromString("")) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_START), PyLong_FromUnsignedLongLong(start)) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_END), PyLong_FromUnsignedLongLong(end)) < 0) goto done;
+    for (Py_ssize_t i = 0; i < keys->n; i++)
+        if (append(PyList_GET_ITEM(columns, COL_KEYS + i), CELL(slots[i])) < 0) goto done;
+    if (append(PyList_GET_ITEM(columns, COL_KEYS + keys->n), CELL(other)) < 0) goto done;
+#undef CELL
+    rc = 0;
+done:
+    for (Py_ssize_t i = 0; i < keys->n; i++) Py_XDECREF(slots[i]);
+    PyMem_Free(slots);
+    Py_XDECREF(trace_id); Py_XDECREF(span_id); Py_XDECREF(parent); Py_XDECREF(name); Py_XDECREF(other);
+    return rc;
+}
+
+/* ScopeSpans{scope = 1; repeated Span spans = 2}. */
+static int scope_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject *resource) {
     uint32_t field, wire;
     while (r->p < r->end) {
         Reader s;
         if (read_tag(r, &field, &wire) < 0) return -1;
         if (field == 2 && wire == 2) {
-            if (read_len(r, &s) < 0) return -1;
-            PyObject *item = span(&s);
-            if (!item) return -1;
-            int rc = PyList_Append(spans, item);
-            Py_DECREF(item);
-            if (rc < 0) return -1;
+            if (read_len(r, &s) < 0 || span(&s, keys, columns, resource) < 0) return -1;
         } else if (skip(r, wire) < 0) {
             return -1;
         }
@@ -255,64 +326,86 @@ static int scope_spans(Reader *r, PyObject *spans) {
 }
 
 /* ResourceSpans{resource = 1 (Resource{repeated KeyValue attributes = 1}); repeated ScopeSpans = 2}. */
-static PyObject *resource_spans(Reader *r) {
-    PyObject *attrs = PyDict_New(), *spans = PyList_New(0);
+static int resource_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject *resources) {
+    PyObject *attrs = PyDict_New();
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(resources));
     uint32_t field, wire;
-    if (!attrs || !spans) goto error;
+    int rc = -1;
+    if (!attrs || !index || PyList_Append(resources, attrs) < 0) goto done;
     while (r->p < r->end) {
         Reader s;
-        if (read_tag(r, &field, &wire) < 0) goto error;
+        if (read_tag(r, &field, &wire) < 0) goto done;
         if (field == 1 && wire == 2) {
-            if (read_len(r, &s) < 0) goto error;
+            if (read_len(r, &s) < 0) goto done;
             while (s.p < s.end) {
                 Reader kv;
-                if (read_tag(&s, &field, &wire) < 0) goto error;
+                if (read_tag(&s, &field, &wire) < 0) goto done;
                 if (field == 1 && wire == 2) {
-                    if (read_len(&s, &kv) < 0 || key_value(&kv, attrs, 0) < 0) goto error;
+                    if (read_len(&s, &kv) < 0 || key_value(&kv, attrs, 0) < 0) goto done;
                 } else if (skip(&s, wire) < 0) {
-                    goto error;
+                    goto done;
                 }
             }
         } else if (field == 2 && wire == 2) {
-            if (read_len(r, &s) < 0 || scope_spans(&s, spans) < 0) goto error;
+            if (read_len(r, &s) < 0 || scope_spans(&s, keys, columns, index) < 0) goto done;
         } else if (skip(r, wire) < 0) {
-            goto error;
+            goto done;
         }
     }
-    PyObject *out = PyTuple_Pack(2, attrs, spans);
-    Py_DECREF(attrs);
-    Py_DECREF(spans);
-    return out;
-error:
+    rc = 0;
+done:
     Py_XDECREF(attrs);
-    Py_XDECREF(spans);
-    return NULL;
+    Py_XDECREF(index);
+    return rc;
 }
 
-static PyObject *traces(PyObject *module, PyObject *arg) {
+static PyObject *traces(PyObject *module, PyObject *args) {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *key_tuple, *resources = NULL, *columns = NULL, *out = NULL;
+    Keys keys = {0, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyTuple_Type, &key_tuple)) return NULL;
+    keys.n = PyTuple_GET_SIZE(key_tuple);
+    keys.key = PyMem_Calloc(keys.n + 1, sizeof(char *));
+    keys.len = PyMem_Calloc(keys.n + 1, sizeof(Py_ssize_t));
+    if (!keys.key || !keys.len) goto done;
+    for (Py_ssize_t i = 0; i < keys.n; i++) {
+        keys.key[i] = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(key_tuple, i), &keys.len[i]);
+        if (!keys.key[i]) goto done;
+    }
+    resources = PyList_New(0);
+    columns = PyList_New(COL_KEYS + keys.n + 1);
+    if (!resources || !columns) goto done;
+    for (Py_ssize_t i = 0; i < COL_KEYS + keys.n + 1; i++) {
+        PyObject *col = PyList_New(0);
+        if (!col) goto done;
+        PyList_SET_ITEM(columns, i, col);
+    }
     Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
-    PyObject *out = PyList_New(0);
     uint32_t field, wire;
-    while (out && r.p < r.end) {
+    while (r.p < r.end) {
         Reader s;
-        if (read_tag(&r, &field, &wire) < 0) { Py_CLEAR(out); break; }
+        if (read_tag(&r, &field, &wire) < 0) goto done;
         if (field == 1 && wire == 2) {
-            if (read_len(&r, &s) < 0) { Py_CLEAR(out); break; }
-            PyObject *item = resource_spans(&s);
-            if (!item || PyList_Append(out, item) < 0) Py_CLEAR(out);
-            Py_XDECREF(item);
+            if (read_len(&r, &s) < 0 || resource_spans(&s, &keys, columns, resources) < 0) goto done;
         } else if (skip(&r, wire) < 0) {
-            Py_CLEAR(out);
+            goto done;
         }
     }
+    out = PyTuple_Pack(2, resources, columns);
+done:
     PyBuffer_Release(&view);
+    PyMem_Free(keys.key);
+    PyMem_Free(keys.len);
+    Py_XDECREF(resources);
+    Py_XDECREF(columns);
     return out;
 }
 
 static PyMethodDef methods[] = {
-    {"traces", traces, METH_O, "Decode an ExportTraceServiceRequest into plain Python values."},
+    {"traces", traces, METH_VARARGS,
+     "traces(body, keys) -> (resource attribute dicts, columns): an ExportTraceServiceRequest as\n"
+     "columns of plain Python values: resource index, trace_id, span_id, parent_span_id, name,\n"
+     "start_ns, end_ns, one column per wanted attribute key, then a dict of the other attributes."},
     {NULL, NULL, 0, NULL},
 };
 

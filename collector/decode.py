@@ -19,6 +19,7 @@ from functools import cache
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -52,6 +53,24 @@ class Decoded:
     def reject(self, why: str) -> None:
         self.rejected += 1
         self.error = self.error or why
+
+    # Decoded requests travel between processes (decode worker -> server -> writer).
+    # Arrow's IPC format moves a table as one buffer; pickling it array by array costs 10x more.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["tables"] = {name: _ipc(table) for name, table in self.tables.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["tables"] = {name: pa.ipc.open_stream(data).read_all() for name, data in state["tables"].items()}
+        self.__dict__.update(state)
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 @cache
@@ -130,9 +149,7 @@ def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded,
         if not good:
             return
         arrays = [pa.array(col, f.type) for col, f in zip(zip(*good), fields)]
-    given = dict(zip(columns, arrays))
-    n = len(arrays[0])
-    out.tables[name] = pa.Table.from_arrays([given.get(f.name, pa.nulls(n, f.type)) for f in full], schema=full)
+    out.tables[name] = _full(pa.Table.from_arrays(arrays, names=list(columns)), full)
 
 
 class _Identity:
@@ -158,64 +175,103 @@ class _Identity:
         rank = attrs.pop(sc.RANK, self.rank)
         if run_id is None or rank is None or type(rank) is not int or type(run_id) is not str:
             raise Rejected(f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the item")
+        self.seen(run_id, rank)
+        return run_id, rank
+
+    def seen(self, run_id: str, rank: int) -> None:
+        """Note that this resource spoke for (run_id, rank): it becomes a `ranks` row."""
         if (run_id, rank) not in self._seen:
             self._seen.add((run_id, rank))
             self._decoded.ranks.append({"run_id": run_id, "rank": rank, **self._row})
-        return run_id, rank
 
 
 _RANK_ATTRIBUTES = {column: (key, arrow_schema("ranks").field(column)) for column, key in (
     ("host", sc.HOST_NAME), ("local_rank", sc.LOCAL_RANK), ("dp_rank", sc.DP_RANK), ("pp_stage", sc.PP_STAGE),
     ("tp_rank", sc.TP_RANK), ("device", sc.DEVICE), ("pid", sc.PROCESS_PID))}
-_STEP_COLUMNS = ("run_id", "rank", "step", "start_ts", "end_ts", "duration_s", "data_s", "compute_s",
-                 "comm_wait_s", "loss", "grad_norm", "tokens", "lr", "mfu", "trace_id", "span_id", "attrs")
-_OP_COLUMNS = ("run_id", "rank", "step", "kind", "name", "start_ts", "end_ts", "duration_s", "microbatch",
-               "comm_group", "group_size", "seq", "bytes", "trace_id", "span_id", "parent_span_id", "attrs")
-_OP_KINDS = frozenset(sc.OP_KINDS)
+# Span attributes that become columns, and their column names.
+_SPAN_KEYS = {
+    sc.RUN_ID: "run_id", sc.RANK: "rank", sc.KIND: "kind", sc.STEP: "step", sc.DATA_S: "data_s",
+    sc.COMPUTE_S: "compute_s", sc.COMM_WAIT_S: "comm_wait_s", sc.LOSS: "loss", sc.GRAD_NORM: "grad_norm",
+    sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.MICROBATCH: "microbatch", sc.COMM_GROUP: "comm_group",
+    sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
+}
+_KINDS = pa.array([sc.KIND_STEP, *sc.OP_KINDS])
+
+
+def _typed(values: list, column: pa.Field, bad: dict[int, str]) -> pa.Array:
+    """A column of sent values as Arrow; cells that cannot be coerced mark their row in `bad`."""
+    try:
+        return pa.array(values, column.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        cells = []
+        for i, v in enumerate(values):
+            try:
+                cells.append(_coerce(v, column))
+            except Rejected as e:
+                cells.append(None)
+                bad.setdefault(i, str(e))
+        return pa.array(cells, column.type)
 
 
 def decode_traces(body: bytes) -> Decoded:
-    """Spans -> `steps` (spans of kind step) and `ops` (every other span)."""
+    """Spans -> `steps` (spans of kind step) and `ops` (every other span), column by column."""
     try:
-        resources = _otlpwire.traces(body)
+        resources, columns = _otlpwire.traces(body, tuple(_SPAN_KEYS))
     except ValueError as e:
         raise OtlpError(400, str(e)) from None
     out = Decoded("traces")
-    steps, ops = [], []
-    for resource_attrs, spans in resources:
-        who = _Identity(resource_attrs, out)
-        for trace_id, span_id, parent_span_id, name, start, end, attrs in spans:
-            try:
-                run_id, rank = who.resolve(attrs)
-            except Rejected as e:
-                out.reject(f"span {name!r}: {e}")
-                continue
-            if not start or end < start:
-                out.reject(f"span {name!r}: start time missing or after end time")
-                continue
-            pop = attrs.pop
-            kind = pop(sc.KIND, None) or (sc.KIND_STEP if name == "step" else sc.KIND_OTHER)
-            step = pop(sc.STEP, None)
-            if kind == sc.KIND_STEP:
-                if step is None:
-                    out.reject(f"span {name!r}: a step span needs {sc.STEP}")
-                    continue
-                steps.append((run_id, rank, step, start, end, (end - start) / 1e9, pop(sc.DATA_S, None),
-                              pop(sc.COMPUTE_S, None), pop(sc.COMM_WAIT_S, None), pop(sc.LOSS, None),
-                              pop(sc.GRAD_NORM, None), pop(sc.TOKENS, None), pop(sc.LR, None), pop(sc.MFU, None),
-                              trace_id, span_id, _leftover(attrs)))
-            elif kind in _OP_KINDS:
-                ops.append((run_id, rank, step, kind, name, start, end, (end - start) / 1e9,
-                            pop(sc.MICROBATCH, None), pop(sc.COMM_GROUP, None), pop(sc.COMM_GROUP_SIZE, None),
-                            pop(sc.COMM_SEQ, None), pop(sc.COMM_BYTES, None), trace_id, span_id, parent_span_id,
-                            _leftover(attrs)))
-            else:
-                out.reject(f"span {name!r}: {sc.KIND} must be one of step, {', '.join(sc.OP_KINDS)}")
-    _table("steps", _STEP_COLUMNS, steps, out, "step span")
-    _table("ops", _OP_COLUMNS, ops, out, "span")
-    if "ops" in out.tables:
-        out.tables["ops"] = add_bandwidths(out.tables["ops"])
+    resource, trace_id, span_id, parent_span_id, name, start, end, *keyed, other = columns
+    if not resource:
+        return out
+    identities = [_Identity(attrs, out) for attrs in resources]
+    sent = dict(zip(_SPAN_KEYS.values(), keyed))
+    sent["run_id"] = [r if r is not None else identities[i].run_id for r, i in zip(sent["run_id"], resource)]
+    sent["rank"] = [r if r is not None else identities[i].rank for r, i in zip(sent["rank"], resource)]
+    sent["attrs"] = [None if o is None else json.dumps(o, default=bytes.hex) for o in other]
+    steps_schema, ops_schema = arrow_schema("steps"), arrow_schema("ops")
+    bad: dict[int, str] = {}
+    typed = {c: _typed(v, ops_schema.field(c) if c in ops_schema.names else steps_schema.field(c), bad)
+             for c, v in sent.items()}
+    start_ns, end_ns = pa.array(start, pa.int64()), pa.array(end, pa.int64())
+    typed.update(trace_id=pa.array(trace_id, pa.binary()), span_id=pa.array(span_id, pa.binary()),
+                 parent_span_id=pa.array(parent_span_id, pa.binary()), name=pa.array(name, pa.string()),
+                 start_ts=start_ns.cast(pa.timestamp("ns")), end_ts=end_ns.cast(pa.timestamp("ns")),
+                 duration_s=pc.divide(pc.subtract(end_ns, start_ns).cast(pa.float64()), 1e9))
+    is_step_name = pc.equal(typed["name"], "step")
+    typed["kind"] = pc.coalesce(typed["kind"], pc.if_else(is_step_name, sc.KIND_STEP, sc.KIND_OTHER))
+    is_step = pc.equal(typed["kind"], sc.KIND_STEP)
+    checks = (
+        (pc.and_(pc.is_valid(typed["run_id"]), pc.is_valid(typed["rank"])),
+         f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"),
+        (pc.and_(pc.greater(start_ns, 0), pc.greater_equal(end_ns, start_ns)), "start time missing or after end"),
+        (pc.is_in(typed["kind"], _KINDS), f"{sc.KIND} must be one of {', '.join(_KINDS.to_pylist())}"),
+        (pc.or_(pc.invert(is_step), pc.is_valid(typed["step"])), f"a step span needs {sc.STEP}"),
+        (pa.array([i not in bad for i in range(len(resource))]) if bad else None, None),
+    )
+    valid = pa.array([True] * len(resource))
+    for passed, why in checks:
+        if passed is None:
+            continue
+        failed = len(passed) - pc.sum(passed.cast(pa.int64())).as_py()
+        for _ in range(failed):
+            out.reject(f"span {name[passed.index(False).as_py()]!r}: {why or bad[min(bad)]}")
+        valid = pc.and_(valid, passed)
+    speakers = pa.table({"resource": pa.array(resource, pa.int32()), "run_id": typed["run_id"],
+                         "rank": typed["rank"]}).filter(valid).group_by(["resource", "run_id", "rank"]).aggregate([])
+    for i, run_id, rank in zip(*speakers.to_pydict().values()):
+        identities[i].seen(run_id, rank)
+    table = pa.table(typed)
+    out.tables["steps"] = _full(table.filter(pc.and_(valid, is_step)), steps_schema)
+    out.tables["ops"] = add_bandwidths(_full(table.filter(pc.and_(valid, pc.invert(is_step))), ops_schema))
+    out.tables = {name: t for name, t in out.tables.items() if t.num_rows}
     return out
+
+
+def _full(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly the columns of a store table, in order (nulls where it has none)."""
+    have = dict(zip(table.column_names, table.columns))
+    return pa.Table.from_arrays([have[f.name] if f.name in have else pa.nulls(table.num_rows, f.type)
+                                 for f in schema], schema=schema)
 
 
 def decode_metrics(body: bytes) -> Decoded:

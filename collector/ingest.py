@@ -1,8 +1,10 @@
 """From request body to committed rows: decode in worker processes, write in the store.
 
 Decoding protobuf into Arrow is CPU-bound Python, so it runs in a pool of
-worker processes (one per core by default) while the event loop keeps
-serving and the store's writer thread commits.
+worker processes (one per core by default). A worker hands its Arrow batches
+straight to the store's writer process and tells the server only the counts;
+the server's event loop never touches the rows, and awaits the writer's
+acknowledgement.
 """
 
 import asyncio
@@ -11,23 +13,45 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 
 from collector import otlp
 from collector.decode import DECODERS, Decoded, arrow_schema
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
 
+_writer_queue = None  # in a decode worker: the store's request queue
 
-def decode_body(signal: str, kind: str, body: bytes) -> tuple[bytes, Decoded]:
+
+@dataclass
+class Outcome:
+    """What the server needs to answer an export."""
+
+    accepted: int
+    rejected: int
+    error: str
+    duplicate: bool = False
+
+
+def decode(signal: str, kind: str, body: bytes) -> tuple[bytes, Decoded]:
     """(digest, decoded rows) of one decompressed request body; raises OtlpError."""
-    message, decode = DECODERS[signal]
+    message, decoder = DECODERS[signal]
     digest = hashlib.blake2b(signal.encode() + b"\0" + body, digest_size=16).digest()
     if kind == otlp.JSON:
         body = otlp.parse(body, kind, message).SerializeToString()
-    return digest, decode(body)
+    return digest, decoder(body)
 
 
-def _warm_up() -> None:
+def _decode_and_queue(request_id: int, signal: str, kind: str, body: bytes, writer_queue=None) -> Outcome:
+    digest, decoded = decode(signal, kind, body)
+    if decoded.accepted:
+        (writer_queue or _writer_queue).put((request_id, digest, decoded))
+    return Outcome(decoded.accepted, decoded.rejected, decoded.error)
+
+
+def _init_worker(writer_queue) -> None:
+    global _writer_queue
+    _writer_queue = writer_queue
     for table in TELEMETRY_TABLES:
         arrow_schema(table)
 
@@ -44,18 +68,31 @@ class Ingestor:
         if self._workers == 0:
             return None
         return ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_warm_up)
+                                   initializer=_init_worker, initargs=(self.store.requests,))
 
-    async def export(self, signal: str, kind: str, body: bytes) -> Decoded:
+    async def export(self, signal: str, kind: str, body: bytes) -> Outcome:
         """Decode and commit one request; returns once its rows are durable."""
         loop = asyncio.get_running_loop()
+        request_id, committed = self.store.expect()
         try:
-            digest, decoded = await loop.run_in_executor(self._pool, decode_body, signal, kind, body)
+            if self._pool is None:
+                outcome = await loop.run_in_executor(None, _decode_and_queue, request_id, signal, kind, body,
+                                                     self.store.requests)
+            else:
+                outcome = await loop.run_in_executor(self._pool, _decode_and_queue, request_id, signal, kind, body)
         except BrokenProcessPool:
+            self.store.forget(request_id)
             self._pool = self._new_pool()
             raise
-        await asyncio.wrap_future(self.store.submit(digest, decoded))
-        return decoded
+        except BaseException:
+            self.store.forget(request_id)
+            raise
+        if not outcome.accepted:
+            self.store.forget(request_id)
+            return outcome
+        self.store.queued(outcome.accepted)
+        outcome.duplicate = not await asyncio.wrap_future(committed)
+        return outcome
 
     def close(self) -> None:
         if self._pool is not None:

@@ -91,9 +91,11 @@ def parse(body: bytes, kind: str, message: type[Message]) -> Message:
             request.ParseFromString(body)
         else:
             tree = json.loads(body)
+            if not isinstance(tree, dict):
+                raise OtlpError(400, f"malformed {message.DESCRIPTOR.name}: JSON body is not an object")
             _ids_to_base64(tree)
             json_format.ParseDict(tree, request, ignore_unknown_fields=True)
-    except (DecodeError, json.JSONDecodeError, UnicodeDecodeError, json_format.ParseError, RecursionError) as e:
+    except (DecodeError, ValueError, TypeError, json_format.ParseError, RecursionError) as e:
         raise OtlpError(400, f"malformed {message.DESCRIPTOR.name}: {e}") from None
     return request
 

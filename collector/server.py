@@ -82,7 +82,7 @@ def create_app(config: Config) -> Starlette:
                     raise otlp.OtlpError(401, "missing or wrong bearer token")
                 kind = otlp.media_type(request.headers.get("content-type"))
                 body = otlp.decompress(await _read_body(request), request.headers.get("content-encoding"))
-                decoded = await state["ingestor"].export(signal, kind, body)
+                outcome = await state["ingestor"].export(signal, kind, body)
             except otlp.OtlpError as e:
                 metrics.requests.labels(signal, e.status).inc()
                 headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
@@ -93,9 +93,12 @@ def create_app(config: Config) -> Starlette:
                 log.exception("export failed")
                 return _unavailable(signal, f"collector could not store the export: {e}", kind)
             metrics.requests.labels(signal, 200).inc()
-            metrics.received.labels(signal).inc(decoded.accepted)
-            metrics.rejected.labels(signal).inc(decoded.rejected)
-            return Response(otlp.success(signal, decoded.rejected, decoded.error, kind), media_type=kind)
+            if outcome.duplicate:
+                metrics.duplicates.labels(signal).inc()
+            else:
+                metrics.received.labels(signal).inc(outcome.accepted)
+            metrics.rejected.labels(signal).inc(outcome.rejected)
+            return Response(otlp.success(signal, outcome.rejected, outcome.error, kind), media_type=kind)
 
         return export
 

@@ -1,10 +1,15 @@
-"""The collector's DuckDB file, and the single writer thread that fills it.
+"""The collector's DuckDB file, and the single writer process that fills it.
 
 Requests are queued with their decoded Arrow batches; the writer takes
 everything that piled up since its last commit and appends it in one
-transaction (group commit), then resolves each request's future. A request
-is acknowledged only once that future resolves, so an acknowledged row is
-in DuckDB's write-ahead log and survives a crash.
+transaction (group commit), then acknowledges each request. A request is
+answered only once acknowledged, so an acknowledged row is in DuckDB's
+write-ahead log and survives a crash.
+
+The writer is a process of its own because DuckDB's Python API takes the GIL
+back many times per statement: next to a busy event loop every transaction
+waited out the interpreter's switch interval again and again (9x slower,
+measured). Alone in its process, the writer never waits for the GIL.
 
 A retried export is recognised by the digest of its decompressed body (the
 OpenTelemetry exporters resend the same serialized bytes) and acknowledged
@@ -12,13 +17,14 @@ without writing again. Digests are kept, in the `exports` table and in
 memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
+import itertools
+import multiprocessing
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +35,10 @@ from collector.decode import Decoded
 from collector.schema import DDL, TELEMETRY_TABLES
 
 DIGEST_RETENTION = timedelta(hours=1)
-_STOP = object()
+# How long the writer collects requests into one transaction. A commit costs
+# milliseconds however small it is, so under load a group must be large;
+# 10 ms of added latency is nothing to an exporter that batches for seconds.
+GROUP_LINGER_S = 0.010
 
 # Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
 _UPSERT_RANKS = """
@@ -65,23 +74,14 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
         raise
 
 
-@dataclass
-class _Pending:
-    digest: bytes
-    decoded: Decoded
-    future: Future
+class _Writer:
+    """The writer process's side: owns the connection, commits groups."""
 
-
-class Store:
-    """The only writer of one DuckDB file."""
-
-    def __init__(self, path: Path, max_queue_items: int = 2_000_000,
-                 on_commit: Callable[[float, int], None] | None = None):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.max_queue_items = max_queue_items
-        self._on_commit = on_commit
+    def __init__(self, path: Path):
         self._con = connect(path)
+        # One DuckDB thread: the writer shares the machine with decoding, and a
+        # parallel insert of a few thousand rows costs more than it gains.
+        self._con.execute("SET threads TO 1")
         self._con.execute(DDL)
         self._digests: OrderedDict[bytes, float] = OrderedDict(
             (d, t) for d, t in self._con.execute(
@@ -90,87 +90,67 @@ class Store:
         cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
         columns = [d[0] for d in cursor.description]
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._queued_items = 0
-        self._writer = threading.Thread(target=self._run, name="rankwatch-writer", daemon=True)
-        self._writer.start()
 
-    @property
-    def queued_items(self) -> int:
-        return self._queued_items
-
-    def submit(self, digest: bytes, decoded: Decoded) -> Future:
-        """Queue a decoded request; the future resolves to True once committed,
-        False when it was a duplicate. Raises Overloaded when the queue is full."""
-        with self._lock:
-            if self._queued_items and self._queued_items + decoded.accepted > self.max_queue_items:
-                raise Overloaded(f"write queue full ({self._queued_items} items)")
-            self._queued_items += decoded.accepted
-        pending = _Pending(digest, decoded, Future())
-        self._queue.put(pending)
-        return pending.future
-
-    def close(self) -> None:
-        """Drain the queue, checkpoint the WAL into the file, and close."""
-        self._queue.put(_STOP)
-        self._writer.join()
-        self._con.execute("CHECKPOINT")
-        self._con.close()
-
-    def _run(self) -> None:
+    def run(self, requests, acks) -> None:
+        """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it,
+        repeat; on None, checkpoint and stop."""
         while True:
-            group = [self._queue.get()]
-            while not self._queue.empty():
-                group.append(self._queue.get_nowait())
-            stop = group[-1] is _STOP
-            group = [p for p in group if p is not _STOP]
+            group = [requests.get()]
+            deadline = time.monotonic() + GROUP_LINGER_S
+            while group[-1] is not None and (left := deadline - time.monotonic()) > 0:
+                try:
+                    group.append(requests.get(timeout=left))
+                except queue.Empty:
+                    break
+            stop = group[-1] is None
+            group = [g for g in group if g is not None]
             if group:
-                self._commit(group)
+                acks.put(self._commit(group))
             if stop:
+                self._con.execute("CHECKPOINT")
+                self._con.close()
+                acks.put(("closed",))
                 return
 
-    def _commit(self, group: list[_Pending]) -> None:
+    def _commit(self, group: list[tuple[int, bytes, Decoded]]) -> tuple:
+        """("committed", [(request id, written?, items)], seconds, rows)
+        or ("failed", [(request id, items)], reason)."""
         started = time.perf_counter()
-        fresh: dict[bytes, _Pending] = {}
-        for p in group:
-            if p.digest not in self._digests:
-                fresh.setdefault(p.digest, p)
+        fresh: dict[bytes, tuple[int, Decoded]] = {}
+        for request_id, digest, decoded in group:
+            if digest not in self._digests:
+                fresh.setdefault(digest, (request_id, decoded))
         rows = 0
         try:
             self._con.begin()
             for table in TELEMETRY_TABLES:
-                parts = [p.decoded.tables[table] for p in fresh.values() if table in p.decoded.tables]
+                parts = [d.tables[table] for _, d in fresh.values() if table in d.tables]
                 if parts:
                     batch = pa.concat_tables(parts, promote_options="default")
                     rows += batch.num_rows
                     self._append(table, batch)
-            ranks = self._changed_placements(r for p in fresh.values() for r in p.decoded.ranks)
+            ranks = self._changed_placements(r for _, d in fresh.values() for r in d.ranks)
             if ranks:
                 self._con.register("new_ranks", pa.Table.from_pylist(ranks))
                 self._con.execute(_UPSERT_RANKS)
                 self._con.execute(_UPSERT_RUNS)
                 self._con.unregister("new_ranks")
             if fresh:
-                self._con.register("new_exports", pa.table({
-                    "digest": list(fresh), "signal": [p.decoded.signal for p in fresh.values()],
-                    "items": [p.decoded.accepted for p in fresh.values()]}))
-                self._con.execute("INSERT INTO exports SELECT *, now() FROM new_exports")
-                self._con.unregister("new_exports")
+                self._con.execute("INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
+                                  [v for digest, (_, d) in fresh.items() for v in (digest, d.signal, d.accepted)])
             self._con.commit()
         except Exception as e:  # the whole group fails; each client retries
             self._con.rollback()
-            self._settle(group, error=e)
-            return
+            return ("failed", [(request_id, d.accepted) for request_id, _, d in group], str(e))
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
         self._forget_old_digests(now)
-        if self._on_commit:
-            self._on_commit(time.perf_counter() - started, rows)
-        self._settle(group, fresh=fresh)
+        written = {request_id for request_id, _ in fresh.values()}
+        return ("committed", [(request_id, request_id in written, d.accepted) for request_id, _, d in group],
+                time.perf_counter() - started, rows)
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
@@ -183,18 +163,118 @@ class Store:
                 changed[r["run_id"], r["rank"]] = r
         return list(changed.values())
 
-    def _settle(self, group: list[_Pending], fresh: dict | None = None, error: Exception | None = None) -> None:
-        with self._lock:
-            self._queued_items -= sum(p.decoded.accepted for p in group)
-        for p in group:
-            if error is not None:
-                p.future.set_exception(error)
-            else:
-                p.future.set_result(fresh.get(p.digest) is p)
-
     def _forget_old_digests(self, now: float) -> None:
         horizon = now - DIGEST_RETENTION.total_seconds()
         if self._digests and next(iter(self._digests.values())) < horizon:
             while self._digests and next(iter(self._digests.values())) < horizon:
                 self._digests.popitem(last=False)
             self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
+
+
+def _writer_main(path: Path, requests, acks) -> None:
+    try:
+        writer = _Writer(path)
+    except Exception as e:
+        acks.put(("error", str(e)))
+        return
+    acks.put(("ready",))
+    writer.run(requests, acks)
+
+
+class Store:
+    """The server's handle on the writer process.
+
+    Producers (decode workers, or the server itself) put `(request_id, digest,
+    Decoded)` on `requests`; the server registers each request id with
+    `expect()` first and gets a future that resolves when the writer has
+    committed it (True) or found it a duplicate (False).
+    """
+
+    def __init__(self, path: Path, max_queue_items: int = 2_000_000,
+                 on_commit: Callable[[float, int], None] | None = None):
+        """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_queue_items = max_queue_items
+        self._on_commit = on_commit
+        context = multiprocessing.get_context("spawn")
+        self.requests = context.Queue()
+        self._acks = context.Queue()
+        self._process = context.Process(target=_writer_main, args=(path, self.requests, self._acks),
+                                        name="rankwatch-writer", daemon=True)
+        self._process.start()
+        first = self._acks.get()
+        if first[0] == "error":
+            self._process.join()
+            raise StoreLocked(first[1]) if "held open" in first[1] else RuntimeError(first[1])
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._queued_items = 0
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read_acks, name="rankwatch-acks", daemon=True)
+        self._reader.start()
+
+    @property
+    def queued_items(self) -> int:
+        """Items handed to the writer and not yet committed."""
+        return max(self._queued_items, 0)
+
+    def expect(self) -> tuple[int, Future]:
+        """A request id to queue a request under, and the future of its commit.
+        Raises Overloaded when the queue is full."""
+        future: Future = Future()
+        with self._lock:
+            if self._queued_items > self.max_queue_items:
+                raise Overloaded(f"write queue full ({self._queued_items} items)")
+            if not self._process.is_alive():
+                raise RuntimeError("the store's writer process has exited")
+            request_id = next(self._ids)
+            self._pending[request_id] = future
+        return request_id, future
+
+    def queued(self, items: int) -> None:
+        """Count items a producer has put on `requests` (for backpressure)."""
+        with self._lock:
+            self._queued_items += items
+
+    def forget(self, request_id: int) -> None:
+        """Drop a request that was never queued (it failed to decode or had no rows)."""
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def close(self) -> None:
+        """Drain the queue, checkpoint the WAL into the file, and stop the writer."""
+        self.requests.put(None)
+        self._closed.wait()
+        self._process.join()
+
+    def _read_acks(self) -> None:
+        while True:
+            try:
+                ack = self._acks.get(timeout=1.0)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+                ack = ("failed", [(request_id, 0) for request_id in list(self._pending)],
+                       "the store's writer process exited")
+            if ack[0] == "closed":
+                self._closed.set()
+                return
+            with self._lock:
+                settled = [(self._pending.pop(request_id, None), written)
+                           for request_id, written, _ in ack[1]] if ack[0] == "committed" else \
+                          [(self._pending.pop(request_id, None), None) for request_id, _ in ack[1]]
+                self._queued_items -= sum(r[-1] for r in ack[1])
+            for future, written in settled:
+                if future is None:
+                    continue
+                if ack[0] == "committed":
+                    future.set_result(written)
+                else:
+                    future.set_exception(RuntimeError(ack[2]))
+            if ack[0] == "committed" and self._on_commit:
+                self._on_commit(ack[2], ack[3])
+            if not self._process.is_alive() and not self._pending:
+                self._closed.set()
+                return

@@ -1,0 +1,83 @@
+"""Shared fixtures: real collectors started as subprocesses on loopback."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rankwatch.demo import wait_healthy
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Collector:
+    """A `rankwatch collector` process and how to reach it."""
+
+    db: Path
+    port: int
+    token: str
+    process: subprocess.Popen | None = None
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def start(self) -> "Collector":
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "collector", "--db", str(self.db), "--port", str(self.port),
+             "--token", self.token, *self.extra_args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_healthy(self.url, self.process)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stop the process (SIGTERM drains; SIGKILL simulates a crash); returns its exit status."""
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def collector_factory(tmp_path):
+    """Start collectors on fresh ports; all are stopped at teardown."""
+    started: list[Collector] = []
+
+    def start(db: Path | None = None, *extra_args: str) -> Collector:
+        c = Collector(db or tmp_path / "rankwatch.duckdb", free_port(), "test-token", extra_args=extra_args)
+        started.append(c.start())
+        return c
+
+    yield start
+    for c in started:
+        if c.process.poll() is None:
+            c.stop()
+
+
+@pytest.fixture
+def collector(collector_factory) -> Collector:
+    return collector_factory()
+
+
+def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the installed console script, as a user would."""
+    return subprocess.run([sys.executable, "-m", "rankwatch", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)

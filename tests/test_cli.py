@@ -1,0 +1,187 @@
+"""The `rankwatch` command line and the collector's first-start defaults.
+
+Covered: `rankwatch query` on a store file after its collector stopped (table,
+CSV and JSON output with exact values, blobs as hex, timestamps as ISO 8601,
+TIMESTAMPTZ columns of `runs`); one-line errors with exit status 2 for bad SQL,
+a store held by a running collector, a missing store and no arguments; the
+token file created with mode 0600 on first start, reused on the next, and
+authorizing exports; the agent importing without duckdb, pyarrow, streamlit or
+the collector package.
+"""
+
+import csv
+import io
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from datetime import datetime
+
+import httpx
+import pytest
+from conftest import Collector, free_port, rankwatch_cli
+from otlp_payloads import T0, post, query, step_spans, trace_body
+
+from rankwatch.demo import wait_healthy
+
+RUN = "run-cli"
+SQL = "SELECT rank, step, loss, duration_s FROM steps ORDER BY rank, step"
+EXPECTED = [(0, 1, 0.01, 0.1), (0, 2, 0.02, 0.1), (0, 3, 0.03, 0.1), (1, 1, 0.01, 0.1), (1, 2, 0.02, 0.1),
+            (1, 3, 0.03, 0.1)]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A store file with 2 ranks x 3 steps (loss = step / 100, 0.1 s each), its collector stopped."""
+    collector = Collector(tmp_path_factory.mktemp("cli") / "rankwatch.duckdb", free_port(), "test-token",
+                          extra_args=("--workers", "0")).start()  # decode in a thread: ingest is not under test here
+    try:
+        for rank in (0, 1):
+            assert post(collector, "traces", trace_body(step_spans(RUN, rank, range(1, 4)))).status_code == 200
+    finally:
+        collector.stop()
+    assert query(collector.db, SQL) == EXPECTED  # what the CLI must print
+    return collector.db
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rankwatch")
+    for word in words:
+        assert word in lines[0]
+    return lines[0]
+
+
+def test_query_csv(store):
+    r = rankwatch_cli("query", SQL, "--db", str(store), "--format", "csv")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.reader(io.StringIO(r.stdout)))
+    assert rows == [["rank", "step", "loss", "duration_s"]] + [[str(v) for v in row] for row in EXPECTED]
+
+
+def test_query_json(store):
+    r = rankwatch_cli("query", SQL, "--db", str(store), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [dict(zip(("rank", "step", "loss", "duration_s"), row)) for row in EXPECTED]
+
+
+def test_query_json_blobs_and_timestamps(store):
+    span_ids = [bytes(s).hex() for (s,) in query(store, "SELECT span_id FROM steps WHERE rank = 0 ORDER BY step")]
+    assert len(span_ids) == 3 and all(len(s) == 16 for s in span_ids)
+    r = rankwatch_cli("query", "SELECT step, start_ts, span_id FROM steps WHERE rank = 0 ORDER BY step",
+                      "--db", str(store), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert T0 == 1_700_000_000 * 10**9  # 2023-11-14T22:13:20Z; step n starts n x 0.1 s later
+    assert json.loads(r.stdout) == [
+        {"step": 1, "start_ts": "2023-11-14T22:13:20.100000", "span_id": span_ids[0]},
+        {"step": 2, "start_ts": "2023-11-14T22:13:20.200000", "span_id": span_ids[1]},
+        {"step": 3, "start_ts": "2023-11-14T22:13:20.300000", "span_id": span_ids[2]}]
+
+
+def test_query_table(store):
+    r = rankwatch_cli("query", SQL, "--db", str(store))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = [c.strip() for c in lines[1].strip("┃").split("┃")]
+    body = [[c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│")]
+    assert header == ["rank", "step", "loss", "duration_s"]
+    assert body == [[str(v) for v in row] for row in EXPECTED]
+
+
+def test_query_runs_and_ranks_timestamps(store):
+    """`runs` and `ranks` hold TIMESTAMPTZ columns; a post-mortem must be able to read them."""
+    r = rankwatch_cli("query", "SELECT * FROM runs", "--db", str(store), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    (run,) = json.loads(r.stdout)
+    assert (run["run_id"], run["world_size"]) == (RUN, None)
+    assert datetime.fromisoformat(run["first_seen"]).tzinfo is not None
+    r = rankwatch_cli("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store), "--format", "csv")
+    assert r.returncode == 0, r.stderr
+    assert [row[0] for row in csv.reader(io.StringIO(r.stdout))] == ["rank", "0", "1"]
+
+
+def test_bad_sql_one_line_exit_2(store):
+    assert_one_line_error(rankwatch_cli("query", "SELECT nope FRM steps", "--db", str(store)), "syntax error")
+
+
+def test_query_while_collector_holds_store(collector):
+    assert_one_line_error(rankwatch_cli("query", "SELECT 1", "--db", str(collector.db)), "running collector",
+                          str(collector.db))
+    assert httpx.get(f"{collector.url}/healthz").status_code == 200  # the collector is unaffected
+
+
+def test_missing_store_one_line_exit_2(tmp_path):
+    missing = tmp_path / "nowhere" / "rankwatch.duckdb"
+    assert_one_line_error(rankwatch_cli("query", "SELECT 1", "--db", str(missing)), "no store", str(missing))
+    assert not missing.parent.exists()  # a query never creates a store
+
+
+def test_no_arguments_exit_2():
+    assert_one_line_error(rankwatch_cli(), "required")
+    assert_one_line_error(rankwatch_cli("query"), "required")
+
+
+def _start_without_token(db, port) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_TOKEN"}
+    process = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
+                                "--workers", "0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_healthy(f"http://127.0.0.1:{port}", process)
+    return process
+
+
+def test_token_file_created_0600_and_authorizes(tmp_path):
+    db = tmp_path / "data" / "rankwatch.duckdb"
+    port = free_port()
+    process = _start_without_token(db, port)
+    try:
+        token_file = db.parent / "token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        me = Collector(db, port, token)
+        assert post(me, "traces", trace_body(step_spans("run-token", 0, range(2)))).status_code == 200
+        assert post(me, "traces", b"", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert query(db, "SELECT run_id, count(*) FROM steps GROUP BY run_id") == [("run-token", 2)]
+    process = _start_without_token(db, port)  # the second start keeps the token
+    try:
+        assert token_file.read_text().strip() == token
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        # the token passes the check (415 comes after it), a wrong one does not
+        assert post(me, "traces", b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+        assert post(me, "traces", b"x", headers={"Authorization": "Bearer " + token[:-1]}).status_code == 401
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+AGENT_ALONE = """
+import sys
+for name in ("duckdb", "pyarrow", "streamlit", "collector"):
+    sys.modules[name] = None  # any import of these now raises ImportError
+try:
+    import collector.store
+except ImportError:
+    pass
+else:
+    raise SystemExit("blocking did not work")
+import agent, agent.export, agent.semconv
+from agent.export import Exporter
+exporter = Exporter("http://127.0.0.1:9", "t", {agent.semconv.RUN_ID: "r", agent.semconv.RANK: 0})
+exporter.shutdown()
+print(agent.semconv.POWER_W)
+"""
+
+
+def test_agent_imports_without_collector_deps():
+    r = subprocess.run([sys.executable, "-c", AGENT_ALONE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "DCGM_FI_DEV_POWER_USAGE"
