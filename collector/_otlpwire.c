@@ -74,20 +74,35 @@ static int read_tag(Reader *r, uint32_t *field, uint32_t *wire) {
     return 0;
 }
 
-static int skip(Reader *r, uint32_t wire) {
+/* Skip one field's value; groups (deprecated, wire types 3/4) are skipped to their end tag. */
+static int skip_group(Reader *r, uint32_t field, int depth);
+
+static int skip_field(Reader *r, uint32_t field, uint32_t wire, int depth) {
     uint64_t v;
     Reader sub;
     switch (wire) {
     case 0: return read_varint(r, &v);
     case 1: return read_fixed64(r, &v);
     case 2: return read_len(r, &sub);
+    case 3: return skip_group(r, field, depth + 1);
     case 5:
         if (r->end - r->p < 4) return fail("truncated fixed32");
         r->p += 4;
         return 0;
-    default: return fail("unsupported wire type");
+    default: return fail("unexpected wire type");
     }
 }
+
+static int skip_group(Reader *r, uint32_t field, int depth) {
+    uint32_t f, w;
+    if (depth > MAX_DEPTH) return fail("groups nested too deep");
+    for (;;) {
+        if (read_tag(r, &f, &w) < 0) return -1;
+        if (w == 4) return f == field ? 0 : fail("mismatched end of group");
+        if (skip_field(r, f, w, depth) < 0) return -1;
+    }
+}
+
 
 static PyObject *any_value(Reader *r, int depth);
 
@@ -109,7 +124,7 @@ static int key_value(Reader *r, PyObject *dict, int depth) {
             Py_XDECREF(value);
             value = any_value(&s, depth + 1);
             if (!value) goto error;
-        } else if (skip(r, wire) < 0) {
+        } else if (skip_field(r, field, wire, 0) < 0) {
             goto error;
         }
     }
@@ -158,7 +173,7 @@ static PyObject *any_value(Reader *r, int depth) {
                 Reader e;
                 if (read_tag(&s, &field, &wire) < 0) { Py_CLEAR(next); break; }
                 if (field != 1 || wire != 2) {
-                    if (skip(&s, wire) < 0) Py_CLEAR(next);
+                    if (skip_field(&s, field, wire, 0) < 0) Py_CLEAR(next);
                     continue;
                 }
                 if (read_len(&s, &e) < 0) { Py_CLEAR(next); break; }
@@ -173,7 +188,7 @@ static PyObject *any_value(Reader *r, int depth) {
                 Reader e;
                 if (read_tag(&s, &field, &wire) < 0) { Py_CLEAR(next); break; }
                 if (field != 1 || wire != 2) {
-                    if (skip(&s, wire) < 0) Py_CLEAR(next);
+                    if (skip_field(&s, field, wire, 0) < 0) Py_CLEAR(next);
                     continue;
                 }
                 if (read_len(&s, &e) < 0 || key_value(&e, next, depth + 1) < 0) Py_CLEAR(next);
@@ -182,7 +197,7 @@ static PyObject *any_value(Reader *r, int depth) {
             if (read_len(r, &s) < 0) goto error;
             next = PyBytes_FromStringAndSize((const char *)s.p, s.end - s.p);
         } else {
-            if (skip(r, wire) < 0) goto error;
+            if (skip_field(r, field, wire, 0) < 0) goto error;
             continue;
         }
         if (!next) goto error;
@@ -227,7 +242,7 @@ static int span_attribute(Reader *r, const Keys *keys, PyObject **slots, PyObjec
             if (read_len(r, &key) < 0) return -1;
         } else if (field == 2 && wire == 2) {
             if (read_len(r, &val) < 0) return -1;
-        } else if (skip(r, wire) < 0) {
+        } else if (skip_field(r, field, wire, 0) < 0) {
             return -1;
         }
     }
@@ -286,7 +301,7 @@ static int span(Reader *r, const Keys *keys, PyObject *columns, PyObject *resour
             if (read_fixed64(r, &start) < 0) goto done;
         } else if (field == 8 && wire == 1) {
             if (read_fixed64(r, &end) < 0) goto done;
-        } else if (skip(r, wire) < 0) {
+        } else if (skip_field(r, field, wire, 0) < 0) {
             goto done;
         }
     }
@@ -318,7 +333,7 @@ static int scope_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject 
         if (read_tag(r, &field, &wire) < 0) return -1;
         if (field == 2 && wire == 2) {
             if (read_len(r, &s) < 0 || span(&s, keys, columns, resource) < 0) return -1;
-        } else if (skip(r, wire) < 0) {
+        } else if (skip_field(r, field, wire, 0) < 0) {
             return -1;
         }
     }
@@ -342,13 +357,13 @@ static int resource_spans(Reader *r, const Keys *keys, PyObject *columns, PyObje
                 if (read_tag(&s, &field, &wire) < 0) goto done;
                 if (field == 1 && wire == 2) {
                     if (read_len(&s, &kv) < 0 || key_value(&kv, attrs, 0) < 0) goto done;
-                } else if (skip(&s, wire) < 0) {
+                } else if (skip_field(&s, field, wire, 0) < 0) {
                     goto done;
                 }
             }
         } else if (field == 2 && wire == 2) {
             if (read_len(r, &s) < 0 || scope_spans(&s, keys, columns, index) < 0) goto done;
-        } else if (skip(r, wire) < 0) {
+        } else if (skip_field(r, field, wire, 0) < 0) {
             goto done;
         }
     }
@@ -387,7 +402,7 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         if (read_tag(&r, &field, &wire) < 0) goto done;
         if (field == 1 && wire == 2) {
             if (read_len(&r, &s) < 0 || resource_spans(&s, &keys, columns, resources) < 0) goto done;
-        } else if (skip(&r, wire) < 0) {
+        } else if (skip_field(&r, field, wire, 0) < 0) {
             goto done;
         }
     }

@@ -50,8 +50,8 @@ class Decoded:
     def accepted(self) -> int:
         return sum(t.num_rows for t in self.tables.values())
 
-    def reject(self, why: str) -> None:
-        self.rejected += 1
+    def reject(self, why: str, count: int = 1) -> None:
+        self.rejected += count
         self.error = self.error or why
 
     # Decoded requests travel between processes (decode worker -> server -> writer).
@@ -179,10 +179,14 @@ class _Identity:
         return run_id, rank
 
     def seen(self, run_id: str, rank: int) -> None:
-        """Note that this resource spoke for (run_id, rank): it becomes a `ranks` row."""
+        """Note that this resource spoke for (run_id, rank): it becomes a `ranks` row. The
+        resource's placement is that rank's only when the resource names that rank; a process
+        speaking for other ranks shares only its host with them."""
         if (run_id, rank) not in self._seen:
             self._seen.add((run_id, rank))
-            self._decoded.ranks.append({"run_id": run_id, "rank": rank, **self._row})
+            own = (run_id, rank) == (self.run_id, self.rank)
+            placement = self._row if own else {k: v if k == "host" else None for k, v in self._row.items()}
+            self._decoded.ranks.append({"run_id": run_id, "rank": rank, **placement})
 
 
 _RANK_ATTRIBUTES = {column: (key, arrow_schema("ranks").field(column)) for column, key in (
@@ -196,6 +200,7 @@ _SPAN_KEYS = {
     sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
 }
 _KINDS = pa.array([sc.KIND_STEP, *sc.OP_KINDS])
+_MAX_NS = pa.scalar(2**63 - 1, pa.uint64())  # TIMESTAMP_NS ends in the year 2262
 
 
 def _typed(values: list, column: pa.Field, bad: dict[int, str]) -> pa.Array:
@@ -232,30 +237,34 @@ def decode_traces(body: bytes) -> Decoded:
     bad: dict[int, str] = {}
     typed = {c: _typed(v, ops_schema.field(c) if c in ops_schema.names else steps_schema.field(c), bad)
              for c, v in sent.items()}
-    start_ns, end_ns = pa.array(start, pa.int64()), pa.array(end, pa.int64())
+    start_u, end_u = pa.array(start, pa.uint64()), pa.array(end, pa.uint64())
+    times_ok = pc.and_(pc.and_(pc.greater(start_u, pa.scalar(0, pa.uint64())), pc.less_equal(start_u, end_u)),
+                       pc.less_equal(end_u, _MAX_NS))
+    start_ns = pc.if_else(times_ok, start_u, pa.scalar(0, pa.uint64())).cast(pa.int64())
+    end_ns = pc.if_else(times_ok, end_u, pa.scalar(0, pa.uint64())).cast(pa.int64())
     typed.update(trace_id=pa.array(trace_id, pa.binary()), span_id=pa.array(span_id, pa.binary()),
                  parent_span_id=pa.array(parent_span_id, pa.binary()), name=pa.array(name, pa.string()),
                  start_ts=start_ns.cast(pa.timestamp("ns")), end_ts=end_ns.cast(pa.timestamp("ns")),
-                 duration_s=pc.divide(pc.subtract(end_ns, start_ns).cast(pa.float64()), 1e9))
+                 duration_s=pc.divide(pc.cast(pc.subtract(end_ns, start_ns), pa.float64(), safe=False), 1e9))
     is_step_name = pc.equal(typed["name"], "step")
     typed["kind"] = pc.coalesce(typed["kind"], pc.if_else(is_step_name, sc.KIND_STEP, sc.KIND_OTHER))
     is_step = pc.equal(typed["kind"], sc.KIND_STEP)
-    checks = (
+    checks = [
         (pc.and_(pc.is_valid(typed["run_id"]), pc.is_valid(typed["rank"])),
          f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"),
-        (pc.and_(pc.greater(start_ns, 0), pc.greater_equal(end_ns, start_ns)), "start time missing or after end"),
+        (times_ok, "start time missing, after the end time, or past the year 2262"),
         (pc.is_in(typed["kind"], _KINDS), f"{sc.KIND} must be one of {', '.join(_KINDS.to_pylist())}"),
         (pc.or_(pc.invert(is_step), pc.is_valid(typed["step"])), f"a step span needs {sc.STEP}"),
-        (pa.array([i not in bad for i in range(len(resource))]) if bad else None, None),
-    )
-    valid = pa.array([True] * len(resource))
-    for passed, why in checks:
-        if passed is None:
-            continue
-        failed = len(passed) - pc.sum(passed.cast(pa.int64())).as_py()
-        for _ in range(failed):
-            out.reject(f"span {name[passed.index(False).as_py()]!r}: {why or bad[min(bad)]}")
+    ]
+    if bad:
+        checks.append((pa.array([i not in bad for i in range(len(resource))]), bad[min(bad)]))
+    valid = checks[0][0]
+    for passed, _ in checks[1:]:
         valid = pc.and_(valid, passed)
+    rejected = len(resource) - pc.sum(valid.cast(pa.int64())).as_py()
+    if rejected:
+        passed, why = next((passed, why) for passed, why in checks if not pc.all(passed).as_py())
+        out.reject(f"span {name[passed.index(False).as_py()]!r}: {why}", count=rejected)
     speakers = pa.table({"resource": pa.array(resource, pa.int32()), "run_id": typed["run_id"],
                          "rank": typed["rank"]}).filter(valid).group_by(["resource", "run_id", "rank"]).aggregate([])
     for i, run_id, rank in zip(*speakers.to_pydict().values()):

@@ -16,6 +16,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from collector import otlp
+from collector.children import die_with_parent
 from collector.decode import DECODERS, Decoded, arrow_schema
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
@@ -51,6 +52,7 @@ def _decode_and_queue(request_id: int, signal: str, kind: str, body: bytes, writ
 
 def _init_worker(writer_queue) -> None:
     global _writer_queue
+    die_with_parent()
     _writer_queue = writer_queue
     for table in TELEMETRY_TABLES:
         arrow_schema(table)
@@ -73,7 +75,7 @@ class Ingestor:
     async def export(self, signal: str, kind: str, body: bytes) -> Outcome:
         """Decode and commit one request; returns once its rows are durable."""
         loop = asyncio.get_running_loop()
-        request_id, committed = self.store.expect()
+        request_id, committed = self.store.expect(len(body))
         try:
             if self._pool is None:
                 outcome = await loop.run_in_executor(None, _decode_and_queue, request_id, signal, kind, body,
@@ -90,7 +92,6 @@ class Ingestor:
         if not outcome.accepted:
             self.store.forget(request_id)
             return outcome
-        self.store.queued(outcome.accepted)
         outcome.duplicate = not await asyncio.wrap_future(committed)
         return outcome
 

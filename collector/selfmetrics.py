@@ -18,7 +18,7 @@ class SelfMetrics:
         self.duplicates = Counter("rankwatch_collector_duplicate_requests",
                                   "Retried exports acknowledged without writing again", ["signal"],
                                   registry=self.registry)
-        self.queue_items = Gauge("rankwatch_collector_queue_items", "Items decoded and waiting for commit",
+        self.queue_bytes = Gauge("rankwatch_collector_queue_bytes", "Request bytes admitted and not yet committed",
                                  registry=self.registry)
         self.commit_seconds = Histogram("rankwatch_collector_commit_seconds", "Group commit latency",
                                         buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5),

@@ -38,7 +38,7 @@ class Config:
     port: int = 4318
     token: str | None = None  # None: the token file beside the DB, created on first start
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
-    max_queue_items: int = 2_000_000
+    max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
 
 
 async def _read_body(request: Request) -> bytes:
@@ -65,8 +65,8 @@ def create_app(config: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        store = Store(config.db, config.max_queue_items, on_commit=metrics.observe_commit)
-        metrics.queue_items.set_function(lambda: store.queued_items)
+        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit)
+        metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         try:
             yield
@@ -107,7 +107,7 @@ def create_app(config: Config) -> Starlette:
         return Response(otlp.status(503, message, kind), 503, {"Retry-After": str(RETRY_AFTER_S)}, media_type=kind)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "queue_items": state["ingestor"].store.queued_items})
+        return JSONResponse({"status": "ok", "queue_bytes": state["ingestor"].store.queued_bytes})
 
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -20,6 +20,7 @@ memory, for DIGEST_RETENTION, far longer than any exporter retries.
 import itertools
 import multiprocessing
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from collector.children import die_with_parent
 from collector.decode import Decoded
 from collector.schema import DDL, TELEMETRY_TABLES
 
@@ -69,8 +71,9 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
         return duckdb.connect(str(path), read_only=read_only)
     except duckdb.IOException as e:
         if "lock" in str(e).lower():
-            raise StoreLocked(f"{path} is held open by a running collector ({str(e).split('(')[-1].rstrip(')')}); "
-                              "stop it first or query through the collector") from None
+            holder = re.search(r"PID (\d+)", str(e))
+            raise StoreLocked(f"{path} is held open by a running collector"
+                              f"{f' (pid {holder[1]})' if holder else ''}; stop it first") from None
         raise
 
 
@@ -113,8 +116,7 @@ class _Writer:
                 return
 
     def _commit(self, group: list[tuple[int, bytes, Decoded]]) -> tuple:
-        """("committed", [(request id, written?, items)], seconds, rows)
-        or ("failed", [(request id, items)], reason)."""
+        """("committed", [(request id, written?)], seconds, rows) or ("failed", [request ids], reason)."""
         started = time.perf_counter()
         fresh: dict[bytes, tuple[int, Decoded]] = {}
         for request_id, digest, decoded in group:
@@ -141,7 +143,7 @@ class _Writer:
             self._con.commit()
         except Exception as e:  # the whole group fails; each client retries
             self._con.rollback()
-            return ("failed", [(request_id, d.accepted) for request_id, _, d in group], str(e))
+            return ("failed", [request_id for request_id, _, _ in group], str(e))
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
         now = time.time()
@@ -149,7 +151,7 @@ class _Writer:
             self._digests[digest] = now
         self._forget_old_digests(now)
         written = {request_id for request_id, _ in fresh.values()}
-        return ("committed", [(request_id, request_id in written, d.accepted) for request_id, _, d in group],
+        return ("committed", [(request_id, request_id in written) for request_id, _, _ in group],
                 time.perf_counter() - started, rows)
 
     def _append(self, table: str, batch: pa.Table) -> None:
@@ -172,6 +174,7 @@ class _Writer:
 
 
 def _writer_main(path: Path, requests, acks) -> None:
+    die_with_parent()
     try:
         writer = _Writer(path)
     except Exception as e:
@@ -190,12 +193,12 @@ class Store:
     committed it (True) or found it a duplicate (False).
     """
 
-    def __init__(self, path: Path, max_queue_items: int = 2_000_000,
+    def __init__(self, path: Path, max_queue_bytes: int = 256 * 2**20,
                  on_commit: Callable[[float, int], None] | None = None):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.max_queue_items = max_queue_items
+        self.max_queue_bytes = max_queue_bytes
         self._on_commit = on_commit
         context = multiprocessing.get_context("spawn")
         self.requests = context.Queue()
@@ -208,40 +211,37 @@ class Store:
             self._process.join()
             raise StoreLocked(first[1]) if "held open" in first[1] else RuntimeError(first[1])
         self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, tuple[Future, int]] = {}
         self._ids = itertools.count()
-        self._queued_items = 0
+        self._queued_bytes = 0
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_acks, name="rankwatch-acks", daemon=True)
         self._reader.start()
 
     @property
-    def queued_items(self) -> int:
-        """Items handed to the writer and not yet committed."""
-        return max(self._queued_items, 0)
+    def queued_bytes(self) -> int:
+        """Request bytes admitted and not yet committed (or forgotten)."""
+        return self._queued_bytes
 
-    def expect(self) -> tuple[int, Future]:
-        """A request id to queue a request under, and the future of its commit.
-        Raises Overloaded when the queue is full."""
+    def expect(self, nbytes: int) -> tuple[int, Future]:
+        """A request id to queue a request of `nbytes` under, and the future of its commit.
+        Raises Overloaded when admitting it would pass max_queue_bytes."""
         future: Future = Future()
         with self._lock:
-            if self._queued_items > self.max_queue_items:
-                raise Overloaded(f"write queue full ({self._queued_items} items)")
+            if self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes:
+                raise Overloaded(f"write queue full ({self._queued_bytes} bytes waiting)")
             if not self._process.is_alive():
                 raise RuntimeError("the store's writer process has exited")
             request_id = next(self._ids)
-            self._pending[request_id] = future
+            self._pending[request_id] = (future, nbytes)
+            self._queued_bytes += nbytes
         return request_id, future
-
-    def queued(self, items: int) -> None:
-        """Count items a producer has put on `requests` (for backpressure)."""
-        with self._lock:
-            self._queued_items += items
 
     def forget(self, request_id: int) -> None:
         """Drop a request that was never queued (it failed to decode or had no rows)."""
         with self._lock:
-            self._pending.pop(request_id, None)
+            _, nbytes = self._pending.pop(request_id, (None, 0))
+            self._queued_bytes -= nbytes
 
     def close(self) -> None:
         """Drain the queue, checkpoint the WAL into the file, and stop the writer."""
@@ -256,17 +256,15 @@ class Store:
             except queue.Empty:
                 if self._process.is_alive():
                     continue
-                ack = ("failed", [(request_id, 0) for request_id in list(self._pending)],
-                       "the store's writer process exited")
+                ack = ("failed", list(self._pending), "the store's writer process exited")
             if ack[0] == "closed":
                 self._closed.set()
                 return
+            results = ack[1] if ack[0] == "committed" else [(request_id, None) for request_id in ack[1]]
             with self._lock:
-                settled = [(self._pending.pop(request_id, None), written)
-                           for request_id, written, _ in ack[1]] if ack[0] == "committed" else \
-                          [(self._pending.pop(request_id, None), None) for request_id, _ in ack[1]]
-                self._queued_items -= sum(r[-1] for r in ack[1])
-            for future, written in settled:
+                settled = [(self._pending.pop(request_id, (None, 0)), written) for request_id, written in results]
+                self._queued_bytes -= sum(nbytes for (_, nbytes), _ in settled)
+            for (future, _), written in settled:
                 if future is None:
                     continue
                 if ack[0] == "committed":

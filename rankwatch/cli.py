@@ -35,7 +35,7 @@ def cmd_collector(args) -> None:
 
     serve(Config(db=_db(args), host=args.host, port=args.port,
                  token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
-                 max_queue_items=args.max_queue_items))
+                 max_queue_bytes=args.max_queue_bytes))
 
 
 def cmd_query(args) -> None:
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=4318)
     p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
     p.add_argument("--workers", type=int, help="decode processes (default: one per core; 0: none)")
-    p.add_argument("--max-queue-items", type=int, default=2_000_000,
-                   help="items waiting for commit before exports get 503 + Retry-After")
+    p.add_argument("--max-queue-bytes", type=int, default=256 * 2**20,
+                   help="request bytes waiting for commit before exports get 503 + Retry-After")
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file")

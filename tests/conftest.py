@@ -30,6 +30,7 @@ class Collector:
     token: str
     process: subprocess.Popen | None = None
     extra_args: tuple[str, ...] = ()
+    log: object = None  # the collector's output, kept for a failing test's report
 
     @property
     def url(self) -> str:
@@ -43,17 +44,14 @@ class Collector:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rankwatch", "collector", "--db", str(self.db), "--port", str(self.port),
              "--token", self.token, *self.extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=self.log, stderr=subprocess.STDOUT)
         wait_healthy(self.url, self.process)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Stop the process (SIGTERM drains; SIGKILL simulates a crash); returns its exit status."""
         self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout=60)
-        finally:
-            self.process.stdout.close()
+        return self.process.wait(timeout=60)
 
 
 @pytest.fixture
@@ -62,7 +60,9 @@ def collector_factory(tmp_path):
     started: list[Collector] = []
 
     def start(db: Path | None = None, *extra_args: str) -> Collector:
-        c = Collector(db or tmp_path / "rankwatch.duckdb", free_port(), "test-token", extra_args=extra_args)
+        port = free_port()
+        log = open(tmp_path / f"collector-{port}.log", "w")
+        c = Collector(db or tmp_path / "rankwatch.duckdb", port, "test-token", extra_args=extra_args, log=log)
         started.append(c.start())
         return c
 
@@ -70,6 +70,7 @@ def collector_factory(tmp_path):
     for c in started:
         if c.process.poll() is None:
             c.stop()
+        c.log.close()
 
 
 @pytest.fixture

@@ -53,13 +53,15 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _reap_orphans(pids: list[int]) -> None:
-    """Kill the crashed collector's decode workers, which outlive it (they are not this test's subject)."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _alive(pids: list[int], wait_s: float = 10.0) -> list[int]:
+    """The pids still running after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def test_acknowledged_rows_survive_kill_9(collector_factory):
@@ -72,9 +74,10 @@ def test_acknowledged_rows_survive_kill_9(collector_factory):
     agent = Exporter(collector.url, collector.token, {sc.RUN_ID: "run-crash", sc.RANK: 0})
     assert agent.samples([(sc.POWER_W, T0 + i, 300.0 + i, {sc.GPU: 0}) for i in range(7)])
     agent.shutdown()
-    workers = _children(collector.process.pid)
+    children = _children(collector.process.pid)  # the writer, decode workers, multiprocessing's tracker
+    assert children
     assert collector.stop(signal.SIGKILL) == -signal.SIGKILL
-    _reap_orphans(workers)
+    assert _alive(children) == []  # none outlives the collector to keep the store locked
     collector_factory(collector.db).stop()  # recovers the write-ahead log, then checkpoints
     assert query(collector.db, "SELECT rank, count(*), count(DISTINCT step) FROM steps GROUP BY rank ORDER BY rank") \
         == [(r, 25, 25) for r in range(4)]
@@ -159,7 +162,7 @@ def test_sigterm_drains_in_flight_requests(collector_factory):
 def test_overload_503_retry_after_then_all_stored_once(collector_factory):
     """40 threads send distinct 200-span exports to a collector allowed 1 queued item, each retrying
     on 503 until accepted, and moving on to its next export until the collector has refused one."""
-    collector = collector_factory(None, "--max-queue-items", "1")
+    collector = collector_factory(None, "--max-queue-bytes", "1")
     template = trace_body(step_spans("run-overload", 0, range(25), spans_per_step=7))  # 200 spans a request
     threads, per_thread = 40, 5
     refusals: list[httpx.Response] = []

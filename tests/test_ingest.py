@@ -6,7 +6,8 @@ spans -> `ops` (parent ids, algbw/busbw by the nccl-tests formulas), gauge
 points -> `device_samples`, log records -> `events`, resource attributes ->
 `ranks` and `runs`, a span-level rank overriding the resource's; OTLP/JSON
 with hex ids, gzip-compressed protobuf, and partial_success for spans that
-name no run while the valid spans of the same request are stored.
+name no run while the valid spans of the same request are stored; spans with
+no name and spans whose times sit at the edges of fixed64.
 """
 
 import json
@@ -206,13 +207,16 @@ _OP_SQL = """SELECT rank, step, name, duration_s, bytes, algbw_gbps, busbw_gbps,
 
 
 def _partial_request() -> ExportTraceServiceRequest:
-    """Two valid spans, plus one under a resource that names no run."""
+    """Two valid spans, plus two under a resource that names no run (the second is also a step span
+    without a step that ends before it starts: still one rejected span)."""
     request = _protobuf_request("run-partial")
     orphan = request.resource_spans.add()
     orphan.resource.attributes.append(_kv(sc.RANK, int_value=0))
-    orphan.scope_spans.add().spans.append(Span(
-        trace_id=bytes(16), span_id=bytes(range(1, 9)), name="step", start_time_unix_nano=T0,
-        end_time_unix_nano=T0 + MS, attributes=[_kv(sc.STEP, int_value=1)]))
+    orphan.scope_spans.add().spans.extend([
+        Span(trace_id=bytes(16), span_id=bytes(range(1, 9)), name="step", start_time_unix_nano=T0,
+             end_time_unix_nano=T0 + MS, attributes=[_kv(sc.STEP, int_value=1)]),
+        Span(trace_id=bytes(16), span_id=bytes(range(2, 10)), name="step", start_time_unix_nano=T0 + MS,
+             end_time_unix_nano=T0)])
     return request
 
 
@@ -230,6 +234,20 @@ def _unnamed_request() -> ExportTraceServiceRequest:
     return request
 
 
+TIMES = {"ok": (T0, T0 + MS), "from-1970": (1, T0), "long-104-days": (T0, T0 + 2**53 + 1),
+         "end-past-int64": (T0, 2**64 - 1)}  # fixed64 start/end: every value here is a valid OTLP span
+
+
+def _times_request() -> ExportTraceServiceRequest:
+    request = _protobuf_request("run-times")
+    spans = request.resource_spans[0].scope_spans[0].spans
+    del spans[:]
+    for i, (name, (start, end)) in enumerate(TIMES.items()):
+        spans.append(Span(trace_id=bytes.fromhex(TRACE_HEX), span_id=bytes([i + 1] * 8), name=name,
+                          start_time_unix_nano=start, end_time_unix_nano=end))
+    return request
+
+
 @pytest.fixture(scope="module")
 def posted(tmp_path_factory):
     """Raw POSTs of hand-built requests to one collector, then SIGTERM; returns (responses, db)."""
@@ -243,6 +261,7 @@ def posted(tmp_path_factory):
             "gzip": post(collector, "traces", _protobuf_request("run-gzip").SerializeToString(), gzip_body=True),
             "partial": post(collector, "traces", _partial_request().SerializeToString()),
             "unnamed": post(collector, "traces", _unnamed_request().SerializeToString()),
+            "times": post(collector, "traces", _times_request().SerializeToString()),
         }
     finally:
         collector.stop()
@@ -285,7 +304,7 @@ def test_partial_success_keeps_valid_spans(posted):
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/x-protobuf"
     partial = ExportTraceServiceResponse.FromString(r.content).partial_success
-    assert partial.rejected_spans == 1
+    assert partial.rejected_spans == 2  # spans, each counted once however many faults it has
     assert sc.RUN_ID in partial.error_message
     assert query(db, "SELECT rank, step FROM steps WHERE run_id = 'run-partial'") == [(2, 11)]
     assert query(db, "SELECT name FROM ops WHERE run_id = 'run-partial'") == [("all_reduce",)]
@@ -303,3 +322,20 @@ def test_unnamed_span_is_stored(posted):
                         ORDER BY duration_s""") == [
         ("", "other", pytest.approx(0.002), None), ("", "comm", pytest.approx(0.004), pytest.approx(1.0)),
         ("all_reduce", "comm", pytest.approx(0.01), pytest.approx(5.0))]
+
+
+def test_extreme_span_times_stored_or_rejected(posted):
+    """Span times at the edges of fixed64 are stored exactly or reported in partial_success;
+    never a 503 (which exporters retry forever) that also loses the valid span beside them."""
+    responses, db = posted
+    r = responses["times"]
+    assert r.status_code == 200, r.content
+    rejected = ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans
+    stored = dict(query(db, "SELECT name, duration_s FROM ops WHERE run_id = 'run-times'"))
+    assert stored["ok"] == pytest.approx(0.001)
+    assert "end-past-int64" not in stored  # TIMESTAMP_NS cannot hold it: it must be rejected
+    assert len(stored) + rejected == len(TIMES)
+    for name in ("from-1970", "long-104-days"):
+        if name in stored:
+            start, end = TIMES[name]
+            assert stored[name] == pytest.approx((end - start) / 1e9, rel=1e-12)
