@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--steps-per-request", type=int, default=20)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--workers", type=int, help="collector decode processes (default: one per core)")
     args = parser.parse_args()
 

@@ -14,8 +14,10 @@ partial_success with the first reason.
 """
 
 import json
+import operator
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import repeat
 
 import duckdb
 import pyarrow as pa
@@ -27,7 +29,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent import semconv as sc
 from collector import _otlpwire
-from collector.nccl import add_bandwidths
+from collector.nccl import bandwidths
 from collector.otlp import PROTOBUF, OtlpError, parse
 from collector.schema import DDL
 
@@ -200,7 +202,8 @@ _SPAN_KEYS = {
     sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
 }
 _KINDS = pa.array([sc.KIND_STEP, *sc.OP_KINDS])
-_MAX_NS = pa.scalar(2**63 - 1, pa.uint64())  # TIMESTAMP_NS ends in the year 2262
+_MAX_NS = 2**63 - 1  # TIMESTAMP_NS ends in the year 2262
+_ZERO = pa.scalar(0, pa.uint64())
 
 
 def _typed(values: list, column: pa.Field, bad: dict[int, str]) -> pa.Array:
@@ -233,47 +236,66 @@ def decode_traces(body: bytes) -> Decoded:
     sent["run_id"] = [r if r is not None else identities[i].run_id for r, i in zip(sent["run_id"], resource)]
     sent["rank"] = [r if r is not None else identities[i].rank for r, i in zip(sent["rank"], resource)]
     sent["attrs"] = [None if o is None else json.dumps(o, default=bytes.hex) for o in other]
+    sent["kind"] = [k if k is not None else sc.KIND_STEP if n == "step" else sc.KIND_OTHER
+                    for k, n in zip(sent["kind"], name)]
     steps_schema, ops_schema = arrow_schema("steps"), arrow_schema("ops")
     bad: dict[int, str] = {}
     typed = {c: _typed(v, ops_schema.field(c) if c in ops_schema.names else steps_schema.field(c), bad)
              for c, v in sent.items()}
-    start_u, end_u = pa.array(start, pa.uint64()), pa.array(end, pa.uint64())
-    times_ok = pc.and_(pc.and_(pc.greater(start_u, pa.scalar(0, pa.uint64())), pc.less_equal(start_u, end_u)),
-                       pc.less_equal(end_u, _MAX_NS))
-    start_ns = pc.if_else(times_ok, start_u, pa.scalar(0, pa.uint64())).cast(pa.int64())
-    end_ns = pc.if_else(times_ok, end_u, pa.scalar(0, pa.uint64())).cast(pa.int64())
+    times_ok = min(start) > 0 and max(end) <= _MAX_NS and all(map(operator.le, start, end))
+    start_ns, end_ns = pa.array(start, pa.uint64()), pa.array(end, pa.uint64())
+    if not times_ok:  # zero the bad ones so they convert; their spans are rejected below
+        times_ok = pc.and_(pc.and_(pc.greater(start_ns, _ZERO), pc.less_equal(start_ns, end_ns)),
+                           pc.less_equal(end_ns, pa.scalar(_MAX_NS, pa.uint64())))
+        start_ns, end_ns = pc.if_else(times_ok, start_ns, _ZERO), pc.if_else(times_ok, end_ns, _ZERO)
+    start_ns, end_ns = start_ns.cast(pa.int64()), end_ns.cast(pa.int64())
+    seconds = pc.divide(pc.cast(pc.subtract(end_ns, start_ns), pa.float64(), safe=False), 1e9)
+    algbw, busbw = bandwidths(name, sent["group_size"], typed["bytes"], seconds)
     typed.update(trace_id=pa.array(trace_id, pa.binary()), span_id=pa.array(span_id, pa.binary()),
                  parent_span_id=pa.array(parent_span_id, pa.binary()), name=pa.array(name, pa.string()),
                  start_ts=start_ns.cast(pa.timestamp("ns")), end_ts=end_ns.cast(pa.timestamp("ns")),
-                 duration_s=pc.divide(pc.cast(pc.subtract(end_ns, start_ns), pa.float64(), safe=False), 1e9))
-    is_step_name = pc.equal(typed["name"], "step")
-    typed["kind"] = pc.coalesce(typed["kind"], pc.if_else(is_step_name, sc.KIND_STEP, sc.KIND_OTHER))
+                 duration_s=seconds, algbw_gbps=algbw, busbw_gbps=busbw)
     is_step = pc.equal(typed["kind"], sc.KIND_STEP)
-    checks = [
-        (pc.and_(pc.is_valid(typed["run_id"]), pc.is_valid(typed["rank"])),
-         f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"),
-        (times_ok, "start time missing, after the end time, or past the year 2262"),
-        (pc.is_in(typed["kind"], _KINDS), f"{sc.KIND} must be one of {', '.join(_KINDS.to_pylist())}"),
-        (pc.or_(pc.invert(is_step), pc.is_valid(typed["step"])), f"a step span needs {sc.STEP}"),
-    ]
+    valid = _valid_spans(out, name, typed, times_ok, is_step, bad)
+    table = pa.table(typed)
+    if valid is not None:
+        table, is_step = table.filter(valid), is_step.filter(valid)
+    for i, run_id, rank in {(i, r, k) for i, r, k, v in zip(resource, sent["run_id"], sent["rank"],
+                                                             valid.to_pylist() if valid is not None else repeat(True))
+                            if v}:
+        identities[i].seen(run_id, rank)
+    for table_name, rows in (("steps", table.filter(is_step)), ("ops", table.filter(pc.invert(is_step)))):
+        if rows.num_rows:
+            out.tables[table_name] = _full(rows, arrow_schema(table_name))
+    return out
+
+
+def _valid_spans(out: Decoded, name: list[str], typed: dict[str, pa.Array], times_ok, is_step: pa.Array,
+                 bad: dict[int, str]) -> pa.Array | None:
+    """The mask of spans that can be stored, or None when all can; rejections go to `out`.
+    Well-formed requests (the usual case) are recognised without building any mask."""
+    checks = []
+    if typed["run_id"].null_count or typed["rank"].null_count:
+        checks.append((pc.and_(pc.is_valid(typed["run_id"]), pc.is_valid(typed["rank"])),
+                       f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"))
+    if times_ok is not True:
+        checks.append((times_ok, "start time missing, after the end time, or past the year 2262"))
+    if not pc.all(pc.is_in(pc.unique(typed["kind"]), _KINDS)).as_py():
+        checks.append((pc.is_in(typed["kind"], _KINDS), f"{sc.KIND} must be one of {', '.join(_KINDS.to_pylist())}"))
+    if typed["step"].null_count:
+        checks.append((pc.or_(pc.invert(is_step), pc.is_valid(typed["step"])), f"a step span needs {sc.STEP}"))
     if bad:
-        checks.append((pa.array([i not in bad for i in range(len(resource))]), bad[min(bad)]))
+        checks.append((pa.array([i not in bad for i in range(len(name))]), bad[min(bad)]))
+    if not checks:
+        return None
     valid = checks[0][0]
     for passed, _ in checks[1:]:
         valid = pc.and_(valid, passed)
-    rejected = len(resource) - pc.sum(valid.cast(pa.int64())).as_py()
+    rejected = len(name) - pc.sum(valid.cast(pa.int64())).as_py()
     if rejected:
         passed, why = next((passed, why) for passed, why in checks if not pc.all(passed).as_py())
         out.reject(f"span {name[passed.index(False).as_py()]!r}: {why}", count=rejected)
-    speakers = pa.table({"resource": pa.array(resource, pa.int32()), "run_id": typed["run_id"],
-                         "rank": typed["rank"]}).filter(valid).group_by(["resource", "run_id", "rank"]).aggregate([])
-    for i, run_id, rank in zip(*speakers.to_pydict().values()):
-        identities[i].seen(run_id, rank)
-    table = pa.table(typed)
-    out.tables["steps"] = _full(table.filter(pc.and_(valid, is_step)), steps_schema)
-    out.tables["ops"] = add_bandwidths(_full(table.filter(pc.and_(valid, pc.invert(is_step))), ops_schema))
-    out.tables = {name: t for name, t in out.tables.items() if t.num_rows}
-    return out
+    return valid
 
 
 def _full(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -34,8 +34,9 @@ class Outcome:
     duplicate: bool = False
 
 
-def decode(signal: str, kind: str, body: bytes) -> tuple[bytes, Decoded]:
-    """(digest, decoded rows) of one decompressed request body; raises OtlpError."""
+def decode(signal: str, kind: str, encoding: str | None, body: bytes) -> tuple[bytes, Decoded]:
+    """(digest, decoded rows) of one request body as received; raises OtlpError."""
+    body = otlp.decompress(body, encoding)
     message, decoder = DECODERS[signal]
     digest = hashlib.blake2b(signal.encode() + b"\0" + body, digest_size=16).digest()
     if kind == otlp.JSON:
@@ -43,8 +44,9 @@ def decode(signal: str, kind: str, body: bytes) -> tuple[bytes, Decoded]:
     return digest, decoder(body)
 
 
-def _decode_and_queue(request_id: int, signal: str, kind: str, body: bytes, writer_queue=None) -> Outcome:
-    digest, decoded = decode(signal, kind, body)
+def _decode_and_queue(request_id: int, signal: str, kind: str, encoding: str | None, body: bytes,
+                      writer_queue=None) -> Outcome:
+    digest, decoded = decode(signal, kind, encoding, body)
     if decoded.accepted:
         (writer_queue or _writer_queue).put((request_id, digest, decoded))
     return Outcome(decoded.accepted, decoded.rejected, decoded.error)
@@ -72,16 +74,17 @@ class Ingestor:
         return ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=(self.store.requests,))
 
-    async def export(self, signal: str, kind: str, body: bytes) -> Outcome:
-        """Decode and commit one request; returns once its rows are durable."""
+    async def export(self, signal: str, kind: str, encoding: str | None, body: bytes) -> Outcome:
+        """Decompress, decode and commit one request; returns once its rows are durable."""
         loop = asyncio.get_running_loop()
         request_id, committed = self.store.expect(len(body))
         try:
             if self._pool is None:
-                outcome = await loop.run_in_executor(None, _decode_and_queue, request_id, signal, kind, body,
-                                                     self.store.requests)
+                outcome = await loop.run_in_executor(None, _decode_and_queue, request_id, signal, kind, encoding,
+                                                     body, self.store.requests)
             else:
-                outcome = await loop.run_in_executor(self._pool, _decode_and_queue, request_id, signal, kind, body)
+                outcome = await loop.run_in_executor(self._pool, _decode_and_queue, request_id, signal, kind,
+                                                     encoding, body)
         except BrokenProcessPool:
             self.store.forget(request_id)
             self._pool = self._new_pool()

@@ -69,14 +69,9 @@ def bus_factor(name: str, group_size: int) -> float | None:
     return _BUS_FACTORS[op](group_size) if op and group_size >= 1 else None
 
 
-def add_bandwidths(ops: pa.Table) -> pa.Table:
-    """Set algbw_gbps and busbw_gbps (GB/s) from name, bytes, duration_s and group_size."""
-    seconds = ops["duration_s"]
-    nbytes = pc.cast(ops["bytes"], pa.float64())
-    algbw = pc.if_else(pc.greater(seconds, 0), pc.divide(pc.divide(nbytes, seconds), 1e9), None)
-    factors = pa.array([bus_factor(name, n) if b is not None and n is not None else None for name, n, b in
-                        zip(ops["name"].to_pylist(), ops["group_size"].to_pylist(), ops["bytes"].to_pylist())],
+def bandwidths(names: list[str], group_sizes: list, nbytes: pa.Array, seconds: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """(algbw, busbw) in GB/s per op; null where the op moves no known bytes or is no known collective."""
+    algbw = pc.if_else(pc.greater(seconds, 0), pc.divide(pc.divide(pc.cast(nbytes, pa.float64()), seconds), 1e9), None)
+    factors = pa.array([bus_factor(name, n) if type(n) is int else None for name, n in zip(names, group_sizes)],
                        pa.float64())
-    busbw = pc.multiply(algbw, factors)
-    ops = ops.set_column(ops.schema.get_field_index("algbw_gbps"), "algbw_gbps", algbw)
-    return ops.set_column(ops.schema.get_field_index("busbw_gbps"), "busbw_gbps", busbw)
+    return algbw, pc.multiply(algbw, factors)

@@ -43,18 +43,23 @@ def media_type(content_type: str | None) -> str:
     return kind
 
 
+def encoding(content_encoding: str | None) -> str | None:
+    """The body's encoding: None or "gzip"; 415 for any other."""
+    value = (content_encoding or "identity").strip().lower()
+    if value not in ("identity", "gzip"):
+        raise OtlpError(415, f"unsupported content encoding {value!r}; use gzip")
+    return None if value == "identity" else value
+
+
 def decompress(body: bytes, encoding: str | None) -> bytes:
-    """The body with Content-Encoding removed, never more than MAX_BODY bytes.
+    """The body with its encoding (None or "gzip") removed, never more than MAX_BODY bytes.
 
     Inflation stops at the limit, so a gzip bomb costs at most MAX_BODY of memory.
     """
-    encoding = (encoding or "identity").strip().lower()
-    if encoding == "identity":
+    if encoding is None:
         if len(body) > MAX_BODY:
             raise OtlpError(413, f"body larger than {MAX_BODY} bytes")
         return body
-    if encoding != "gzip":
-        raise OtlpError(415, f"unsupported content encoding {encoding!r}; use gzip")
     inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, MAX_BODY + 1)

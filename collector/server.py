@@ -81,8 +81,8 @@ def create_app(config: Config) -> Starlette:
                 if not authorized(request.headers.get("authorization"), token):
                     raise otlp.OtlpError(401, "missing or wrong bearer token")
                 kind = otlp.media_type(request.headers.get("content-type"))
-                body = otlp.decompress(await _read_body(request), request.headers.get("content-encoding"))
-                outcome = await state["ingestor"].export(signal, kind, body)
+                outcome = await state["ingestor"].export(signal, kind, otlp.encoding(request.headers.get(
+                    "content-encoding")), await _read_body(request))
             except otlp.OtlpError as e:
                 metrics.requests.labels(signal, e.status).inc()
                 headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None

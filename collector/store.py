@@ -248,6 +248,9 @@ class Store:
         self.requests.put(None)
         self._closed.wait()
         self._process.join()
+        for q in (self.requests, self._acks):
+            q.close()
+            q.join_thread()
 
     def _read_acks(self) -> None:
         while True:
