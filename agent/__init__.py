@@ -1,1 +1,101 @@
-"""In-process instrumentation for training ranks (imports no collector code)."""
+"""rankwatch agent: per-rank telemetry for a training loop, in a few lines.
+
+    import agent
+
+    agent.init()                       # rank, run and collector from torchrun and RANKWATCH_* variables
+    for i, batch in enumerate(loader):
+        with agent.step(i):
+            with agent.phase("forward"):
+                loss = model(batch)
+            ...
+            agent.record(loss=loss.item(), tokens=batch.numel())
+    agent.shutdown()
+
+Nothing here blocks training on the network: spans are exported by the
+OpenTelemetry SDK's background thread, and wait in a bounded backlog while
+the collector is away. The agent imports no collector code, duckdb or
+streamlit, and torch only where torch is used.
+"""
+
+import atexit
+import os
+from contextlib import nullcontext
+
+from agent import config
+from agent.session import Session
+
+_session: Session | None = None
+
+
+def init(run_id: str | None = None, collector: str | None = None, token: str | None = None,
+         rank: int | None = None, world_size: int | None = None, cuda: bool | None = None,
+         resource: dict | None = None) -> Session:
+    """Start this rank's session. Everything defaults from the environment: RANK and
+    WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
+    `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
+    global _session
+    from agent.clock import CpuTimer
+
+    timer = CpuTimer()
+    if cuda or cuda is None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                from agent.clock import CudaTimer
+
+                timer = CudaTimer(torch.cuda.current_device())
+        except ImportError:
+            pass
+    _session = Session(
+        run_id=config.run_id(run_id),
+        rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
+        world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
+        collector=config.collector_url(collector), token=config.token(token),
+        resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **(resource or {})}, timer=timer)
+    atexit.register(shutdown)
+    return _session
+
+
+def step(i: int):
+    """Context for one training step (all ranks use the same step numbers)."""
+    return _session.step(i) if _session else nullcontext()
+
+
+def phase(name: str):
+    """Context for a phase of the step: "data", "forward", "backward", "optimizer" (or your own)."""
+    return _session.phase(name) if _session else nullcontext()
+
+
+def record(**values) -> None:
+    """Values of the current step: loss, grad_norm, tokens, lr, mfu (others kept as attributes)."""
+    if _session:
+        _session.record(**values)
+
+
+def event(name: str, step: int | None = None, **attributes) -> None:
+    """Something that happened (checkpoint saved, fault injected, ...)."""
+    if _session:
+        _session.event(name, step, **attributes)
+
+
+def watch_ddp(model, inner_hook=None) -> None:
+    """Time a DistributedDataParallel model's gradient all-reduces (wrapping `inner_hook`, if any)."""
+    from agent.collectives import comm_hook
+
+    model.register_comm_hook(None, comm_hook(_session, inner_hook))
+
+
+def watch_collectives() -> None:
+    """Time the torch.distributed collectives the training code calls itself."""
+    from agent.collectives import trace_collectives
+
+    trace_collectives(_session)
+
+
+def shutdown() -> None:
+    """Send what is left (called at exit too)."""
+    global _session
+    if _session:
+        session, _session = _session, None
+        session.shutdown()

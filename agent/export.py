@@ -1,13 +1,19 @@
 """OTLP/HTTP export of one rank's telemetry through the OpenTelemetry SDK.
 
 Spans and log records go through the SDK's batch processors (a background
-thread, bounded queue, retries with backoff). Device samples carry their own
-timestamps, which the metrics API cannot express, so they are handed to the
-SDK's OTLP metric exporter as ready-made gauge points.
+thread, so training never waits on the network). The SDK drops a batch
+whose export failed; here a failed batch is kept in a bounded backlog and
+sent once the collector is back, oldest first, and only what overflows the
+backlog is dropped (and counted). Device samples carry their own timestamps,
+which the metrics API cannot express, so they are handed to the SDK's OTLP
+metric exporter as ready-made gauge points.
 """
 
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry._logs import SeverityNumber
@@ -16,36 +22,108 @@ from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import (Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics,
                                               ScopeMetrics)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from agent import semconv as sc
 
 SCOPE = "rankwatch.agent"
 Attributes = Mapping[str, str | int | float | bool]
+log = logging.getLogger("rankwatch.agent")
+# The SDK's exporters log every retry; the backlog reports an outage once instead.
+for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shared_internal"):
+    logging.getLogger(_name).setLevel(logging.CRITICAL)
+
+
+class Backlog:
+    """Wraps an SDK exporter: batches that could not be sent wait (up to `max_items`, the
+    oldest dropped beyond) and go out first, in order, when the collector is back. While it
+    is away it is tried at most every `retry_s`, so neither exports nor the shutdown at the
+    end of a job each wait out a connection timeout."""
+
+    def __init__(self, exporter, success, max_items: int, on_first_failure=None, retry_s: float = 5.0):
+        self._exporter = exporter
+        self._success = success
+        self._max_items = max_items
+        self._on_first_failure = on_first_failure
+        self._retry_s = retry_s
+        self._batches: deque[list] = deque()
+        self._items = 0  # waiting
+        self._late = 0  # waiting after a failed try (the oldest `_late` items)
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self.delivered_late = 0
+
+    def export(self, batch: Sequence):
+        with self._lock:
+            if batch:
+                self._batches.append(list(batch))
+                self._items += len(batch)
+            if time.monotonic() >= self._next_try:
+                self._send_waiting()
+            while self._items > self._max_items and len(self._batches) > 1:
+                oldest = self._batches.popleft()
+                self._items -= len(oldest)
+                self._late = max(self._late - len(oldest), 0)
+                self.dropped += len(oldest)
+            return self._success
+
+    def _send_waiting(self) -> None:
+        while self._batches:
+            if self._exporter.export(self._batches[0]) is not self._success:
+                self._late = self._items
+                self._next_try = time.monotonic() + self._retry_s
+                if self._on_first_failure:
+                    self._on_first_failure()
+                    self._on_first_failure = None
+                return
+            sent = len(self._batches.popleft())
+            self._items -= sent
+            late = min(sent, self._late)
+            self._late -= late
+            self.delivered_late += late
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """One last try for what waits; what is still undelivered counts as dropped."""
+        with self._lock:
+            self._send_waiting()
+            self.dropped += self._items
+        self._exporter.shutdown()
 
 
 class Exporter:
     """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver)."""
 
-    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 10.0):
+    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 5.0,
+                 backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = endpoint.rstrip("/")
         common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
         self.resource = Resource.create(dict(resource))
+        self.spans_backlog = Backlog(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", **common),
+                                     SpanExportResult.SUCCESS, backlog_items,
+                                     on_first_failure=lambda: log.warning(
+                                         "rankwatch: collector at %s unreachable; training goes on, telemetry "
+                                         "waits (up to %d spans) and is sent when it is back", endpoint,
+                                         backlog_items))
+        self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", **common),
+                                    LogRecordExportResult.SUCCESS, backlog_items // 10)
         self._tracer_provider = TracerProvider(resource=self.resource)
         self._tracer_provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", **common),
-            max_queue_size=65536, max_export_batch_size=2048, schedule_delay_millis=1000))
+            self.spans_backlog, max_queue_size=65536, max_export_batch_size=2048, schedule_delay_millis=1000))
         self.tracer = self._tracer_provider.get_tracer(SCOPE)
         self._logger_provider = LoggerProvider(resource=self.resource)
         self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(
-            OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", **common), schedule_delay_millis=1000))
+            self.logs_backlog, schedule_delay_millis=1000))
         self._logger = self._logger_provider.get_logger(SCOPE)
         self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", **common)
 

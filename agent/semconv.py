@@ -49,6 +49,11 @@ OP_KINDS = (KIND_PHASE, KIND_COMM, KIND_COMPUTE, KIND_DATA, KIND_OTHER)
 
 # Log records: the event name, plus the step it happened at.
 EVENT = "rankwatch.event"
+EVENT_HEARTBEAT = "heartbeat"  # every few seconds: the step and phase a rank is in
+EVENT_FAULT = "fault_injected"  # a fault the trainer injected, with its spec
+EVENT_TELEMETRY_BACKLOG = "telemetry_backlog"  # spans delivered late or dropped while the collector was away
+FAULT_SPEC = "rankwatch.fault"
+PHASE = "rankwatch.phase"
 
 # Data point attributes of device metrics.
 GPU = "gpu"  # device index on the host, as in DCGM exporter labels

@@ -5,7 +5,7 @@ import os
 import secrets
 from pathlib import Path
 
-TOKEN_FILE = "token"
+from agent.config import TOKEN_FILE
 
 
 def load_or_create_token(data_dir: Path) -> str:

@@ -20,13 +20,13 @@ class QueryError(Exception):
     """SQL that DuckDB refused, with its one-line reason."""
 
 
-def run_sql(db: Path, sql: str) -> tuple[list[str], list[tuple]]:
+def run_sql(db: Path, sql: str, parameters: list | None = None) -> tuple[list[str], list[tuple]]:
     """(column names, rows) of a query against a store opened read-only."""
     if not db.exists():
         raise QueryError(f"no store at {db}")
     con = connect(db, read_only=True)
     try:
-        cursor = con.execute(sql)
+        cursor = con.execute(sql, parameters)
         if cursor.description is None:
             return [], []
         return [d[0] for d in cursor.description], cursor.fetchall()

@@ -10,7 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
 
 
 class UsageError(Exception):
@@ -27,7 +26,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _db(args) -> Path:
-    return Path(args.db or os.environ.get("RANKWATCH_DB") or DEFAULT_DB)
+    from agent.config import store_path
+
+    return store_path(args.db)
 
 
 def cmd_collector(args) -> None:
@@ -49,6 +50,19 @@ def cmd_query(args) -> None:
     write(columns, rows, args.format)
 
 
+def cmd_train(args) -> None:
+    from rankwatch.launch import train
+    from trainer.faults import parse
+
+    for spec in args.inject:
+        try:
+            parse(spec)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
+                   collector=args.collector, model=args.model))
+
+
 def cmd_demo(args) -> None:
     from rankwatch.demo import run
 
@@ -60,10 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("demo", help="collector + a 4-rank job with injected faults, end to end")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--port", type=int, default=4318, help="collector port")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="the reference GPT trainer under torchrun, instrumented")
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--run", help="run id (default: made from the time)")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
+    p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")

@@ -1,4 +1,5 @@
-"""`rankwatch demo`: a collector and a job wired together on loopback."""
+"""`rankwatch demo`: a collector and a 4-rank training job with an injected straggler,
+wired together on loopback, then a per-rank summary from the store."""
 
 import os
 import subprocess
@@ -10,6 +11,18 @@ import httpx
 
 from collector.auth import load_or_create_token
 from collector.query import run_sql, write
+from rankwatch.launch import train
+
+STRAGGLER = "straggler:rank=2,slowdown=1.3,from=40"
+SUMMARY = """
+SELECT rank,
+       count(*) AS steps,
+       round(median(duration_s) * 1e3, 1) AS step_ms,
+       round(median(compute_s) * 1e3, 1) AS compute_ms,
+       round(median(comm_wait_s) * 1e3, 1) AS comm_wait_ms,
+       round(sum(tokens) / sum(duration_s)) AS tokens_per_s
+FROM steps WHERE run_id = ? AND step >= 40 GROUP BY rank ORDER BY rank
+"""
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -28,22 +41,21 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -
 
 
 def run(db: Path, steps: int, port: int) -> None:
-    from trainer import synthetic
-
     token = load_or_create_token(db.parent)
     url = f"http://127.0.0.1:{port}"
     collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db),
                                   "--port", str(port)], env={**os.environ, "RANKWATCH_TOKEN": token})
+    run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     try:
         wait_healthy(url, collector)
-        run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-        print(f"job {run_id}: 4 ranks x {steps} steps -> {url}", flush=True)
-        synthetic.run(url, token, run_id, world=4, steps=steps)
+        print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER}", flush=True)
+        status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER], collector=url, token=token)
     finally:
         collector.terminate()
         collector.wait()
-    columns, rows = run_sql(db, f"""
-        SELECT rank, count(*) AS steps, round(median(duration_s) * 1000, 1) AS median_step_ms,
-               round(median(compute_s) * 1000, 1) AS median_compute_ms
-        FROM steps WHERE run_id = '{run_id}' GROUP BY rank ORDER BY rank""")
+    if status:
+        sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
+    columns, rows = run_sql(db, SUMMARY, [run_id])
+    print(f"\nPer rank, steps 40 onwards (the straggler is rank 2):")
     write(columns, rows, "table")
+    print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")

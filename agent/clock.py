@@ -1,0 +1,83 @@
+"""Timestamps for spans: one time base across ranks, and GPU timings without a sync.
+
+Every rank reports times in rank 0's wall clock: the offset between clocks
+is estimated through the job's process group (all ranks read their clock
+right after a barrier; the median difference over a few rounds) at start and
+again every few hundred steps.
+
+On CUDA a phase is timed by events recorded on the current stream and read
+back once the GPU has passed them (`Event.query()`), never by synchronizing
+the training stream; an anchor event taken at start ties GPU time to the
+wall clock. On CPU the marks are monotonic-clock readings.
+"""
+
+import statistics
+import time
+
+
+class Clock:
+    """Monotonic readings -> wall-clock ns in the job's common time base."""
+
+    def __init__(self) -> None:
+        self._wall_minus_mono = time.time_ns() - time.monotonic_ns()
+        self.offset_ns = 0  # this rank's clock -> rank 0's clock
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns() + self._wall_minus_mono + self.offset_ns
+
+    def wall(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self._wall_minus_mono + self.offset_ns
+
+    def align(self, rounds: int = 5) -> None:
+        """Estimate the offset to rank 0 through the default process group (a collective:
+        every rank must call it at the same point)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        offsets = []
+        for _ in range(rounds):
+            dist.barrier()
+            mine = time.monotonic_ns() + self._wall_minus_mono
+            readings: list = [None] * dist.get_world_size()
+            dist.all_gather_object(readings, mine)
+            offsets.append(readings[0] - mine)
+        self.offset_ns = int(statistics.median(offsets))
+
+
+class CpuTimer:
+    """Marks are monotonic-clock readings; they are ready at once."""
+
+    def mark(self) -> int:
+        return time.monotonic_ns()
+
+    def ready(self, mark: int) -> bool:
+        return True
+
+    def to_wall(self, clock: Clock, mark: int) -> int:
+        return clock.wall(mark)
+
+
+class CudaTimer:
+    """Marks are CUDA events on the current stream, read once the GPU has passed them."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self._torch = torch
+        self._anchor = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)  # once, at start: ties GPU time to the host clock
+        self._anchor.record()
+        torch.cuda.synchronize(device)
+        self._anchor_mono = time.monotonic_ns()
+
+    def mark(self):
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark) -> bool:
+        return mark.query()
+
+    def to_wall(self, clock: Clock, mark) -> int:
+        return clock.wall(self._anchor_mono + int(self._anchor.elapsed_time(mark) * 1e6))

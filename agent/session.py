@@ -1,0 +1,194 @@
+"""One rank's telemetry session: steps, phases, collectives and values -> spans.
+
+A step is recorded as marks (monotonic readings on CPU, CUDA events on GPU);
+when the step ends it waits in `pending` until its marks are readable, then
+becomes one `step` span with `phase` and `comm` children. Nothing here
+blocks the training loop: GPU marks are read when the GPU has passed them,
+and export happens in the SDK's background thread.
+"""
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from agent import semconv as sc
+from agent.clock import Clock, CpuTimer
+from agent.export import Exporter, log
+
+REALIGN_EVERY = 500  # steps between clock re-alignments
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class Collective:
+    """One collective as the host saw it: monotonic ns from launch to completion of its
+    future (on CUDA an upper bound on the GPU's own time for it)."""
+
+    op: str
+    group: str
+    group_size: int
+    seq: int
+    nbytes: int
+    start: object
+    end: object = None
+    ready: object = None  # for DDP buckets: when the gradients were ready (= the hook ran)
+
+
+@dataclass
+class _Step:
+    step: int
+    start: object
+    end: object = None
+    phases: list = field(default_factory=list)  # (name, start mark, end mark)
+    collectives: list[Collective] = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+
+
+class Session:
+    """Telemetry of one rank; see agent/__init__.py for the public functions."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, collector: str | None, token: str | None,
+                 resource: dict | None = None, timer=None, heartbeat_s: float = 5.0):
+        self.run_id, self.rank, self.world_size = run_id, rank, world_size
+        self.clock = Clock()
+        self.timer = timer or CpuTimer()
+        attributes = {sc.RUN_ID: run_id, sc.RANK: rank, sc.WORLD_SIZE: world_size,
+                      sc.HOST_NAME: socket.gethostname(), sc.PROCESS_PID: os.getpid(), **(resource or {})}
+        self.exporter = Exporter(collector, token, attributes) if collector else None
+        self._current: _Step | None = None
+        self._phase: str | None = None
+        self._pending: deque[_Step] = deque()
+        self._seq: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat",
+                                           daemon=True)
+        self.clock.align()
+        if self.exporter:
+            self._heartbeat.start()
+
+    # -- the training loop's side -------------------------------------------------------------------
+    @contextmanager
+    def step(self, step: int):
+        self._current = _Step(step, self.timer.mark())
+        try:
+            yield self._current
+        finally:
+            current, self._current = self._current, None
+            current.end = self.timer.mark()
+            self._pending.append(current)
+            self._emit_ready()
+            if step and step % REALIGN_EVERY == 0:
+                self.clock.align()
+
+    @contextmanager
+    def phase(self, name: str):
+        start = self.timer.mark()
+        self._phase = name
+        try:
+            yield
+        finally:
+            self._phase = None
+            if self._current is not None:
+                self._current.phases.append((name, start, self.timer.mark()))
+
+    def record(self, **values) -> None:
+        if self._current is not None:
+            self._current.values.update(values)
+
+    def collective(self, op: str, group: str, group_size: int, nbytes: int) -> Collective:
+        """Start recording a collective; the caller sets `.end` (and `.ready` for buckets)."""
+        with self._lock:
+            seq = self._seq[group] = self._seq.get(group, -1) + 1
+        c = Collective(op, group, group_size, seq, nbytes, time.monotonic_ns())
+        if self._current is not None:
+            self._current.collectives.append(c)
+        return c
+
+    def event(self, name: str, step: int | None = None, **attributes) -> None:
+        if self.exporter:
+            attrs = {**attributes, **({sc.STEP: step} if step is not None else {})}
+            self.exporter.event(name, self.clock.now_ns(), attrs)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._emit_ready(wait=True)
+        if not self.exporter:
+            return
+        self.exporter.flush()
+        backlog = self.exporter.spans_backlog
+        if backlog.dropped or backlog.delivered_late:
+            self.event(sc.EVENT_TELEMETRY_BACKLOG, **{"rankwatch.spans_dropped": backlog.dropped,
+                                                      "rankwatch.spans_delivered_late": backlog.delivered_late})
+        self.exporter.shutdown()
+        if backlog.dropped:
+            log.warning("rankwatch: %d spans of rank %d were never delivered (collector unreachable)",
+                        backlog.dropped, self.rank)
+
+    # -- turning marks into spans --------------------------------------------------------------------
+    def _emit_ready(self, wait: bool = False) -> None:
+        while self._pending and (wait or self._readable(self._pending[0])):
+            self._emit(self._pending.popleft())
+
+    def _readable(self, s: _Step) -> bool:
+        return self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
+
+    def _emit(self, s: _Step) -> None:
+        if wait_for := getattr(s.end, "synchronize", None):
+            wait_for()
+        wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
+        start, end = wall(s.start), wall(s.end)
+        phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
+        seconds = {name: 0.0 for name in ("data", *COMPUTE_PHASES)}
+        for name, a, b in phases:
+            seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
+        comm_wait = self._exposed_comm_wait(s, phases)
+        compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
+        if not self.exporter:
+            return
+        attributes = {sc.KIND: sc.KIND_STEP, sc.STEP: s.step, sc.DATA_S: seconds["data"], sc.COMPUTE_S: compute,
+                      sc.COMM_WAIT_S: comm_wait}
+        # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
+        attributes.update({_VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
+                           for k, v in s.values.items() if v is not None})
+        parent = self.exporter.start_span("step", start, attributes)
+        for name, a, b in phases:
+            self.exporter.span(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}, parent=parent)
+        for c in s.collectives:
+            if c.end is None:
+                continue
+            self.exporter.span(c.op, self.clock.wall(c.start), self.clock.wall(c.end),
+                               {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group,
+                                sc.COMM_GROUP_SIZE: c.group_size, sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes},
+                               parent=parent)
+        parent.end(end_time=end)
+
+    def _exposed_comm_wait(self, s: _Step, phases: list) -> float:
+        """Seconds this rank waited for communication that no compute hid.
+
+        For DDP buckets: from the moment the last bucket's gradients were ready
+        until the end of backward (DDP waits there for the all-reduces still in
+        flight). For collectives called outside backward: their whole duration."""
+        backward = [(a, b) for name, a, b in phases if name == "backward"]
+        wait = 0
+        buckets = [c for c in s.collectives if c.ready is not None and c.end is not None]
+        if buckets and backward:
+            last_ready = self.clock.wall(max(c.ready for c in buckets))
+            wait += max(backward[-1][1] - last_ready, 0)
+        for c in s.collectives:
+            if c.ready is None and c.end is not None:
+                wait += c.end - c.start
+        return wait / 1e9
+
+    def _beat(self, every_s: float) -> None:
+        """Progress, even when no step finishes: the step and phase this rank is in."""
+        while not self._stop.wait(every_s):
+            current = self._current
+            self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **{sc.PHASE: self._phase or ""})
+
+
+_VALUE_KEYS = {"loss": sc.LOSS, "grad_norm": sc.GRAD_NORM, "tokens": sc.TOKENS, "lr": sc.LR, "mfu": sc.MFU}

@@ -1,0 +1,66 @@
+"""Fault injection: one grammar for the trainer and the fleet simulator.
+
+    straggler:rank=2,slowdown=1.3,from=40[,to=90]   a rank's compute runs `slowdown` times longer
+    hang:rank=1,at=200[,seconds=S]                   a rank stops (forever, or for S seconds)
+    spike:at=120,scale=8                             the loss of one step is scaled (a loss spike)
+    nan:at=150                                       the loss of one step is NaN
+    thermal:rank=3,from=60                           a GPU throttles (clocks down, slower)
+    slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
+    slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
+    data-skew:cv=0.3                                 per-step work varies (sequence lengths)
+"""
+
+from dataclasses import dataclass
+
+_KEYS = {  # kind -> {key: (type, required)}
+    "straggler": {"rank": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
+    "hang": {"rank": (int, True), "at": (int, True), "seconds": (float, False)},
+    "spike": {"at": (int, True), "scale": (float, True)},
+    "nan": {"at": (int, True)},
+    "thermal": {"rank": (int, True), "from": (int, False), "to": (int, False)},
+    "slow-link": {"rank": (int, True), "factor": (float, True), "from": (int, False), "to": (int, False)},
+    "slow-stage": {"stage": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
+    "data-skew": {"cv": (float, True), "from": (int, False), "to": (int, False)},
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault; `active(step)` says whether it applies at a step."""
+
+    kind: str
+    spec: str
+    params: tuple[tuple[str, float | int], ...]
+
+    def get(self, key: str, default=None):
+        return dict(self.params).get(key, default)
+
+    @property
+    def rank(self) -> int | None:
+        return self.get("rank")
+
+    def active(self, step: int) -> bool:
+        if "at" in dict(self.params):
+            return step == self.get("at")
+        return self.get("from", 0) <= step and (self.get("to") is None or step < self.get("to"))
+
+
+def parse(spec: str) -> Fault:
+    """A fault from its spec; ValueError with a one-line reason when it is malformed."""
+    kind, _, rest = spec.strip().partition(":")
+    if kind not in _KEYS:
+        raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(_KEYS)}")
+    allowed, params = _KEYS[kind], {}
+    for item in filter(None, rest.split(",")):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in allowed:
+            raise ValueError(f"{spec!r}: {kind} takes {', '.join(allowed)}; got {item!r}")
+        try:
+            params[key] = allowed[key][0](raw)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {key} must be {allowed[key][0].__name__}, got {raw!r}") from None
+    missing = [k for k, (_, required) in allowed.items() if required and k not in params]
+    if missing:
+        raise ValueError(f"{spec!r}: {kind} needs {', '.join(missing)}")
+    return Fault(kind, spec.strip(), tuple(sorted(params.items())))
