@@ -101,3 +101,4 @@ class Ingestor:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+            self._pool = None  # releases its queues' semaphores before uvicorn re-raises SIGTERM

@@ -251,6 +251,9 @@ class Store:
         for q in (self.requests, self._acks):
             q.close()
             q.join_thread()
+        # Dropping the queues releases their semaphores now: uvicorn ends the process by
+        # re-raising SIGTERM, before the interpreter would have collected them.
+        del self.requests, self._acks
 
     def _read_acks(self) -> None:
         while True:
