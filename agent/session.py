@@ -155,17 +155,12 @@ class Session:
         # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
         attributes.update({_VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
                            for k, v in s.values.items() if v is not None})
-        parent = self.exporter.start_span("step", start, attributes)
-        for name, a, b in phases:
-            self.exporter.span(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}, parent=parent)
-        for c in s.collectives:
-            if c.end is None:
-                continue
-            self.exporter.span(c.op, self.clock.wall(c.start), self.clock.wall(c.end),
-                               {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group,
-                                sc.COMM_GROUP_SIZE: c.group_size, sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes},
-                               parent=parent)
-        parent.end(end_time=end)
+        spans = [("step", start, end, attributes)]
+        spans += [(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}) for name, a, b in phases]
+        spans += [(c.op, self.clock.wall(c.start), self.clock.wall(c.end),
+                   {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group, sc.COMM_GROUP_SIZE: c.group_size,
+                    sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes}) for c in s.collectives if c.end is not None]
+        self.exporter.trace(spans)
 
     def _exposed_comm_wait(self, s: _Step, phases: list) -> float:
         """Seconds this rank waited for communication that no compute hid.

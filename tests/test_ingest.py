@@ -39,21 +39,22 @@ def ingested(tmp_path_factory):
     collector = Collector(db, free_port(), "test-token").start()
     try:
         exporter = Exporter(collector.url, collector.token, RESOURCE)
-        step = exporter.start_span("step", T0, {
-            sc.KIND: sc.KIND_STEP, sc.STEP: 7, sc.LOSS: 2.5, sc.GRAD_NORM: 0.75, sc.TOKENS: 8192, sc.LR: 3e-4,
-            sc.COMM_WAIT_S: 0.012, "rankwatch.custom": "warmup", "user.tag": 3})
-        for name, start, end in PHASES:
-            exporter.span(name, T0 + start * MS, T0 + end * MS, {sc.KIND: sc.KIND_PHASE, sc.STEP: 7}, parent=step)
-        exporter.span("nccl:all_reduce", T0 + 150 * MS, T0 + 154 * MS, {
-            sc.KIND: sc.KIND_COMM, sc.STEP: 7, sc.COMM_GROUP: "dp", sc.COMM_GROUP_SIZE: 4, sc.COMM_SEQ: 42,
-            sc.COMM_BYTES: 100_000_000, "nccl.algo": "ring"}, parent=step)
-        exporter.span("all_gather", T0 + 160 * MS, T0 + 168 * MS, {
-            sc.KIND: sc.KIND_COMM, sc.STEP: 7, sc.COMM_GROUP: "tp", sc.COMM_GROUP_SIZE: 4, sc.COMM_SEQ: 43,
-            sc.COMM_BYTES: 64_000_000}, parent=step)
-        step.end(end_time=T0 + 250 * MS)
+        root = exporter.trace([
+            ("step", T0, T0 + 250 * MS, {
+                sc.KIND: sc.KIND_STEP, sc.STEP: 7, sc.LOSS: 2.5, sc.GRAD_NORM: 0.75, sc.TOKENS: 8192, sc.LR: 3e-4,
+                sc.COMM_WAIT_S: 0.012, "rankwatch.custom": "warmup", "user.tag": 3}),
+            *[(name, T0 + start * MS, T0 + end * MS, {sc.KIND: sc.KIND_PHASE, sc.STEP: 7})
+              for name, start, end in PHASES],
+            ("nccl:all_reduce", T0 + 150 * MS, T0 + 154 * MS, {
+                sc.KIND: sc.KIND_COMM, sc.STEP: 7, sc.COMM_GROUP: "dp", sc.COMM_GROUP_SIZE: 4, sc.COMM_SEQ: 42,
+                sc.COMM_BYTES: 100_000_000, "nccl.algo": "ring"}),
+            ("all_gather", T0 + 160 * MS, T0 + 168 * MS, {
+                sc.KIND: sc.KIND_COMM, sc.STEP: 7, sc.COMM_GROUP: "tp", sc.COMM_GROUP_SIZE: 4, sc.COMM_SEQ: 43,
+                sc.COMM_BYTES: 64_000_000}),
+        ])
         # This process also speaks for rank 3: the span's own rank wins over the resource's.
-        exporter.span("step", T0 + 1000 * MS, T0 + 1300 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: 8, sc.RANK: 3,
-                                                               sc.LOSS: 2.25})
+        exporter.trace([("step", T0 + 1000 * MS, T0 + 1300 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: 8, sc.RANK: 3,
+                                                                   sc.LOSS: 2.25})])
         exporter.event("checkpoint_saved", T0 + 2000 * MS, {sc.STEP: 7, "path": "/ckpt/step-7"})
         assert exporter.samples([
             (sc.POWER_W, T0, 312.5, {sc.GPU: 1, sc.SOURCE: sc.SOURCE_NVML, "pci.bus_id": "0000:3b:00.0"}),
@@ -62,8 +63,7 @@ def ingested(tmp_path_factory):
         ])
         assert exporter.flush()
         exporter.shutdown()
-        ctx = step.get_span_context()
-        ids = {"trace_id": ctx.trace_id.to_bytes(16, "big"), "step_span_id": ctx.span_id.to_bytes(8, "big")}
+        ids = {"trace_id": root.trace_id.to_bytes(16, "big"), "step_span_id": root.span_id.to_bytes(8, "big")}
     finally:
         collector.stop()
     return db, ids
