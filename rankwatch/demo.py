@@ -56,6 +56,6 @@ def run(db: Path, steps: int, port: int) -> None:
     if status:
         sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
     columns, rows = run_sql(db, SUMMARY, [run_id])
-    print(f"\nPer rank, steps 40 onwards (the straggler is rank 2):")
+    print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
     write(columns, rows, "table")
     print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")
