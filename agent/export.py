@@ -12,10 +12,12 @@ metric exporter as ready-made gauge points.
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.exporter.otlp.proto.http import Compression
@@ -43,14 +45,28 @@ for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shar
     logging.getLogger(_name).setLevel(logging.CRITICAL)
 
 
+def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts TCP connections at the endpoint: a refused connection is
+    known in microseconds, where the SDK's exporter would retry it for seconds."""
+    url = urlsplit(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 class Backlog:
     """Wraps an SDK exporter: batches that could not be sent wait (up to `max_items`, the
     oldest dropped beyond) and go out first, in order, when the collector is back. While it
-    is away it is tried at most every `retry_s`, so neither exports nor the shutdown at the
-    end of a job each wait out a connection timeout."""
+    is away it is tried at most every `retry_s`, and only once it accepts connections again,
+    so neither exports nor the end of a job wait out the SDK's retries."""
 
-    def __init__(self, exporter, success, max_items: int, on_first_failure=None, retry_s: float = 5.0):
+    def __init__(self, exporter, success, max_items: int, endpoint: str, on_first_failure=None,
+                 retry_s: float = 5.0):
         self._exporter = exporter
+        self._endpoint = endpoint
         self._success = success
         self._max_items = max_items
         self._on_first_failure = on_first_failure
@@ -59,16 +75,22 @@ class Backlog:
         self._items = 0  # waiting
         self._late = 0  # waiting after a failed try (the oldest `_late` items)
         self._next_try = 0.0
+        self._closed = False
         self._lock = threading.Lock()
         self.dropped = 0
         self.delivered_late = 0
+
+    @property
+    def waiting(self) -> int:
+        """Items not yet delivered."""
+        return self._items
 
     def export(self, batch: Sequence):
         with self._lock:
             if batch:
                 self._batches.append(list(batch))
                 self._items += len(batch)
-            if time.monotonic() >= self._next_try:
+            if time.monotonic() >= self._next_try and not self._closed:
                 self._send_waiting()
             while self._items > self._max_items and len(self._batches) > 1:
                 oldest = self._batches.popleft()
@@ -79,7 +101,7 @@ class Backlog:
 
     def _send_waiting(self) -> None:
         while self._batches:
-            if self._exporter.export(self._batches[0]) is not self._success:
+            if not reachable(self._endpoint) or self._exporter.export(self._batches[0]) is not self._success:
                 self._late = self._items
                 self._next_try = time.monotonic() + self._retry_s
                 if self._on_first_failure:
@@ -95,31 +117,40 @@ class Backlog:
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._exporter.force_flush(timeout_millis)
 
-    def shutdown(self) -> None:
-        """One last try for what waits; what is still undelivered counts as dropped."""
+    def deliver(self) -> None:
+        """Try now, whenever the last try was: a collector that is back gets what waits."""
         with self._lock:
             self._send_waiting()
+
+    def close(self) -> None:
+        """Stop sending: an export still retrying gives up now, later batches only wait."""
+        self._closed = True
+        self._exporter.shutdown()  # aborts the retry loop of an export in flight
+
+    def shutdown(self) -> None:
+        """Called by the SDK processor after its last export: what waits now is dropped."""
+        with self._lock:
             self.dropped += self._items
-        self._exporter.shutdown()
+            self._items = 0
 
 
 class Exporter:
     """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver)."""
 
-    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 5.0,
+    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 3.0,
                  backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = endpoint.rstrip("/")
         common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
         self.resource = Resource.create(dict(resource))
         self.spans_backlog = Backlog(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", **common),
-                                     SpanExportResult.SUCCESS, backlog_items,
+                                     SpanExportResult.SUCCESS, backlog_items, endpoint,
                                      on_first_failure=lambda: log.warning(
                                          "rankwatch: collector at %s unreachable; training goes on, telemetry "
                                          "waits (up to %d spans) and is sent when it is back", endpoint,
                                          backlog_items))
         self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", **common),
-                                    LogRecordExportResult.SUCCESS, backlog_items // 10)
+                                    LogRecordExportResult.SUCCESS, backlog_items // 10, endpoint)
         self._processor = BatchSpanProcessor(self.spans_backlog, max_queue_size=65536, max_export_batch_size=2048,
                                              schedule_delay_millis=1000)
         self._scope = InstrumentationScope(SCOPE)
@@ -166,10 +197,16 @@ class Exporter:
         return self._metric_exporter.export(data).name == "SUCCESS"
 
     def flush(self, timeout_ms: int = 30_000) -> bool:
-        """Push everything queued; True when it all went out."""
-        return self._processor.force_flush(timeout_ms) and self._logger_provider.force_flush(timeout_ms)
+        """Push everything queued, backlog included; True when it all went out."""
+        flushed = self._processor.force_flush(timeout_ms) and self._logger_provider.force_flush(timeout_ms)
+        self.spans_backlog.deliver()
+        self.logs_backlog.deliver()
+        return flushed and not self.spans_backlog.waiting and not self.logs_backlog.waiting
 
     def shutdown(self) -> None:
+        """Stop exporting, without waiting out retries: call flush() first to deliver."""
+        self.spans_backlog.close()
+        self.logs_backlog.close()
         self._processor.shutdown()
         self._logger_provider.shutdown()
         self._metric_exporter.shutdown()

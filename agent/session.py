@@ -121,13 +121,15 @@ class Session:
             return
         self.exporter.flush()
         backlog = self.exporter.spans_backlog
-        if backlog.dropped or backlog.delivered_late:
-            self.event(sc.EVENT_TELEMETRY_BACKLOG, **{"rankwatch.spans_dropped": backlog.dropped,
+        dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
+        if dropped or backlog.delivered_late:
+            self.event(sc.EVENT_TELEMETRY_BACKLOG, **{"rankwatch.spans_dropped": dropped,
                                                       "rankwatch.spans_delivered_late": backlog.delivered_late})
+            self.exporter.flush()
         self.exporter.shutdown()
-        if backlog.dropped:
+        if dropped:
             log.warning("rankwatch: %d spans of rank %d were never delivered (collector unreachable)",
-                        backlog.dropped, self.rank)
+                        dropped, self.rank)
 
     # -- turning marks into spans --------------------------------------------------------------------
     def _emit_ready(self, wait: bool = False) -> None:

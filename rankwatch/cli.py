@@ -52,11 +52,11 @@ def cmd_query(args) -> None:
 
 def cmd_train(args) -> None:
     from rankwatch.launch import train
-    from trainer.faults import parse
+    from trainer.faults import TRAINER_KINDS, parse
 
     for spec in args.inject:
         try:
-            parse(spec)
+            parse(spec, TRAINER_KINDS)
         except ValueError as e:
             raise UsageError(str(e)) from None
     sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,

@@ -114,7 +114,7 @@ def test_collector_outage_and_restart(collector, tmp_path):
     assert [(step, count) for step, count, *_ in rows] == [(i, 1) for i in range(STEPS)]
     for step, _, loss, tokens, duration in rows:
         assert loss == 1.0 / (step + 1) and tokens == 100
-        assert duration < PACE + 0.2, (step, duration)  # training never waited for the network
+        assert duration < PACE + 0.5, (step, duration)  # training never waited for the network (~3 s a try)
     phases = query(collector.db, "SELECT count(*), count(DISTINCT step) FROM ops WHERE run_id = ? AND kind = 'phase' "
                                  "AND name = 'forward'", [run_id])
     assert phases == [(STEPS, STEPS)]
@@ -174,9 +174,12 @@ def test_backlog_event_when_the_collector_returns_just_before_the_end(collector,
     assert job.returncode == 0, err
     steps = int(out.splitlines()[-1].split()[1])
     collector.stop()
-    # the data made it: every step, once
-    assert query(collector.db, "SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps "
-                               "WHERE run_id = ?", [run_id]) == [(steps, steps, 0, steps - 1)]
+    # the data made it: every step, once (the collector was back before the job ended)
+    stored = query(collector.db, "SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps "
+                                 "WHERE run_id = ?", [run_id])
+    assert stored == [(steps, steps, 0, steps - 1)], (
+        f"{steps} steps ran, stored (rows, distinct steps, first, last) = {stored}; the collector was back "
+        f"before agent.shutdown(), which must try it once more. Agent stderr: {err.strip()}")
     backlog = query(collector.db, "SELECT attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'",
                     [run_id])
     assert len(backlog) == 1, (

@@ -102,7 +102,7 @@ def test_trainer_arguments_refuse_simulator_faults(spec, capsys):
         arguments(["--inject", spec])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert spec.split(":")[0] + " is for `rankwatch simulate`" in err
+    assert spec.split(":")[0] in err and "`rankwatch simulate`" in err, err
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -133,7 +133,7 @@ def thermal_through_torchrun() -> subprocess.CompletedProcess:
 def test_train_cli_refuses_simulator_fault(thermal_through_torchrun):
     r = thermal_through_torchrun
     assert r.returncode != 0
-    assert "thermal is for `rankwatch simulate`" in r.stderr
+    assert "thermal" in r.stderr and "`rankwatch simulate`" in r.stderr, r.stderr
     assert "step " not in r.stdout  # no training step ran
 
 

@@ -24,6 +24,9 @@ _KEYS = {  # kind -> {key: (type, required)}
 }
 
 
+TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link")  # the rest need the fleet simulator
+
+
 @dataclass(frozen=True)
 class Fault:
     """One injected fault; `active(step)` says whether it applies at a step."""
@@ -45,8 +48,9 @@ class Fault:
         return self.get("from", 0) <= step and (self.get("to") is None or step < self.get("to"))
 
 
-def parse(spec: str) -> Fault:
-    """A fault from its spec; ValueError with a one-line reason when it is malformed."""
+def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
+    """A fault from its spec; ValueError with a one-line reason when it is malformed or not
+    one of `kinds` (what the injecting program can do)."""
     kind, _, rest = spec.strip().partition(":")
     if kind not in _KEYS:
         raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(_KEYS)}")
@@ -63,4 +67,6 @@ def parse(spec: str) -> Fault:
     missing = [k for k, (_, required) in allowed.items() if required and k not in params]
     if missing:
         raise ValueError(f"{spec!r}: {kind} needs {', '.join(missing)}")
+    if kind not in kinds:
+        raise ValueError(f"{spec!r}: the trainer injects {', '.join(kinds)}; {kind} is for `rankwatch simulate`")
     return Fault(kind, spec.strip(), tuple(sorted(params.items())))

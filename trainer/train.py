@@ -18,12 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 import agent
 from agent import semconv as sc
 from trainer.data import TokenStream
-from trainer.faults import Fault, parse
+from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
-
-SUPPORTED = ("straggler", "hang", "spike", "nan", "slow-link")
-
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,10 +33,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
     p.add_argument("--log-every", type=int, default=20)
     args = p.parse_args(argv)
-    args.faults = [parse(spec) for spec in args.inject]
-    for f in args.faults:
-        if f.kind not in SUPPORTED:
-            p.error(f"the trainer injects {', '.join(SUPPORTED)}; {f.kind} is for `rankwatch simulate`")
+    try:
+        args.faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
