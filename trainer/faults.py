@@ -60,6 +60,8 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
         key = key.strip()
         if not eq or key not in allowed:
             raise ValueError(f"{spec!r}: {kind} takes {', '.join(allowed)}; got {item!r}")
+        if key in params:
+            raise ValueError(f"{spec!r}: {key} given twice")
         try:
             params[key] = allowed[key][0](raw)
         except ValueError:
