@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pandas as pd
 
+from collector.analyzers import stragglers
 from collector.auth import load_or_create_token
 from collector.query import run_sql, write
 from rankwatch.launch import train
 
-STRAGGLER = "straggler:rank=2,slowdown=1.3,from=40"
+STRAGGLER = "straggler:rank=2,slowdown=1.5,from=40"
 SUMMARY = """
 SELECT rank,
        count(*) AS steps,
@@ -40,6 +42,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -
     raise RuntimeError(f"collector not healthy at {url} after {timeout_s:.0f}s")
 
 
+def frame(db: Path, sql: str, run_id: str) -> pd.DataFrame:
+    columns, rows = run_sql(db, sql, [run_id])
+    return pd.DataFrame(rows, columns=columns)
+
+
 def run(db: Path, steps: int, port: int) -> None:
     token = load_or_create_token(db.parent)
     url = f"http://127.0.0.1:{port}"
@@ -58,4 +65,9 @@ def run(db: Path, steps: int, port: int) -> None:
     columns, rows = run_sql(db, SUMMARY, [run_id])
     print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
     write(columns, rows, "table")
+    print("\nWhat the straggler analyzer finds over the last 50 steps:")
+    for finding in stragglers.analyze(frame(db, "SELECT * FROM steps WHERE run_id = ?", run_id),
+                                      frame(db, "SELECT * FROM ranks WHERE run_id = ?", run_id),
+                                      stragglers.Settings(window=50)) or ["nothing"]:
+        print(f"  [{finding.severity}] {finding.summary}" if finding != "nothing" else "  nothing")
     print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")

@@ -1,0 +1,1 @@
+"""Analyzers: pure functions from telemetry tables to findings."""

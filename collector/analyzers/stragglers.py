@@ -1,0 +1,137 @@
+"""Straggler analysis: which ranks are slow, in what pattern, and what it costs.
+
+A pure function from a frame of rank-steps (and the ranks' placement) to
+findings. Each rank-step's compute time is taken relative to that step's
+median over ranks; each rank's typical ratio over a window of recent steps
+(its median there, so one noisy step never counts) is then compared across
+ranks by robust statistics: median and MAD, the MAD floored at a relative
+jitter so a perfectly quiet job does not divide by zero. In synchronous
+training the culprit computes long and waits little while its victims wait
+long, so a suspect must also wait less than its peers.
+
+Suspects are grouped into a pattern: a single rank, a node (all ranks of a
+host), a pipeline stage (all ranks of a stage), or widespread (time lost to
+a different slow rank at each step, as uneven sequence lengths make it). The
+cost is the step time lost to the slow ranks: per step, the slowest rank's
+compute minus the median compute, which every other rank waits out.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+ANALYZER = "stragglers"
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = 8  # recent steps a rank is judged over
+    z: float = 4.0  # robust z-score, across ranks, of a rank's typical compute ratio
+    min_slowdown: float = 0.03  # and at least this much slower than the median rank
+    jitter_floor: float = 0.01  # the MAD is floored at this fraction (1%)
+    widespread_cv: float = 0.10  # cross-rank spread of compute (robust CV) that makes random slowness a finding
+
+
+@dataclass
+class Finding:
+    """One conclusion, in the shape of the `findings` table."""
+
+    run_id: str
+    kind: str  # rank | node | stage | widespread
+    ranks: list[int]
+    step_start: int
+    step_end: int
+    severity: str
+    score: float  # median slowdown of the suspects' compute over the window (1.3 = 30% slower)
+    summary: str
+    evidence: dict = field(default_factory=dict)
+    analyzer: str = ANALYZER
+
+
+def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Settings = Settings()) -> list[Finding]:
+    """Findings for one run from its rank-steps, judged over the last `settings.window` steps.
+
+    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s.
+    `ranks`: rank, and host and pp_stage where known: placement, for node and stage patterns.
+    """
+    if steps.empty or steps["rank"].nunique() < 3:
+        return []  # robust statistics need peers
+    s = settings
+    steps = steps.assign(comm_wait_s=steps["comm_wait_s"].fillna(0.0)).sort_values(["step", "rank"])
+    steps["ratio"] = steps["compute_s"] / steps.groupby("step")["compute_s"].transform("median")
+    run_id = str(steps["run_id"].iloc[0])
+    last_steps = np.sort(steps["step"].unique())[-s.window:]
+    recent = steps[steps["step"].isin(last_steps)]
+    typical = recent.groupby("rank").agg(ratio=("ratio", "median"), wait=("comm_wait_s", "median"))
+    center = typical["ratio"].median()
+    spread = max(1.4826 * (typical["ratio"] - center).abs().median(), s.jitter_floor * center)
+    slow = typical[((typical["ratio"] - center) / spread > s.z) & (typical["ratio"] > center * (1 + s.min_slowdown))
+                   & (typical["wait"] <= typical["wait"].median())]
+    if not slow.empty:
+        return [_suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s)]
+    lost = _lost_seconds(recent)
+    slowest = recent.loc[recent.groupby("step")["compute_s"].idxmax(), "rank"]
+    cv = 1.4826 * (recent["ratio"] - 1).abs().median()
+    if cv >= s.widespread_cv and slowest.nunique() >= min(3, len(last_steps)):
+        return [Finding(
+            run_id, "widespread", sorted(int(r) for r in slowest.unique()), int(last_steps[0]), int(last_steps[-1]),
+            "warning", float(recent.groupby("step")["ratio"].max().median()),
+            f"compute varies {100 * cv:.0f}% across ranks and a different rank is slowest at each step "
+            f"({slowest.nunique()} ranks in {len(last_steps)} steps), none persistently, as with uneven "
+            f"sequence lengths: {lost.mean() * 1e3:.1f} ms lost per step",
+            {"cross_rank_cv": float(cv), "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.loc[slowest.index, "step"], slowest)},
+             **_cost(recent, lost)})]
+    return []
+
+
+def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, suspects: list[int],
+                     ranks: pd.DataFrame | None, s: Settings) -> Finding:
+    """The finding for persistently slow ranks: their pattern, evidence and cost."""
+    kind, where = "rank", f"rank {suspects[0]}" if len(suspects) == 1 else f"ranks {suspects}"
+    if ranks is not None and not ranks.empty:
+        placed = ranks.set_index("rank")
+        for column, label in (("host", "node"), ("pp_stage", "stage")):
+            if column in placed and placed[column].notna().all():
+                groups = placed.loc[placed.index.isin(suspects), column].unique()
+                members = sorted(int(r) for r in placed.index[placed[column].isin(groups)])
+                if len(groups) == 1 and members == suspects and len(members) > 1 and placed[column].nunique() > 1:
+                    kind, where = label, f"{label} {groups[0]} (ranks {suspects})"
+                    break
+    peers = recent[~recent["rank"].isin(suspects)]
+    slowdown = float(recent.loc[recent["rank"].isin(suspects), "ratio"].median())
+    # since when: the last time their typical ratio was under halfway to today's, plus half a window of lag
+    mine = steps[steps["rank"].isin(suspects)].groupby("step")["ratio"].median()
+    rolling = mine.rolling(s.window, min_periods=1).median()
+    under = rolling.index[rolling <= 1 + (slowdown - 1) / 2]
+    first = int(under[-1]) + 1 - s.window // 2 if len(under) else int(mine.index[0])
+    first = min(max(first, int(mine.index[0])), int(recent["step"].min()))
+    lost = _lost_seconds(steps[steps["step"] >= first])
+    cost = _cost(steps[steps["step"] >= first], lost)
+    severity = "critical" if slowdown >= 1.2 else "warning"
+    return Finding(
+        run_id, kind, suspects, first, int(steps["step"].max()), severity, slowdown,
+        f"{where} computes {100 * (slowdown - 1):.0f}% slower than its peers since step {first}; "
+        f"the others wait for it: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
+        f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
+        {"compute_s": float(recent.loc[recent["rank"].isin(suspects), "compute_s"].median()),
+         "peer_compute_s": float(peers["compute_s"].median()),
+         "comm_wait_s": float(recent.loc[recent["rank"].isin(suspects), "comm_wait_s"].median()),
+         "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
+         "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
+         **cost})
+
+
+def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
+    """Per step: the slowest rank's compute minus the median compute (what the others wait out)."""
+    grouped = steps.groupby("step")["compute_s"]
+    return grouped.max() - grouped.median()
+
+
+def _cost(steps: pd.DataFrame, lost: pd.Series) -> dict:
+    step_time = steps.groupby("step")["duration_s"].median()
+    world = steps["rank"].nunique()
+    return {"lost_s_per_step": float(lost.mean()),
+            "lost_percent": float(100 * lost.sum() / step_time.sum()) if step_time.sum() else 0.0,
+            "gpu_hours_lost": float(lost.sum() * world / 3600),
+            "steps": int(len(lost))}

@@ -1,0 +1,79 @@
+"""The straggler analyzer on small frames: culprits, patterns, noise immunity, cost."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from collector.analyzers.stragglers import analyze
+
+RANKS = 32  # four hosts of 8 ranks; four pipeline stages of 8 ranks, spread over the hosts
+
+
+def frame(steps=40, jitter=0.02, slow=None, seed=0, compute=0.100, comm=0.020):
+    """Rank-steps of a synchronous job: each step lasts as long as its slowest rank's compute,
+    and every rank waits the difference. `slow`: {rank: (slowdown, from_step)}."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        c = compute * rng.lognormal(0, jitter, RANKS)
+        for rank, (factor, start) in (slow or {}).items():
+            if step >= start:
+                c[rank] *= factor
+        end = c.max()
+        for rank in range(RANKS):
+            wait = end - c[rank] + comm
+            rows.append(("r", rank, step, c[rank] + wait, c[rank], wait))
+    return pd.DataFrame(rows, columns=["run_id", "rank", "step", "duration_s", "compute_s", "comm_wait_s"])
+
+
+PLACEMENT = pd.DataFrame({"rank": range(RANKS), "host": [f"node{r // 8}" for r in range(RANKS)],
+                          "pp_stage": [r % 4 for r in range(RANKS)]})
+
+
+def test_clean_run_with_2_percent_jitter_has_no_finding():
+    for seed in range(5):
+        assert analyze(frame(jitter=0.02, seed=seed), PLACEMENT) == []
+
+
+@pytest.mark.parametrize("slowdown", [1.05, 1.10, 1.30])
+def test_single_slow_rank_is_named_with_its_cost(slowdown):
+    (finding,) = analyze(frame(slow={5: (slowdown, 20)}), PLACEMENT)
+    assert (finding.kind, finding.ranks) == ("rank", [5])
+    assert finding.score == pytest.approx(slowdown, rel=0.03)
+    assert 12 <= finding.step_start <= 24
+    # the others wait out the straggler's extra compute: about (slowdown - 1) x 100 ms per step
+    assert finding.evidence["lost_s_per_step"] == pytest.approx((slowdown - 1) * 0.100, rel=0.5)
+    assert finding.evidence["comm_wait_s"] < finding.evidence["peer_comm_wait_s"]
+
+
+def test_detected_within_ten_steps_of_onset():
+    steps = frame(steps=40, slow={3: (1.05, 25)})
+    found_at = next(s for s in range(25, 40) if analyze(steps[steps["step"] <= s], PLACEMENT))
+    assert found_at - 25 < 10
+
+
+def test_one_slow_step_never_fires():
+    steps = frame()
+    steps.loc[(steps["rank"] == 7) & (steps["step"] == 39), "compute_s"] *= 3
+    assert analyze(steps, PLACEMENT) == []
+
+
+def test_slow_node_is_named_as_a_node():
+    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(8, 16)}), PLACEMENT)
+    assert (finding.kind, finding.ranks) == ("node", list(range(8, 16)))
+    assert "node1" in finding.summary
+
+
+def test_slow_stage_is_named_as_a_stage():
+    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(1, RANKS, 4)}), PLACEMENT)
+    assert (finding.kind, finding.ranks) == ("stage", list(range(1, RANKS, 4)))
+
+
+def test_random_slowness_is_widespread_not_a_rank():
+    (finding,) = analyze(frame(jitter=0.3), PLACEMENT)
+    assert finding.kind == "widespread"
+    assert finding.evidence["cross_rank_cv"] > 0.2
+
+
+def test_too_few_ranks_to_judge():
+    assert analyze(frame()[lambda f: f["rank"] < 2], PLACEMENT) == []
