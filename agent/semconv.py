@@ -36,6 +36,9 @@ COMM_GROUP = "rankwatch.comm.group"
 COMM_GROUP_SIZE = "rankwatch.comm.group_size"
 COMM_SEQ = "rankwatch.comm.seq"
 COMM_BYTES = "rankwatch.comm.bytes"
+# on heartbeat events: the last collective the rank entered, and whether it completed
+COMM_OP = "rankwatch.comm.op"
+COMM_DONE = "rankwatch.comm.done"
 
 # Values of rankwatch.kind. A `step` span becomes a row of `steps`; every
 # other span becomes a row of `ops`.

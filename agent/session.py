@@ -63,6 +63,7 @@ class Session:
         self._phase: str | None = None
         self._pending: deque[_Step] = deque()
         self._seq: dict[str, int] = {}
+        self._last_collective: Collective | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat",
@@ -105,6 +106,7 @@ class Session:
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
         c = Collective(op, group, group_size, seq, nbytes, time.monotonic_ns())
+        self._last_collective = c
         if self._current is not None:
             self._current.collectives.append(c)
         return c
@@ -182,10 +184,16 @@ class Session:
         return wait / 1e9
 
     def _beat(self, every_s: float) -> None:
-        """Progress, even when no step finishes: the step and phase this rank is in."""
+        """Progress, even when no step finishes: the step and phase this rank is in, and the
+        last collective it entered (a hang's culprits are the ranks that did not enter the
+        collective the others are blocked in)."""
         while not self._stop.wait(every_s):
-            current = self._current
-            self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **{sc.PHASE: self._phase or ""})
+            current, last = self._current, self._last_collective
+            attributes = {sc.PHASE: self._phase or ""}
+            if last is not None:
+                attributes.update({sc.COMM_OP: last.op, sc.COMM_GROUP: last.group, sc.COMM_SEQ: last.seq,
+                                   sc.COMM_DONE: last.end is not None})
+            self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **attributes)
 
 
 _VALUE_KEYS = {"loss": sc.LOSS, "grad_norm": sc.GRAD_NORM, "tokens": sc.TOKENS, "lr": sc.LR, "mfu": sc.MFU}

@@ -1,0 +1,91 @@
+"""Hang analysis: the job stopped making progress; which ranks are to blame.
+
+A pure function of the run's rank-steps and heartbeats at a moment `now`. A
+stall is no rank-step finishing for longer than a timeout derived from recent
+step times (a multiple of the median, never below a floor). The culprits are
+found as PyTorch's Flight Recorder analysis finds them: each rank's heartbeat
+says the last collective it entered (group and sequence number) and whether
+it completed; the ranks blocked in a collective are waiting for the ranks of
+the same group that have not entered it (their last sequence number is
+lower). Ranks whose heartbeats stopped are culprits too (a dead process).
+"""
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from collector.analyzers.stragglers import Finding
+
+ANALYZER = "hangs"
+
+
+@dataclass(frozen=True)
+class Settings:
+    factor: float = 5.0  # a stall lasts this many typical steps...
+    floor_s: float = 30.0  # ...and at least this long
+    heartbeat_s: float = 5.0  # the agent's heartbeat period
+    silent_after: float = 3.0  # heartbeats missed before a rank counts as gone
+
+
+def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
+            settings: Settings = Settings()) -> list[Finding]:
+    """At most one finding: the stall, and the ranks the others wait for.
+
+    `steps`: run_id, rank, step, end_ts (ns), duration_s.
+    `heartbeats`: rank, ts (ns), step, phase, op, group, seq, done (the last four may be null).
+    """
+    if steps.empty:
+        return []
+    s = settings
+    last_end = int(steps["end_ts"].max())
+    recent = steps[steps["step"] >= steps["step"].max() - 20]
+    typical = float(recent.groupby("step")["duration_s"].max().median())
+    timeout = max(s.floor_s, s.factor * typical)
+    stalled_s = (now_ns - last_end) / 1e9
+    if stalled_s <= timeout:
+        return []
+    run_id = str(steps["run_id"].iloc[0])
+    ranks = sorted(int(r) for r in steps["rank"].unique())
+    beats = heartbeats[heartbeats["ts"] <= now_ns].sort_values("ts").groupby("rank").tail(1).set_index("rank")
+    silent = sorted(r for r in ranks if r not in beats.index
+                    or (now_ns - beats.at[r, "ts"]) / 1e9 > s.silent_after * s.heartbeat_s)
+    alive = beats.drop(index=[r for r in silent if r in beats.index])
+    blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
+    culprits, collective = list(silent), None
+    if not blocked.empty:
+        group, seq = blocked.sort_values("seq").iloc[-1][["group", "seq"]]
+        op = blocked[(blocked["group"] == group) & (blocked["seq"] == seq)]["op"].iloc[0]
+        waiting = sorted(int(r) for r in blocked.index[(blocked["group"] == group) & (blocked["seq"] == seq)])
+        behind = sorted(int(r) for r in alive.index if int(r) not in waiting
+                        and (alive.at[r, "group"] != group or pd.isna(alive.at[r, "seq"]) or alive.at[r, "seq"] < seq))
+        culprits = sorted(set(culprits) | set(behind))
+        collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
+    elif not culprits and not alive.empty:  # no collective information: the ranks at the lowest step
+        lowest = alive["step"].min()
+        culprits = sorted(int(r) for r in alive.index[alive["step"] == lowest]) if alive["step"].nunique() > 1 else []
+    stalled_step = int(steps["step"].max()) + 1
+    where = {int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}
+             for r in culprits if r in beats.index}
+    if collective and culprits:
+        summary = (f"no step has finished for {stalled_s:.0f} s: ranks {collective['waiting_ranks']} are blocked in "
+                   f"{collective['op']} #{collective['seq']} of group {collective['group']}, which ranks {culprits} "
+                   f"never entered")
+    elif culprits:
+        summary = f"no step has finished for {stalled_s:.0f} s: ranks {culprits} stopped ({_describe(where, silent)})"
+    else:
+        summary = f"no step has finished for {stalled_s:.0f} s; no rank stands out (all blocked alike)"
+    return [Finding(run_id, "hang", culprits, stalled_step, stalled_step, "critical", stalled_s / timeout, summary,
+                    {"stalled_s": stalled_s, "timeout_s": timeout, "typical_step_s": typical,
+                     "last_step_end_ns": last_end, "collective": collective, "silent_ranks": silent,
+                     "culprit_last_seen": where}, analyzer=ANALYZER)]
+
+
+def _int(v) -> int | None:
+    return None if pd.isna(v) else int(v)
+
+
+def _describe(where: dict, silent: list[int]) -> str:
+    parts = [f"rank {r}: no heartbeat" if r in silent else
+             f"rank {r}: in {w['phase'] or 'no phase'} of step {w['step']}" for r, w in where.items()]
+    parts += [f"rank {r}: never seen" for r in silent if r not in where]
+    return "; ".join(parts)
