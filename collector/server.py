@@ -39,6 +39,7 @@ class Config:
     token: str | None = None  # None: the token file beside the DB, created on first start
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
     max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
+    analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
 
 
 async def _read_body(request: Request) -> bytes:
@@ -65,7 +66,8 @@ def create_app(config: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit)
+        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
+                      analyze_every_s=config.analyze_every_s)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         try:

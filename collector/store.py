@@ -31,7 +31,9 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from collector.analysis import Analysis
 from collector.children import die_with_parent
 from collector.decode import Decoded
 from collector.schema import DDL, TELEMETRY_TABLES
@@ -78,9 +80,11 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
 
 
 class _Writer:
-    """The writer process's side: owns the connection, commits groups."""
+    """The writer process's side: owns the connection, commits groups, and runs the
+    analyzers between commits (it alone can read the store while the collector runs)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, analyze_every_s: float):
+        self._analysis = Analysis(analyze_every_s)
         self._con = connect(path)
         # One DuckDB thread: the writer shares the machine with decoding, and a
         # parallel insert of a few thousand rows costs more than it gains.
@@ -98,7 +102,11 @@ class _Writer:
         """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it,
         repeat; on None, checkpoint and stop."""
         while True:
-            group = [requests.get()]
+            try:
+                group = [requests.get(timeout=self._analysis.due_in())]
+            except queue.Empty:
+                self._analysis.run(self._con)
+                continue
             deadline = time.monotonic() + GROUP_LINGER_S
             while group[-1] is not None and (left := deadline - time.monotonic()) > 0:
                 try:
@@ -109,6 +117,8 @@ class _Writer:
             group = [g for g in group if g is not None]
             if group:
                 acks.put(self._commit(group))
+            if not self._analysis.due_in() and not stop:
+                self._analysis.run(self._con)
             if stop:
                 self._con.execute("CHECKPOINT")
                 self._con.close()
@@ -146,6 +156,8 @@ class _Writer:
             return ("failed", [request_id for request_id, _, _ in group], str(e))
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
+        self._analysis.touched({run_id for _, d in fresh.values() for table in ("steps", "events")
+                                if table in d.tables for run_id in pc.unique(d.tables[table]["run_id"]).to_pylist()})
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
@@ -173,10 +185,10 @@ class _Writer:
             self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
 
 
-def _writer_main(path: Path, requests, acks) -> None:
+def _writer_main(path: Path, analyze_every_s: float, requests, acks) -> None:
     die_with_parent()
     try:
-        writer = _Writer(path)
+        writer = _Writer(path, analyze_every_s)
     except Exception as e:
         acks.put(("error", str(e)))
         return
@@ -194,7 +206,7 @@ class Store:
     """
 
     def __init__(self, path: Path, max_queue_bytes: int = 256 * 2**20,
-                 on_commit: Callable[[float, int], None] | None = None):
+                 on_commit: Callable[[float, int], None] | None = None, analyze_every_s: float = 5.0):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
@@ -203,7 +215,7 @@ class Store:
         context = multiprocessing.get_context("spawn")
         self.requests = context.Queue()
         self._acks = context.Queue()
-        self._process = context.Process(target=_writer_main, args=(path, self.requests, self._acks),
+        self._process = context.Process(target=_writer_main, args=(path, analyze_every_s, self.requests, self._acks),
                                         name="rankwatch-writer", daemon=True)
         self._process.start()
         first = self._acks.get()

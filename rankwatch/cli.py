@@ -36,7 +36,7 @@ def cmd_collector(args) -> None:
 
     serve(Config(db=_db(args), host=args.host, port=args.port,
                  token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
-                 max_queue_bytes=args.max_queue_bytes))
+                 max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every))
 
 
 def cmd_query(args) -> None:
@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="decode processes (default: one per core; 0: none)")
     p.add_argument("--max-queue-bytes", type=int, default=256 * 2**20,
                    help="request bytes waiting for commit before exports get 503 + Retry-After")
+    p.add_argument("--analyze-every", type=float, default=5.0, metavar="SECONDS",
+                   help="how often the analyzers look at the runs that are sending (default 5)")
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file")

@@ -1,0 +1,67 @@
+"""Running the analyzers as telemetry arrives: every few seconds, over each run that
+sent anything recently, in the writer process (the only one with the store open).
+
+The analyzers are pure functions; this module reads what they need from the store
+(the last steps of a run, its placement, its recent heartbeats), calls them, and
+records their findings.
+"""
+
+import logging
+import time
+
+import duckdb
+
+from collector import findings
+from collector.analyzers import hangs, stragglers
+
+log = logging.getLogger("rankwatch.analysis")
+ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
+
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compute_s, comm_wait_s
+            FROM steps WHERE run_id = $run AND step >= (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
+_HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
+                        attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
+                        TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
+                        TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN) AS done
+                 FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > now()::TIMESTAMP - INTERVAL 2 MINUTE"""
+
+
+class Analysis:
+    """Which runs are active, when the analyzers are next due, and one pass over them."""
+
+    def __init__(self, interval_s: float = 5.0, straggler_settings=stragglers.Settings(),
+                 hang_settings=hangs.Settings()):
+        self.interval_s = interval_s
+        self._stragglers, self._hangs = straggler_settings, hang_settings
+        self._active: dict[str, float] = {}
+        self._next = time.monotonic() + interval_s
+
+    def touched(self, run_ids) -> None:
+        now = time.monotonic()
+        self._active.update((run_id, now) for run_id in run_ids)
+
+    def due_in(self) -> float:
+        return max(self._next - time.monotonic(), 0.0)
+
+    def run(self, con: duckdb.DuckDBPyConnection) -> None:
+        """One pass over the active runs; an analyzer's failure is logged, never raised."""
+        self._next = time.monotonic() + self.interval_s
+        cutoff = time.monotonic() - ACTIVE_FOR_S
+        self._active = {run: t for run, t in self._active.items() if t > cutoff}
+        for run_id in list(self._active):
+            try:
+                self._analyze(con, run_id)
+            except Exception:
+                log.exception("analysis of run %s failed", run_id)
+
+    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+        steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
+        if steps.empty:
+            return
+        ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+        complete = steps[steps["step"] < steps["step"].max()]  # the newest step may still be arriving
+        findings.record(con, run_id, stragglers.ANALYZER, stragglers.analyze(complete, ranks, self._stragglers))
+        heartbeats = con.execute(_HEARTBEATS, {"run": run_id}).df()
+        findings.record(con, run_id, hangs.ANALYZER,
+                        hangs.analyze(steps, heartbeats, time.time_ns(), self._hangs))
+

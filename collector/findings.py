@@ -1,0 +1,37 @@
+"""Findings in the store: an analyzer's latest conclusions for a run become rows that
+stay `firing` while it keeps drawing them and turn `resolved` when it stops."""
+
+import json
+
+import duckdb
+
+from collector.analyzers.stragglers import Finding
+
+
+def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings: list[Finding]) -> None:
+    """Make the firing rows of (run, analyzer) match `findings`: same kind and ranks update
+    the row, new ones insert, the rest resolve. One transaction."""
+    firing = {(kind, tuple(ranks)): fid for fid, kind, ranks in con.execute(
+        "SELECT id, kind, ranks FROM findings WHERE run_id = ? AND analyzer = ? AND state = 'firing'",
+        [run_id, analyzer]).fetchall()}
+    con.begin()
+    try:
+        for f in findings:
+            evidence = json.dumps(f.evidence, default=str)
+            fid = firing.pop((f.kind, tuple(f.ranks)), None)
+            if fid is None:
+                con.execute("""INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity,
+                               score, summary, evidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                            [run_id, analyzer, f.kind, f.ranks, f.step_start, f.step_end, f.severity, f.score,
+                             f.summary, evidence])
+            else:
+                con.execute("""UPDATE findings SET step_end = ?, severity = ?, score = ?, summary = ?, evidence = ?,
+                               updated_at = now() WHERE id = ?""",
+                            [f.step_end, f.severity, f.score, f.summary, evidence, fid])
+        for fid in firing.values():
+            con.execute("UPDATE findings SET state = 'resolved', updated_at = now() WHERE id = ?", [fid])
+        con.commit()
+    except Exception:
+        con.rollback()
+        raise
+
