@@ -200,7 +200,7 @@ def test_fault_event_and_straggler(job):
     wait_0, wait_1 = (statistics.median(wait[r][s] for s in after) for r in (0, 1))
     # rank 1 computes ~2x longer; rank 0 waits for it at the end of backward
     assert compute_1 > 1.4 * compute_0, (compute_0, compute_1)
-    assert wait_0 > 2 * wait_1 and wait_0 - wait_1 > 0.01, (wait_0, wait_1)
+    assert wait_0 > 1.5 * wait_1 and wait_0 - wait_1 > 0.01, (wait_0, wait_1)
 
 
 # -- collector.nccl against nccl-tests' doc/PERFORMANCE.md -------------------------------------------------------
