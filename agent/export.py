@@ -161,16 +161,19 @@ class Exporter:
         self._logger = self._logger_provider.get_logger(SCOPE)
         self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", **common)
 
-    def trace(self, spans: Sequence[tuple[str, int, int, Attributes]]) -> SpanContext:
+    def trace(self, spans: Sequence[tuple[str, int, int, Attributes]], resource: Resource | None = None) -> SpanContext:
         """Record one finished trace, times given: the first span is the root (a step), the
-        others its children; returns the root's context. The spans are built as the SDK's ReadableSpan and handed to its
-        batch processor directly: the tracer API's context and sampling machinery would cost
-        ~80 µs a span on the training thread, for spans whose times are known after the fact."""
+        others its children; returns the root's context. `resource`: who it is from, when one
+        process speaks for many ranks (the fleet simulator); default this exporter's.
+
+        The spans are built as the SDK's ReadableSpan and handed to its batch processor
+        directly: the tracer API's context and sampling machinery would cost ~80 µs a span
+        on the training thread, for spans whose times are known after the fact."""
         trace_id = self._ids.getrandbits(128)
         root = None
         for name, start_ns, end_ns, attributes in spans:
             context = SpanContext(trace_id, self._ids.getrandbits(64), is_remote=False, trace_flags=_SAMPLED)
-            self._processor.on_end(ReadableSpan(name, context, parent=root, resource=self.resource,
+            self._processor.on_end(ReadableSpan(name, context, parent=root, resource=resource or self.resource,
                                                 attributes=attributes, start_time=start_ns, end_time=end_ns,
                                                 instrumentation_scope=self._scope))
             root = root or context

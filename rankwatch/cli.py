@@ -8,6 +8,7 @@ duckdb and `rankwatch query` never loads torch.
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -63,6 +64,44 @@ def cmd_train(args) -> None:
                    collector=args.collector, model=args.model))
 
 
+def cmd_simulate(args) -> None:
+    from rich.progress import track
+
+    from trainer import simulate
+    from trainer.faults import parse
+
+    pp, tp = args.pp, args.tp
+    dp = args.dp or args.ranks // (pp * tp)
+    if dp * pp * tp != args.ranks:
+        raise UsageError(f"--ranks {args.ranks} is not dp x pp x tp = {dp} x {pp} x {tp}")
+    if (args.collector is None) == (args.out is None):
+        raise UsageError("give one of --collector URL or --out FILE.parquet")
+    topology = simulate.Topology(dp, pp, tp)
+    try:
+        faults = [parse(spec, simulate.SIMULATOR_KINDS) for spec in args.inject]
+    except ValueError as e:
+        raise UsageError(str(e).replace("the trainer injects", "the simulator injects")) from None
+    for f in faults:
+        if f.rank is not None and not 0 <= f.rank < args.ranks:
+            raise UsageError(f"{f.spec!r}: rank {f.rank} is outside 0..{args.ranks - 1}")
+    frames = track(simulate.steps(topology, args.steps, faults, seed=args.seed), total=args.steps,
+                   description=f"simulating {args.ranks} ranks", transient=True)
+    if args.out:
+        rows = simulate.to_parquet(Path(args.out), topology, frames, faults)
+        print(f"rankwatch simulate: {rows} ops of {args.ranks} ranks x {args.steps} steps -> {args.out} "
+              f"(ground truth: {args.out}.truth.json)")
+        return
+    from agent import config
+    from agent.export import Exporter
+
+    run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
+    exporter = Exporter(config.collector_url(args.collector), config.token(), {"rankwatch.run_id": run_id})
+    spans = simulate.to_collector(exporter, run_id, topology, frames, faults)
+    exporter.flush()
+    exporter.shutdown()
+    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
+
+
 def cmd_demo(args) -> None:
     from rankwatch.demo import run
 
@@ -88,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--dp", type=int, help="data-parallel replicas (default: ranks / (pp x tp))")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--run", help="run id (default: made from the time)")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)")
+    p.add_argument("--collector", help="send OTLP to this collector")
+    p.add_argument("--out", help="write a Parquet op trace instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")

@@ -1,6 +1,7 @@
 """Fault injection: one grammar for the trainer and the fleet simulator.
 
     straggler:rank=2,slowdown=1.3,from=40[,to=90]   a rank's compute runs `slowdown` times longer
+    slow-node:node=3,slowdown=1.2,from=40           the ranks of a host (simulator)
     hang:rank=1,at=200[,seconds=S]                   a rank stops (forever, or for S seconds)
     spike:at=120,scale=8                             the loss of one step is scaled (a loss spike)
     nan:at=150                                       the loss of one step is NaN
@@ -17,6 +18,7 @@ _KEYS = {  # kind -> {key: (type, required)}
     "hang": {"rank": (int, True), "at": (int, True), "seconds": (float, False)},
     "spike": {"at": (int, True), "scale": (float, True)},
     "nan": {"at": (int, True)},
+    "slow-node": {"node": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "thermal": {"rank": (int, True), "from": (int, False), "to": (int, False)},
     "slow-link": {"rank": (int, True), "factor": (float, True), "from": (int, False), "to": (int, False)},
     "slow-stage": {"stage": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},

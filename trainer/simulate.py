@@ -1,0 +1,161 @@
+"""Fleet simulator: thousands of ranks of a DP x PP x TP job, without GPUs.
+
+Each step is drawn for all ranks at once (numpy): compute time with
+lognormal jitter and rare GC-like pauses, multiplied by the active faults;
+tensor-parallel ranks wait for their slowest peer, a pipeline of `pp` stages
+runs 1F1B over `microbatches` (the slowest stage sets the pace and the
+bubble adds (pp - 1) microbatch slots), and data-parallel replicas meet in
+a gradient all-reduce that every rank waits for (and that a slow link slows
+for the whole ring). A rank's exposed communication wait is its step time
+minus its own data and compute time, as the agent measures it.
+
+Steps go to a collector as real OTLP (the agent's exporter, one resource per
+rank) or to a Parquet op trace in the generic format of `rankwatch import
+ops`; the faults injected are logged as `fault_injected` events, and written
+as JSON ground truth beside a Parquet file.
+"""
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from trainer.faults import Fault
+
+SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks in Megatron's order: tensor-parallel ranks adjacent, then data-parallel
+    replicas, then pipeline stages; `ranks_per_host` consecutive ranks share a host."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    ranks_per_host: int = 8
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def placement(self) -> pd.DataFrame:
+        rank = np.arange(self.ranks)
+        return pd.DataFrame({"rank": rank, "tp_rank": rank % self.tp, "dp_rank": (rank // self.tp) % self.dp,
+                             "pp_stage": rank // (self.tp * self.dp), "host": rank // self.ranks_per_host})
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float = 0.60  # per rank per step, at full speed
+    data_s: float = 0.02
+    allreduce_s: float = 0.10
+    jitter: float = 0.02  # lognormal sigma of compute
+    pause_rate: float = 0.0005  # GC-like pauses per rank-step
+    microbatches: int = 8
+
+
+def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
+          seed: int = 0, start_ns: int | None = None) -> Iterator[pd.DataFrame]:
+    """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
+    sm_clock_mhz, temp_c."""
+    rng = np.random.default_rng(seed)
+    place = topology.placement()
+    n, t = topology.ranks, timing
+    now = time.time_ns() if start_ns is None else start_ns
+    for step in range(n_steps):
+        compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
+        pauses = rng.random(n) < t.pause_rate
+        compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
+        clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), 1.0
+        for f in faults:
+            if not f.active(step):
+                continue
+            if f.kind == "straggler":
+                compute[f.rank] *= f.get("slowdown")
+            elif f.kind == "slow-node":
+                compute[(place["host"] == f.get("node")).to_numpy()] *= f.get("slowdown")
+            elif f.kind == "slow-stage":
+                compute[(place["pp_stage"] == f.get("stage")).to_numpy()] *= f.get("slowdown")
+            elif f.kind == "data-skew":
+                compute *= rng.lognormal(0.0, f.get("cv"), n)
+            elif f.kind == "thermal":  # throttled: clocks down, hotter, slower in proportion
+                clock[f.rank], temp[f.rank] = 1500.0, 88.0
+                compute[f.rank] *= 1980.0 / 1500.0
+            elif f.kind == "slow-link":
+                link = max(link, f.get("factor"))
+        data = t.data_s * rng.lognormal(0.0, t.jitter, n)
+        # tensor-parallel groups move at their slowest member's pace
+        tp_pace = compute.reshape(-1, topology.tp).max(axis=1).repeat(topology.tp)
+        # each replica's pipeline: the slowest stage sets the pace, plus the 1F1B bubble
+        per_stage = tp_pace.reshape(topology.pp, topology.dp, topology.tp)[:, :, 0]  # stage x replica
+        slots = (t.microbatches + topology.pp - 1) / t.microbatches
+        pipeline = per_stage.max(axis=0) * (slots if topology.pp > 1 else 1.0)  # per replica
+        step_s = data.max() + pipeline.max() + t.allreduce_s * link
+        comm_wait = step_s - data - compute
+        yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
+                            "end_ns": now + int(step_s * 1e9), "duration_s": step_s, "data_s": data,
+                            "compute_s": compute, "comm_wait_s": comm_wait, "sm_clock_mhz": clock, "temp_c": temp})
+        now += int(step_s * 1e9)
+
+
+def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.DataFrame],
+                 faults: list[Fault]) -> int:
+    """Send the steps as OTLP through the agent's exporter, one resource per rank; returns spans sent."""
+    from opentelemetry.sdk.resources import Resource
+
+    from agent import semconv as sc
+
+    place = topology.placement()
+    resources = [Resource.create({sc.RUN_ID: run_id, sc.RANK: int(r.rank), sc.WORLD_SIZE: topology.ranks,
+                                  sc.DP_RANK: int(r.dp_rank), sc.PP_STAGE: int(r.pp_stage),
+                                  sc.TP_RANK: int(r.tp_rank), sc.HOST_NAME: f"sim-node-{r.host:04d}",
+                                  sc.DEVICE: "simulated", sc.SOURCE: sc.SOURCE_SIMULATED})
+                 for r in place.itertuples()]
+    announced, sent = set(), 0
+    for frame in frames:
+        step = int(frame["step"].iloc[0])
+        for f in faults:
+            if f.active(step) and f.spec not in announced:
+                announced.add(f.spec)
+                exporter.event(sc.EVENT_FAULT, int(frame["start_ns"].iloc[0]),
+                               {sc.STEP: step, sc.FAULT_SPEC: f.spec, sc.RANK: f.rank if f.rank is not None else 0})
+        for row in frame.itertuples():
+            exporter.trace([("step", row.start_ns, row.end_ns, {
+                sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
+                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096})], resource=resources[row.rank])
+            sent += 1
+    return sent
+
+
+def to_parquet(path: Path, topology: Topology, frames: Iterator[pd.DataFrame], faults: list[Fault]) -> int:
+    """Write the generic op trace (rank, step, op, start, duration, kind, placement) and its ground
+    truth (`<path>.truth.json`); returns rows written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    place = topology.placement().set_index("rank")
+    writer, rows = None, 0
+    for frame in frames:
+        start = frame["start_ns"] / 1e9
+        ops = pd.concat([
+            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "data", "kind": "data",
+                          "start": start, "duration": frame["data_s"]}),
+            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "forward-backward-compute",
+                          "kind": "compute", "start": start + frame["data_s"], "duration": frame["compute_s"]}),
+            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "grads-all-reduce", "kind": "comm",
+                          "start": start + frame["data_s"] + frame["compute_s"], "duration": frame["comm_wait_s"]}),
+        ]).join(place[["dp_rank", "pp_stage", "tp_rank"]], on="rank")
+        table = pa.Table.from_pandas(ops, preserve_index=False)
+        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+        rows += len(ops)
+    if writer:
+        writer.close()
+    truth = [{"spec": f.spec, "kind": f.kind, **dict(f.params)} for f in faults]
+    Path(f"{path}.truth.json").write_text(json.dumps({"topology": vars(topology), "faults": truth}, indent=2))
+    return rows
