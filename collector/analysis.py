@@ -17,8 +17,10 @@ from collector.analyzers import hangs, stragglers
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
 
-_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compute_s, comm_wait_s
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
             FROM steps WHERE run_id = $run AND step >= (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
+_DEVICES = """SELECT rank, metric, value FROM device_samples
+              WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
                         attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
                         TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
@@ -60,7 +62,9 @@ class Analysis:
             return
         ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
         complete = steps[steps["step"] < steps["step"].max()]  # the newest step may still be arriving
-        findings.record(con, run_id, stragglers.ANALYZER, stragglers.analyze(complete, ranks, self._stragglers))
+        devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min() or 0)}).df()
+        findings.record(con, run_id, stragglers.ANALYZER,
+                        stragglers.analyze(complete, ranks, self._stragglers, devices))
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id}).df()
         findings.record(con, run_id, hangs.ANALYZER,
                         hangs.analyze(steps, heartbeats, time.time_ns(), self._hangs))

@@ -18,7 +18,7 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def findings(tmp_path_factory):
+def store(tmp_path_factory):
     from tests.conftest import Collector, free_port
 
     db = tmp_path_factory.mktemp("sim") / "rankwatch.duckdb"
@@ -37,9 +37,23 @@ def findings(tmp_path_factory):
     finally:
         collector.stop()
         log.close()
-    return {name: query(db, """SELECT kind, ranks, state FROM findings
-                               WHERE run_id = ? AND analyzer = 'stragglers' ORDER BY id""", [f"sim-{name}"])
+    return db
+
+
+@pytest.fixture(scope="module")
+def findings(store):
+    return {name: query(store, """SELECT kind, ranks, state FROM findings
+                                  WHERE run_id = ? AND analyzer = 'stragglers' ORDER BY id""", [f"sim-{name}"])
             for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def findings_evidence(store):
+    import json
+
+    (evidence,) = query(store, """SELECT evidence FROM findings WHERE run_id = 'sim-thermal'
+                                  AND analyzer = 'stragglers' AND state = 'firing'""")[0]
+    return json.loads(evidence)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -52,3 +66,9 @@ def test_scenario(findings, name):
         assert [kind for kind, _ in firing] == [expected[0]]
     else:
         assert firing == [expected]
+
+
+def test_thermal_finding_carries_clock_and_temperature_evidence(findings_evidence):
+    devices = findings_evidence["devices"]
+    assert devices["DCGM_FI_DEV_SM_CLOCK"]["suspects"] < devices["DCGM_FI_DEV_SM_CLOCK"]["peers"]
+    assert devices["DCGM_FI_DEV_GPU_TEMP"]["suspects"] > devices["DCGM_FI_DEV_GPU_TEMP"]["peers"] + 15

@@ -129,6 +129,10 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
                 sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096})], resource=resources[row.rank])
             sent += 1
+        exporter.samples((metric, int(row.end_ns), float(value), {
+            sc.RANK: int(row.rank), sc.GPU: int(row.rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED})
+            for row in frame.itertuples()
+            for metric, value in ((sc.SM_CLOCK_MHZ, row.sm_clock_mhz), (sc.GPU_TEMP_C, row.temp_c)))
     return sent
 
 

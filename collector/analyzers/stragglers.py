@@ -49,11 +49,14 @@ class Finding:
     analyzer: str = ANALYZER
 
 
-def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Settings = Settings()) -> list[Finding]:
+def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Settings = Settings(),
+            devices: pd.DataFrame | None = None) -> list[Finding]:
     """Findings for one run from its rank-steps, judged over the last `settings.window` steps.
 
-    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s.
+    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s (data_s optional).
     `ranks`: rank, and host and pp_stage where known: placement, for node and stage patterns.
+    `devices`: rank, metric, value: recent device samples, attached as evidence (clocks,
+    temperature, throttle reasons of the suspects against their peers).
     """
     if steps.empty or steps["rank"].nunique() < 3:
         return []  # robust statistics need peers
@@ -69,7 +72,12 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
     slow = typical[((typical["ratio"] - center) / spread > s.z) & (typical["ratio"] > center * (1 + s.min_slowdown))
                    & (typical["wait"] <= typical["wait"].median())]
     if not slow.empty:
-        return [_suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s)]
+        finding = _suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s)
+        finding.evidence.update(_device_evidence(devices, finding.ranks))
+        if "data_s" in recent:
+            finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
+            finding.evidence["peer_data_s"] = float(recent.loc[~recent["rank"].isin(finding.ranks), "data_s"].median())
+        return [finding]
     lost = _lost_seconds(recent)
     slowest = recent.loc[recent.groupby("step")["compute_s"].idxmax(), "rank"]
     cv = 1.4826 * (recent["ratio"] - 1).abs().median()
@@ -120,6 +128,17 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
          "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
          "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
          **cost})
+
+
+def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
+    """Median of each device metric for the suspects and for their peers, e.g. a throttled GPU's
+    lower SM clock and higher temperature."""
+    if devices is None or devices.empty:
+        return {}
+    mine = devices["rank"].isin(suspects)
+    return {"devices": {metric: {"suspects": float(group.loc[mine[group.index], "value"].median()),
+                                 "peers": float(group.loc[~mine[group.index], "value"].median())}
+                        for metric, group in devices.groupby("metric")}}
 
 
 def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
