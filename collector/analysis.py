@@ -25,7 +25,7 @@ _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.ph
                         attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
                         TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
                         TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN) AS done
-                 FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > now()::TIMESTAMP - INTERVAL 2 MINUTE"""
+                 FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > make_timestamp_ns($since)"""
 
 
 class Analysis:
@@ -65,7 +65,7 @@ class Analysis:
         devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min() or 0)}).df()
         findings.record(con, run_id, stragglers.ANALYZER,
                         stragglers.analyze(complete, ranks, self._stragglers, devices))
-        heartbeats = con.execute(_HEARTBEATS, {"run": run_id}).df()
-        findings.record(con, run_id, hangs.ANALYZER,
-                        hangs.analyze(steps, heartbeats, time.time_ns(), self._hangs))
+        now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
+        heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
+        findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs))
 

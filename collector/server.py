@@ -19,6 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from collector import otlp
+from collector.analysis import Analysis
+from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
 from collector.ingest import Ingestor
 from collector.selfmetrics import SelfMetrics
@@ -40,6 +42,7 @@ class Config:
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
     max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
+    hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -67,7 +70,7 @@ def create_app(config: Config) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
-                      analyze_every_s=config.analyze_every_s)
+                      analysis=Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s)))
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         try:

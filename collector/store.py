@@ -83,8 +83,8 @@ class _Writer:
     """The writer process's side: owns the connection, commits groups, and runs the
     analyzers between commits (it alone can read the store while the collector runs)."""
 
-    def __init__(self, path: Path, analyze_every_s: float):
-        self._analysis = Analysis(analyze_every_s)
+    def __init__(self, path: Path, analysis: Analysis):
+        self._analysis = analysis
         self._con = connect(path)
         # One DuckDB thread: the writer shares the machine with decoding, and a
         # parallel insert of a few thousand rows costs more than it gains.
@@ -185,10 +185,10 @@ class _Writer:
             self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
 
 
-def _writer_main(path: Path, analyze_every_s: float, requests, acks) -> None:
+def _writer_main(path: Path, analysis: Analysis, requests, acks) -> None:
     die_with_parent()
     try:
-        writer = _Writer(path, analyze_every_s)
+        writer = _Writer(path, analysis)
     except Exception as e:
         acks.put(("error", str(e)))
         return
@@ -206,7 +206,7 @@ class Store:
     """
 
     def __init__(self, path: Path, max_queue_bytes: int = 256 * 2**20,
-                 on_commit: Callable[[float, int], None] | None = None, analyze_every_s: float = 5.0):
+                 on_commit: Callable[[float, int], None] | None = None, analysis: Analysis | None = None):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
@@ -215,7 +215,8 @@ class Store:
         context = multiprocessing.get_context("spawn")
         self.requests = context.Queue()
         self._acks = context.Queue()
-        self._process = context.Process(target=_writer_main, args=(path, analyze_every_s, self.requests, self._acks),
+        self._process = context.Process(target=_writer_main, args=(path, analysis or Analysis(), self.requests,
+                                                                   self._acks),
                                         name="rankwatch-writer", daemon=True)
         self._process.start()
         first = self._acks.get()

@@ -37,7 +37,8 @@ def cmd_collector(args) -> None:
 
     serve(Config(db=_db(args), host=args.host, port=args.port,
                  token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
-                 max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every))
+                 max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
+                 hang_after_s=args.hang_after))
 
 
 def cmd_query(args) -> None:
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bytes waiting for commit before exports get 503 + Retry-After")
     p.add_argument("--analyze-every", type=float, default=5.0, metavar="SECONDS",
                    help="how often the analyzers look at the runs that are sending (default 5)")
+    p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
+                   help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file")

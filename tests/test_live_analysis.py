@@ -22,3 +22,20 @@ def test_straggler_of_a_live_job_becomes_a_firing_finding(collector_factory):
     # no hang was reported for a job that kept stepping
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") \
         == [(0,)]
+
+
+def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
+    """Rank 1 stops for 30 s at step 4; the collector (stall floor 8 s) names it while the others are
+    blocked, and resolves the finding once the job moves again."""
+    collector = collector_factory(None, "--analyze-every", "1", "--hang-after", "8")
+    status = train(nproc=3, steps=8, run_id="run-live-hang", faults=["hang:rank=1,at=4,seconds=30"],
+                   collector=collector.url, token=collector.token)
+    assert status == 0
+    collector.stop()
+    rows = query(collector.db, """SELECT kind, ranks, state, step_start, evidence FROM findings
+                                  WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""")
+    assert len(rows) == 1, rows
+    kind, ranks, state, step_start, evidence = rows[0]
+    assert (kind, list(ranks), state, step_start) == ("hang", [1], "resolved", 4)
+    collective = json.loads(evidence)["collective"]
+    assert (collective["op"], collective["waiting_ranks"]) == ("all_reduce", [0, 2])
