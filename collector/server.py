@@ -7,6 +7,7 @@ as Prometheus and load balancers expect.
 """
 
 import logging
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
 from collector.ingest import Ingestor
 from collector.selfmetrics import SelfMetrics
-from collector.store import Overloaded, Store
+from collector.store import Overloaded, Store, connect
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2
@@ -120,6 +121,16 @@ def create_app(config: Config) -> Starlette:
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def preflight(config: Config) -> None:
+    """What would stop the server from starting, as one exception before it starts:
+    StoreLocked when another collector holds the store, OSError when the address is taken."""
+    config.db.parent.mkdir(parents=True, exist_ok=True)
+    connect(config.db).close()
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((config.host, config.port))
 
 
 def serve(config: Config) -> None:

@@ -33,12 +33,20 @@ def _db(args) -> Path:
 
 
 def cmd_collector(args) -> None:
-    from collector.server import Config, serve
+    from collector.server import Config, preflight, serve
+    from collector.store import StoreLocked
 
-    serve(Config(db=_db(args), host=args.host, port=args.port,
-                 token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
-                 max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
-                 hang_after_s=args.hang_after))
+    config = Config(db=_db(args), host=args.host, port=args.port,
+                    token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
+                    max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
+                    hang_after_s=args.hang_after)
+    try:
+        preflight(config)
+    except StoreLocked as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    serve(config)
 
 
 def cmd_query(args) -> None:

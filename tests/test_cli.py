@@ -179,3 +179,14 @@ def test_agent_imports_without_collector_deps():
     r = subprocess.run([sys.executable, "-c", AGENT_ALONE], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "DCGM_FI_DEV_POWER_USAGE"
+
+
+def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, tmp_path):
+    """A second collector on the same store, or on a port in use, ends at once with exit 2."""
+    held = rankwatch_cli("collector", "--db", str(collector.db), "--port", str(free_port()), "--token", "t")
+    assert held.returncode == 2
+    assert held.stderr.count("\n") == 1 and "held open by a running collector" in held.stderr
+    taken = rankwatch_cli("collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port),
+                          "--token", "t")
+    assert taken.returncode == 2
+    assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{collector.port}" in taken.stderr
