@@ -72,7 +72,9 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
     slow = typical[((typical["ratio"] - center) / spread > s.z) & (typical["ratio"] > center * (1 + s.min_slowdown))
                    & (typical["wait"] <= typical["wait"].median())]
     if not slow.empty:
-        finding = _suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s)
+        elevated = typical.index[typical["ratio"] > center * (1 + s.min_slowdown / 2)]
+        finding = _suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s,
+                                   {int(r) for r in elevated})
         finding.evidence.update(_device_evidence(devices, finding.ranks))
         if "data_s" in recent:
             finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
@@ -94,16 +96,21 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
 
 
 def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, suspects: list[int],
-                     ranks: pd.DataFrame | None, s: Settings) -> Finding:
-    """The finding for persistently slow ranks: their pattern, evidence and cost."""
+                     ranks: pd.DataFrame | None, s: Settings, elevated: set[int]) -> Finding:
+    """The finding for persistently slow ranks: their pattern, evidence and cost.
+
+    The suspects are a node (or a stage) when they all share one host (stage) and that group's
+    ranks are nearly all slow too (`elevated`: above the median by half the threshold): a
+    slightly slow node shows first as a few of its ranks crossing the threshold."""
     kind, where = "rank", f"rank {suspects[0]}" if len(suspects) == 1 else f"ranks {suspects}"
     if ranks is not None and not ranks.empty:
         placed = ranks.set_index("rank")
         for column, label in (("host", "node"), ("pp_stage", "stage")):
-            if column in placed and placed[column].notna().all():
+            if column in placed and placed[column].notna().all() and placed[column].nunique() > 1:
                 groups = placed.loc[placed.index.isin(suspects), column].unique()
                 members = sorted(int(r) for r in placed.index[placed[column].isin(groups)])
-                if len(groups) == 1 and members == suspects and len(members) > 1 and placed[column].nunique() > 1:
+                if len(groups) == 1 and len(members) > 1 and len(elevated & set(members)) >= 0.75 * len(members):
+                    suspects = members
                     kind, where = label, f"{label} {groups[0]} (ranks {suspects})"
                     break
     peers = recent[~recent["rank"].isin(suspects)]
