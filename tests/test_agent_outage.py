@@ -114,7 +114,7 @@ def test_collector_outage_and_restart(collector, tmp_path):
     assert [(step, count) for step, count, *_ in rows] == [(i, 1) for i in range(STEPS)]
     for step, _, loss, tokens, duration in rows:
         assert loss == 1.0 / (step + 1) and tokens == 100
-        assert duration < PACE + 0.5, (step, duration)  # training never waited for the network (~3 s a try)
+        assert duration < PACE + 1.0, (step, duration)  # training never waited for the network (~3 s a try)
     phases = query(collector.db, "SELECT count(*), count(DISTINCT step) FROM ops WHERE run_id = ? AND kind = 'phase' "
                                  "AND name = 'forward'", [run_id])
     assert phases == [(STEPS, STEPS)]
