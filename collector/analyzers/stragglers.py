@@ -26,7 +26,7 @@ ANALYZER = "stragglers"
 
 @dataclass(frozen=True)
 class Settings:
-    window: int = 8  # recent steps a rank is judged over
+    window: int = 12  # recent steps a rank is judged over (8 let 2%-jitter noise through, bench/detection.py)
     z: float = 4.0  # robust z-score, across ranks, of a rank's typical compute ratio
     min_slowdown: float = 0.03  # and at least this much slower than the median rank
     jitter_floor: float = 0.01  # the MAD is floored at this fraction (1%)
