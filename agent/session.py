@@ -135,15 +135,16 @@ class Session:
 
     # -- turning marks into spans --------------------------------------------------------------------
     def _emit_ready(self, wait: bool = False) -> None:
+        """Emit the finished steps whose marks are readable; `wait` (at shutdown) waits for them."""
         while self._pending and (wait or self._readable(self._pending[0])):
+            if wait and hasattr(self._pending[0].end, "synchronize"):
+                self._pending[0].end.synchronize()  # a CUDA event: the one wait, at the end of the job
             self._emit(self._pending.popleft())
 
     def _readable(self, s: _Step) -> bool:
         return self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
 
     def _emit(self, s: _Step) -> None:
-        if wait_for := getattr(s.end, "synchronize", None):
-            wait_for()
         wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
         start, end = wall(s.start), wall(s.end)
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]

@@ -5,7 +5,7 @@ import json
 
 import duckdb
 
-from collector.analyzers.stragglers import Finding
+from collector.analyzers import Finding
 
 
 def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings: list[Finding]) -> None:

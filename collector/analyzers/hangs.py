@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from collector.analyzers.stragglers import Finding
+from collector.analyzers import Finding
 
 ANALYZER = "hangs"
 

@@ -16,10 +16,12 @@ cost is the step time lost to the slow ranks: per step, the slowest rank's
 compute minus the median compute, which every other rank waits out.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from collector.analyzers import Finding
 
 ANALYZER = "stragglers"
 
@@ -31,22 +33,6 @@ class Settings:
     min_slowdown: float = 0.03  # and at least this much slower than the median rank
     jitter_floor: float = 0.01  # the MAD is floored at this fraction (1%)
     widespread_cv: float = 0.10  # cross-rank spread of compute (robust CV) that makes random slowness a finding
-
-
-@dataclass
-class Finding:
-    """One conclusion, in the shape of the `findings` table."""
-
-    run_id: str
-    kind: str  # rank | node | stage | widespread
-    ranks: list[int]
-    step_start: int
-    step_end: int
-    severity: str
-    score: float  # median slowdown of the suspects' compute over the window (1.3 = 30% slower)
-    summary: str
-    evidence: dict = field(default_factory=dict)
-    analyzer: str = ANALYZER
 
 
 def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Settings = Settings(),
@@ -91,7 +77,7 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
             f"({slowest.nunique()} ranks in {len(last_steps)} steps), none persistently, as with uneven "
             f"sequence lengths: {lost.mean() * 1e3:.1f} ms lost per step",
             {"cross_rank_cv": float(cv), "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.loc[slowest.index, "step"], slowest)},
-             **_cost(recent, lost)})]
+             **_cost(recent, lost)}, analyzer=ANALYZER)]
     return []
 
 
@@ -134,7 +120,7 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
          "comm_wait_s": float(recent.loc[recent["rank"].isin(suspects), "comm_wait_s"].median()),
          "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
          "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
-         **cost})
+         **cost}, analyzer=ANALYZER)
 
 
 def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
