@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent  # noqa: E402
-from rankwatch.demo import wait_healthy  # noqa: E402
+from rankwatch.launch import wait_healthy  # noqa: E402
 from trainer.data import TokenStream  # noqa: E402
 from trainer.model import CONFIGS, GPT  # noqa: E402
 

@@ -31,7 +31,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent import semconv as sc  # noqa: E402
-from rankwatch.demo import wait_healthy  # noqa: E402
+from rankwatch.launch import wait_healthy  # noqa: E402
 
 TOKEN = "bench-token"
 BASELINE_APP = '''

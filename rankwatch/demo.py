@@ -7,13 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pandas as pd
 
 from collector.analyzers import stragglers
 from collector.auth import load_or_create_token
 from collector.query import run_sql, write
-from rankwatch.launch import train
+from rankwatch.launch import train, wait_healthy
 
 STRAGGLER = "straggler:rank=2,slowdown=1.5,from=40"
 SUMMARY = """
@@ -25,21 +24,6 @@ SELECT rank,
        round(sum(tokens) / sum(duration_s)) AS tokens_per_s
 FROM steps WHERE run_id = ? AND step >= 40 GROUP BY rank ORDER BY rank
 """
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Block until the collector answers /healthz (or fail if it died)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"collector exited with status {process.returncode}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"collector not healthy at {url} after {timeout_s:.0f}s")
 
 
 def frame(db: Path, sql: str, run_id: str) -> pd.DataFrame:

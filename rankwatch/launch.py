@@ -1,9 +1,11 @@
-"""Starting the reference trainer under torchrun."""
+"""Starting rankwatch's processes: the reference trainer under torchrun, and waiting for a collector."""
 
 import os
 import subprocess
 import sys
 import time
+
+import httpx
 
 from agent import config
 
@@ -24,3 +26,18 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] =
     if token := config.token(token):
         env["RANKWATCH_TOKEN"] = token
     return subprocess.run(train_command(nproc, steps, list(faults), model), env=env).returncode
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Block until the collector answers /healthz (or fail if it died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"collector exited with status {process.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"collector not healthy at {url} after {timeout_s:.0f}s")

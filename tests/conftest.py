@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.demo import wait_healthy
+from rankwatch.launch import wait_healthy
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -25,7 +25,7 @@ from conftest import Collector, free_port, rankwatch_cli
 from otlp_payloads import T0, post, query, step_spans, trace_body
 
 from collector.auth import load_or_create_token
-from rankwatch.demo import wait_healthy
+from rankwatch.launch import wait_healthy
 
 RUN = "run-cli"
 SQL = "SELECT rank, step, loss, duration_s FROM steps ORDER BY rank, step"
