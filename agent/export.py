@@ -137,7 +137,7 @@ class Backlog:
 class Exporter:
     """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver)."""
 
-    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 3.0,
+    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 10.0,
                  backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = endpoint.rstrip("/")

@@ -52,6 +52,10 @@ def _decode_and_queue(request_id: int, signal: str, kind: str, encoding: str | N
     return Outcome(decoded.accepted, decoded.rejected, decoded.error)
 
 
+def _ready() -> None:
+    """A task that returns once a worker has started."""
+
+
 def _init_worker(writer_queue) -> None:
     global _writer_queue
     die_with_parent()
@@ -71,8 +75,13 @@ class Ingestor:
     def _new_pool(self) -> ProcessPoolExecutor | None:
         if self._workers == 0:
             return None
-        return ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+        pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=(self.store.requests,))
+        # Start every worker now (the pool would spawn them on the first requests, which would then
+        # wait seconds for the imports) and only then open the port.
+        for started in [pool.submit(_ready) for _ in range(self._workers)]:
+            started.result()
+        return pool
 
     async def export(self, signal: str, kind: str, encoding: str | None, body: bytes) -> Outcome:
         """Decompress, decode and commit one request; returns once its rows are durable."""
