@@ -1,23 +1,35 @@
 /*
  * OTLP ExportTraceServiceRequest wire decoder: the ingest hot path.
  *
- * The protobuf runtime's Python objects cost about 2 us per attribute; this
- * walks the wire format once and returns columns of plain Python values that
- * pyarrow converts whole, so no Python code runs per span.
+ * The protobuf runtime's Python objects cost about 2 us per attribute, and
+ * building Arrow arrays from Python values tens of microseconds per column.
+ * This walks the wire format once and writes the spans straight into Arrow's
+ * columnar layout (validity bitmaps, values, offsets), so Python only wraps
+ * finished buffers.
  *
- * traces(body: bytes, keys: tuple[str, ...]) -> (resources, columns)
+ * traces(body: bytes, wanted: tuple[tuple[str, str], ...])
+ *     -> (resources, spans, columns, odd)
  *   resources: one dict of attributes per ResourceSpans
- *   columns: lists, one cell per span: resource index, trace_id, span_id,
- *     parent_span_id (None when empty), name, start_ns, end_ns, then one
- *     column per wanted attribute key (None where absent), then a dict of the
- *     span's other attributes (None when it has none).
+ *   spans: the number of spans
+ *   columns: one tuple of Arrow buffers per column, in this order:
+ *     resource index (int32), trace_id, span_id, parent_span_id (binary; null
+ *     when empty), name (utf8), start_ns, end_ns (uint64), then one per wanted
+ *     (key, type) attribute (type "q" int64, "i" int32, "d" float64, "s" utf8;
+ *     null where absent), then the span's other attributes as a JSON object
+ *     (utf8; null when it has none). Fixed-width columns are (validity, values),
+ *     variable-width ones (validity, offsets, data); validity is None when no
+ *     cell is null.
+ *   odd: (span, column, value) for each wanted attribute sent with another
+ *     type than its column's (the cell is null; the caller coerces or rejects).
  *
- * Every read is bounds-checked; malformed input raises ValueError. Unknown
- * fields are skipped, as protobuf requires, so newer OTLP versions decode.
+ * Every read is bounds-checked; malformed input (and strings that are not
+ * UTF-8) raises ValueError. Unknown fields are skipped, as protobuf requires,
+ * so newer OTLP versions decode.
  * Field numbers: opentelemetry-proto, trace/v1/trace.proto, common/v1/common.proto.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -210,129 +222,410 @@ error:
     return NULL;
 }
 
-static PyObject *bytes_of(Reader *s) {
-    return PyBytes_FromStringAndSize((const char *)s->p, s->end - s->p);
-}
 
-/* The attribute keys the caller wants as columns, as UTF-8 for memcmp. */
+/* A growable byte buffer. */
 typedef struct {
-    Py_ssize_t n;
-    const char **key;
-    Py_ssize_t *len;
-} Keys;
+    char *data;
+    Py_ssize_t len, cap;
+} Buf;
 
-/* Column layout of traces()' result. */
-enum { COL_RESOURCE, COL_TRACE_ID, COL_SPAN_ID, COL_PARENT, COL_NAME, COL_START, COL_END, COL_KEYS };
-
-static int append(PyObject *list, PyObject *item) {
-    /* steals item */
-    if (!item) return -1;
-    int rc = PyList_Append(list, item);
-    Py_DECREF(item);
-    return rc;
+static int grow(Buf *b, Py_ssize_t more) {
+    if (b->len + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more) cap *= 2;
+    char *data = PyMem_Realloc(b->data, cap);
+    if (!data) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = data;
+    b->cap = cap;
+    return 0;
 }
 
-/* One KeyValue of a span: into its column slot when wanted, else into `other`. */
-static int span_attribute(Reader *r, const Keys *keys, PyObject **slots, PyObject **other) {
-    Reader key = {NULL, NULL}, val = {NULL, NULL};
+static int put(Buf *b, const void *p, Py_ssize_t n) {
+    if (grow(b, n) < 0) return -1;
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+    return 0;
+}
+
+static int puts_(Buf *b, const char *s) { return put(b, s, strlen(s)); }
+
+static int utf8_valid(const uint8_t *p, const uint8_t *end) {
+    while (p < end) {
+        uint8_t c = *p;
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        int n = (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
+        if (n < 0 || end - p <= n || (n == 1 && c < 0xc2)) return 0;
+        uint32_t cp = c & (0x3f >> n);
+        for (int i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (p[i] & 0x3f);
+        }
+        if ((n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 3 && (cp < 0x10000 || cp > 0x10ffff)))
+            return 0;
+        p += n + 1;
+    }
+    return 1;
+}
+
+/* One Arrow column being filled, a cell per span. */
+typedef struct {
+    char type; /* q int64, i int32, d float64, u uint64, s utf8, b binary */
+    Buf valid, values, offsets;
+    Py_ssize_t nulls;
+} Column;
+
+static int fixed_width(char type) { return type == 'i' ? 4 : 8; }
+static int var_width(char type) { return type == 's' || type == 'b'; }
+
+/* Start a cell: mark it valid or null (values of a null cell are zeros, as Arrow allows). */
+static int cell(Column *c, Py_ssize_t row, int valid) {
+    if (row % 8 == 0) {
+        uint8_t zero = 0;
+        if (put(&c->valid, &zero, 1) < 0) return -1;
+    }
+    if (valid)
+        c->valid.data[row / 8] |= (uint8_t)(1 << (row % 8));
+    else
+        c->nulls++;
+    return 0;
+}
+
+static int cell_bytes(Column *c, Py_ssize_t row, const uint8_t *p, Py_ssize_t n, int valid) {
+    if (cell(c, row, valid) < 0) return -1;
+    if (row == 0) {
+        int32_t zero = 0;
+        if (put(&c->offsets, &zero, 4) < 0) return -1;
+    }
+    if (valid && put(&c->values, p, n) < 0) return -1;
+    if (c->values.len > INT32_MAX) return fail("column larger than 2 GiB");
+    int32_t offset = (int32_t)c->values.len;
+    return put(&c->offsets, &offset, 4);
+}
+
+static int cell_fixed(Column *c, Py_ssize_t row, const void *value, int valid) {
+    static const uint8_t zeros[8] = {0};
+    if (cell(c, row, valid) < 0) return -1;
+    return put(&c->values, valid ? value : zeros, fixed_width(c->type));
+}
+
+/* The column as a tuple of bytes objects: (validity or None, values) or (validity or None, offsets, data). */
+static PyObject *column_buffers(Column *c, Py_ssize_t rows) {
+    if (rows == 0) return PyTuple_New(0);
+    PyObject *valid = c->nulls ? PyBytes_FromStringAndSize(c->valid.data, c->valid.len) : Py_NewRef(Py_None);
+    PyObject *values = PyBytes_FromStringAndSize(c->values.data ? c->values.data : "", c->values.len);
+    PyObject *out = NULL;
+    if (valid && values) {
+        if (var_width(c->type)) {
+            PyObject *offsets = PyBytes_FromStringAndSize(c->offsets.data, c->offsets.len);
+            if (offsets) out = PyTuple_Pack(3, valid, offsets, values);
+            Py_XDECREF(offsets);
+        } else {
+            out = PyTuple_Pack(2, valid, values);
+        }
+    }
+    Py_XDECREF(valid);
+    Py_XDECREF(values);
+    return out;
+}
+
+/* An AnyValue as JSON, as Python's json.dumps(default=bytes.hex) writes it; non-finite doubles as null. */
+static int json_string(Buf *b, const uint8_t *p, const uint8_t *end) {
+    if (!utf8_valid(p, end)) return fail("string is not UTF-8");
+    if (put(b, "\"", 1) < 0) return -1;
+    for (; p < end; p++) {
+        char esc[8];
+        const char *out = NULL;
+        switch (*p) {
+        case '"': out = "\\\""; break;
+        case '\\': out = "\\\\"; break;
+        case '\n': out = "\\n"; break;
+        case '\r': out = "\\r"; break;
+        case '\t': out = "\\t"; break;
+        case '\b': out = "\\b"; break;
+        case '\f': out = "\\f"; break;
+        default:
+            if (*p < 0x20) {
+                snprintf(esc, sizeof esc, "\\u%04x", *p);
+                out = esc;
+            }
+        }
+        if (out ? puts_(b, out) < 0 : put(b, p, 1) < 0) return -1;
+    }
+    return put(b, "\"", 1);
+}
+
+static int json_key_value(Buf *b, Reader key, Reader value, int depth);
+
+static int json_any(Buf *b, Reader *r, int depth) {
+    if (depth > MAX_DEPTH) return fail("attribute values nested too deep");
+    Reader last = {NULL, NULL};
+    uint32_t field, wire, kind = 0;
+    uint64_t v = 0;
+    while (r->p < r->end) { /* a oneof: the last value on the wire wins */
+        if (read_tag(r, &field, &wire) < 0) return -1;
+        if ((field == 2 || field == 3) && wire == 0) {
+            if (read_varint(r, &v) < 0) return -1;
+        } else if (field == 4 && wire == 1) {
+            if (read_fixed64(r, &v) < 0) return -1;
+        } else if ((field == 1 || field == 5 || field == 6 || field == 7) && wire == 2) {
+            if (read_len(r, &last) < 0) return -1;
+        } else {
+            if (skip_field(r, field, wire, 0) < 0) return -1;
+            continue;
+        }
+        kind = field;
+    }
+    char number[64];
+    switch (kind) {
+    case 1: return json_string(b, last.p, last.end);
+    case 2: return puts_(b, v ? "true" : "false");
+    case 3:
+        snprintf(number, sizeof number, "%lld", (long long)v);
+        return puts_(b, number);
+    case 4: {
+        double d;
+        memcpy(&d, &v, 8);
+        if (!isfinite(d)) return puts_(b, "null");
+        char *repr = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+        if (!repr) return -1;
+        int rc = puts_(b, repr);
+        PyMem_Free(repr);
+        return rc;
+    }
+    case 5:
+    case 6: { /* ArrayValue / KeyValueList: repeated field 1 */
+        int first = 1;
+        if (put(b, kind == 5 ? "[" : "{", 1) < 0) return -1;
+        while (last.p < last.end) {
+            Reader e;
+            if (read_tag(&last, &field, &wire) < 0) return -1;
+            if (field != 1 || wire != 2) {
+                if (skip_field(&last, field, wire, 0) < 0) return -1;
+                continue;
+            }
+            if (read_len(&last, &e) < 0 || (!first && puts_(b, ", ") < 0)) return -1;
+            first = 0;
+            if (kind == 5) {
+                if (json_any(b, &e, depth + 1) < 0) return -1;
+            } else {
+                Reader key = {NULL, NULL}, value = {NULL, NULL};
+                while (e.p < e.end) {
+                    if (read_tag(&e, &field, &wire) < 0) return -1;
+                    if (field == 1 && wire == 2) {
+                        if (read_len(&e, &key) < 0) return -1;
+                    } else if (field == 2 && wire == 2) {
+                        if (read_len(&e, &value) < 0) return -1;
+                    } else if (skip_field(&e, field, wire, 0) < 0) {
+                        return -1;
+                    }
+                }
+                if (json_key_value(b, key, value, depth + 1) < 0) return -1;
+            }
+        }
+        return put(b, kind == 5 ? "]" : "}", 1);
+    }
+    case 7:
+        if (put(b, "\"", 1) < 0) return -1;
+        for (const uint8_t *p = last.p; p < last.end; p++) {
+            snprintf(number, sizeof number, "%02x", *p);
+            if (put(b, number, 2) < 0) return -1;
+        }
+        return put(b, "\"", 1);
+    default: return puts_(b, "null");
+    }
+}
+
+static int json_key_value(Buf *b, Reader key, Reader value, int depth) {
+    static const uint8_t empty[1] = {0};
+    if (json_string(b, key.p ? key.p : empty, key.p ? key.end : empty) < 0 || puts_(b, ": ") < 0) return -1;
+    if (!value.p) return puts_(b, "null");
+    return json_any(b, &value, depth);
+}
+
+/* What the caller asked for, and the columns being filled. */
+typedef struct {
+    Py_ssize_t n_wanted;
+    const char **key;
+    Py_ssize_t *key_len;
+    Column *col; /* COL_WANTED + n_wanted + 1 */
+    Py_ssize_t rows;
+    PyObject *odd;
+    Buf json;     /* scratch: one span's other attributes */
+    Reader *slot; /* per span: the last value of each wanted key */
+    Reader *other_key, *other_value;
+    Py_ssize_t n_other, cap_other;
+} Decoder;
+
+enum { COL_RESOURCE, COL_TRACE_ID, COL_SPAN_ID, COL_PARENT, COL_NAME, COL_START, COL_END, COL_WANTED };
+static const char FIXED_TYPES[COL_WANTED] = {'i', 'b', 'b', 'b', 's', 'u', 'u'};
+
+/* A wanted attribute's cell, typed; a value of another type becomes null plus an `odd` entry. */
+static int wanted_cell(Decoder *d, Py_ssize_t i, Reader value) {
+    Column *c = &d->col[COL_WANTED + i];
+    Reader r = value, s = {NULL, NULL};
+    uint32_t field = 0, wire, kind = 0;
+    uint64_t v = 0;
+    while (r.p && r.p < r.end) {
+        if (read_tag(&r, &field, &wire) < 0) return -1;
+        if ((field == 2 || field == 3) && wire == 0) {
+            if (read_varint(&r, &v) < 0) return -1;
+        } else if (field == 4 && wire == 1) {
+            if (read_fixed64(&r, &v) < 0) return -1;
+        } else if ((field == 1 || field == 5 || field == 6 || field == 7) && wire == 2) {
+            if (read_len(&r, &s) < 0) return -1;
+        } else {
+            if (skip_field(&r, field, wire, 0) < 0) return -1;
+            continue;
+        }
+        kind = field;
+    }
+    if (!value.p || kind == 0) /* absent, or an empty AnyValue: null */
+        return var_width(c->type) ? cell_bytes(c, d->rows, NULL, 0, 0) : cell_fixed(c, d->rows, NULL, 0);
+    int64_t i64 = (int64_t)v;
+    if (c->type == 's' && kind == 1) {
+        if (!utf8_valid(s.p, s.end)) return fail("string is not UTF-8");
+        return cell_bytes(c, d->rows, s.p, s.end - s.p, 1);
+    }
+    if (c->type == 'q' && kind == 3) return cell_fixed(c, d->rows, &i64, 1);
+    if (c->type == 'i' && kind == 3 && i64 >= INT32_MIN && i64 <= INT32_MAX) {
+        int32_t i32 = (int32_t)i64;
+        return cell_fixed(c, d->rows, &i32, 1);
+    }
+    if (c->type == 'd' && (kind == 3 || kind == 4)) {
+        double x;
+        if (kind == 3)
+            x = (double)i64;
+        else
+            memcpy(&x, &v, 8);
+        return cell_fixed(c, d->rows, &x, 1);
+    }
+    Reader again = value;
+    PyObject *sent = any_value(&again, 0);
+    PyObject *entry = sent ? Py_BuildValue("(nnO)", d->rows, i, sent) : NULL;
+    Py_XDECREF(sent);
+    if (!entry || PyList_Append(d->odd, entry) < 0) {
+        Py_XDECREF(entry);
+        return -1;
+    }
+    Py_DECREF(entry);
+    return var_width(c->type) ? cell_bytes(c, d->rows, NULL, 0, 0) : cell_fixed(c, d->rows, NULL, 0);
+}
+
+/* One KeyValue of a span: into its wanted slot, else kept for the JSON of other attributes. */
+static int span_attribute(Decoder *d, Reader *r) {
+    Reader key = {NULL, NULL}, value = {NULL, NULL};
     uint32_t field, wire;
     while (r->p < r->end) {
         if (read_tag(r, &field, &wire) < 0) return -1;
         if (field == 1 && wire == 2) {
             if (read_len(r, &key) < 0) return -1;
         } else if (field == 2 && wire == 2) {
-            if (read_len(r, &val) < 0) return -1;
+            if (read_len(r, &value) < 0) return -1;
         } else if (skip_field(r, field, wire, 0) < 0) {
             return -1;
         }
     }
     if (!key.p) return 0;
     Py_ssize_t klen = key.end - key.p;
-    PyObject *value;
-    if (val.p) {
-        value = any_value(&val, 0);
-    } else {
-        value = Py_None;
-        Py_INCREF(value);
-    }
-    if (!value) return -1;
-    for (Py_ssize_t i = 0; i < keys->n; i++) {
-        if (keys->len[i] == klen && memcmp(keys->key[i], key.p, klen) == 0) {
-            Py_XSETREF(slots[i], value);
+    for (Py_ssize_t i = 0; i < d->n_wanted; i++) {
+        if (d->key_len[i] == klen && memcmp(d->key[i], key.p, klen) == 0) {
+            d->slot[i] = value.p ? value : (Reader){key.end, key.end}; /* present, maybe empty */
             return 0;
         }
     }
-    PyObject *name = PyUnicode_DecodeUTF8((const char *)key.p, klen, "strict");
-    if (!name || (!*other && !(*other = PyDict_New()))) {
-        Py_XDECREF(name);
-        Py_DECREF(value);
-        return -1;
-    }
-    int rc = PyDict_SetItem(*other, name, value);
-    Py_DECREF(name);
-    Py_DECREF(value);
-    return rc;
-}
-
-/* One Span message -> one cell appended to every column. */
-static int span(Reader *r, const Keys *keys, PyObject *columns, PyObject *resource) {
-    PyObject *trace_id = NULL, *span_id = NULL, *parent = NULL, *name = NULL, *other = NULL;
-    PyObject **slots = PyMem_Calloc(keys->n ? keys->n : 1, sizeof(PyObject *));
-    uint64_t start = 0, end = 0;
-    uint32_t field, wire;
-    int rc = -1;
-    if (!slots) return -1;
-    while (r->p < r->end) {
-        Reader s;
-        if (read_tag(r, &field, &wire) < 0) goto done;
-        if (wire == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 9)) {
-            if (read_len(r, &s) < 0) goto done;
-            switch (field) {
-            case 1: Py_XSETREF(trace_id, bytes_of(&s)); if (!trace_id) goto done; break;
-            case 2: Py_XSETREF(span_id, bytes_of(&s)); if (!span_id) goto done; break;
-            case 4: Py_XSETREF(parent, s.p == s.end ? NULL : bytes_of(&s)); break;
-            case 5:
-                Py_XSETREF(name, PyUnicode_DecodeUTF8((const char *)s.p, s.end - s.p, "strict"));
-                if (!name) goto done;
-                break;
-            case 9: if (span_attribute(&s, keys, slots, &other) < 0) goto done; break;
-            }
-        } else if (field == 7 && wire == 1) {
-            if (read_fixed64(r, &start) < 0) goto done;
-        } else if (field == 8 && wire == 1) {
-            if (read_fixed64(r, &end) < 0) goto done;
-        } else if (skip_field(r, field, wire, 0) < 0) {
-            goto done;
+    for (Py_ssize_t i = 0; i < d->n_other; i++) { /* a repeated key: the last value wins, in the first place */
+        if (d->other_key[i].end - d->other_key[i].p == klen && memcmp(d->other_key[i].p, key.p, klen) == 0) {
+            d->other_value[i] = value;
+            return 0;
         }
     }
-#define CELL(obj) ((obj) ? (Py_INCREF(obj), (obj)) : (Py_INCREF(Py_None), Py_None))
-    if (append(PyList_GET_ITEM(columns, COL_RESOURCE), CELL(resource)) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_TRACE_ID), CELL(trace_id)) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_SPAN_ID), CELL(span_id)) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_PARENT), CELL(parent)) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_NAME), name ? CELL(name) : PyUnicode_FromString("")) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_START), PyLong_FromUnsignedLongLong(start)) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_END), PyLong_FromUnsignedLongLong(end)) < 0) goto done;
-    for (Py_ssize_t i = 0; i < keys->n; i++)
-        if (append(PyList_GET_ITEM(columns, COL_KEYS + i), CELL(slots[i])) < 0) goto done;
-    if (append(PyList_GET_ITEM(columns, COL_KEYS + keys->n), CELL(other)) < 0) goto done;
-#undef CELL
-    rc = 0;
-done:
-    for (Py_ssize_t i = 0; i < keys->n; i++) Py_XDECREF(slots[i]);
-    PyMem_Free(slots);
-    Py_XDECREF(trace_id); Py_XDECREF(span_id); Py_XDECREF(parent); Py_XDECREF(name); Py_XDECREF(other);
-    return rc;
+    if (d->n_other == d->cap_other) {
+        Py_ssize_t cap = d->cap_other ? 2 * d->cap_other : 8;
+        Reader *k = PyMem_Realloc(d->other_key, cap * sizeof(Reader));
+        if (!k) return PyErr_NoMemory(), -1;
+        d->other_key = k;
+        Reader *v = PyMem_Realloc(d->other_value, cap * sizeof(Reader));
+        if (!v) return PyErr_NoMemory(), -1;
+        d->other_value = v;
+        d->cap_other = cap;
+    }
+    d->other_key[d->n_other] = key;
+    d->other_value[d->n_other++] = value;
+    return 0;
+}
+
+static int id_cell(Column *c, Py_ssize_t row, Reader id, int null_when_empty) {
+    int valid = !(null_when_empty && id.p == id.end);
+    return cell_bytes(c, row, id.p, id.end - id.p, valid);
+}
+
+/* One Span message -> one cell in every column. */
+static int span(Decoder *d, Reader *r, int32_t resource) {
+    static const uint8_t none[1] = {0};
+    Reader trace_id = {none, none}, span_id = {none, none}, parent = {none, none}, name = {none, none};
+    uint64_t start = 0, end = 0;
+    uint32_t field, wire;
+    memset(d->slot, 0, d->n_wanted * sizeof(Reader));
+    d->n_other = 0;
+    while (r->p < r->end) {
+        Reader s;
+        if (read_tag(r, &field, &wire) < 0) return -1;
+        if (wire == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 9)) {
+            if (read_len(r, &s) < 0) return -1;
+            switch (field) {
+            case 1: trace_id = s; break;
+            case 2: span_id = s; break;
+            case 4: parent = s; break;
+            case 5: name = s; break;
+            case 9: if (span_attribute(d, &s) < 0) return -1; break;
+            }
+        } else if (field == 7 && wire == 1) {
+            if (read_fixed64(r, &start) < 0) return -1;
+        } else if (field == 8 && wire == 1) {
+            if (read_fixed64(r, &end) < 0) return -1;
+        } else if (skip_field(r, field, wire, 0) < 0) {
+            return -1;
+        }
+    }
+    if (!utf8_valid(name.p, name.end)) return fail("span name is not UTF-8");
+    Py_ssize_t row = d->rows;
+    if (cell_fixed(&d->col[COL_RESOURCE], row, &resource, 1) < 0 ||
+        id_cell(&d->col[COL_TRACE_ID], row, trace_id, 0) < 0 || id_cell(&d->col[COL_SPAN_ID], row, span_id, 0) < 0 ||
+        id_cell(&d->col[COL_PARENT], row, parent, 1) < 0 ||
+        cell_bytes(&d->col[COL_NAME], row, name.p, name.end - name.p, 1) < 0 ||
+        cell_fixed(&d->col[COL_START], row, &start, 1) < 0 || cell_fixed(&d->col[COL_END], row, &end, 1) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < d->n_wanted; i++)
+        if (wanted_cell(d, i, d->slot[i]) < 0) return -1;
+    Column *json = &d->col[COL_WANTED + d->n_wanted];
+    d->json.len = 0;
+    if (d->n_other) {
+        if (put(&d->json, "{", 1) < 0) return -1;
+        for (Py_ssize_t i = 0; i < d->n_other; i++) {
+            if ((i && puts_(&d->json, ", ") < 0) || json_key_value(&d->json, d->other_key[i], d->other_value[i], 0) < 0)
+                return -1;
+        }
+        if (put(&d->json, "}", 1) < 0) return -1;
+    }
+    if (cell_bytes(json, row, (const uint8_t *)d->json.data, d->json.len, d->n_other > 0) < 0) return -1;
+    d->rows++;
+    return 0;
 }
 
 /* ScopeSpans{scope = 1; repeated Span spans = 2}. */
-static int scope_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject *resource) {
+static int scope_spans(Decoder *d, Reader *r, int32_t resource) {
     uint32_t field, wire;
     while (r->p < r->end) {
         Reader s;
         if (read_tag(r, &field, &wire) < 0) return -1;
         if (field == 2 && wire == 2) {
-            if (read_len(r, &s) < 0 || span(&s, keys, columns, resource) < 0) return -1;
+            if (read_len(r, &s) < 0 || span(d, &s, resource) < 0) return -1;
         } else if (skip_field(r, field, wire, 0) < 0) {
             return -1;
         }
@@ -341,12 +634,12 @@ static int scope_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject 
 }
 
 /* ResourceSpans{resource = 1 (Resource{repeated KeyValue attributes = 1}); repeated ScopeSpans = 2}. */
-static int resource_spans(Reader *r, const Keys *keys, PyObject *columns, PyObject *resources) {
+static int resource_spans(Decoder *d, Reader *r, PyObject *resources) {
     PyObject *attrs = PyDict_New();
-    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(resources));
+    int32_t index = (int32_t)PyList_GET_SIZE(resources);
     uint32_t field, wire;
     int rc = -1;
-    if (!attrs || !index || PyList_Append(resources, attrs) < 0) goto done;
+    if (!attrs || PyList_Append(resources, attrs) < 0) goto done;
     while (r->p < r->end) {
         Reader s;
         if (read_tag(r, &field, &wire) < 0) goto done;
@@ -362,7 +655,7 @@ static int resource_spans(Reader *r, const Keys *keys, PyObject *columns, PyObje
                 }
             }
         } else if (field == 2 && wire == 2) {
-            if (read_len(r, &s) < 0 || scope_spans(&s, keys, columns, index) < 0) goto done;
+            if (read_len(r, &s) < 0 || scope_spans(d, &s, index) < 0) goto done;
         } else if (skip_field(r, field, wire, 0) < 0) {
             goto done;
         }
@@ -370,47 +663,71 @@ static int resource_spans(Reader *r, const Keys *keys, PyObject *columns, PyObje
     rc = 0;
 done:
     Py_XDECREF(attrs);
-    Py_XDECREF(index);
     return rc;
 }
 
 static PyObject *traces(PyObject *module, PyObject *args) {
     Py_buffer view;
-    PyObject *key_tuple, *resources = NULL, *columns = NULL, *out = NULL;
-    Keys keys = {0, NULL, NULL};
-    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyTuple_Type, &key_tuple)) return NULL;
-    keys.n = PyTuple_GET_SIZE(key_tuple);
-    keys.key = PyMem_Calloc(keys.n + 1, sizeof(char *));
-    keys.len = PyMem_Calloc(keys.n + 1, sizeof(Py_ssize_t));
-    if (!keys.key || !keys.len) goto done;
-    for (Py_ssize_t i = 0; i < keys.n; i++) {
-        keys.key[i] = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(key_tuple, i), &keys.len[i]);
-        if (!keys.key[i]) goto done;
-    }
+    PyObject *wanted, *resources = NULL, *columns = NULL, *out = NULL;
+    Decoder d;
+    memset(&d, 0, sizeof d);
+    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyTuple_Type, &wanted)) return NULL;
+    d.n_wanted = PyTuple_GET_SIZE(wanted);
+    Py_ssize_t n_columns = COL_WANTED + d.n_wanted + 1;
+    d.key = PyMem_Calloc(d.n_wanted + 1, sizeof(char *));
+    d.key_len = PyMem_Calloc(d.n_wanted + 1, sizeof(Py_ssize_t));
+    d.slot = PyMem_Calloc(d.n_wanted + 1, sizeof(Reader));
+    d.col = PyMem_Calloc(n_columns, sizeof(Column));
+    d.odd = PyList_New(0);
     resources = PyList_New(0);
-    columns = PyList_New(COL_KEYS + keys.n + 1);
-    if (!resources || !columns) goto done;
-    for (Py_ssize_t i = 0; i < COL_KEYS + keys.n + 1; i++) {
-        PyObject *col = PyList_New(0);
-        if (!col) goto done;
-        PyList_SET_ITEM(columns, i, col);
+    if (!d.key || !d.key_len || !d.slot || !d.col || !d.odd || !resources) goto done;
+    for (Py_ssize_t i = 0; i < COL_WANTED; i++) d.col[i].type = FIXED_TYPES[i];
+    for (Py_ssize_t i = 0; i < d.n_wanted; i++) {
+        const char *type;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(wanted, i), "s#s", &d.key[i], &d.key_len[i], &type)) goto done;
+        if (strlen(type) != 1 || !strchr("qids", type[0])) {
+            PyErr_Format(PyExc_ValueError, "unknown column type %s", type);
+            goto done;
+        }
+        d.col[COL_WANTED + i].type = type[0];
     }
+    d.col[n_columns - 1].type = 's';
     Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
     uint32_t field, wire;
     while (r.p < r.end) {
         Reader s;
         if (read_tag(&r, &field, &wire) < 0) goto done;
         if (field == 1 && wire == 2) {
-            if (read_len(&r, &s) < 0 || resource_spans(&s, &keys, columns, resources) < 0) goto done;
+            if (read_len(&r, &s) < 0 || resource_spans(&d, &s, resources) < 0) goto done;
         } else if (skip_field(&r, field, wire, 0) < 0) {
             goto done;
         }
     }
-    out = PyTuple_Pack(2, resources, columns);
+    columns = PyList_New(n_columns);
+    if (!columns) goto done;
+    for (Py_ssize_t i = 0; i < n_columns; i++) {
+        PyObject *buffers = column_buffers(&d.col[i], d.rows);
+        if (!buffers) goto done;
+        PyList_SET_ITEM(columns, i, buffers);
+    }
+    out = Py_BuildValue("(OnOO)", resources, d.rows, columns, d.odd);
 done:
     PyBuffer_Release(&view);
-    PyMem_Free(keys.key);
-    PyMem_Free(keys.len);
+    if (d.col) {
+        for (Py_ssize_t i = 0; i < n_columns; i++) {
+            PyMem_Free(d.col[i].valid.data);
+            PyMem_Free(d.col[i].values.data);
+            PyMem_Free(d.col[i].offsets.data);
+        }
+    }
+    PyMem_Free(d.col);
+    PyMem_Free(d.key);
+    PyMem_Free(d.key_len);
+    PyMem_Free(d.slot);
+    PyMem_Free(d.other_key);
+    PyMem_Free(d.other_value);
+    PyMem_Free(d.json.data);
+    Py_XDECREF(d.odd);
     Py_XDECREF(resources);
     Py_XDECREF(columns);
     return out;
@@ -418,9 +735,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"traces", traces, METH_VARARGS,
-     "traces(body, keys) -> (resource attribute dicts, columns): an ExportTraceServiceRequest as\n"
-     "columns of plain Python values: resource index, trace_id, span_id, parent_span_id, name,\n"
-     "start_ns, end_ns, one column per wanted attribute key, then a dict of the other attributes."},
+     "traces(body, wanted) -> (resource attribute dicts, spans, column buffers, odd cells): an\n"
+     "ExportTraceServiceRequest in Arrow's columnar layout; see the module's source for the columns."},
     {NULL, NULL, 0, NULL},
 };
 

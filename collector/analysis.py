@@ -60,11 +60,12 @@ class Analysis:
         steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
         if steps.empty:
             return
-        ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
         complete = steps[steps["step"] < steps["step"].max()]  # the newest step may still be arriving
-        devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min() or 0)}).df()
-        findings.record(con, run_id, stragglers.ANALYZER,
-                        stragglers.analyze(complete, ranks, self._stragglers, devices))
+        if not complete.empty:
+            ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+            devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()
+            findings.record(con, run_id, stragglers.ANALYZER,
+                            stragglers.analyze(complete, ranks, self._stragglers, devices))
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs))

@@ -14,12 +14,12 @@ partial_success with the first reason.
 """
 
 import json
-import operator
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cache
-from itertools import repeat
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
@@ -201,100 +201,149 @@ _SPAN_KEYS = {
     sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.MICROBATCH: "microbatch", sc.COMM_GROUP: "comm_group",
     sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
 }
-_KINDS = pa.array([sc.KIND_STEP, *sc.OP_KINDS])
+_KINDS = frozenset([sc.KIND_STEP, *sc.OP_KINDS])
 _MAX_NS = 2**63 - 1  # TIMESTAMP_NS ends in the year 2262
-_ZERO = pa.scalar(0, pa.uint64())
+# The columns _otlpwire.traces() returns before the wanted attributes, and their Arrow types.
+_WIRE_COLUMNS = {"resource": pa.int32(), "trace_id": pa.binary(), "span_id": pa.binary(),
+                 "parent_span_id": pa.binary(), "name": pa.string(), "start": pa.uint64(), "end": pa.uint64()}
+_WIRE_TYPES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d", pa.string(): "s"}
 
 
-def _typed(values: list, column: pa.Field, bad: dict[int, str]) -> pa.Array:
-    """A column of sent values as Arrow; cells that cannot be coerced mark their row in `bad`."""
-    try:
-        return pa.array(values, column.type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
-        cells = []
-        for i, v in enumerate(values):
+def _span_field(column: str) -> pa.Field:
+    """A span column's field, from `ops` or else `steps`."""
+    ops = arrow_schema("ops")
+    return ops.field(column) if column in ops.names else arrow_schema("steps").field(column)
+
+
+@cache
+def _wanted() -> tuple[tuple[str, str], ...]:
+    """The attribute keys the wire decoder puts in typed columns, with their types."""
+    return tuple((key, _WIRE_TYPES[_span_field(column).type]) for key, column in _SPAN_KEYS.items())
+
+
+def _columns(n: int, buffers: list[tuple]) -> dict[str, pa.Array]:
+    """The wire decoder's buffers as Arrow arrays, by column name (zero-copy)."""
+    types = [*_WIRE_COLUMNS.values(), *(_span_field(c).type for c in _SPAN_KEYS.values()), pa.string()]
+    names = [*_WIRE_COLUMNS, *_SPAN_KEYS.values(), "attrs"]
+    return {name: pa.Array.from_buffers(t, n, [b if b is None else pa.py_buffer(b) for b in bufs])
+            for name, t, bufs in zip(names, types, buffers)}
+
+
+def _coerce_odd(columns: dict[str, pa.Array], odd: list[tuple], bad: dict[int, str]) -> None:
+    """Cells sent with another type than their column's: coerced ("5" -> 5) in place, or their
+    span marked bad."""
+    keyed = list(_SPAN_KEYS.values())
+    by_column = defaultdict(list)
+    for row, i, sent in odd:
+        by_column[keyed[i]].append((row, sent))
+    for column, cells in by_column.items():
+        field = _span_field(column)
+        values = columns[column].to_pylist()
+        for row, sent in cells:
             try:
-                cells.append(_coerce(v, column))
+                values[row] = _coerce(sent, field)
             except Rejected as e:
-                cells.append(None)
-                bad.setdefault(i, str(e))
-        return pa.array(cells, column.type)
+                bad.setdefault(row, str(e))
+        columns[column] = pa.array(values, field.type)
+
+
+def _from_resources(columns: dict[str, pa.Array], identities: list["_Identity"]) -> None:
+    """run_id and rank of spans that do not name their own: their resource's."""
+    resource = columns["resource"]
+    for column in ("run_id", "rank"):
+        own = columns[column]
+        if not own.null_count:
+            continue
+        field = _span_field(column)
+        values = []
+        for identity in identities:
+            try:
+                values.append(_coerce(getattr(identity, column), field))
+            except Rejected:
+                values.append(None)
+        inherited = pa.array(values, field.type).take(resource)
+        columns[column] = inherited if own.null_count == len(own) else pc.coalesce(own, inherited)
 
 
 def decode_traces(body: bytes) -> Decoded:
-    """Spans -> `steps` (spans of kind step) and `ops` (every other span), column by column."""
+    """Spans -> `steps` (spans of kind step) and `ops` (every other span)."""
     try:
-        resources, columns = _otlpwire.traces(body, tuple(_SPAN_KEYS))
+        resources, n, buffers, odd = _otlpwire.traces(body, _wanted())
     except ValueError as e:
         raise OtlpError(400, str(e)) from None
     out = Decoded("traces")
-    resource, trace_id, span_id, parent_span_id, name, start, end, *keyed, other = columns
-    if not resource:
+    if not n:
         return out
-    identities = [_Identity(attrs, out) for attrs in resources]
-    sent = dict(zip(_SPAN_KEYS.values(), keyed))
-    sent["run_id"] = [r if r is not None else identities[i].run_id for r, i in zip(sent["run_id"], resource)]
-    sent["rank"] = [r if r is not None else identities[i].rank for r, i in zip(sent["rank"], resource)]
-    sent["attrs"] = [None if o is None else json.dumps(o, default=bytes.hex) for o in other]
-    sent["kind"] = [k if k is not None else sc.KIND_STEP if n == "step" else sc.KIND_OTHER
-                    for k, n in zip(sent["kind"], name)]
-    steps_schema, ops_schema = arrow_schema("steps"), arrow_schema("ops")
+    cols = _columns(n, buffers)
     bad: dict[int, str] = {}
-    typed = {c: _typed(v, ops_schema.field(c) if c in ops_schema.names else steps_schema.field(c), bad)
-             for c, v in sent.items()}
-    times_ok = min(start) > 0 and max(end) <= _MAX_NS and all(map(operator.le, start, end))
-    start_ns, end_ns = pa.array(start, pa.uint64()), pa.array(end, pa.uint64())
-    if not times_ok:  # zero the bad ones so they convert; their spans are rejected below
-        times_ok = pc.and_(pc.and_(pc.greater(start_ns, _ZERO), pc.less_equal(start_ns, end_ns)),
-                           pc.less_equal(end_ns, pa.scalar(_MAX_NS, pa.uint64())))
-        start_ns, end_ns = pc.if_else(times_ok, start_ns, _ZERO), pc.if_else(times_ok, end_ns, _ZERO)
-    start_ns, end_ns = start_ns.cast(pa.int64()), end_ns.cast(pa.int64())
-    seconds = pc.divide(pc.cast(pc.subtract(end_ns, start_ns), pa.float64(), safe=False), 1e9)
-    algbw, busbw = bandwidths(name, sent["group_size"], typed["bytes"], seconds)
-    typed.update(trace_id=pa.array(trace_id, pa.binary()), span_id=pa.array(span_id, pa.binary()),
-                 parent_span_id=pa.array(parent_span_id, pa.binary()), name=pa.array(name, pa.string()),
-                 start_ts=start_ns.cast(pa.timestamp("ns")), end_ts=end_ns.cast(pa.timestamp("ns")),
-                 duration_s=seconds, algbw_gbps=algbw, busbw_gbps=busbw)
-    is_step = pc.equal(typed["kind"], sc.KIND_STEP)
-    valid = _valid_spans(out, name, typed, times_ok, is_step, bad)
-    table = pa.table(typed)
+    if odd:
+        _coerce_odd(cols, odd, bad)
+    identities = [_Identity(attrs, out) for attrs in resources]
+    _from_resources(cols, identities)
+    if cols["kind"].null_count:  # a span without a kind is a step if so named
+        cols["kind"] = pc.coalesce(cols["kind"], pc.if_else(pc.equal(cols["name"], "step"), sc.KIND_STEP,
+                                                            sc.KIND_OTHER))
+    start, end = np.frombuffer(buffers[5][1], np.uint64), np.frombuffer(buffers[6][1], np.uint64)
+    times_ok = (start > 0) & (start <= end) & (end <= _MAX_NS)
+    if times_ok.all():
+        times_ok = True
+    else:  # zero the bad ones so they convert; their spans are rejected below
+        start, end = np.where(times_ok, start, 0), np.where(times_ok, end, 0)
+    start, end = start.astype(np.int64), end.astype(np.int64)
+    del cols["start"], cols["end"]
+    seconds = (end - start) / 1e9
+    algbw, busbw = bandwidths(cols["name"], cols["group_size"], cols["bytes"], seconds)
+    cols.update(start_ts=pa.array(start, pa.timestamp("ns")), end_ts=pa.array(end, pa.timestamp("ns")),
+                duration_s=pa.array(seconds), algbw_gbps=algbw, busbw_gbps=busbw)
+    is_step = pc.equal(cols["kind"], sc.KIND_STEP)
+    valid = _valid_spans(out, cols, times_ok, is_step, bad)
+    _note_ranks(identities, cols, valid)
+    del cols["resource"]
+    table = pa.table(cols)
     if valid is not None:
         table, is_step = table.filter(valid), is_step.filter(valid)
-    for i, run_id, rank in {(i, r, k) for i, r, k, v in zip(resource, sent["run_id"], sent["rank"],
-                                                             valid.to_pylist() if valid is not None else repeat(True))
-                            if v}:
-        identities[i].seen(run_id, rank)
     for table_name, rows in (("steps", table.filter(is_step)), ("ops", table.filter(pc.invert(is_step)))):
         if rows.num_rows:
             out.tables[table_name] = _full(rows, arrow_schema(table_name))
     return out
 
 
-def _valid_spans(out: Decoded, name: list[str], typed: dict[str, pa.Array], times_ok, is_step: pa.Array,
+def _note_ranks(identities: list["_Identity"], cols: dict[str, pa.Array], valid: pa.Array | None) -> None:
+    """Every (resource, run, rank) that a stored span spoke for becomes a `ranks` row."""
+    spoken = pa.table({"resource": cols["resource"], "run_id": cols["run_id"], "rank": cols["rank"]})
+    if valid is not None:
+        spoken = spoken.filter(valid)
+    distinct = spoken.group_by(spoken.column_names).aggregate([])
+    for i, run_id, rank in zip(*(distinct[c].to_pylist() for c in spoken.column_names)):
+        identities[i].seen(run_id, rank)
+
+
+def _valid_spans(out: Decoded, cols: dict[str, pa.Array], times_ok, is_step: pa.Array,
                  bad: dict[int, str]) -> pa.Array | None:
     """The mask of spans that can be stored, or None when all can; rejections go to `out`.
     Well-formed requests (the usual case) are recognised without building any mask."""
     checks = []
-    if typed["run_id"].null_count or typed["rank"].null_count:
-        checks.append((pc.and_(pc.is_valid(typed["run_id"]), pc.is_valid(typed["rank"])),
+    if cols["run_id"].null_count or cols["rank"].null_count:
+        checks.append((pc.and_(pc.is_valid(cols["run_id"]), pc.is_valid(cols["rank"])),
                        f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"))
     if times_ok is not True:
-        checks.append((times_ok, "start time missing, after the end time, or past the year 2262"))
-    if not pc.all(pc.is_in(pc.unique(typed["kind"]), _KINDS)).as_py():
-        checks.append((pc.is_in(typed["kind"], _KINDS), f"{sc.KIND} must be one of {', '.join(_KINDS.to_pylist())}"))
-    if typed["step"].null_count:
-        checks.append((pc.or_(pc.invert(is_step), pc.is_valid(typed["step"])), f"a step span needs {sc.STEP}"))
+        checks.append((pa.array(times_ok), "start time missing, after the end time, or past the year 2262"))
+    if not set(pc.unique(cols["kind"]).to_pylist()) <= _KINDS:
+        checks.append((pc.is_in(cols["kind"], pa.array(sorted(_KINDS))),
+                       f"{sc.KIND} must be one of {', '.join(sorted(_KINDS))}"))
+    if cols["step"].null_count:
+        checks.append((pc.or_(pc.invert(is_step), pc.is_valid(cols["step"])), f"a step span needs {sc.STEP}"))
     if bad:
-        checks.append((pa.array([i not in bad for i in range(len(name))]), bad[min(bad)]))
+        checks.append((pa.array([i not in bad for i in range(len(is_step))]), bad[min(bad)]))
     if not checks:
         return None
     valid = checks[0][0]
     for passed, _ in checks[1:]:
         valid = pc.and_(valid, passed)
-    rejected = len(name) - pc.sum(valid.cast(pa.int64())).as_py()
+    rejected = len(is_step) - pc.sum(valid.cast(pa.int64())).as_py()
     if rejected:
         passed, why = next((passed, why) for passed, why in checks if not pc.all(passed).as_py())
-        out.reject(f"span {name[passed.index(False).as_py()]!r}: {why}", count=rejected)
+        out.reject(f"span {cols['name'][passed.index(False).as_py()].as_py()!r}: {why}", count=rejected)
     return valid
 
 

@@ -12,8 +12,8 @@ input before scattering).
 import re
 from functools import cache
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 _BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -69,9 +69,15 @@ def bus_factor(name: str, group_size: int) -> float | None:
     return _BUS_FACTORS[op](group_size) if op and group_size >= 1 else None
 
 
-def bandwidths(names: list[str], group_sizes: list, nbytes: pa.Array, seconds: pa.Array) -> tuple[pa.Array, pa.Array]:
+def bandwidths(names: pa.Array, group_sizes: pa.Array, nbytes: pa.Array, seconds: np.ndarray
+               ) -> tuple[pa.Array, pa.Array]:
     """(algbw, busbw) in GB/s per op; null where the op moves no known bytes or is no known collective."""
-    algbw = pc.if_else(pc.greater(seconds, 0), pc.divide(pc.divide(pc.cast(nbytes, pa.float64()), seconds), 1e9), None)
-    factors = pa.array([bus_factor(name, n) if type(n) is int else None for name, n in zip(names, group_sizes)],
-                       pa.float64())
-    return algbw, pc.multiply(algbw, factors)
+    if nbytes.null_count == len(nbytes):
+        return pa.nulls(len(nbytes), pa.float64()), pa.nulls(len(nbytes), pa.float64())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        algbw = np.where(seconds > 0, nbytes.to_numpy(zero_copy_only=False).astype(np.float64) / seconds / 1e9,
+                         np.nan)
+    factors = np.array([np.nan if b is None or n is None or (f := bus_factor(name, n)) is None else f
+                        for name, n, b in zip(names.to_pylist(), group_sizes.to_pylist(), nbytes.to_pylist())])
+    # NaN (no bytes, no time, unknown collective) is stored as null
+    return pa.array(algbw, from_pandas=True), pa.array(algbw * factors, from_pandas=True)

@@ -46,6 +46,14 @@ def test_single_slow_rank_is_named_with_its_cost(slowdown):
     assert finding.evidence["comm_wait_s"] < finding.evidence["peer_comm_wait_s"]
 
 
+def test_loop_without_phase_timings_is_judged_on_step_time_less_wait():
+    steps = frame(slow={9: (1.2, 20)}).assign(compute_s=np.nan)
+    (finding,) = analyze(steps, PLACEMENT)
+    assert (finding.kind, finding.ranks) == ("rank", [9])
+    assert finding.score == pytest.approx(1.2, rel=0.03)
+    assert analyze(frame().assign(compute_s=np.nan), PLACEMENT) == []
+
+
 def test_detected_within_ten_steps_of_onset():
     steps = frame(steps=40, slow={3: (1.05, 25)})
     found_at = next(s for s in range(25, 40) if analyze(steps[steps["step"] <= s], PLACEMENT))

@@ -39,7 +39,8 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
             devices: pd.DataFrame | None = None) -> list[Finding]:
     """Findings for one run from its rank-steps, judged over the last `settings.window` steps.
 
-    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s (data_s optional).
+    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s (data_s optional); where
+    compute_s is null it is taken as duration_s less comm_wait_s and data_s.
     `ranks`: rank, and host and pp_stage where known: placement, for node and stage patterns.
     `devices`: rank, metric, value: recent device samples, attached as evidence (clocks,
     temperature, throttle reasons of the suspects against their peers).
@@ -47,7 +48,11 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
     if steps.empty or steps["rank"].nunique() < 3:
         return []  # robust statistics need peers
     s = settings
-    steps = steps.assign(comm_wait_s=steps["comm_wait_s"].fillna(0.0)).sort_values(["step", "rank"])
+    wait = steps["comm_wait_s"].fillna(0.0)
+    # a loop that times no phases reports no compute: its step time less what it waited for
+    data = steps["data_s"].fillna(0.0) if "data_s" in steps else 0.0
+    compute = steps["compute_s"].fillna(steps["duration_s"] - wait - data)
+    steps = steps.assign(comm_wait_s=wait, compute_s=compute).sort_values(["step", "rank"])
     steps["ratio"] = steps["compute_s"] / steps.groupby("step")["compute_s"].transform("median")
     run_id = str(steps["run_id"].iloc[0])
     last_steps = np.sort(steps["step"].unique())[-s.window:]
