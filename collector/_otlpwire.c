@@ -7,9 +7,12 @@
  * columnar layout (validity bitmaps, values, offsets), so Python only wraps
  * finished buffers.
  *
- * traces(body: bytes, wanted: tuple[tuple[str, str], ...])
- *     -> (resources, spans, columns, odd)
- *   resources: one dict of attributes per ResourceSpans
+ * traces(bodies: list[bytes], wanted: tuple[tuple[str, str], ...])
+ *     -> (resources, owners, spans, columns, odd, errors)
+ *   Decodes several requests at once, so that what costs per call (in Python
+ *   and in Arrow) is paid once for all of them.
+ *   resources: one dict of attributes per ResourceSpans, all requests'
+ *   owners: the index of the request each resource came from
  *   spans: the number of spans
  *   columns: one tuple of Arrow buffers per column, in this order:
  *     resource index (int32), trace_id, span_id, parent_span_id (binary; null
@@ -18,12 +21,14 @@
  *     null where absent), then the span's other attributes as a JSON object
  *     (utf8; null when it has none). Fixed-width columns are (validity, values),
  *     variable-width ones (validity, offsets, data); validity is None when no
- *     cell is null.
+ *     cell is null. Spans are in request order.
  *   odd: (span, column, value) for each wanted attribute sent with another
  *     type than its column's (the cell is null; the caller coerces or rejects).
+ *   errors: (request index, message) for each malformed request (one that
+ *     does not parse, or has strings that are not UTF-8); none of its spans
+ *     are in the columns.
  *
- * Every read is bounds-checked; malformed input (and strings that are not
- * UTF-8) raises ValueError. Unknown fields are skipped, as protobuf requires,
+ * Every read is bounds-checked. Unknown fields are skipped, as protobuf requires,
  * so newer OTLP versions decode.
  * Field numbers: opentelemetry-proto, trace/v1/trace.proto, common/v1/common.proto.
  */
@@ -666,21 +671,67 @@ done:
     return rc;
 }
 
-static PyObject *traces(PyObject *module, PyObject *args) {
+/* Where the columns stood before a body, to drop what a malformed body half-wrote. */
+typedef struct {
+    Py_ssize_t valid, values, offsets, nulls;
+} Mark;
+
+static void mark(Decoder *d, Mark *m, Py_ssize_t n_columns) {
+    for (Py_ssize_t i = 0; i < n_columns; i++)
+        m[i] = (Mark){d->col[i].valid.len, d->col[i].values.len, d->col[i].offsets.len, d->col[i].nulls};
+}
+
+static void rewind_to(Decoder *d, const Mark *m, Py_ssize_t n_columns, Py_ssize_t rows) {
+    for (Py_ssize_t i = 0; i < n_columns; i++) {
+        Column *c = &d->col[i];
+        c->valid.len = m[i].valid;
+        c->values.len = m[i].values;
+        c->offsets.len = m[i].offsets;
+        c->nulls = m[i].nulls;
+        if (rows % 8) c->valid.data[rows / 8] &= (uint8_t)((1 << (rows % 8)) - 1);
+    }
+    d->rows = rows;
+}
+
+/* One ExportTraceServiceRequest body into the columns. */
+static int request(Decoder *d, PyObject *body, PyObject *resources) {
     Py_buffer view;
-    PyObject *wanted, *resources = NULL, *columns = NULL, *out = NULL;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) return -1;
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    uint32_t field, wire;
+    int rc = 0;
+    while (rc == 0 && r.p < r.end) {
+        Reader s;
+        if (read_tag(&r, &field, &wire) < 0) {
+            rc = -1;
+        } else if (field == 1 && wire == 2) {
+            rc = read_len(&r, &s) < 0 || resource_spans(d, &s, resources) < 0 ? -1 : 0;
+        } else {
+            rc = skip_field(&r, field, wire, 0);
+        }
+    }
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+static PyObject *traces(PyObject *module, PyObject *args) {
+    PyObject *bodies, *wanted, *resources = NULL, *owners = NULL, *errors = NULL, *columns = NULL, *out = NULL;
+    Mark *marks = NULL;
     Decoder d;
     memset(&d, 0, sizeof d);
-    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyTuple_Type, &wanted)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &bodies, &PyTuple_Type, &wanted)) return NULL;
     d.n_wanted = PyTuple_GET_SIZE(wanted);
     Py_ssize_t n_columns = COL_WANTED + d.n_wanted + 1;
     d.key = PyMem_Calloc(d.n_wanted + 1, sizeof(char *));
     d.key_len = PyMem_Calloc(d.n_wanted + 1, sizeof(Py_ssize_t));
     d.slot = PyMem_Calloc(d.n_wanted + 1, sizeof(Reader));
     d.col = PyMem_Calloc(n_columns, sizeof(Column));
+    marks = PyMem_Calloc(n_columns, sizeof(Mark));
     d.odd = PyList_New(0);
     resources = PyList_New(0);
-    if (!d.key || !d.key_len || !d.slot || !d.col || !d.odd || !resources) goto done;
+    owners = PyList_New(0);
+    errors = PyList_New(0);
+    if (!d.key || !d.key_len || !d.slot || !d.col || !marks || !d.odd || !resources || !owners || !errors) goto done;
     for (Py_ssize_t i = 0; i < COL_WANTED; i++) d.col[i].type = FIXED_TYPES[i];
     for (Py_ssize_t i = 0; i < d.n_wanted; i++) {
         const char *type;
@@ -692,16 +743,34 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         d.col[COL_WANTED + i].type = type[0];
     }
     d.col[n_columns - 1].type = 's';
-    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
-    uint32_t field, wire;
-    while (r.p < r.end) {
-        Reader s;
-        if (read_tag(&r, &field, &wire) < 0) goto done;
-        if (field == 1 && wire == 2) {
-            if (read_len(&r, &s) < 0 || resource_spans(&d, &s, resources) < 0) goto done;
-        } else if (skip_field(&r, field, wire, 0) < 0) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bodies); i++) {
+        Py_ssize_t rows = d.rows, odd = PyList_GET_SIZE(d.odd), before = PyList_GET_SIZE(resources);
+        mark(&d, marks, n_columns);
+        if (request(&d, PyList_GET_ITEM(bodies, i), resources) == 0) {
+            PyObject *owner = PyLong_FromSsize_t(i);
+            for (Py_ssize_t j = before; owner && j < PyList_GET_SIZE(resources); j++)
+                if (PyList_Append(owners, owner) < 0) Py_CLEAR(owner);
+            if (!owner) goto done;
+            Py_DECREF(owner);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto done;
+        /* a malformed body: its spans are dropped, the others stay */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *entry = Py_BuildValue("(nN)", i, value ? PyObject_Str(value) : PyUnicode_FromString("malformed"));
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        if (!entry || PyList_Append(errors, entry) < 0) {
+            Py_XDECREF(entry);
             goto done;
         }
+        Py_DECREF(entry);
+        rewind_to(&d, marks, n_columns, rows);
+        if (PyList_SetSlice(d.odd, odd, PY_SSIZE_T_MAX, NULL) < 0 ||
+            PyList_SetSlice(resources, before, PY_SSIZE_T_MAX, NULL) < 0)
+            goto done;
     }
     columns = PyList_New(n_columns);
     if (!columns) goto done;
@@ -710,9 +779,8 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         if (!buffers) goto done;
         PyList_SET_ITEM(columns, i, buffers);
     }
-    out = Py_BuildValue("(OnOO)", resources, d.rows, columns, d.odd);
+    out = Py_BuildValue("(OOnOOO)", resources, owners, d.rows, columns, d.odd, errors);
 done:
-    PyBuffer_Release(&view);
     if (d.col) {
         for (Py_ssize_t i = 0; i < n_columns; i++) {
             PyMem_Free(d.col[i].valid.data);
@@ -721,6 +789,7 @@ done:
         }
     }
     PyMem_Free(d.col);
+    PyMem_Free(marks);
     PyMem_Free(d.key);
     PyMem_Free(d.key_len);
     PyMem_Free(d.slot);
@@ -729,14 +798,16 @@ done:
     PyMem_Free(d.json.data);
     Py_XDECREF(d.odd);
     Py_XDECREF(resources);
+    Py_XDECREF(owners);
+    Py_XDECREF(errors);
     Py_XDECREF(columns);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"traces", traces, METH_VARARGS,
-     "traces(body, wanted) -> (resource attribute dicts, spans, column buffers, odd cells): an\n"
-     "ExportTraceServiceRequest in Arrow's columnar layout; see the module's source for the columns."},
+     "traces(bodies, wanted) -> (resources, owners, spans, columns, odd, errors): ExportTraceServiceRequests\n"
+     "in Arrow's columnar layout; see the module's source for the columns."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,16 +1,18 @@
 """OTLP export requests (protobuf bytes) -> Arrow batches, one per telemetry table.
 
 This is the hot path of ingest (it runs in worker processes, see
-collector/ingest.py). Spans, by far the most numerous items, are read by the
-C wire decoder collector/_otlpwire.c; metrics and logs by the protobuf
-runtime. Each item becomes a row tuple of the values as sent; known
-attributes fill typed columns and any others are kept as JSON in `attrs`,
-so nothing valid is lost.
+collector/ingest.py). Requests are decoded in batches, as many as waited for
+a worker, so that what costs per call in Python and Arrow is paid once per
+batch; each request's share of the rows (its `Part`) is kept, so each gets
+its own answer and a retried one can be left out.
 
-Rows are typed column by column by pyarrow against the store's schema. Only
-when that fails (an attribute of the wrong type) is each row coerced on its
-own ("5" -> 5) or rejected; rejected items are reported back through OTLP
-partial_success with the first reason.
+Spans, by far the most numerous items, are read by the C wire decoder
+collector/_otlpwire.c straight into Arrow buffers; metrics and logs by the
+protobuf runtime, as row tuples typed by pyarrow. Known attributes fill typed
+columns and any others are kept as JSON in `attrs`, so nothing valid is lost.
+A value of the wrong type is coerced ("5" -> 5) or its item rejected;
+rejected items are reported back through OTLP partial_success with the first
+reason.
 """
 
 import json
@@ -39,25 +41,39 @@ class Rejected(ValueError):
 
 
 @dataclass
-class Decoded:
-    """What one export request contributes to the store."""
+class Part:
+    """One request's share of a decoded batch. Its rows follow the previous request's in
+    every table of the batch."""
 
-    signal: str
-    tables: dict[str, pa.Table] = field(default_factory=dict)
-    ranks: list[dict] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     error: str = ""
+    malformed: str = ""  # why the whole request cannot be read (400)
 
     @property
     def accepted(self) -> int:
-        return sum(t.num_rows for t in self.tables.values())
+        return sum(self.rows.values())
 
     def reject(self, why: str, count: int = 1) -> None:
         self.rejected += count
         self.error = self.error or why
 
-    # Decoded requests travel between processes (decode worker -> server -> writer).
-    # Arrow's IPC format moves a table as one buffer; pickling it array by array costs 10x more.
+
+@dataclass
+class Decoded:
+    """What a batch of export requests of one signal contributes to the store."""
+
+    signal: str
+    parts: list[Part]
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+    ranks: list[dict] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return sum(t.num_rows for t in self.tables.values())
+
+    # Decoded batches travel between processes (decode worker -> writer). Arrow's IPC
+    # format moves a table as one buffer; pickling it array by array costs 10x more.
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["tables"] = {name: _ipc(table) for name, table in self.tables.items()}
@@ -66,6 +82,26 @@ class Decoded:
     def __setstate__(self, state: dict) -> None:
         state["tables"] = {name: pa.ipc.open_stream(data).read_all() for name, data in state["tables"].items()}
         self.__dict__.update(state)
+
+
+def each(signal: str, bodies: list[bytes], decode_one) -> Decoded:
+    """A batch decoded request by request, for signals whose decoders read one at a time."""
+    out = Decoded(signal, [])
+    tables: dict[str, list[pa.Table]] = defaultdict(list)
+    for body in bodies:
+        part = Part()
+        try:
+            one = decode_one(body, part)
+        except OtlpError as e:
+            part.malformed = str(e)
+        else:
+            for name, table in one.tables.items():
+                tables[name].append(table)
+                part.rows[name] = table.num_rows
+            out.ranks += one.ranks
+        out.parts.append(part)
+    out.tables = {name: pa.concat_tables(parts) for name, parts in tables.items()}
+    return out
 
 
 def _ipc(table: pa.Table) -> bytes:
@@ -132,7 +168,7 @@ def _coerce(v, column: pa.Field):
     return v
 
 
-def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded, what: str) -> None:
+def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded, part: Part, what: str) -> None:
     """Add rows to `out` as an Arrow table with every column of the store table, in order
     (columns the rows lack are null), so the store appends it by position."""
     if not rows:
@@ -147,7 +183,7 @@ def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded,
             try:
                 good.append(tuple(_coerce(v, f) for v, f in zip(row, fields)))
             except Rejected as e:
-                out.reject(f"{what}: {e}")
+                part.reject(f"{what}: {e}")
         if not good:
             return
         arrays = [pa.array(col, f.type) for col, f in zip(zip(*good), fields)]
@@ -265,13 +301,12 @@ def _from_resources(columns: dict[str, pa.Array], identities: list["_Identity"])
         columns[column] = inherited if own.null_count == len(own) else pc.coalesce(own, inherited)
 
 
-def decode_traces(body: bytes) -> Decoded:
-    """Spans -> `steps` (spans of kind step) and `ops` (every other span)."""
-    try:
-        resources, n, buffers, odd = _otlpwire.traces(body, _wanted())
-    except ValueError as e:
-        raise OtlpError(400, str(e)) from None
-    out = Decoded("traces")
+def decode_traces(bodies: list[bytes]) -> Decoded:
+    """Spans of a batch of requests -> `steps` (spans of kind step) and `ops` (every other span)."""
+    resources, owners, n, buffers, odd, errors = _otlpwire.traces(bodies, _wanted())
+    out = Decoded("traces", [Part() for _ in bodies])
+    for i, why in errors:
+        out.parts[i].malformed = why
     if not n:
         return out
     cols = _columns(n, buffers)
@@ -285,65 +320,59 @@ def decode_traces(body: bytes) -> Decoded:
                                                             sc.KIND_OTHER))
     start, end = np.frombuffer(buffers[5][1], np.uint64), np.frombuffer(buffers[6][1], np.uint64)
     times_ok = (start > 0) & (start <= end) & (end <= _MAX_NS)
-    if times_ok.all():
-        times_ok = True
-    else:  # zero the bad ones so they convert; their spans are rejected below
-        start, end = np.where(times_ok, start, 0), np.where(times_ok, end, 0)
-    start, end = start.astype(np.int64), end.astype(np.int64)
-    del cols["start"], cols["end"]
+    start, end = np.where(times_ok, start, 0).astype(np.int64), np.where(times_ok, end, 0).astype(np.int64)
     seconds = (end - start) / 1e9
+    del cols["start"], cols["end"]
     algbw, busbw = bandwidths(cols["name"], cols["group_size"], cols["bytes"], seconds)
     cols.update(start_ts=pa.array(start, pa.timestamp("ns")), end_ts=pa.array(end, pa.timestamp("ns")),
                 duration_s=pa.array(seconds), algbw_gbps=algbw, busbw_gbps=busbw)
-    is_step = pc.equal(cols["kind"], sc.KIND_STEP)
-    valid = _valid_spans(out, cols, times_ok, is_step, bad)
+    is_step = pc.equal(cols["kind"], sc.KIND_STEP).to_numpy(zero_copy_only=False)
+    owner = np.asarray(owners, np.int64)[np.frombuffer(buffers[0][1], np.int32)]  # each span's request
+    valid = _valid_spans(out, cols, times_ok, is_step, bad, owner)
     _note_ranks(identities, cols, valid)
     del cols["resource"]
     table = pa.table(cols)
-    if valid is not None:
-        table, is_step = table.filter(valid), is_step.filter(valid)
-    for table_name, rows in (("steps", table.filter(is_step)), ("ops", table.filter(pc.invert(is_step)))):
-        if rows.num_rows:
-            out.tables[table_name] = _full(rows, arrow_schema(table_name))
+    if not valid.all():
+        table, is_step, owner = table.filter(valid), is_step[valid], owner[valid]
+    for table_name, mine in (("steps", is_step), ("ops", ~is_step)):
+        if mine.any():
+            out.tables[table_name] = _full(table.filter(mine), arrow_schema(table_name))
+            for i, rows in enumerate(np.bincount(owner[mine], minlength=len(bodies)).tolist()):
+                if rows:
+                    out.parts[i].rows[table_name] = rows
     return out
 
 
-def _note_ranks(identities: list["_Identity"], cols: dict[str, pa.Array], valid: pa.Array | None) -> None:
+def _note_ranks(identities: list["_Identity"], cols: dict[str, pa.Array], valid: np.ndarray) -> None:
     """Every (resource, run, rank) that a stored span spoke for becomes a `ranks` row."""
     spoken = pa.table({"resource": cols["resource"], "run_id": cols["run_id"], "rank": cols["rank"]})
-    if valid is not None:
+    if not valid.all():
         spoken = spoken.filter(valid)
     distinct = spoken.group_by(spoken.column_names).aggregate([])
     for i, run_id, rank in zip(*(distinct[c].to_pylist() for c in spoken.column_names)):
         identities[i].seen(run_id, rank)
 
 
-def _valid_spans(out: Decoded, cols: dict[str, pa.Array], times_ok, is_step: pa.Array,
-                 bad: dict[int, str]) -> pa.Array | None:
-    """The mask of spans that can be stored, or None when all can; rejections go to `out`.
-    Well-formed requests (the usual case) are recognised without building any mask."""
-    checks = []
-    if cols["run_id"].null_count or cols["rank"].null_count:
-        checks.append((pc.and_(pc.is_valid(cols["run_id"]), pc.is_valid(cols["rank"])),
-                       f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"))
-    if times_ok is not True:
-        checks.append((pa.array(times_ok), "start time missing, after the end time, or past the year 2262"))
+def _valid_spans(out: Decoded, cols: dict[str, pa.Array], times_ok: np.ndarray, is_step: np.ndarray,
+                 bad: dict[int, str], owner: np.ndarray) -> np.ndarray:
+    """The mask of spans that can be stored; each rejected span is counted against its request,
+    with the first reason."""
+    def present(column: str) -> np.ndarray:
+        return cols[column].is_valid().to_numpy(zero_copy_only=False)
+
+    checks = [(present("run_id") & present("rank"),
+               f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"),
+              (times_ok, "start time missing, after the end time, or past the year 2262"),
+              (~is_step | present("step"), f"a step span needs {sc.STEP}")]
     if not set(pc.unique(cols["kind"]).to_pylist()) <= _KINDS:
-        checks.append((pc.is_in(cols["kind"], pa.array(sorted(_KINDS))),
+        checks.append((pc.is_in(cols["kind"], pa.array(sorted(_KINDS))).to_numpy(zero_copy_only=False),
                        f"{sc.KIND} must be one of {', '.join(sorted(_KINDS))}"))
-    if cols["step"].null_count:
-        checks.append((pc.or_(pc.invert(is_step), pc.is_valid(cols["step"])), f"a step span needs {sc.STEP}"))
+    valid = np.logical_and.reduce([passed for passed, _ in checks])
     if bad:
-        checks.append((pa.array([i not in bad for i in range(len(is_step))]), bad[min(bad)]))
-    if not checks:
-        return None
-    valid = checks[0][0]
-    for passed, _ in checks[1:]:
-        valid = pc.and_(valid, passed)
-    rejected = len(is_step) - pc.sum(valid.cast(pa.int64())).as_py()
-    if rejected:
-        passed, why = next((passed, why) for passed, why in checks if not pc.all(passed).as_py())
-        out.reject(f"span {cols['name'][passed.index(False).as_py()].as_py()!r}: {why}", count=rejected)
+        valid[list(bad)] = False
+    for span in np.flatnonzero(~valid).tolist():  # the rare path: say why, per request
+        why = bad.get(span) or next(why for passed, why in checks if not passed[span])
+        out.parts[owner[span]].reject(f"span {cols['name'][span].as_py()!r}: {why}")
     return valid
 
 
@@ -354,10 +383,14 @@ def _full(table: pa.Table, schema: pa.Schema) -> pa.Table:
                                  for f in schema], schema=schema)
 
 
-def decode_metrics(body: bytes) -> Decoded:
+def decode_metrics(bodies: list[bytes]) -> Decoded:
     """Gauge and sum data points -> `device_samples`, one row per point."""
+    return each("metrics", bodies, _decode_metrics)
+
+
+def _decode_metrics(body: bytes, part: Part) -> Decoded:
     request = parse(body, PROTOBUF, ExportMetricsServiceRequest)
-    out = Decoded("metrics")
+    out = Decoded("metrics", [part])
     rows = []
     for rm in request.resource_metrics:
         who = _Identity(_attributes(rm.resource.attributes), out)
@@ -375,19 +408,23 @@ def decode_metrics(body: bytes) -> Decoded:
                         if number is None or not point.time_unix_nano:
                             raise Rejected("data point without a value or a time")
                     except Rejected as e:
-                        out.reject(f"metric {metric.name!r}: {e}")
+                        part.reject(f"metric {metric.name!r}: {e}")
                         continue
                     rows.append((run_id, rank, point.time_unix_nano, metric.name, float(getattr(point, number)),
                                  attrs.pop(sc.GPU, None), attrs.pop(sc.SOURCE, who.source), _leftover(attrs)))
     _table("device_samples", ("run_id", "rank", "ts", "metric", "value", "gpu", "source", "attrs"), rows, out,
-           "data point")
+           part, "data point")
     return out
 
 
-def decode_logs(body: bytes) -> Decoded:
+def decode_logs(bodies: list[bytes]) -> Decoded:
     """Log records -> `events`; the event name is rankwatch.event, else the body."""
+    return each("logs", bodies, _decode_logs)
+
+
+def _decode_logs(body: bytes, part: Part) -> Decoded:
     request = parse(body, PROTOBUF, ExportLogsServiceRequest)
-    out = Decoded("logs")
+    out = Decoded("logs", [part])
     rows = []
     for rl in request.resource_logs:
         who = _Identity(_attributes(rl.resource.attributes), out)
@@ -400,7 +437,7 @@ def decode_logs(body: bytes) -> Decoded:
                     if not ts:
                         raise Rejected("no time")
                 except Rejected as e:
-                    out.reject(f"log record: {e}")
+                    part.reject(f"log record: {e}")
                     continue
                 body_value = value(record.body) if record.HasField("body") else None
                 if body_value is not None and not isinstance(body_value, str):
@@ -409,7 +446,7 @@ def decode_logs(body: bytes) -> Decoded:
                 rows.append((run_id, rank, ts, event, attrs.pop(sc.STEP, None), record.severity_text or None,
                              body_value, _leftover(attrs)))
     _table("events", ("run_id", "rank", "ts", "event", "step", "severity", "body", "attrs"), rows, out,
-           "log record")
+           part, "log record")
     return out
 
 

@@ -1,26 +1,30 @@
 """From request body to committed rows: decode in worker processes, write in the store.
 
-Decoding protobuf into Arrow is CPU-bound Python, so it runs in a pool of
-worker processes (one per core by default). A worker hands its Arrow batches
-straight to the store's writer process and tells the server only the counts;
-the server's event loop never touches the rows, and awaits the writer's
-acknowledgement.
+Decoding is CPU-bound, so it runs in a pool of worker processes (one per core
+by default). Requests that arrive while every worker is busy wait and go to
+the next free worker together, as one batch: under load, batches grow and the
+per-call costs of decoding and writing are shared by many requests. A worker
+hands the batch's Arrow tables straight to the store's writer process and
+tells the server only each request's counts; the server's event loop never
+touches the rows, and awaits the writer's acknowledgement of each request.
 """
 
 import asyncio
 import hashlib
 import multiprocessing
 import os
+from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from collector import otlp
 from collector.children import die_with_parent
-from collector.decode import DECODERS, Decoded, arrow_schema
+from collector.decode import DECODERS, arrow_schema
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
 
+MAX_BATCH = 64  # requests decoded together at most
 _writer_queue = None  # in a decode worker: the store's request queue
 
 
@@ -34,22 +38,43 @@ class Outcome:
     duplicate: bool = False
 
 
-def decode(signal: str, kind: str, encoding: str | None, body: bytes) -> tuple[bytes, Decoded]:
-    """(digest, decoded rows) of one request body as received; raises OtlpError."""
-    body = otlp.decompress(body, encoding)
-    message, decoder = DECODERS[signal]
-    digest = hashlib.blake2b(signal.encode() + b"\0" + body, digest_size=16).digest()
-    if kind == otlp.JSON:
-        body = otlp.parse(body, kind, message).SerializeToString()
-    return digest, decoder(body)
+@dataclass
+class Request:
+    """One export request as received."""
+
+    id: int
+    signal: str
+    kind: str
+    encoding: str | None
+    body: bytes
 
 
-def _decode_and_queue(request_id: int, signal: str, kind: str, encoding: str | None, body: bytes,
-                      writer_queue=None) -> Outcome:
-    digest, decoded = decode(signal, kind, encoding, body)
-    if decoded.accepted:
-        (writer_queue or _writer_queue).put((request_id, digest, decoded))
-    return Outcome(decoded.accepted, decoded.rejected, decoded.error)
+def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | otlp.OtlpError]:
+    """Decompress and decode requests of one signal, queue their rows for the writer as one
+    message, and return each request's outcome (an OtlpError for one that cannot be read)."""
+    answers: dict[int, Outcome | otlp.OtlpError] = {}
+    bodies, readable = [], []
+    for request in requests:
+        try:
+            body = otlp.decompress(request.body, request.encoding)
+            digest = hashlib.blake2b(request.signal.encode() + b"\0" + body, digest_size=16).digest()
+            if request.kind == otlp.JSON:
+                body = otlp.parse(body, request.kind, DECODERS[request.signal][0]).SerializeToString()
+        except otlp.OtlpError as e:
+            answers[request.id] = e
+            continue
+        bodies.append(body)
+        readable.append((request.id, digest))
+    if bodies:
+        decoded = DECODERS[requests[0].signal][1](bodies)
+        for (request_id, _), part in zip(readable, decoded.parts):
+            answers[request_id] = (otlp.OtlpError(400, part.malformed) if part.malformed
+                                   else Outcome(part.accepted, part.rejected, part.error))
+        if decoded.accepted:
+            stored = [(request_id, digest, part.rows) for (request_id, digest), part in zip(readable, decoded.parts)
+                      if part.accepted]
+            (writer_queue or _writer_queue).put((stored, decoded))
+    return [answers[request.id] for request in requests]
 
 
 def _ready() -> None:
@@ -65,12 +90,14 @@ def _init_worker(writer_queue) -> None:
 
 
 class Ingestor:
-    """Decodes export requests and waits for the store to commit them."""
+    """Decodes export requests in batches and waits for the store to commit them."""
 
     def __init__(self, store: Store, workers: int | None = None):
         self.store = store
         self._workers = (os.cpu_count() or 1) if workers is None else workers
         self._pool = self._new_pool()
+        self._waiting: dict[str, list[tuple[Request, asyncio.Future]]] = defaultdict(list)
+        self._busy = 0  # batches being decoded
 
     def _new_pool(self) -> ProcessPoolExecutor | None:
         if self._workers == 0:
@@ -84,20 +111,14 @@ class Ingestor:
         return pool
 
     async def export(self, signal: str, kind: str, encoding: str | None, body: bytes) -> Outcome:
-        """Decompress, decode and commit one request; returns once its rows are durable."""
-        loop = asyncio.get_running_loop()
+        """Decompress, decode and commit one request; returns once its rows are durable.
+        Raises OtlpError for a request that cannot be read, Overloaded when the queue is full."""
         request_id, committed = self.store.expect(len(body))
+        decoded = asyncio.get_running_loop().create_future()
+        self._waiting[signal].append((Request(request_id, signal, kind, encoding, body), decoded))
+        self._dispatch()
         try:
-            if self._pool is None:
-                outcome = await loop.run_in_executor(None, _decode_and_queue, request_id, signal, kind, encoding,
-                                                     body, self.store.requests)
-            else:
-                outcome = await loop.run_in_executor(self._pool, _decode_and_queue, request_id, signal, kind,
-                                                     encoding, body)
-        except BrokenProcessPool:
-            self.store.forget(request_id)
-            self._pool = self._new_pool()
-            raise
+            outcome = await decoded
         except BaseException:
             self.store.forget(request_id)
             raise
@@ -106,6 +127,39 @@ class Ingestor:
             return outcome
         outcome.duplicate = not await asyncio.wrap_future(committed)
         return outcome
+
+    def _dispatch(self) -> None:
+        """Give each idle worker the requests of one signal that wait, oldest signal first."""
+        loop = asyncio.get_running_loop()
+        while self._waiting and self._busy < max(self._workers, 1):
+            signal = next(iter(self._waiting))
+            batch, rest = self._waiting[signal][:MAX_BATCH], self._waiting[signal][MAX_BATCH:]
+            if rest:
+                self._waiting[signal] = rest
+            else:
+                del self._waiting[signal]
+            requests = [request for request, _ in batch]
+            if self._pool is None:
+                task = loop.run_in_executor(None, decode_batch, requests, self.store.requests)
+            else:
+                task = loop.run_in_executor(self._pool, decode_batch, requests)
+            self._busy += 1
+            task.add_done_callback(lambda task, batch=batch: self._decoded(task, batch))
+
+    def _decoded(self, task: asyncio.Future, batch: list[tuple[Request, asyncio.Future]]) -> None:
+        self._busy -= 1
+        failed = task.exception()
+        if isinstance(failed, BrokenProcessPool) and self._pool is not None:
+            self._pool = self._new_pool()
+        answers = [failed] * len(batch) if failed else task.result()
+        for (_, waiter), answer in zip(batch, answers):
+            if waiter.done():  # the client went away
+                continue
+            if isinstance(answer, BaseException):
+                waiter.set_exception(answer)
+            else:
+                waiter.set_result(answer)
+        self._dispatch()
 
     def close(self) -> None:
         if self._pool is not None:

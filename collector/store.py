@@ -23,13 +23,14 @@ import queue
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -125,23 +126,32 @@ class _Writer:
                 acks.put(("closed",))
                 return
 
-    def _commit(self, group: list[tuple[int, bytes, Decoded]]) -> tuple:
-        """("committed", [(request id, written?)], seconds, rows) or ("failed", [request ids], reason)."""
+    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> tuple:
+        """Append a group of decoded batches in one transaction, leaving out requests already
+        stored. ("committed", [(request id, written?)], seconds, rows) or ("failed", [request ids], reason)."""
         started = time.perf_counter()
-        fresh: dict[bytes, tuple[int, Decoded]] = {}
-        for request_id, digest, decoded in group:
-            if digest not in self._digests:
-                fresh.setdefault(digest, (request_id, decoded))
+        fresh: dict[bytes, tuple[int, str, int]] = {}  # digest -> (request id, signal, rows)
+        tables: dict[str, list[pa.Table]] = defaultdict(list)
+        for stored, decoded in group:
+            keep = []
+            for request_id, digest, rows in stored:
+                keep.append(digest not in self._digests and digest not in fresh)
+                if keep[-1]:
+                    fresh[digest] = (request_id, decoded.signal, sum(rows.values()))
+            for name, table in decoded.tables.items():
+                if not all(keep):  # a retried request: its rows are left out
+                    table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
+                tables[name].append(table)
         rows = 0
         try:
             self._con.begin()
             for table in TELEMETRY_TABLES:
-                parts = [d.tables[table] for _, d in fresh.values() if table in d.tables]
-                if parts:
-                    batch = pa.concat_tables(parts, promote_options="default")
+                if tables[table]:
+                    batch = pa.concat_tables(tables[table], promote_options="default")
                     rows += batch.num_rows
-                    self._append(table, batch)
-            ranks = self._changed_placements(r for _, d in fresh.values() for r in d.ranks)
+                    if batch.num_rows:
+                        self._append(table, batch)
+            ranks = self._changed_placements(r for _, d in group for r in d.ranks)
             if ranks:
                 self._con.register("new_ranks", pa.Table.from_pylist(ranks))
                 self._con.execute(_UPSERT_RANKS)
@@ -149,21 +159,21 @@ class _Writer:
                 self._con.unregister("new_ranks")
             if fresh:
                 self._con.execute("INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
-                                  [v for digest, (_, d) in fresh.items() for v in (digest, d.signal, d.accepted)])
+                                  [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)])
             self._con.commit()
         except Exception as e:  # the whole group fails; each client retries
             self._con.rollback()
-            return ("failed", [request_id for request_id, _, _ in group], str(e))
+            return ("failed", [request_id for stored, _ in group for request_id, _, _ in stored], str(e))
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
-        self._analysis.touched({run_id for _, d in fresh.values() for table in ("steps", "events")
-                                if table in d.tables for run_id in pc.unique(d.tables[table]["run_id"]).to_pylist()})
+        self._analysis.touched({run_id for table in ("steps", "events") for part in tables[table]
+                                for run_id in pc.unique(part["run_id"]).to_pylist()})
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
         self._forget_old_digests(now)
-        written = {request_id for request_id, _ in fresh.values()}
-        return ("committed", [(request_id, request_id in written) for request_id, _, _ in group],
+        written = {request_id for request_id, _, _ in fresh.values()}
+        return ("committed", [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored],
                 time.perf_counter() - started, rows)
 
     def _append(self, table: str, batch: pa.Table) -> None:
@@ -199,8 +209,9 @@ def _writer_main(path: Path, analysis: Analysis, requests, acks) -> None:
 class Store:
     """The server's handle on the writer process.
 
-    Producers (decode workers, or the server itself) put `(request_id, digest,
-    Decoded)` on `requests`; the server registers each request id with
+    Producers (decode workers, or the server itself) put `([(request_id, digest,
+    rows by table)], Decoded)` on `requests`, one message per decoded batch; the
+    server registers each request id with
     `expect()` first and gets a future that resolves when the writer has
     committed it (True) or found it a duplicate (False).
     """
