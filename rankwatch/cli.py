@@ -60,6 +60,36 @@ def cmd_query(args) -> None:
     write(columns, rows, args.format)
 
 
+def cmd_analyze(args) -> None:
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from collector.postmortem import UnknownRun, analyze_run
+    from collector.store import StoreLocked, connect
+
+    db = _db(args)
+    if not db.exists():
+        raise UsageError(f"no store at {db}")
+    try:
+        con = connect(db, read_only=True)
+        found = analyze_run(con, args.run)
+    except (StoreLocked, UnknownRun) as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps([asdict(f) for f in found], indent=2))
+        return
+    table = Table(title=f"run {args.run}: {len(found)} finding{'s' * (len(found) != 1)}", show_lines=True)
+    for column in ("analyzer", "kind", "ranks", "steps", "severity", "summary"):
+        table.add_column(column, overflow="fold")
+    for f in found:
+        ranks = ", ".join(map(str, f.ranks)) if len(f.ranks) <= 8 else f"{len(f.ranks)} ranks"
+        table.add_row(f.analyzer, f.kind, ranks, f"{f.step_start}-{f.step_end}", f.severity, f.summary)
+    Console().print(table)
+
+
 def cmd_train(args) -> None:
     from rankwatch.launch import train
     from trainer.faults import TRAINER_KINDS, parse
@@ -164,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
     p.set_defaults(func=cmd_collector)
+
+    p = sub.add_parser("analyze", help="the analyzers over a whole run, from a store file (read-only)")
+    p.add_argument("run", help="run id")
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--json", action="store_true", help="findings as JSON")
+    p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file")
     p.add_argument("sql")

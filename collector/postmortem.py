@@ -1,0 +1,73 @@
+"""The analyzers over a whole run, after the fact (`rankwatch analyze`).
+
+The live pass (collector/analysis.py) judges the newest steps every few
+seconds; a post-mortem walks the run's history window by window with the same
+pure analyzers, so a straggler that came and went is reported with the steps
+it lasted, and a run that ended stalled is reported as a hang. Consecutive
+windows with the same conclusion (analyzer, kind, ranks) are one finding.
+"""
+
+from dataclasses import replace
+
+import duckdb
+
+from collector.analyzers import Finding, hangs, stragglers
+
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
+            FROM steps WHERE run_id = ? ORDER BY step, rank"""
+_DEVICES = """SELECT rank, metric, value FROM device_samples
+              WHERE run_id = ? AND ts BETWEEN make_timestamp_ns(?) AND make_timestamp_ns(?)"""
+_HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
+                        attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
+                        TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
+                        TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN) AS done
+                 FROM events WHERE run_id = ? AND event = 'heartbeat'"""
+
+
+class UnknownRun(LookupError):
+    """The store has no steps for the run."""
+
+
+def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
+                straggler_settings: stragglers.Settings = stragglers.Settings(),
+                hang_settings: hangs.Settings = hangs.Settings()) -> list[Finding]:
+    """Every finding of the run's history, in step order."""
+    steps = con.execute(_STEPS, [run_id]).df()
+    if steps.empty:
+        known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
+        raise UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
+    ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+    window = straggler_settings.window
+    first, last = int(steps["step"].min()), int(steps["step"].max())
+    found: list[Finding] = []
+    stride = max(window // 2, 1)  # windows overlap by half: an episode's ends are placed to within half a window
+    for end in range(first + window - 1, last + stride, stride):
+        end = min(end, last)
+        history = steps[(steps["step"] > end - 4 * window) & (steps["step"] <= end)]  # as the live pass reads
+        judged = stragglers.analyze(history, ranks, straggler_settings)
+        if judged:  # only then are the device samples of those steps worth reading
+            span = history[history["step"] > end - window]["end_ts"]
+            devices = con.execute(_DEVICES, [run_id, int(span.min()), int(span.max())]).df()
+            judged = stragglers.analyze(history, ranks, straggler_settings, devices)
+        found += judged
+    heartbeats = con.execute(_HEARTBEATS, [run_id]).df()
+    # the run as it was last heard from: a stall that long is a hang
+    heard = max(int(steps["end_ts"].max()), int(heartbeats["ts"].max()) if not heartbeats.empty else 0)
+    found += hangs.analyze(steps, heartbeats, heard, hang_settings)
+    return _merged(found, window)
+
+
+def _merged(found: list[Finding], window: int) -> list[Finding]:
+    """Findings with the same conclusion in windows next to each other as one, over the steps
+    they span; the strongest window's summary and evidence speak for it."""
+    merged: list[Finding] = []
+    for f in found:
+        last = merged[-1] if merged else None
+        if last and (last.analyzer, last.kind, last.ranks) == (f.analyzer, f.kind, f.ranks) \
+                and f.step_start <= last.step_end + window:
+            strongest = f if f.score > last.score else last
+            merged[-1] = replace(strongest, step_start=min(last.step_start, f.step_start),
+                                 step_end=max(last.step_end, f.step_end))
+        else:
+            merged.append(f)
+    return merged

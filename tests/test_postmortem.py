@@ -1,0 +1,86 @@
+"""`rankwatch analyze RUN`: the analyzers over a whole run, from a store file.
+
+Covered: simulated runs go through a real collector into a store; afterwards
+`rankwatch analyze` finds a straggler that came and went with the steps it
+lasted, a persistent one up to the last step, nothing in a clean run, and
+prints JSON or a table; an unknown run, a missing store and a store held by a
+running collector are one-line errors with exit 2.
+"""
+
+import json
+
+import pytest
+
+from tests.conftest import Collector, free_port, rankwatch_cli
+
+RUNS = {
+    "pm-clean": [],
+    "pm-transient": ["straggler:rank=6,slowdown=1.3,from=20,to=50"],
+    "pm-persistent": ["straggler:rank=11,slowdown=1.15,from=30"],
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    db = tmp_path_factory.mktemp("postmortem") / "rankwatch.duckdb"
+    with open(db.parent / "collector.log", "w") as log:
+        collector = Collector(db, free_port(), "test-token", log=log).start()
+        try:
+            for run, faults in RUNS.items():
+                args = ["simulate", "--ranks", "32", "--steps", "80", "--run", run, "--collector", collector.url]
+                for spec in faults:
+                    args += ["--inject", spec]
+                result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
+                assert result.returncode == 0, result.stderr
+        finally:
+            collector.stop()
+    return db
+
+
+def analyze(db, run):
+    result = rankwatch_cli("analyze", run, "--db", str(db), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_clean_run_has_no_finding(store):
+    assert analyze(store, "pm-clean") == []
+
+
+def test_straggler_that_came_and_went_is_reported_with_its_steps(store):
+    (finding,) = analyze(store, "pm-transient")
+    assert (finding["analyzer"], finding["kind"], finding["ranks"]) == ("stragglers", "rank", [6])
+    assert 14 <= finding["step_start"] <= 26
+    assert 47 <= finding["step_end"] <= 59  # until the judged window (12 steps) moved past step 50
+    assert finding["score"] == pytest.approx(1.3, rel=0.05)
+    assert finding["evidence"]["lost_s_per_step"] > 0
+
+
+def test_persistent_straggler_lasts_to_the_last_step(store):
+    (finding,) = analyze(store, "pm-persistent")
+    assert (finding["kind"], finding["ranks"]) == ("rank", [11])
+    assert 24 <= finding["step_start"] <= 36
+    assert finding["step_end"] >= 70
+
+
+def test_table_output_names_the_rank(store):
+    result = rankwatch_cli("analyze", "pm-persistent", "--db", str(store))
+    assert result.returncode == 0, result.stderr
+    assert "1 finding" in result.stdout and "rank 11" in result.stdout
+
+
+def test_unknown_run_is_a_one_line_error(store):
+    result = rankwatch_cli("analyze", "no-such-run", "--db", str(store))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "no steps for run 'no-such-run'" in result.stderr
+    assert "pm-clean" in result.stderr  # the runs it does have
+
+
+def test_missing_store_is_a_one_line_error(tmp_path):
+    result = rankwatch_cli("analyze", "r", "--db", str(tmp_path / "none.duckdb"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no store at" in result.stderr
+
+
+def test_store_held_by_a_collector_is_a_one_line_error(collector):
+    result = rankwatch_cli("analyze", "r", "--db", str(collector.db))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "running collector" in result.stderr
