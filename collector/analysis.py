@@ -12,13 +12,16 @@ import time
 import duckdb
 
 from collector import findings
-from collector.analyzers import hangs, stragglers
+from collector.analyzers import hangs, links, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
             FROM steps WHERE run_id = $run AND step >= (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
+_COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
+                  WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
+                    AND step > (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
@@ -66,6 +69,10 @@ class Analysis:
             devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()
             findings.record(con, run_id, stragglers.ANALYZER,
                             stragglers.analyze(complete, ranks, self._stragglers, devices))
+            collectives = con.execute(_COLLECTIVES, {"run": run_id, "steps": links.Settings().window + 1}).df()
+            collectives = collectives[collectives["step"] < steps["step"].max()]
+            findings.record(con, run_id, links.ANALYZER,
+                            links.analyze(collectives, float(complete["duration_s"].median())))
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs))

@@ -11,10 +11,12 @@ from dataclasses import replace
 
 import duckdb
 
-from collector.analyzers import Finding, hangs, stragglers
+from collector.analyzers import Finding, hangs, links, stragglers
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
             FROM steps WHERE run_id = ? ORDER BY step, rank"""
+_COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
+                  WHERE run_id = ? AND kind = 'comm' AND busbw_gbps IS NOT NULL"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = ? AND ts BETWEEN make_timestamp_ns(?) AND make_timestamp_ns(?)"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
@@ -37,6 +39,7 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
         known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
         raise UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
     ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+    collectives = con.execute(_COLLECTIVES, [run_id]).df()
     window = straggler_settings.window
     first, last = int(steps["step"].min()), int(steps["step"].max())
     found: list[Finding] = []
@@ -50,6 +53,8 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
             devices = con.execute(_DEVICES, [run_id, int(span.min()), int(span.max())]).df()
             judged = stragglers.analyze(history, ranks, straggler_settings, devices)
         found += judged
+        found += links.analyze(collectives[(collectives["step"] > end - window) & (collectives["step"] <= end)],
+                               float(history["duration_s"].median()))
     heartbeats = con.execute(_HEARTBEATS, [run_id]).df()
     # the run as it was last heard from: a stall that long is a hang
     heard = max(int(steps["end_ts"].max()), int(heartbeats["ts"].max()) if not heartbeats.empty else 0)
@@ -61,13 +66,15 @@ def _merged(found: list[Finding], window: int) -> list[Finding]:
     """Findings with the same conclusion in windows next to each other as one, over the steps
     they span; the strongest window's summary and evidence speak for it."""
     merged: list[Finding] = []
+    latest: dict[tuple, int] = {}  # (analyzer, kind, ranks) -> index in merged of its latest episode
     for f in found:
-        last = merged[-1] if merged else None
-        if last and (last.analyzer, last.kind, last.ranks) == (f.analyzer, f.kind, f.ranks) \
-                and f.step_start <= last.step_end + window:
+        key = (f.analyzer, f.kind, tuple(f.ranks))
+        last = merged[latest[key]] if key in latest else None
+        if last and f.step_start <= last.step_end + window:
             strongest = f if f.score > last.score else last
-            merged[-1] = replace(strongest, step_start=min(last.step_start, f.step_start),
-                                 step_end=max(last.step_end, f.step_end))
+            merged[latest[key]] = replace(strongest, step_start=min(last.step_start, f.step_start),
+                                          step_end=max(last.step_end, f.step_end))
         else:
+            latest[key] = len(merged)
             merged.append(f)
     return merged
