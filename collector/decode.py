@@ -187,7 +187,7 @@ def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded,
         if not good:
             return
         arrays = [pa.array(col, f.type) for col, f in zip(zip(*good), fields)]
-    out.tables[name] = _full(pa.Table.from_arrays(arrays, names=list(columns)), full)
+    out.tables[name] = conform(pa.Table.from_arrays(arrays, names=list(columns)), full)
 
 
 class _Identity:
@@ -336,7 +336,7 @@ def decode_traces(bodies: list[bytes]) -> Decoded:
         table, is_step, owner = table.filter(valid), is_step[valid], owner[valid]
     for table_name, mine in (("steps", is_step), ("ops", ~is_step)):
         if mine.any():
-            out.tables[table_name] = _full(table.filter(mine), arrow_schema(table_name))
+            out.tables[table_name] = conform(table.filter(mine), arrow_schema(table_name))
             for i, rows in enumerate(np.bincount(owner[mine], minlength=len(bodies)).tolist()):
                 if rows:
                     out.parts[i].rows[table_name] = rows
@@ -376,11 +376,13 @@ def _valid_spans(out: Decoded, cols: dict[str, pa.Array], times_ok: np.ndarray, 
     return valid
 
 
-def _full(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """`table` with exactly the columns of a store table, in order (nulls where it has none)."""
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly the columns of a store table, in order and of its types (nulls where
+    it has none), so the store appends it by position."""
     have = dict(zip(table.column_names, table.columns))
-    return pa.Table.from_arrays([have[f.name] if f.name in have else pa.nulls(table.num_rows, f.type)
-                                 for f in schema], schema=schema)
+    return pa.Table.from_arrays([(have[f.name] if have[f.name].type == f.type else have[f.name].cast(f.type))
+                                 if f.name in have else pa.nulls(table.num_rows, f.type) for f in schema],
+                                schema=schema)
 
 
 def decode_metrics(bodies: list[bytes]) -> Decoded:

@@ -40,7 +40,9 @@ def store(tmp_path_factory):
 def analyze(db, run):
     result = rankwatch_cli("analyze", run, "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    report = json.loads(result.stdout)
+    assert report["run"] == run
+    return report["findings"]
 
 
 def test_clean_run_has_no_finding(store):
