@@ -156,8 +156,9 @@ class Exporter:
         self._scope = InstrumentationScope(SCOPE)
         self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)
+        # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
         self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(
-            self.logs_backlog, schedule_delay_millis=1000))
+            self.logs_backlog, schedule_delay_millis=1000, max_queue_size=65536, max_export_batch_size=2048))
         self._logger = self._logger_provider.get_logger(SCOPE)
         self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", **common)
 

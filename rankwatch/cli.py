@@ -123,6 +123,16 @@ def cmd_simulate(args) -> None:
     for f in faults:
         if f.rank is not None and not 0 <= f.rank < args.ranks:
             raise UsageError(f"{f.spec!r}: rank {f.rank} is outside 0..{args.ranks - 1}")
+        if f.kind == "hang" and not 1 <= f.get("at") < args.steps:
+            raise UsageError(f"{f.spec!r}: at must be within 1..{args.steps - 1} (a step must finish before "
+                             "the hang, and the hang fall within the run)")
+        if f.kind == "hang" and f.get("seconds") is not None:
+            raise UsageError(f"{f.spec!r}: a simulated hang lasts until the simulator stops (--hang-for); "
+                             "seconds= is for `rankwatch train`")
+    hang = simulate.first_hang(faults)
+    if hang and args.collector:
+        print(f"rankwatch simulate: ranks {hang[1]} hang at step {hang[0]}; heartbeats go on for "
+              f"{args.hang_for:g} s after it, then the simulator stops")
     frames = track(simulate.steps(topology, args.steps, faults, seed=args.seed), total=args.steps,
                    description=f"simulating {args.ranks} ranks", transient=True)
     if args.out:
@@ -135,7 +145,7 @@ def cmd_simulate(args) -> None:
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
     exporter = Exporter(config.collector_url(args.collector), config.token(), {"rankwatch.run_id": run_id})
-    spans = simulate.to_collector(exporter, run_id, topology, frames, faults)
+    spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
     print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
@@ -177,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)")
     p.add_argument("--collector", help="send OTLP to this collector")
-    p.add_argument("--out", help="write a Parquet op trace instead")
+    p.add_argument("--out", help="write a Parquet op trace instead (with a hang, it ends before the hang's step)")
+    p.add_argument("--hang-for", type=float, default=60.0, metavar="SECONDS",
+                   help="with a hang and --collector: how long the stuck ranks keep sending heartbeats "
+                        "(default 60, past the collector's default --hang-after of 30)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_simulate)
 

@@ -9,6 +9,13 @@ a gradient all-reduce that every rank waits for (and that a slow link slows
 for the whole ring). A rank's exposed communication wait is its step time
 minus its own data and compute time, as the agent measures it.
 
+A hang (`hang:rank=R,at=S`) stops the job: rank R never enters step S's
+gradient all-reduce and every other rank blocks inside it, so no rank finishes
+step S or later and the steps end at S - 1. Sent to a collector, the ranks
+then go on sending heartbeats in real time, as the agent's heartbeat thread
+does while training is blocked, for `hang_for_s`; before that, one heartbeat
+per rank every 5 s of simulated time gives the hang analyzer their history.
+
 Steps go to a collector as real OTLP (the agent's exporter, one resource per
 rank) or to a Parquet op trace in the generic format of `rankwatch import
 ops`; the faults injected are logged as `fault_injected` events, and written
@@ -26,7 +33,11 @@ import pandas as pd
 
 from trainer.faults import Fault
 
-SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal")
+SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang")
+HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+# The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
+# in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
+ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,13 @@ class Topology:
                              "pp_stage": rank // (self.tp * self.dp), "host": rank // self.ranks_per_host})
 
 
+def first_hang(faults: list[Fault]) -> tuple[int, list[int]] | None:
+    """The step no rank finishes (the earliest hang's `at`) and the ranks that never enter its
+    all-reduce; None without a hang."""
+    at = min((f.get("at") for f in faults if f.kind == "hang"), default=None)
+    return None if at is None else (at, sorted(f.rank for f in faults if f.kind == "hang" and f.get("at") == at))
+
+
 @dataclass(frozen=True)
 class Timing:
     compute_s: float = 0.60  # per rank per step, at full speed
@@ -62,12 +80,13 @@ class Timing:
 def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
           seed: int = 0, start_ns: int | None = None) -> Iterator[pd.DataFrame]:
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
-    sm_clock_mhz, temp_c."""
+    sm_clock_mhz, temp_c. A hang ends the frames before its step."""
     rng = np.random.default_rng(seed)
     place = topology.placement()
     n, t = topology.ranks, timing
     now = time.time_ns() if start_ns is None else start_ns
-    for step in range(n_steps):
+    hang = first_hang(faults)
+    for step in range(n_steps if hang is None else min(n_steps, hang[0])):
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
@@ -104,8 +123,12 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
 
 
 def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.DataFrame],
-                 faults: list[Fault]) -> int:
-    """Send the steps as OTLP through the agent's exporter, one resource per rank; returns spans sent."""
+                 faults: list[Fault], hang_for_s: float = 60.0) -> int:
+    """Send the steps as OTLP through the agent's exporter, one resource per rank, and the ranks'
+    heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
+    clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
+    past would look like a stall while they arrive), and heartbeats follow in real time for
+    `hang_for_s` seconds."""
     from opentelemetry.sdk.resources import Resource
 
     from agent import semconv as sc
@@ -116,14 +139,26 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
                                   sc.TP_RANK: int(r.tp_rank), sc.HOST_NAME: f"sim-node-{r.host:04d}",
                                   sc.DEVICE: "simulated", sc.SOURCE: sc.SOURCE_SIMULATED})
                  for r in place.itertuples()]
-    announced, sent = set(), 0
-    for frame in frames:
-        step = int(frame["step"].iloc[0])
-        for f in faults:
+    announced: set[str] = set()
+
+    def announce(candidates: list[Fault], step: int, time_ns: int) -> None:
+        for f in candidates:
             if f.active(step) and f.spec not in announced:
                 announced.add(f.spec)
-                exporter.event(sc.EVENT_FAULT, int(frame["start_ns"].iloc[0]),
+                exporter.event(sc.EVENT_FAULT, time_ns,
                                {sc.STEP: step, sc.FAULT_SPEC: f.spec, sc.RANK: f.rank if f.rank is not None else 0})
+
+    sent, step, last_end, next_beat = 0, -1, time.time_ns(), None
+    for frame in frames:
+        step, start, last_end = (int(frame[column].iloc[0]) for column in ("step", "start_ns", "end_ns"))
+        announce(faults, step, start)
+        next_beat = start + HEARTBEAT_NS if next_beat is None else next_beat
+        data, compute = frame["data_s"].to_numpy(), frame["compute_s"].to_numpy()
+        while next_beat < last_end:  # where each rank is in this step at that moment
+            offset = (next_beat - start) / 1e9
+            _heartbeats(exporter, next_beat, step,
+                        np.select([offset < data, offset < data + compute], ["data", "compute"], ""))
+            next_beat += HEARTBEAT_NS
         for row in frame.itertuples():
             exporter.trace([("step", row.start_ns, row.end_ns, {
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
@@ -133,7 +168,38 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
             sc.RANK: int(row.rank), sc.GPU: int(row.rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED})
             for row in frame.itertuples()
             for metric, value in ((sc.SM_CLOCK_MHZ, row.sm_clock_mhz), (sc.GPU_TEMP_C, row.temp_c)))
+    hang = first_hang(faults)
+    if hang is not None and step == hang[0] - 1:
+        time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
+        announce([f for f in faults if f.kind == "hang"], hang[0], last_end)  # faults from step S on never start
+        _stuck(exporter, topology.ranks, *hang, hang_for_s)
     return sent
+
+
+def _stuck(exporter, n_ranks: int, step: int, stuck: list[int], seconds: float) -> None:
+    """`seconds` of a job stuck at `step`, seen through its heartbeats, sent in real time: the
+    stuck ranks still in compute, every other rank blocked in the step's all-reduce."""
+    phase = np.where(np.isin(np.arange(n_ranks), stuck), "compute", "")
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        _heartbeats(exporter, time.time_ns(), step, phase)
+        time.sleep(min(HEARTBEAT_NS / 1e9, left))
+
+
+def _heartbeats(exporter, time_ns: int, step: int, phase: np.ndarray) -> None:
+    """One heartbeat per rank with the attributes the agent's heartbeat thread sends. `phase` is
+    each rank's "data" or "compute", or "" for a rank inside the step's all-reduce (collective
+    #step, not done); the others last completed the previous step's all-reduce."""
+    from agent import semconv as sc
+
+    for rank, p in enumerate(phase.tolist()):
+        in_allreduce = p == ""
+        seq = step - 1 + in_allreduce
+        attributes = {sc.RANK: rank, sc.STEP: step, sc.PHASE: p}
+        if seq >= 0:
+            attributes |= {sc.COMM_OP: ALLREDUCE_OP, sc.COMM_GROUP: ALLREDUCE_GROUP, sc.COMM_SEQ: seq,
+                           sc.COMM_DONE: not in_allreduce}
+        exporter.event(sc.EVENT_HEARTBEAT, time_ns, attributes)
 
 
 def to_parquet(path: Path, topology: Topology, frames: Iterator[pd.DataFrame], faults: list[Fault]) -> int:
