@@ -1,17 +1,20 @@
-"""The analyzers over a whole run, after the fact (`rankwatch analyze`).
+"""A whole run, after the fact (`rankwatch analyze`): what-if analysis and findings.
 
-The live pass (collector/analysis.py) judges the newest steps every few
-seconds; a post-mortem walks the run's history window by window with the same
-pure analyzers, so a straggler that came and went is reported with the steps
-it lasted, and a run that ended stalled is reported as a hang. Consecutive
-windows with the same conclusion (analyzer, kind, ranks) are one finding.
+The what-if analysis (analyzers/whatif.py) says how much faster the run would
+have been without its stragglers and who explains the difference. The live
+pass (collector/analysis.py) judges the newest steps every few seconds; here
+the same pure analyzers walk the run's history window by window, so a
+straggler that came and went is reported with the steps it lasted, and a run
+that ended stalled is reported as a hang. Consecutive windows with the same
+conclusion (analyzer, kind, ranks) are one finding.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import duckdb
+import pandas as pd
 
-from collector.analyzers import Finding, hangs, links, stragglers
+from collector.analyzers import Finding, hangs, links, stragglers, whatif
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
             FROM steps WHERE run_id = ? ORDER BY step, rank"""
@@ -30,15 +33,32 @@ class UnknownRun(LookupError):
     """The store has no steps for the run."""
 
 
+@dataclass
+class Report:
+    """What `rankwatch analyze` says of a run."""
+
+    run_id: str
+    whatif: whatif.WhatIf
+    findings: list[Finding]
+    steps: pd.DataFrame  # the rank-steps it was drawn from
+
+
 def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
                 straggler_settings: stragglers.Settings = stragglers.Settings(),
-                hang_settings: hangs.Settings = hangs.Settings()) -> list[Finding]:
-    """Every finding of the run's history, in step order."""
+                hang_settings: hangs.Settings = hangs.Settings()) -> Report:
+    """The what-if analysis of the run and every finding of its history, in step order."""
     steps = con.execute(_STEPS, [run_id]).df()
     if steps.empty:
         known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
         raise UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
-    ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+    ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+    return Report(run_id, whatif.analyze(steps, ranks), _findings(con, run_id, steps, ranks, straggler_settings,
+                                                                   hang_settings), steps)
+
+
+def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, ranks: pd.DataFrame,
+              straggler_settings: stragglers.Settings, hang_settings: hangs.Settings) -> list[Finding]:
+    """Every finding of the run's history, in step order."""
     collectives = con.execute(_COLLECTIVES, [run_id]).df()
     window = straggler_settings.window
     first, last = int(steps["step"].min()), int(steps["step"].max())

@@ -64,9 +64,6 @@ def cmd_analyze(args) -> None:
     import json
     from dataclasses import asdict
 
-    from rich.console import Console
-    from rich.table import Table
-
     from collector.postmortem import UnknownRun, analyze_run
     from collector.store import StoreLocked, connect
 
@@ -75,19 +72,73 @@ def cmd_analyze(args) -> None:
         raise UsageError(f"no store at {db}")
     try:
         con = connect(db, read_only=True)
-        found = analyze_run(con, args.run)
+        report = analyze_run(con, args.run)
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
+    if args.heatmap:
+        from collector.heatmap import write_heatmap
+
+        write_heatmap(report.steps, Path(args.heatmap), f"run {args.run}: compute against the step median")
     if args.json:
-        print(json.dumps([asdict(f) for f in found], indent=2))
-        return
-    table = Table(title=f"run {args.run}: {len(found)} finding{'s' * (len(found) != 1)}", show_lines=True)
-    for column in ("analyzer", "kind", "ranks", "steps", "severity", "summary"):
-        table.add_column(column, overflow="fold")
-    for f in found:
-        ranks = ", ".join(map(str, f.ranks)) if len(f.ranks) <= 8 else f"{len(f.ranks)} ranks"
-        table.add_row(f.analyzer, f.kind, ranks, f"{f.step_start}-{f.step_end}", f.severity, f.summary)
-    Console().print(table)
+        print(json.dumps({"run": args.run, **asdict(report.whatif), "findings": [asdict(f) for f in report.findings]},
+                         indent=2))
+    else:
+        _print_report(report)
+
+
+def _print_report(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    w, console = report.whatif, Console()
+    console.print(f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
+                  f"{w.actual_step_s:.3f} s against {w.ideal_step_s:.3f} s with every op at its typical duration: "
+                  f"[bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
+                  + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
+                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it")
+    explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
+    for t, slowdown in w.op_types.items():
+        explained.add_row(f"op type {t}", f"{slowdown:.3f}x")
+    for s in w.stages[:4]:
+        explained.add_row(f"stage {s['pp_stage']}", f"{s['slowdown']:.3f}x")
+    for worker in w.workers[:8]:
+        explained.add_row(f"rank {worker['rank']} (stage {worker['pp_stage']}, replica {worker['dp_rank']})",
+                          f"{worker['slowdown']:.3f}x")
+    console.print(explained)
+    findings = Table("analyzer", "kind", "ranks", "steps", "severity", "summary",
+                     title=f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}", show_lines=True)
+    for f in report.findings:
+        findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), f"{f.step_start}-{f.step_end}", f.severity, f.summary)
+    console.print(findings)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks ({ranks[0]}..{ranks[-1]})"
+
+
+def cmd_import(args) -> None:
+    from rich.progress import Progress
+
+    from collector.imports import TraceError, store_run
+    from collector.imports.ops import OpTrace
+    from collector.store import StoreLocked
+
+    db, path = _db(args), Path(args.path)
+    try:
+        trace = OpTrace(path)
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"importing {path.name}", total=trace.rows)
+
+            def batches():
+                for batch in trace.batches():
+                    yield batch
+                    progress.advance(task, batch.num_rows)
+
+            counts = store_run(db, args.run, batches(), trace.placement_frame)
+    except (TraceError, StoreLocked) as e:
+        raise UsageError(str(e)) from None
+    print(f"rankwatch import: run {args.run}: {counts['ops']} ops, {counts['steps']} rank-steps of "
+          f"{counts['ranks']} ranks -> {db}")
 
 
 def cmd_train(args) -> None:
@@ -208,10 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
     p.set_defaults(func=cmd_collector)
 
+    p = sub.add_parser("import", help="a trace recorded elsewhere, into a store file (one run, all or nothing)")
+    p.add_argument("format", choices=("ops",), help="ops: the generic op trace (Parquet or CSV)")
+    p.add_argument("path")
+    p.add_argument("--run", required=True, help="run id to import under")
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("analyze", help="the analyzers over a whole run, from a store file (read-only)")
     p.add_argument("run", help="run id")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
-    p.add_argument("--json", action="store_true", help="findings as JSON")
+    p.add_argument("--json", action="store_true", help="the report as one JSON document")
+    p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file")

@@ -1,0 +1,71 @@
+"""What-if analysis: on simulator traces with known causes it finds the right pattern and ranks,
+and `rankwatch analyze --json` carries the documented report, `--heatmap` a PNG."""
+
+import json
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from collector.analyzers import whatif
+from tests.conftest import rankwatch_cli
+from trainer import simulate
+from trainer.faults import parse
+
+TOPOLOGY = simulate.Topology(dp=16, pp=4)  # 64 ranks, stage s = ranks 16s..16s+15
+
+
+def report(*specs: str, seed: int = 1) -> whatif.WhatIf:
+    df = pd.concat(simulate.steps(TOPOLOGY, 40, [parse(s) for s in specs], seed=seed), ignore_index=True)
+    return whatif.analyze(df, TOPOLOGY.placement())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_clean_run_has_no_pattern(seed):
+    r = report(seed=seed)
+    assert r.pattern == "none" and r.culprits == []
+    assert r.slowdown == pytest.approx(1.0, abs=0.06)
+
+
+def test_single_slow_worker_is_the_cause():
+    r = report("straggler:rank=37,slowdown=1.2")
+    assert (r.pattern, r.culprits) == ("worker", [37])
+    assert r.workers[0]["rank"] == 37 and r.workers[0]["pp_stage"] == 2 and r.workers[0]["dp_rank"] == 5
+    assert r.workers[0]["slowdown"] - 1 > 0.6 * (r.slowdown - 1)  # it alone explains most of the slowdown
+    assert r.workers[1]["slowdown"] < 1.02
+    assert r.concentration > 0.9
+    assert r.op_types["compute"] > r.op_types["comm"] and r.op_types["compute"] > r.op_types["data"]
+
+
+def test_slow_stage_is_the_cause():
+    r = report("slow-stage:stage=2,slowdown=1.2")
+    assert (r.pattern, r.culprits) == ("stage", list(range(32, 48)))
+    assert r.stages[0]["pp_stage"] == 2 and r.stages[0]["slowdown"] > 1.1 > r.stages[1]["slowdown"]
+
+
+def test_data_skew_is_widespread():
+    r = report("data-skew:cv=0.3")
+    assert (r.pattern, r.culprits) == ("widespread", [])
+    assert r.slowdown > 1.3 and r.concentration < 0.5
+
+
+def test_slow_communication_is_the_cause():
+    r = report("slow-link:rank=5,factor=3,from=20")
+    assert r.pattern == "communication"
+    assert r.op_types["comm"] > 1.1 and r.op_types["compute"] < r.op_types["comm"]
+
+
+def test_cli_json_report_and_heatmap(tmp_path):
+    trace, db, png = tmp_path / "sim.parquet", tmp_path / "s.duckdb", tmp_path / "heat.png"
+    assert rankwatch_cli("simulate", "--ranks", "64", "--pp", "4", "--steps", "40", "--out", str(trace),
+                         "--inject", "straggler:rank=37,slowdown=1.2").returncode == 0
+    assert rankwatch_cli("import", "ops", str(trace), "--run", "wi", "--db", str(db)).returncode == 0
+    result = rankwatch_cli("analyze", "wi", "--db", str(db), "--json", "--heatmap", str(png))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert {"run", "steps", "ranks", "slowdown", "workers", "stages", "op_types", "pattern", "findings"} <= set(doc)
+    assert (doc["run"], doc["steps"], doc["ranks"], doc["pattern"], doc["culprits"]) == ("wi", 40, 64, "worker", [37])
+    assert {"rank", "dp_rank", "pp_stage", "slowdown"} <= set(doc["workers"][0])
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("rank", [37])]
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.width >= 600
