@@ -57,6 +57,13 @@ def test_rank_whose_heartbeats_stopped_is_the_culprit():
     assert finding.ranks == [3] and finding.evidence["silent_ranks"] == [3]
 
 
+def test_a_job_that_ended_is_not_a_hang():
+    now = 20 * S + 3600 * S  # an hour after the last step, every rank's heartbeats stopped with it
+    hb = beats([(r, 20 * S + 2 * S, 10, "optimizer", "all_reduce", "world", 10, True) for r in RANKS])
+    assert analyze(steps(), hb, now_ns=now) == []
+    assert analyze(steps(), beats([]), now_ns=now) == []
+
+
 def test_without_collective_information_the_rank_behind_is_named():
     now = 20 * S + 45 * S
     hb = beats([(r, now - S, 10 if r != 2 else 9, "backward", None, None, None, None) for r in RANKS])

@@ -7,7 +7,9 @@ found as PyTorch's Flight Recorder analysis finds them: each rank's heartbeat
 says the last collective it entered (group and sequence number) and whether
 it completed; the ranks blocked in a collective are waiting for the ranks of
 the same group that have not entered it (their last sequence number is
-lower). Ranks whose heartbeats stopped are culprits too (a dead process).
+lower). Ranks whose heartbeats stopped are culprits too (a dead process),
+while the others still send theirs: when every rank has gone quiet, the job
+has ended (or was killed), and nobody is waiting on anybody.
 """
 
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
     beats = heartbeats[heartbeats["ts"] <= now_ns].sort_values("ts").groupby("rank").tail(1).set_index("rank")
     silent = sorted(r for r in ranks if r not in beats.index
                     or (now_ns - beats.at[r, "ts"]) / 1e9 > s.silent_after * s.heartbeat_s)
+    if len(silent) == len(ranks):  # every rank went quiet: the job ended or was killed; nobody waits
+        return []
     alive = beats.drop(index=[r for r in silent if r in beats.index])
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
     culprits, collective = list(silent), None
