@@ -120,12 +120,15 @@ def cmd_import(args) -> None:
     from rich.progress import Progress
 
     from collector.imports import TraceError, store_run
+    from collector.imports.kineto import KinetoTrace
     from collector.imports.ops import OpTrace
     from collector.store import StoreLocked
 
     db, path = _db(args), Path(args.path)
+    kineto = args.format == "kineto"
     try:
-        trace = OpTrace(path)
+        trace = KinetoTrace(path) if kineto else OpTrace(path)
+        run = {"world_size": trace.world_size, "step_columns": trace.step_columns} if kineto else {}
         with Progress(transient=True) as progress:
             task = progress.add_task(f"importing {path.name}", total=trace.rows)
 
@@ -134,10 +137,11 @@ def cmd_import(args) -> None:
                     yield batch
                     progress.advance(task, batch.num_rows)
 
-            counts = store_run(db, args.run, batches(), trace.placement_frame)
+            counts = store_run(db, args.run, batches(), trace.placement_frame, **run)
     except (TraceError, StoreLocked) as e:
         raise UsageError(str(e)) from None
-    print(f"rankwatch import: run {args.run}: {counts['ops']} ops, {counts['steps']} rank-steps of "
+    dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if kineto else ""
+    print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
           f"{counts['ranks']} ranks -> {db}")
 
 
@@ -260,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("import", help="a trace recorded elsewhere, into a store file (one run, all or nothing)")
-    p.add_argument("format", choices=("ops",), help="ops: the generic op trace (Parquet or CSV)")
+    p.add_argument("format", choices=("ops", "kineto"),
+                   help="ops: the generic op trace (Parquet or CSV); kineto: PyTorch profiler traces "
+                        "(.json or .json.gz, a file per rank, or a directory of them)")
     p.add_argument("path")
     p.add_argument("--run", required=True, help="run id to import under")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")

@@ -5,7 +5,9 @@ the shape of the `ops` table and the ranks' placement; `store_run` writes
 them in one transaction and derives the `steps` rows from the ops: a
 rank-step lasts from its first op's start to its last op's end, and its
 compute, communication and data times are the sums of its ops of those
-kinds. A trace that fails half-way leaves nothing behind.
+kinds, unless the importer measured some of them better (a GPU trace knows
+which communication no compute overlapped). A trace that fails half-way
+leaves nothing behind.
 """
 
 from collections.abc import Callable, Iterable
@@ -36,11 +38,14 @@ GROUP BY run_id, rank, step
 
 
 def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
-              placement: Callable[[], pd.DataFrame] | None = None, world_size: int | None = None) -> dict[str, int]:
+              placement: Callable[[], pd.DataFrame] | None = None, world_size: int | None = None,
+              step_columns: Callable[[], pd.DataFrame] | None = None) -> dict[str, int]:
     """Write a run's ops (tables with `ops` columns, run_id left out) and derive its steps;
     returns rows written per table. `placement`, called once the batches are read: rank and
-    any of host, local_rank, dp_rank, pp_stage, tp_rank, device. Raises TraceError (from the
-    batches too) with nothing written, StoreLocked when a collector holds the store."""
+    any of host, local_rank, dp_rank, pp_stage, tp_rank, device, pid. `step_columns`, called
+    then too: rank, step and `steps` columns whose values replace the derived ones. Raises
+    TraceError (from the batches too) with nothing written, StoreLocked when a collector holds
+    the store."""
     db.parent.mkdir(parents=True, exist_ok=True)
     con = connect(db)
     try:
@@ -57,6 +62,13 @@ def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
             if not ops:
                 raise TraceError("the trace holds no ops")
             steps = con.execute(_STEPS_FROM_OPS, [run_id]).fetchone()[0]
+            if step_columns is not None:
+                measured = step_columns()
+                con.register("measured", measured)
+                columns = ", ".join(f"{c} = measured.{c}" for c in measured.columns.drop(["rank", "step"]))
+                con.execute(f"UPDATE steps SET {columns} FROM measured WHERE run_id = ? "
+                            "AND steps.rank = measured.rank AND steps.step = measured.step", [run_id])
+                con.unregister("measured")
             ranks = placement() if placement is not None else pd.DataFrame(
                 {"rank": [r for (r,) in con.execute("SELECT DISTINCT rank FROM ops WHERE run_id = ?",
                                                       [run_id]).fetchall()]})
