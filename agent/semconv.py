@@ -73,4 +73,9 @@ MEM_CLOCK_MHZ = "DCGM_FI_DEV_MEM_CLOCK"
 GPU_TEMP_C = "DCGM_FI_DEV_GPU_TEMP"
 GPU_UTIL_PCT = "DCGM_FI_DEV_GPU_UTIL"
 POWER_LIMIT_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT"
-CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
+CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"  # a bitmask, NVML's nvmlClocksEventReason*
+CLOCK_EVENT_REASON_BITS = {
+    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}

@@ -50,6 +50,15 @@ def test_without_a_second_kind_of_group_the_slow_groups_members_are_named():
     assert finding.score == pytest.approx(2.0, rel=0.1)
 
 
+def test_a_straggler_in_a_group_is_not_a_slow_link():
+    # the others of its group enter early and wait: their collectives look 3x slower, its own does not
+    ops = frame()
+    waited = (ops["comm_group"] == "dp1.1") & (ops["rank"] != 21)
+    ops.loc[waited, "busbw_gbps"] /= 3
+    ops.loc[waited, "duration_s"] *= 3
+    assert analyze(ops) == []
+
+
 def test_two_unrelated_slow_links_are_two_findings():
     findings = analyze(frame(pp=8, tp=1, slow={3: 2.0, 27: 2.0}))
     assert sorted(f.ranks for f in findings) == [list(range(0, 8)), list(range(24, 32))]

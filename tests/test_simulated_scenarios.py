@@ -6,14 +6,17 @@ import pytest
 from tests.conftest import rankwatch_cli
 from tests.otlp_payloads import query
 
-# 64 ranks: 4 pipeline stages of 16 data-parallel replicas; 8 ranks per host (2 hosts per stage)
+# 64 ranks: 4 pipeline stages of 8 data-parallel replicas of 2 tensor-parallel ranks; 8 ranks per host
+# (2 hosts per stage). Rank 21 is in data-parallel group dp3 (stage 1, tp rank 1) and tensor-parallel
+# group tp10 (with rank 20).
 SCENARIOS = {
     "clean": ([], None),
-    "rank": (["straggler:rank=37,slowdown=1.10,from=5"], ("rank", [37])),
-    "node": (["slow-node:node=3,slowdown=1.2,from=5"], ("node", list(range(24, 32)))),
-    "stage": (["slow-stage:stage=2,slowdown=1.2,from=5"], ("stage", list(range(32, 48)))),
-    "thermal": (["thermal:rank=5,from=5"], ("rank", [5])),
-    "skew": (["data-skew:cv=0.3"], ("widespread", None)),
+    "rank": (["straggler:rank=37,slowdown=1.10,from=5"], ("stragglers", "rank", [37])),
+    "node": (["slow-node:node=3,slowdown=1.2,from=5"], ("stragglers", "node", list(range(24, 32)))),
+    "stage": (["slow-stage:stage=2,slowdown=1.2,from=5"], ("stragglers", "stage", list(range(32, 48)))),
+    "thermal": (["thermal:rank=5,from=5"], ("stragglers", "rank", [5])),
+    "skew": (["data-skew:cv=0.3"], ("stragglers", "widespread", None)),
+    "link": (["slow-link:rank=21,factor=3,from=5"], ("links", "link", [21])),
 }
 
 
@@ -26,7 +29,7 @@ def store(tmp_path_factory):
     collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
     try:
         for name, (faults, _) in SCENARIOS.items():
-            args = ["simulate", "--ranks", "64", "--pp", "4", "--steps", "30", "--run", f"sim-{name}",
+            args = ["simulate", "--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30", "--run", f"sim-{name}",
                     "--collector", collector.url]
             for spec in faults:
                 args += ["--inject", spec]
@@ -42,8 +45,8 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def findings(store):
-    return {name: query(store, """SELECT kind, ranks, state FROM findings
-                                  WHERE run_id = ? AND analyzer = 'stragglers' ORDER BY id""", [f"sim-{name}"])
+    return {name: query(store, "SELECT analyzer, kind, ranks, state FROM findings WHERE run_id = ? ORDER BY id",
+                        [f"sim-{name}"])
             for name in SCENARIOS}
 
 
@@ -59,11 +62,11 @@ def findings_evidence(store):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario(findings, name):
     expected = SCENARIOS[name][1]
-    firing = [(kind, list(ranks)) for kind, ranks, state in findings[name] if state == "firing"]
+    firing = [(analyzer, kind, list(ranks)) for analyzer, kind, ranks, state in findings[name] if state == "firing"]
     if expected is None:
         assert firing == []
-    elif expected[1] is None:
-        assert [kind for kind, _ in firing] == [expected[0]]
+    elif expected[2] is None:
+        assert [(analyzer, kind) for analyzer, kind, _ in firing] == [expected[:2]]
     else:
         assert firing == [expected]
 
@@ -72,3 +75,15 @@ def test_thermal_finding_carries_clock_and_temperature_evidence(findings_evidenc
     devices = findings_evidence["devices"]
     assert devices["DCGM_FI_DEV_SM_CLOCK"]["suspects"] < devices["DCGM_FI_DEV_SM_CLOCK"]["peers"]
     assert devices["DCGM_FI_DEV_GPU_TEMP"]["suspects"] > devices["DCGM_FI_DEV_GPU_TEMP"]["peers"] + 15
+    assert devices["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] == {
+        "suspects": ["sw_thermal_slowdown", "hw_thermal_slowdown"], "peers": []}
+
+
+def test_slow_link_finding_names_both_groups_of_the_rank(store):
+    import json
+
+    ((evidence,),) = query(store, "SELECT evidence FROM findings WHERE run_id = 'sim-link' AND analyzer = 'links'")
+    groups = json.loads(evidence)["groups"]
+    assert set(groups) == {"dp3", "tp10"}
+    assert groups["dp3"]["busbw_gbps"] < groups["dp3"]["peer_busbw_gbps"] / 2
+    assert 21 in groups["dp3"]["members"] and groups["tp10"]["members"] == [20, 21]

@@ -4,10 +4,15 @@ Each step is drawn for all ranks at once (numpy): compute time with
 lognormal jitter and rare GC-like pauses, multiplied by the active faults;
 tensor-parallel ranks wait for their slowest peer, a pipeline of `pp` stages
 runs 1F1B over `microbatches` (the slowest stage sets the pace and the
-bubble adds (pp - 1) microbatch slots), and data-parallel replicas meet in
-a gradient all-reduce that every rank waits for (and that a slow link slows
-for the whole ring). A rank's exposed communication wait is its step time
-minus its own data and compute time, as the agent measures it.
+bubble adds (pp - 1) microbatch slots), and each step ends with the
+tensor-parallel all-reduces (when tp > 1) and the gradient all-reduce of each
+data-parallel group, which every rank waits for. A slow link (`slow-link:
+rank=R,factor=F`) makes every collective of each group R is in F times
+slower. A rank's exposed communication wait is its step time minus its own
+data and compute time, as the agent measures it; its collectives are sent as
+spans timed from its entry to their completion, with group, size, sequence
+number and bytes. A thermal fault throttles the clock and raises the
+temperature and the clock-event reasons in the device samples.
 
 A hang (`hang:rank=R,at=S`) stops the job: rank R never enters step S's
 gradient all-reduce and every other rank blocks inside it, so no rank finishes
@@ -35,6 +40,7 @@ from trainer.faults import Fault
 
 SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang")
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+THERMAL_SLOWDOWN = 0x20 | 0x40  # NVML clocks event reasons: software and hardware thermal slowdown
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
 ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
@@ -54,10 +60,26 @@ class Topology:
     def ranks(self) -> int:
         return self.dp * self.pp * self.tp
 
+    def dp_groups(self) -> np.ndarray:
+        """Each rank's data-parallel group: the replicas of its stage and tensor-parallel rank."""
+        rank = np.arange(self.ranks)
+        return rank // (self.tp * self.dp) * self.tp + rank % self.tp
+
+    def tp_groups(self) -> np.ndarray:
+        """Each rank's tensor-parallel group: its replica's ranks of its stage."""
+        return np.arange(self.ranks) // self.tp
+
     def placement(self) -> pd.DataFrame:
         rank = np.arange(self.ranks)
         return pd.DataFrame({"rank": rank, "tp_rank": rank % self.tp, "dp_rank": (rank // self.tp) % self.dp,
                              "pp_stage": rank // (self.tp * self.dp), "host": rank // self.ranks_per_host})
+
+
+def _group_max(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Each rank's value replaced by the largest in its group."""
+    top = np.zeros(groups.max() + 1)
+    np.maximum.at(top, groups, values)
+    return top[groups]
 
 
 def first_hang(faults: list[Fault]) -> tuple[int, list[int]] | None:
@@ -71,7 +93,10 @@ def first_hang(faults: list[Fault]) -> tuple[int, list[int]] | None:
 class Timing:
     compute_s: float = 0.60  # per rank per step, at full speed
     data_s: float = 0.02
-    allreduce_s: float = 0.10
+    allreduce_s: float = 0.10  # the data-parallel gradient all-reduce, transfer only
+    allreduce_bytes: int = 512 * 2**20
+    tp_allreduce_s: float = 0.02  # the tensor-parallel all-reduces of a step, when tp > 1
+    tp_allreduce_bytes: int = 32 * 2**20
     jitter: float = 0.02  # lognormal sigma of compute
     pause_rate: float = 0.0005  # GC-like pauses per rank-step
     microbatches: int = 8
@@ -80,7 +105,8 @@ class Timing:
 def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
           seed: int = 0, start_ns: int | None = None) -> Iterator[pd.DataFrame]:
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
-    sm_clock_mhz, temp_c. A hang ends the frames before its step."""
+    tp_allreduce_s (the tensor-parallel transfer), allreduce_done_s (when, from the step's start, its
+    data-parallel group's all-reduce completes), sm_clock_mhz, temp_c, clock_event_reasons. A hang ends the frames before its step."""
     rng = np.random.default_rng(seed)
     place = topology.placement()
     n, t = topology.ranks, timing
@@ -90,7 +116,8 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
-        clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), 1.0
+        clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
+        reasons = np.zeros(n)
         for f in faults:
             if not f.active(step):
                 continue
@@ -104,9 +131,10 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
                 compute *= rng.lognormal(0.0, f.get("cv"), n)
             elif f.kind == "thermal":  # throttled: clocks down, hotter, slower in proportion
                 clock[f.rank], temp[f.rank] = 1500.0, 88.0
+                reasons[f.rank] = THERMAL_SLOWDOWN
                 compute[f.rank] *= 1980.0 / 1500.0
-            elif f.kind == "slow-link":
-                link = max(link, f.get("factor"))
+            elif f.kind == "slow-link":  # its link slows every collective of every group it is in
+                link[f.rank] = max(link[f.rank], f.get("factor"))
         data = t.data_s * rng.lognormal(0.0, t.jitter, n)
         # tensor-parallel groups move at their slowest member's pace
         tp_pace = compute.reshape(-1, topology.tp).max(axis=1).repeat(topology.tp)
@@ -114,16 +142,23 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         per_stage = tp_pace.reshape(topology.pp, topology.dp, topology.tp)[:, :, 0]  # stage x replica
         slots = (t.microbatches + topology.pp - 1) / t.microbatches
         pipeline = per_stage.max(axis=0) * (slots if topology.pp > 1 else 1.0)  # per replica
-        step_s = data.max() + pipeline.max() + t.allreduce_s * link
+        # a collective runs at the pace of the slowest link among its group's ranks
+        tp_s = t.tp_allreduce_s * _group_max(link, topology.tp_groups()) if topology.tp > 1 else np.zeros(n)
+        dp_s = t.allreduce_s * _group_max(link, topology.dp_groups())
+        step_s = data.max() + pipeline.max() + tp_s.max() + dp_s.max()
         comm_wait = step_s - data - compute
+        # a group's all-reduce starts when its last rank enters and lasts its transfer time
+        allreduce_done = _group_max(data + compute + tp_s, topology.dp_groups()) + dp_s
         yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
                             "end_ns": now + int(step_s * 1e9), "duration_s": step_s, "data_s": data,
-                            "compute_s": compute, "comm_wait_s": comm_wait, "sm_clock_mhz": clock, "temp_c": temp})
+                            "compute_s": compute, "comm_wait_s": comm_wait, "tp_allreduce_s": tp_s,
+                            "allreduce_done_s": allreduce_done, "sm_clock_mhz": clock, "temp_c": temp,
+                            "clock_event_reasons": reasons})
         now += int(step_s * 1e9)
 
 
 def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.DataFrame],
-                 faults: list[Fault], hang_for_s: float = 60.0) -> int:
+                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing()) -> int:
     """Send the steps as OTLP through the agent's exporter, one resource per rank, and the ranks'
     heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
     clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
@@ -140,6 +175,7 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
                                   sc.DEVICE: "simulated", sc.SOURCE: sc.SOURCE_SIMULATED})
                  for r in place.itertuples()]
     announced: set[str] = set()
+    dp_group, tp_group = topology.dp_groups(), topology.tp_groups()
 
     def announce(candidates: list[Fault], step: int, time_ns: int) -> None:
         for f in candidates:
@@ -160,20 +196,39 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
                         np.select([offset < data, offset < data + compute], ["data", "compute"], ""))
             next_beat += HEARTBEAT_NS
         for row in frame.itertuples():
-            exporter.trace([("step", row.start_ns, row.end_ns, {
+            spans = [("step", row.start_ns, row.end_ns, {
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
-                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096})], resource=resources[row.rank])
-            sent += 1
+                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096})]
+            # each collective as the agent times it: from the rank's entry to its completion
+            entered = row.start_ns + int((row.data_s + row.compute_s) * 1e9)
+            if topology.tp > 1:
+                done = entered + int(row.tp_allreduce_s * 1e9)
+                spans.append(_collective(step, f"tp{tp_group[row.rank]}", topology.tp, timing.tp_allreduce_bytes,
+                                         entered, done))
+                entered = done
+            spans.append(_collective(step, f"dp{dp_group[row.rank]}", topology.dp, timing.allreduce_bytes, entered,
+                                     row.start_ns + int(row.allreduce_done_s * 1e9)))
+            exporter.trace(spans, resource=resources[row.rank])
+            sent += len(spans)
         exporter.samples((metric, int(row.end_ns), float(value), {
             sc.RANK: int(row.rank), sc.GPU: int(row.rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED})
             for row in frame.itertuples()
-            for metric, value in ((sc.SM_CLOCK_MHZ, row.sm_clock_mhz), (sc.GPU_TEMP_C, row.temp_c)))
+            for metric, value in ((sc.SM_CLOCK_MHZ, row.sm_clock_mhz), (sc.GPU_TEMP_C, row.temp_c),
+                                  (sc.CLOCK_EVENT_REASONS, row.clock_event_reasons)))
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
         announce([f for f in faults if f.kind == "hang"], hang[0], last_end)  # faults from step S on never start
         _stuck(exporter, topology.ranks, *hang, hang_for_s)
     return sent
+
+
+def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:
+    """A gradient all-reduce span, with the attributes the agent's collective wrappers record."""
+    from agent import semconv as sc
+
+    return ("all_reduce", start_ns, end_ns, {sc.KIND: sc.KIND_COMM, sc.STEP: step, sc.COMM_GROUP: group,
+                                             sc.COMM_GROUP_SIZE: size, sc.COMM_SEQ: step, sc.COMM_BYTES: nbytes})
 
 
 def _stuck(exporter, n_ranks: int, step: int, stuck: list[int], seconds: float) -> None:

@@ -3,7 +3,8 @@
 A pure function from recent collective ops (one row per rank and collective)
 to findings. Every rank of a group waits out the same slow collective, so a
 link is judged per group: its bus bandwidth (nccl-tests busbw, comparable
-across group sizes) against peer groups running the same collective on the
+across group sizes; of each collective, the best its members saw, since the
+others also waited for late entrants) against peer groups running the same collective on the
 same number of ranks, such as the data-parallel groups of the other pipeline
 stages, by robust statistics (median and MAD, the MAD floored at a relative
 jitter). A rank's link serves every group the rank is in, so when slow groups
@@ -43,10 +44,16 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     s = settings
     last_steps = sorted(ops["step"].unique())[-s.window:]
     recent = ops[ops["step"].isin(last_steps)]
-    groups = recent.groupby("comm_group").agg(
-        name=("name", "first"), size=("group_size", "first"), busbw=("busbw_gbps", "median"),
-        seconds=("duration_s", "sum"), members=("rank", lambda r: frozenset(int(x) for x in r)))
-    groups["per_step_s"] = groups["seconds"] / (len(last_steps) * groups["members"].map(len))
+    # A rank's collective lasts from its entry to the end: the ranks that came early also waited
+    # for the last one. The rank that entered last saw the transfer alone, so each collective's
+    # bandwidth is its members' best, and its time their shortest.
+    each = recent.groupby(["comm_group", "step", "name"]).agg(
+        size=("group_size", "first"), busbw=("busbw_gbps", "max"), seconds=("duration_s", "min"))
+    each = each.reset_index()
+    groups = each.groupby("comm_group").agg(name=("name", "first"), size=("size", "first"),
+                                            busbw=("busbw", "median"), seconds=("seconds", "sum"))
+    groups["per_step_s"] = groups["seconds"] / len(last_steps)
+    groups["members"] = recent.groupby("comm_group")["rank"].agg(lambda r: frozenset(int(x) for x in r))
     slow = []
     for _, peers in groups.groupby(["name", "size"]):
         if len(peers) < s.min_peers:

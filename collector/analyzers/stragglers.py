@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from agent import semconv as sc
 from collector.analyzers import Finding
 
 ANALYZER = "stragglers"
@@ -130,13 +131,21 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
 
 def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
     """Median of each device metric for the suspects and for their peers, e.g. a throttled GPU's
-    lower SM clock and higher temperature."""
+    lower SM clock and higher temperature; clock-event reasons by name, those set in at least
+    half of the samples."""
     if devices is None or devices.empty:
         return {}
     mine = devices["rank"].isin(suspects)
-    return {"devices": {metric: {"suspects": float(group.loc[mine[group.index], "value"].median()),
-                                 "peers": float(group.loc[~mine[group.index], "value"].median())}
-                        for metric, group in devices.groupby("metric")}}
+    evidence = {}
+    for metric, group in devices.groupby("metric"):
+        who = {"suspects": group.loc[mine[group.index], "value"], "peers": group.loc[~mine[group.index], "value"]}
+        if metric == sc.CLOCK_EVENT_REASONS:
+            evidence[metric] = {k: [name for bit, name in sc.CLOCK_EVENT_REASON_BITS.items()
+                                    if len(v) and ((v.astype("int64") & bit) > 0).mean() >= 0.5]
+                                for k, v in who.items()}
+        else:
+            evidence[metric] = {k: float(v.median()) for k, v in who.items()}
+    return {"devices": evidence}
 
 
 def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
