@@ -11,17 +11,20 @@ import time
 
 import duckdb
 
-from collector import findings
-from collector.analyzers import hangs, links, stragglers
+from collector import commands, findings
+from collector.analyzers import anomalies, hangs, links, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
 
-_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
-            FROM steps WHERE run_id = $run AND step >= (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
+                   grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
+                   AS non_finite
+            FROM current_steps
+            WHERE run_id = $run AND step >= (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
 _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
                   WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
-                    AND step > (SELECT max(step) FROM steps WHERE run_id = $run) - $steps"""
+                    AND step > (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
@@ -35,9 +38,10 @@ class Analysis:
     """Which runs are active, when the analyzers are next due, and one pass over them."""
 
     def __init__(self, interval_s: float = 5.0, straggler_settings=stragglers.Settings(),
-                 hang_settings=hangs.Settings()):
+                 hang_settings=hangs.Settings(), rollback: commands.RollbackPolicy | None = commands.RollbackPolicy()):
+        """`rollback`: how anomalies are rolled back; None: they are reported, not rolled back."""
         self.interval_s = interval_s
-        self._stragglers, self._hangs = straggler_settings, hang_settings
+        self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
         self._active: dict[str, float] = {}
         self._next = time.monotonic() + interval_s
 
@@ -73,6 +77,9 @@ class Analysis:
             collectives = collectives[collectives["step"] < steps["step"].max()]
             findings.record(con, run_id, links.ANALYZER,
                             links.analyze(collectives, float(complete["duration_s"].median())))
+            findings.record(con, run_id, anomalies.ANALYZER, anomalies.analyze(complete))
+            if self._rollback is not None:
+                commands.rollbacks_for_anomalies(con, run_id, self._rollback)
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs))

@@ -6,18 +6,25 @@ pass (collector/analysis.py) judges the newest steps every few seconds; here
 the same pure analyzers walk the run's history window by window, so a
 straggler that came and went is reported with the steps it lasted, and a run
 that ended stalled is reported as a hang. Consecutive windows with the same
-conclusion (analyzer, kind, ranks) are one finding.
+conclusion (analyzer, kind, ranks) are one finding. A run imported from
+Flight Recorder dumps has no steps, so no what-if analysis: its findings are
+those of the collective matching (analyzers/collectives.py).
 """
 
+import json
 from dataclasses import dataclass, replace
 
 import duckdb
 import pandas as pd
 
-from collector.analyzers import Finding, hangs, links, stragglers, whatif
+from collector.analyzers import Finding, anomalies, hangs, links, stragglers, whatif
+from collector.analyzers.collectives import analyze as match_collectives
+from collector.imports.flight_recorder import EVENT as DUMP_EVENT
 
-_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s
-            FROM steps WHERE run_id = ? ORDER BY step, rank"""
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
+                   grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
+                   AS non_finite
+            FROM current_steps WHERE run_id = ? ORDER BY step, rank"""
 _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
                   WHERE run_id = ? AND kind = 'comm' AND busbw_gbps IS NOT NULL"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
@@ -27,10 +34,16 @@ _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.ph
                         TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
                         TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN) AS done
                  FROM events WHERE run_id = ? AND event = 'heartbeat'"""
+_RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.state' AS state,
+                      attrs->'$.input_sizes' AS input_sizes, attrs->'$.output_sizes' AS output_sizes,
+                      attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes
+               FROM ops WHERE run_id = ? AND kind = 'comm' AND attrs->>'$.is_p2p' = 'false' AND seq IS NOT NULL
+               ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
+_DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
 
 
 class UnknownRun(LookupError):
-    """The store has no steps for the run."""
+    """The store has no steps for the run, nor collectives from its Flight Recorder dumps."""
 
 
 @dataclass
@@ -38,7 +51,7 @@ class Report:
     """What `rankwatch analyze` says of a run."""
 
     run_id: str
-    whatif: whatif.WhatIf
+    whatif: whatif.WhatIf | None  # None for a run without steps (Flight Recorder dumps)
     findings: list[Finding]
     steps: pd.DataFrame  # the rank-steps it was drawn from
 
@@ -46,12 +59,17 @@ class Report:
 def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
                 straggler_settings: stragglers.Settings = stragglers.Settings(),
                 hang_settings: hangs.Settings = hangs.Settings()) -> Report:
-    """The what-if analysis of the run and every finding of its history, in step order."""
+    """The what-if analysis of the run and every finding of its history, in step order; for a run
+    without steps, the findings from its Flight Recorder dumps alone."""
     steps = con.execute(_STEPS, [run_id]).df()
+    ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
     if steps.empty:
+        recorded = con.execute(_RECORDED, [run_id]).df()
+        if not recorded.empty:
+            return Report(run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id),
+                                                          ranks["rank"]), steps)
         known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
         raise UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
-    ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
     return Report(run_id, whatif.analyze(steps, ranks), _findings(con, run_id, steps, ranks, straggler_settings,
                                                                    hang_settings), steps)
 
@@ -75,11 +93,19 @@ def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, 
         found += judged
         found += links.analyze(collectives[(collectives["step"] > end - window) & (collectives["step"] <= end)],
                                float(history["duration_s"].median()))
+    found += anomalies.analyze(steps)
     heartbeats = con.execute(_HEARTBEATS, [run_id]).df()
     # the run as it was last heard from: a stall that long is a hang
     heard = max(int(steps["end_ts"].max()), int(heartbeats["ts"].max()) if not heartbeats.empty else 0)
     found += hangs.analyze(steps, heartbeats, heard, hang_settings)
     return _merged(found, window)
+
+
+def _process_groups(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    """rank, group, desc, members: the process groups each rank's Flight Recorder dump lists."""
+    dumps = con.execute(_DUMPS, [run_id, DUMP_EVENT]).fetchall()
+    return pd.DataFrame([(rank, name, pg["desc"], pg["ranks"]) for rank, config in dumps
+                         for name, pg in json.loads(config).items()], columns=["rank", "group", "desc", "members"])
 
 
 def _merged(found: list[Finding], window: int) -> list[Finding]:

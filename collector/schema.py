@@ -118,9 +118,19 @@ CREATE TABLE IF NOT EXISTS commands (
     created_by  VARCHAR NOT NULL,
     finding_id  BIGINT,
     apply_step  BIGINT,
+    result      JSON,
     created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
     updated_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 );
+
+-- The steps of each run's current trajectory: the rows a rollback abandoned (steps after the
+-- restored one that finished before training resumed) left out.
+CREATE OR REPLACE VIEW current_steps AS
+SELECT s.* FROM steps s WHERE NOT EXISTS (
+    SELECT 1 FROM commands c
+    WHERE c.run_id = s.run_id AND c.kind = 'rollback' AND c.state = 'applied'
+      AND s.step > CAST(c.result->>'restored_step' AS BIGINT)
+      AND epoch_ns(s.end_ts) < CAST(c.result->>'resumed_ns' AS BIGINT));
 
 CREATE TABLE IF NOT EXISTS exports (
     digest       BLOB PRIMARY KEY,

@@ -1,4 +1,4 @@
-"""The collector's HTTP server: OTLP/HTTP receiver, /healthz and /metrics.
+"""The collector's HTTP server: OTLP/HTTP receiver, the control API, /healthz and /metrics.
 
 Checks run cheapest first (token, content type, size) so a refused request
 costs almost nothing; a request is answered 200 only after its rows are
@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from collector import otlp
+from collector import control, otlp
 from collector.analysis import Analysis
 from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
+from collector.commands import RollbackPolicy
 from collector.ingest import Ingestor
 from collector.selfmetrics import SelfMetrics
 from collector.store import Overloaded, Store, connect
@@ -44,6 +45,7 @@ class Config:
     max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
+    auto_rollback: bool = True  # an anomaly (NaN, loss spike) becomes a rollback command for the job
 
 
 async def _read_body(request: Request) -> bytes:
@@ -70,8 +72,9 @@ def create_app(config: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
-                      analysis=Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s)))
+        analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
+                            rollback=RollbackPolicy() if config.auto_rollback else None)
+        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         try:
@@ -120,6 +123,7 @@ def create_app(config: Config) -> Starlette:
 
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
+    routes += control.routes(lambda: state["ingestor"].store, token)
     return Starlette(routes=routes, lifespan=lifespan)
 
 

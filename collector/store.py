@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from collector import commands
 from collector.analysis import Analysis
 from collector.children import die_with_parent
 from collector.decode import Decoded
@@ -58,6 +60,15 @@ _UPSERT_RUNS = """
 INSERT INTO runs SELECT run_id, max(world_size), now() FROM new_ranks GROUP BY run_id
 ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, world_size)
 """
+
+
+@dataclass
+class Call:
+    """A control API request for the writer: an operation of collector/commands.py, by name."""
+
+    id: int
+    operation: str
+    kwargs: dict
 
 
 class Overloaded(Exception):
@@ -115,9 +126,12 @@ class _Writer:
                 except queue.Empty:
                     break
             stop = group[-1] is None
-            group = [g for g in group if g is not None]
+            calls = [g for g in group if isinstance(g, Call)]
+            group = [g for g in group if g is not None and not isinstance(g, Call)]
             if group:
                 acks.put(self._commit(group))
+            for call in calls:
+                acks.put(self._call(call))
             if not self._analysis.due_in() and not stop:
                 self._analysis.run(self._con)
             if stop:
@@ -125,6 +139,13 @@ class _Writer:
                 self._con.close()
                 acks.put(("closed",))
                 return
+
+    def _call(self, call: "Call") -> tuple:
+        """("result", call id, value) or ("error", call id, exception) of a control API operation."""
+        try:
+            return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
+        except (commands.CommandError, LookupError, duckdb.Error) as e:
+            return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
 
     def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> tuple:
         """Append a group of decoded batches in one transaction, leaving out requests already
@@ -261,6 +282,18 @@ class Store:
             self._queued_bytes += nbytes
         return request_id, future
 
+    def call(self, operation: str, **kwargs) -> Future:
+        """Run an operation of collector/commands.py in the writer process (the control API's way
+        to the store); the future holds its result or its exception."""
+        future: Future = Future()
+        with self._lock:
+            if not self._process.is_alive():
+                raise RuntimeError("the store's writer process has exited")
+            call_id = next(self._ids)
+            self._pending[call_id] = (future, 0)
+        self.requests.put(Call(call_id, operation, kwargs))
+        return future
+
     def forget(self, request_id: int) -> None:
         """Drop a request that was never queued (it failed to decode or had no rows)."""
         with self._lock:
@@ -290,6 +323,12 @@ class Store:
             if ack[0] == "closed":
                 self._closed.set()
                 return
+            if ack[0] in ("result", "error"):
+                with self._lock:
+                    future, _ = self._pending.pop(ack[1], (None, 0))
+                if future is not None:
+                    (future.set_result if ack[0] == "result" else future.set_exception)(ack[2])
+                continue
             results = ack[1] if ack[0] == "committed" else [(request_id, None) for request_id in ack[1]]
             with self._lock:
                 settled = [(self._pending.pop(request_id, (None, 0)), written) for request_id, written in results]

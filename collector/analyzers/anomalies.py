@@ -1,0 +1,84 @@
+"""Training anomalies: NaN or infinite loss or gradient norm, loss spikes, gradient-norm spikes.
+
+A pure function from rank-steps to findings. A non-finite value is an anomaly
+at once, on whichever rank reports it. A spike is judged on the step's median
+over ranks against a moving baseline: the median and MAD of the preceding
+`baseline` steps (robust: earlier spikes do not raise it), the MAD floored at
+a fraction of the median so a flat loss does not make every wiggle a spike.
+A step is spiking when its robust z-score passes `z` and it is at least
+`min_rise` above the baseline; the finding fires after `patience` such steps
+in a row, and never during `warmup`, when the loss falls fast by nature.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from collector.analyzers import Finding
+
+ANALYZER = "anomalies"
+
+
+@dataclass(frozen=True)
+class Settings:
+    warmup: int = 20  # steps at the start that are never judged for spikes
+    baseline: int = 20  # preceding steps a step is judged against
+    z: float = 6.0  # robust z-score of a spike
+    min_rise: float = 0.5  # and at least this much above the baseline median (50%)
+    mad_floor: float = 0.02  # the MAD is floored at this fraction of the baseline median
+    patience: int = 1  # spiking steps in a row before a finding
+
+
+def analyze(steps: pd.DataFrame, settings: Settings = Settings()) -> list[Finding]:
+    """Findings for one run. `steps`: run_id, rank, step, loss, grad_norm, non_finite (one row per
+    rank-step; non_finite: loss or grad_norm was NaN or infinite, which a frame cannot tell from a
+    missing value once both are NaN)."""
+    if steps.empty:
+        return []
+    run_id = str(steps["run_id"].iloc[0])
+    found = _non_finite(run_id, steps)
+    per_step = steps[~steps["non_finite"]].groupby("step")[["loss", "grad_norm"]].median()
+    for column, kind, what in (("loss", "loss_spike", "loss"), ("grad_norm", "grad_spike", "gradient norm")):
+        finding = _spike(run_id, per_step[column].dropna(), kind, what, settings)
+        if finding:
+            found.append(finding)
+    return found
+
+
+def _non_finite(run_id: str, steps: pd.DataFrame) -> list[Finding]:
+    bad = steps[steps["non_finite"]]
+    if bad.empty:
+        return []
+    first = int(bad["step"].min())
+    ranks = sorted(int(r) for r in bad.loc[bad["step"] == first, "rank"].unique())
+    # the job's anomaly, not a rank's: its identity must not change as the other ranks' steps arrive
+    return [Finding(
+        run_id, "nan", [], first, int(bad["step"].max()), "critical", float(bad["step"].nunique()),
+        f"loss or gradient norm is not finite from step {first} (ranks {ranks}): training has diverged",
+        {"first_step": first, "ranks": ranks, "steps_affected": int(bad["step"].nunique())}, analyzer=ANALYZER)]
+
+
+def _spike(run_id: str, series: pd.Series, kind: str, what: str, s: Settings) -> Finding | None:
+    """The first run of `patience` spiking steps after warmup, with its evidence; None if none."""
+    if len(series) <= s.baseline:
+        return None
+    values, steps = series.to_numpy(), series.index.to_numpy()
+    first = int(np.searchsorted(steps, s.warmup))  # warmup counts from the run's first step, 0
+    streak = 0
+    for i in range(max(first, s.baseline), len(values)):
+        base = values[i - s.baseline:i]
+        center = float(np.median(base))
+        spread = max(1.4826 * float(np.median(np.abs(base - center))), s.mad_floor * abs(center), 1e-12)
+        z = (values[i] - center) / spread
+        streak = streak + 1 if z > s.z and values[i] > center * (1 + s.min_rise) else 0
+        if streak >= s.patience:
+            start = i - streak + 1
+            window = series.iloc[max(start - s.baseline, 0):min(i + 6, len(series))]
+            return Finding(
+                run_id, kind, [], int(steps[start]), int(steps[i]), "critical", float(z),
+                f"{what} spiked at step {int(steps[start])}: {values[start]:.4g} against a baseline of "
+                f"{center:.4g} (robust z {z:.0f})",
+                {"baseline_median": center, "baseline_mad": spread / 1.4826, "z": float(z),
+                 "values": {int(k): float(v) for k, v in window.items()}}, analyzer=ANALYZER)
+    return None

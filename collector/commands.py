@@ -1,0 +1,107 @@
+"""Control commands for a running job: rollbacks (and, later, power caps).
+
+A command is created by an analyzer (a rollback for each anomaly finding, at
+most one per finding) or by a person through the control API, fetched by the
+job's agent while `pending`, and moved by the job to `acked` (with the step
+at which every rank will apply it), then `applied` or `failed` (with what
+happened, in `result`). These functions run in the store's writer process,
+the one process with the store open for writing.
+"""
+
+import json
+from dataclasses import dataclass
+
+import duckdb
+
+from collector.analyzers import anomalies
+
+KINDS = ("rollback",)
+STATES = ("pending", "acked", "applied", "failed", "cancelled")
+_COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
+
+
+@dataclass(frozen=True)
+class RollbackPolicy:
+    """How an anomaly is rolled back: to a checkpoint at least `margin` steps before it began,
+    skipping the `skip_batches` batches that led to it, the learning rate scaled by `lr_scale`."""
+
+    margin: int = 5
+    skip_batches: int = 20
+    lr_scale: float = 1.0
+
+
+class CommandError(ValueError):
+    """A request the control API refuses (400), or LookupError for an unknown command (404)."""
+
+
+def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, created_by: str,
+           finding_id: int | None = None) -> dict:
+    """A new pending command; for a finding that already has one, that one (one anomaly, one rollback)."""
+    if kind not in KINDS:
+        raise CommandError(f"unknown command kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if finding_id is not None:
+        existing = _select(con, "WHERE finding_id = ? AND kind = ?", [finding_id, kind])
+        if existing:
+            return existing[0]
+    (command_id,) = con.execute("INSERT INTO commands (run_id, kind, args, created_by, finding_id) "
+                                "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                                [run_id, kind, json.dumps(args), created_by, finding_id]).fetchone()
+    return get(con, command_id)
+
+
+def get(con: duckdb.DuckDBPyConnection, command_id: int) -> dict:
+    rows = _select(con, "WHERE id = ?", [command_id])
+    if not rows:
+        raise LookupError(f"no command {command_id}")
+    return rows[0]
+
+
+def listing(con: duckdb.DuckDBPyConnection, run_id: str, state: str | None = None) -> list[dict]:
+    """A run's commands, oldest first; only those in `state` when given."""
+    if state is not None and state not in STATES:
+        raise CommandError(f"unknown state {state!r}; states: {', '.join(STATES)}")
+    return _select(con, "WHERE run_id = ?" + (" AND state = ?" if state else "") + " ORDER BY id",
+                   [run_id, state] if state else [run_id])
+
+
+def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_step: int | None = None,
+           result: dict | None = None) -> dict:
+    """Move a command on; a command that is applied, failed or cancelled stays so."""
+    if state not in STATES:
+        raise CommandError(f"unknown state {state!r}; states: {', '.join(STATES)}")
+    current = get(con, command_id)
+    if current["state"] in ("applied", "failed", "cancelled") and current["state"] != state:
+        raise CommandError(f"command {command_id} is already {current['state']}")
+    con.execute("UPDATE commands SET state = ?, apply_step = coalesce(?, apply_step), "
+                "result = coalesce(?, result), updated_at = now() WHERE id = ?",
+                [state, apply_step, None if result is None else json.dumps(result), command_id])
+    return get(con, command_id)
+
+
+def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy: RollbackPolicy) -> list[dict]:
+    """A rollback for each firing anomaly finding of the run that has none yet."""
+    findings = con.execute("SELECT id, kind, step_start FROM findings WHERE run_id = ? AND analyzer = ? "
+                           "AND state = 'firing' AND id NOT IN (SELECT finding_id FROM commands "
+                           "WHERE finding_id IS NOT NULL)", [run_id, anomalies.ANALYZER]).fetchall()
+    return [create(con, run_id, "rollback", {"before_step": step_start - policy.margin, "anomaly": kind,
+                                             "skip_batches": policy.skip_batches, "lr_scale": policy.lr_scale},
+                   "anomalies", finding_id)
+            for finding_id, kind, step_start in findings]
+
+
+def _select(con: duckdb.DuckDBPyConnection, where: str, params: list) -> list[dict]:
+    cursor = con.execute(f"SELECT {_COLUMNS} FROM commands {where}", params)
+    names = [d[0] for d in cursor.description]
+    rows = []
+    for row in cursor.fetchall():
+        command = dict(zip(names, row))
+        for column in ("args", "result"):
+            command[column] = json.loads(command[column]) if command[column] else None
+        for column in ("created_at", "updated_at"):
+            command[column] = command[column].isoformat()
+        rows.append(command)
+    return rows
+
+
+# What the control API may ask of the writer process, by name.
+OPERATIONS = {"create": create, "get": get, "listing": listing, "update": update}

@@ -1,0 +1,70 @@
+"""The anomaly analyzer on small frames: NaN at once, spikes against a robust moving baseline,
+never in warmup or on noise."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from collector.analyzers.anomalies import Settings, analyze
+
+
+def frame(steps=120, ranks=4, noise=0.02, seed=0, loss=None, grad=None):
+    """A loss falling from 10 to ~3 with multiplicative noise; `loss`/`grad`: {step: value} overrides
+    on every rank."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        for rank in range(ranks):
+            value = (3 + 7 * np.exp(-step / 15)) * rng.lognormal(0, noise)
+            g = 1.0 * rng.lognormal(0, noise * 3)
+            value = (loss or {}).get(step, value)
+            g = (grad or {}).get(step, g)
+            rows.append(("r", rank, step, value, g))
+    df = pd.DataFrame(rows, columns=["run_id", "rank", "step", "loss", "grad_norm"])
+    return df.assign(non_finite=~np.isfinite(df[["loss", "grad_norm"]]).all(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_falling_loss_never_fires(seed):
+    assert analyze(frame(noise=0.05, seed=seed)) == []
+
+
+def test_nan_fires_at_once_on_the_rank():
+    df = frame()
+    df.loc[(df["rank"] == 2) & (df["step"] >= 70), ["loss", "non_finite"]] = [np.nan, True]
+    (finding,) = analyze(df)
+    assert (finding.kind, finding.evidence["ranks"], finding.step_start, finding.severity) == ("nan", [2], 70, "critical")
+    assert finding.evidence["steps_affected"] == 50
+
+
+def test_infinite_grad_norm_fires():
+    df = frame(grad={80: np.inf})
+    (finding,) = analyze(df)
+    assert (finding.kind, finding.step_start) == ("nan", 80)
+
+
+def test_loss_spike_is_found_with_its_evidence():
+    (finding,) = analyze(frame(loss={90: 25.0, 91: 20.0}))
+    assert (finding.kind, finding.step_start) == ("loss_spike", 90)
+    assert finding.evidence["baseline_median"] == pytest.approx(3.0, rel=0.1)
+    assert finding.evidence["values"][90] == 25.0 and finding.evidence["z"] > 6
+
+
+def test_grad_norm_spike_is_found():
+    (finding,) = analyze(frame(grad={100: 40.0}))
+    assert (finding.kind, finding.step_start) == ("grad_spike", 100)
+
+
+def test_spike_in_warmup_is_ignored():
+    assert analyze(frame(loss={10: 50.0})) == []
+
+
+def test_patience_needs_consecutive_spiking_steps():
+    settings = Settings(patience=2)
+    assert analyze(frame(loss={90: 25.0}), settings) == []
+    (finding,) = analyze(frame(loss={90: 25.0, 91: 24.0}), settings)
+    assert (finding.step_start, finding.step_end) == (90, 91)
+
+
+def test_a_rise_under_the_floor_is_not_a_spike():
+    assert analyze(frame(noise=0.0, loss={90: 3.9})) == []  # z is huge on a flat loss, but +30% < +50%
