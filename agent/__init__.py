@@ -25,6 +25,8 @@ from agent import config
 from agent.session import Session
 
 _session: Session | None = None
+_commands = None  # agent.commands.Commands, made on the first command() call
+_control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
 def init(run_id: str | None = None, collector: str | None = None, token: str | None = None,
@@ -33,7 +35,7 @@ def init(run_id: str | None = None, collector: str | None = None, token: str | N
     """Start this rank's session. Everything defaults from the environment: RANK and
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
-    global _session
+    global _session, _commands, _control
     from agent.clock import CpuTimer
 
     timer = CpuTimer()
@@ -47,11 +49,12 @@ def init(run_id: str | None = None, collector: str | None = None, token: str | N
                 timer = CudaTimer(torch.cuda.current_device())
         except ImportError:
             pass
+    _commands, _control = None, (config.collector_url(collector), config.token(token))
     _session = Session(
         run_id=config.run_id(run_id),
         rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
         world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
-        collector=config.collector_url(collector), token=config.token(token),
+        collector=_control[0], token=_control[1],
         resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **(resource or {})}, timer=timer)
     atexit.register(shutdown)
     return _session
@@ -79,6 +82,27 @@ def event(name: str, step: int | None = None, **attributes) -> None:
         _session.event(name, step, **attributes)
 
 
+def command(step: int) -> dict | None:
+    """At a step boundary, on every rank: the command to apply now (a rollback: restore the
+    newest checkpoint at or before `args["before_step"]`, skip `args["skip_batches"]` batches,
+    scale the learning rate by `args["lr_scale"]`), the same on every rank; else None. Every rank
+    must call it at every step (it looks every few steps, as a collective). Then report()."""
+    global _commands
+    if not _session or not _session.exporter:
+        return None
+    if _commands is None:
+        from agent.commands import Commands
+
+        _commands = Commands(*_control, _session.run_id, _session.rank)
+    return _commands.at_step(step)
+
+
+def report(command_: dict, state: str, **result) -> None:
+    """How a command went ("applied" or "failed", with what happened), from rank 0."""
+    if _commands:
+        _commands.report(command_, state, result=result or None)
+
+
 def watch_ddp(model, inner_hook=None) -> None:
     """Time a DistributedDataParallel model's gradient all-reduces (wrapping `inner_hook`, if any)."""
     from agent.collectives import comm_hook
@@ -95,7 +119,10 @@ def watch_collectives() -> None:
 
 def shutdown() -> None:
     """Send what is left (called at exit too)."""
-    global _session
+    global _session, _commands
+    if _commands:
+        _commands.close()
+        _commands = None
     if _session:
         session, _session = _session, None
         session.shutdown()
