@@ -26,6 +26,12 @@ _BUS_FACTORS = {
     "recv": lambda n: 1.0,
 }
 
+# bytes per element of the dtypes PyTorch names in its traces and dumps (c10::ScalarType's names)
+DTYPE_BYTES = {"Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+               "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "UInt16": 2, "Half": 2, "BFloat16": 2,
+               "Int": 4, "UInt32": 4, "QInt32": 4, "Float": 4, "ComplexHalf": 4, "Long": 8, "UInt64": 8,
+               "Double": 8, "ComplexFloat": 8, "ComplexDouble": 16}
+
 _ALIASES = {
     "allreduce": "all_reduce",
     "allgather": "all_gather",

@@ -75,13 +75,15 @@ def cmd_analyze(args) -> None:
         report = analyze_run(con, args.run)
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
+    if args.heatmap and report.whatif is None:
+        raise UsageError(f"run {args.run} has no steps (Flight Recorder dumps): no heatmap to draw")
     if args.heatmap:
         from collector.heatmap import write_heatmap
 
         write_heatmap(report.steps, Path(args.heatmap), f"run {args.run}: compute against the step median")
     if args.json:
-        print(json.dumps({"run": args.run, **asdict(report.whatif), "findings": [asdict(f) for f in report.findings]},
-                         indent=2))
+        whatif = asdict(report.whatif) if report.whatif else {}  # a run without steps has no what-if part
+        print(json.dumps({"run": args.run, **whatif, "findings": [asdict(f) for f in report.findings]}, indent=2))
     else:
         _print_report(report)
 
@@ -91,6 +93,10 @@ def _print_report(report) -> None:
     from rich.table import Table
 
     w, console = report.whatif, Console()
+    if w is None:
+        console.print(f"[bold]run {report.run_id}[/]: Flight Recorder dumps, no steps: no what-if analysis")
+        _print_findings(report.findings, console)
+        return
     console.print(f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
                   f"{w.actual_step_s:.3f} s against {w.ideal_step_s:.3f} s with every op at its typical duration: "
                   f"[bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
@@ -105,10 +111,17 @@ def _print_report(report) -> None:
         explained.add_row(f"rank {worker['rank']} (stage {worker['pp_stage']}, replica {worker['dp_rank']})",
                           f"{worker['slowdown']:.3f}x")
     console.print(explained)
+    _print_findings(report.findings, console)
+
+
+def _print_findings(found: list, console) -> None:
+    from rich.table import Table
+
     findings = Table("analyzer", "kind", "ranks", "steps", "severity", "summary",
-                     title=f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}", show_lines=True)
-    for f in report.findings:
-        findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), f"{f.step_start}-{f.step_end}", f.severity, f.summary)
+                     title=f"{len(found)} finding{'s' * (len(found) != 1)}", show_lines=True)
+    for f in found:
+        steps = "-" if f.step_start is None else f"{f.step_start}-{f.step_end}"
+        findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)
     console.print(findings)
 
 
@@ -120,6 +133,7 @@ def cmd_import(args) -> None:
     from rich.progress import Progress
 
     from collector.imports import TraceError, store_run
+    from collector.imports.flight_recorder import FlightRecorderDumps
     from collector.imports.kineto import KinetoTrace
     from collector.imports.ops import OpTrace
     from collector.store import StoreLocked
@@ -127,8 +141,14 @@ def cmd_import(args) -> None:
     db, path = _db(args), Path(args.path)
     kineto = args.format == "kineto"
     try:
-        trace = KinetoTrace(path) if kineto else OpTrace(path)
-        run = {"world_size": trace.world_size, "step_columns": trace.step_columns} if kineto else {}
+        if kineto:
+            trace = KinetoTrace(path)
+            run = {"world_size": trace.world_size, "step_columns": trace.step_columns}
+        elif args.format == "flight-recorder":
+            trace = FlightRecorderDumps(path)
+            run = {"world_size": trace.world_size, "events": trace.events}
+        else:
+            trace, run = OpTrace(path), {}
         with Progress(transient=True) as progress:
             task = progress.add_task(f"importing {path.name}", total=trace.rows)
 
@@ -264,9 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("import", help="a trace recorded elsewhere, into a store file (one run, all or nothing)")
-    p.add_argument("format", choices=("ops", "kineto"),
+    p.add_argument("format", choices=("ops", "kineto", "flight-recorder"),
                    help="ops: the generic op trace (Parquet or CSV); kineto: PyTorch profiler traces "
-                        "(.json or .json.gz, a file per rank, or a directory of them)")
+                        "(.json or .json.gz, a file per rank, or a directory of them); flight-recorder: "
+                        "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank, or a directory)")
     p.add_argument("path")
     p.add_argument("--run", required=True, help="run id to import under")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")

@@ -10,8 +10,8 @@ class Finding:
     run_id: str
     kind: str  # stragglers: rank | node | stage | widespread; hangs: hang
     ranks: list[int]
-    step_start: int
-    step_end: int
+    step_start: int | None  # None where the data knows no steps (Flight Recorder dumps)
+    step_end: int | None
     severity: str
     score: float  # how strong: the analyzer's own measure (docs/telemetry.md)
     summary: str

@@ -1,13 +1,15 @@
 """Traces recorded elsewhere, into a store: one run at a time, all or nothing.
 
 Each importer (one module per format) turns its files into batches of rows in
-the shape of the `ops` table and the ranks' placement; `store_run` writes
-them in one transaction and derives the `steps` rows from the ops: a
-rank-step lasts from its first op's start to its last op's end, and its
-compute, communication and data times are the sums of its ops of those
-kinds, unless the importer measured some of them better (a GPU trace knows
-which communication no compute overlapped). A trace that fails half-way
-leaves nothing behind.
+the shape of the `ops` table, the ranks' placement and, where the format has
+more to say, `events` rows; `store_run` writes them in one transaction and
+derives the `steps` rows from the ops that belong to a step: a rank-step
+lasts from its first op's start to its last op's end, and its compute,
+communication and data times are the sums of its ops of those kinds, unless
+the importer measured some of them better (a GPU trace knows which
+communication no compute overlapped). Ops without a step (Flight Recorder
+dumps know none) make no steps. A trace that fails half-way leaves nothing
+behind.
 """
 
 from collections.abc import Callable, Iterable
@@ -39,13 +41,14 @@ GROUP BY run_id, rank, step
 
 def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
               placement: Callable[[], pd.DataFrame] | None = None, world_size: int | None = None,
-              step_columns: Callable[[], pd.DataFrame] | None = None) -> dict[str, int]:
+              step_columns: Callable[[], pd.DataFrame] | None = None,
+              events: Callable[[], pd.DataFrame] | None = None) -> dict[str, int]:
     """Write a run's ops (tables with `ops` columns, run_id left out) and derive its steps;
     returns rows written per table. `placement`, called once the batches are read: rank and
     any of host, local_rank, dp_rank, pp_stage, tp_rank, device, pid. `step_columns`, called
-    then too: rank, step and `steps` columns whose values replace the derived ones. Raises
-    TraceError (from the batches too) with nothing written, StoreLocked when a collector holds
-    the store."""
+    then too: rank, step and `steps` columns whose values replace the derived ones. `events`,
+    called then too: rows of `events` (run_id left out). Raises TraceError (from the batches
+    too) with nothing written, StoreLocked when a collector holds the store."""
     db.parent.mkdir(parents=True, exist_ok=True)
     con = connect(db)
     try:
@@ -69,6 +72,10 @@ def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
                 con.execute(f"UPDATE steps SET {columns} FROM measured WHERE run_id = ? "
                             "AND steps.rank = measured.rank AND steps.step = measured.step", [run_id])
                 con.unregister("measured")
+            if events is not None:
+                con.register("imported_events", events().assign(run_id=run_id))
+                con.execute("INSERT INTO events BY NAME SELECT * FROM imported_events")
+                con.unregister("imported_events")
             ranks = placement() if placement is not None else pd.DataFrame(
                 {"rank": [r for (r,) in con.execute("SELECT DISTINCT rank FROM ops WHERE run_id = ?",
                                                       [run_id]).fetchall()]})

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from agent import semconv as sc
 from collector.imports import TraceError
-from collector.nccl import bandwidths, canonical_op
+from collector.nccl import DTYPE_BYTES, bandwidths, canonical_op
 
 _GPU_OPS = {"kernel": sc.KIND_COMPUTE, "gpu_memcpy": sc.KIND_OTHER, "gpu_memset": sc.KIND_OTHER}
 _LAUNCHES = ("cuda_runtime", "cuda_driver")
@@ -49,11 +49,6 @@ _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _COLLECTIVE = {"Collective name": "collective", "In msg nelems": "in_nelems", "Out msg nelems": "out_nelems",
                "dtype": "dtype", "Group size": "group_size", "Process Group Name": "comm_group",
                "Process Group Description": "group_desc"}
-# bytes per element of the dtypes PyTorch names there (c10::ScalarType)
-_DTYPE_BYTES = {"Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
-                "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "UInt16": 2, "Half": 2, "BFloat16": 2,
-                "Int": 4, "UInt32": 4, "QInt32": 4, "Float": 4, "ComplexHalf": 4, "Long": 8, "UInt64": 8,
-                "Double": 8, "ComplexFloat": 8, "ComplexDouble": 16}
 
 
 def trace_files(path: Path) -> list[Path]:
@@ -178,7 +173,7 @@ def _collectives(kernels: pd.DataFrame) -> pd.DataFrame:
             .fillna(kernels["name"].map(canonical_op)).fillna(meta["collective"]).fillna(kernels["name"]))
     nelems = np.fmax(pd.to_numeric(meta["in_nelems"], errors="coerce"),
                      pd.to_numeric(meta["out_nelems"], errors="coerce"))
-    nbytes = (nelems * meta["dtype"].map(_DTYPE_BYTES)).astype("Int64")
+    nbytes = (nelems * meta["dtype"].map(DTYPE_BYTES)).astype("Int64")
     group_size = pd.to_numeric(meta["group_size"], errors="coerce").astype("Int64")
     algbw, busbw = bandwidths(pa.array(name, pa.string()), pa.array(group_size, pa.int64()),
                               pa.array(nbytes, pa.int64()), (kernels["end"] - kernels["start"]).to_numpy() / 1e9)

@@ -1,0 +1,231 @@
+"""`rankwatch import flight-recorder`: PyTorch NCCL Flight Recorder dumps into a store, and the
+ranks the others wait for named by `rankwatch analyze`.
+
+Covered, on dumps written as PyTorch writes them (a pickle of plain data per
+rank, named <prefix><rank>; or JSON): a 4-rank job whose rank 2 never entered
+all_reduce #7 of the default group while the others are inside it imports
+one op per entry (group, group size, sequence number, nccl-tests bytes,
+state, times, no step), and `rankwatch analyze --json` names rank 2 with the
+collective's evidence and no what-if part; the same job as JSON dumps imports
+the same rows; a rank that entered #7 as all_gather is named as mismatched; a
+clean set of dumps has no finding. A file that is not a dump, or a pickle that
+refers to any global (os.system or a harmless class alike), fails the import
+in one line, runs nothing and leaves nothing in the store.
+"""
+
+import datetime
+import json
+import os
+import pickle
+import random
+
+import pytest
+
+from collector.imports import TraceError
+from collector.imports.flight_recorder import load
+from tests.conftest import rankwatch_cli
+from tests.otlp_payloads import query
+
+T0 = 1_724_779_239_000_000_000
+MB4 = [[1024, 1024]]  # 4 MiB of Float
+WORLD = {"0": ("default_pg", [0, 1, 2, 3])}
+TP = {0: {"1": ("tp", [0, 1])}, 1: {"1": ("tp", [0, 1])}, 2: {"2": ("tp", [2, 3])}, 3: {"2": ("tp", [2, 3])}}
+
+
+def entry(record_id: int, seq: int, op: str = "all_reduce", state: str = "completed", pg: tuple = ("0", "default_pg"),
+          input_sizes: list = MB4, output_sizes: list | None = None, dtype: str = "Float", p2p_seq: int = 0) -> dict:
+    """One Flight Recorder entry, with the keys (and None for times not seen) of a PyTorch 2.5 pickle."""
+    created = T0 + record_id * 10_000_000
+    p2p = op.startswith(("send", "recv"))
+    output_sizes = input_sizes if output_sizes is None else output_sizes
+    return {"frames": [{"name": "train_step", "filename": "train.py", "line": 42}], "record_id": record_id,
+            "pg_id": int(pg[0]), "process_group": pg, "collective_seq_id": seq, "p2p_seq_id": p2p_seq,
+            "op_id": record_id + 1, "profiling_name": f"nccl:{op}", "time_created_ns": created,
+            "input_sizes": input_sizes, "input_dtypes": [dtype] * len(input_sizes), "output_sizes": output_sizes,
+            "output_dtypes": [dtype] * len(output_sizes), "state": state,
+            "time_discovered_started_ns": None if state == "scheduled" else created + 1_000_000,
+            "time_discovered_completed_ns": created + 4_000_000 if state == "completed" else None,
+            "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": p2p}
+
+
+def job(last: dict[int, dict | None]) -> dict[int, dict]:
+    """Each rank's dump: an all_gather in its tp group, all_reduce #1-6 of the world completed, a send
+    from rank 0 to rank 1 in their tp group, then `last[rank]` (an entry's keyword arguments) as #7."""
+    dumps = {}
+    for rank in range(4):
+        tp_group, (tp_desc, _) = next(iter(TP[rank].items()))
+        entries = [entry(0, 1, "all_gather", pg=(tp_group, tp_desc), input_sizes=[[256]], output_sizes=[[512]],
+                         dtype="BFloat16")]
+        entries += [entry(i, i, pg=("0", "default_pg")) for i in range(1, 7)]
+        if rank in (0, 1):
+            # PyTorch leaves the group's last collective number on a point-to-point entry
+            entries.append(entry(7, 6, "send 0->1" if rank == 0 else "recv 1<-0", pg=(tp_group, tp_desc),
+                                 input_sizes=[[128]], p2p_seq=1))
+        if last[rank] is not None:
+            entries.append(entry(8, 7, **last[rank]))
+        config = {name: {"name": name, "desc": desc, "ranks": json.dumps(ranks)}
+                  for name, (desc, ranks) in (WORLD | TP[rank]).items()}
+        dumps[rank] = {"version": "2.5", "pg_config": config, "entries": entries, "pg_status": {
+            "0": {"last_enqueued_collective": 7 if last[rank] else 6, "last_started_collective": -1,
+                  "last_completed_collective": 6}}}
+    return dumps
+
+
+HUNG = {0: {"state": "started"}, 1: {"state": "started"}, 2: None, 3: {"state": "started"}}
+
+
+def write(directory, dumps: dict[int, dict], as_json: bool = False):
+    """The dumps as PyTorch writes them: /…/nccl_trace_rank_<rank>, a pickle (or dump_json's JSON)."""
+    directory.mkdir()
+    for rank, dump in dumps.items():
+        path = directory / f"nccl_trace_rank_{rank}"
+        if as_json:
+            path.write_text(json.dumps(json_dump(dump)))
+        else:
+            path.write_bytes(pickle.dumps(dump, protocol=2))
+    return directory
+
+
+def json_dump(dump: dict) -> dict:
+    """What TORCH_FR_DUMP_JSON writes instead: no frames, 0 for a time not seen, pg_status as strings."""
+    return {**dump, "pg_status": {pg: {k: str(v) for k, v in s.items()} for pg, s in dump["pg_status"].items()},
+            "entries": [{**{k: v for k, v in e.items() if k != "frames"},
+                         "time_discovered_started_ns": e["time_discovered_started_ns"] or 0,
+                         "time_discovered_completed_ns": e["time_discovered_completed_ns"] or 0}
+                        for e in dump["entries"]]}
+
+
+def import_run(directory, db, run: str):
+    result = rankwatch_cli("import", "flight-recorder", str(directory), "--run", run, "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def analyze(db, run: str) -> dict:
+    result = rankwatch_cli("analyze", run, "--db", str(db), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory):
+    """The hung job imported from pickles: (store, the import's stdout)."""
+    root = tmp_path_factory.mktemp("fr")
+    result = import_run(write(root / "dumps", job(HUNG)), root / "s.duckdb", "hung")
+    return root / "s.duckdb", result.stdout
+
+
+def test_entries_become_ops(hung):
+    db, stdout = hung
+    assert "run hung: 33 ops, 0 rank-steps of 4 ranks" in stdout
+    assert query(db, "SELECT world_size FROM runs") == [(4,)]
+    assert query(db, "SELECT count(*) FROM steps") == [(0,)]
+    assert query(db, "SELECT rank, max(seq) FROM ops WHERE comm_group = '0' GROUP BY rank ORDER BY rank") == [
+        (0, 7), (1, 7), (2, 6), (3, 7)]
+    # all_reduce #7: inside it on ranks 0, 1 and 3; 4 MiB in the 4-rank default group; not finished
+    assert query(db, "SELECT rank, name, group_size, bytes, attrs->>'$.state', attrs->>'$.group_desc', "
+                     "step, duration_s FROM ops WHERE comm_group = '0' AND seq = 7 ORDER BY rank") == [
+        (r, "all_reduce", 4, 4 << 20, "started", "default_pg", None, 0.0) for r in (0, 1, 3)]
+    # a completed one lasts from when it was seen starting to when it was seen completed
+    ((start, end, duration),) = query(db, "SELECT epoch_ns(start_ts), epoch_ns(end_ts), duration_s FROM ops "
+                                          "WHERE rank = 2 AND comm_group = '0' AND seq = 6")
+    assert (start, end, duration) == (T0 + 60_000_000 + 1_000_000, T0 + 60_000_000 + 4_000_000, 0.003)
+    # all_gather in a 2-rank tp group: nccl-tests bytes are the gathered output, 512 BFloat16
+    assert query(db, "SELECT DISTINCT comm_group, name, group_size, bytes FROM ops WHERE seq = 1 AND "
+                     "attrs->>'$.group_desc' = 'tp' AND NOT (attrs->>'$.is_p2p')::BOOLEAN ORDER BY 1") == [
+        ("1", "all_gather", 2, 1024), ("2", "all_gather", 2, 1024)]
+    # point-to-point: numbered by the pair's transfers, named without the peers (kept in attrs)
+    assert query(db, "SELECT rank, name, seq, bytes, attrs->>'$.profiling_name' FROM ops "
+                     "WHERE (attrs->>'$.is_p2p')::BOOLEAN ORDER BY rank") == [
+        (0, "send", 1, 512, "nccl:send 0->1"), (1, "recv", 1, 512, "nccl:recv 1<-0")]
+    # each dump's header, with the members of the groups it knows
+    ((config,),) = query(db, "SELECT attrs->'$.pg_config' FROM events WHERE event = 'flight_recorder_dump' "
+                             "AND rank = 3")
+    assert json.loads(config) == {"0": {"desc": "default_pg", "ranks": [0, 1, 2, 3]},
+                                  "2": {"desc": "tp", "ranks": [2, 3]}}
+
+
+def test_analyze_names_the_rank_that_never_entered(hung):
+    db, _ = hung
+    report = analyze(db, "hung")
+    assert set(report) == {"run", "findings"}  # no steps: no what-if part
+    (finding,) = report["findings"]
+    assert (finding["analyzer"], finding["kind"], finding["ranks"]) == ("hangs", "hang", [2])
+    assert (finding["step_start"], finding["step_end"]) == (None, None)
+    evidence = finding["evidence"]
+    assert evidence["collective"] == {"op": "all_reduce", "group": "0", "seq": 7, "waiting_ranks": [0, 1, 3]}
+    assert (evidence["missing_ranks"], evidence["mismatched"], evidence["no_dump_ranks"]) == ([2], [], [])
+    assert "ranks [2] never entered it" in finding["summary"]
+
+    text = rankwatch_cli("analyze", "hung", "--db", str(db), env={"COLUMNS": "250"})
+    assert text.returncode == 0, text.stderr
+    assert "no what-if analysis" in text.stdout and "never entered it" in text.stdout
+    heatmap = rankwatch_cli("analyze", "hung", "--db", str(db), "--heatmap", str(db.parent / "h.png"))
+    assert heatmap.returncode == 2 and heatmap.stderr.count("\n") == 1 and "no steps" in heatmap.stderr
+
+
+def test_json_dumps_import_the_same_rows(hung, tmp_path):
+    db, _ = hung
+    json_db = tmp_path / "j.duckdb"
+    import_run(write(tmp_path / "dumps", job(HUNG), as_json=True), json_db, "hung")
+    rows = ("SELECT rank, step, kind, name, start_ts, end_ts, duration_s, comm_group, group_size, seq, bytes, "
+            "attrs FROM ops ORDER BY ALL")
+    assert query(json_db, rows) == query(db, rows)
+    (finding,) = analyze(json_db, "hung")["findings"]
+    assert finding["ranks"] == [2]
+
+
+def test_rank_that_entered_another_collective_is_mismatched(tmp_path):
+    db = tmp_path / "s.duckdb"
+    last = HUNG | {2: {"state": "started"}, 3: {"op": "all_gather", "state": "started", "output_sizes": [[4096, 1024]]}}
+    import_run(write(tmp_path / "dumps", job(last)), db, "mm")
+    (finding,) = analyze(db, "mm")["findings"]
+    assert finding["ranks"] == [3]
+    evidence = finding["evidence"]
+    assert evidence["collective"] == {"op": "all_reduce", "group": "0", "seq": 7, "waiting_ranks": [0, 1, 2]}
+    assert evidence["missing_ranks"] == []
+    assert evidence["mismatched"] == [{"rank": 3, "op": "all_gather", "input_sizes": MB4,
+                                       "output_sizes": [[4096, 1024]], "input_dtypes": ["Float"],
+                                       "output_dtypes": ["Float"]}]
+    assert "rank 3 entered it as all_gather" in finding["summary"]
+
+
+def test_clean_dumps_have_no_finding(tmp_path):
+    db = tmp_path / "s.duckdb"
+    import_run(write(tmp_path / "dumps", job({rank: {} for rank in range(4)})), db, "clean")
+    assert query(db, "SELECT DISTINCT attrs->>'$.state' FROM ops") == [("completed",)]
+    assert analyze(db, "clean")["findings"] == []
+
+
+class Exploit:
+    """A pickle that runs a shell command when plain pickle.load reads it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("bad", ["random bytes", "os.system", "not a dict"])
+def test_bad_dump_fails_the_whole_import_in_one_line(tmp_path, bad):
+    marker = tmp_path / "pwned"
+    directory = write(tmp_path / "dumps", job(HUNG))
+    content = {"random bytes": random.Random(0).randbytes(4096),
+               "os.system": pickle.dumps({"entries": [Exploit(marker)]}), "not a dict": pickle.dumps([1, 2, 3])}[bad]
+    (directory / "nccl_trace_rank_3").write_bytes(content)  # read last, after ranks 0-2 were inserted
+    db = tmp_path / "s.duckdb"
+    result = rankwatch_cli("import", "flight-recorder", str(directory), "--run", "bad", "--db", str(db))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "nccl_trace_rank_3: not a Flight Recorder dump" in result.stderr
+    assert not marker.exists()
+    assert query(db, "SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM ops) + "
+                     "(SELECT count(*) FROM events)") == [(0,)]
+
+
+@pytest.mark.parametrize("global_", [os.system, datetime.date(2024, 1, 1)])
+def test_any_global_in_a_pickle_is_refused(tmp_path, global_):
+    path = tmp_path / "nccl_trace_rank_0"
+    path.write_bytes(pickle.dumps({"entries": [], "x": global_}))
+    with pytest.raises(TraceError, match=r"refers to (posix\.system|datetime\.date)"):
+        load(path)
