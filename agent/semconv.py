@@ -31,6 +31,7 @@ MFU = "rankwatch.mfu"
 DATA_S = "rankwatch.data_s"
 COMPUTE_S = "rankwatch.compute_s"
 COMM_WAIT_S = "rankwatch.comm_wait_s"
+STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its energy counter
 # on `comm` spans
 COMM_GROUP = "rankwatch.comm.group"
 COMM_GROUP_SIZE = "rankwatch.comm.group_size"
@@ -60,9 +61,15 @@ PHASE = "rankwatch.phase"
 
 # Data point attributes of device metrics.
 GPU = "gpu"  # device index on the host, as in DCGM exporter labels
-SOURCE = "rankwatch.source"  # "nvml" or "simulated"
+SOURCE = "rankwatch.source"  # "nvml", "simulated" or "rapl"
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
+SOURCE_RAPL = "rapl"
+# on power samples: which power NVML gave, the instantaneous field or its windowed average
+POWER_KIND = "rankwatch.power.kind"
+POWER_KIND_INSTANT = "instant"
+POWER_KIND_AVERAGE = "average"
+RAPL_ZONE = "rankwatch.rapl.zone"  # on host samples: the RAPL zone's name, e.g. "package-0"
 
 # Device metric names, aligned with DCGM field names.
 POWER_W = "DCGM_FI_DEV_POWER_USAGE"
@@ -73,9 +80,15 @@ MEM_CLOCK_MHZ = "DCGM_FI_DEV_MEM_CLOCK"
 GPU_TEMP_C = "DCGM_FI_DEV_GPU_TEMP"
 GPU_UTIL_PCT = "DCGM_FI_DEV_GPU_UTIL"
 POWER_LIMIT_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT"
+POWER_LIMIT_MIN_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT_MIN"  # the lowest power limit the GPU accepts
+POWER_LIMIT_MAX_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT_MAX"  # the highest
 CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"  # a bitmask, NVML's nvmlClocksEventReason*
 CLOCK_EVENT_REASON_BITS = {
     0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
     0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
+
+# Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.
+HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
+HOST_POWER_W = "hw.power"  # W, averaged since the previous reading

@@ -1,0 +1,95 @@
+"""The GPU a rank reads and may power-cap, real (NVML) or simulated, and which one it gets.
+
+Both kinds share one contract, so the sampler, the agent and a power-cap
+command need not ask which they hold: `read()` gives the device metrics of
+agent/semconv.py, and the cap is always clamped to what the GPU accepts and
+put back as it was when the job ends.
+"""
+
+import atexit
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from agent import semconv as sc
+from agent.export import Attributes, log
+
+Reading = tuple[str, float, Attributes]  # metric, value, attributes (the sampler adds the time)
+
+
+class Device(ABC):
+    """One GPU: its readings and its power-limit actuator."""
+
+    source: str  # sc.SOURCE_NVML or sc.SOURCE_SIMULATED
+    index: int  # on the host: the `gpu` attribute
+    _restore_w: float | None = None  # the limit in force before the first cap, while a cap is set
+
+    def read(self) -> list[Reading]:
+        """The device metrics now, each labelled with the GPU and where it came from."""
+        labels = {sc.GPU: self.index, sc.SOURCE: self.source}
+        return [(metric, value, {**labels, **attributes}) for metric, value, attributes in self._read()]
+
+    def compute_scale(self) -> float:
+        """How many times longer compute takes than at full clock, for a trainer that has to
+        play it out; a real GPU slows down by itself, so 1."""
+        return 1.0
+
+    def set_power_cap(self, watts: float) -> float:
+        """Cap the GPU's power, clamped to its constraints; returns the cap applied. The limit
+        in force before the first cap is put back by `restore_power_cap` (at exit too): an
+        operator's own limit outlives the job."""
+        low, high = self.power_limit_constraints()
+        applied = min(max(watts, low), high)
+        if applied != watts:
+            log.info("rankwatch: GPU %d power cap %.0f W clamped to %.0f W (the GPU accepts %.0f-%.0f W)",
+                     self.index, watts, applied, low, high)
+        before = self.power_limit() if self._restore_w is None else None
+        self._set_power_limit(applied)
+        if before is not None:
+            self._restore_w = before
+            atexit.register(self.restore_power_cap)
+        return applied
+
+    def restore_power_cap(self) -> None:
+        """Put back the limit that was in force before the first `set_power_cap`, if any."""
+        if self._restore_w is not None:
+            self._set_power_limit(self._restore_w)
+            self._restore_w = None
+            atexit.unregister(self.restore_power_cap)
+
+    def close(self) -> None:
+        self.restore_power_cap()
+
+    @abstractmethod
+    def _read(self) -> list[Reading]:
+        """Readings without the GPU and source labels."""
+
+    @abstractmethod
+    def power_limit(self) -> float:
+        """The power limit set now, W."""
+
+    @abstractmethod
+    def power_limit_constraints(self) -> tuple[float, float]:
+        """The lowest and highest power limit the GPU accepts, W."""
+
+    @abstractmethod
+    def _set_power_limit(self, watts: float) -> None:
+        """Set the limit, already within the constraints."""
+
+
+def open_device(local_index: int, utilization: Callable[[], float] | None = None) -> Device:
+    """This rank's GPU through NVML when the driver answers and has a GPU at `local_index` (in
+    CUDA_VISIBLE_DEVICES order), else a simulated one driven by `utilization` (0..1); logs
+    which, and why."""
+    import pynvml
+
+    from agent.nvml import NvmlDevice  # imported here: both build on this module
+    from agent.simdevice import SimulatedDevice
+
+    try:
+        device = NvmlDevice(local_index)
+        log.info("rankwatch: device telemetry from NVML, GPU %d", device.index)
+        return device
+    except (pynvml.NVMLError, IndexError, ValueError) as e:
+        log.info("rankwatch: no NVML GPU for local rank %d (%s: %s); device telemetry is simulated", local_index,
+                 type(e).__name__, e)
+        return SimulatedDevice(local_index, utilization=utilization)
