@@ -1,4 +1,5 @@
-"""SQL over a store file for post-mortems, printed as a table, CSV or JSON."""
+"""SQL for post-mortems, on a store file or through a running collector's query API,
+printed as a table, CSV or JSON."""
 
 import csv
 import datetime as dt
@@ -11,6 +12,7 @@ import duckdb
 from rich.console import Console
 from rich.table import Table
 
+from collector import queryapi
 from collector.store import connect
 
 FORMATS = ("table", "csv", "json")
@@ -34,6 +36,16 @@ def run_sql(db: Path, sql: str, parameters: list | None = None) -> tuple[list[st
         raise QueryError(str(e).splitlines()[0]) from None
     finally:
         con.close()
+
+
+def run_remote(url: str, token: str | None, sql: str) -> tuple[list[str], list[list], bool]:
+    """(column names, rows, truncated?) of a read-only query through a collector's query API."""
+    with queryapi.client(url, token) as http:
+        try:
+            answer = queryapi.remote_query(http, sql)
+        except queryapi.QueryFailed as e:
+            raise QueryError(str(e)) from None
+    return answer["columns"], answer["rows"], answer["truncated"]
 
 
 def _plain(value):

@@ -1,4 +1,4 @@
-"""The collector's HTTP server: OTLP/HTTP receiver, the control API, /healthz and /metrics.
+"""The collector's HTTP server: OTLP/HTTP receiver, the control and query APIs, /healthz and /metrics.
 
 Checks run cheapest first (token, content type, size) so a refused request
 costs almost nothing; a request is answered 200 only after its rows are
@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from collector import control, otlp
+from collector import control, otlp, queryapi
 from collector.analysis import Analysis
 from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
@@ -124,6 +124,7 @@ def create_app(config: Config) -> Starlette:
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
     routes += control.routes(lambda: state["ingestor"].store, token)
+    routes += queryapi.routes(lambda: state["ingestor"].store, token)
     return Starlette(routes=routes, lifespan=lifespan)
 
 

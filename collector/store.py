@@ -10,6 +10,9 @@ The writer is a process of its own because DuckDB's Python API takes the GIL
 back many times per statement: next to a busy event loop every transaction
 waited out the interpreter's switch interval again and again (9x slower,
 measured). Alone in its process, the writer never waits for the GIL.
+Read-only queries (the query API) run in that process too, the only one that
+can read the file, but on threads of their own with a cursor each: they read
+a snapshot and never hold up a commit.
 
 A retried export is recognised by the digest of its decompressed body (the
 OpenTelemetry exporters resend the same serialized bytes) and acknowledged
@@ -25,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from collector import commands
+from collector import commands, readonly
 from collector.analysis import Analysis
 from collector.children import die_with_parent
 from collector.decode import Decoded
@@ -46,6 +49,8 @@ DIGEST_RETENTION = timedelta(hours=1)
 # milliseconds however small it is, so under load a group must be large;
 # 10 ms of added latency is nothing to an exporter that batches for seconds.
 GROUP_LINGER_S = 0.010
+# Threads for read-only queries (the query API): they read snapshots beside the commit loop.
+QUERY_THREADS = 2
 
 # Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
 _UPSERT_RANKS = """
@@ -64,7 +69,7 @@ ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, wo
 
 @dataclass
 class Call:
-    """A control API request for the writer: an operation of collector/commands.py, by name."""
+    """A request for the writer: an operation of collector/commands.py by name, or "query"."""
 
     id: int
     operation: str
@@ -109,6 +114,8 @@ class _Writer:
         cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
         columns = [d[0] for d in cursor.description]
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
+        readonly.lock_down(self._con, path.parent)
+        self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
 
     def run(self, requests, acks) -> None:
         """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it,
@@ -131,10 +138,14 @@ class _Writer:
             if group:
                 acks.put(self._commit(group))
             for call in calls:
-                acks.put(self._call(call))
+                if call.operation == "query":  # on a query thread: a slow query never holds up commits
+                    self._queries.submit(self._query, call, acks)
+                else:
+                    acks.put(self._call(call))
             if not self._analysis.due_in() and not stop:
                 self._analysis.run(self._con)
             if stop:
+                self._queries.shutdown()  # queries end within their time limit
                 self._con.execute("CHECKPOINT")
                 self._con.close()
                 acks.put(("closed",))
@@ -146,6 +157,15 @@ class _Writer:
             return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
         except (commands.CommandError, LookupError, duckdb.Error) as e:
             return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
+
+    def _query(self, call: "Call", acks) -> None:
+        """Run a read-only query (collector/readonly.py) and put its ("result" | "error", call id, value)."""
+        try:
+            acks.put(("result", call.id, readonly.run(self._con, **call.kwargs)))
+        except (readonly.QueryRefused, readonly.QueryTimeout) as e:
+            acks.put(("error", call.id, e))
+        except Exception as e:  # a future must settle, whatever went wrong
+            acks.put(("error", call.id, RuntimeError(str(e))))
 
     def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> tuple:
         """Append a group of decoded batches in one transaction, leaving out requests already
@@ -284,7 +304,8 @@ class Store:
 
     def call(self, operation: str, **kwargs) -> Future:
         """Run an operation of collector/commands.py in the writer process (the control API's way
-        to the store); the future holds its result or its exception."""
+        to the store), or "query" with readonly.run's arguments (the query API's); the future holds
+        its result or its exception."""
         future: Future = Future()
         with self._lock:
             if not self._process.is_alive():

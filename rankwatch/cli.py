@@ -50,11 +50,18 @@ def cmd_collector(args) -> None:
 
 
 def cmd_query(args) -> None:
-    from collector.query import QueryError, run_sql, write
+    from collector.query import QueryError, run_remote, run_sql, write
     from collector.store import StoreLocked
 
     try:
-        columns, rows = run_sql(_db(args), args.sql)
+        if args.collector:
+            from agent.config import token
+
+            columns, rows, truncated = run_remote(args.collector, token(), args.sql)
+            if truncated:
+                print(f"rankwatch query: the first {len(rows)} rows only (the query API's cap)", file=sys.stderr)
+        else:
+            columns, rows = run_sql(_db(args), args.sql)
     except (QueryError, StoreLocked) as e:
         raise UsageError(str(e)) from None
     write(columns, rows, args.format)
@@ -300,9 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
     p.set_defaults(func=cmd_analyze)
 
-    p = sub.add_parser("query", help="run read-only SQL against a store file")
+    p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql")
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    where.add_argument("--collector", metavar="URL",
+                       help="ask a running collector's query API instead (token: $RANKWATCH_TOKEN, else the "
+                            "token file beside the store)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.set_defaults(func=cmd_query)
     return parser
