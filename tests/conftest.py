@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,3 +83,24 @@ def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) 
     """Run the installed console script, as a user would."""
     return subprocess.run([sys.executable, "-m", "rankwatch", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
+
+
+def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: list[str],
+                    collector_args: tuple[str, ...] = (), settle_s: float = 0.0) -> Path:
+    """A store filled by `rankwatch simulate` through a real collector, one run per entry of `runs`
+    (run id -> fault specs), then stopped; `settle_s`: how long the collector's analyzers get after
+    the last run, before it stops."""
+    db = directory / "rankwatch.duckdb"
+    with open(directory / "collector.log", "w") as log:
+        collector = Collector(db, free_port(), "test-token", extra_args=collector_args, log=log).start()
+        try:
+            for run, faults in runs.items():
+                args = ["simulate", *simulate_args, "--run", run, "--collector", collector.url]
+                for spec in faults:
+                    args += ["--inject", spec]
+                result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
+                assert result.returncode == 0, result.stderr
+            time.sleep(settle_s)
+        finally:
+            collector.stop()
+    return db

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import Collector, free_port, rankwatch_cli
+from tests.conftest import rankwatch_cli, simulated_store
 
 RUNS = {
     "pm-clean": [],
@@ -22,19 +22,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    db = tmp_path_factory.mktemp("postmortem") / "rankwatch.duckdb"
-    with open(db.parent / "collector.log", "w") as log:
-        collector = Collector(db, free_port(), "test-token", log=log).start()
-        try:
-            for run, faults in RUNS.items():
-                args = ["simulate", "--ranks", "32", "--steps", "80", "--run", run, "--collector", collector.url]
-                for spec in faults:
-                    args += ["--inject", spec]
-                result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
-                assert result.returncode == 0, result.stderr
-        finally:
-            collector.stop()
-    return db
+    return simulated_store(tmp_path_factory.mktemp("postmortem"), RUNS, ["--ranks", "32", "--steps", "80"])
 
 
 def analyze(db, run):

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from rankwatch.cli import main
-from tests.conftest import Collector, free_port, rankwatch_cli
+from tests.conftest import rankwatch_cli, simulated_store
 from tests.otlp_payloads import query
 
 RANKS, HUNG, AT = 64, 37, 6  # 4 pipeline stages of 16 data-parallel replicas; rank 37 is in stage 2
@@ -20,21 +20,9 @@ RUNS = {"sim-clean": [], "sim-hang": [f"hang:rank={HUNG},at={AT}"]}
 def store(tmp_path_factory):
     """Both runs into one collector with a stall floor of 3 s, so that a hang is five ~1 s steps
     without progress; the stuck ranks' heartbeats go on for 10 s, past that."""
-    db = tmp_path_factory.mktemp("sim-hang") / "rankwatch.duckdb"
-    with open(db.parent / "collector.log", "w") as log:
-        collector = Collector(db, free_port(), "test-token", log=log,
-                              extra_args=("--analyze-every", "1", "--hang-after", "3")).start()
-        try:
-            for run, faults in RUNS.items():
-                args = ["simulate", "--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--run", run,
-                        "--collector", collector.url, "--hang-for", "10"]
-                for spec in faults:
-                    args += ["--inject", spec]
-                result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
-                assert result.returncode == 0, result.stderr
-        finally:
-            collector.stop()
-    return db
+    return simulated_store(tmp_path_factory.mktemp("sim-hang"), RUNS,
+                           ["--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--hang-for", "10"],
+                           ("--analyze-every", "1", "--hang-after", "3"))
 
 
 def hang_findings(store, run: str) -> list[tuple]:

@@ -3,7 +3,7 @@ pattern by the live analyzers; a clean run produces no finding."""
 
 import pytest
 
-from tests.conftest import rankwatch_cli
+from tests.conftest import simulated_store
 from tests.otlp_payloads import query
 
 # 64 ranks: 4 pipeline stages of 8 data-parallel replicas of 2 tensor-parallel ranks; 8 ranks per host
@@ -22,25 +22,11 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from tests.conftest import Collector, free_port
-
-    db = tmp_path_factory.mktemp("sim") / "rankwatch.duckdb"
-    log = open(db.parent / "collector.log", "w")
-    collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
-    try:
-        for name, (faults, _) in SCENARIOS.items():
-            args = ["simulate", "--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30", "--run", f"sim-{name}",
-                    "--collector", collector.url]
-            for spec in faults:
-                args += ["--inject", spec]
-            result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
-            assert result.returncode == 0, result.stderr
-        import time
-        time.sleep(3)  # two analysis passes after the last steps arrived
-    finally:
-        collector.stop()
-        log.close()
-    return db
+    # two analysis passes after the last steps arrived
+    return simulated_store(tmp_path_factory.mktemp("sim"), {f"sim-{name}": faults for name, (faults, _) in
+                                                           SCENARIOS.items()},
+                           ["--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30"], ("--analyze-every", "1"),
+                           settle_s=3)
 
 
 @pytest.fixture(scope="module")
