@@ -233,6 +233,25 @@ def cmd_simulate(args) -> None:
     print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
 
 
+def cmd_dashboard(args) -> None:
+    from agent.config import collector_url
+    from collector.store import StoreLocked, connect
+    from dashboard.serve import serve
+
+    collector, db = args.collector, None
+    if not collector:
+        db = _db(args)
+        if not db.exists():
+            raise UsageError(f"no store at {db}")
+        try:
+            connect(db, read_only=True).close()
+        except StoreLocked as e:
+            if args.db:
+                raise UsageError(f"{e}, or read it through the collector (--collector URL)") from None
+            collector, db = collector_url(), None  # the default store's collector holds it: ask that collector
+    serve(args.port, db, collector)
+
+
 def cmd_demo(args) -> None:
     from rankwatch.demo import run
 
@@ -316,6 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "token file beside the store)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.set_defaults(func=cmd_query)
+
+    p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--db", help="a store file no collector holds, read-only (default: rankwatch-data/"
+                                    "rankwatch.duckdb, or $RANKWATCH_DB; through its collector when one holds it)")
+    where.add_argument("--collector", metavar="URL",
+                       help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
+                            "file beside the store)")
+    p.add_argument("--port", type=int, default=8501)
+    p.set_defaults(func=cmd_dashboard)
     return parser
 
 

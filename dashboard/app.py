@@ -1,0 +1,27 @@
+"""The dashboard's entry point (`rankwatch dashboard` runs it with `streamlit run`): the
+pages, and the run they all look at, chosen in the sidebar."""
+
+import streamlit as st
+
+from dashboard import ui
+
+st.set_page_config(page_title="rankwatch", page_icon=":material/monitoring:", layout="wide")
+PAGES = [
+    st.Page("views/overview.py", title="Overview", icon=":material/health_metrics:", default=True),
+    st.Page("views/stragglers.py", title="Stragglers", icon=":material/directions_walk:"),
+    st.Page("views/collectives.py", title="Collectives", icon=":material/hub:"),
+    st.Page("views/checkpoints.py", title="Checkpoints & rollbacks", icon=":material/history:"),
+    st.Page("views/hangs.py", title="Hangs", icon=":material/hourglass_disabled:"),
+    st.Page("views/power.py", title="Power", icon=":material/bolt:"),
+    st.Page("views/sql.py", title="SQL", icon=":material/database:"),
+]
+page = st.navigation(PAGES)
+runs = ui.frame("runs")
+st.sidebar.caption(f"reading {ui.data_source().label}")
+if runs.empty and page.title != "SQL":
+    st.info("No runs in the store yet. Point a job's agent, or `rankwatch simulate`, at the collector.")
+    st.stop()
+if not runs.empty:
+    labels = {r.run_id: f"{r.run_id}  ·  {r.firing} firing" if r.firing else r.run_id for r in runs.itertuples()}
+    st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+page.run()

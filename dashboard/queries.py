@@ -1,0 +1,210 @@
+"""Every query the dashboard runs, by name: the one place its SQL lives.
+
+They go through the same read-only path as anyone's SQL (collector/readonly.py)
+and aggregate in DuckDB, so what crosses to the page is small whatever the
+job's size: steps are downsampled to about $points points, ranks binned into
+about $rank_bins rows, and a heatmap cell keeps its worst rank. Parameters are
+named ($run, ...); each query takes exactly those it names.
+"""
+
+# Runs, newest first, with their last step and how many findings fire.
+RUNS = """
+SELECT r.run_id, r.world_size, r.first_seen, s.last_step, coalesce(f.firing, 0) AS firing
+FROM runs r
+LEFT JOIN (SELECT run_id, max(step) AS last_step FROM steps GROUP BY run_id) s USING (run_id)
+LEFT JOIN (SELECT run_id, count(*) AS firing FROM findings WHERE state = 'firing' GROUP BY run_id) f USING (run_id)
+ORDER BY r.first_seen DESC
+"""
+
+# The newest $window steps, one row per step: how fast the job goes now.
+RECENT_STEPS = """
+SELECT step, count(*) AS ranks, median(duration_s) AS step_s, sum(tokens) / median(duration_s) AS tokens_per_s,
+       avg(mfu) AS mfu, max(end_ts) AS end_ts
+FROM current_steps
+WHERE run_id = $run AND step > (SELECT max(step) FROM current_steps WHERE run_id = $run) - $window
+GROUP BY step ORDER BY step
+"""
+
+# The whole run, downsampled: medians over ranks per step, averaged over bins of steps.
+STEP_SERIES = """
+WITH per_step AS (
+    SELECT step, median(duration_s) AS step_s, median(compute_s) AS compute_s, median(comm_wait_s) AS comm_wait_s,
+           median(data_s) AS data_s, sum(tokens) / median(duration_s) AS tokens_per_s, avg(mfu) AS mfu,
+           avg(loss) FILTER (WHERE isfinite(loss)) AS loss,
+           avg(grad_norm) FILTER (WHERE isfinite(grad_norm)) AS grad_norm,
+           count(*) FILTER (WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)) AS non_finite
+    FROM current_steps WHERE run_id = $run GROUP BY step),
+bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
+         FROM per_step)
+SELECT min(step) AS step, avg(step_s) AS step_s, avg(compute_s) AS compute_s, avg(comm_wait_s) AS comm_wait_s,
+       avg(data_s) AS data_s, avg(tokens_per_s) AS tokens_per_s, avg(mfu) AS mfu, avg(loss) AS loss,
+       avg(grad_norm) AS grad_norm, sum(non_finite) AS non_finite
+FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
+"""
+
+FINDINGS = """
+SELECT id, analyzer, kind, ranks, step_start, step_end, severity, score, summary, evidence, state, created_at,
+       updated_at
+FROM findings WHERE run_id = $run ORDER BY state = 'firing' DESC, severity = 'critical' DESC, id DESC
+"""
+
+COMMANDS = """
+SELECT id, kind, state, created_by, finding_id, apply_step, args, result, created_at, updated_at
+FROM commands WHERE run_id = $run ORDER BY id
+"""
+
+# Power drawn now: each rank's mean over the newest minute of samples, summed.
+POWER_NOW = """
+WITH power AS (SELECT rank, ts, value FROM device_samples
+               WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT'))
+SELECT count(*) AS ranks, sum(watts) AS watts
+FROM (SELECT rank, avg(value) AS watts FROM power
+      WHERE ts > (SELECT max(ts) FROM power) - INTERVAL 60 SECOND GROUP BY rank)
+"""
+
+# The MegaScale view: each rank-step's compute over the step's median, in cells of about
+# $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible.
+HEATMAP = """
+WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c FROM current_steps WHERE run_id = $run),
+med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
+bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $step_bins))::BIGINT AS sw,
+                greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM s)
+SELECT lo + (step - lo) // sw * sw AS step_lo, lo + (step - lo) // sw * sw + sw AS step_hi,
+       rank // rw * rw AS rank_lo, rank // rw * rw + rw AS rank_hi,
+       max(c / m) AS ratio, arg_max(rank, c / m) AS worst_rank, arg_max(step, c / m) AS worst_step
+FROM s JOIN med USING (step), bins WHERE m > 0
+GROUP BY ALL
+"""
+
+# Ranks by their mean compute over the step median, slowest first.
+SLOWEST_RANKS = """
+WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s FROM current_steps
+           WHERE run_id = $run),
+med AS (SELECT step, median(c) AS m FROM s GROUP BY step)
+SELECT rank, avg(c / m) AS compute_ratio, avg(c) AS compute_s, avg(comm_wait_s) AS comm_wait_s
+FROM s JOIN med USING (step) WHERE m > 0
+GROUP BY rank ORDER BY compute_ratio DESC LIMIT $limit
+"""
+
+# One step of a few ranks, laid out in time from the step's first start: the ops the agent sent
+# (phases, collectives), and for a rank-step without phase spans its data, compute and exposed
+# communication from the step row. The ranks: the $slowest slowest of that step and $typical
+# around its median.
+TIMELINE = """
+WITH s AS (SELECT rank, epoch_ns(start_ts) AS t, data_s, coalesce(compute_s, duration_s) AS c, duration_s
+           FROM current_steps WHERE run_id = $run AND step = $step),
+picked AS (
+    (SELECT rank FROM s ORDER BY c DESC LIMIT $slowest)
+    UNION
+    (SELECT rank FROM s ORDER BY abs(c - (SELECT median(c) FROM s)) LIMIT $typical)),
+t0 AS (SELECT min(t) AS t0 FROM s),
+o AS (SELECT rank, kind, name, epoch_ns(start_ts) AS t, epoch_ns(end_ts) AS e FROM ops
+      WHERE run_id = $run AND step = $step AND kind <> 'other' AND rank IN (SELECT rank FROM picked)),
+derived AS (
+    SELECT rank, unnest(['data', 'compute', 'exposed comm']) AS name,
+           unnest([0, coalesce(data_s, 0), coalesce(data_s, 0) + c]) AS start_s,
+           unnest([coalesce(data_s, 0), coalesce(data_s, 0) + c, duration_s]) AS end_s, t
+    FROM s WHERE rank IN (SELECT rank FROM picked) AND rank NOT IN (SELECT rank FROM o WHERE kind = 'phase'))
+SELECT rank, kind, name, (t - t0) / 1e9 AS start_s, (e - t0) / 1e9 AS end_s FROM o, t0
+UNION ALL
+SELECT rank, 'step' AS kind, name, (t - t0) / 1e9 + start_s, (t - t0) / 1e9 + end_s FROM derived, t0
+WHERE end_s > start_s
+ORDER BY rank, start_s
+"""
+
+# The run's first and last step, for step pickers.
+STEP_RANGE = "SELECT min(step) AS first, max(step) AS last FROM current_steps WHERE run_id = $run"
+
+# Bus bandwidth by collective, size and group size (nccl-tests' busbw).
+BUSBW = """
+SELECT name AS op, bytes, group_size, count(*) AS calls, median(busbw_gbps) AS busbw_gbps,
+       quantile_cont(busbw_gbps, 0.1) AS busbw_p10_gbps, median(duration_s) AS duration_s
+FROM ops WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
+GROUP BY ALL ORDER BY op, bytes
+"""
+
+# The process groups with the lowest bus bandwidth, against their op's median.
+SLOWEST_GROUPS = """
+WITH g AS (SELECT name AS op, comm_group, median(busbw_gbps) AS busbw_gbps, count(*) AS calls FROM ops
+           WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL GROUP BY ALL)
+SELECT op, comm_group, busbw_gbps, busbw_gbps / median(busbw_gbps) OVER (PARTITION BY op) AS of_median, calls
+FROM g ORDER BY of_median LIMIT $limit
+"""
+
+# Exposed communication per rank, in about $rank_bins bins of ranks.
+EXPOSED_COMM = """
+WITH s AS (SELECT rank, comm_wait_s, duration_s FROM current_steps WHERE run_id = $run AND comm_wait_s IS NOT NULL),
+bins AS (SELECT greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM s)
+SELECT rank // rw * rw AS rank_lo, max(rank) AS rank_hi, avg(comm_wait_s) AS comm_wait_s,
+       avg(comm_wait_s / duration_s) AS share
+FROM s, bins GROUP BY ALL ORDER BY rank_lo
+"""
+
+# What happened to a run's trajectory, by step: anomalies, rollbacks, checkpoints, injected faults.
+MARKERS = """
+SELECT step_start AS step, 'anomaly: ' || kind AS marker, summary AS detail FROM findings
+WHERE run_id = $run AND analyzer = 'anomalies'
+UNION ALL
+SELECT CAST(args->>'before_step' AS BIGINT), 'rollback target', 'command ' || id || ', ' || state
+FROM commands WHERE run_id = $run AND kind = 'rollback'
+UNION ALL
+SELECT CAST(result->>'restored_step' AS BIGINT), 'rollback restored', 'command ' || id FROM commands
+WHERE run_id = $run AND kind = 'rollback' AND result->>'restored_step' IS NOT NULL
+UNION ALL
+SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->>'$."rankwatch.fault"'), '')
+FROM events WHERE run_id = $run AND step IS NOT NULL
+  AND event IN ('checkpoint_saved', 'checkpoint_restored', 'checkpoint_corrupt', 'fault_injected')
+GROUP BY step, event
+ORDER BY step
+"""
+
+# Where each rank was when last heard from, grouped: a hung job is many ranks in one collective
+# and a few elsewhere.
+LAST_HEARTBEATS = """
+WITH last AS (
+    SELECT rank, max(ts) AS last_seen, arg_max({'step': step, 'phase': attrs->>'$."rankwatch.phase"',
+           'op': attrs->>'$."rankwatch.comm.op"', 'group': attrs->>'$."rankwatch.comm.group"',
+           'seq': TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT),
+           'done': TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN)}, ts) AS hb
+    FROM events WHERE run_id = $run AND event = 'heartbeat' GROUP BY rank)
+SELECT hb.step AS step, nullif(hb.phase, '') AS phase, hb.op AS op, hb."group" AS "group", hb.seq AS seq,
+       hb.done AS done, count(*) AS ranks, list(rank ORDER BY rank)[1:16] AS first_ranks, max(last_seen) AS last_seen
+FROM last GROUP BY ALL ORDER BY ranks, step
+"""
+
+# Which device metrics a run has, and from how many ranks.
+DEVICE_METRICS = """
+SELECT metric, count(DISTINCT rank) AS ranks, count(*) AS samples FROM device_samples WHERE run_id = $run
+GROUP BY metric ORDER BY metric
+"""
+
+# Power, clocks and temperature per rank (each rank's mean), in about $rank_bins bins of ranks.
+DEVICE_BY_RANK = """
+WITH per_rank AS (
+    SELECT metric, rank, avg(value) AS value FROM device_samples
+    WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT',
+                                       'DCGM_FI_DEV_SM_CLOCK', 'DCGM_FI_DEV_GPU_TEMP')
+    GROUP BY ALL),
+bins AS (SELECT greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM per_rank)
+SELECT metric, rank // rw * rw AS rank_lo, avg(value) AS mean, min(value) AS low, max(value) AS high,
+       arg_min(rank, value) AS lowest_rank, arg_max(rank, value) AS highest_rank
+FROM per_rank, bins GROUP BY ALL ORDER BY metric, rank_lo
+"""
+
+# Energy per step, all ranks together: each rank's mean power times the median step time.
+ENERGY_PER_STEP = """
+SELECT sum(watts) * (SELECT median(duration_s) FROM current_steps WHERE run_id = $run) AS joules, count(*) AS ranks
+FROM (SELECT rank, avg(value) AS watts FROM device_samples
+      WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')
+      GROUP BY rank)
+"""
+
+# Ranks whose clocks were held back, with the reasons' bits OR-ed and how often.
+THROTTLED = """
+SELECT rank, bit_or(value::BIGINT) AS reasons, count(*) FILTER (WHERE value > 0) AS throttled_samples,
+       count(*) AS samples
+FROM device_samples WHERE run_id = $run AND metric = 'DCGM_FI_DEV_CLOCKS_EVENT_REASONS'
+GROUP BY rank HAVING bit_or(value::BIGINT) > 0 ORDER BY throttled_samples DESC, rank LIMIT $limit
+"""
+
+QUERIES = {name.lower(): sql for name, sql in globals().items() if name.isupper() and isinstance(sql, str)}

@@ -1,0 +1,83 @@
+"""What every page shares: the source, cached query results, the chosen run, and how a
+finding is shown (the answer in one line, its evidence one click away)."""
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import queries, source
+from dashboard.source import QueryFailed
+
+CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
+LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
+RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
+
+
+@st.cache_resource(show_spinner=False)
+def data_source() -> source.Source:
+    return source.from_environment()
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def _cached(label: str, name: str, params: tuple) -> pd.DataFrame:
+    return source.to_frame(data_source().query(queries.QUERIES[name], dict(params)))
+
+
+def frame(name: str, **params) -> pd.DataFrame:
+    """A named query's rows (dashboard/queries.py); a failure stops the page with its reason."""
+    try:
+        return _cached(data_source().label, name, tuple(sorted(params.items())))
+    except QueryFailed as e:
+        st.error(f"Query {name} failed: {e}")
+        st.stop()
+
+
+def live_every() -> float | None:
+    """The refresh period of live fragments: a collector's data moves, a stopped store's does not."""
+    return LIVE_REFRESH_S if isinstance(data_source(), source.CollectorSource) else None
+
+
+def current_run() -> str:
+    """The run chosen in the sidebar (app.py makes sure there is one)."""
+    return st.session_state["run"]
+
+
+def ranks_text(ranks, limit: int = 12) -> str:
+    ranks = list(ranks)
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+
+
+def finding_cost(row: pd.Series) -> str | None:
+    """What a finding costs the job, from its evidence, where the analyzer measured it."""
+    evidence = row["evidence"] or {}
+    if evidence.get("lost_s_per_step") is None:
+        return None
+    hours = evidence.get("gpu_hours_lost")
+    return (f"Costs **{evidence['lost_s_per_step']:.3f} s per step** ({evidence.get('lost_percent', 0):.1f}% of the "
+            f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else "."))
+
+
+def show_finding(row: pd.Series) -> None:
+    """One finding: severity, ranks, summary and cost as the answer; evidence, steps and times
+    behind an expander."""
+    where = f" on ranks {ranks_text(row['ranks'])}" if len(row["ranks"]) else ""
+    head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
+    head += f" {cost}" if (cost := finding_cost(row)) else ""
+    if row["state"] != "firing":
+        st.info(f"resolved: {head}")
+    elif row["severity"] == "critical":
+        st.error(head)
+    else:
+        st.warning(head)
+    with st.expander(f"evidence of finding {row['id']}"):
+        score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
+        st.caption(f"steps {row['step_start']}-{row['step_end']}, score {score}, first seen "
+                   f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC")
+        st.json(row["evidence"] or {}, expanded=True)
+
+
+def show_findings(findings: pd.DataFrame, empty: str) -> None:
+    if findings.empty:
+        st.success(empty)
+    for _, row in findings.iterrows():
+        show_finding(row)

@@ -1,0 +1,38 @@
+"""Checkpoints & rollbacks: loss and gradient norm over the run, marked where anomalies fired,
+rollbacks were sent and applied, and checkpoints were saved or restored."""
+
+import streamlit as st
+
+from dashboard import charts, ui
+
+run = ui.current_run()
+st.title("Checkpoints & rollbacks")
+series = ui.frame("step_series", run=run, points=ui.POINTS)
+markers = ui.frame("markers", run=run)
+commands = ui.frame("commands", run=run)
+rollbacks = commands[commands["kind"] == "rollback"]
+if rollbacks.empty:
+    st.success("No rollback: no anomaly has sent this run back to a checkpoint.")
+else:
+    last = rollbacks.iloc[-1]
+    restored = (last["result"] or {}).get("restored_step") if isinstance(last["result"], dict) else None
+    st.warning(f"**{len(rollbacks)} rollback{'s' * (len(rollbacks) > 1)}.** The latest ({last['args']['anomaly']}) "
+               f"is {last['state']}" + (f": the job restored step {restored}." if restored is not None else "."))
+nonfinite = int(series["non_finite"].sum()) if not series.empty else 0
+if nonfinite:
+    st.error(f"{nonfinite} rank-steps reported a NaN or infinite loss or gradient norm (left out of the curves).")
+
+for value, title in (("loss", "Loss"), ("grad_norm", "Gradient norm")):
+    st.subheader(title)
+    if series[value].notna().any():
+        st.altair_chart(charts.with_markers(series, value, markers), width="stretch")
+    else:
+        st.caption(f"The job reports no {title.lower()} (`agent.record({value}=...)`).")
+
+st.subheader("Markers")
+if markers.empty:
+    st.caption("No anomaly, rollback, checkpoint or injected fault recorded.")
+else:
+    st.dataframe(markers, hide_index=True, width="stretch")
+with st.expander("rollback commands"):
+    st.dataframe(rollbacks, hide_index=True, width="stretch")

@@ -1,0 +1,67 @@
+"""Overview: is the chosen run healthy? The verdict first, then step time, throughput, MFU and
+power now, what fires and what the job was told to do."""
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+
+RECENT = 10  # steps the "now" figures average over, against the RECENT before them
+
+run = ui.current_run()
+st.title(f"Run {run}")
+
+
+def _mean(frame: pd.DataFrame, column: str) -> float | None:
+    value = frame[column].mean()
+    return None if pd.isna(value) else float(value)
+
+
+@st.fragment(run_every=ui.live_every())
+def live() -> None:
+    findings = ui.frame("findings", run=run)
+    firing = findings[findings["state"] == "firing"]
+    recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
+    complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
+    now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
+    hangs = firing[firing["analyzer"] == "hangs"]
+    if not hangs.empty:
+        st.error(f"**Hung.** {hangs.iloc[0]['summary']}")
+    elif not firing.empty:
+        st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing.** "
+                   + " ".join(f"{s}" for s in firing["summary"].head(3)))
+    else:
+        st.success("**Healthy.** No analyzer finds anything wrong with this run.")
+    if complete.empty:
+        st.info("No complete step yet.")
+        return
+    step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
+    tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
+    power = ui.frame("power_now", run=run)
+    watts = power["watts"].iloc[0] if not power.empty else None
+    cols = st.columns(5)
+    cols[0].metric("Last step", f"{int(complete['step'].iloc[-1])}", help=f"of {int(complete['ranks'].iloc[-1])} "
+                   f"ranks, ended {complete['end_ts'].iloc[-1]:%Y-%m-%d %H:%M:%S} UTC")
+    cols[1].metric("Step time", f"{step_s:.3f} s", f"{100 * (step_s / earlier - 1):+.1f}%" if earlier else None,
+                   delta_color="inverse", help=f"median rank, mean of the last {RECENT} steps")
+    cols[2].metric("Tokens/s", "—" if tokens is None else f"{tokens:,.0f}")
+    cols[3].metric("MFU", "—" if mfu is None else f"{100 * mfu:.1f}%")
+    cols[4].metric("Power", "—" if pd.isna(watts) or watts is None else f"{watts / 1000:.2f} kW",
+                   help="sum over ranks of each one's mean over the newest minute of samples")
+    ui.show_findings(firing, "No finding fires.")
+
+
+live()
+st.subheader("Step time over the run")
+series = ui.frame("step_series", run=run, points=ui.POINTS)
+st.altair_chart(charts.step_times(series), width="stretch")
+
+commands = ui.frame("commands", run=run)
+st.subheader("Commands sent to the job")
+if commands.empty:
+    st.caption("None: no rollback or other command for this run.")
+else:
+    st.dataframe(commands, hide_index=True, width="stretch")
+resolved = ui.frame("findings", run=run).query("state != 'firing'")
+with st.expander(f"{len(resolved)} resolved finding{'s' * (len(resolved) != 1)}"):
+    ui.show_findings(resolved, "None.")
