@@ -140,7 +140,7 @@ class Exporter:
     def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 10.0,
                  backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        endpoint = endpoint.rstrip("/")
+        endpoint = self._endpoint = endpoint.rstrip("/")
         common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
         self.resource = Resource.create(dict(resource))
         self.spans_backlog = Backlog(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", **common),
@@ -188,7 +188,10 @@ class Exporter:
                           attributes={sc.EVENT: event, **attributes})
 
     def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
-        """Export device samples (metric name, time ns, value, attributes) now; True when accepted."""
+        """Export device samples (metric name, time ns, value, attributes) now; True when accepted.
+        With the collector away, False at once: the SDK would retry for its whole timeout."""
+        if not reachable(self._endpoint):
+            return False
         by_metric: dict[str, list[NumberDataPoint]] = defaultdict(list)
         for name, time_ns, value, attributes in points:
             by_metric[name].append(NumberDataPoint(attributes=dict(attributes), start_time_unix_nano=0,

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer
+from agent.devices import open_device
 from agent.export import Exporter, log
+from agent.rapl import Rapl
+from agent.sampler import Sampler
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
@@ -52,7 +55,7 @@ class Session:
     """Telemetry of one rank; see agent/__init__.py for the public functions."""
 
     def __init__(self, run_id: str, rank: int, world_size: int, collector: str | None, token: str | None,
-                 resource: dict | None = None, timer=None, heartbeat_s: float = 5.0):
+                 resource: dict | None = None, timer=None, heartbeat_s: float = 5.0, sample_s: float = 0.1):
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
         self.timer = timer or CpuTimer()
@@ -61,6 +64,14 @@ class Session:
         self.exporter = Exporter(collector, token, attributes) if collector else None
         self._current: _Step | None = None
         self._phase: str | None = None
+        local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
+        # a simulated GPU is busy while the rank computes
+        self.device = open_device(local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES))
+        readers: list = [self.device]
+        if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
+            readers.append(rapl)
+        self.sampler = Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns) \
+            if self.exporter else None
         self._pending: deque[_Step] = deque()
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None
@@ -71,6 +82,7 @@ class Session:
         self.clock.align()
         if self.exporter:
             self._heartbeat.start()
+            self.sampler.start()
 
     # -- the training loop's side -------------------------------------------------------------------
     @contextmanager
@@ -118,7 +130,10 @@ class Session:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.sampler:
+            self.sampler.stop()  # its last sample covers every step still pending
         self._emit_ready(wait=True)
+        self.device.close()  # puts back the power limit of before any cap
         if not self.exporter:
             return
         self.exporter.flush()
@@ -142,7 +157,9 @@ class Session:
             self._emit(self._pending.popleft())
 
     def _readable(self, s: _Step) -> bool:
-        return self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
+        """Its marks are readable, and the sampler has sampled past its end (for its energy)."""
+        return (self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
+                and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end))))
 
     def _emit(self, s: _Step) -> None:
         wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
@@ -157,6 +174,9 @@ class Session:
             return
         attributes = {sc.KIND: sc.KIND_STEP, sc.STEP: s.step, sc.DATA_S: seconds["data"], sc.COMPUTE_S: compute,
                       sc.COMM_WAIT_S: comm_wait}
+        energy = self.sampler.energy_between(start, end) if self.sampler else None
+        if energy is not None:
+            attributes[sc.STEP_ENERGY_J] = energy
         # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
         attributes.update({_VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
                            for k, v in s.values.items() if v is not None})

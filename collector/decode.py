@@ -234,7 +234,7 @@ _RANK_ATTRIBUTES = {column: (key, arrow_schema("ranks").field(column)) for colum
 _SPAN_KEYS = {
     sc.RUN_ID: "run_id", sc.RANK: "rank", sc.KIND: "kind", sc.STEP: "step", sc.DATA_S: "data_s",
     sc.COMPUTE_S: "compute_s", sc.COMM_WAIT_S: "comm_wait_s", sc.LOSS: "loss", sc.GRAD_NORM: "grad_norm",
-    sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.MICROBATCH: "microbatch", sc.COMM_GROUP: "comm_group",
+    sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.STEP_ENERGY_J: "energy_j", sc.MICROBATCH: "microbatch", sc.COMM_GROUP: "comm_group",
     sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
 }
 _KINDS = frozenset([sc.KIND_STEP, *sc.OP_KINDS])

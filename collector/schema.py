@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS steps (
     tokens       BIGINT,
     lr           DOUBLE,
     mfu          DOUBLE,
+    energy_j     DOUBLE,
     trace_id     BLOB,
     span_id      BLOB,
     attrs        JSON
