@@ -46,6 +46,23 @@ class GpuModel:
     thermal_clock_mhz: float = 1500.0  # throttled clock and temperature, as the fleet simulator's
     thermal_c: float = 88.0
 
+    def power(self, load: float, clock_mhz: float) -> float:
+        """P(u, f), W: the power model above."""
+        return self.idle_w + (self.max_w - self.idle_w) * load * (clock_mhz / self.clock_max_mhz) ** 3
+
+
+def operating_point(model: GpuModel, load: float, limit_w: float, thermal: bool = False) -> tuple[float, float, int]:
+    """SM clock (MHz), power (W) and clock-event reasons at `load` (0..1) under the power limit and
+    thermal throttling: the device's own state, and the fleet simulator's and the power analyzer's
+    prediction for a cap."""
+    m = model
+    clock, reasons = (m.thermal_clock_mhz, THERMAL) if thermal else (m.clock_max_mhz, 0)
+    if load > 0 and m.power(load, clock) > limit_w:
+        clock = m.clock_max_mhz * ((limit_w - m.idle_w) / ((m.max_w - m.idle_w) * load)) ** (1 / 3)
+        reasons |= SW_POWER_CAP
+    clock = max(clock, m.clock_min_mhz)
+    return clock, m.power(load, clock), reasons
+
 
 class SimulatedDevice(Device):
     """GPU `index` of the simulated host. `utilization()` says how busy it is now (0..1; default
@@ -93,15 +110,7 @@ class SimulatedDevice(Device):
             self._thermal = on
 
     def _operating_point(self, load: float) -> tuple[float, float, int]:
-        """SM clock (MHz), power (W) and clock-event reasons at `load` under the cap and throttling."""
-        m = self.model
-        clock, reasons = (m.thermal_clock_mhz, THERMAL) if self._thermal else (m.clock_max_mhz, 0)
-        dynamic_w = (m.max_w - m.idle_w) * load  # at full clock
-        if m.idle_w + dynamic_w * (clock / m.clock_max_mhz) ** 3 > self._limit_w:
-            clock = m.clock_max_mhz * ((self._limit_w - m.idle_w) / dynamic_w) ** (1 / 3)
-            reasons |= SW_POWER_CAP
-        clock = max(clock, m.clock_min_mhz)
-        return clock, m.idle_w + dynamic_w * (clock / m.clock_max_mhz) ** 3, reasons
+        return operating_point(self.model, load, self._limit_w, self._thermal)
 
     def _advance(self) -> None:
         """Integrate power since the last call at the load and settings of then; take the load now."""
