@@ -1,5 +1,5 @@
 """The dashboard's entry point (`rankwatch dashboard` runs it with `streamlit run`): the
-pages, and the run they all look at, chosen in the sidebar."""
+pages, and the run they all look at, chosen in the sidebar (or by `?run=ID` in a link)."""
 
 import streamlit as st
 
@@ -23,5 +23,7 @@ if runs.empty and page.title != "SQL":
     st.stop()
 if not runs.empty:
     labels = {r.run_id: f"{r.run_id}  ·  {r.firing} firing" if r.firing else r.run_id for r in runs.itertuples()}
-    st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+    if "run" not in st.session_state and st.query_params.get("run") in labels:  # a link to a run's page
+        st.session_state["run"] = st.query_params["run"]
+    st.query_params["run"] = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
 page.run()

@@ -104,3 +104,11 @@ def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: 
         finally:
             collector.stop()
     return db
+
+
+@pytest.fixture(scope="session")
+def dashboard_store(tmp_path_factory) -> Path:
+    """The dashboard tests' store (tests/dashboard_store.py), built once per session."""
+    from tests.dashboard_store import build
+
+    return build(tmp_path_factory.mktemp("dashboard"))

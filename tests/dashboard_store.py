@@ -1,0 +1,89 @@
+"""The store the dashboard tests look at, filled through real collectors: a simulated fleet with
+a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
+NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
+events and power samples; and a bare run (step times only), for the pages' empty states."""
+
+import math
+import time
+from pathlib import Path
+
+import httpx
+
+from agent import semconv as sc
+from agent.export import Exporter
+from tests.conftest import Collector, free_port, simulated_store
+
+ANALYSIS = ("--analyze-every", "1", "--hang-after", "3")
+FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
+HANG = {"run": "sim-hang", "ranks": 8, "rank": 3, "at": 15}
+NAN = {"run": "run-nan", "ranks": 4, "steps": 40, "nan_from": 30, "restored": 24, "watts": 300.0}
+BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
+MS = 1_000_000
+
+
+def build(directory: Path) -> Path:
+    """The four runs in one store, its collector stopped (the store is free to open read-only)."""
+    fleet = [f"straggler:rank={FLEET['straggler']},slowdown=1.3,from=10", f"thermal:rank={FLEET['thermal']},from=10"]
+    db = simulated_store(directory, {FLEET["run"]: fleet},
+                         ["--ranks", str(FLEET["ranks"]), "--tp", "2", "--steps", str(FLEET["steps"])], ANALYSIS, 3)
+    simulated_store(directory, {HANG["run"]: [f"hang:rank={HANG['rank']},at={HANG['at']}"]},
+                    ["--ranks", str(HANG["ranks"]), "--steps", "20", "--hang-for", "8"], ANALYSIS)
+    with open(directory / "collector-nan.log", "w") as log:
+        collector = Collector(db, free_port(), "test-token", extra_args=ANALYSIS, log=log).start()
+        try:
+            _nan_run(collector)
+            _bare_run(collector)
+        finally:
+            collector.stop()
+    return db
+
+
+def _nan_run(collector: Collector) -> None:
+    """A falling loss that turns NaN at step nan_from; the job applies the rollback the analyzer
+    sends (restoring step `restored`) and replays the steps after it with a sane loss."""
+    exporters = {r: Exporter(collector.url, collector.token, {sc.RUN_ID: NAN["run"], sc.RANK: r})
+                 for r in range(NAN["ranks"])}
+    t0 = time.time_ns() - 60_000 * MS
+
+    def steps(numbers, start_ns, nan_from=None):
+        for step in numbers:
+            start = start_ns + step * 100 * MS
+            for rank, exporter in exporters.items():
+                loss = math.nan if nan_from is not None and step >= nan_from else 3 + 5 * math.exp(-step / 10)
+                exporter.trace([("step", start, start + 100 * MS, {
+                    sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: loss, sc.GRAD_NORM: 1.0 + rank / 10,
+                    sc.COMPUTE_S: 0.08, sc.COMM_WAIT_S: 0.01, sc.TOKENS: 1024, sc.MFU: 0.4})])
+                exporter.samples([(sc.POWER_W, start + 100 * MS, NAN["watts"] + 10 * rank, {sc.GPU: rank}),
+                                  (sc.SM_CLOCK_MHZ, start + 100 * MS, 1980.0, {sc.GPU: rank})])
+            if step % 10 == 0:
+                exporters[0].event("checkpoint_saved", start + 100 * MS, {sc.STEP: step})
+        for exporter in exporters.values():
+            assert exporter.flush()
+
+    steps(range(NAN["steps"]), t0, NAN["nan_from"])
+    with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=10) as http:
+        deadline = time.monotonic() + 30
+        while not (pending := http.get("/v1/commands", params={"run_id": NAN["run"]}).json()):
+            assert time.monotonic() < deadline, "no rollback command"
+            time.sleep(0.25)
+        command = pending[0]["id"]
+        resumed = t0 + (NAN["steps"] + 5) * 100 * MS
+        http.post(f"/v1/commands/{command}", json={"state": "acked", "apply_step": NAN["steps"] + 1})
+        http.post(f"/v1/commands/{command}", json={
+            "state": "applied", "result": {"restored_step": NAN["restored"], "resumed_ns": resumed}})
+    exporters[0].event("checkpoint_restored", resumed, {sc.STEP: NAN["restored"]})
+    steps(range(NAN["restored"] + 1, NAN["steps"]), resumed - (NAN["restored"] + 1) * 100 * MS)
+    time.sleep(2)  # analysis passes over the replayed steps
+    for exporter in exporters.values():
+        exporter.shutdown()
+
+
+def _bare_run(collector: Collector) -> None:
+    """Steps with their duration alone: no loss, tokens, collectives or device samples."""
+    t0 = time.time_ns() - 10_000 * MS
+    for rank in range(BARE["ranks"]):
+        exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: BARE["run"], sc.RANK: rank})
+        for s in range(BARE["steps"]):
+            exporter.trace([("step", t0 + s * 100 * MS, t0 + (s + 1) * 100 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: s})])
+        assert exporter.flush()
+        exporter.shutdown()

@@ -1,0 +1,217 @@
+"""Every dashboard page, run with Streamlit's AppTest against a store filled through real
+collectors (tests/dashboard_store.py): no exception on any page for any run, and the numbers
+and ranks each page leads with are the ones the store holds. The Overview is also read through
+a running collector's query API."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from dashboard.source import COLLECTOR_ENV, DB_ENV
+from tests.conftest import Collector, free_port
+from tests.dashboard_store import BARE, FLEET, HANG, NAN
+
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "sql")
+RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"])
+
+
+def open_page(page: str, run: str) -> AppTest:
+    """The page of `run` after one full script run, with no exception."""
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.run()
+    at.selectbox(key="run").set_value(run)
+    at.switch_page(f"views/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def texts(elements) -> list[str]:
+    return [e.value for e in elements]
+
+
+@pytest.fixture
+def from_store(dashboard_store, monkeypatch):
+    """The dashboard reads the fixture store's file (as `rankwatch dashboard --db`)."""
+    monkeypatch.setenv(DB_ENV, str(dashboard_store))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    return open_page
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders(from_store, page, run):
+    assert len(from_store(page, run).title) == 1
+
+
+def test_overview_of_a_straggling_run(from_store):
+    at = from_store("overview", FLEET["run"])
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Last step"] == str(FLEET["steps"] - 1)
+    assert metrics["MFU"] == "—" and metrics["Power"] == "—"  # the simulator reports neither
+    assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
+    (verdict,) = texts(at.warning)
+    assert verdict.startswith("**1 finding firing.**")
+    (finding,) = texts(at.error)
+    assert finding.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}, {FLEET['thermal']}:")
+    assert "s per step**" in finding
+
+
+def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
+    at = from_store("overview", NAN["run"])
+    metrics = {m.label: m.value for m in at.metric}
+    ranks = NAN["ranks"]
+    assert metrics == {"Last step": str(NAN["steps"] - 1), "Step time": "0.100 s",
+                       "Tokens/s": f"{ranks * 1024 / 0.1:,.0f}", "MFU": "40.0%",
+                       "Power": f"{sum(NAN['watts'] + 10 * r for r in range(ranks)) / 1000:.2f} kW"}
+    assert texts(at.success)[0].startswith("**Healthy.**")
+    assert any("resolved: **anomalies / nan**" in t for t in texts(at.info))
+    (commands,) = at.dataframe
+    assert commands.value[["kind", "state", "apply_step"]].values.tolist() == [["rollback", "applied",
+                                                                                  NAN["steps"] + 1]]
+
+
+def test_overview_of_a_hung_run(from_store):
+    at = from_store("overview", HANG["run"])
+    verdict = texts(at.error)[0]
+    assert verdict.startswith("**Hung.**") and f"ranks [{HANG['rank']}] never entered" in verdict
+
+
+def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store):
+    at = from_store("stragglers", FLEET["run"])
+    suspects = sorted([FLEET["straggler"], FLEET["thermal"]])
+    markdown = texts(at.markdown)
+    assert f"### Suspects: ranks {suspects[0]}, {suspects[1]}, pattern *rank*" in markdown
+    assert any(m.startswith("Costs **0.") and "GPU-hours so far" in m for m in markdown)
+    (slowest,) = at.dataframe
+    assert sorted(slowest.value["rank"].head(2)) == suspects
+    assert slowest.value["compute_ratio"].iloc[1] > 1.15 > slowest.value["compute_ratio"].iloc[2]
+    assert len(at.get("vega_lite_chart")) == 2  # heatmap and timeline
+    assert at.number_input(key="timeline_step").value == FLEET["steps"] - 1
+    at.number_input(key="timeline_step").set_value(20).run()
+    assert not at.exception
+
+
+def test_stragglers_of_a_clean_run(from_store):
+    at = from_store("stragglers", NAN["run"])
+    assert "### No straggler now" in texts(at.markdown)
+
+
+def test_collectives_shows_busbw_per_op_and_size(from_store):
+    at = from_store("collectives", FLEET["run"])
+    busbw, groups = at.dataframe
+    # the simulator's tensor-parallel (32 MiB, 2 ranks) and data-parallel (512 MiB, 16 ranks) all-reduces
+    assert busbw.value[["op", "bytes", "group_size"]].values.tolist() == [["all_reduce", 32 * 2**20, 2],
+                                                                        ["all_reduce", 512 * 2**20, 16]]
+    assert (busbw.value["busbw_gbps"] > 0).all()
+    assert len(groups.value) == 8
+    assert texts(at.success) == ["No slow link: every process group moves at its peers' pace."]
+
+
+def test_collectives_empty_state(from_store):
+    at = from_store("collectives", BARE["run"])
+    assert any("No collectives with a size" in c for c in texts(at.caption))
+
+
+def test_checkpoints_marks_anomaly_rollback_and_checkpoints(from_store):
+    at = from_store("checkpoints", NAN["run"])
+    (verdict,) = texts(at.warning)
+    assert verdict == f"**1 rollback.** The latest (nan) is applied: the job restored step {NAN['restored']}."
+    markers, rollbacks = at.dataframe
+    marks = {(row.step, row.marker) for row in markers.value.itertuples()}
+    assert {(NAN["nan_from"], "anomaly: nan"), (NAN["restored"], "rollback restored"),
+            (NAN["nan_from"] - 5, "rollback target"), (NAN["restored"], "checkpoint_restored"),
+            (0, "checkpoint_saved"), (10, "checkpoint_saved"), (20, "checkpoint_saved")} <= marks
+    assert len(rollbacks.value) == 1
+    assert len(at.get("vega_lite_chart")) == 2  # loss and gradient norm
+
+
+def test_checkpoints_empty_state(from_store):
+    at = from_store("checkpoints", BARE["run"])
+    assert texts(at.success) == ["No rollback: no anomaly has sent this run back to a checkpoint."]
+    assert "The job reports no loss (`agent.record(loss=...)`)." in texts(at.caption)
+
+
+def test_hangs_names_the_culprit_and_the_collective(from_store):
+    at = from_store("hangs", HANG["run"])
+    assert texts(at.error)[0].startswith(f"**Hung for ") and f"Culprit ranks: **{HANG['rank']}**" in texts(at.error)[0]
+    waiting = HANG["ranks"] - 1
+    assert (f"{waiting} ranks are blocked in **all_reduce #{HANG['at']}** of group **world**, which ranks "
+            f"{HANG['rank']} never entered.") in texts(at.markdown)
+    (beats,) = at.dataframe
+    by_size = {row.ranks: row for row in beats.value.itertuples()}
+    assert list(by_size[waiting].first_ranks) == [r for r in range(HANG["ranks"]) if r != HANG["rank"]]
+    assert (by_size[waiting].seq, by_size[waiting].done) == (HANG["at"], False)
+    assert (list(by_size[1].first_ranks), by_size[1].phase) == ([HANG["rank"]], "compute")
+
+
+def test_hangs_of_a_run_that_never_stalled(from_store):
+    assert texts(from_store("hangs", FLEET["run"]).success)[0] == "Not hung: steps keep finishing."
+
+
+def test_power_names_the_throttled_rank(from_store):
+    at = from_store("power", FLEET["run"])
+    assert texts(at.warning) == [f"**Clocks held back on ranks {FLEET['thermal']}**: sw_thermal_slowdown, "
+                                 "hw_thermal_slowdown."]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics == {"Power now": "—", "Energy per step": "—", "Ranks sampled": str(FLEET["ranks"])}
+    assert "No power samples (clocks and temperatures only)." in texts(at.caption)
+
+
+def test_power_and_energy_per_step(from_store):
+    at = from_store("power", NAN["run"])
+    watts = sum(NAN["watts"] + 10 * r for r in range(NAN["ranks"]))
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics == {"Power now": f"{watts / 1000:.2f} kW", "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
+                       "Ranks sampled": str(NAN["ranks"])}
+    assert texts(at.success) == ["No rank's clocks were held back."]
+
+
+def test_power_empty_state(from_store):
+    at = from_store("power", BARE["run"])
+    assert texts(at.info)[0].startswith("No device samples for this run")
+
+
+def test_sql_runs_read_only_queries_and_refuses_others(from_store):
+    at = from_store("sql", FLEET["run"])
+    (result,) = at.dataframe
+    assert dict(result.value.values.tolist())[FLEET["run"]] == FLEET["ranks"] * FLEET["steps"]
+    at.text_area(key="sql").set_value("DELETE FROM steps").run()
+    assert texts(at.error) == ["only SELECT is allowed, not DELETE"]
+    at.text_area(key="sql").set_value("SELECT * FROM read_csv('/etc/passwd')").run()
+    assert texts(at.error)[0].startswith("Permission Error")
+    at.text_area(key="sql").set_value("SELECT 6 * 7 AS answer").run()
+    assert at.dataframe[0].value.values.tolist() == [[42]]
+    assert not at.error
+
+
+@pytest.fixture
+def from_collector(dashboard_store, tmp_path, monkeypatch):
+    """The dashboard reads through a collector's query API, on a copy of the fixture store."""
+    db = tmp_path / "rankwatch.duckdb"
+    shutil.copy(dashboard_store, db)
+    with open(tmp_path / "collector.log", "w") as log:
+        collector = Collector(db, free_port(), "test-token", log=log).start()
+        monkeypatch.setenv(COLLECTOR_ENV, collector.url)
+        monkeypatch.setenv("RANKWATCH_TOKEN", collector.token)
+        st.cache_resource.clear()
+        st.cache_data.clear()
+        try:
+            yield open_page, collector
+        finally:
+            collector.stop()
+
+
+def test_pages_through_a_collector(from_collector):
+    page, collector = from_collector
+    at = page("overview", NAN["run"])
+    metrics = {m.label: m.value for m in at.metric}
+    assert (metrics["Last step"], metrics["MFU"]) == (str(NAN["steps"] - 1), "40.0%")
+    assert f"reading collector {collector.url}" in texts(at.sidebar.caption)
+    at = page("stragglers", FLEET["run"])
+    assert f"### Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern *rank*" in texts(at.markdown)
