@@ -12,6 +12,7 @@ import time
 import duckdb
 
 from collector import commands, findings
+from collector.alerts.config import AlertConfig
 from collector.analyzers import anomalies, hangs, links, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
@@ -38,9 +39,12 @@ class Analysis:
     """Which runs are active, when the analyzers are next due, and one pass over them."""
 
     def __init__(self, interval_s: float = 5.0, straggler_settings=stragglers.Settings(),
-                 hang_settings=hangs.Settings(), rollback: commands.RollbackPolicy | None = commands.RollbackPolicy()):
-        """`rollback`: how anomalies are rolled back; None: they are reported, not rolled back."""
+                 hang_settings=hangs.Settings(), rollback: commands.RollbackPolicy | None = commands.RollbackPolicy(),
+                 alerts: AlertConfig = AlertConfig()):
+        """`rollback`: how anomalies are rolled back; None: they are reported, not rolled back.
+        `alerts`: where the alerts that findings raise are sent (the writer's delivery thread reads it too)."""
         self.interval_s = interval_s
+        self.alerts = alerts
         self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
         self._active: dict[str, float] = {}
         self._next = time.monotonic() + interval_s
@@ -72,15 +76,15 @@ class Analysis:
             ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
             devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()
             findings.record(con, run_id, stragglers.ANALYZER,
-                            stragglers.analyze(complete, ranks, self._stragglers, devices))
+                            stragglers.analyze(complete, ranks, self._stragglers, devices), self.alerts)
             collectives = con.execute(_COLLECTIVES, {"run": run_id, "steps": links.Settings().window + 1}).df()
             collectives = collectives[collectives["step"] < steps["step"].max()]
             findings.record(con, run_id, links.ANALYZER,
-                            links.analyze(collectives, float(complete["duration_s"].median())))
-            findings.record(con, run_id, anomalies.ANALYZER, anomalies.analyze(complete))
+                            links.analyze(collectives, float(complete["duration_s"].median())), self.alerts)
+            findings.record(con, run_id, anomalies.ANALYZER, anomalies.analyze(complete), self.alerts)
             if self._rollback is not None:
                 commands.rollbacks_for_anomalies(con, run_id, self._rollback)
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
-        findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs))
+        findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)
 

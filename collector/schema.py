@@ -139,6 +139,37 @@ CREATE TABLE IF NOT EXISTS exports (
     items        INTEGER NOT NULL,
     received_at  TIMESTAMPTZ NOT NULL
 );
+
+-- Alerts raised by findings: one row per firing episode of a label set (a finding that
+-- escalates from warning to critical ends one alert and starts another).
+CREATE SEQUENCE IF NOT EXISTS alerts_id;
+CREATE TABLE IF NOT EXISTS alerts (
+    id           BIGINT PRIMARY KEY DEFAULT nextval('alerts_id'),
+    finding_id   BIGINT NOT NULL,
+    run_id       VARCHAR NOT NULL,
+    analyzer     VARCHAR NOT NULL,
+    fingerprint  VARCHAR NOT NULL,
+    labels       JSON NOT NULL,
+    annotations  JSON NOT NULL,
+    starts_at    TIMESTAMPTZ NOT NULL,
+    ends_at      TIMESTAMPTZ
+);
+
+-- Webhook notifications, written in the transaction that changed their findings and posted
+-- from here (collector/alerts/delivery.py): pending -> delivered, expired or dropped.
+CREATE SEQUENCE IF NOT EXISTS outbox_id;
+CREATE TABLE IF NOT EXISTS outbox (
+    id               BIGINT PRIMARY KEY DEFAULT nextval('outbox_id'),
+    receiver         VARCHAR NOT NULL,
+    webhook_id       VARCHAR NOT NULL,
+    body             VARCHAR NOT NULL,
+    state            VARCHAR NOT NULL DEFAULT 'pending',
+    attempts         INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    last_error       VARCHAR,
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    settled_at       TIMESTAMPTZ
+);
 """
 
 # Tables that ingest appends Arrow batches to, by OTLP signal.

@@ -6,6 +6,7 @@ committed. /healthz and /metrics carry no training data and need no token,
 as Prometheus and load balancers expect.
 """
 
+import asyncio
 import logging
 import socket
 from contextlib import asynccontextmanager
@@ -20,11 +21,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from collector import control, otlp, queryapi
+from collector.alerts.config import AlertConfig
 from collector.analysis import Analysis
 from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
 from collector.commands import RollbackPolicy
 from collector.ingest import Ingestor
+from collector.runmetrics import RunMetrics
 from collector.selfmetrics import SelfMetrics
 from collector.store import Overloaded, Store, connect
 
@@ -46,6 +49,7 @@ class Config:
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
     auto_rollback: bool = True  # an anomaly (NaN, loss spike) becomes a rollback command for the job
+    alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -68,12 +72,13 @@ def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
     token = config.token or load_or_create_token(config.db.parent)
     metrics = SelfMetrics()
+    metrics.registry.register(RunMetrics(lambda operation: state["ingestor"].store.call(operation)))
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app):
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy() if config.auto_rollback else None)
+                            rollback=RollbackPolicy() if config.auto_rollback else None, alerts=config.alerts)
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
@@ -119,7 +124,8 @@ def create_app(config: Config) -> Starlette:
         return JSONResponse({"status": "ok", "queue_bytes": state["ingestor"].store.queued_bytes})
 
     async def prometheus(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: the run metrics wait for the writer process
+        return Response(await asyncio.to_thread(generate_latest, metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]

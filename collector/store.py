@@ -39,9 +39,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector import commands, readonly
+from collector.alerts.delivery import Delivery
 from collector.analysis import Analysis
 from collector.children import die_with_parent
 from collector.decode import Decoded
+from collector.runmetrics import OPERATIONS as METRICS_OPERATIONS
 from collector.schema import DDL, TELEMETRY_TABLES
 
 DIGEST_RETENTION = timedelta(hours=1)
@@ -116,6 +118,7 @@ class _Writer:
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
         readonly.lock_down(self._con, path.parent)
         self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
+        self._delivery = Delivery(self._con, analysis.alerts)  # posts alert notifications from the outbox
 
     def run(self, requests, acks) -> None:
         """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it,
@@ -146,6 +149,7 @@ class _Writer:
                 self._analysis.run(self._con)
             if stop:
                 self._queries.shutdown()  # queries end within their time limit
+                self._delivery.close()
                 self._con.execute("CHECKPOINT")
                 self._con.close()
                 acks.put(("closed",))
@@ -154,7 +158,8 @@ class _Writer:
     def _call(self, call: "Call") -> tuple:
         """("result", call id, value) or ("error", call id, exception) of a control API operation."""
         try:
-            return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
+            operation = (commands.OPERATIONS | METRICS_OPERATIONS)[call.operation]
+            return ("result", call.id, operation(self._con, **call.kwargs))
         except (commands.CommandError, LookupError, duckdb.Error) as e:
             return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
 

@@ -39,7 +39,7 @@ def cmd_collector(args) -> None:
     config = Config(db=_db(args), host=args.host, port=args.port,
                     token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
-                    hang_after_s=args.hang_after)
+                    hang_after_s=args.hang_after, alerts=_alert_config(args))
     try:
         preflight(config)
     except StoreLocked as e:
@@ -47,6 +47,51 @@ def cmd_collector(args) -> None:
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     serve(config)
+
+
+def _alert_config(args):
+    """The receivers file named by --alerts, else the one beside the store if there is one."""
+    from collector.alerts.config import AlertConfig, AlertConfigError, default_path, load
+
+    path = Path(args.alerts) if args.alerts else default_path(_db(args))
+    if not args.alerts and not path.exists():
+        return AlertConfig()
+    try:
+        return load(path)
+    except AlertConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_alerts_test(args) -> None:
+    import httpx
+
+    from collector.alerts import probe
+    from collector.alerts.config import receiver
+    from collector.alerts.webhook import DeliveryError
+
+    if args.secret and not args.url:
+        raise UsageError("--secret goes with --url")
+    config = _alert_config(args)
+    try:
+        receivers = [receiver({"url": args.url} | ({"secret": args.secret} if args.secret else {}), "--url")] \
+            if args.url else list(config.receivers)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not receivers:
+        raise UsageError("no receiver to test: give --url, or list receivers in the alerts file (--alerts)")
+    failed = []
+    with httpx.Client(timeout=config.timeout_s) as client:
+        for r in receivers:
+            try:
+                status = probe.send(client, r, config.dashboard_url)
+            except DeliveryError as e:
+                failed.append(r.name)
+                print(f"{r.name}: failed: {e}")
+            else:
+                print(f"{r.name}: delivered (HTTP {status})")
+    if failed:
+        raise UsageError(f"the test alert did not reach {len(failed)} of {len(receivers)} receivers: "
+                         f"{', '.join(failed)}")
 
 
 def cmd_query(args) -> None:
@@ -307,7 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often the analyzers look at the runs that are sending (default 5)")
     p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
+    p.add_argument("--alerts", metavar="FILE",
+                   help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)")
     p.set_defaults(func=cmd_collector)
+
+    p = sub.add_parser("alerts", help="alert webhooks")
+    alerts = p.add_subparsers(dest="alerts_command", required=True, parser_class=_Parser)
+    p = alerts.add_parser("test", help="send a signed test alert to --url, or to every configured receiver")
+    p.add_argument("--url", help="the receiver to test (default: every receiver in the alerts file)")
+    p.add_argument("--secret", help="its Standard Webhooks secret, whsec_<base64>")
+    p.add_argument("--alerts", metavar="FILE", help="receivers file (default: alerts.toml beside the store)")
+    p.add_argument("--db", help="store file whose directory holds the default alerts file")
+    p.set_defaults(func=cmd_alerts_test)
 
     p = sub.add_parser("import", help="a trace recorded elsewhere, into a store file (one run, all or nothing)")
     p.add_argument("format", choices=("ops", "kineto", "flight-recorder"),

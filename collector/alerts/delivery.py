@@ -1,0 +1,85 @@
+"""Posting the outbox: a thread in the store's writer process.
+
+The outbox is in the store and only the writer process may open it, so the
+poster lives there, as a thread that spends its time asleep or waiting on a
+socket (the writer's commits do not wait for it). It reads and updates rows
+on a cursor of its own, DuckDB's connection for another thread.
+
+Every POLL_S it takes the due notifications, oldest first. A receiver that
+fails is left alone for an exponential backoff with jitter (backoff_initial_s
+doubling up to backoff_max_s, times a random 0.5..1), all its notifications
+with it, so one that is down for hours costs one request per interval; when it
+answers again every notification goes out in order. A retry carries the same
+webhook-id, so a receiver that saw an attempt whose answer was lost can drop
+the repeat. Notifications for a receiver no longer configured are dropped;
+those still undelivered after EXPIRE_AFTER expire.
+"""
+
+import logging
+import random
+import threading
+from datetime import datetime, timedelta, timezone
+
+import duckdb
+import httpx
+
+from collector.alerts import outbox, webhook
+from collector.alerts.config import AlertConfig
+
+log = logging.getLogger("rankwatch.alerts")
+POLL_S = 0.5
+EXPIRE_AFTER = timedelta(days=1)
+
+
+class Delivery:
+    """The posting thread; it runs only when a receiver is configured."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, config: AlertConfig):
+        self._config = config
+        self._receivers = {r.name: r for r in config.receivers}
+        self._stop = threading.Event()
+        self._con = con.cursor() if config.receivers else None
+        self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
+        if config.receivers:
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the attempt in flight (at most timeout_s) and close the cursor."""
+        if self._con is not None:
+            self._stop.set()
+            self._thread.join()
+            self._con.close()
+
+    def backoff_s(self, attempts: int) -> float:
+        """The wait after a receiver's `attempts`-th failure in a row (counting from 0)."""
+        cap = min(self._config.backoff_max_s, self._config.backoff_initial_s * 2 ** min(attempts, 32))
+        return cap * random.uniform(0.5, 1.0)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=self._config.timeout_s) as client:
+            while not self._stop.wait(POLL_S):
+                try:
+                    self._deliver_due(client)
+                except duckdb.Error:
+                    log.exception("alert delivery: the outbox could not be read or updated")
+
+    def _deliver_due(self, client: httpx.Client) -> None:
+        failed: set[str] = set()  # receivers that failed in this pass: their later notifications wait
+        expired_before = datetime.now(timezone.utc) - EXPIRE_AFTER
+        for notification in outbox.due(self._con):
+            if self._stop.is_set():
+                return
+            receiver = self._receivers.get(notification.receiver)
+            if receiver is None:
+                outbox.settle(self._con, notification, "dropped", "receiver no longer configured")
+            elif notification.created_at < expired_before:
+                outbox.settle(self._con, notification, "expired", f"undelivered after {EXPIRE_AFTER}")
+            elif notification.receiver not in failed:
+                try:
+                    webhook.post(client, receiver.url, receiver.secret, notification.webhook_id, notification.body)
+                except webhook.DeliveryError as e:
+                    failed.add(receiver.name)
+                    log.warning("alert delivery to %s failed (%s); retrying", receiver.name, e)
+                    outbox.postpone(self._con, notification, self.backoff_s(notification.attempts), str(e))
+                else:
+                    outbox.settle(self._con, notification, "delivered")

@@ -1,0 +1,72 @@
+"""Alert rules: the alert a finding raises, with the labels and annotations receivers route on.
+
+One alert name per analyzer; the labels follow Alertmanager's conventions
+(alertname, severity) and say where (run, analyzer, kind, ranks), so the
+alerts of one run and analyzer form one group, and an existing routing tree
+can page on `severity="critical"` as it does for every other source.
+"""
+
+from urllib.parse import quote, urlencode
+
+ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", "hangs": "RankwatchHang",
+              "anomalies": "RankwatchTrainingAnomaly"}
+FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
+GROUP_BY = ("alertname", "run")  # the labels one notification's alerts share
+_SEVERITY_RANK = {"warning": 0, "critical": 1}
+_RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
+
+# Prometheus' label-set fingerprint (FNV-1a 64 over sorted names and values, 0xff between),
+# which Alertmanager puts in its webhooks: the same alert has the same fingerprint in both.
+_FNV_OFFSET, _FNV_PRIME, _SEPARATOR = 14695981039346656037, 1099511628211, 0xFF
+
+
+def alertname(analyzer: str) -> str:
+    return ALERTNAMES.get(analyzer, FALLBACK_ALERTNAME)
+
+
+def labels(run_id: str, analyzer: str, kind: str, ranks: list[int], severity: str) -> dict[str, str]:
+    return {"alertname": alertname(analyzer), "run": run_id, "analyzer": analyzer, "kind": kind,
+            "severity": severity, "ranks": short_ranks(ranks)}
+
+
+def group_labels(alert_labels: dict[str, str]) -> dict[str, str]:
+    return {k: alert_labels[k] for k in GROUP_BY}
+
+
+def dashboard_link(dashboard_url: str, run_id: str, finding_id: int) -> str:
+    """The dashboard page of a run, opened at the finding."""
+    return f"{dashboard_url.rstrip('/')}/?{urlencode({'run': run_id, 'finding': finding_id}, quote_via=quote)}"
+
+
+def annotations(summary: str, link: str) -> dict[str, str]:
+    return {"summary": summary, "dashboard": link}
+
+
+def escalates(severity: str, to: str) -> bool:
+    """Whether a firing alert of `severity` is raised again at `to` (only ever upwards, so a
+    finding near a threshold cannot flap between pages)."""
+    return _SEVERITY_RANK.get(to, 0) > _SEVERITY_RANK.get(severity, 0)
+
+
+def short_ranks(ranks: list[int]) -> str:
+    """Ranks as ranges, "24-31" or "3,7,9-11", cut to a few ranges ("... +N" says how many more
+    ranks); "none" for a finding about the whole job."""
+    ranges: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if ranges and rank == ranges[-1][1] + 1:
+            ranges[-1][1] = rank
+        else:
+            ranges.append([rank, rank])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:_RANGES_SHOWN])
+    rest = sum(b - a + 1 for a, b in ranges[_RANGES_SHOWN:])
+    return (text + (f"... +{rest}" if rest else "")) or "none"
+
+
+def fingerprint(alert_labels: dict[str, str]) -> str:
+    """16 hex digits identifying the label set, as Prometheus and Alertmanager compute it."""
+    h = _FNV_OFFSET
+    for name in sorted(alert_labels):
+        for part in (name, alert_labels[name]):
+            for byte in part.encode() + bytes([_SEPARATOR]):
+                h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"

@@ -1,0 +1,151 @@
+"""The collector's /metrics for Prometheus and Grafana: per-run fleet aggregates of a run fed by
+`rankwatch simulate` (plus power samples and checkpoint events), bounded labels, a page that
+prometheus_client's parser and promtool accept, a real Prometheus server scraping it, and the
+shipped examples (scrape config, alerting rules, Grafana dashboard) in agreement with it."""
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent import semconv as sc
+from agent.export import Exporter
+from tests.conftest import Collector, free_port, rankwatch_cli
+
+RUN, RANKS, STEPS = "sim-prom", 8, 40
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NO_PROMETHEUS = "needs Debian's prometheus package (promtool, prometheus): apt-get install -y prometheus"
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    """A collector fed a simulated run with a straggler, device samples and two checkpoints."""
+    db = tmp_path_factory.mktemp("prom") / "rankwatch.duckdb"
+    log = open(db.parent / "collector.log", "w")
+    collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
+    try:
+        result = rankwatch_cli("simulate", "--ranks", str(RANKS), "--steps", str(STEPS), "--run", RUN,
+                               "--inject", "straggler:rank=3,slowdown=1.3,from=5", "--collector", collector.url,
+                               env={"RANKWATCH_TOKEN": collector.token})
+        assert result.returncode == 0, result.stderr
+        exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: RUN})
+        now = time.time_ns()
+        assert exporter.samples((metric, now - age, value + rank, {sc.RANK: rank, sc.GPU: 0})
+                                for rank in range(RANKS) for age, scale in ((10**9, 0.5), (0, 1.0))
+                                for metric, value in ((sc.POWER_W, 300 * scale), (sc.ENERGY_J, 1e6 * scale)))
+        for step, blocked in ((10, (2.0, 2.0)), (20, (0.5, 0.8))):  # only the newest checkpoint counts
+            for rank, blocked_s in enumerate(blocked):
+                exporter.event("checkpoint_saved", now, {sc.RANK: rank, sc.STEP: step,
+                                                         "rankwatch.checkpoint.blocked_s": blocked_s})
+        assert exporter.flush()
+        exporter.shutdown()
+        time.sleep(3)  # analysis passes over the last steps
+        yield collector
+    finally:
+        collector.stop()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(collector) -> str:
+    response = httpx.get(f"{collector.url}/metrics", timeout=30)
+    assert response.status_code == 200
+    return response.text
+
+
+@pytest.fixture(scope="module")
+def samples(page) -> dict:
+    """(sample name, frozenset of labels other than run) -> value, for the simulated run's series."""
+    return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "run")): s.value
+            for family in text_string_to_metric_families(page) for s in family.samples
+            if s.labels.get("run") == RUN}
+
+
+def test_run_aggregates(samples):
+    def value(name: str, **labels) -> float:
+        return samples[name, frozenset(labels.items())]
+
+    q50, q90, q99 = (value("rankwatch_run_step_duration_seconds", quantile=q) for q in ("0.5", "0.9", "0.99"))
+    assert 0 < q50 <= q90 <= q99
+    # the simulator sends 4096 tokens per rank-step
+    assert value("rankwatch_run_tokens_per_second") * q50 / (RANKS * 4096) == pytest.approx(1, rel=0.1)
+    assert 0 < value("rankwatch_run_exposed_communication_ratio") < 1
+    assert (value("rankwatch_run_last_step"), value("rankwatch_run_ranks")) == (STEPS - 1, RANKS)
+    assert value("rankwatch_run_last_step_timestamp_seconds") > time.time() - 3600
+    assert value("rankwatch_run_findings_firing", kind="rank") == 1
+    assert value("rankwatch_run_suspect_rank_findings_firing", rank="3") == 1
+    assert value("rankwatch_run_rollbacks_total") == 0
+    assert value("rankwatch_run_checkpoint_stall_seconds") == 0.8
+    assert value("rankwatch_run_power_watts") == sum(300 + r for r in range(RANKS))
+    assert value("rankwatch_run_energy_joules_total") == sum(1e6 + r for r in range(RANKS))
+    assert ("rankwatch_run_mfu_ratio", frozenset()) not in samples  # the simulator reports no MFU
+
+
+def test_labels_are_bounded(page):
+    allowed = {"rankwatch_run_step_duration_seconds": {"run", "quantile"},
+               "rankwatch_run_findings_firing": {"run", "kind"},
+               "rankwatch_run_suspect_rank_findings_firing": {"run", "rank"}}
+    families = [f for f in text_string_to_metric_families(page) if f.name.startswith("rankwatch_run_")]
+    assert len(families) >= 10
+    for family in families:
+        for s in family.samples:
+            assert set(s.labels) <= allowed.get(family.name, {"run"}), s
+
+
+def test_promtool_accepts_the_page(page):
+    if not shutil.which("promtool"):
+        pytest.skip(NO_PROMETHEUS)
+    result = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_the_collector(collector, tmp_path):
+    if not shutil.which("prometheus"):
+        pytest.skip(NO_PROMETHEUS)
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: rankwatch\n"
+                      f"    static_configs: [{{targets: ['127.0.0.1:{collector.port}']}}]\n")
+    server = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, result = time.monotonic() + 60, []
+        while not result and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                result = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
+                                   params={"query": f'rankwatch_run_last_step{{run="{RUN}"}}'}, timeout=5
+                                   ).json()["data"]["result"]
+            except (httpx.TransportError, ValueError, KeyError):
+                pass
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert result and float(result[0]["value"][1]) == STEPS - 1
+    assert result[0]["metric"]["job"] == "rankwatch"
+
+
+def test_examples_use_only_served_metrics(page):
+    served = {s.name for f in text_string_to_metric_families(page) for s in f.samples}
+    served |= {f.name for f in text_string_to_metric_families(page)}
+    dashboard = json.loads((EXAMPLES / "grafana" / "rankwatch-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    rules = (EXAMPLES / "prometheus" / "rankwatch-rules.yml").read_text()
+    used = set(re.findall(r"\brankwatch_[a-z_]+", " ".join(exprs) + rules))
+    assert exprs and used and used <= served, used - served
+
+
+def test_promtool_accepts_the_example_config_and_rules():
+    if not shutil.which("promtool"):
+        pytest.skip(NO_PROMETHEUS)
+    result = subprocess.run(["promtool", "check", "config", str(EXAMPLES / "prometheus" / "prometheus.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rankwatch-rules.yml" in result.stdout and "SUCCESS" in result.stdout
