@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-tools bench clean
 
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ $(BIN)/rankwatch: pyproject.toml
 demo: $(BIN)/rankwatch
 	$(BIN)/rankwatch demo
 
-test: $(BIN)/rankwatch
+test: $(BIN)/rankwatch test-tools
 	$(BIN)/python -m pytest
+
+# System packages some tests use (they skip without them): Debian's prometheus brings promtool
+# and the server that tests/test_prometheus.py scrapes the collector with. Needs root.
+test-tools:
+	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
+		|| echo "prometheus not installed: its tests in tests/test_prometheus.py will skip"
 
 bench: $(BIN)/rankwatch
 	$(BIN)/python bench/ingest.py

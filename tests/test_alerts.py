@@ -13,6 +13,7 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import duckdb
 import httpx
@@ -71,7 +72,7 @@ def test_a_new_finding_sends_one_v4_notification_per_receiver_and_group(con):
     assert first["annotations"]["summary"] == "rank [3] computes 30% slower"
     finding_id = con.execute("SELECT id FROM findings WHERE ranks = [3]").fetchone()[0]
     assert first["annotations"]["dashboard"] == first["generatorURL"] == \
-        f"http://dash:8501/?run=run-a&finding={finding_id}"
+        f"http://dash:8501/stragglers?run=run-a&finding={finding_id}"
     assert first["endsAt"] == "0001-01-01T00:00:00Z"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["startsAt"])
     assert first["fingerprint"] == rules.fingerprint(first["labels"]) != second["fingerprint"]
@@ -161,6 +162,11 @@ def test_receivers_file_in_json(tmp_path):
         {"name": "a", "url": "https://x/y", "secret": SECRET, "kinds": ["hang"]}]}))
     assert load(path) == AlertConfig(receivers=(Receiver("a", "https://x/y", SECRET, kinds=frozenset({"hang"})),),
                                      dashboard_url="http://d")
+
+
+def test_the_example_receivers_file_loads():
+    config = load(Path(__file__).resolve().parents[1] / "examples" / "alerts.toml")
+    assert [r.name for r in config.receivers] == ["team-chat", "oncall-hangs", "oncall-critical"]
 
 
 def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):

@@ -67,7 +67,7 @@ def notify(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, ana
 def _start(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, analyzer: str, finding_id: int,
            finding: Finding, now: datetime) -> dict:
     labels = rules.labels(run_id, analyzer, finding.kind, finding.ranks, finding.severity)
-    link = rules.dashboard_link(config.dashboard_url, run_id, finding_id)
+    link = rules.dashboard_link(config.dashboard_url, run_id, analyzer, finding_id)
     annotations, fingerprint = rules.annotations(finding.summary, link), rules.fingerprint(labels)
     con.execute("""INSERT INTO alerts (finding_id, run_id, analyzer, fingerprint, labels, annotations, starts_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?)""",

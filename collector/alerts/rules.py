@@ -12,6 +12,9 @@ ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", 
               "anomalies": "RankwatchTrainingAnomaly"}
 FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
 GROUP_BY = ("alertname", "run")  # the labels one notification's alerts share
+# The dashboard page (rankwatch dashboard, dashboard/app.py) that shows each analyzer's findings;
+# others link to the overview.
+PAGES = {"stragglers": "stragglers", "links": "collectives", "hangs": "hangs", "anomalies": "checkpoints"}
 _SEVERITY_RANK = {"warning": 0, "critical": 1}
 _RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
 
@@ -33,9 +36,10 @@ def group_labels(alert_labels: dict[str, str]) -> dict[str, str]:
     return {k: alert_labels[k] for k in GROUP_BY}
 
 
-def dashboard_link(dashboard_url: str, run_id: str, finding_id: int) -> str:
-    """The dashboard page of a run, opened at the finding."""
-    return f"{dashboard_url.rstrip('/')}/?{urlencode({'run': run_id, 'finding': finding_id}, quote_via=quote)}"
+def dashboard_link(dashboard_url: str, run_id: str, analyzer: str, finding_id: int) -> str:
+    """The dashboard page of the analyzer's findings, on the run (its `run` parameter picks it)."""
+    query = urlencode({"run": run_id, "finding": finding_id}, quote_via=quote)
+    return f"{dashboard_url.rstrip('/')}/{PAGES.get(analyzer, '')}?{query}"
 
 
 def annotations(summary: str, link: str) -> dict[str, str]:
