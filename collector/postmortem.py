@@ -68,10 +68,15 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
         if not recorded.empty:
             return Report(run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id),
                                                           ranks["rank"]), steps)
-        known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
-        raise UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
+        raise unknown_run(con, run_id)
     return Report(run_id, whatif.analyze(steps, ranks), _findings(con, run_id, steps, ranks, straggler_settings,
                                                                    hang_settings), steps)
+
+
+def unknown_run(con: duckdb.DuckDBPyConnection, run_id: str) -> UnknownRun:
+    """The error for a run without steps, naming the store's recent runs."""
+    known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
+    return UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
 
 
 def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, ranks: pd.DataFrame,

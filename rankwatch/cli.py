@@ -181,6 +181,65 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks ({ranks[0]}..{ranks[-1]})"
 
 
+def cmd_power_recommend(args) -> None:
+    import json
+
+    from collector.analyzers.power import Policy
+    from collector.postmortem import UnknownRun
+    from collector.powercaps import document, recommend
+    from collector.store import StoreLocked, connect
+
+    try:
+        policy = Policy.parse(args.policy)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.facility_watts is not None and not args.facility_watts > 0:
+        raise UsageError("--facility-watts must be positive")
+    db = _db(args)
+    if not db.exists():
+        raise UsageError(f"no store at {db}")
+    try:
+        report = recommend(connect(db, read_only=True), args.run, policy, args.facility_watts)
+    except (StoreLocked, UnknownRun) as e:
+        raise UsageError(str(e)) from None
+    if args.plot:
+        from collector.powerplot import write_curve
+
+        write_curve(report, Path(args.plot))
+    if args.json:
+        print(json.dumps(document(report), indent=2))
+    else:
+        _print_power(report)
+
+
+def _print_power(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}")
+    source = report.curve[0].source if report.curve else "measured"
+    curve = Table("limit", "step time", "slowdown", "energy per step", "saving", "ZeusCost",
+                  title=f"time/energy trade-off ({'measured' if source == 'measured' else 'power model'}, ±95%)")
+    for p in sorted(report.curve, key=lambda p: -p.cap_w):
+        picked = report.job_cap is not None and p.cap_w == report.job_cap.cap_w
+        curve.add_row(f"{'[bold red]> ' if picked else ''}{p.cap_w:.0f} W",
+                      f"{p.step_s:.3f} ± {1.96 * p.step_s_se:.3f} s", f"{100 * (p.slowdown - 1):+.1f}%",
+                      f"{p.energy_j / 1e3:.2f} ± {1.96 * p.energy_j_se / 1e3:.2f} kJ", f"{100 * p.energy_saving:.1f}%",
+                      f"{p.zeus_cost / 1e3:.1f}k")
+    console.print(curve)
+    r = report.per_rank
+    if r and r.caps:
+        caps = Table("rank", "limit now", "cap", "slack", "clock", "saves per step",
+                     title=f"per-rank caps: {len(r.caps)} of {len(r.ranks)} ranks (steps {r.step_start}-{r.step_end})")
+        for c in sorted(r.ranks, key=lambda c: c.cap_w or c.limit_w)[:8]:
+            caps.add_row(str(c.rank), f"{c.limit_w:.0f} W", "-" if c.cap_w is None else f"{c.cap_w:.0f} W",
+                         f"{1e3 * c.slack_s:.0f} ms", f"{c.clock_mhz:.0f} -> {c.new_clock_mhz:.0f} MHz",
+                         f"{c.saving_j_per_step:.1f} J")
+        console.print(caps)
+    _print_findings(report.findings, console)
+
+
 def cmd_import(args) -> None:
     from rich.progress import Progress
 
@@ -256,11 +315,12 @@ def cmd_simulate(args) -> None:
         if f.kind == "hang" and f.get("seconds") is not None:
             raise UsageError(f"{f.spec!r}: a simulated hang lasts until the simulator stops (--hang-for); "
                              "seconds= is for `rankwatch train`")
+    limits = _power_caps(args.power_caps, args.ranks) if args.power_caps else None
     hang = simulate.first_hang(faults)
     if hang and args.collector:
         print(f"rankwatch simulate: ranks {hang[1]} hang at step {hang[0]}; heartbeats go on for "
               f"{args.hang_for:g} s after it, then the simulator stops")
-    frames = track(simulate.steps(topology, args.steps, faults, seed=args.seed), total=args.steps,
+    frames = track(simulate.steps(topology, args.steps, faults, seed=args.seed, power_limits=limits), total=args.steps,
                    description=f"simulating {args.ranks} ranks", transient=True)
     if args.out:
         rows = simulate.to_parquet(Path(args.out), topology, frames, faults)
@@ -276,6 +336,20 @@ def cmd_simulate(args) -> None:
     exporter.flush()
     exporter.shutdown()
     print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
+
+
+def _power_caps(path: str, ranks: int):
+    """Per-rank power limits from a JSON file, {rank: W} or a `rankwatch power recommend --json` document."""
+    import json
+
+    from trainer.simulate import power_limits
+
+    try:
+        return power_limits(json.loads(Path(path).read_text()), ranks)
+    except OSError as e:
+        raise UsageError(f"cannot read --power-caps {path}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError is one
+        raise UsageError(f"--power-caps {path}: {str(e).splitlines()[0]}") from None
 
 
 def cmd_dashboard(args) -> None:
@@ -338,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a hang and --collector: how long the stuck ranks keep sending heartbeats "
                         "(default 60, past the collector's default --hang-after of 30)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--power-caps", metavar="FILE.json",
+                   help="per-rank power limits, {rank: watts} or a `rankwatch power recommend --json` document")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
@@ -381,6 +457,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("power", help="power-cap recommendations")
+    power = p.add_subparsers(dest="power_command", required=True, parser_class=_Parser)
+    p = power.add_parser("recommend", help="power limits for the job and for each rank, and facility headroom, "
+                                           "from a store file (read-only)")
+    p.add_argument("run", help="run id")
+    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--policy", default="max-slowdown:0.02",
+                   help="how the job's limit is picked: zeus:ETA, max-slowdown:FRACTION, min-energy or "
+                        "budget:WATTS (default max-slowdown:0.02)")
+    p.add_argument("--facility-watts", type=float, metavar="WATTS",
+                   help="the power the job's nodes may draw, for the headroom (default: their GPUs' nameplate)")
+    p.add_argument("--json", action="store_true", help="the report as one JSON document")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the time/energy trade-off")
+    p.set_defaults(func=cmd_power_recommend)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql")

@@ -9,6 +9,7 @@
     slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
     slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
     data-skew:cv=0.3                                 per-step work varies (sequence lengths)
+    power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
 """
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ _KEYS = {  # kind -> {key: (type, required)}
     "slow-link": {"rank": (int, True), "factor": (float, True), "from": (int, False), "to": (int, False)},
     "slow-stage": {"stage": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "data-skew": {"cv": (float, True), "from": (int, False), "to": (int, False)},
+    "power-cap": {"watts": (float, True), "rank": (int, False), "from": (int, False), "to": (int, False)},
 }
 
 

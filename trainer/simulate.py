@@ -14,6 +14,15 @@ spans timed from its entry to their completion, with group, size, sequence
 number and bytes. A thermal fault throttles the clock and raises the
 temperature and the clock-event reasons in the device samples.
 
+Power follows the simulated GPU's model (agent/simdevice.py): each rank's GPU
+is busy (load 1) while it computes and idle-ish (`Timing.wait_load`) while it
+loads data or waits in collectives. A power limit (`power_limits`, per rank,
+or the `power-cap:watts=W[,rank=R]` fault, for all ranks or one, over its
+steps) lowers a rank's clock under load where it binds, so its compute
+stretches by f_max / f and its power drops. Each rank-step's energy is on its
+step span (`rankwatch.energy_j`); the device samples carry the power during
+compute and while waiting, utilization, the energy counter and the limit.
+
 A hang (`hang:rank=R,at=S`) stops the job: rank R never enters step S's
 gradient all-reduce and every other rank blocks inside it, so no rank finishes
 step S or later and the steps end at S - 1. Sent to a collector, the ranks
@@ -36,9 +45,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from agent.simdevice import GpuModel, operating_point
 from trainer.faults import Fault
 
-SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang")
+SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap")
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
 THERMAL_SLOWDOWN = 0x20 | 0x40  # NVML clocks event reasons: software and hardware thermal slowdown
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
@@ -100,24 +110,60 @@ class Timing:
     jitter: float = 0.02  # lognormal sigma of compute
     pause_rate: float = 0.0005  # GC-like pauses per rank-step
     microbatches: int = 8
+    wait_load: float = 0.1  # GPU utilization outside compute (data loading, collectives): idle-ish
+
+
+def _operating_points(gpu: GpuModel, load: float, limit: np.ndarray, thermal: np.ndarray) -> np.ndarray:
+    """Each rank's clock, power and clock-event reasons at `load` (rows of a 3 x ranks array), from
+    the simulated GPU's model, worked out once per distinct (limit, throttled) setting."""
+    settings, inverse = np.unique(np.stack([limit, thermal]), axis=1, return_inverse=True)
+    points = np.array([operating_point(gpu, load, w, bool(hot)) for w, hot in settings.T])
+    return points[inverse.ravel()].T
+
+
+def power_limits(caps, ranks: int, gpu: GpuModel = GpuModel()) -> np.ndarray:
+    """Each rank's power limit from `caps`, {rank: W} as JSON has it (or a `rankwatch power
+    recommend --json` document, whose `rank_caps` it is); the other ranks' the GPU's highest.
+    ValueError with a one-line reason for anything else."""
+    caps = caps.get("rank_caps", caps) if isinstance(caps, dict) else caps
+    if not isinstance(caps, dict):
+        raise ValueError("power caps are a JSON object of rank: watts")
+    limits = np.full(ranks, gpu.limit_max_w)
+    for rank, watts in caps.items():
+        try:
+            r, w = int(rank), float(watts)
+        except (TypeError, ValueError):
+            raise ValueError(f"power caps: {rank!r}: {watts!r} is not rank: watts") from None
+        if not 0 <= r < ranks or not w > 0:
+            raise ValueError(f"power caps: rank {r} at {w:g} W: ranks are 0..{ranks - 1}, watts positive")
+        limits[r] = w
+    return limits
 
 
 def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
-          seed: int = 0, start_ns: int | None = None) -> Iterator[pd.DataFrame]:
+          seed: int = 0, start_ns: int | None = None, power_limits: np.ndarray | None = None,
+          gpu: GpuModel = GpuModel()) -> Iterator[pd.DataFrame]:
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
     tp_allreduce_s (the tensor-parallel transfer), allreduce_done_s (when, from the step's start, its
-    data-parallel group's all-reduce completes), sm_clock_mhz, temp_c, clock_event_reasons. A hang ends the frames before its step."""
+    data-parallel group's all-reduce completes), sm_clock_mhz (under load), temp_c, clock_event_reasons,
+    power_limit_w, busy_power_w and wait_power_w (while computing and otherwise), energy_j (the
+    rank-step's) and energy_counter_j (since the start). A hang ends the frames before its step.
+    `power_limits`: each rank's power limit, W (default the GPU's highest), clamped as the GPU
+    clamps it; a power-cap fault overrides it while active. Limits do not change the random draws:
+    the same seed with and without caps plays the same jitter."""
     rng = np.random.default_rng(seed)
     place = topology.placement()
     n, t = topology.ranks, timing
     now = time.time_ns() if start_ns is None else start_ns
     hang = first_hang(faults)
+    limits = np.full(n, gpu.limit_max_w) if power_limits is None else np.asarray(power_limits, float)
+    counter = np.zeros(n)
     for step in range(n_steps if hang is None else min(n_steps, hang[0])):
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
         clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
-        reasons = np.zeros(n)
+        reasons, limit = np.zeros(n), limits.copy()
         for f in faults:
             if not f.active(step):
                 continue
@@ -135,6 +181,13 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
                 compute[f.rank] *= 1980.0 / 1500.0
             elif f.kind == "slow-link":  # its link slows every collective of every group it is in
                 link[f.rank] = max(link[f.rank], f.get("factor"))
+            elif f.kind == "power-cap":
+                limit[slice(None) if f.rank is None else f.rank] = f.get("watts")
+        # the power limit, where it binds under load, lowers the clock further and stretches compute
+        limit, throttled = np.clip(limit, gpu.limit_min_w, gpu.limit_max_w), reasons > 0
+        busy_clock, busy_w, reasons = _operating_points(gpu, 1.0, limit, throttled)
+        compute *= clock / busy_clock
+        clock, wait_w = busy_clock, _operating_points(gpu, t.wait_load, limit, throttled)[1]
         data = t.data_s * rng.lognormal(0.0, t.jitter, n)
         # tensor-parallel groups move at their slowest member's pace
         tp_pace = compute.reshape(-1, topology.tp).max(axis=1).repeat(topology.tp)
@@ -147,13 +200,16 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         dp_s = t.allreduce_s * _group_max(link, topology.dp_groups())
         step_s = data.max() + pipeline.max() + tp_s.max() + dp_s.max()
         comm_wait = step_s - data - compute
+        energy = wait_w * step_s + (busy_w - wait_w) * compute
+        counter += energy
         # a group's all-reduce starts when its last rank enters and lasts its transfer time
         allreduce_done = _group_max(data + compute + tp_s, topology.dp_groups()) + dp_s
         yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
                             "end_ns": now + int(step_s * 1e9), "duration_s": step_s, "data_s": data,
                             "compute_s": compute, "comm_wait_s": comm_wait, "tp_allreduce_s": tp_s,
                             "allreduce_done_s": allreduce_done, "sm_clock_mhz": clock, "temp_c": temp,
-                            "clock_event_reasons": reasons})
+                            "clock_event_reasons": reasons, "power_limit_w": limit, "busy_power_w": busy_w,
+                            "wait_power_w": wait_w, "energy_j": energy, "energy_counter_j": counter.copy()})
         now += int(step_s * 1e9)
 
 
@@ -198,7 +254,7 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
         for row in frame.itertuples():
             spans = [("step", row.start_ns, row.end_ns, {
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
-                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096})]
+                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096, sc.STEP_ENERGY_J: row.energy_j})]
             # each collective as the agent times it: from the rank's entry to its completion
             entered = row.start_ns + int((row.data_s + row.compute_s) * 1e9)
             if topology.tp > 1:
@@ -210,17 +266,35 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
                                      row.start_ns + int(row.allreduce_done_s * 1e9)))
             exporter.trace(spans, resource=resources[row.rank])
             sent += len(spans)
-        exporter.samples((metric, int(row.end_ns), float(value), {
-            sc.RANK: int(row.rank), sc.GPU: int(row.rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED})
-            for row in frame.itertuples()
-            for metric, value in ((sc.SM_CLOCK_MHZ, row.sm_clock_mhz), (sc.GPU_TEMP_C, row.temp_c),
-                                  (sc.CLOCK_EVENT_REASONS, row.clock_event_reasons)))
+        instant = {sc.POWER_KIND: sc.POWER_KIND_INSTANT}
+        exporter.samples((metric, int(time_ns), float(value), {
+            sc.RANK: int(rank), sc.GPU: int(rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED,
+            **(instant if metric == sc.POWER_INSTANT_W else {})})
+            for rank, time_ns, metric, value in device_samples(frame, timing).itertuples(index=False))
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
         announce([f for f in faults if f.kind == "hang"], hang[0], last_end)  # faults from step S on never start
         _stuck(exporter, topology.ranks, *hang, hang_for_s)
     return sent
+
+
+def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFrame:
+    """A step frame's device samples as each rank's sampler would catch them (rank, ts ns, metric,
+    value): clock, temperature and clock-event reasons at the step's end; power and utilization
+    busy, in the middle of compute, and waiting, at the step's end; the energy counter and the
+    power limit at the step's end."""
+    from agent import semconv as sc
+
+    end = frame["end_ns"]
+    busy = frame["start_ns"] + ((frame["data_s"] + frame["compute_s"] / 2) * 1e9).astype("int64")
+    samples = [(sc.SM_CLOCK_MHZ, end, frame["sm_clock_mhz"]), (sc.GPU_TEMP_C, end, frame["temp_c"]),
+               (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
+               (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
+               (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
+               (sc.ENERGY_J, end, frame["energy_counter_j"]), (sc.POWER_LIMIT_W, end, frame["power_limit_w"])]
+    return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
+                      for metric, ts, value in samples], ignore_index=True)
 
 
 def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:

@@ -1,0 +1,54 @@
+"""`rankwatch power recommend`: a run's power telemetry read from a store, through the power
+analyzer (analyzers/power.py), and the report as one JSON document.
+
+Each rank-step gets the power limit in force at its end: the rank's latest
+`DCGM_FI_DEV_POWER_MGMT_LIMIT` sample at or before it (an as-of join). The
+power model is the simulated GPU's (an H100 SXM); where the GPUs sampled their
+limit constraints, those set the model's limits and its full power (the
+highest limit), so an A100's 400 W is its own.
+"""
+
+from dataclasses import asdict, replace
+
+import duckdb
+
+from agent import semconv as sc
+from agent.simdevice import GpuModel
+from collector.analyzers import power
+from collector.postmortem import unknown_run
+
+_STEPS = """WITH limits AS (SELECT rank, ts, value FROM device_samples WHERE run_id = $run AND metric = $limit)
+            SELECT s.run_id, s.rank, s.step, s.duration_s, s.data_s, s.compute_s, s.comm_wait_s, s.energy_j,
+                   l.value AS power_limit_w
+            FROM current_steps s ASOF LEFT JOIN limits l ON s.rank = l.rank AND s.end_ts >= l.ts
+            WHERE s.run_id = $run ORDER BY s.step, s.rank"""
+_DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
+              WHERE run_id = $run AND list_contains($metrics, metric)"""
+_CONSTRAINTS = """SELECT median(value) FILTER (metric = $low), median(value) FILTER (metric = $high)
+                  FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
+
+
+def recommend(con: duckdb.DuckDBPyConnection, run_id: str, policy: power.Policy,
+              facility_w: float | None = None) -> power.PowerReport:
+    """The power report of a run in the store; UnknownRun for a run without steps."""
+    steps = con.execute(_STEPS, {"run": run_id, "limit": sc.POWER_LIMIT_W}).df()
+    if steps.empty:
+        raise unknown_run(con, run_id)
+    devices = con.execute(_DEVICES, {"run": run_id, "metrics": [*power.POWER_METRICS, sc.GPU_UTIL_PCT,
+                                                                 sc.CLOCK_EVENT_REASONS]}).df()
+    ranks = con.execute("SELECT rank, host FROM ranks WHERE run_id = ?", [run_id]).df()
+    low, high = con.execute(_CONSTRAINTS, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
+                                           "high": sc.POWER_LIMIT_MAX_W}).fetchone()
+    model = GpuModel()
+    if low is not None and high is not None:
+        model = replace(model, limit_min_w=low, limit_max_w=high, max_w=high)
+    return power.analyze(steps, devices, ranks, policy, facility_w, model)
+
+
+def document(report: power.PowerReport) -> dict:
+    """The report as `rankwatch power recommend --json` prints it (docs/telemetry.md)."""
+    body = asdict(report)
+    body.pop("run_id")
+    return {"run": report.run_id, **body,
+            "rank_caps": {str(r): w for r, w in (report.per_rank.caps.items() if report.per_rank else ())}}
+
