@@ -21,10 +21,14 @@ test: $(BIN)/rankwatch test-tools
 	$(BIN)/python -m pytest
 
 # System packages some tests use (they skip without them): Debian's prometheus brings promtool
-# and the server that tests/test_prometheus.py scrapes the collector with. Needs root.
+# and the server that tests/test_prometheus.py scrapes the collector with; chromium and its
+# driver the headless browser of tests/test_dashboard_browser.py. Needs root.
 test-tools:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
 		|| echo "prometheus not installed: its tests in tests/test_prometheus.py will skip"
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || [ "$$(id -u)" != 0 ] \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver) \
+		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
 
 bench: $(BIN)/rankwatch
 	$(BIN)/python bench/ingest.py

@@ -39,7 +39,10 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
 
     These settings are global to the DuckDB instance: the collector's writer
     shares them, which costs it nothing (it reads Arrow batches it was
-    handed, and writes only its own file)."""
+    handed, and writes only its own file). A file opened again in the same process shares its
+    database, already locked down."""
+    if con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+        return
     con.execute("SET allowed_directories = ?", [[str(data_dir.resolve())]])
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET enable_external_access = false")

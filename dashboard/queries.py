@@ -191,12 +191,20 @@ SELECT metric, rank // rw * rw AS rank_lo, avg(value) AS mean, min(value) AS low
 FROM per_rank, bins GROUP BY ALL ORDER BY metric, rank_lo
 """
 
-# Energy per step, all ranks together: each rank's mean power times the median step time.
+# Energy per step, all ranks together: the median step's, where the agent measured each rank-step's
+# energy (rankwatch.energy_j), else each rank's mean power times the median step time.
 ENERGY_PER_STEP = """
-SELECT sum(watts) * (SELECT median(duration_s) FROM current_steps WHERE run_id = $run) AS joules, count(*) AS ranks
-FROM (SELECT rank, avg(value) AS watts FROM device_samples
-      WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')
-      GROUP BY rank)
+WITH measured AS (
+    SELECT median(joules) AS joules FROM (
+        SELECT step, sum(TRY_CAST(attrs->>'$."rankwatch.energy_j"' AS DOUBLE)) AS joules FROM current_steps
+        WHERE run_id = $run GROUP BY step)),
+estimated AS (
+    SELECT sum(watts) * (SELECT median(duration_s) FROM current_steps WHERE run_id = $run) AS joules
+    FROM (SELECT rank, avg(value) AS watts FROM device_samples
+          WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')
+          GROUP BY rank))
+SELECT coalesce(measured.joules, estimated.joules) AS joules, measured.joules IS NOT NULL AS measured
+FROM measured, estimated
 """
 
 # Ranks whose clocks were held back, with the reasons' bits OR-ed and how often.

@@ -58,11 +58,10 @@ def finding_cost(row: pd.Series) -> str | None:
 
 
 def show_finding(row: pd.Series) -> None:
-    """One finding: severity, ranks, summary and cost as the answer; evidence, steps and times
-    behind an expander."""
+    """One finding: severity, ranks and summary (which says the cost) as the answer; evidence,
+    steps and times behind an expander."""
     where = f" on ranks {ranks_text(row['ranks'])}" if len(row["ranks"]) else ""
     head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
-    head += f" {cost}" if (cost := finding_cost(row)) else ""
     if row["state"] != "firing":
         st.info(f"resolved: {head}")
     elif row["severity"] == "critical":

@@ -32,7 +32,8 @@ watts, joules = power["watts"].iloc[0], energy["joules"].iloc[0]
 cols[0].metric("Power now", "—" if pd.isna(watts) else f"{watts / 1000:.2f} kW",
                help=f"{int(power['ranks'].iloc[0])} ranks, each one's mean over the newest minute")
 cols[1].metric("Energy per step", "—" if pd.isna(joules) else f"{joules / 1000:.2f} kJ",
-               help="every rank's mean power times the median step time")
+               help="the median step's, as the agent measured it" if energy["measured"].iloc[0] else
+               "estimated: every rank's mean power times the median step time")
 cols[2].metric("Ranks sampled", f"{int(metrics['ranks'].max())}")
 
 by_rank = ui.frame("device_by_rank", run=run, rank_bins=ui.RANK_BINS)

@@ -1,0 +1,95 @@
+"""The dashboard in a real browser: `rankwatch dashboard --db` served on loopback, each page
+loaded by headless Chromium (Debian's, through Selenium and chromedriver), its key elements
+found, its charts drawn, and a screenshot saved under the test's tmp dir."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.dashboard_store import FLEET, HANG, NAN
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1400,2200")
+# page path, run, text the page must show, charts it must draw
+PAGES = [
+    ("", FLEET["run"], f"on ranks {FLEET['straggler']}, {FLEET['thermal']}", 1),
+    ("stragglers", FLEET["run"], f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank", 2),
+    ("collectives", FLEET["run"], "Bus bandwidth by collective and size", 2),
+    ("checkpoints", NAN["run"], f"the job restored step {NAN['restored']}", 2),
+    ("hangs", HANG["run"], f"Culprit ranks: {HANG['rank']}", 0),
+    ("power", FLEET["run"], f"Clocks held back on ranks {FLEET['thermal']}", 2),
+    ("sql", FLEET["run"], "Download CSV", 0),
+]
+
+pytestmark = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                                reason="needs Debian's chromium and chromium-driver (make test installs them as root)")
+
+
+@pytest.fixture(scope="module")
+def dashboard(dashboard_store, tmp_path_factory):
+    """`rankwatch dashboard --db` on a free loopback port, until the module ends."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("dashboard-server") / "dashboard.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "rankwatch", "dashboard", "--db", str(dashboard_store),
+                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, "the dashboard exited"
+        try:
+            if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the dashboard did not start"
+        time.sleep(0.5)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory) -> Path:
+    """One folder with every page's screenshot, for a person to look at."""
+    return tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.mark.parametrize("path, run, text, charts", PAGES, ids=[p[0] or "overview" for p in PAGES])
+def test_page_loads_in_a_browser(dashboard, browser, screenshots, path, run, text, charts):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{dashboard}/{path}?run={run}")
+    page = WebDriverWait(browser, 60, poll_frequency=0.5)
+    page.until(lambda b: text in b.find_element(By.TAG_NAME, "body").text)
+    # charts drawn: Vega-Lite puts a canvas (or svg) in each chart's container
+    page.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "[data-testid='stVegaLiteChart'] canvas, "
+                                                              "[data-testid='stVegaLiteChart'] svg.marks")) >= charts)
+    assert not browser.find_elements(By.CSS_SELECTOR, "[data-testid='stException']")
+    assert "reading store" in browser.find_element(By.CSS_SELECTOR, "[data-testid='stSidebar']").text
+    shot = screenshots / f"{path or 'overview'}.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
