@@ -21,7 +21,7 @@ or the `power-cap:watts=W[,rank=R]` fault, for all ranks or one, over its
 steps) lowers a rank's clock under load where it binds, so its compute
 stretches by f_max / f and its power drops. Each rank-step's energy is on its
 step span (`rankwatch.energy_j`); the device samples carry the power during
-compute and while waiting, utilization, the energy counter and the limit.
+compute and while waiting, utilization and the limit.
 
 A hang (`hang:rank=R,at=S`) stops the job: rank R never enters step S's
 gradient all-reduce and every other rank blocks inside it, so no rank finishes
@@ -146,8 +146,8 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
     tp_allreduce_s (the tensor-parallel transfer), allreduce_done_s (when, from the step's start, its
     data-parallel group's all-reduce completes), sm_clock_mhz (under load), temp_c, clock_event_reasons,
-    power_limit_w, busy_power_w and wait_power_w (while computing and otherwise), energy_j (the
-    rank-step's) and energy_counter_j (since the start). A hang ends the frames before its step.
+    power_limit_w, busy_power_w and wait_power_w (while computing and otherwise) and energy_j (the
+    rank-step's). A hang ends the frames before its step.
     `power_limits`: each rank's power limit, W (default the GPU's highest), clamped as the GPU
     clamps it; a power-cap fault overrides it while active. Limits do not change the random draws:
     the same seed with and without caps plays the same jitter."""
@@ -157,7 +157,6 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
     now = time.time_ns() if start_ns is None else start_ns
     hang = first_hang(faults)
     limits = np.full(n, gpu.limit_max_w) if power_limits is None else np.asarray(power_limits, float)
-    counter = np.zeros(n)
     for step in range(n_steps if hang is None else min(n_steps, hang[0])):
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
@@ -201,7 +200,6 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         step_s = data.max() + pipeline.max() + tp_s.max() + dp_s.max()
         comm_wait = step_s - data - compute
         energy = wait_w * step_s + (busy_w - wait_w) * compute
-        counter += energy
         # a group's all-reduce starts when its last rank enters and lasts its transfer time
         allreduce_done = _group_max(data + compute + tp_s, topology.dp_groups()) + dp_s
         yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
@@ -209,7 +207,7 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
                             "compute_s": compute, "comm_wait_s": comm_wait, "tp_allreduce_s": tp_s,
                             "allreduce_done_s": allreduce_done, "sm_clock_mhz": clock, "temp_c": temp,
                             "clock_event_reasons": reasons, "power_limit_w": limit, "busy_power_w": busy_w,
-                            "wait_power_w": wait_w, "energy_j": energy, "energy_counter_j": counter.copy()})
+                            "wait_power_w": wait_w, "energy_j": energy})
         now += int(step_s * 1e9)
 
 
@@ -282,8 +280,8 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
 def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFrame:
     """A step frame's device samples as each rank's sampler would catch them (rank, ts ns, metric,
     value): clock, temperature and clock-event reasons at the step's end; power and utilization
-    busy, in the middle of compute, and waiting, at the step's end; the energy counter and the
-    power limit at the step's end."""
+    busy, in the middle of compute, and waiting, at the step's end; the power limit at the step's
+    end. No energy counter: the step spans carry each step's energy."""
     from agent import semconv as sc
 
     end = frame["end_ns"]
@@ -292,7 +290,7 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFra
                (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
                (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
                (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
-               (sc.ENERGY_J, end, frame["energy_counter_j"]), (sc.POWER_LIMIT_W, end, frame["power_limit_w"])]
+               (sc.POWER_LIMIT_W, end, frame["power_limit_w"])]
     return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
                       for metric, ts, value in samples], ignore_index=True)
 

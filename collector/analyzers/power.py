@@ -243,7 +243,8 @@ def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.
     `model`: the GPUs' power model and limits."""
     s = settings
     steps = _complete(steps)
-    devices = devices if devices is not None else pd.DataFrame(columns=["rank", "ts", "metric", "value"])
+    devices = (devices if devices is not None else pd.DataFrame(columns=["rank", "ts", "metric", "value"])).astype(
+        {"rank": "int64", "ts": "int64", "value": "float64"})
     run_id, n_ranks, n_steps = str(steps["run_id"].iloc[0]), int(steps["rank"].nunique()), int(steps["step"].nunique())
     profile = _profiles(steps, devices, model)
     judged = _judged(steps, s)

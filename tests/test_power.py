@@ -1,0 +1,268 @@
+"""Power-cap recommendations: the pure analyzer on small built frames (per-rank caps behind a
+straggler, a job's limit picked from steps at several limits by each policy, headroom
+arithmetic), the closed loop on the fleet simulator (caps recommended for a straggler run,
+the run played again under them, the saving and slowdown measured within the predicted
+range), and `rankwatch power recommend` on a store filled through a real collector."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from agent import semconv as sc
+from agent.simdevice import GpuModel, SimulatedDevice, operating_point
+from collector.analyzers import power
+from tests.conftest import rankwatch_cli, simulated_store
+from trainer import simulate
+from trainer.faults import parse
+
+GPU = GpuModel()
+
+
+def built(compute: np.ndarray, limits: np.ndarray | None = None, data_s: float = 0.02,
+          transfer_s: float = 0.1) -> pd.DataFrame:
+    """Rank-steps of a synchronous job from its compute (steps x ranks, at full clock): each
+    rank's compute stretched by its limit as the power model says, every rank waiting for the
+    slowest, energy busy at full load and idle while waiting."""
+    limits = np.full(compute.shape, GPU.limit_max_w) if limits is None else limits
+    busy = np.vectorize(lambda w: operating_point(GPU, 1.0, w))
+    clock, busy_w = busy(limits)[:2]
+    compute = compute * GPU.clock_max_mhz / clock
+    step = (data_s + compute).max(axis=1, keepdims=True) + transfer_s
+    rows = [{"run_id": "built", "rank": r, "step": t, "duration_s": step[t, 0], "data_s": data_s,
+             "compute_s": compute[t, r], "comm_wait_s": step[t, 0] - data_s - compute[t, r],
+             "energy_j": busy_w[t, r] * compute[t, r] + GPU.idle_w * (step[t, 0] - compute[t, r]),
+             "power_limit_w": limits[t, r]}
+            for t in range(compute.shape[0]) for r in range(compute.shape[1])]
+    return pd.DataFrame(rows)
+
+
+def straggler_compute(steps: int = 30, ranks: int = 6, slow: int = 2) -> np.ndarray:
+    """0.6 s of compute with a little deterministic noise; rank `slow` 20% slower."""
+    compute = 0.6 * (1 + 0.01 * np.sin(np.arange(steps * ranks).reshape(steps, ranks)))
+    compute[:, slow] *= 1.2
+    return compute
+
+
+def test_ranks_waiting_for_a_straggler_get_lower_caps_and_the_straggler_none():
+    report = power.analyze(built(straggler_compute()))
+    per_rank = report.per_rank
+    assert sorted(per_rank.caps) == [0, 1, 3, 4, 5]
+    (kept,) = [c for c in per_rank.ranks if c.cap_w is None]
+    assert kept.rank == 2 and kept.slack_s == pytest.approx(0.0, abs=1e-3)
+    for c in per_rank.ranks:
+        if c.cap_w is not None:  # clock = clock now * compute / (compute + safety * slack), cap = P(u, clock)
+            clock = GPU.clock_max_mhz * c.compute_s / (c.compute_s + per_rank.safety * c.slack_s)
+            assert c.cap_w == np.ceil(GPU.power(1.0, clock))
+            assert GPU.limit_min_w <= c.cap_w < GPU.limit_max_w and c.saving_j_per_step > 0
+    assert per_rank.saving_j_per_step > 0 and per_rank.saving_fraction > 0.1
+    assert 1.0 <= per_rank.slowdown <= 1 + power.Settings().max_loss
+    low, high = per_rank.saving_j_per_step_range
+    assert low <= per_rank.saving_j_per_step <= high
+    (finding,) = [f for f in report.findings if f.kind == "per_rank_caps"]
+    assert (finding.analyzer, finding.ranks, finding.severity) == ("power", [0, 1, 3, 4, 5], "info")
+    assert finding.evidence["kept"] == [2] and finding.evidence["caps"] == {str(r): w for r, w in per_rank.caps.items()}
+
+
+def test_a_job_without_slack_gets_no_per_rank_caps():
+    report = power.analyze(built(0.6 * np.ones((20, 4))))
+    assert report.per_rank.caps == {} and not [f for f in report.findings if f.kind == "per_rank_caps"]
+
+
+def sweep(caps=(700, 600, 500, 400), steps_each: int = 10, ranks: int = 4) -> pd.DataFrame:
+    """A job that ran under each limit in turn, the first two steps after each change slow (a warm-up)."""
+    compute = 0.6 * np.ones((steps_each * len(caps), ranks))
+    compute[[i * steps_each + k for i in range(len(caps)) for k in range(2)]] *= 3
+    limits = np.repeat(np.array(caps, float), steps_each)[:, None] * np.ones(ranks)
+    return built(compute, limits)
+
+
+@pytest.mark.parametrize(("policy", "cap"), [
+    ("min-energy", 400), ("zeus:1", 400), ("zeus:0", 700), ("max-slowdown:0.02", 700), ("max-slowdown:0.15", 500),
+    ("budget:2000", 500)])
+def test_policy_picks_from_the_measured_limits(policy, cap):
+    report = power.analyze(sweep(), policy=power.Policy.parse(policy))
+    assert [p.cap_w for p in report.curve] == [400, 500, 600, 700]
+    assert {p.source for p in report.curve} == {"measured"} and {p.steps for p in report.curve} == {8}
+    top = report.curve[-1]
+    assert top.step_s == pytest.approx(0.72) and top.step_s_se == pytest.approx(0.0, abs=1e-12)  # warm-up left out
+    assert report.job_cap.cap_w == cap
+    assert [f.kind == "job_cap" for f in report.findings].count(True) == (cap < 700)
+
+
+def test_zeus_cost_weighs_energy_against_time_at_full_power():
+    report = power.analyze(sweep(), policy=power.Policy.parse("zeus:0.5"))
+    costs = {p.cap_w: p.zeus_cost for p in report.curve}
+    for p in report.curve:
+        assert p.zeus_cost == pytest.approx(0.5 * p.energy_j + 0.5 * 4 * GPU.limit_max_w * p.step_s)
+    assert report.job_cap.cap_w == min(costs, key=costs.get)
+
+
+def test_a_budget_below_every_limit_picks_nothing():
+    report = power.analyze(sweep(), policy=power.Policy.parse("budget:1000"))
+    assert report.job_cap is None and not [f for f in report.findings if f.kind == "job_cap"]
+
+
+def test_one_limit_only_gives_the_curve_the_power_model_predicts():
+    report = power.analyze(built(straggler_compute()), policy=power.Policy.parse("min-energy"))
+    assert {p.source for p in report.curve} == {"model"}
+    assert [p.cap_w for p in report.curve] == list(np.arange(700.0, 199.0, -25.0))
+    slowdowns = [p.slowdown for p in report.curve]
+    assert slowdowns == sorted(slowdowns) and slowdowns[0] == 1.0 and slowdowns[-1] > 1.3
+    assert report.job_cap.cap_w == 200
+
+
+def power_samples(watts: np.ndarray, hosts: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Device samples, one per rank per second (watts: seconds x ranks), and the ranks' hosts."""
+    seconds, ranks = watts.shape
+    devices = pd.DataFrame({"rank": np.tile(np.arange(ranks), seconds),
+                            "ts": np.repeat(np.arange(seconds) * 10**9 + 5 * 10**8, ranks),
+                            "metric": sc.POWER_INSTANT_W, "value": watts.ravel()})
+    return devices, pd.DataFrame({"rank": range(ranks), "host": hosts})
+
+
+def test_headroom_arithmetic():
+    # 2 nodes of 2 GPUs drawing 250 W each, 350 W at the same 5 moments in 100: the job 1000 W, 1400 W at peak
+    watts = np.full((100, 4), 250.0)
+    watts[::20] = 350.0
+    devices, ranks = power_samples(watts, ["a", "a", "b", "b"])
+    steps = built(0.6 * np.ones((5, 4)))
+    loose = power.analyze(steps, devices, ranks, facility_w=2800, settings=power.Settings(risk=0.1)).headroom
+    assert (loose.nodes, loose.buckets, loose.job_p99_w, loose.job_peak_w) == (2, 100, 1000, 1400)
+    assert (loose.node_p99_w, loose.node_peak_w, loose.node_nameplate_w) == (500, 700, 1400)
+    # p90 1000 W: 3 more nodes, 2800 W at 5 moments of 100 -> 3500 W over 2800 W; peak 1400 W: 2 more
+    assert (loose.extra_nodes, loose.risk, loose.extra_nodes_peak, loose.extra_nodes_nameplate) == (3, 0.05, 2, 0)
+    assert loose.risk_by_extra_nodes == {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.05, 4: 1.0}
+    strict = power.analyze(steps, devices, ranks, facility_w=2800).headroom
+    assert (strict.extra_nodes, strict.risk) == (2, 0.0)
+    (finding,) = [f for f in power.analyze(steps, devices, ranks, facility_w=2800).findings if f.kind == "headroom"]
+    assert finding.score == 2 and finding.evidence["node_p99_w"] == 700  # a node's own p99: its 5% at 350 W
+    default = power.analyze(steps, devices, ranks).headroom  # the GPUs' nameplate: 4 x 700 W
+    assert default.facility_w == 2800
+
+
+def test_headroom_needs_power_samples():
+    assert power.analyze(built(0.6 * np.ones((5, 4)))).headroom is None
+
+
+TOPOLOGY = simulate.Topology(dp=64)
+STRAGGLER = [parse("straggler:rank=9,slowdown=1.2")]
+
+
+def simulated(seed: int, limits: np.ndarray | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    frames = list(simulate.steps(TOPOLOGY, 50, STRAGGLER, seed=seed, start_ns=0, power_limits=limits))
+    return (pd.concat(frames, ignore_index=True).assign(run_id="sim"),
+            pd.concat([simulate.device_samples(f) for f in frames], ignore_index=True))
+
+
+def test_closed_loop_on_the_fleet_simulator():
+    """Caps recommended on one run, the same scenario played again (other noise) under them: the
+    energy saved and the slowdown measured fall within the predicted re-run ranges."""
+    before, devices = simulated(seed=1)
+    per_rank = power.analyze(before, devices, TOPOLOGY.placement()).per_rank
+    assert 9 not in per_rank.caps and len(per_rank.caps) == 63
+    limits = simulate.power_limits({str(r): w for r, w in per_rank.caps.items()}, TOPOLOGY.ranks)
+    after, _ = simulated(seed=2, limits=limits)
+    assert set(after.loc[after["rank"] != 9, "clock_event_reasons"]) == {0x4}  # sw_power_cap
+    energy = {name: run.groupby("step")["energy_j"].sum().mean() for name, run in (("before", before), ("after", after))}
+    time_s = {name: run.groupby("step")["duration_s"].median().mean() for name, run in (("before", before),
+                                                                                         ("after", after))}
+    saving, slowdown = energy["before"] - energy["after"], time_s["after"] / time_s["before"]
+    assert per_rank.saving_j_per_step_range[0] <= saving <= per_rank.saving_j_per_step_range[1]
+    assert per_rank.slowdown_range[0] <= slowdown <= per_rank.slowdown_range[1]
+    assert saving / energy["before"] > 0.05
+    # the simulated GPU under a recommended cap runs compute as much slower as the analyzer planned
+    rank = next(c for c in per_rank.ranks if c.cap_w is not None)
+    device = SimulatedDevice(0)
+    device.set_power_cap(rank.cap_w)
+    assert device.compute_scale() == pytest.approx(rank.stretch)
+    device.close()
+
+
+def test_power_limit_faults_and_files():
+    frame = next(simulate.steps(simulate.Topology(4), 1, [parse("power-cap:watts=450,rank=1")], start_ns=0,
+                                power_limits=simulate.power_limits({"rank_caps": {"2": 100}}, 4)))
+    assert list(frame["power_limit_w"]) == [700, 450, 200, 700]  # 100 W clamped to the lowest limit, 200 W
+    assert frame.loc[0, "compute_s"] * 1.2 < frame.loc[2, "compute_s"]
+    for bad, message in (([1, 2], "JSON object"), ({"9": 300}, "ranks are 0..3"), ({"x": 300}, "not rank: watts")):
+        with pytest.raises(ValueError, match=message):
+            simulate.power_limits(bad, 4)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    sweep_specs = [f"power-cap:watts={w},from={10 * i},to={10 * (i + 1)}" for i, w in enumerate((700, 550, 400))]
+    return simulated_store(tmp_path_factory.mktemp("power"),
+                           {"pw-straggler": ["straggler:rank=5,slowdown=1.2"],
+                            "pw-sweep": ["straggler:rank=5,slowdown=1.2", *sweep_specs]},
+                           ["--ranks", "16", "--steps", "30"])
+
+
+def recommend(db, run: str, *args: str) -> dict:
+    result = rankwatch_cli("power", "recommend", run, "--db", str(db), "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_recommend_json(store, tmp_path):
+    plot = tmp_path / "curve.png"
+    report = recommend(store, "pw-straggler", "--plot", str(plot))
+    assert list(report) == ["run", "policy", "ranks", "steps", "curve", "job_cap", "per_rank", "headroom", "findings",
+                            "rank_caps"]
+    assert (report["run"], report["policy"], report["ranks"], report["steps"]) == ("pw-straggler",
+                                                                                   "max-slowdown:0.02", 16, 30)
+    assert set(report["curve"][0]) == {"cap_w", "source", "steps", "step_s", "step_s_se", "energy_j", "energy_j_se",
+                                       "power_w", "slowdown", "energy_saving", "zeus_cost"}
+    assert report["curve"][0]["source"] == "model"
+    assert "5" not in report["rank_caps"] and len(report["rank_caps"]) == 15
+    assert report["rank_caps"] == {k: v for k, v in report["per_rank"]["caps"].items()}
+    assert report["per_rank"]["ranks"][0]["load"] == 1.0  # the busy samples' utilization
+    assert report["headroom"]["nodes"] == 2 and report["headroom"]["facility_w"] == 16 * 700
+    assert {f["kind"] for f in report["findings"]} == {"job_cap", "per_rank_caps", "headroom"}
+    assert Image.open(plot).format == "PNG"
+    # the document drives the simulator's caps directly
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps(report))
+    result = rankwatch_cli("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
+                           "--power-caps", str(caps))
+    assert result.returncode == 0, result.stderr
+
+
+def test_recommend_picks_from_a_sweep(store):
+    report = recommend(store, "pw-sweep", "--policy", "budget:9000")
+    assert [(p["cap_w"], p["source"], p["steps"]) for p in report["curve"]] == [(400, "measured", 8),
+                                                                                 (550, "measured", 8),
+                                                                                 (700, "measured", 8)]
+    assert report["job_cap"]["cap_w"] == 550  # 16 x 550 W within 9 kW, the fastest that is
+    assert report["curve"][0]["slowdown"] > report["curve"][1]["slowdown"] > 1
+    (finding,) = [f for f in report["findings"] if f["kind"] == "job_cap"]
+    assert finding["evidence"]["throttle_reasons"]["sw_power_cap"] > 0
+
+
+def test_recommend_table(store):
+    result = rankwatch_cli("power", "recommend", "pw-straggler", "--db", str(store))
+    assert result.returncode == 0, result.stderr
+    assert "time/energy trade-off" in result.stdout and "per-rank caps: 15 of 16 ranks" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["pw-straggler", "--policy", "fastest"], "unknown policy 'fastest'"),
+    (["pw-straggler", "--policy", "zeus:2"], "eta is within 0..1"),
+    (["pw-straggler", "--facility-watts", "0"], "--facility-watts must be positive"),
+    (["no-such-run"], "no steps for run 'no-such-run'")])
+def test_recommend_errors_are_one_line(store, args, message):
+    result = rankwatch_cli("power", "recommend", *args, "--db", str(store))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_recommend_without_a_store_and_bad_caps_files(tmp_path):
+    result = rankwatch_cli("power", "recommend", "r", "--db", str(tmp_path / "none.duckdb"))
+    assert result.returncode == 2 and "no store at" in result.stderr
+    caps = tmp_path / "caps.json"
+    for text, message in (("{", "--power-caps"), ('{"99": 300}', "ranks are 0..15")):
+        caps.write_text(text)
+        result = rankwatch_cli("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
+                               "--power-caps", str(caps))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
