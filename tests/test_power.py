@@ -166,9 +166,9 @@ def test_closed_loop_on_the_fleet_simulator():
     limits = simulate.power_limits({str(r): w for r, w in per_rank.caps.items()}, TOPOLOGY.ranks)
     after, _ = simulated(seed=2, limits=limits)
     assert set(after.loc[after["rank"] != 9, "clock_event_reasons"]) == {0x4}  # sw_power_cap
-    energy = {name: run.groupby("step")["energy_j"].sum().mean() for name, run in (("before", before), ("after", after))}
-    time_s = {name: run.groupby("step")["duration_s"].median().mean() for name, run in (("before", before),
-                                                                                         ("after", after))}
+    runs = {"before": before, "after": after}
+    energy = {name: run.groupby("step")["energy_j"].sum().mean() for name, run in runs.items()}
+    time_s = {name: run.groupby("step")["duration_s"].median().mean() for name, run in runs.items()}
     saving, slowdown = energy["before"] - energy["after"], time_s["after"] / time_s["before"]
     assert per_rank.saving_j_per_step_range[0] <= saving <= per_rank.saving_j_per_step_range[1]
     assert per_rank.slowdown_range[0] <= slowdown <= per_rank.slowdown_range[1]
