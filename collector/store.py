@@ -71,7 +71,7 @@ ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, wo
 
 @dataclass
 class Call:
-    """A request for the writer: an operation of collector/commands.py by name, or "query"."""
+    """A request for the writer: an operation of collector/commands.py or runmetrics.py by name, or "query"."""
 
     id: int
     operation: str
@@ -143,6 +143,8 @@ class _Writer:
             for call in calls:
                 if call.operation == "query":  # on a query thread: a slow query never holds up commits
                     self._queries.submit(self._query, call, acks)
+                elif call.operation in METRICS_OPERATIONS:  # reads too: on a query thread
+                    self._queries.submit(self._read, call, acks)
                 else:
                     acks.put(self._call(call))
             if not self._analysis.due_in() and not stop:
@@ -158,8 +160,7 @@ class _Writer:
     def _call(self, call: "Call") -> tuple:
         """("result", call id, value) or ("error", call id, exception) of a control API operation."""
         try:
-            operation = (commands.OPERATIONS | METRICS_OPERATIONS)[call.operation]
-            return ("result", call.id, operation(self._con, **call.kwargs))
+            return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
         except (commands.CommandError, LookupError, duckdb.Error) as e:
             return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
 
@@ -171,6 +172,17 @@ class _Writer:
             acks.put(("error", call.id, e))
         except Exception as e:  # a future must settle, whatever went wrong
             acks.put(("error", call.id, RuntimeError(str(e))))
+
+    def _read(self, call: "Call", acks) -> None:
+        """Run a read of collector/runmetrics.py on a cursor of its own and put its ("result" | "error", call id,
+        value)."""
+        cursor = self._con.cursor()
+        try:
+            acks.put(("result", call.id, METRICS_OPERATIONS[call.operation](cursor, **call.kwargs)))
+        except Exception as e:  # a future must settle, whatever went wrong
+            acks.put(("error", call.id, RuntimeError(str(e))))
+        finally:
+            cursor.close()
 
     def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> tuple:
         """Append a group of decoded batches in one transaction, leaving out requests already
