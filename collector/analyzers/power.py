@@ -254,6 +254,7 @@ def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.
     curve, measured = _measured_curve(steps, s), True
     if len(curve) < 2:
         curve, measured = ([] if draws is None else _modelled_curve(draws, profile.loc[judged.ranks], model, s)), False
+    curve.sort(key=lambda p: p.cap_w)
     _relative(curve, policy.value if policy.kind == "zeus" else 0.5, n_ranks * model.limit_max_w)
     choice = _choose(curve, policy, n_ranks)
     per_rank = None if draws is None else _per_rank(judged, draws, profile.loc[judged.ranks], model, s, n_steps)
