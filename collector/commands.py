@@ -1,4 +1,4 @@
-"""Control commands for a running job: rollbacks (and, later, power caps).
+"""Control commands for a running job: rollbacks and power caps.
 
 A command is created by an analyzer (a rollback for each anomaly finding, at
 most one per finding) or by a person through the control API, fetched by the
@@ -15,7 +15,7 @@ import duckdb
 
 from collector.analyzers import anomalies
 
-KINDS = ("rollback",)
+KINDS = ("rollback", "power_cap")
 STATES = ("pending", "acked", "applied", "failed", "cancelled")
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
@@ -39,6 +39,8 @@ def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, c
     """A new pending command; for a finding that already has one, that one (one anomaly, one rollback)."""
     if kind not in KINDS:
         raise CommandError(f"unknown command kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if kind == "power_cap":
+        args = power_cap_args(args)
     if finding_id is not None:
         existing = _select(con, "WHERE finding_id = ? AND kind = ?", [finding_id, kind])
         if existing:
@@ -47,6 +49,22 @@ def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, c
                                 "VALUES (?, ?, ?, ?, ?) RETURNING id",
                                 [run_id, kind, json.dumps(args), created_by, finding_id]).fetchone()
     return get(con, command_id)
+
+
+def power_cap_args(args) -> dict:
+    """A power cap's args as the job reads them: `caps` {rank: W} (rank as a string, as JSON has
+    it) and `watts` for every other rank, either or both; CommandError for anything else."""
+    usage = "a power_cap takes caps {rank: watts} and/or watts (every other rank), ranks >= 0, watts positive"
+    if not isinstance(args, dict) or set(args) - {"caps", "watts"} or not isinstance(args.get("caps", {}), dict):
+        raise CommandError(usage)
+    try:
+        caps = {str(int(rank)): float(w) for rank, w in args.get("caps", {}).items()}
+        watts = [float(args["watts"])] if args.get("watts") is not None else []
+    except (TypeError, ValueError):
+        raise CommandError(usage) from None
+    if not (caps or watts) or any(int(r) < 0 for r in caps) or not all(w > 0 for w in [*caps.values(), *watts]):
+        raise CommandError(usage)
+    return {"caps": caps} | ({"watts": watts[0]} if watts else {})
 
 
 def get(con: duckdb.DuckDBPyConnection, command_id: int) -> dict:

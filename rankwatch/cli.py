@@ -212,6 +212,42 @@ def cmd_power_recommend(args) -> None:
         _print_power(report)
 
 
+def cmd_power_apply(args) -> None:
+    import json
+
+    import httpx
+
+    from agent.config import collector_url, token
+
+    if not args.caps and args.watts is None:
+        raise UsageError("give --caps FILE.json, --watts W, or both")
+    if args.caps:
+        try:
+            document = json.loads(Path(args.caps).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read --caps {args.caps}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise UsageError(f"--caps {args.caps}: {str(e).splitlines()[0]}") from None
+        caps = document.get("rank_caps", document) if isinstance(document, dict) else document
+        body = {"caps": caps} | ({"watts": args.watts} if args.watts is not None else {})
+    else:
+        body = {"watts": args.watts}
+    url, secret = collector_url(args.collector), token()
+    try:
+        response = httpx.post(f"{url}/v1/commands", json={"run_id": args.run, "kind": "power_cap", "args": body},
+                              headers={"Authorization": f"Bearer {secret}"} if secret else {}, timeout=30)
+    except httpx.HTTPError as e:
+        raise UsageError(f"cannot reach the collector at {url}: {e}") from None
+    if response.status_code != 201:
+        json_body = response.headers.get("content-type", "").startswith("application/json")
+        raise UsageError(f"the collector refused the power cap (HTTP {response.status_code}): "
+                         f"{response.json().get('error') if json_body else response.text.strip()[:200]}")
+    command = response.json()
+    print(f"rankwatch power apply: command {command['id']} (power_cap: {len(command['args']['caps'])} ranks capped"
+          + (f", the others at {command['args']['watts']:g} W" if "watts" in command["args"] else "")
+          + f") is pending for run {args.run}; the job applies it at a step boundary")
+
+
 def _print_power(report) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -472,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the time/energy trade-off")
     p.set_defaults(func=cmd_power_recommend)
+    p = power.add_parser("apply", help="send a running job power caps through the collector's control API")
+    p.add_argument("run", help="run id")
+    p.add_argument("--caps", metavar="FILE.json",
+                   help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document")
+    p.add_argument("--watts", type=float, help="the cap of every rank --caps leaves out (of all, without --caps)")
+    p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    p.set_defaults(func=cmd_power_apply)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql")

@@ -2,10 +2,12 @@
 straggler, a job's limit picked from steps at several limits by each policy, headroom
 arithmetic), the closed loop on the fleet simulator (caps recommended for a straggler run,
 the run played again under them, the saving and slowdown measured within the predicted
-range), and `rankwatch power recommend` on a store filled through a real collector."""
+range), `rankwatch power recommend` on a store filled through a real collector, and
+`rankwatch power apply` sending caps through a collector's control API."""
 
 import json
 
+import httpx
 import numpy as np
 import pandas as pd
 import pytest
@@ -265,4 +267,26 @@ def test_recommend_without_a_store_and_bad_caps_files(tmp_path):
         caps.write_text(text)
         result = rankwatch_cli("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
                                "--power-caps", str(caps))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps({"run": "pw-live", "rank_caps": {"1": 512.0, "2": 498.0}}))  # a recommend document
+    env = {"RANKWATCH_TOKEN": collector.token}
+
+    def apply(*args: str):
+        return rankwatch_cli("power", "apply", "pw-live", *args, "--collector", collector.url, env=env)
+
+    result = apply("--caps", str(caps), "--watts", "650")
+    assert result.returncode == 0, result.stderr
+    assert "2 ranks capped, the others at 650 W" in result.stdout
+    (command,) = httpx.get(f"{collector.url}/v1/commands", params={"run_id": "pw-live"}, headers=collector.headers,
+                           timeout=10).json()
+    assert (command["kind"], command["state"], command["created_by"]) == ("power_cap", "pending", "api")
+    assert command["args"] == {"caps": {"1": 512.0, "2": 498.0}, "watts": 650.0}
+    caps.write_text('{"x": 300}')
+    for args, message in ((("--caps", str(caps)), "a power_cap takes caps"), ((), "give --caps FILE.json, --watts W"),
+                          (("--watts", "-5"), "watts positive")):
+        result = apply(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
