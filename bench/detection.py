@@ -17,6 +17,8 @@ Usage: python bench/detection.py [--ranks 1024] [--steps 60] [--clean-steps 2000
 import argparse
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -32,21 +34,25 @@ from trainer.faults import parse  # noqa: E402
 ONSET = 20
 
 
-def frames(topology, n_steps, faults, jitter, seed) -> pd.DataFrame:
+def frames(topology, n_steps, faults, jitter, seed) -> Iterator[pd.DataFrame]:
     timing = simulate.Timing(jitter=jitter)
-    df = pd.concat(simulate.steps(topology, n_steps, faults, timing, seed=seed), ignore_index=True)
-    return df.assign(run_id="bench")
+    return (frame.assign(run_id="bench") for frame in simulate.steps(topology, n_steps, faults, timing, seed=seed))
 
 
-def judge(df: pd.DataFrame, placement: pd.DataFrame, settings: stragglers.Settings):
-    """(step, findings) for every step once a window is full, and the CPU seconds spent."""
-    cpu, out = 0.0, []
-    for step in range(settings.window - 1, int(df["step"].max()) + 1):
-        window = df[(df["step"] > step - settings.window) & (df["step"] <= step)]
+def judge(steps: Iterator[pd.DataFrame], placement: pd.DataFrame, settings: stragglers.Settings):
+    """(step, findings) for every step once a window is full, and the CPU seconds spent in the
+    analyzer. The window slides over the frames as they come, so a long run costs no more memory
+    or time per step than a short one."""
+    cpu, out, window = 0.0, [], deque(maxlen=settings.window)
+    for frame in steps:
+        window.append(frame)
+        if len(window) < settings.window:
+            continue
+        recent = pd.concat(window, ignore_index=True)
         started = time.process_time()
-        findings = stragglers.analyze(window, placement, settings)
+        findings = stragglers.analyze(recent, placement, settings)
         cpu += time.process_time() - started
-        out.append((step, findings))
+        out.append((int(frame["step"].iloc[0]), findings))
     return out, cpu
 
 
@@ -89,7 +95,8 @@ def main() -> None:
 
     clean = Table("jitter", "steps judged", "steps with a finding", "per 10,000 steps")
     for jitter in (0.01, 0.02, 0.03):
-        df = frames(topology, args.clean_steps, [], jitter, seed=7)
+        df = track(frames(topology, args.clean_steps, [], jitter, seed=7), total=args.clean_steps,
+                   description=f"clean run at {jitter:.0%} jitter", transient=True)
         judged, cpu = judge(df, placement, settings)
         cpu_total, calls = cpu_total + cpu, calls + len(judged)
         flagged = sum(1 for _, fs in judged if fs)
