@@ -76,6 +76,7 @@ class Session:
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None
         self._lock = threading.Lock()
+        self._emitting = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat",
                                            daemon=True)
@@ -150,11 +151,14 @@ class Session:
 
     # -- turning marks into spans --------------------------------------------------------------------
     def _emit_ready(self, wait: bool = False) -> None:
-        """Emit the finished steps whose marks are readable; `wait` (at shutdown) waits for them."""
-        while self._pending and (wait or self._readable(self._pending[0])):
-            if wait and hasattr(self._pending[0].end, "synchronize"):
-                self._pending[0].end.synchronize()  # a CUDA event: the one wait, at the end of the job
-            self._emit(self._pending.popleft())
+        """Emit the finished steps whose marks are readable; `wait` (at shutdown) waits for them.
+        Called at each step's end, and by the heartbeat thread: a step that became readable just
+        after it ended still goes out while the next one hangs."""
+        with self._emitting:
+            while self._pending and (wait or self._readable(self._pending[0])):
+                if wait and hasattr(self._pending[0].end, "synchronize"):
+                    self._pending[0].end.synchronize()  # a CUDA event: the one wait, at the end of the job
+                self._emit(self._pending.popleft())
 
     def _readable(self, s: _Step) -> bool:
         """Its marks are readable, and the sampler has sampled past its end (for its energy)."""
@@ -209,6 +213,7 @@ class Session:
         last collective it entered (a hang's culprits are the ranks that did not enter the
         collective the others are blocked in)."""
         while not self._stop.wait(every_s):
+            self._emit_ready()
             current, last = self._current, self._last_collective
             attributes = {sc.PHASE: self._phase or ""}
             if last is not None:

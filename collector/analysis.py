@@ -47,11 +47,15 @@ class Analysis:
         self.alerts = alerts
         self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
         self._active: dict[str, float] = {}
+        self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._next = time.monotonic() + interval_s
 
-    def touched(self, run_ids) -> None:
+    def touched(self, run_ids, steps: bool) -> None:
+        """Runs that sent something (`steps`: rank-steps, else only events such as heartbeats)."""
         now = time.monotonic()
         self._active.update((run_id, now) for run_id in run_ids)
+        if steps:
+            self._stepped.update(run_ids)
 
     def due_in(self) -> float:
         return max(self._next - time.monotonic(), 0.0)
@@ -61,18 +65,21 @@ class Analysis:
         self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         self._active = {run: t for run, t in self._active.items() if t > cutoff}
+        stepped, self._stepped = self._stepped, set()
         for run_id in list(self._active):
             try:
-                self._analyze(con, run_id)
+                self._analyze(con, run_id, run_id in stepped)
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
 
-    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, new_steps: bool) -> None:
+        """The hang analyzer on every active run (a stall is a run that stopped sending steps);
+        the others only where new steps came since the last pass."""
         steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
         if steps.empty:
             return
         complete = steps[steps["step"] < steps["step"].max()]  # the newest step may still be arriving
-        if not complete.empty:
+        if new_steps and not complete.empty:
             ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
             devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()
             findings.record(con, run_id, stragglers.ANALYZER,

@@ -224,8 +224,9 @@ class _Writer:
             return ("failed", [request_id for stored, _ in group for request_id, _, _ in stored], str(e))
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
-        self._analysis.touched({run_id for table in ("steps", "events") for part in tables[table]
-                                for run_id in pc.unique(part["run_id"]).to_pylist()})
+        for table in ("steps", "events"):
+            self._analysis.touched({run_id for part in tables[table] for run_id in pc.unique(part["run_id"]).to_pylist()},
+                                   steps=table == "steps")
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
