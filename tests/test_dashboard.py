@@ -1,7 +1,7 @@
 """Every dashboard page, run with Streamlit's AppTest against a store filled through real
 collectors (tests/dashboard_store.py): no exception on any page for any run, and the numbers
 and ranks each page leads with are the ones the store holds. The Overview is also read through
-a running collector's query API."""
+a running collector's query API, and `rankwatch dashboard` refuses a store it cannot read."""
 
 import shutil
 from pathlib import Path
@@ -11,7 +11,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from dashboard.source import COLLECTOR_ENV, DB_ENV
-from tests.conftest import Collector, free_port
+from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
@@ -214,3 +214,11 @@ def test_pages_through_a_collector(from_collector):
     assert f"reading collector {collector.url}" in texts(at.sidebar.caption)
     at = page("stragglers", FLEET["run"])
     assert f"### Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern *rank*" in texts(at.markdown)
+
+
+def test_cli_refuses_a_store_it_cannot_read(tmp_path, collector):
+    missing = rankwatch_cli("dashboard", "--db", str(tmp_path / "none.duckdb"))
+    assert (missing.returncode, missing.stderr.strip()) == (2, f"rankwatch: error: no store at {tmp_path}/none.duckdb")
+    held = rankwatch_cli("dashboard", "--db", str(collector.db))
+    assert held.returncode == 2
+    assert "is held open by a running collector" in held.stderr and "--collector URL" in held.stderr

@@ -46,7 +46,7 @@ def live() -> None:
                    delta_color="inverse", help=f"median rank, mean of the last {RECENT} steps")
     cols[2].metric("Tokens/s", "—" if tokens is None else f"{tokens:,.0f}")
     cols[3].metric("MFU", "—" if mfu is None else f"{100 * mfu:.1f}%")
-    cols[4].metric("Power", "—" if pd.isna(watts) or watts is None else f"{watts / 1000:.2f} kW",
+    cols[4].metric("Power", "—" if pd.isna(watts) else f"{watts / 1000:.2f} kW",
                    help="sum over ranks of each one's mean over the newest minute of samples")
     ui.show_findings(firing, "No finding fires.")
 

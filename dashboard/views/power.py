@@ -26,6 +26,10 @@ else:
     with st.expander("throttled ranks"):
         st.dataframe(throttled, hide_index=True, width="stretch")
 
+findings = ui.frame("findings", run=run)
+for _, finding in findings[findings["analyzer"] == "power"].iterrows():  # the power analyzer's conclusions
+    ui.show_finding(finding)
+
 energy, power = ui.frame("energy_per_step", run=run), ui.frame("power_now", run=run)
 cols = st.columns(3)
 watts, joules = power["watts"].iloc[0], energy["joules"].iloc[0]
