@@ -24,7 +24,7 @@ else:
     st.subheader("Slowest process groups")
     st.dataframe(groups, hide_index=True, width="stretch",
                  column_config={"of_median": st.column_config.NumberColumn("of the op's median", format="%.2f"),
-                                "busbw_gbps": st.column_config.NumberColumn("busbw, GB/s", format="%.1f")})
+                                "busbw_gbps": st.column_config.NumberColumn("mean busbw, GB/s", format="%.1f")})
 
 exposed = ui.frame("exposed_comm", run=run, rank_bins=ui.RANK_BINS)
 st.subheader("Exposed communication per rank")

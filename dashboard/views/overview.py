@@ -29,7 +29,7 @@ def live() -> None:
         st.error(f"**Hung.** {hangs.iloc[0]['summary']}")
     elif not firing.empty:
         st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing.** "
-                   + " ".join(f"{s}" for s in firing["summary"].head(3)))
+                   + " ".join(firing["summary"].head(3)))
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
     if complete.empty:
