@@ -58,6 +58,18 @@ EVENT_FAULT = "fault_injected"  # a fault the trainer injected, with its spec
 EVENT_TELEMETRY_BACKLOG = "telemetry_backlog"  # spans delivered late or dropped while the collector was away
 FAULT_SPEC = "rankwatch.fault"
 PHASE = "rankwatch.phase"
+# checkpoints (trainer/checkpoint.py): a snapshot reached a tier, was loaded, or was refused
+EVENT_CHECKPOINT_SAVED = "checkpoint_saved"  # copied to host memory, or durable on disk
+EVENT_CHECKPOINT_RESTORED = "checkpoint_restored"
+EVENT_CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # partial or damaged on disk: skipped for an older one
+CKPT_TIER = "rankwatch.checkpoint.tier"
+CKPT_BYTES = "rankwatch.checkpoint.bytes"
+CKPT_BLOCKED_S = "rankwatch.checkpoint.blocked_s"  # training-loop time the snapshot cost
+CKPT_DURABLE_S = "rankwatch.checkpoint.durable_s"  # from the snapshot's start until it was safe in its tier
+CKPT_PATH = "rankwatch.checkpoint.path"
+CKPT_WHY = "rankwatch.checkpoint.why"
+TIER_MEMORY = "memory"
+TIER_DISK = "disk"
 
 # Data point attributes of device metrics.
 GPU = "gpu"  # device index on the host, as in DCGM exporter labels
@@ -92,3 +104,13 @@ CLOCK_EVENT_REASON_BITS = {
 # Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.
 HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
 HOST_POWER_W = "hw.power"  # W, averaged since the previous reading
+
+# Rollbacks (trainer/rollback.py): a command from the collector, carried out by every rank.
+EVENT_ROLLBACK = "rollback"  # the state went back to a checkpoint, with what follows
+EVENT_STOPPED = "training_stopped"  # the job stopped itself (rollback budget spent), with why
+ROLLBACK_RESTORED_STEP = "rankwatch.rollback.restored_step"
+ROLLBACK_SKIPPED_BATCHES = "rankwatch.rollback.skipped_batches"
+ROLLBACK_LR_SCALE = "rankwatch.rollback.lr_scale"
+ROLLBACK_ANOMALY = "rankwatch.rollback.anomaly"
+ROLLBACK_LATENCY_S = "rankwatch.rollback.latency_s"  # from the command's creation to training going on
+STOP_WHY = "rankwatch.stop.why"

@@ -97,14 +97,21 @@ def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_st
 
 
 def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy: RollbackPolicy) -> list[dict]:
-    """A rollback for each firing anomaly finding of the run that has none yet."""
+    """A rollback for the run's firing anomaly findings that have none yet, back before the
+    earliest, unless one is under way: one anomaly often shows as several findings (a loss spike
+    with its gradient-norm spike), and one rollback ends them all."""
+    if con.execute("SELECT 1 FROM commands WHERE run_id = ? AND kind = 'rollback' AND state IN ('pending', 'acked')",
+                   [run_id]).fetchone():
+        return []
     findings = con.execute("SELECT id, kind, step_start FROM findings WHERE run_id = ? AND analyzer = ? "
                            "AND state = 'firing' AND id NOT IN (SELECT finding_id FROM commands "
                            "WHERE finding_id IS NOT NULL)", [run_id, anomalies.ANALYZER]).fetchall()
+    if not findings:
+        return []
+    finding_id, kind, step_start = min(findings, key=lambda f: f[2])  # the earliest: one rollback covers all
     return [create(con, run_id, "rollback", {"before_step": step_start - policy.margin, "anomaly": kind,
                                              "skip_batches": policy.skip_batches, "lr_scale": policy.lr_scale},
-                   "anomalies", finding_id)
-            for finding_id, kind, step_start in findings]
+                   "anomalies", finding_id)]
 
 
 def _select(con: duckdb.DuckDBPyConnection, where: str, params: list) -> list[dict]:

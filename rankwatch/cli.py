@@ -39,7 +39,8 @@ def cmd_collector(args) -> None:
     config = Config(db=_db(args), host=args.host, port=args.port,
                     token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
-                    hang_after_s=args.hang_after, alerts=_alert_config(args))
+                    hang_after_s=args.hang_after, auto_rollback=not args.no_auto_rollback,
+                    alerts=_alert_config(args))
     try:
         preflight(config)
     except StoreLocked as e:
@@ -322,7 +323,7 @@ def cmd_train(args) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
     sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
-                   collector=args.collector, model=args.model))
+                   collector=args.collector, model=args.model, max_restarts=args.max_restarts))
 
 
 def cmd_simulate(args) -> None:
@@ -431,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
@@ -464,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often the analyzers look at the runs that are sending (default 5)")
     p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
+    p.add_argument("--no-auto-rollback", action="store_true",
+                   help="report anomalies (NaN, loss spikes) without sending the job a rollback")
     p.add_argument("--alerts", metavar="FILE",
                    help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)")
     p.set_defaults(func=cmd_collector)

@@ -10,22 +10,29 @@ import httpx
 from agent import config
 
 
-def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny") -> list[str]:
+def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny", max_restarts: int = 0,
+                  trainer_args: list[str] = ()) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainer.train", "--steps", str(steps), "--model", model]
+               f"--max-restarts={max_restarts}", "-m", "trainer.train", "--steps", str(steps), "--model", model,
+               *trainer_args]
     for spec in faults:
         command += ["--inject", spec]
     return command
 
 
 def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] = (), collector: str | None = None,
-          model: str = "tiny", token: str | None = None) -> int:
-    """Run the trainer to the end; returns torchrun's exit status."""
+          model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: list[str] = ()) -> int:
+    """Run the trainer to the end; returns torchrun's exit status. After a failure torchrun starts the
+    job again, up to `max_restarts` times, and the trainer resumes from its last checkpoint."""
     env = {**os.environ, "RANKWATCH_RUN_ID": run_id or time.strftime("run-%Y%m%d-%H%M%S"),
-           "RANKWATCH_COLLECTOR": config.collector_url(collector), "OMP_NUM_THREADS": "1"}
+           "RANKWATCH_COLLECTOR": config.collector_url(collector), "OMP_NUM_THREADS": "1",
+           # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
+           # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if token := config.token(token):
         env["RANKWATCH_TOKEN"] = token
-    return subprocess.run(train_command(nproc, steps, list(faults), model), env=env).returncode
+    return subprocess.run(train_command(nproc, steps, list(faults), model, max_restarts, list(trainer_args)),
+                          env=env).returncode
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -26,6 +26,7 @@ GRAMMAR = {
     "hang:rank=1,at=200,seconds=30": ("hang", {"rank": 1, "at": 200, "seconds": 30.0}, 1, [200], [199, 201]),
     "spike:at=120,scale=8": ("spike", {"at": 120, "scale": 8.0}, None, [120], [0, 119, 121]),
     "nan:at=150": ("nan", {"at": 150}, None, [150], [0, 149, 151]),
+    "crash:rank=1,at=50": ("crash", {"rank": 1, "at": 50}, 1, [50], [0, 49, 51]),
     "thermal:rank=3,from=60": ("thermal", {"rank": 3, "from": 60}, 3, [60, 61, 5000], [0, 59]),
     "slow-link:rank=5,factor=2": ("slow-link", {"rank": 5, "factor": 2.0}, 5, [0, 1, 10**6], []),
     "slow-stage:stage=3,slowdown=1.2": ("slow-stage", {"stage": 3, "slowdown": 1.2}, None, [0, 77], []),
@@ -92,6 +93,14 @@ def test_trainer_arguments_accept_what_it_injects():
                       "--inject", "hang:rank=0,at=2,seconds=1", "--inject", "spike:at=1,scale=8",
                       "--inject", "slow-link:rank=1,factor=2"])
     assert [f.kind for f in args.faults] == ["straggler", "nan", "hang", "spike", "slow-link"]
+
+
+def test_trainer_crashes_on_the_first_attempt_only(monkeypatch):
+    from trainer.train import arguments
+
+    assert [f.kind for f in arguments(["--inject", "crash:rank=1,at=5"]).faults] == ["crash"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's restart: it resumes instead
+    assert arguments(["--inject", "crash:rank=1,at=5"]).faults == []
 
 
 @pytest.mark.parametrize("spec", ["thermal:rank=0", "slow-stage:stage=1,slowdown=1.2", "data-skew:cv=0.3"])

@@ -5,6 +5,8 @@
     hang:rank=1,at=200[,seconds=S]                   a rank stops (forever, or for S seconds)
     spike:at=120,scale=8                             the loss of one step is scaled (a loss spike)
     nan:at=150                                       the loss of one step is NaN
+    crash:rank=1,at=50                               a rank's process exits with an error (torchrun's first
+                                                     attempt only: a restart resumes from a checkpoint)
     thermal:rank=3,from=60                           a GPU throttles (clocks down, slower)
     slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
     slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
@@ -19,6 +21,7 @@ _KEYS = {  # kind -> {key: (type, required)}
     "hang": {"rank": (int, True), "at": (int, True), "seconds": (float, False)},
     "spike": {"at": (int, True), "scale": (float, True)},
     "nan": {"at": (int, True)},
+    "crash": {"rank": (int, True), "at": (int, True)},
     "slow-node": {"node": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "thermal": {"rank": (int, True), "from": (int, False), "to": (int, False)},
     "slow-link": {"rank": (int, True), "factor": (float, True), "from": (int, False), "to": (int, False)},
@@ -28,7 +31,7 @@ _KEYS = {  # kind -> {key: (type, required)}
 }
 
 
-TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link")  # the rest need the fleet simulator
+TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash")  # the rest need the fleet simulator
 
 
 @dataclass(frozen=True)

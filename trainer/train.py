@@ -3,6 +3,8 @@
 Run by `rankwatch train` under torchrun (one process per rank); gloo on CPU,
 nccl on CUDA. Faults from `--inject` are applied by trainer/faults.py's
 grammar and logged as events, so analyzers can be scored against them.
+The training state is checkpointed by trainer/checkpoint.py, and a start
+(a torchrun restart too) resumes from the newest checkpoint on disk.
 """
 
 import argparse
@@ -10,13 +12,17 @@ import math
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
+from agent import config
 from agent import semconv as sc
+from trainer import rollback
+from trainer.checkpoint import Checkpointer
 from trainer.data import TokenStream
 from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
@@ -32,11 +38,25 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--ckpt-dir", type=Path, metavar="DIR",
+                   help="checkpoints, DIR/rank-R for rank R (default: rankwatch-data/runs/RUN/checkpoints)")
+    p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
+                   help="copy the training state to host memory every STEPS steps")
+    p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
+                   help="write one of those snapshots to disk every STEPS steps (a multiple of --snapshot-every)")
+    p.add_argument("--ckpt-memory", type=int, default=2, metavar="K", help="snapshots kept in host memory")
+    p.add_argument("--ckpt-keep", type=int, default=2, metavar="D", help="checkpoints kept on disk")
     args = p.parse_args(argv)
+    if min(args.snapshot_every, args.ckpt_every, args.ckpt_memory, args.ckpt_keep) < 1:
+        p.error("--snapshot-every, --ckpt-every, --ckpt-memory and --ckpt-keep must be at least 1")
+    if args.ckpt_every % args.snapshot_every:
+        p.error(f"--ckpt-every {args.ckpt_every} is not a multiple of --snapshot-every {args.snapshot_every}")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
-        args.faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
+        faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
     except ValueError as e:
         p.error(str(e))
+    args.faults = [f for f in faults if not (f.kind == "crash" and restarted)]  # a crash happens once
     return args
 
 
@@ -59,6 +79,24 @@ def slow_link_hook(faults: list[Fault], rank: int, step_of):
     return hook
 
 
+def apply_power_cap(command: dict, device, rank: int) -> None:
+    """This rank's cap from a power_cap command, set on its GPU (clamped to the GPU's range)."""
+    watts = (command["args"].get("caps") or {}).get(str(rank), command["args"].get("watts"))
+    try:
+        applied = device.set_power_cap(watts) if watts is not None else None
+        agent.report(command, "applied", power_limit_w=applied)
+    except PermissionError as e:  # NVML without root
+        agent.report(command, "failed", error=str(e))
+
+
+def resume(ckpt: Checkpointer) -> int:
+    """The step to start at: that of the newest checkpoint every rank can load, restored (0: none)."""
+    durable: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(durable, ckpt.durable_steps())
+    common = set.intersection(*map(set, durable))
+    return ckpt.restore(max(common)) if common else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     cuda = torch.cuda.is_available()
@@ -76,18 +114,37 @@ def main(argv: list[str] | None = None) -> None:
     c = model.config
     data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    agent.init(resource={sc.DP_RANK: rank, sc.DEVICE: device_name})
+    session = agent.init(resource={sc.DP_RANK: rank, sc.DEVICE: device_name})
+    ckpt_dir = args.ckpt_dir or config.store_path().parent / "runs" / session.run_id / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir / f"rank-{rank}", {"model": model, "optimizer": optimizer, "schedule": schedule,
+                                                     "data": data},
+                        memory=args.ckpt_memory, disk_every=args.ckpt_every, keep=args.ckpt_keep)
+    start = resume(ckpt)
     current = {"step": 0}
     agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"]))
     peak, params = peak_flops(device), model.num_params()
     announced: set[str] = set()
     if rank == 0:
         print(f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
-              f"{args.steps} steps on {device_name}", flush=True)
+              f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""), flush=True)
 
-    for step in range(args.steps):
+    budget, step = rollback.Budget(), start
+    while step < args.steps:
+        command = agent.command(step)  # the same on every rank, at the same step
+        if command is not None and command["kind"] == "rollback":
+            try:
+                step = rollback.apply(command, step, ckpt, data, schedule, budget, session.clock.now_ns)
+            except rollback.Stop as e:
+                if rank == 0:
+                    print(f"rankwatch train: stopped at step {step}: {e}", flush=True)
+                break
+            continue
+        if command is not None and command["kind"] == "power_cap":
+            apply_power_cap(command, session.device, rank)
         current["step"] = step
-        faults = [f for f in args.faults if f.active(step) and f.rank in (None, rank)]
+        # a fault at one step fires once: the step replayed after a rollback runs clean
+        faults = [f for f in args.faults if f.active(step) and f.rank in (None, rank)
+                  and not ("at" in dict(f.params) and f.spec in announced)]
         for f in faults:
             if f.spec not in announced:
                 announced.add(f.spec)
@@ -96,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         with agent.step(step):
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
+            compute_started = time.perf_counter()
             with agent.phase("forward"):
                 loss = ddp(inputs, targets)
                 for f in faults:
@@ -107,19 +165,29 @@ def main(argv: list[str] | None = None) -> None:
                         loss = loss * f.get("scale")
                     elif f.kind == "nan":
                         loss = loss * float("nan")
+                    elif f.kind == "crash":
+                        agent.shutdown()  # the fault_injected event still reaches the collector
+                        os._exit(1)
             with agent.phase("backward"):
                 loss.backward()
             with agent.phase("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                ckpt.wait_until_safe()
                 optimizer.step()
                 schedule.step()
                 optimizer.zero_grad(set_to_none=True)
+                if (step + 1) % args.snapshot_every == 0:
+                    ckpt.snapshot(step + 1)
+                # a capped or throttled simulated GPU computes slower (a real one: scale 1)
+                time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
             tokens = inputs.numel()
             agent.record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=tokens,
                          lr=schedule.get_last_lr()[0], mfu=mfu(params, tokens, time.perf_counter() - started, peak))
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {loss.item():7.4f}  {(time.perf_counter() - started) * 1e3:7.1f} ms",
                   flush=True)
+        step += 1
+    ckpt.close()
     agent.shutdown()
     dist.destroy_process_group()
 
