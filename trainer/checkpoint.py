@@ -168,13 +168,13 @@ def _write_durably(path: Path, data: memoryview) -> dict:
     return {"bytes": len(data), "blake2b": digest.hexdigest()}
 
 
-def _read_verified(path: Path, entry: dict) -> torch.Tensor:
+def _read_verified(path: Path, expected_size: int, expected_digest: str) -> torch.Tensor:
     """A file's bytes in a new uint8 tensor, checked against its manifest entry."""
     if not path.is_file():
         raise _Corrupt(f"{path.name} is missing")
     size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise _Corrupt(f"{path.name} has {size} bytes, the manifest says {entry['bytes']}")
+    if size != expected_size:
+        raise _Corrupt(f"{path.name} has {size} bytes, the manifest says {expected_size}")
     data = torch.empty(max(size, _ALIGN), dtype=torch.uint8)
     view, digest = _memory(data), hashlib.blake2b()
     with open(path, "rb") as f:
@@ -183,7 +183,7 @@ def _read_verified(path: Path, entry: dict) -> torch.Tensor:
             if f.readinto(chunk) != len(chunk):
                 raise _Corrupt(f"{path.name} ended early")
             digest.update(chunk)
-    if digest.hexdigest() != entry["blake2b"]:
+    if digest.hexdigest() != expected_digest:
         raise _Corrupt(f"{path.name} does not match its checksum")
     return data
 
@@ -192,16 +192,23 @@ def _read_checkpoint(path: Path, step: int) -> tuple[bytes, list[_Ref], torch.Te
     """(pickled state, layout, tensor buffer) of a checkpoint directory whose manifest vouches for it."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files = {name: manifest["files"][name] for name in (META, TENSORS)}
+        files = {name: (int(manifest["files"][name]["bytes"]), str(manifest["files"][name]["blake2b"]))
+                 for name in (META, TENSORS)}
         if manifest["step"] != step:
             raise _Corrupt(f"the manifest is of step {manifest['step']}")
     except FileNotFoundError:
         raise _Corrupt("no manifest (a partial checkpoint)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise _Corrupt(f"unreadable manifest ({e!r})") from None
-    state = _read_verified(path / META, files[META])  # held while its memory is read
-    meta, refs = pickle.loads(_memory(state)[:files[META]["bytes"]])
-    return meta, refs, _read_verified(path / TENSORS, files[TENSORS])
+    state = _read_verified(path / META, *files[META])  # held while its memory is read
+    meta, refs = pickle.loads(_memory(state)[:files[META][0]])
+    return meta, refs, _read_verified(path / TENSORS, *files[TENSORS])
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint directory, its manifest first: no longer a checkpoint even if this stops half-way."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path)
 
 
 @dataclass(eq=False)
@@ -302,7 +309,7 @@ class Checkpointer:
                 s.step = -1
         for later, path in self._on_disk().items():
             if later > step:
-                shutil.rmtree(path)
+                _remove(path)
         log.info("checkpoint: restored step %d from %s", step, tier)
         agent.event(sc.EVENT_CHECKPOINT_RESTORED, step, **{sc.CKPT_TIER: tier})
         return step
@@ -395,8 +402,7 @@ class Checkpointer:
             sc.CKPT_BLOCKED_S: slot.blocked_s, sc.CKPT_DURABLE_S: durable_s})
         complete = [p for _, p in sorted(self._on_disk().items()) if (p / MANIFEST).exists()]
         for old in set(self._on_disk().values()) - set(complete[-self.keep:]):
-            (old / MANIFEST).unlink(missing_ok=True)  # no longer a checkpoint, even if removal stops half-way
-            shutil.rmtree(old)
+            _remove(old)
 
     def _on_disk(self) -> dict[int, Path]:
         """step -> directory of every checkpoint on disk, complete or not."""
@@ -404,8 +410,9 @@ class Checkpointer:
             return {}
         return {int(p.name[5:]): p for p in self.directory.glob("step-*") if p.name[5:].isdigit()}
 
-    def _newest_on_disk(self, step_at_most: int, newer_than: int) -> tuple[int, bytes, torch.Tensor] | None:
-        """(step, pickled state, tensor buffer) of the newest sound checkpoint in (newer_than, step_at_most]."""
+    def _newest_on_disk(self, step_at_most: int,
+                        newer_than: int) -> tuple[int, bytes, list[_Ref], torch.Tensor] | None:
+        """(step, pickled state, layout, buffer) of the newest sound checkpoint in (newer_than, step_at_most]."""
         for step, path in sorted(self._on_disk().items(), reverse=True):
             if newer_than < step <= step_at_most:
                 try:

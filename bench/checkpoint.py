@@ -1,0 +1,310 @@
+"""Checkpoint cost: torch.save, torch.distributed.checkpoint's save and async_save, and
+trainer/checkpoint.py, side by side on the same training state and loop.
+
+The state is a model of many small parameters and a few large ones with its
+AdamW state (parameters and both moments: about `--sizes` MB). A simulated
+training loop runs `--steps` steps (matrix products standing in for forward
+and backward, then the real optimizer step) and checkpoints every `--every`
+steps to disk; each method runs in its own process (gloo, world size 1, for
+DCP), so that its peak RSS is its own. Forward and backward take
+`--compute-ms-per-mb` per MB of state: 4 ms is what the reference GPT small
+(25M parameters, 300 MB of state) takes per step on the 2-core machine of
+docs/benchmarks.md, 1.2 s at batch 2. Per method:
+- blocked: training-loop time each checkpoint costs (median over checkpoints,
+  and the first one apart: ours allocates its ring of buffers then): the save
+  call; for async_save also a wait for the previous save; for ours the snapshot
+  call and the wait before the next optimizer step;
+- staging: the part of it spent making the copy the save works from: the
+  async_save call itself (DCP's staging), our snapshot call;
+- durable: from the checkpoint's start until its files are fsync'd (median);
+- step p50 / p99: wall time of every training step, background work included;
+- peak RSS during training, and above the state alone;
+- restore: from host memory (ours), and from disk with the files evicted from
+  the page cache first (posix_fadvise DONTNEED), into the live model and optimizer.
+
+Usage: python bench/checkpoint.py [--sizes 100 1000] [--steps 36] [--every 6] [--compute-ms-per-mb 4]
+"""
+
+import argparse
+import json
+import logging
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.checkpoint import Checkpointer  # noqa: E402
+
+METHODS = ("torch.save", "dcp.save", "dcp.async_save", "rankwatch")
+SMALL = (64, 256, 1024, 4096)  # floats: the sizes of the many small tensors, in turn
+
+
+def build(mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model whose parameters and AdamW moments come to `mb` MB: 2,000 small tensors, 4 large ones."""
+    floats = int(mb * 1e6 / 4 / 3)
+    small = [SMALL[i % len(SMALL)] for i in range(2000)]
+    large = [(floats - sum(small)) // 4] * 4
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n) * 0.02) for n in small + large])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)  # fixed gradients: the optimizer step's work, not its learning
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer.step()  # the moments exist from here on
+    return model, optimizer
+
+
+def product_s() -> float:
+    """The time of one 256x256 matrix product on this machine, alone: the unit of simulated compute."""
+    a = torch.randn(256, 256)
+    started = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    return (time.perf_counter() - started) / 200
+
+
+def evict(path: Path) -> None:
+    """Drop a checkpoint's files from the page cache, so that a restore reads the disk."""
+    for file in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+        fd = os.open(file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def state_dict(model, optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def load(model, optimizer, state: dict) -> None:
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+
+
+class TorchSave:
+    """torch.save to one file, fsync'd: the training loop waits for all of it."""
+
+    def __init__(self, directory: Path, model, optimizer):
+        self.directory, self.model, self.optimizer = directory, model, optimizer
+        self.durable: list[float] = []
+        self.staging: list[float] = []  # the methods that copy the state before saving it
+
+    def before_update(self) -> None:
+        pass
+
+    def save(self, step: int) -> None:
+        started = time.perf_counter()
+        with open(self.directory / f"step-{step}.pt", "wb") as f:
+            torch.save(state_dict(self.model, self.optimizer), f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.durable.append(time.perf_counter() - started)
+
+    def restore_from_disk(self, step: int) -> None:
+        evict(self.directory / f"step-{step}.pt")
+        load(self.model, self.optimizer, torch.load(self.directory / f"step-{step}.pt", weights_only=True))
+
+    def close(self) -> None:
+        pass
+
+
+class DcpSave(TorchSave):
+    """torch.distributed.checkpoint.save: one file per rank and a metadata file, fsync'd."""
+
+    def save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        started = time.perf_counter()
+        dcp.save(state_dict(self.model, self.optimizer), checkpoint_id=self.directory / f"step-{step}")
+        self.durable.append(time.perf_counter() - started)
+
+    def restore_from_disk(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        evict(self.directory / f"step-{step}")
+        state = state_dict(self.model, self.optimizer)
+        dcp.load(state, checkpoint_id=self.directory / f"step-{step}")
+        load(self.model, self.optimizer, state)
+
+
+class DcpAsyncSave(DcpSave):
+    """torch.distributed.checkpoint.async_save: staged to CPU memory in the call, written by a thread;
+    one save in flight at a time (DCP's rule), so a checkpoint first waits for the previous one."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pending = None
+
+    def save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.pending:
+            self.pending.result()
+        started = time.perf_counter()
+        self.pending = dcp.async_save(state_dict(self.model, self.optimizer),
+                                      checkpoint_id=self.directory / f"step-{step}")
+        self.staging.append(time.perf_counter() - started)
+        self.pending.add_done_callback(lambda _: self.durable.append(time.perf_counter() - started))
+
+    def close(self) -> None:
+        if self.pending:
+            self.pending.result()
+
+
+class DurableTimes(logging.Handler):
+    """trainer/checkpoint.py's log line for each checkpoint made durable: the seconds it took."""
+
+    def __init__(self, durable: list[float]):
+        super().__init__()
+        self.durable = durable
+        logging.getLogger("trainer.checkpoint").addHandler(self)
+        logging.getLogger("trainer.checkpoint").setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("checkpoint: step %d durable"):
+            self.durable.append(record.args[-1])
+
+
+class Ours(TorchSave):
+    """trainer/checkpoint.py: every checkpoint a snapshot flushed to disk."""
+
+    def __init__(self, directory: Path, model, optimizer):
+        super().__init__(directory, model, optimizer)
+        DurableTimes(self.durable)
+        self.ckpt = self.checkpointer()
+
+    def checkpointer(self) -> Checkpointer:
+        return Checkpointer(self.directory, {"model": self.model, "optimizer": self.optimizer},
+                            memory=2, disk_every=1, keep=2)
+
+    def before_update(self) -> None:
+        self.ckpt.wait_until_safe()
+
+    def save(self, step: int) -> None:
+        started = time.perf_counter()
+        self.ckpt.snapshot(step)
+        self.staging.append(time.perf_counter() - started)
+
+    def restore_from_memory(self, step: int) -> None:
+        assert self.ckpt.restore(step) == step
+
+    def restore_from_disk(self, step: int) -> None:
+        evict(self.directory)
+        fresh = self.checkpointer()
+        assert fresh.restore(step) == step
+        fresh.close()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def run(method: str, mb: float, steps: int, every: int, work: int, directory: Path) -> dict:
+    """One method's figures, in its own process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model, optimizer = build(mb)
+    state_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    saver = dict(zip(METHODS, (TorchSave, DcpSave, DcpAsyncSave, Ours)))[method](directory, model, optimizer)
+    a = torch.randn(256, 256)
+    step_s, blocked = [], []
+    for step in range(steps + 1):  # the last one only up to its wait: what the last checkpoint costs it
+        started = time.perf_counter()
+        for _ in range(work):
+            a @ a
+        waited = time.perf_counter()
+        saver.before_update()
+        if step % every == 0 and blocked:  # the wait before the update after a checkpoint is its cost too
+            blocked[-1] += time.perf_counter() - waited
+        if step == steps:
+            break
+        optimizer.step()
+        if (step + 1) % every == 0:
+            saving = time.perf_counter()
+            saver.save(step + 1)
+            blocked.append(time.perf_counter() - saving)
+        step_s.append(time.perf_counter() - started)
+    saver.close()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    restores = {}
+    if isinstance(saver, Ours):
+        started = time.perf_counter()
+        saver.restore_from_memory(steps)
+        restores["memory"] = time.perf_counter() - started
+    started = time.perf_counter()
+    saver.restore_from_disk(steps)
+    restores["disk"] = time.perf_counter() - started
+    dist.destroy_process_group()
+    q = statistics.quantiles(step_s, n=100)
+    nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    return {"method": method, "state_mb": nbytes / 1e6, "blocked_s": statistics.median(blocked),
+            "first_blocked_s": blocked[0],
+            "staging_s": statistics.median(saver.staging) if saver.staging else None,
+            "durable_s": statistics.median(saver.durable), "checkpoints": len(blocked),
+            "step_p50_s": q[49], "step_p99_s": q[98], "peak_rss_mb": peak_rss, "state_rss_mb": state_rss,
+            "restore_memory_s": restores.get("memory"), "restore_disk_s": restores["disk"]}
+
+
+def ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def table(rows: list[dict]) -> Table:
+    t = Table(title="Checkpoints: time the training loop is blocked, time to durable, restore")
+    for column in ("state", "method", "blocked / ckpt", "first ckpt", "staging", "durable", "step p50",
+                   "step p99", "peak RSS", "RSS over state", "restore memory", "restore disk"):
+        t.add_column(column, justify="left" if column == "method" else "right")
+    for r in rows:
+        t.add_row(f"{r['state_mb']:.0f} MB", r["method"], ms(r["blocked_s"]), ms(r["first_blocked_s"]),
+                  ms(r["staging_s"]),
+                  f"{r['durable_s']:.2f} s", f"{r['step_p50_s'] * 1e3:.0f} ms", f"{r['step_p99_s'] * 1e3:.0f} ms",
+                  f"{r['peak_rss_mb']:.0f} MB", f"{r['peak_rss_mb'] - r['state_rss_mb']:.0f} MB",
+                  ms(r["restore_memory_s"]), ms(r["restore_disk_s"]))
+    return t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=float, nargs="+", default=[100, 1000], metavar="MB")
+    p.add_argument("--steps", type=int, default=36)
+    p.add_argument("--every", type=int, default=6, help="steps between checkpoints")
+    p.add_argument("--compute-ms-per-mb", type=float, default=4.0,
+                   help="forward + backward stand-in per step, per MB of state")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--dir", type=Path, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # METHOD MB WORK: one run, JSON out
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as the children run (OMP_NUM_THREADS=1): one core computes, one is left over
+    if args.child:
+        method, mb, work = args.child
+        print(json.dumps(run(method, float(mb), args.steps, args.every, int(work), args.dir)))
+        return
+    unit, rows = product_s(), []
+    base = args.dir or Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
+    for mb in args.sizes:
+        work = max(1, round(args.compute_ms_per_mb * mb / 1e3 / unit))
+        for method in args.methods:
+            directory = base / f"{mb:g}MB-{method}"
+            directory.mkdir(parents=True)
+            out = subprocess.run([sys.executable, __file__, "--child", method, str(mb), str(work),
+                                  "--steps", str(args.steps), "--every", str(args.every), "--dir", str(directory)],
+                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+            if out.returncode:
+                sys.exit(f"{method} at {mb:g} MB failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(directory)
+    Console(width=200).print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
