@@ -303,6 +303,8 @@ def main() -> None:
             rows.append(json.loads(out.stdout.splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(directory)
+    if not args.dir:
+        base.rmdir()  # each run's directory went as soon as its figures came back
     Console(width=200).print(table(rows))
 
 
