@@ -21,8 +21,8 @@ def heatmap(cells: pd.DataFrame) -> alt.Chart:
     """Rank x step cells coloured by compute over the step's median: a straggler is a row that glows."""
     top = max(1.1, float(cells["ratio"].quantile(0.999)))
     return alt.Chart(cells).mark_rect().encode(
-        x=alt.X("step_lo:Q", title="step"), x2="step_hi", y=alt.Y("rank_lo:Q", title="rank", sort="descending"),
-        y2="rank_hi",
+        x=alt.X("step_lo:Q", title="step", scale=alt.Scale(nice=False)), x2="step_hi",
+        y=alt.Y("rank_lo:Q", title="rank", sort="descending", scale=alt.Scale(nice=False)), y2="rank_hi",
         color=alt.Color("ratio:Q", title="compute / median", scale=alt.Scale(scheme="magma", domain=[0.9, top],
                                                                              clamp=True)),
         tooltip=[alt.Tooltip("worst_rank:Q", title="worst rank"), alt.Tooltip("worst_step:Q", title="at step"),
@@ -65,7 +65,8 @@ def by_rank(bins: pd.DataFrame, value: str, title: str,
 def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame) -> alt.LayerChart:
     """A per-step value with vertical rules where anomalies, rollbacks and checkpoints happened."""
     line = alt.Chart(series.dropna(subset=[value])).mark_line().encode(
-        x=alt.X("step:Q"), y=alt.Y(f"{value}:Q", scale=alt.Scale(zero=False)), tooltip=["step", value])
+        x=alt.X("step:Q"), y=alt.Y(f"{value}:Q", scale=alt.Scale(zero=False), axis=alt.Axis(format=".4~g")),
+        tooltip=["step", value])
     rules = alt.Chart(markers).mark_rule(strokeDash=[4, 3]).encode(
         x="step:Q", color=alt.Color("marker:N", legend=alt.Legend(orient="bottom")),
         tooltip=["step", "marker", "detail"])

@@ -41,13 +41,13 @@ cols[1].metric("Energy per step", "—" if pd.isna(joules) else f"{joules / 1000
 cols[2].metric("Ranks sampled", f"{int(metrics['ranks'].max())}")
 
 by_rank = ui.frame("device_by_rank", run=run, rank_bins=ui.RANK_BINS)
-for metric, title in ((sc.POWER_W, "power, W"), (sc.POWER_INSTANT_W, "power (instantaneous), W"),
-                      (sc.SM_CLOCK_MHZ, "SM clock, MHz"), (sc.GPU_TEMP_C, "GPU temperature, °C")):
+for metric, heading, unit in ((sc.POWER_W, "Power", "W"), (sc.POWER_INSTANT_W, "Power (instantaneous)", "W"),
+                              (sc.SM_CLOCK_MHZ, "SM clock", "MHz"), (sc.GPU_TEMP_C, "GPU temperature", "°C")):
     bins = by_rank[by_rank["metric"] == metric]
     if bins.empty:
         continue
-    st.subheader(title.split(",")[0].capitalize())
-    st.altair_chart(charts.by_rank(bins, "mean", title, ("low", "high")), width="stretch")
+    st.subheader(heading)
+    st.altair_chart(charts.by_rank(bins, "mean", f"{heading}, {unit}", ("low", "high")), width="stretch")
 if by_rank[by_rank["metric"].isin([sc.POWER_W, sc.POWER_INSTANT_W])].empty:
     st.caption("No power samples (clocks and temperatures only).")
 with st.expander("device metrics of this run"):
