@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from rankwatch.cli import main
-from tests.conftest import rankwatch_cli, simulated_store
+from tests.conftest import simulated_store
 from tests.otlp_payloads import query
 
 RANKS, HUNG, AT = 64, 37, 6  # 4 pipeline stages of 16 data-parallel replicas; rank 37 is in stage 2
