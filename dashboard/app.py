@@ -1,5 +1,6 @@
 """The dashboard's entry point (`rankwatch dashboard` runs it with `streamlit run`): the
-pages, and the run they all look at, chosen in the sidebar (or by `?run=ID` in a link)."""
+pages, and the run they all look at, chosen in the sidebar (or by `?run=ID` in a link; an
+alert's link also names its finding, `&finding=ID`, shown first)."""
 
 import streamlit as st
 
@@ -26,4 +27,5 @@ if not runs.empty:
     if "run" not in st.session_state and st.query_params.get("run") in labels:  # a link to a run's page
         st.session_state["run"] = st.query_params["run"]
     st.query_params["run"] = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+    ui.show_linked_finding()
 page.run()

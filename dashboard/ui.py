@@ -57,9 +57,9 @@ def finding_cost(row: pd.Series) -> str | None:
             f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else "."))
 
 
-def show_finding(row: pd.Series) -> None:
+def show_finding(row: pd.Series, expanded: bool = False) -> None:
     """One finding: severity, ranks and summary (which says the cost) as the answer; evidence,
-    steps and times behind an expander."""
+    steps and times behind an expander (open when `expanded`)."""
     where = f" on ranks {ranks_text(row['ranks'])}" if len(row["ranks"]) else ""
     head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
     if row["state"] != "firing":
@@ -68,7 +68,7 @@ def show_finding(row: pd.Series) -> None:
         st.error(head)
     else:
         st.warning(head)
-    with st.expander(f"evidence of finding {row['id']}"):
+    with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
         st.caption(f"steps {row['step_start']}-{row['step_end']}, score {score}, first seen "
                    f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC")
@@ -80,3 +80,19 @@ def show_findings(findings: pd.DataFrame, empty: str) -> None:
         st.success(empty)
     for _, row in findings.iterrows():
         show_finding(row)
+
+
+def show_linked_finding() -> None:
+    """The finding an alert's link names (`?finding=ID`, collector/alerts/rules.py), first on the
+    page with its evidence open: whoever followed the page lands on what paged them."""
+    wanted = st.query_params.get("finding")
+    if wanted is None:
+        return
+    findings = frame("findings", run=current_run())
+    linked = findings[findings["id"] == int(wanted)] if wanted.isdigit() else findings.iloc[:0]
+    if linked.empty:
+        st.warning(f"The link names finding {wanted}, which run {current_run()} does not have.")
+        return
+    st.caption("The finding the link is about:")
+    show_finding(linked.iloc[0], expanded=True)
+    st.divider()

@@ -5,11 +5,14 @@ a running collector's query API, and `rankwatch dashboard` refuses a store it ca
 
 import shutil
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
+import duckdb
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from collector.alerts import rules
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
@@ -95,6 +98,27 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     assert at.number_input(key="timeline_step").value == FLEET["steps"] - 1
     at.number_input(key="timeline_step").set_value(20).run()
     assert not at.exception
+
+
+def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboard_store):
+    with duckdb.connect(str(dashboard_store), read_only=True) as con:
+        (finding_id,) = con.execute("SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'",
+                                    [FLEET["run"]]).fetchone()
+    link = urlsplit(rules.dashboard_link("http://127.0.0.1:8501", FLEET["run"], "stragglers", finding_id))
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    for name, value in parse_qsl(link.query):
+        at.query_params[name] = value
+    at.switch_page(f"views{link.path}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="run").value == FLEET["run"]
+    assert at.caption[0].value == "The finding the link is about:"
+    assert at.error[0].value.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}")
+    assert at.expander[0].label == f"evidence of finding {finding_id}" and at.expander[0].proto.expanded
+    assert at.title[0].value == "Stragglers"
+
+    at.query_params["finding"] = "999999"
+    at.run()
+    assert f"The link names finding 999999, which run {FLEET['run']} does not have." in texts(at.warning)
 
 
 def test_stragglers_of_a_clean_run(from_store):
