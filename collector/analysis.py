@@ -11,12 +11,16 @@ import time
 
 import duckdb
 
-from collector import commands, findings
+from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
-from collector.analyzers import anomalies, hangs, links, stragglers
+from collector.analyzers import anomalies, hangs, links, power, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
+# Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): they are
+# redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
+POWER_STEPS = 500
+POWER_POLICY = power.Policy("max-slowdown", 0.02)
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
                    grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
@@ -28,6 +32,7 @@ _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, durat
                     AND step > (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
+_HAS_POWER = "SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples WHERE run_id = $run AND metric IN $metrics LIMIT 1)"
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
                         attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
                         TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
@@ -40,12 +45,16 @@ class Analysis:
 
     def __init__(self, interval_s: float = 5.0, straggler_settings=stragglers.Settings(),
                  hang_settings=hangs.Settings(), rollback: commands.RollbackPolicy | None = commands.RollbackPolicy(),
-                 alerts: AlertConfig = AlertConfig()):
+                 alerts: AlertConfig = AlertConfig(), power_every_s: float | None = 60.0):
         """`rollback`: how anomalies are rolled back; None: they are reported, not rolled back.
-        `alerts`: where the alerts that findings raise are sent (the writer's delivery thread reads it too)."""
+        `alerts`: where the alerts that findings raise are sent (the writer's delivery thread reads it too).
+        `power_every_s`: how often a run's power recommendations are redrawn; None: never (`rankwatch power
+        recommend` still draws them)."""
         self.interval_s = interval_s
         self.alerts = alerts
         self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
+        self._power_every_s = power_every_s
+        self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
         self._active: dict[str, float] = {}
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._next = time.monotonic() + interval_s
@@ -65,6 +74,7 @@ class Analysis:
         self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         self._active = {run: t for run, t in self._active.items() if t > cutoff}
+        self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         stepped, self._stepped = self._stepped, set()
         for run_id in list(self._active):
             try:
@@ -91,7 +101,16 @@ class Analysis:
             findings.record(con, run_id, anomalies.ANALYZER, anomalies.analyze(complete), self.alerts)
             if self._rollback is not None:
                 commands.rollbacks_for_anomalies(con, run_id, self._rollback)
+            if self._power_every_s is not None and time.monotonic() >= self._power_due.get(run_id, 0.0):
+                self._power_due[run_id] = time.monotonic() + self._power_every_s
+                self._power(con, run_id)
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)
 
+
+    def _power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+        """The power analyzer's findings for a run whose GPUs report their power."""
+        if con.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
+            report = powercaps.recommend(con, run_id, POWER_POLICY, last_steps=POWER_STEPS)
+            findings.record(con, run_id, power.ANALYZER, report.findings, self.alerts)

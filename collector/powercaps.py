@@ -21,21 +21,27 @@ _STEPS = """WITH limits AS (SELECT rank, ts, value FROM device_samples WHERE run
             SELECT s.run_id, s.rank, s.step, s.duration_s, s.data_s, s.compute_s, s.comm_wait_s, s.energy_j,
                    l.value AS power_limit_w
             FROM current_steps s ASOF LEFT JOIN limits l ON s.rank = l.rank AND s.end_ts >= l.ts
-            WHERE s.run_id = $run ORDER BY s.step, s.rank"""
+            WHERE s.run_id = $run AND s.step >= $first ORDER BY s.step, s.rank"""
+_WINDOW = """WITH w AS (SELECT max(step) - $steps + 1 AS first FROM current_steps WHERE run_id = $run)
+             SELECT first, epoch_ns(min(start_ts)) FROM current_steps, w WHERE run_id = $run AND step >= first
+             GROUP BY first"""
 _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
-              WHERE run_id = $run AND list_contains($metrics, metric)"""
+              WHERE run_id = $run AND list_contains($metrics, metric) AND ts >= make_timestamp_ns($since)"""
 _CONSTRAINTS = """SELECT median(value) FILTER (metric = $low), median(value) FILTER (metric = $high)
                   FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
 
 
 def recommend(con: duckdb.DuckDBPyConnection, run_id: str, policy: power.Policy,
-              facility_w: float | None = None) -> power.PowerReport:
-    """The power report of a run in the store; UnknownRun for a run without steps."""
-    steps = con.execute(_STEPS, {"run": run_id, "limit": sc.POWER_LIMIT_W}).df()
+              facility_w: float | None = None, last_steps: int | None = None) -> power.PowerReport:
+    """The power report of a run in the store, over its newest `last_steps` steps (None: all of them);
+    UnknownRun for a run without steps."""
+    window = None if last_steps is None else con.execute(_WINDOW, {"run": run_id, "steps": last_steps}).fetchone()
+    first, since = window or (0, 0)
+    steps = con.execute(_STEPS, {"run": run_id, "limit": sc.POWER_LIMIT_W, "first": first}).df()
     if steps.empty:
         raise unknown_run(con, run_id)
-    devices = con.execute(_DEVICES, {"run": run_id, "metrics": [*power.POWER_METRICS, sc.GPU_UTIL_PCT,
-                                                                 sc.CLOCK_EVENT_REASONS]}).df()
+    devices = con.execute(_DEVICES, {"run": run_id, "since": since, "metrics": [
+        *power.POWER_METRICS, sc.GPU_UTIL_PCT, sc.CLOCK_EVENT_REASONS]}).df()
     ranks = con.execute("SELECT rank, host FROM ranks WHERE run_id = ?", [run_id]).df()
     low, high = con.execute(_CONSTRAINTS, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
                                            "high": sc.POWER_LIMIT_MAX_W}).fetchone()

@@ -49,6 +49,7 @@ class Config:
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
     auto_rollback: bool = True  # an anomaly (NaN, loss spike) becomes a rollback command for the job
+    power_every_s: float | None = 60.0  # how often power recommendations are redrawn; None: never
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
 
 
@@ -78,7 +79,8 @@ def create_app(config: Config) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy() if config.auto_rollback else None, alerts=config.alerts)
+                            rollback=RollbackPolicy() if config.auto_rollback else None, alerts=config.alerts,
+                            power_every_s=config.power_every_s)
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)

@@ -36,11 +36,13 @@ def cmd_collector(args) -> None:
     from collector.server import Config, preflight, serve
     from collector.store import StoreLocked
 
+    if args.power_every < 0:
+        raise UsageError("--power-every must be 0 (never) or more seconds")
     config = Config(db=_db(args), host=args.host, port=args.port,
                     token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
                     hang_after_s=args.hang_after, auto_rollback=not args.no_auto_rollback,
-                    alerts=_alert_config(args))
+                    power_every_s=args.power_every or None, alerts=_alert_config(args))
     try:
         preflight(config)
     except StoreLocked as e:
@@ -411,7 +413,8 @@ def cmd_dashboard(args) -> None:
 def cmd_demo(args) -> None:
     from rankwatch.demo import run
 
-    run(db=_db(args), steps=args.steps, port=args.port)
+    run(db=_db(args), steps=args.steps, port=args.port,
+        dashboard_port=None if args.no_dashboard else args.dashboard_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -422,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--port", type=int, default=4318, help="collector port")
+    p.add_argument("--dashboard-port", type=int, default=8501)
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="end with the job, without the dashboard (by default it shows the run live and stays up)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", help="the reference GPT trainer under torchrun, instrumented")
@@ -467,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often the analyzers look at the runs that are sending (default 5)")
     p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
+    p.add_argument("--power-every", type=float, default=60.0, metavar="SECONDS",
+                   help="how often power-cap recommendations are redrawn for the runs whose GPUs report power "
+                        "(default 60; 0: never)")
     p.add_argument("--no-auto-rollback", action="store_true",
                    help="report anomalies (NaN, loss spikes) without sending the job a rollback")
     p.add_argument("--alerts", metavar="FILE",

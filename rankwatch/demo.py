@@ -1,25 +1,28 @@
 """`rankwatch demo`: a collector and a 4-rank training job with an injected straggler and a
 loss spike, wired together on loopback: the collector finds the straggler and rolls the spike
-back; then a per-rank summary and the rollback from the store."""
+back; then a per-rank summary and the rollback from the store. The dashboard, reading the
+collector, shows the run as it happens and stays up afterwards until Ctrl-C
+(`--no-dashboard`: the demo ends with the job)."""
 
 import os
 import subprocess
 import sys
 import time
+import webbrowser
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pandas as pd
 
 from collector.analyzers import stragglers
 from collector.auth import load_or_create_token
-from collector.query import run_sql, write
+from collector.query import write
+from dashboard.serve import HOST as DASHBOARD_HOST
+from dashboard.source import CollectorSource, to_frame
 from rankwatch.launch import train, wait_healthy
 
 STRAGGLER = "straggler:rank=2,slowdown=1.5,from=40"
 SPIKE = "spike:at=150,scale=50"
-# snapshots every 10 steps, 16 kept in memory: a rollback can reach 160 steps back, past the
-# few seconds between the spike and the rollback command
-TRAINER_ARGS = ["--ckpt-memory", "16"]
 ROLLBACKS = """
 SELECT args->>'$.anomaly' AS anomaly, state, json_extract(result, '$.from_step') AS at_step,
        json_extract(result, '$.restored_step') AS restored_step,
@@ -38,38 +41,74 @@ FROM current_steps WHERE run_id = ? AND step >= 40 GROUP BY rank ORDER BY rank
 """
 
 
-def frame(db: Path, sql: str, run_id: str) -> pd.DataFrame:
-    columns, rows = run_sql(db, sql, [run_id])
-    return pd.DataFrame(rows, columns=columns)
-
-
-def run(db: Path, steps: int, port: int) -> None:
+def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> None:
+    """The demo, end to end; `dashboard_port` None: without the dashboard."""
     token = load_or_create_token(db.parent)
     url = f"http://127.0.0.1:{port}"
-    collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db),
-                                  "--port", str(port), "--analyze-every", "1"],
-                                 env={**os.environ, "RANKWATCH_TOKEN": token})
+    env = {**os.environ, "RANKWATCH_TOKEN": token}
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    try:
+    with ExitStack() as processes:
+        collector = processes.enter_context(_stopping(subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
+             "--analyze-every", "1"], env=env)))
         wait_healthy(url, collector)
+        if dashboard_port is not None:
+            processes.enter_context(_stopping(subprocess.Popen(
+                [sys.executable, "-m", "rankwatch", "dashboard", "--collector", url, "--port", str(dashboard_port)],
+                env=env)))
+            _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
         print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}",
               flush=True)
-        status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url, token=token,
-                       trainer_args=TRAINER_ARGS)
-    finally:
-        collector.terminate()
-        collector.wait()
-    if status:
-        sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
-    columns, rows = run_sql(db, SUMMARY, [run_id])
-    print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
-    write(columns, rows, "table")
-    print("\nWhat the straggler analyzer finds over the last 50 steps:")
-    for finding in stragglers.analyze(frame(db, "SELECT * FROM current_steps WHERE run_id = ?", run_id),
-                                      frame(db, "SELECT * FROM ranks WHERE run_id = ?", run_id),
-                                      stragglers.Settings(window=50)) or ["nothing"]:
-        print(f"  [{finding.severity}] {finding.summary}" if finding != "nothing" else "  nothing")
-    columns, rows = run_sql(db, ROLLBACKS, [run_id])
-    print(f"\nThe loss spike at step 150, rolled back by the collector ({len(rows)} rollback):")
-    write(columns, rows, "table")
+        status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url, token=token)
+        if status:
+            sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
+        time.sleep(2)  # the collector's last analysis pass over the final steps
+        _summarize(CollectorSource(url, token), run_id)
+        if dashboard_port is not None:
+            print(f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading the "
+                  "collector; Ctrl-C stops both.", flush=True)
+            try:
+                collector.wait()
+            except KeyboardInterrupt:
+                print()
     print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")
+
+
+def _summarize(collector: CollectorSource, run_id: str) -> None:
+    """The per-rank table, the straggler analyzer's verdict and the rollback, read through the collector."""
+    def table(sql: str) -> pd.DataFrame:
+        return to_frame(collector.query(sql, [run_id]))
+
+    print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
+    _write(table(SUMMARY))
+    print("\nWhat the straggler analyzer finds over the last 50 steps:")
+    found = stragglers.analyze(table("SELECT * FROM current_steps WHERE run_id = ?"),
+                               table("SELECT * FROM ranks WHERE run_id = ?"), stragglers.Settings(window=50))
+    for finding in found:
+        print(f"  [{finding.severity}] {finding.summary}")
+    if not found:
+        print("  nothing")
+    rollbacks = table(ROLLBACKS)
+    print(f"\nThe loss spike at step 150, rolled back by the collector ({len(rollbacks)} rollback):")
+    _write(rollbacks)
+
+
+def _write(frame: pd.DataFrame) -> None:
+    write(list(frame.columns), list(frame.itertuples(index=False)), "table")
+
+
+@contextmanager
+def _stopping(process: subprocess.Popen):
+    """`process`, stopped (SIGTERM, then waited for) however the block ends."""
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def _open(url: str) -> None:
+    """Say where the dashboard is, and open it in a browser where there is a screen to show it on."""
+    print(f"rankwatch demo: the dashboard is at {url}", flush=True)
+    if sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        webbrowser.open(url)

@@ -150,6 +150,24 @@ def test_memory_tier_restores_and_reuses_its_buffers(tmp_path, deterministic):
     j.ckpt.close()
 
 
+def test_rollback_past_the_memory_tier_loads_from_disk_and_says_so(tmp_path, deterministic, caplog):
+    j = job(tmp_path, memory=2, disk_every=2)
+    for step in range(6):
+        j.step(step)
+    j.ckpt.wait_until_safe()
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        assert j.ckpt.restore(5) == 5  # in memory (steps 5 and 6): no word
+        assert not caplog.records
+        for step in range(5, 7):
+            j.step(step)
+        j.ckpt.wait_until_safe()
+        assert j.ckpt.restore(5) == 4  # memory holds steps 6 and 7: from disk
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning == ("checkpoint: all 2 snapshots in memory are newer than step 5: keep more (--ckpt-memory) "
+                       "for an instant rollback")
+    j.ckpt.close()
+
+
 def _flip_a_byte(path: Path) -> None:
     data = bytearray((path / TENSORS).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -16,7 +16,9 @@ from PIL import Image
 from agent import semconv as sc
 from agent.simdevice import GpuModel, SimulatedDevice, operating_point
 from collector.analyzers import power
-from tests.conftest import rankwatch_cli, simulated_store
+from tests.conftest import free_port, rankwatch_cli, simulated_store
+from tests.otlp_payloads import query
+from tests.webhook_receiver import Receiver
 from trainer import simulate
 from trainer.faults import parse
 
@@ -290,3 +292,30 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
                           (("--watts", "-5"), "watts positive")):
         result = apply(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_path):
+    """A straggling fleet sent to a collector that redraws power findings every 0.5 s: the per-rank caps
+    leave the straggler alone, and the receiver that wants power alerts gets one linking to the Power page."""
+    receiver = Receiver(free_port()).start()
+    alerts = tmp_path / "alerts.toml"
+    alerts.write_text(f'[[receivers]]\nurl = "{receiver.url}"\nanalyzers = ["power"]\n')
+    try:
+        db = simulated_store(tmp_path, {"pw-live": ["straggler:rank=5,slowdown=1.2"]}, ["--ranks", "16", "--steps", "80"],
+                             ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)), settle_s=1)
+        (delivery, *_) = receiver.wait_for(1)
+    finally:
+        receiver.stop()
+    firing = dict(query(db, """SELECT kind, ranks FROM findings
+                               WHERE run_id = 'pw-live' AND analyzer = 'power' AND state = 'firing'"""))
+    assert sorted(firing["per_rank_caps"]) == [r for r in range(16) if r != 5]
+    assert "headroom" in firing
+    alert = delivery.body["alerts"][0]
+    assert alert["labels"]["alertname"] == "RankwatchPowerRecommendation" and alert["labels"]["run"] == "pw-live"
+    assert alert["annotations"]["dashboard"].startswith("http://127.0.0.1:8501/power?run=pw-live&finding=")
+
+
+def test_the_collector_refuses_a_negative_power_period():
+    result = rankwatch_cli("collector", "--power-every", "-1")
+    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch: error: --power-every must be 0 (never) or "
+                                                             "more seconds")

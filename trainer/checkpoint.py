@@ -235,7 +235,7 @@ class Checkpointer:
     newest `keep` of them kept. Call `snapshot(step)` after an optimizer step (`step`: steps
     done) and `wait_until_safe()` right before the next one; `close()` at the end."""
 
-    def __init__(self, directory: Path, state: dict[str, Stateful], memory: int = 2, disk_every: int = 100,
+    def __init__(self, directory: Path, state: dict[str, Stateful], memory: int = 4, disk_every: int = 100,
                  keep: int = 2):
         if min(memory, disk_every, keep) < 1:
             raise ValueError("memory, disk_every and keep must be at least 1")
@@ -300,6 +300,9 @@ class Checkpointer:
             tier, step, meta, refs, buffer = sc.TIER_MEMORY, slot.step, slot.meta, slot.refs, slot.buffer
         else:
             raise NoCheckpoint(f"no snapshot of step {step_at_most} or before in memory or in {self.directory}")
+        if len(self._slots) == self.memory and all(s.step > step_at_most for s in self._slots):
+            log.warning("checkpoint: all %d snapshots in memory are newer than step %d: keep more (--ckpt-memory) "
+                        "for an instant rollback", self.memory, step_at_most)
         saved = _Unpickler(meta, refs, buffer).load()
         for name, obj in self.state.items():
             obj.load_state_dict(saved["state"][name])
