@@ -6,6 +6,7 @@ The analyzers are pure functions; this module reads what they need from the stor
 records their findings.
 """
 
+import collections
 import logging
 import time
 
@@ -13,13 +14,13 @@ import duckdb
 
 from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
-from collector.analyzers import anomalies, hangs, links, power, stragglers
+from collector.analyzers import anomalies, hangs, health, links, power, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
 # Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): they are
 # redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
-POWER_STEPS = 500
+POWER_STEPS = 100
 POWER_POLICY = power.Policy("max-slowdown", 0.02)
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
@@ -33,6 +34,8 @@ _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, durat
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HAS_POWER = "SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples WHERE run_id = $run AND metric IN $metrics LIMIT 1)"
+_OUTBOX = """SELECT receiver, count(*) AS pending, epoch(now() - min(created_at)) AS waiting_s FROM outbox
+             WHERE state = 'pending' GROUP BY receiver"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
                         attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
                         TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
@@ -56,6 +59,9 @@ class Analysis:
         self._power_every_s = power_every_s
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
         self._active: dict[str, float] = {}
+        self._health: collections.deque[health.Snapshot] = collections.deque()
+        self._started = time.monotonic()
+        self.failures = 0  # analyses that raised, since the start
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._next = time.monotonic() + interval_s
 
@@ -81,6 +87,18 @@ class Analysis:
                 self._analyze(con, run_id, run_id in stepped)
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
+                self.failures += 1
+
+    def judge_health(self, con: duckdb.DuckDBPyConnection, snapshot: health.Snapshot,
+                     settings: health.Settings = health.Settings()) -> None:
+        """The collector's health findings, from its counters now and the oldest within the window."""
+        if not self._health:  # the counters began at zero: what came before the first report counts too
+            self._health.append(health.Snapshot(self._started, {}, 0, snapshot.max_queue_bytes, {}, 0))
+        self._health.append(snapshot)
+        while snapshot.at - self._health[0].at > settings.window_s:
+            self._health.popleft()
+        found = health.analyze(self._health[0], snapshot, con.execute(_OUTBOX).df(), settings)
+        findings.record(con, health.RUN_ID, health.ANALYZER, found, self.alerts)
 
     def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, new_steps: bool) -> None:
         """The hang analyzer on every active run (a stall is a run that stopped sending steps);

@@ -26,6 +26,18 @@ class SelfMetrics:
         self.commit_rows = Counter("rankwatch_collector_rows_committed", "Rows appended to telemetry tables",
                                    registry=self.registry)
 
+    def health(self) -> dict:
+        """The counters the collector's health is judged on (collector/analyzers/health.py): export
+        requests by HTTP status, and group commits by duration bucket, each a total since the start."""
+        requests: dict[int, int] = {}
+        for sample in self.requests.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                code = int(sample.labels["code"])
+                requests[code] = requests.get(code, 0) + int(sample.value)
+        commits = {float(sample.labels["le"]): int(sample.value) for sample in self.commit_seconds.collect()[0].samples
+                   if sample.name.endswith("_bucket")}
+        return {"requests": requests, "commits": commits}
+
     def observe_commit(self, seconds: float, rows: int) -> None:
         self.commit_seconds.observe(seconds)
         self.commit_rows.inc(rows)

@@ -84,11 +84,23 @@ def create_app(config: Config) -> Starlette:
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
+        reporting = asyncio.create_task(report_health(store))
         try:
             yield
         finally:
+            reporting.cancel()
             state["ingestor"].close()
             store.close()
+
+    async def report_health(store: Store) -> None:
+        """Hand the writer the counters the collector's health is judged on, once per analysis period."""
+        while True:
+            await asyncio.sleep(config.analyze_every_s)
+            try:
+                await asyncio.wrap_future(store.call("health", queue_bytes=store.queued_bytes,
+                                                     max_queue_bytes=store.max_queue_bytes, **metrics.health()))
+            except Exception:
+                log.exception("judging the collector's health failed")
 
     def receiver(signal: str):
         async def export(request: Request) -> Response:

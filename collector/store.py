@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 from collector import commands, readonly
 from collector.alerts.delivery import Delivery
 from collector.analysis import Analysis
+from collector.analyzers import health
 from collector.children import die_with_parent
 from collector.decode import Decoded
 from collector.runmetrics import OPERATIONS as METRICS_OPERATIONS
@@ -71,7 +72,8 @@ ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, wo
 
 @dataclass
 class Call:
-    """A request for the writer: an operation of collector/commands.py or runmetrics.py by name, or "query"."""
+    """A request for the writer: an operation of collector/commands.py or runmetrics.py by name, "query",
+    or "health" (the server's counters, for collector/analyzers/health.py)."""
 
     id: int
     operation: str
@@ -145,6 +147,8 @@ class _Writer:
                     self._queries.submit(self._query, call, acks)
                 elif call.operation in METRICS_OPERATIONS:  # reads too: on a query thread
                     self._queries.submit(self._read, call, acks)
+                elif call.operation == "health":
+                    acks.put(self._judge_health(call))
                 else:
                     acks.put(self._call(call))
             if not self._analysis.due_in() and not stop:
@@ -163,6 +167,15 @@ class _Writer:
             return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
         except (commands.CommandError, LookupError, duckdb.Error) as e:
             return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
+
+    def _judge_health(self, call: "Call") -> tuple:
+        """Judge the collector's health on the server's counters (call.kwargs) and the writer's own."""
+        snapshot = health.Snapshot(at=time.monotonic(), analysis_failures=self._analysis.failures, **call.kwargs)
+        try:
+            self._analysis.judge_health(self._con, snapshot)
+        except Exception as e:  # a future must settle, whatever went wrong
+            return ("error", call.id, RuntimeError(str(e)))
+        return ("result", call.id, None)
 
     def _query(self, call: "Call", acks) -> None:
         """Run a read-only query (collector/readonly.py) and put its ("result" | "error", call id, value)."""

@@ -4,6 +4,7 @@ alert's link also names its finding, `&finding=ID`, shown first)."""
 
 import streamlit as st
 
+from collector.analyzers import health
 from dashboard import ui
 
 st.set_page_config(page_title="rankwatch", page_icon=":material/monitoring:", layout="wide")
@@ -19,6 +20,9 @@ PAGES = [
 page = st.navigation(PAGES)
 runs = ui.frame("runs")
 st.sidebar.caption(f"reading {ui.data_source().label}")
+collector_health = ui.frame("findings", run=health.RUN_ID)  # the collector's own findings belong to no run
+for summary in collector_health.loc[collector_health["state"] == "firing", "summary"]:
+    st.sidebar.warning(f"Collector: {summary}")
 if runs.empty and page.title != "SQL":
     st.info("No runs in the store yet. Point a job's agent, or `rankwatch simulate`, at the collector.")
     st.stop()

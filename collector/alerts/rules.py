@@ -9,7 +9,8 @@ can page on `severity="critical"` as it does for every other source.
 from urllib.parse import quote, urlencode
 
 ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", "hangs": "RankwatchHang",
-              "anomalies": "RankwatchTrainingAnomaly", "power": "RankwatchPowerRecommendation"}
+              "anomalies": "RankwatchTrainingAnomaly", "power": "RankwatchPowerRecommendation",
+              "collector": "RankwatchCollector"}
 FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
 GROUP_BY = ("alertname", "run")  # the labels one notification's alerts share
 # The dashboard page (rankwatch dashboard, dashboard/app.py) that shows each analyzer's findings;
@@ -29,16 +30,21 @@ def alertname(analyzer: str) -> str:
 
 
 def labels(run_id: str, analyzer: str, kind: str, ranks: list[int], severity: str) -> dict[str, str]:
-    return {"alertname": alertname(analyzer), "run": run_id, "analyzer": analyzer, "kind": kind,
-            "severity": severity, "ranks": short_ranks(ranks)}
+    """An alert's labels; no `run` for the collector's own findings (run "": Alertmanager, like
+    Prometheus, treats an empty label as none)."""
+    return {"alertname": alertname(analyzer), **({"run": run_id} if run_id else {}), "analyzer": analyzer,
+            "kind": kind, "severity": severity, "ranks": short_ranks(ranks)}
 
 
 def group_labels(alert_labels: dict[str, str]) -> dict[str, str]:
-    return {k: alert_labels[k] for k in GROUP_BY}
+    return {k: alert_labels[k] for k in GROUP_BY if k in alert_labels}
 
 
 def dashboard_link(dashboard_url: str, run_id: str, analyzer: str, finding_id: int) -> str:
-    """The dashboard page of the analyzer's findings, on the run (its `run` parameter picks it)."""
+    """The dashboard page of the analyzer's findings, on the run (its `run` parameter picks it);
+    the dashboard's front page for the collector's own findings, which no run has."""
+    if not run_id:
+        return f"{dashboard_url.rstrip('/')}/"
     query = urlencode({"run": run_id, "finding": finding_id}, quote_via=quote)
     return f"{dashboard_url.rstrip('/')}/{PAGES.get(analyzer, '')}?{query}"
 
