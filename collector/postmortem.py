@@ -20,6 +20,7 @@ import pandas as pd
 from collector.analyzers import Finding, anomalies, hangs, links, stragglers, whatif
 from collector.analyzers.collectives import analyze as match_collectives
 from collector.imports.flight_recorder import EVENT as DUMP_EVENT
+from collector.runs import unknown_run
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
                    grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
@@ -40,10 +41,6 @@ _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.s
                FROM ops WHERE run_id = ? AND kind = 'comm' AND attrs->>'$.is_p2p' = 'false' AND seq IS NOT NULL
                ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
-
-
-class UnknownRun(LookupError):
-    """The store has no steps for the run, nor collectives from its Flight Recorder dumps."""
 
 
 @dataclass
@@ -71,12 +68,6 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
         raise unknown_run(con, run_id)
     return Report(run_id, whatif.analyze(steps, ranks), _findings(con, run_id, steps, ranks, straggler_settings,
                                                                    hang_settings), steps)
-
-
-def unknown_run(con: duckdb.DuckDBPyConnection, run_id: str) -> UnknownRun:
-    """The error for a run without steps, naming the store's recent runs."""
-    known = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY first_seen DESC LIMIT 5").fetchall()]
-    return UnknownRun(f"no steps for run {run_id!r}" + (f" (recent runs: {', '.join(known)})" if known else ""))
 
 
 def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, ranks: pd.DataFrame,

@@ -15,7 +15,7 @@ import duckdb
 from agent import semconv as sc
 from agent.simdevice import GpuModel
 from collector.analyzers import power
-from collector.postmortem import unknown_run
+from collector.runs import unknown_run
 
 _STEPS = """WITH limits AS (SELECT rank, ts, value FROM device_samples WHERE run_id = $run AND metric = $limit)
             SELECT s.run_id, s.rank, s.step, s.duration_s, s.data_s, s.compute_s, s.comm_wait_s, s.energy_j,

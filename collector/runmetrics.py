@@ -55,10 +55,10 @@ FROM current_steps s JOIN (SELECT unnest($runs) AS run_id, unnest($ends) - $wind
 WHERE s.end_ts > make_timestamp_ns($oldest) AND epoch_ns(s.end_ts) > r.since
 GROUP BY s.run_id ORDER BY s.run_id"""
 _FINDINGS = """SELECT run_id, kind, count(*) FILTER (WHERE state = 'firing') FROM findings
-               WHERE list_contains($runs, run_id) GROUP BY ALL ORDER BY ALL"""
+               WHERE list_contains($runs, run_id) AND severity != 'info' GROUP BY ALL ORDER BY ALL"""
 _SUSPECTS = """SELECT run_id, rank, count(*) AS n
                FROM (SELECT run_id, unnest(ranks) AS rank FROM findings
-                     WHERE state = 'firing' AND list_contains($runs, run_id))
+                     WHERE state = 'firing' AND severity != 'info' AND list_contains($runs, run_id))
                GROUP BY run_id, rank QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY n DESC, rank) <= $k
                ORDER BY ALL"""
 _ROLLBACKS = """SELECT run_id, count(*) FROM commands WHERE kind = 'rollback' AND list_contains($runs, run_id)

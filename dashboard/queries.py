@@ -7,12 +7,13 @@ about $rank_bins rows, and a heatmap cell keeps its worst rank. Parameters are
 named ($run, ...); each query takes exactly those it names.
 """
 
-# Runs, newest first, with their last step and how many findings fire.
+# Runs, newest first, with their last step and how many findings fire (recommendations, severity info, aside).
 RUNS = """
 SELECT r.run_id, r.world_size, r.first_seen, s.last_step, coalesce(f.firing, 0) AS firing
 FROM runs r
 LEFT JOIN (SELECT run_id, max(step) AS last_step FROM steps GROUP BY run_id) s USING (run_id)
-LEFT JOIN (SELECT run_id, count(*) AS firing FROM findings WHERE state = 'firing' GROUP BY run_id) f USING (run_id)
+LEFT JOIN (SELECT run_id, count(*) AS firing FROM findings WHERE state = 'firing' AND severity != 'info'
+           GROUP BY run_id) f USING (run_id)
 ORDER BY r.first_seen DESC
 """
 

@@ -64,6 +64,8 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
     head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
     if row["state"] != "firing":
         st.info(f"resolved: {head}")
+    elif row["severity"] == "info":
+        st.info(head)
     elif row["severity"] == "critical":
         st.error(head)
     else:

@@ -119,7 +119,8 @@ def cmd_analyze(args) -> None:
     import json
     from dataclasses import asdict
 
-    from collector.postmortem import UnknownRun, analyze_run
+    from collector.postmortem import analyze_run
+    from collector.runs import UnknownRun
     from collector.store import StoreLocked, connect
 
     db = _db(args)
@@ -188,7 +189,7 @@ def cmd_power_recommend(args) -> None:
     import json
 
     from collector.analyzers.power import Policy
-    from collector.postmortem import UnknownRun
+    from collector.runs import UnknownRun
     from collector.powercaps import document, recommend
     from collector.store import StoreLocked, connect
 

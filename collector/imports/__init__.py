@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from collector.decode import arrow_schema, conform
 from collector.schema import DDL
-from collector import store  # the module: collector.store leads back here (analysis, powercaps, postmortem)
+from collector.store import connect
 
 
 class TraceError(ValueError):
@@ -50,7 +50,7 @@ def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
     called then too: rows of `events` (run_id left out). Raises TraceError (from the batches
     too) with nothing written, StoreLocked when a collector holds the store."""
     db.parent.mkdir(parents=True, exist_ok=True)
-    con = store.connect(db)
+    con = connect(db)
     try:
         con.execute(DDL)
         if con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone():

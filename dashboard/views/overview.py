@@ -21,6 +21,8 @@ def _mean(frame: pd.DataFrame, column: str) -> float | None:
 def live() -> None:
     findings = ui.frame("findings", run=run)
     firing = findings[findings["state"] == "firing"]
+    advice = firing[firing["severity"] == "info"]  # recommendations (power caps), not trouble
+    firing = firing[firing["severity"] != "info"]
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
     complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
     now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
@@ -49,6 +51,8 @@ def live() -> None:
     cols[4].metric("Power", "—" if pd.isna(watts) else f"{watts / 1000:.2f} kW",
                    help="sum over ranks of each one's mean over the newest minute of samples")
     ui.show_findings(firing, "No finding fires.")
+    if not advice.empty:
+        st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
 
 
 live()
