@@ -93,3 +93,24 @@ def test_page_loads_in_a_browser(dashboard, browser, screenshots, path, run, tex
     assert "reading store" in browser.find_element(By.CSS_SELECTOR, "[data-testid='stSidebar']").text
     shot = screenshots / f"{path or 'overview'}.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+
+
+def test_an_alert_link_lands_on_its_finding(dashboard, browser, dashboard_store, screenshots):
+    """An alert's link (collector/alerts/rules.py) opens the Stragglers page of its run with the
+    finding first and its evidence open."""
+    import duckdb
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from collector.alerts import rules
+
+    with duckdb.connect(str(dashboard_store), read_only=True) as con:
+        (finding_id,) = con.execute("SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'",
+                                    [FLEET["run"]]).fetchone()
+    browser.get(rules.dashboard_link(dashboard, FLEET["run"], "stragglers", finding_id))
+    page = WebDriverWait(browser, 60, poll_frequency=0.5)
+    page.until(lambda b: "Suspects:" in b.find_element(By.TAG_NAME, "body").text)  # the page under it, too
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert body.index("The finding the link is about:") < body.index("lost_s_per_step")  # evidence shown, open
+    assert f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank" in body  # the page itself
+    assert browser.save_screenshot(str(screenshots / "alert-link.png"))

@@ -94,7 +94,8 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
     The suspects are a node (or a stage) when they all share one host (stage) and that group's
     ranks are nearly all slow too (`elevated`: above the median by half the threshold): a
     slightly slow node shows first as a few of its ranks crossing the threshold."""
-    kind, where = "rank", f"rank {suspects[0]}" if len(suspects) == 1 else f"ranks {suspects}"
+    listed = ", ".join(map(str, suspects))
+    kind, where = "rank", f"rank {listed}" if len(suspects) == 1 else f"ranks {listed}"
     if ranks is not None and not ranks.empty:
         placed = ranks.set_index("rank")
         for column, label in (("host", "node"), ("pp_stage", "stage")):
@@ -103,7 +104,7 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
                 members = sorted(int(r) for r in placed.index[placed[column].isin(groups)])
                 if len(groups) == 1 and len(members) > 1 and len(elevated & set(members)) >= 0.75 * len(members):
                     suspects = members
-                    kind, where = label, f"{label} {groups[0]} (ranks {suspects})"
+                    kind, where = label, f"{label} {groups[0]} (ranks {listed})"
                     break
     peers = recent[~recent["rank"].isin(suspects)]
     slowdown = float(recent.loc[recent["rank"].isin(suspects), "ratio"].median())
@@ -116,10 +117,12 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
     lost = _lost_seconds(steps[steps["step"] >= first])
     cost = _cost(steps[steps["step"] >= first], lost)
     severity = "critical" if slowdown >= 1.2 else "warning"
+    plural = kind == "rank" and len(suspects) > 1
+    computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
     return Finding(
         run_id, kind, suspects, first, int(steps["step"].max()), severity, slowdown,
-        f"{where} computes {100 * (slowdown - 1):.0f}% slower than its peers since step {first}; "
-        f"the others wait for it: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
+        f"{where} {computes} {100 * (slowdown - 1):.0f}% slower than {its} peers since step {first}; "
+        f"the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
         f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
         {"compute_s": float(recent.loc[recent["rank"].isin(suspects), "compute_s"].median()),
          "peer_compute_s": float(peers["compute_s"].median()),
