@@ -7,6 +7,7 @@ records their findings.
 """
 
 import collections
+import json
 import logging
 import time
 
@@ -14,7 +15,7 @@ import duckdb
 
 from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
-from collector.analyzers import anomalies, hangs, health, links, power, stragglers
+from collector.analyzers import anomalies, hangs, health, links, power, rollbacks, stragglers
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
@@ -34,6 +35,8 @@ _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, durat
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HAS_POWER = "SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples WHERE run_id = $run AND metric IN $metrics LIMIT 1)"
+_FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
+                       WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _OUTBOX = """SELECT receiver, count(*) AS pending, epoch(now() - min(created_at)) AS waiting_s FROM outbox
              WHERE state = 'pending' GROUP BY receiver"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
@@ -101,7 +104,7 @@ class Analysis:
         findings.record(con, health.RUN_ID, health.ANALYZER, found, self.alerts)
 
     def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, new_steps: bool) -> None:
-        """The hang analyzer on every active run (a stall is a run that stopped sending steps);
+        """The hang and stopped-job analyzers on every active run (a run that stopped sending steps);
         the others only where new steps came since the last pass."""
         steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
         if steps.empty:
@@ -122,6 +125,10 @@ class Analysis:
             if self._power_every_s is not None and time.monotonic() >= self._power_due.get(run_id, 0.0):
                 self._power_due[run_id] = time.monotonic() + self._power_every_s
                 self._power(con, run_id)
+        failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
+        failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
+        findings.record(con, run_id, rollbacks.ANALYZER, rollbacks.analyze(failed, int(steps["step"].max())),
+                        self.alerts)
         now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)

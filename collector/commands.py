@@ -96,16 +96,26 @@ def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_st
     return get(con, command_id)
 
 
+# Firing anomaly findings no rollback has answered: none was sent for them, nor for another
+# finding of the same step drawn before that rollback was done with (the same anomaly; one drawn
+# later at that step is the anomaly coming back on the new trajectory).
+_UNANSWERED = """
+SELECT f.id, f.kind, f.step_start FROM findings f
+WHERE f.run_id = ? AND f.analyzer = ? AND f.state = 'firing'
+  AND NOT EXISTS (SELECT 1 FROM commands c JOIN findings answered ON c.finding_id = answered.id
+                  WHERE c.run_id = f.run_id AND (answered.id = f.id OR (answered.step_start = f.step_start
+                                                                         AND f.created_at <= c.updated_at)))
+"""
+
+
 def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy: RollbackPolicy) -> list[dict]:
     """A rollback for the run's firing anomaly findings that have none yet, back before the
     earliest, unless one is under way: one anomaly often shows as several findings (a loss spike
-    with its gradient-norm spike), and one rollback ends them all."""
+    with its gradient-norm spike), and one rollback ends them all, or, failing, answers them all."""
     if con.execute("SELECT 1 FROM commands WHERE run_id = ? AND kind = 'rollback' AND state IN ('pending', 'acked')",
                    [run_id]).fetchone():
         return []
-    findings = con.execute("SELECT id, kind, step_start FROM findings WHERE run_id = ? AND analyzer = ? "
-                           "AND state = 'firing' AND id NOT IN (SELECT finding_id FROM commands "
-                           "WHERE finding_id IS NOT NULL)", [run_id, anomalies.ANALYZER]).fetchall()
+    findings = con.execute(_UNANSWERED, [run_id, anomalies.ANALYZER]).fetchall()
     if not findings:
         return []
     finding_id, kind, step_start = min(findings, key=lambda f: f[2])  # the earliest: one rollback covers all

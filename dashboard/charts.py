@@ -71,3 +71,16 @@ def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame) -> alt
         x="step:Q", color=alt.Color("marker:N", legend=alt.Legend(orient="bottom")),
         tooltip=["step", "marker", "detail"])
     return (line + rules).properties(height=260)
+
+
+def tradeoff(curve: pd.DataFrame, picked_w: float) -> alt.LayerChart:
+    """The job's time/energy trade-off, one point per power limit (the job-cap finding's curve):
+    energy saved against step time lost, the policy's pick ringed."""
+    points = curve.assign(slowdown_pct=100 * (curve["slowdown"] - 1), saving_pct=100 * curve["energy_saving"],
+                          picked=curve["cap_w"] == picked_w)
+    base = alt.Chart(points).encode(
+        x=alt.X("slowdown_pct:Q", title="step time, % longer"), y=alt.Y("saving_pct:Q", title="energy per step, % less"),
+        tooltip=[alt.Tooltip("cap_w:Q", title="limit, W"), alt.Tooltip("slowdown_pct:Q", format="+.1f"),
+                 alt.Tooltip("saving_pct:Q", format=".1f")])
+    return (base.mark_line(point=True) + base.mark_point(size=250, color="#e6550d").transform_filter("datum.picked")
+            + base.mark_text(dy=-10, fontSize=10).encode(text="cap_w:Q")).properties(height=260)

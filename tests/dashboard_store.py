@@ -13,7 +13,7 @@ from agent import semconv as sc
 from agent.export import Exporter
 from tests.conftest import Collector, free_port, simulated_store
 
-ANALYSIS = ("--analyze-every", "1", "--hang-after", "3")
+ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
 FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
 HANG = {"run": "sim-hang", "ranks": 8, "rank": 3, "at": 15}
 NAN = {"run": "run-nan", "ranks": 4, "steps": 40, "nan_from": 30, "restored": 24, "watts": 300.0}

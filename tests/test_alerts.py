@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent import semconv as sc
 from agent.export import Exporter
 from collector import findings
-from collector.alerts import rules, webhook
+from collector.alerts import outbox, rules, webhook
 from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, load
 from collector.alerts.delivery import Delivery
 from collector.analyzers import Finding
@@ -125,6 +125,17 @@ def test_alerts_are_kept_without_receivers(con):
     assert con.execute("SELECT labels->>'alertname', ends_at FROM alerts").fetchall() == [("RankwatchStraggler", None)]
 
 
+def test_a_notification_never_overtakes_an_older_one_of_its_receiver(con):
+    config = AlertConfig(receivers=(Receiver("hook", "http://127.0.0.1:9/hook"),))
+    findings.record(con, "run-a", "stragglers", [straggler([3])], config)
+    (fired,) = outbox.due(con)
+    outbox.postpone(con, fired, 60, "connection refused")  # the receiver is down
+    findings.record(con, "run-a", "stragglers", [], config)  # the resolution, written after the postponement
+    assert outbox.due(con) == []  # not before the firing notification it resolves
+    con.execute("UPDATE outbox SET next_attempt_at = now() - INTERVAL 1 SECOND")  # the wait is over
+    assert [n.id for n in outbox.due(con)] == [fired.id, fired.id + 1]
+
+
 def test_short_ranks_and_fingerprint():
     assert rules.short_ranks([]) == "none"
     assert rules.short_ranks([7, 3, 4, 5, 9]) == "3-5,7,9"
@@ -166,7 +177,9 @@ def test_receivers_file_in_json(tmp_path):
 
 def test_the_example_receivers_file_loads():
     config = load(Path(__file__).resolve().parents[1] / "examples" / "alerts.toml")
-    assert [r.name for r in config.receivers] == ["team-chat", "oncall-hangs", "oncall-critical"]
+    assert [r.name for r in config.receivers] == ["team-chat", "oncall-hangs", "oncall-critical", "platform"]
+    assert config.receivers[-1].wants({"analyzer": "collector"}) and not config.receivers[-1].wants(
+        {"analyzer": "stragglers"})
 
 
 def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):

@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from collector.analyzers import rollbacks
 from collector.analyzers.anomalies import Settings, analyze
 
 
@@ -68,3 +69,17 @@ def test_patience_needs_consecutive_spiking_steps():
 
 def test_a_rise_under_the_floor_is_not_a_spike():
     assert analyze(frame(noise=0.0, loss={90: 3.9})) == []  # z is huge on a flat loss, but +30% < +50%
+
+
+def test_a_job_stopped_by_its_rollback_budget_is_a_critical_finding_until_it_steps_again():
+    failed = pd.DataFrame({"run_id": ["r", "r"], "id": [3, 5], "finding_id": [7, 9], "result": [
+        {"why": "no snapshot of step 40 or before"},  # no checkpoint: the job trained on
+        {"why": "1 rollbacks within 1000 steps: stopping", "from_step": 130, "restored_step": 110}]})
+    (finding,) = rollbacks.analyze(failed, last_step=129)
+    assert (finding.analyzer, finding.kind, finding.severity, finding.step_start, finding.step_end) == (
+        "rollbacks", "stopped", "critical", 110, 130)
+    assert finding.summary == ("the job stopped at step 130 instead of another rollback: 1 rollbacks within 1000 "
+                               "steps: stopping")
+    assert finding.evidence["command"] == 5 and finding.evidence["anomaly_finding"] == 9
+    assert rollbacks.analyze(failed, last_step=131) == []  # resumed by a person
+    assert rollbacks.analyze(failed.iloc[:1], last_step=10) == []

@@ -119,3 +119,29 @@ def test_the_token_is_required(client):
                     httpx.Request("POST", f"{client.collector.url}/v1/commands", json={"run_id": RUN,
                                                                                         "kind": "rollback"})):
         assert httpx.Client().send(request).status_code == 401
+
+
+def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():
+    """A loss spike and its gradient-norm spike are one anomaly: one rollback answers both, and its
+    failure (the job stopped) does not send another; the anomaly coming back later does."""
+    import duckdb
+
+    from collector import commands, findings
+    from collector.analyzers import Finding
+    from collector.schema import DDL
+
+    con = duckdb.connect()
+    con.execute(DDL)
+
+    def spike(kind: str) -> Finding:
+        return Finding("r", kind, [0], 120, 120, "critical", 9.0, f"{kind} at 120", analyzer="anomalies")
+
+    findings.record(con, "r", "anomalies", [spike("loss_spike"), spike("grad_spike")])
+    (sent,) = commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy())
+    assert sent["args"]["before_step"] == 115
+    commands.update(con, sent["id"], "failed", result={"why": "budget spent"})
+    assert commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy()) == []
+    findings.record(con, "r", "anomalies", [])  # resolved: the job went back
+    findings.record(con, "r", "anomalies", [spike("loss_spike")])  # and spiked at 120 again
+    (again,) = commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy())
+    assert again["id"] != sent["id"]

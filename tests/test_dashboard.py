@@ -186,6 +186,19 @@ def test_power_names_the_throttled_rank(from_store):
     assert {m.label: m.value for m in at.metric}["Ranks sampled"] == str(FLEET["ranks"])
 
 
+def test_power_shows_the_recommendations_and_the_trade_off_curve(from_store, dashboard_store):
+    at = from_store("power", FLEET["run"])
+    with duckdb.connect(str(dashboard_store), read_only=True) as con:
+        advice = dict(con.execute("""SELECT kind, summary FROM findings
+                                     WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""",
+                                  [FLEET["run"]]).fetchall())
+    assert {"job_cap", "per_rank_caps", "headroom"} <= set(advice)
+    shown = [t for t in texts(at.info) if t.startswith("**power / ")]
+    assert len(shown) == len(advice) and all(any(summary in t for t in shown) for summary in advice.values())
+    assert any(h.startswith("Time/energy trade-off, one limit for every GPU") for h in texts(at.subheader))
+    assert any("slowdown_pct" in chart.proto.spec for chart in at.get("vega_lite_chart"))
+
+
 def test_power_and_energy_per_step(from_store):
     at = from_store("power", NAN["run"])
     watts = sum(NAN["watts"] + 10 * r for r in range(NAN["ranks"]))

@@ -317,6 +317,20 @@ class Checkpointer:
         agent.event(sc.EVENT_CHECKPOINT_RESTORED, step, **{sc.CKPT_TIER: tier})
         return step
 
+    def make_durable(self, step: int) -> None:
+        """Have the snapshot of `step` on disk, verified, before returning: written now from memory
+        unless the disk has it already (a job about to stop leaves a checkpoint to resume from)."""
+        self.wait_until_safe()
+        self._writes.join()
+        if step in self.durable_steps():
+            return
+        slot = next((s for s in self._slots if s.step == step), None)
+        if slot is None:
+            raise NoCheckpoint(f"no snapshot of step {step} in memory")
+        slot.flushing = True
+        self._writes.put(slot)
+        self._writes.join()
+
     def durable_steps(self) -> list[int]:
         """The steps of the checkpoints on disk that verify (read in full), oldest first; the others are reported."""
         self._writes.join()

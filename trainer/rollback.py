@@ -5,7 +5,8 @@ Every rank calls `apply` at the same step boundary with the same command
 before the command's `before_step` (memory first, then disk), the data stream
 skips the batches that followed (as PaLM skipped 200-500 batches around its
 spikes), and the learning rate can be scaled. A budget caps how often this
-may happen; past it the job stops cleanly instead of looping.
+may happen; past it the job goes back to the good snapshot once more, makes it durable, and
+stops cleanly instead of looping: a person resumes from there.
 """
 
 import time
@@ -44,18 +45,24 @@ class Stop(Exception):
 def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
           schedule: torch.optim.lr_scheduler.LRScheduler, budget: Budget, now_ns) -> int:
     """The step training goes on at after the rollback (`step` itself when it cannot be done);
-    raises Stop when the budget is spent. `now_ns`: the job's clock, the one its spans use."""
+    raises Stop when the budget is spent, once the good state is durable. `now_ns`: the job's
+    clock, the one its spans use."""
     args = command["args"] or {}
-    if not budget.spend(step):
-        why = f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another"
-        agent.report(command, "failed", why=why)
-        agent.event(sc.EVENT_STOPPED, step, **{sc.STOP_WHY: why})
-        raise Stop(why)
+    spent = not budget.spend(step)
     try:
         restored = ckpt.restore(int(args["before_step"]))
     except NoCheckpoint as e:
         agent.report(command, "failed", why=str(e))
+        if spent:
+            raise Stop(f"{budget.rollbacks} rollbacks within {budget.window} steps, and {e}") from None
         return step
+    if spent:
+        ckpt.make_durable(restored)
+        why = (f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another, "
+               f"with step {restored} durable in {ckpt.directory}")
+        agent.report(command, "failed", why=why, restored_step=restored, from_step=step)
+        agent.event(sc.EVENT_STOPPED, restored, **{sc.STOP_WHY: why})
+        raise Stop(why)
     skipped, scale = int(args.get("skip_batches", 0)), float(args.get("lr_scale", 1.0))
     data.skip(skipped)
     if scale != 1.0:

@@ -50,9 +50,15 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                    help="snapshots kept in host memory; K x --snapshot-every steps is how far back a rollback "
                         "is instant")
     p.add_argument("--ckpt-keep", type=int, default=2, metavar="D", help="checkpoints kept on disk")
+    p.add_argument("--max-rollbacks", type=int, default=3, metavar="N",
+                   help="rollbacks allowed within --rollback-window steps; the next one stops the job, its last "
+                        "good state on disk")
+    p.add_argument("--rollback-window", type=int, default=1000, metavar="STEPS")
     args = p.parse_args(argv)
-    if min(args.snapshot_every, args.ckpt_every, args.ckpt_memory, args.ckpt_keep) < 1:
-        p.error("--snapshot-every, --ckpt-every, --ckpt-memory and --ckpt-keep must be at least 1")
+    if min(args.snapshot_every, args.ckpt_every, args.ckpt_memory, args.ckpt_keep, args.rollback_window) < 1:
+        p.error("--snapshot-every, --ckpt-every, --ckpt-memory, --ckpt-keep and --rollback-window must be at least 1")
+    if args.max_rollbacks < 0:
+        p.error("--max-rollbacks must be 0 or more")
     if args.ckpt_every % args.snapshot_every:
         p.error(f"--ckpt-every {args.ckpt_every} is not a multiple of --snapshot-every {args.snapshot_every}")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
               f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""), flush=True)
 
-    budget, step = rollback.Budget(), start
+    budget, step = rollback.Budget(args.max_rollbacks, args.rollback_window), start
     while step < args.steps:
         command = agent.command(step)  # the same on every rank, at the same step
         if command is not None and command["kind"] == "rollback":

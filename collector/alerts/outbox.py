@@ -84,10 +84,15 @@ def _end(con: duckdb.DuckDBPyConnection, row: tuple, now: datetime) -> dict:
 
 
 def due(con: duckdb.DuckDBPyConnection, limit: int = 100) -> list[Notification]:
-    """Pending notifications whose time has come, oldest first."""
+    """Pending notifications whose time has come, oldest first; one waits while an older one for
+    its receiver still does (written after a failure's postponement, it would otherwise overtake
+    it: a resolution before its firing)."""
     return [Notification(*row) for row in con.execute(
-        """SELECT id, receiver, webhook_id, body, attempts, created_at FROM outbox
-           WHERE state = 'pending' AND next_attempt_at <= now() ORDER BY id LIMIT ?""", [limit]).fetchall()]
+        """SELECT id, receiver, webhook_id, body, attempts, created_at FROM outbox o
+           WHERE state = 'pending' AND next_attempt_at <= now()
+             AND NOT EXISTS (SELECT 1 FROM outbox w WHERE w.receiver = o.receiver AND w.state = 'pending'
+                                                       AND w.id < o.id AND w.next_attempt_at > now())
+           ORDER BY id LIMIT ?""", [limit]).fetchall()]
 
 
 def settle(con: duckdb.DuckDBPyConnection, notification: Notification, state: str, error: str | None = None) -> None:

@@ -10,13 +10,13 @@ from urllib.parse import quote, urlencode
 
 ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", "hangs": "RankwatchHang",
               "anomalies": "RankwatchTrainingAnomaly", "power": "RankwatchPowerRecommendation",
-              "collector": "RankwatchCollector"}
+              "rollbacks": "RankwatchJobStopped", "collector": "RankwatchCollector"}
 FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
 GROUP_BY = ("alertname", "run")  # the labels one notification's alerts share
 # The dashboard page (rankwatch dashboard, dashboard/app.py) that shows each analyzer's findings;
 # others link to the overview.
 PAGES = {"stragglers": "stragglers", "links": "collectives", "hangs": "hangs", "anomalies": "checkpoints",
-         "power": "power"}
+         "rollbacks": "checkpoints", "power": "power"}
 _SEVERITY_RANK = {"warning": 0, "critical": 1}
 _RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
 

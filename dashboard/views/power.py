@@ -27,8 +27,14 @@ else:
         st.dataframe(throttled, hide_index=True, width="stretch")
 
 findings = ui.frame("findings", run=run)
-for _, finding in findings[findings["analyzer"] == "power"].iterrows():  # the power analyzer's conclusions
+advice = findings[(findings["analyzer"] == "power") & (findings["state"] == "firing")]
+for _, finding in advice.iterrows():  # the power analyzer's recommendations
     ui.show_finding(finding)
+job_cap = advice[advice["kind"] == "job_cap"]
+if not job_cap.empty:
+    evidence = job_cap["evidence"].iloc[0]
+    st.subheader(f"Time/energy trade-off, one limit for every GPU ({evidence['source']})")
+    st.altair_chart(charts.tradeoff(pd.DataFrame(evidence["curve"]), evidence["cap_w"]), width="stretch")
 
 energy, power = ui.frame("energy_per_step", run=run), ui.frame("power_now", run=run)
 cols = st.columns(3)
