@@ -153,9 +153,14 @@ def preflight(config: Config) -> None:
     StoreLocked when another collector holds the store, OSError when the address is taken."""
     config.db.parent.mkdir(parents=True, exist_ok=True)
     connect(config.db).close()
+    check_address(config.host, config.port)
+
+
+def check_address(host: str, port: int) -> None:
+    """OSError when nothing can listen on host:port (taken, or not this machine's)."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((config.host, config.port))
+        probe.bind((host, port))
 
 
 def serve(config: Config) -> None:

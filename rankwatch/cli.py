@@ -32,9 +32,21 @@ def _db(args) -> Path:
     return store_path(args.db)
 
 
-def cmd_collector(args) -> None:
-    from collector.server import Config, preflight, serve
+def _preflight(config) -> None:
+    """What would stop a collector from starting (collector/server.py), as a one-line usage error."""
+    from collector.server import preflight
     from collector.store import StoreLocked
+
+    try:
+        preflight(config)
+    except StoreLocked as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+
+
+def cmd_collector(args) -> None:
+    from collector.server import Config, serve
 
     if args.power_every < 0:
         raise UsageError("--power-every must be 0 (never) or more seconds")
@@ -43,12 +55,7 @@ def cmd_collector(args) -> None:
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
                     hang_after_s=args.hang_after, auto_rollback=not args.no_auto_rollback,
                     power_every_s=args.power_every or None, alerts=_alert_config(args))
-    try:
-        preflight(config)
-    except StoreLocked as e:
-        raise UsageError(str(e)) from None
-    except OSError as e:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    _preflight(config)
     serve(config)
 
 
@@ -412,8 +419,17 @@ def cmd_dashboard(args) -> None:
 
 
 def cmd_demo(args) -> None:
+    from collector.server import Config, check_address
+    from dashboard.serve import HOST
     from rankwatch.demo import run
 
+    _preflight(Config(db=_db(args), port=args.port))
+    if not args.no_dashboard:
+        try:
+            check_address(HOST, args.dashboard_port)
+        except OSError as e:
+            raise UsageError(f"cannot serve the dashboard on {HOST}:{args.dashboard_port}: {e.strerror or e} "
+                             "(--dashboard-port PORT, or --no-dashboard)") from None
     run(db=_db(args), steps=args.steps, port=args.port,
         dashboard_port=None if args.no_dashboard else args.dashboard_port)
 

@@ -47,30 +47,31 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RANKWATCH_TOKEN": token}
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    with ExitStack() as processes:
-        collector = processes.enter_context(_stopping(subprocess.Popen(
-            [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
-             "--analyze-every", "1"], env=env)))
-        wait_healthy(url, collector)
-        if dashboard_port is not None:
-            processes.enter_context(_stopping(subprocess.Popen(
-                [sys.executable, "-m", "rankwatch", "dashboard", "--collector", url, "--port", str(dashboard_port)],
-                env=env)))
-            _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
-        print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}",
-              flush=True)
-        status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url, token=token)
-        if status:
-            sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
-        time.sleep(2)  # the collector's last analysis pass over the final steps
-        _summarize(CollectorSource(url, token), run_id)
-        if dashboard_port is not None:
-            print(f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading the "
-                  "collector; Ctrl-C stops both.", flush=True)
-            try:
+    try:
+        with ExitStack() as processes:
+            collector = processes.enter_context(_stopping(subprocess.Popen(
+                [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
+                 "--analyze-every", "1"], env=env)))
+            wait_healthy(url, collector)
+            if dashboard_port is not None:
+                processes.enter_context(_stopping(subprocess.Popen(
+                    [sys.executable, "-m", "rankwatch", "dashboard", "--collector", url, "--port",
+                     str(dashboard_port)], env=env)))
+                _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
+            print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}",
+                  flush=True)
+            status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url,
+                           token=token)
+            if status:
+                sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
+            time.sleep(2)  # the collector's last analysis pass over the final steps
+            _summarize(CollectorSource(url, token), run_id)
+            if dashboard_port is not None:
+                print(f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
+                      "the collector; Ctrl-C stops both.", flush=True)
                 collector.wait()
-            except KeyboardInterrupt:
-                print()
+    except KeyboardInterrupt:  # the collector and the dashboard are stopped on the way out
+        print()
     print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")
 
 

@@ -1,16 +1,18 @@
 """`rankwatch demo`, what `make demo` runs: the collector, the dashboard reading it, a 4-rank job
 with a straggler and a loss spike; the summary names the straggler and the rollback, the
-dashboard stays up afterwards, and Ctrl-C stops everything."""
+dashboard stays up afterwards, and Ctrl-C stops everything; ports it cannot listen on are
+refused before anything starts."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-from tests.conftest import free_port
+from tests.conftest import free_port, rankwatch_cli
 
 
 def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
@@ -46,3 +48,18 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
             raise AssertionError(f"port {p} still answers after Ctrl-C")
         except httpx.TransportError:
             pass
+
+
+def test_demo_refuses_ports_it_cannot_listen_on(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        db = ["--db", str(tmp_path / "rankwatch.duckdb")]
+        collector = rankwatch_cli("demo", *db, "--port", str(port))
+        dashboard = rankwatch_cli("demo", *db, "--port", str(free_port()), "--dashboard-port", str(port))
+    assert (collector.returncode, collector.stderr.strip()) == (
+        2, f"rankwatch: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert (dashboard.returncode, dashboard.stderr.strip()) == (
+        2, f"rankwatch: error: cannot serve the dashboard on 127.0.0.1:{port}: Address already in use "
+           "(--dashboard-port PORT, or --no-dashboard)")
