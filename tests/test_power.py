@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from agent import semconv as sc
-from agent.simdevice import GpuModel, SimulatedDevice, operating_point
+from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_point
 from collector.analyzers import power
 from tests.conftest import free_port, rankwatch_cli, simulated_store
 from tests.otlp_payloads import query
@@ -68,6 +68,16 @@ def test_ranks_waiting_for_a_straggler_get_lower_caps_and_the_straggler_none():
     (finding,) = [f for f in report.findings if f.kind == "per_rank_caps"]
     assert (finding.analyzer, finding.ranks, finding.severity) == ("power", [0, 1, 3, 4, 5], "info")
     assert finding.evidence["kept"] == [2] and finding.evidence["caps"] == {str(r): w for r, w in per_rank.caps.items()}
+
+
+def test_a_rank_throttled_by_heat_keeps_its_limit_whatever_its_slack():
+    """Rank 4 throttles for heat in most samples: a cap at its throttled draw would bind once it
+    cooled, so it keeps its limit, like the straggler, while the others get theirs."""
+    devices = pd.DataFrame({"rank": 4, "ts": np.arange(10) * 10**9, "metric": sc.CLOCK_EVENT_REASONS,
+                            "value": float(THERMAL)})
+    per_rank = power.analyze(built(straggler_compute()), devices).per_rank
+    assert sorted(per_rank.caps) == [0, 1, 3, 5]
+    assert {c.rank for c in per_rank.ranks if c.cap_w is None} == {2, 4}
 
 
 def test_a_job_without_slack_gets_no_per_rank_caps():

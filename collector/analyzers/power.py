@@ -21,7 +21,9 @@ clock_now * compute / (compute + safety * slack) (its median compute and slack o
 judged steps), and its cap the power model's power at that clock and its load: the simulated
 GPU's model (agent/simdevice.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
 the rank's utilization while busy (a high quantile of its samples). A straggler has no slack
-and keeps its limit. `safety` is the largest (up to `max_safety`) whose predicted step-time
+and keeps its limit; so does a rank that throttles for heat (most of its samples): its clock is
+held by its temperature, not its limit, and a cap at its present draw would bind once it cooled,
+making it a straggler. `safety` is the largest (up to `max_safety`) whose predicted step-time
 loss stays within `max_loss`: with a thousand ranks, the one whose noise runs long at a step
 sets that step's pace, so a rank must not fill all of its median slack.
 
@@ -395,11 +397,12 @@ def _per_rank(g: _Grid, draws: _Draws, profile: pd.DataFrame, model: GpuModel, s
     typical = np.median(g.compute, axis=0)
     slack = np.median(np.clip(g.wait - np.clip(g.wait.min(axis=1, keepdims=True), 0.0, None), 0.0, None), axis=0)
     limit, clock = profile["limit_w"].to_numpy(), profile["clock_mhz"].to_numpy()
+    held = profile["thermal"].to_numpy() | (slack <= 0)  # keep their limits whatever the safety
 
     def at(safety: float) -> tuple:
         target = np.maximum(clock * typical / (typical + safety * slack), model.clock_min_mhz)
         caps = np.clip(np.ceil(model.power(profile["load"].to_numpy(), target)), model.limit_min_w, model.limit_max_w)
-        caps = np.where(caps > limit - s.min_change_w, limit, caps)
+        caps = np.where(held | (caps > limit - s.min_change_w), limit, caps)
         new_clock, busy_w, wait_w = _operating(profile, model, caps)
         return (caps, new_clock, *draws.predict(clock / new_clock, busy_w, wait_w))
 
