@@ -72,7 +72,8 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
         st.warning(head)
     with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
-        st.caption(f"steps {row['step_start']}-{row['step_end']}, score {score}, first seen "
+        steps = "" if pd.isna(row["step_start"]) else f"steps {int(row['step_start'])}-{int(row['step_end'])}, "
+        st.caption(f"{steps}score {score}, first seen "
                    f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC")
         st.json(row["evidence"] or {}, expanded=True)
 

@@ -47,9 +47,12 @@ def test_refused_exports_by_share_with_401_critical():
 def test_queue_filling_slow_commits_and_failing_analysis():
     first = snapshot(0, commits=(100, 100, 100, 100, 100))
     last = snapshot(30, queue_bytes=900 * MIB, commits=(100, 150, 190, 200, 200), failures=2)  # 10 of 100 commits > 1 s
+    too_few = snapshot(30, commits=(100, 140, 190, 199, 199))  # 99 commits in the window
+    assert health.analyze(first, too_few, NO_OUTBOX) == []
     found = kinds(health.analyze(first, last, NO_OUTBOX))
     assert found == {
-        "queue_filling": ("warning", "the write queue is 90% full (900 of 1000 MiB): exports will be refused with 503 next"),
+        "queue_filling": ("warning", "the write queue is 90% full (900 of 1000 MiB): exports will be refused with "
+                                     "503 next"),
         "slow_commits": ("warning", "99% of group commits took up to 2.5 s in the last 30 s: telemetry and findings "
                                     "are late"),
         "analysis_failing": ("warning", "an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the "

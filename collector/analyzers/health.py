@@ -8,8 +8,8 @@ within the window, and its alert outbox. Findings (run "", analyzer "collector")
   job loses all its telemetry; otherwise a warning (400/413/415: malformed, 503: the write
   queue was full; exporters retry a 503, so its data is late, and lost if it goes on).
 - queue_filling: the write queue holds more than `queue_fill` of its limit: 503s come next.
-- slow_commits: the window's p99 group commit took longer than `slow_commit_s`: data and
-  findings are late.
+- slow_commits: the window's p99 group commit (of at least `min_commits`) took longer than
+  `slow_commit_s`: data and findings are late.
 - alerts_undelivered: receivers with a notification waiting more than `outbox_wait_s`
   (the receivers that are up hear of it).
 - analysis_failing: an analyzer raised within the window (the collector's log has why).
@@ -35,6 +35,7 @@ class Settings:
     min_requests: int = 20  # fewer exports in the window say nothing about a rate
     queue_fill: float = 0.8
     slow_commit_s: float = 1.0
+    min_commits: int = 100  # fewer say nothing about a 99th percentile
     outbox_wait_s: float = 900.0
 
 
@@ -72,7 +73,8 @@ def analyze(first: Snapshot, last: Snapshot, outbox: pd.DataFrame, settings: Set
             f"the write queue is {100 * fill:.0f}% full ({last.queue_bytes / 2**20:.0f} of "
             f"{last.max_queue_bytes / 2**20:.0f} MiB): exports will be refused with 503 next",
             {"queue_bytes": last.queue_bytes, "max_queue_bytes": last.max_queue_bytes}))
-    p99 = _quantile({le: n - first.commits.get(le, 0) for le, n in last.commits.items()}, 0.99)
+    p99 = _quantile({le: n - first.commits.get(le, 0) for le, n in last.commits.items()}, 0.99,
+                 s.min_commits)
     if p99 is not None and p99 > s.slow_commit_s:
         found.append(_finding(
             "slow_commits", "warning", p99,
@@ -100,10 +102,11 @@ def _finding(kind: str, severity: str, score: float, summary: str, evidence: dic
     return Finding(RUN_ID, kind, [], None, None, severity, score, summary, evidence, analyzer=ANALYZER)
 
 
-def _quantile(buckets: dict[float, int], q: float) -> float | None:
-    """The smallest bucket bound with at least `q` of the commits at or below it (None: no commits)."""
+def _quantile(buckets: dict[float, int], q: float, at_least: int) -> float | None:
+    """The smallest bucket bound with at least `q` of the commits at or below it (None: fewer than
+    `at_least` commits)."""
     total = buckets.get(math.inf, 0)
-    if not total:
+    if total < max(at_least, 1):
         return None
     return next(le for le, n in sorted(buckets.items()) if n >= q * total)
 
