@@ -12,7 +12,9 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from collector import findings
 from collector.alerts import rules
+from collector.analyzers import Finding, health
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
@@ -58,9 +60,9 @@ def test_overview_of_a_straggling_run(from_store):
     assert metrics["Last step"] == str(FLEET["steps"] - 1)
     assert metrics["MFU"] == "—"  # the simulator reports none
     assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
-    (verdict,) = texts(at.warning)
+    (verdict,) = texts(at.main.warning)
     assert verdict.startswith("**1 finding firing.**")
-    (finding,) = texts(at.error)
+    (finding,) = texts(at.main.error)
     assert finding.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}, {FLEET['thermal']}:")
     assert "ms per step" in finding
 
@@ -72,8 +74,8 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
     assert metrics == {"Last step": str(NAN["steps"] - 1), "Step time": "0.100 s",
                        "Tokens/s": f"{ranks * 1024 / 0.1:,.0f}", "MFU": "40.0%",
                        "Power": f"{sum(NAN['watts'] + 10 * r for r in range(ranks)) / 1000:.2f} kW"}
-    assert texts(at.success)[0].startswith("**Healthy.**")
-    assert any("resolved: **anomalies / nan**" in t for t in texts(at.info))
+    assert texts(at.main.success)[0].startswith("**Healthy.**")
+    assert any("resolved: **anomalies / nan**" in t for t in texts(at.main.info))
     (commands,) = at.dataframe
     assert commands.value[["kind", "state", "apply_step"]].values.tolist() == [["rollback", "applied",
                                                                                   NAN["steps"] + 1]]
@@ -81,7 +83,7 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
 
 def test_overview_of_a_hung_run(from_store):
     at = from_store("overview", HANG["run"])
-    verdict = texts(at.error)[0]
+    verdict = texts(at.main.error)[0]
     assert verdict.startswith("**Hung.**") and f"ranks [{HANG['rank']}] never entered" in verdict
 
 
@@ -111,14 +113,29 @@ def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboa
     at.switch_page(f"views{link.path}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="run").value == FLEET["run"]
-    assert at.caption[0].value == "The finding the link is about:"
-    assert at.error[0].value.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}")
-    assert at.expander[0].label == f"evidence of finding {finding_id}" and at.expander[0].proto.expanded
+    assert at.main.caption[0].value == "The finding the link is about:"
+    assert at.main.error[0].value.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}")
+    assert at.main.expander[0].label == f"evidence of finding {finding_id}" and at.main.expander[0].proto.expanded
     assert at.title[0].value == "Stragglers"
 
     at.query_params["finding"] = "999999"
     at.run()
-    assert f"The link names finding 999999, which run {FLEET['run']} does not have." in texts(at.warning)
+    assert f"The link names finding 999999, which run {FLEET['run']} does not have." in texts(at.main.warning)
+
+
+def test_the_sidebar_shows_the_collectors_own_findings(dashboard_store, tmp_path, monkeypatch):
+    db = tmp_path / "rankwatch.duckdb"
+    shutil.copy(dashboard_store, db)
+    with duckdb.connect(str(db)) as con:
+        findings.record(con, health.RUN_ID, health.ANALYZER, [Finding(
+            health.RUN_ID, "refused_exports", [], None, None, "critical", 0.5, "50% of 40 OTLP exports refused",
+            analyzer=health.ANALYZER)])
+    monkeypatch.setenv(DB_ENV, str(db))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    at = open_page("stragglers", FLEET["run"])
+    assert "Collector: 50% of 40 OTLP exports refused" in texts(at.sidebar.warning)
 
 
 def test_stragglers_of_a_clean_run(from_store):
@@ -134,7 +151,7 @@ def test_collectives_shows_busbw_per_op_and_size(from_store):
                                                                         ["all_reduce", 512 * 2**20, 16]]
     assert (busbw.value["busbw_gbps"] > 0).all()
     assert len(groups.value) == 8
-    assert texts(at.success) == ["No slow link: every process group moves at its peers' pace."]
+    assert texts(at.main.success) == ["No slow link: every process group moves at its peers' pace."]
 
 
 def test_collectives_empty_state(from_store):
@@ -144,7 +161,7 @@ def test_collectives_empty_state(from_store):
 
 def test_checkpoints_marks_anomaly_rollback_and_checkpoints(from_store):
     at = from_store("checkpoints", NAN["run"])
-    (verdict,) = texts(at.warning)
+    (verdict,) = texts(at.main.warning)
     assert verdict == f"**1 rollback.** The latest (nan) is applied: the job restored step {NAN['restored']}."
     markers, rollbacks = at.dataframe
     marks = {(row.step, row.marker) for row in markers.value.itertuples()}
@@ -157,13 +174,13 @@ def test_checkpoints_marks_anomaly_rollback_and_checkpoints(from_store):
 
 def test_checkpoints_empty_state(from_store):
     at = from_store("checkpoints", BARE["run"])
-    assert texts(at.success) == ["No rollback: no anomaly has sent this run back to a checkpoint."]
+    assert texts(at.main.success) == ["No rollback: no anomaly has sent this run back to a checkpoint."]
     assert "The job reports no loss (`agent.record(loss=...)`)." in texts(at.caption)
 
 
 def test_hangs_names_the_culprit_and_the_collective(from_store):
     at = from_store("hangs", HANG["run"])
-    verdict = texts(at.error)[0]
+    verdict = texts(at.main.error)[0]
     assert verdict.startswith("**Hung for ") and f"Culprit ranks: **{HANG['rank']}**" in verdict
     waiting = HANG["ranks"] - 1
     assert (f"{waiting} ranks are blocked in **all_reduce #{HANG['at']}** of group **world**, which ranks "
@@ -181,7 +198,7 @@ def test_hangs_of_a_run_that_never_stalled(from_store):
 
 def test_power_names_the_throttled_rank(from_store):
     at = from_store("power", FLEET["run"])
-    (throttled,) = texts(at.warning)
+    (throttled,) = texts(at.main.warning)
     assert throttled.startswith(f"**Clocks held back on ranks {FLEET['thermal']}**: ") and "thermal" in throttled
     assert {m.label: m.value for m in at.metric}["Ranks sampled"] == str(FLEET["ranks"])
 
@@ -193,7 +210,7 @@ def test_power_shows_the_recommendations_and_the_trade_off_curve(from_store, das
                                      WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""",
                                   [FLEET["run"]]).fetchall())
     assert {"job_cap", "per_rank_caps", "headroom"} <= set(advice)
-    shown = [t for t in texts(at.info) if t.startswith("**power / ")]
+    shown = [t for t in texts(at.main.info) if t.startswith("**power / ")]
     assert len(shown) == len(advice) and all(any(summary in t for t in shown) for summary in advice.values())
     assert any(h.startswith("Time/energy trade-off, one limit for every GPU") for h in texts(at.subheader))
     assert any("slowdown_pct" in chart.proto.spec for chart in at.get("vega_lite_chart"))
@@ -205,12 +222,12 @@ def test_power_and_energy_per_step(from_store):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics == {"Power now": f"{watts / 1000:.2f} kW", "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
                        "Ranks sampled": str(NAN["ranks"])}
-    assert texts(at.success) == ["No rank's clocks were held back."]
+    assert texts(at.main.success) == ["No rank's clocks were held back."]
 
 
 def test_power_empty_state(from_store):
     at = from_store("power", BARE["run"])
-    assert texts(at.info)[0].startswith("No device samples for this run")
+    assert texts(at.main.info)[0].startswith("No device samples for this run")
 
 
 def test_sql_runs_read_only_queries_and_refuses_others(from_store):
@@ -218,9 +235,9 @@ def test_sql_runs_read_only_queries_and_refuses_others(from_store):
     (result,) = at.dataframe
     assert dict(result.value.values.tolist())[FLEET["run"]] == FLEET["ranks"] * FLEET["steps"]
     at.text_area(key="sql").set_value("DELETE FROM steps").run()
-    assert texts(at.error) == ["only SELECT is allowed, not DELETE"]
+    assert texts(at.main.error) == ["only SELECT is allowed, not DELETE"]
     at.text_area(key="sql").set_value("SELECT * FROM read_csv('/etc/passwd')").run()
-    assert texts(at.error)[0].startswith("Permission Error")
+    assert texts(at.main.error)[0].startswith("Permission Error")
     at.text_area(key="sql").set_value("SELECT 6 * 7 AS answer").run()
     assert at.dataframe[0].value.values.tolist() == [[42]]
     assert not at.error
