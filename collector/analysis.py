@@ -34,7 +34,8 @@ _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, durat
                     AND step > (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
-_HAS_POWER = "SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples WHERE run_id = $run AND metric IN $metrics LIMIT 1)"
+_HAS_POWER = """SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples
+                                         WHERE run_id = $run AND metric IN $metrics LIMIT 1)"""
 _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _OUTBOX = """SELECT receiver, count(*) AS pending, epoch(now() - min(created_at)) AS waiting_s FROM outbox

@@ -423,15 +423,15 @@ def cmd_demo(args) -> None:
     from dashboard.serve import HOST
     from rankwatch.demo import run
 
-    _preflight(Config(db=_db(args), port=args.port))
+    db = _db(args)
+    _preflight(Config(db=db, port=args.port))
     if not args.no_dashboard:
         try:
             check_address(HOST, args.dashboard_port)
         except OSError as e:
             raise UsageError(f"cannot serve the dashboard on {HOST}:{args.dashboard_port}: {e.strerror or e} "
                              "(--dashboard-port PORT, or --no-dashboard)") from None
-    run(db=_db(args), steps=args.steps, port=args.port,
-        dashboard_port=None if args.no_dashboard else args.dashboard_port)
+    run(db=db, steps=args.steps, port=args.port, dashboard_port=None if args.no_dashboard else args.dashboard_port)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,8 +44,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                    help="copy the training state to host memory every STEPS steps")
     p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
                    help="write one of those snapshots to disk every STEPS steps (a multiple of --snapshot-every)")
-    # 4 x 10 steps: a rollback comes some seconds after the anomaly (the collector's analysis period,
-    # then the next command broadcast), 10-15 steps of the demo's 0.2 s steps, fewer of a GPU job's
+    # 4 x 10 steps: served from memory while a rollback comes under 25 steps after its anomaly (the
+    # collector's analysis period, then the next command broadcast; docs/benchmarks.md, Checkpoints)
     p.add_argument("--ckpt-memory", type=int, default=4, metavar="K",
                    help="snapshots kept in host memory; K x --snapshot-every steps is how far back a rollback "
                         "is instant")
