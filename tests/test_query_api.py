@@ -149,7 +149,7 @@ def test_ingest_goes_on_during_a_slow_query(api):
     worker.join()
     assert answer["response"].status_code == 408
     assert committed < answer["done"], "ingest finished only after the slow query ended"
-    assert max(latencies) < 2.0, latencies
+    assert max(latencies) < 5.0, latencies  # blocked, one would wait ~14 s
     assert ask(api, "SELECT count(*) FROM steps WHERE run_id = 'run-during'").json()["rows"] == [[500]]
 
 
