@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from agent import semconv as sc
 from agent.devices import Device, Reading
 
@@ -46,21 +49,24 @@ class GpuModel:
     thermal_clock_mhz: float = 1500.0  # throttled clock and temperature, as the fleet simulator's
     thermal_c: float = 88.0
 
-    def power(self, load: float, clock_mhz: float) -> float:
-        """P(u, f), W: the power model above."""
+    def power(self, load: float | np.ndarray, clock_mhz: float | np.ndarray) -> float | np.ndarray:
+        """P(u, f), W: the power model above, of scalars or arrays."""
         return self.idle_w + (self.max_w - self.idle_w) * load * (clock_mhz / self.clock_max_mhz) ** 3
 
 
-def operating_point(model: GpuModel, load: float, limit_w: float, thermal: bool = False) -> tuple[float, float, int]:
+def operating_point(model: GpuModel, load: npt.ArrayLike, limit_w: npt.ArrayLike,
+                    thermal: npt.ArrayLike = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """SM clock (MHz), power (W) and clock-event reasons at `load` (0..1) under the power limit and
     thermal throttling: the device's own state, and the fleet simulator's and the power analyzer's
-    prediction for a cap."""
+    prediction for a cap. Scalars or numpy arrays, broadcast together (a value per rank)."""
     m = model
-    clock, reasons = (m.thermal_clock_mhz, THERMAL) if thermal else (m.clock_max_mhz, 0)
-    if load > 0 and m.power(load, clock) > limit_w:
-        clock = m.clock_max_mhz * ((limit_w - m.idle_w) / ((m.max_w - m.idle_w) * load)) ** (1 / 3)
-        reasons |= SW_POWER_CAP
-    clock = max(clock, m.clock_min_mhz)
+    load, limit_w, thermal = np.asarray(load, float), np.asarray(limit_w, float), np.asarray(thermal, bool)
+    clock = np.where(thermal, m.thermal_clock_mhz, m.clock_max_mhz)
+    capped = (load > 0) & (m.power(load, clock) > limit_w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fitting = m.clock_max_mhz * np.cbrt((limit_w - m.idle_w) / ((m.max_w - m.idle_w) * load))
+    clock = np.maximum(np.where(capped, fitting, clock), m.clock_min_mhz)
+    reasons = np.where(thermal, THERMAL, 0) | np.where(capped, SW_POWER_CAP, 0)
     return clock, m.power(load, clock), reasons
 
 
@@ -110,7 +116,8 @@ class SimulatedDevice(Device):
             self._thermal = on
 
     def _operating_point(self, load: float) -> tuple[float, float, int]:
-        return operating_point(self.model, load, self._limit_w, self._thermal)
+        clock, power, reasons = operating_point(self.model, load, self._limit_w, self._thermal)
+        return float(clock), float(power), int(reasons)
 
     def _advance(self) -> None:
         """Integrate power since the last call at the load and settings of then; take the load now."""

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pynvml
 import pytest
 from otlp_payloads import query
@@ -22,7 +23,7 @@ from agent.export import Exporter
 from agent.nvml import NvmlDevice
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.simdevice import THERMAL, GpuModel, SimulatedDevice
+from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_point
 
 H100 = GpuModel()
 
@@ -279,6 +280,27 @@ def test_simulated_clock_is_floored_where_the_cap_cannot_be_met():
     assert readings[sc.SM_CLOCK_MHZ][0] == 1500.0
     assert readings[sc.POWER_INSTANT_W][0] > 200
     device.close()
+
+
+def test_the_power_model_answers_a_rank_per_element_as_the_device_does():
+    """The analyzer and the fleet simulator ask the model for every rank at once."""
+    load, limit, thermal = (a.ravel() for a in np.meshgrid([0.0, 0.1, 0.5, 1.0], [200.0, 450.0, 700.0], [False, True]))
+    clock, power, reasons = operating_point(H100, load, limit, thermal)
+    base = np.where(thermal, H100.thermal_clock_mhz, H100.clock_max_mhz)
+    binds = H100.power(load, base) > limit
+    assert binds.any() and not binds.all()
+    assert np.array_equal(reasons & SW_POWER_CAP > 0, binds)
+    assert np.array_equal(reasons & THERMAL > 0, thermal)
+    assert np.allclose(power[binds], limit[binds])  # the highest clock that fits (the floor is lower)
+    assert np.array_equal(clock[~binds], base[~binds])
+    for i in range(len(load)):  # a GPU of the simulator, capped and throttled alike, reads the same
+        device = Load(load[i]).device()
+        device.set_power_cap(limit[i])
+        device.throttle_thermal(bool(thermal[i]))
+        readings = by_metric(device.read())
+        assert (readings[sc.SM_CLOCK_MHZ][0], readings[sc.POWER_INSTANT_W][0]) == pytest.approx((clock[i], power[i]))
+        assert readings[sc.CLOCK_EVENT_REASONS][0] == reasons[i]
+        device.close()
 
 
 def test_simulated_energy_integrates_power_over_time():

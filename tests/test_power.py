@@ -31,8 +31,7 @@ def built(compute: np.ndarray, limits: np.ndarray | None = None, data_s: float =
     rank's compute stretched by its limit as the power model says, every rank waiting for the
     slowest, energy busy at full load and idle while waiting."""
     limits = np.full(compute.shape, GPU.limit_max_w) if limits is None else limits
-    busy = np.vectorize(lambda w: operating_point(GPU, 1.0, w))
-    clock, busy_w = busy(limits)[:2]
+    clock, busy_w, _ = operating_point(GPU, 1.0, limits)
     compute = compute * GPU.clock_max_mhz / clock
     step = (data_s + compute).max(axis=1, keepdims=True) + transfer_s
     rows = [{"run_id": "built", "rank": r, "step": t, "duration_s": step[t, 0], "data_s": data_s,
@@ -311,7 +310,8 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     alerts = tmp_path / "alerts.toml"
     alerts.write_text(f'[[receivers]]\nurl = "{receiver.url}"\nanalyzers = ["power"]\n')
     try:
-        db = simulated_store(tmp_path, {"pw-live": ["straggler:rank=5,slowdown=1.2"]}, ["--ranks", "16", "--steps", "80"],
+        db = simulated_store(tmp_path, {"pw-live": ["straggler:rank=5,slowdown=1.2"]},
+                             ["--ranks", "16", "--steps", "80"],
                              ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)), settle_s=1)
         (delivery, *_) = receiver.wait_for(1)
     finally:

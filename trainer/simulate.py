@@ -113,14 +113,6 @@ class Timing:
     wait_load: float = 0.1  # GPU utilization outside compute (data loading, collectives): idle-ish
 
 
-def _operating_points(gpu: GpuModel, load: float, limit: np.ndarray, thermal: np.ndarray) -> np.ndarray:
-    """Each rank's clock, power and clock-event reasons at `load` (rows of a 3 x ranks array), from
-    the simulated GPU's model, worked out once per distinct (limit, throttled) setting."""
-    settings, inverse = np.unique(np.stack([limit, thermal]), axis=1, return_inverse=True)
-    points = np.array([operating_point(gpu, load, w, bool(hot)) for w, hot in settings.T])
-    return points[inverse.ravel()].T
-
-
 def power_limits(caps, ranks: int, gpu: GpuModel = GpuModel()) -> np.ndarray:
     """Each rank's power limit from `caps`, {rank: W} as JSON has it (or a `rankwatch power
     recommend --json` document, whose `rank_caps` it is); the other ranks' the GPU's highest.
@@ -184,9 +176,9 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
                 limit[slice(None) if f.rank is None else f.rank] = f.get("watts")
         # the power limit, where it binds under load, lowers the clock further and stretches compute
         limit, throttled = np.clip(limit, gpu.limit_min_w, gpu.limit_max_w), reasons > 0
-        busy_clock, busy_w, reasons = _operating_points(gpu, 1.0, limit, throttled)
+        busy_clock, busy_w, reasons = operating_point(gpu, 1.0, limit, throttled)
         compute *= clock / busy_clock
-        clock, wait_w = busy_clock, _operating_points(gpu, t.wait_load, limit, throttled)[1]
+        clock, wait_w = busy_clock, operating_point(gpu, t.wait_load, limit, throttled)[1]
         data = t.data_s * rng.lognormal(0.0, t.jitter, n)
         # tensor-parallel groups move at their slowest member's pace
         tp_pace = compute.reshape(-1, topology.tp).max(axis=1).repeat(topology.tp)

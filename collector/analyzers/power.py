@@ -220,16 +220,22 @@ class _Draws:
         self.data = g.data[source]
         self.time_s, self.energy = self.step_time[source], self.step_energy[source]
         self.ready = np.max(self.data + self.compute, axis=1)
+        self._mean_compute = self.compute.mean(axis=0)
+        modelled = _modelled(self.busy_w, self.wait_w, self.compute, self.time_s[:, None])
+        self._modelled_sum, self._modelled_mean = modelled.sum(axis=1), modelled.mean(axis=0)
 
     def predict(self, stretch: np.ndarray, busy_w: np.ndarray,
                 wait_w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """With each rank's compute stretched and its power as given: per draw, the time the step
-        gains and the energy the GPUs save; per rank, its mean saving."""
-        stretched = self.compute * stretch
-        added = np.max(self.data + stretched, axis=1) - self.ready
-        saved = (_modelled(self.busy_w, self.wait_w, self.compute, self.time_s[:, None])
-                 - _modelled(busy_w, wait_w, stretched, (self.time_s + added)[:, None]))
-        return added, saved.sum(axis=1), saved.mean(axis=0)
+        gains and the energy the GPUs save; per rank, its mean saving. The modelled energy is
+        linear in the compute, so its sums over ranks and means over draws come without the
+        draws x ranks table."""
+        added = np.max(self.data + self.compute * stretch, axis=1) - self.ready
+        time_s = self.time_s + added
+        busy_more = (busy_w - wait_w) * stretch  # each second of unstretched compute, over waiting
+        saved = self._modelled_sum - (self.compute @ busy_more + time_s * wait_w.sum())
+        by_rank = self._modelled_mean - (busy_more * self._mean_compute + wait_w * time_s.mean())
+        return added, saved, by_rank
 
 
 def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.DataFrame | None = None,
@@ -306,10 +312,9 @@ def _profiles(steps: pd.DataFrame, devices: pd.DataFrame, model: GpuModel) -> pd
 
 def _operating(profile: pd.DataFrame, model: GpuModel, caps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each rank's clock and power busy, and its power waiting, under `caps` (W per rank)."""
-    rows = list(zip(profile.itertuples(), caps))
-    busy = np.array([operating_point(model, r.load, cap, r.thermal)[:2] for r, cap in rows])
-    wait = np.array([operating_point(model, r.wait_load, cap, r.thermal)[1] for r, cap in rows])
-    return busy[:, 0], busy[:, 1], wait
+    thermal = profile["thermal"].to_numpy()
+    clock, busy_w, _ = operating_point(model, profile["load"].to_numpy(), caps, thermal)
+    return clock, busy_w, operating_point(model, profile["wait_load"].to_numpy(), caps, thermal)[1]
 
 
 def _job_limits(steps: pd.DataFrame) -> pd.Series:
