@@ -134,7 +134,6 @@ class Analysis:
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)
 
-
     def _power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
         """The power analyzer's findings for a run whose GPUs report their power."""
         if con.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
