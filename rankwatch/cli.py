@@ -7,6 +7,7 @@ duckdb and `rankwatch query` never loads torch.
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -323,6 +324,12 @@ def cmd_import(args) -> None:
           f"{counts['ranks']} ranks -> {db}")
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a service manager, `timeout`, `kill`) stops the command as Ctrl-C does, so that it
+    stops what it started (the job's ranks, the collector, the dashboard) instead of orphaning them."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def cmd_train(args) -> None:
     from rankwatch.launch import train
     from trainer.faults import TRAINER_KINDS, parse
@@ -332,6 +339,7 @@ def cmd_train(args) -> None:
             parse(spec, TRAINER_KINDS)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    _stop_on_sigterm()
     sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
                    collector=args.collector, model=args.model, max_restarts=args.max_restarts))
 
@@ -431,6 +439,7 @@ def cmd_demo(args) -> None:
         except OSError as e:
             raise UsageError(f"cannot serve the dashboard on {HOST}:{args.dashboard_port}: {e.strerror or e} "
                              "(--dashboard-port PORT, or --no-dashboard)") from None
+    _stop_on_sigterm()
     run(db=db, steps=args.steps, port=args.port, dashboard_port=None if args.no_dashboard else args.dashboard_port)
 
 

@@ -5,7 +5,6 @@ collector, shows the run as it happens and stays up afterwards until Ctrl-C
 (`--no-dashboard`: the demo ends with the job)."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -43,9 +42,7 @@ FROM current_steps WHERE run_id = ? AND step >= 40 GROUP BY rank ORDER BY rank
 
 
 def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> None:
-    """The demo, end to end; `dashboard_port` None: without the dashboard. SIGTERM stops it as Ctrl-C
-    does: the job, the collector and the dashboard with it."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    """The demo, end to end; `dashboard_port` None: without the dashboard."""
     token = load_or_create_token(db.parent)
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RANKWATCH_TOKEN": token}

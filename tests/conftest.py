@@ -85,6 +85,56 @@ def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) 
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
 
 
+class Interactive:
+    """A `rankwatch` command as a terminal runs it: in a process group of its own, with Ctrl-C working
+    (a suite started in the background hands its children SIGINT ignored), its output read line by line."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.lines: list[str] = []
+
+    def read_until(self, text: str, timeout_s: float) -> str:
+        """The output up to the line holding `text`."""
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s:.0f} s:\n" + "".join(self.lines)
+            line = self.process.stdout.readline()
+            assert line, "it ended early:\n" + "".join(self.lines)
+            self.lines.append(line)
+        return "".join(self.lines)
+
+    def stop(self, sig: signal.Signals) -> str:
+        """The rest of the output, once the command has exited on `sig` (sent to it alone)."""
+        self.process.send_signal(sig)
+        try:
+            return self.process.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 60 s after {sig.name}:\n" + "".join(self.lines)) from None
+
+    def left_running(self, timeout_s: float = 15) -> str:
+        """The processes it started (collector, dashboard, torchrun, ranks) still running `timeout_s`
+        after it exited, as `ps` lists them; "" when none."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return ""
+            time.sleep(0.5)
+        return subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-g", str(self.process.pid)],
+                              capture_output=True, text=True).stdout or "(gone while listing)"
+
+    def kill(self) -> None:
+        """Whatever is left of its process group, killed: a failed test leaves nothing behind."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
 def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: list[str],
                     collector_args: tuple[str, ...] = (), settle_s: float = 0.0) -> Path:
     """A store filled by `rankwatch simulate` through a real collector, one run per entry of `runs`

@@ -6,66 +6,20 @@ refused before anything starts; SIGTERM stops it as Ctrl-C does."""
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 
 import httpx
 
-from tests.conftest import free_port, rankwatch_cli
+from tests.conftest import Interactive, free_port, rankwatch_cli
 
 
-class Demo:
-    """`rankwatch demo` in a process group of its own, with Ctrl-C working in it (a suite started in
-    the background hands its children SIGINT ignored)."""
+class Demo(Interactive):
+    """`rankwatch demo` on ports of its own."""
 
     def __init__(self, tmp_path):
         self.port, self.dashboard_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "RANKWATCH_TOKEN")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "rankwatch", "demo", "--steps", "200", "--db", str(tmp_path / "rankwatch.duckdb"),
-             "--port", str(self.port), "--dashboard-port", str(self.dashboard_port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        self.lines: list[str] = []
-
-    def read_until(self, text: str, timeout_s: float) -> str:
-        """The output up to the line holding `text`."""
-        deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in self.lines):
-            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s:.0f} s:\n" + "".join(self.lines)
-            line = self.process.stdout.readline()
-            assert line, "the demo ended early:\n" + "".join(self.lines)
-            self.lines.append(line)
-        return "".join(self.lines)
-
-    def stop(self, sig: signal.Signals) -> str:
-        """The rest of the output, once the demo has exited on `sig`."""
-        self.process.send_signal(sig)
-        try:
-            return self.process.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the demo still runs 60 s after {sig.name}:\n" + "".join(self.lines)) from None
-
-    def left_running(self, timeout_s: float = 15) -> bool:
-        """Whether any process the demo started (the collector, the dashboard, torchrun, its ranks)
-        still runs `timeout_s` after the demo exited."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.process.pid, 0)
-            except ProcessLookupError:
-                return False
-            time.sleep(0.5)
-        return True
-
-    def kill(self) -> None:
-        """Whatever is left of the demo's process group, killed (a failed test leaves nothing behind)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        super().__init__("demo", "--steps", "200", "--db", str(tmp_path / "rankwatch.duckdb"), "--port", str(self.port),
+                         "--dashboard-port", str(self.dashboard_port), env=env)
 
     def assert_ports_closed(self) -> None:
         for p in (self.port, self.dashboard_port):
@@ -89,7 +43,7 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
         rest = demo.stop(signal.SIGINT)
         assert demo.process.returncode == 0, output + rest
         assert "The store is" in rest
-        assert not demo.left_running()
+        assert demo.left_running() == ""
         demo.assert_ports_closed()
     finally:
         demo.kill()
@@ -103,8 +57,7 @@ def test_sigterm_mid_job_stops_the_job_and_everything_the_demo_started(tmp_path)
         rest = demo.stop(signal.SIGTERM)
         assert demo.process.returncode == 0, "".join(demo.lines) + rest
         assert "The store is" in rest
-        assert not demo.left_running(), subprocess.run(["ps", "-o", "pid,args", "-g", str(demo.process.pid)],
-                                                       capture_output=True, text=True).stdout
+        assert demo.left_running() == ""
         demo.assert_ports_closed()
     finally:
         demo.kill()

@@ -21,10 +21,12 @@ sizes, with NCCL kernel names and torch.distributed spellings.
 
 import json
 import math
+import os
+import signal
 import statistics
 
 import pytest
-from conftest import Collector, free_port, rankwatch_cli
+from conftest import Collector, Interactive, free_port, rankwatch_cli
 from otlp_payloads import query
 
 from collector.nccl import bus_factor, canonical_op
@@ -70,6 +72,19 @@ def job(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 ranks, GPT tiny" in result.stdout
     return collector.db
+
+
+def test_sigterm_to_the_command_stops_torchrun_and_every_rank():
+    """A service manager stops `rankwatch train` with SIGTERM to it alone: no rank may go on, orphaned."""
+    train = Interactive("train", "--nproc", "2", "--steps", "100000", "--run", "run-stopped", "--collector",
+                        f"http://127.0.0.1:{free_port()}", env={**os.environ, "RANKWATCH_TOKEN": "test-token"})
+    try:
+        train.read_until("step    20 ", 240)
+        train.stop(signal.SIGTERM)
+        assert train.process.returncode == 130  # as after Ctrl-C
+        assert train.left_running() == ""
+    finally:
+        train.kill()
 
 
 def steps_by_rank(db, column: str) -> dict[int, dict[int, float]]:
