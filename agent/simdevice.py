@@ -21,12 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING
 
 from agent import semconv as sc
 from agent.devices import Device, Reading
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _BIT = {name: bit for bit, name in sc.CLOCK_EVENT_REASON_BITS.items()}
 SW_POWER_CAP = _BIT["sw_power_cap"]
@@ -49,23 +50,38 @@ class GpuModel:
     thermal_clock_mhz: float = 1500.0  # throttled clock and temperature, as the fleet simulator's
     thermal_c: float = 88.0
 
-    def power(self, load: float | np.ndarray, clock_mhz: float | np.ndarray) -> float | np.ndarray:
-        """P(u, f), W: the power model above, of scalars or arrays."""
+    def power(self, load: "float | np.ndarray", clock_mhz: "float | np.ndarray") -> "float | np.ndarray":
+        """P(u, f), W: the power model above; scalars or numpy arrays."""
         return self.idle_w + (self.max_w - self.idle_w) * load * (clock_mhz / self.clock_max_mhz) ** 3
 
+    def fitting_clock(self, load: "float | np.ndarray", limit_w: "float | np.ndarray") -> "float | np.ndarray":
+        """The clock at which `load` (> 0) draws `limit_w`: P(u, f) = limit solved for f."""
+        return self.clock_max_mhz * ((limit_w - self.idle_w) / ((self.max_w - self.idle_w) * load)) ** (1 / 3)
 
-def operating_point(model: GpuModel, load: npt.ArrayLike, limit_w: npt.ArrayLike,
-                    thermal: npt.ArrayLike = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+
+def operating_point(model: GpuModel, load: float, limit_w: float, thermal: bool = False) -> tuple[float, float, int]:
     """SM clock (MHz), power (W) and clock-event reasons at `load` (0..1) under the power limit and
-    thermal throttling: the device's own state, and the fleet simulator's and the power analyzer's
-    prediction for a cap. Scalars or numpy arrays, broadcast together (a value per rank)."""
+    thermal throttling: the device's own state."""
+    m = model
+    clock, reasons = (m.thermal_clock_mhz, THERMAL) if thermal else (m.clock_max_mhz, 0)
+    if load > 0 and m.power(load, clock) > limit_w:
+        clock, reasons = m.fitting_clock(load, limit_w), reasons | SW_POWER_CAP
+    clock = max(clock, m.clock_min_mhz)
+    return clock, m.power(load, clock), reasons
+
+
+def operating_points(model: GpuModel, load: "float | np.ndarray", limit_w: "float | np.ndarray",
+                     thermal: "bool | np.ndarray" = False) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+    """`operating_point` of numpy arrays, broadcast together (a value per rank): the fleet
+    simulator's and the power analyzer's prediction for caps."""
+    import numpy as np  # here only: the agent, which runs in every training process, does without it
+
     m = model
     load, limit_w, thermal = np.asarray(load, float), np.asarray(limit_w, float), np.asarray(thermal, bool)
     clock = np.where(thermal, m.thermal_clock_mhz, m.clock_max_mhz)
     capped = (load > 0) & (m.power(load, clock) > limit_w)
     with np.errstate(divide="ignore", invalid="ignore"):
-        fitting = m.clock_max_mhz * np.cbrt((limit_w - m.idle_w) / ((m.max_w - m.idle_w) * load))
-    clock = np.maximum(np.where(capped, fitting, clock), m.clock_min_mhz)
+        clock = np.maximum(np.where(capped, m.fitting_clock(load, limit_w), clock), m.clock_min_mhz)
     reasons = np.where(thermal, THERMAL, 0) | np.where(capped, SW_POWER_CAP, 0)
     return clock, m.power(load, clock), reasons
 
@@ -116,8 +132,7 @@ class SimulatedDevice(Device):
             self._thermal = on
 
     def _operating_point(self, load: float) -> tuple[float, float, int]:
-        clock, power, reasons = operating_point(self.model, load, self._limit_w, self._thermal)
-        return float(clock), float(power), int(reasons)
+        return operating_point(self.model, load, self._limit_w, self._thermal)
 
     def _advance(self) -> None:
         """Integrate power since the last call at the load and settings of then; take the load now."""

@@ -159,7 +159,7 @@ def test_token_file_created_0600_and_authorizes(tmp_path):
 
 AGENT_ALONE = """
 import sys
-for name in ("duckdb", "pyarrow", "streamlit", "collector"):
+for name in ("duckdb", "pyarrow", "numpy", "pandas", "streamlit", "collector"):
     sys.modules[name] = None  # any import of these now raises ImportError
 try:
     import collector.store
@@ -171,14 +171,18 @@ import agent, agent.export, agent.semconv
 from agent.export import Exporter
 exporter = Exporter("http://127.0.0.1:9", "t", {agent.semconv.RUN_ID: "r", agent.semconv.RANK: 0})
 exporter.shutdown()
-print(agent.semconv.POWER_W)
+from agent.simdevice import SimulatedDevice  # the GPU of a job without one
+gpu = SimulatedDevice(0)
+gpu.set_power_cap(300)
+print(agent.semconv.POWER_W, *[round(value) for metric, value, _ in gpu.read() if metric == agent.semconv.POWER_INSTANT_W])
 """
 
 
 def test_agent_imports_without_collector_deps():
+    """The agent, simulated GPU included, needs none of the collector's libraries (numpy neither)."""
     r = subprocess.run([sys.executable, "-c", AGENT_ALONE], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "DCGM_FI_DEV_POWER_USAGE"
+    assert r.stdout.strip() == "DCGM_FI_DEV_POWER_USAGE 300"  # busy, at its cap
 
 
 def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, tmp_path):

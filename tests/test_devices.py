@@ -23,7 +23,7 @@ from agent.export import Exporter
 from agent.nvml import NvmlDevice
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_point
+from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_points
 
 H100 = GpuModel()
 
@@ -285,7 +285,7 @@ def test_simulated_clock_is_floored_where_the_cap_cannot_be_met():
 def test_the_power_model_answers_a_rank_per_element_as_the_device_does():
     """The analyzer and the fleet simulator ask the model for every rank at once."""
     load, limit, thermal = (a.ravel() for a in np.meshgrid([0.0, 0.1, 0.5, 1.0], [200.0, 450.0, 700.0], [False, True]))
-    clock, power, reasons = operating_point(H100, load, limit, thermal)
+    clock, power, reasons = operating_points(H100, load, limit, thermal)
     base = np.where(thermal, H100.thermal_clock_mhz, H100.clock_max_mhz)
     binds = H100.power(load, base) > limit
     assert binds.any() and not binds.all()

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from agent import semconv as sc
-from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_point
+from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_points
 from collector.analyzers import power
 from tests.conftest import free_port, rankwatch_cli, simulated_store
 from tests.otlp_payloads import query
@@ -31,7 +31,7 @@ def built(compute: np.ndarray, limits: np.ndarray | None = None, data_s: float =
     rank's compute stretched by its limit as the power model says, every rank waiting for the
     slowest, energy busy at full load and idle while waiting."""
     limits = np.full(compute.shape, GPU.limit_max_w) if limits is None else limits
-    clock, busy_w, _ = operating_point(GPU, 1.0, limits)
+    clock, busy_w, _ = operating_points(GPU, 1.0, limits)
     compute = compute * GPU.clock_max_mhz / clock
     step = (data_s + compute).max(axis=1, keepdims=True) + transfer_s
     rows = [{"run_id": "built", "rank": r, "step": t, "duration_s": step[t, 0], "data_s": data_s,

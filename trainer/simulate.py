@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from agent.simdevice import GpuModel, operating_point
+from agent.simdevice import GpuModel, operating_points
 from trainer.faults import Fault
 
 SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap")
@@ -176,9 +176,9 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
                 limit[slice(None) if f.rank is None else f.rank] = f.get("watts")
         # the power limit, where it binds under load, lowers the clock further and stretches compute
         limit, throttled = np.clip(limit, gpu.limit_min_w, gpu.limit_max_w), reasons > 0
-        busy_clock, busy_w, reasons = operating_point(gpu, 1.0, limit, throttled)
+        busy_clock, busy_w, reasons = operating_points(gpu, 1.0, limit, throttled)
         compute *= clock / busy_clock
-        clock, wait_w = busy_clock, operating_point(gpu, t.wait_load, limit, throttled)[1]
+        clock, wait_w = busy_clock, operating_points(gpu, t.wait_load, limit, throttled)[1]
         data = t.data_s * rng.lognormal(0.0, t.jitter, n)
         # tensor-parallel groups move at their slowest member's pace
         tp_pace = compute.reshape(-1, topology.tp).max(axis=1).repeat(topology.tp)

@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
-from agent.simdevice import THERMAL, GpuModel, operating_point
+from agent.simdevice import THERMAL, GpuModel, operating_points
 from collector.analyzers import Finding
 
 ANALYZER = "power"
@@ -313,8 +313,8 @@ def _profiles(steps: pd.DataFrame, devices: pd.DataFrame, model: GpuModel) -> pd
 def _operating(profile: pd.DataFrame, model: GpuModel, caps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each rank's clock and power busy, and its power waiting, under `caps` (W per rank)."""
     thermal = profile["thermal"].to_numpy()
-    clock, busy_w, _ = operating_point(model, profile["load"].to_numpy(), caps, thermal)
-    return clock, busy_w, operating_point(model, profile["wait_load"].to_numpy(), caps, thermal)[1]
+    clock, busy_w, _ = operating_points(model, profile["load"].to_numpy(), caps, thermal)
+    return clock, busy_w, operating_points(model, profile["wait_load"].to_numpy(), caps, thermal)[1]
 
 
 def _job_limits(steps: pd.DataFrame) -> pd.Series:
