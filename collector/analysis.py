@@ -1,5 +1,7 @@
 """Running the analyzers as telemetry arrives: every few seconds, over each run that
-sent anything recently, in the writer process (the only one with the store open).
+sent anything recently, in the writer process (the only one with the store open),
+between commits; the power analyzer, which costs seconds at a thousand ranks, on a
+thread of its own so that commits go on while it draws.
 
 The analyzers are pure functions; this module reads what they need from the store
 (the last steps of a run, its placement, its recent heartbeats), calls them, and
@@ -10,6 +12,7 @@ import collections
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import duckdb
 
@@ -62,6 +65,8 @@ class Analysis:
         self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
         self._power_every_s = power_every_s
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
+        self._power_drawing: dict[str, Future] = {}  # run -> its power report, being drawn
+        self._power_thread: ThreadPoolExecutor | None = None  # made in the writer process, on first use
         self._active: dict[str, float] = {}
         self._health: collections.deque[health.Snapshot] = collections.deque()
         self._started = time.monotonic()
@@ -86,12 +91,18 @@ class Analysis:
         self._active = {run: t for run, t in self._active.items() if t > cutoff}
         self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         stepped, self._stepped = self._stepped, set()
+        self._record_power(con)
         for run_id in list(self._active):
             try:
                 self._analyze(con, run_id, run_id in stepped)
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
+
+    def close(self) -> None:
+        """Let a power report being drawn finish (it reads the store, which closes next)."""
+        if self._power_thread is not None:
+            self._power_thread.shutdown(cancel_futures=True)
 
     def judge_health(self, con: duckdb.DuckDBPyConnection, snapshot: health.Snapshot,
                      settings: health.Settings = health.Settings()) -> None:
@@ -125,7 +136,7 @@ class Analysis:
                 commands.rollbacks_for_anomalies(con, run_id, self._rollback)
             if self._power_every_s is not None and time.monotonic() >= self._power_due.get(run_id, 0.0):
                 self._power_due[run_id] = time.monotonic() + self._power_every_s
-                self._power(con, run_id)
+                self._draw_power(con, run_id)
         failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
         failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
         findings.record(con, run_id, rollbacks.ANALYZER, rollbacks.analyze(failed, int(steps["step"].max())),
@@ -134,8 +145,35 @@ class Analysis:
         heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
         findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)
 
-    def _power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
-        """The power analyzer's findings for a run whose GPUs report their power."""
-        if con.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
-            report = powercaps.recommend(con, run_id, POWER_POLICY, last_steps=POWER_STEPS)
-            findings.record(con, run_id, power.ANALYZER, report.findings, self.alerts)
+    def _draw_power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+        """Start drawing a run's power report on the power thread, on a cursor of its own; the next
+        pass records its findings."""
+        if run_id in self._power_drawing:
+            return
+        if self._power_thread is None:
+            self._power_thread = ThreadPoolExecutor(1, thread_name_prefix="rankwatch-power")
+        self._power_drawing[run_id] = self._power_thread.submit(_power_report, con.cursor(), run_id)
+
+    def _record_power(self, con: duckdb.DuckDBPyConnection) -> None:
+        """The findings of the power reports drawn since the last pass."""
+        for run_id, drawing in list(self._power_drawing.items()):
+            if not drawing.done():
+                continue
+            del self._power_drawing[run_id]
+            try:
+                report = drawing.result()
+                if report is not None:
+                    findings.record(con, run_id, power.ANALYZER, report.findings, self.alerts)
+            except Exception:
+                log.exception("power analysis of run %s failed", run_id)
+                self.failures += 1
+
+
+def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:
+    """A run's live power report; None where its GPUs report no power."""
+    try:
+        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
+            return powercaps.recommend(cursor, run_id, POWER_POLICY, last_steps=POWER_STEPS)
+        return None
+    finally:
+        cursor.close()

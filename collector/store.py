@@ -155,6 +155,7 @@ class _Writer:
                 self._analysis.run(self._con)
             if stop:
                 self._queries.shutdown()  # queries end within their time limit
+                self._analysis.close()
                 self._delivery.close()
                 self._con.execute("CHECKPOINT")
                 self._con.close()
@@ -238,15 +239,15 @@ class _Writer:
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
         for table in ("steps", "events"):
-            self._analysis.touched({run_id for part in tables[table] for run_id in pc.unique(part["run_id"]).to_pylist()},
-                                   steps=table == "steps")
+            run_ids = {run_id for part in tables[table] for run_id in pc.unique(part["run_id"]).to_pylist()}
+            self._analysis.touched(run_ids, steps=table == "steps")
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now
         self._forget_old_digests(now)
         written = {request_id for request_id, _, _ in fresh.values()}
-        return ("committed", [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored],
-                time.perf_counter() - started, rows)
+        acknowledged = [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored]
+        return ("committed", acknowledged, time.perf_counter() - started, rows)
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column

@@ -6,6 +6,8 @@ range), `rankwatch power recommend` on a store filled through a real collector, 
 `rankwatch power apply` sending caps through a collector's control API."""
 
 import json
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -323,6 +325,45 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     alert = delivery.body["alerts"][0]
     assert alert["labels"]["alertname"] == "RankwatchPowerRecommendation" and alert["labels"]["run"] == "pw-live"
     assert alert["annotations"]["dashboard"].startswith("http://127.0.0.1:8501/power?run=pw-live&finding=")
+
+
+def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, monkeypatch):
+    """The writer's analysis pass only starts the power report (a bootstrap over the ranks, seconds
+    at a thousand ranks) on the power thread; a later pass records its findings."""
+    from collector import analysis, powercaps
+    from collector.store import connect
+
+    db = tmp_path / "copy.duckdb"
+    db.write_bytes(store.read_bytes())
+    drawn_on, draw = [], powercaps.recommend
+
+    def recommend(*args, **kwargs):
+        drawn_on.append(threading.current_thread().name)
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(powercaps, "recommend", recommend)
+    con = connect(db)
+    con.execute("DELETE FROM findings WHERE analyzer = 'power'")  # those its collector drew
+    live = analysis.Analysis(power_every_s=60)
+    try:
+        live.touched(["pw-straggler"], steps=True)
+        live.run(con)
+        deadline = time.monotonic() + 60
+        while not drawn_on and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live.run(con)  # records it, once drawn
+        while not con.execute("SELECT count(*) FROM findings WHERE analyzer = 'power'").fetchone()[0]:
+            assert time.monotonic() < deadline, "no power findings were recorded"
+            time.sleep(0.1)
+            live.run(con)
+    finally:
+        live.close()
+    assert drawn_on == ["rankwatch-power_0"]  # once: a report is not redrawn before power_every_s
+    kinds = {k for (k,) in con.execute("SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' "
+                                       "AND state = 'firing'").fetchall()}
+    assert kinds == {"job_cap", "per_rank_caps", "headroom"}
+    assert live.failures == 0
+    con.close()
 
 
 def test_the_collector_refuses_a_negative_power_period():
