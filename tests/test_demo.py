@@ -21,7 +21,12 @@ class Demo(Interactive):
         super().__init__("demo", "--steps", "200", "--db", str(tmp_path / "rankwatch.duckdb"), "--port", str(self.port),
                          "--dashboard-port", str(self.dashboard_port), env=env)
 
-    def assert_ports_closed(self) -> None:
+    def assert_stops_cleanly_on(self, sig: signal.Signals) -> None:
+        """Exit 0 with its closing line, nothing it started left running, both ports closed."""
+        rest = self.stop(sig)
+        assert self.process.returncode == 0, "".join(self.lines) + rest
+        assert "The store is" in rest
+        assert self.left_running() == ""
         for p in (self.port, self.dashboard_port):
             try:
                 httpx.get(f"http://127.0.0.1:{p}/", timeout=2)
@@ -40,11 +45,7 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
         assert "rolled back by the collector (1 rollback)" in output and "loss_spike" in output, output
         assert httpx.get(f"http://127.0.0.1:{demo.dashboard_port}/_stcore/health", timeout=5).text == "ok"
         assert httpx.get(f"http://127.0.0.1:{demo.port}/healthz", timeout=5).status_code == 200  # what it reads
-        rest = demo.stop(signal.SIGINT)
-        assert demo.process.returncode == 0, output + rest
-        assert "The store is" in rest
-        assert demo.left_running() == ""
-        demo.assert_ports_closed()
+        demo.assert_stops_cleanly_on(signal.SIGINT)
     finally:
         demo.kill()
 
@@ -54,11 +55,7 @@ def test_sigterm_mid_job_stops_the_job_and_everything_the_demo_started(tmp_path)
     demo = Demo(tmp_path)
     try:
         demo.read_until("step    20 ", 300)
-        rest = demo.stop(signal.SIGTERM)
-        assert demo.process.returncode == 0, "".join(demo.lines) + rest
-        assert "The store is" in rest
-        assert demo.left_running() == ""
-        demo.assert_ports_closed()
+        demo.assert_stops_cleanly_on(signal.SIGTERM)
     finally:
         demo.kill()
 
