@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ import torch
 from conftest import rankwatch_cli
 from otlp_payloads import query
 
+from trainer import rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.model import GPT, GPTConfig
@@ -165,6 +167,25 @@ def test_rollback_past_the_memory_tier_loads_from_disk_and_says_so(tmp_path, det
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning == ("checkpoint: all 2 snapshots in memory are newer than step 5: keep more (--ckpt-memory) "
                        "for an instant rollback")
+    j.ckpt.close()
+
+
+def test_a_rollback_that_finds_no_checkpoint_spends_none_of_the_budget(tmp_path):
+    """Only a rollback done counts against the budget; past it the job stops, its good state durable."""
+    j = job(tmp_path, memory=2, disk_every=1000)
+    for step in range(4):
+        j.step(step)  # the ring holds steps 3 and 4, the disk nothing
+    budget = rollback.Budget(rollbacks=1, window=1000)
+
+    def rollback_to(before_step: int) -> int:
+        command = {"args": {"before_step": before_step}, "created_at": datetime.now(timezone.utc).isoformat()}
+        return rollback.apply(command, 4, j.ckpt, j.data, j.schedule, budget, time.time_ns)
+
+    assert rollback_to(1) == 4 and budget.applied_at == []  # nothing that far back: the job trains on
+    assert rollback_to(3) == 3 and budget.applied_at == [4]  # the budget's one rollback
+    with pytest.raises(rollback.Stop, match="1 rollbacks within 1000 steps"):
+        rollback_to(3)
+    assert j.ckpt.durable_steps() == [3]
     j.ckpt.close()
 
 

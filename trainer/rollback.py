@@ -44,19 +44,16 @@ class Stop(Exception):
 
 def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
           schedule: torch.optim.lr_scheduler.LRScheduler, budget: Budget, now_ns) -> int:
-    """The step training goes on at after the rollback (`step` itself when it cannot be done);
-    raises Stop when the budget is spent, once the good state is durable. `now_ns`: the job's
+    """The step training goes on at after the rollback (`step` itself when no checkpoint is far
+    enough back); raises Stop when the budget is spent, once the good state is durable. `now_ns`: the job's
     clock, the one its spans use."""
     args = command["args"] or {}
-    spent = not budget.spend(step)
     try:
         restored = ckpt.restore(int(args["before_step"]))
-    except NoCheckpoint as e:
+    except NoCheckpoint as e:  # nothing was rolled back, so nothing is spent: the job trains on
         agent.report(command, "failed", why=str(e))
-        if spent:
-            raise Stop(f"{budget.rollbacks} rollbacks within {budget.window} steps, and {e}") from None
         return step
-    if spent:
+    if not budget.spend(step):
         ckpt.make_durable(restored)
         why = (f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another, "
                f"with step {restored} durable in {ckpt.directory}")
