@@ -13,7 +13,8 @@ from collector.analyzers import Finding
 def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings: list[Finding],
            alerts: AlertConfig | None = None) -> None:
     """Make the firing rows of (run, analyzer) match `findings`: same kind and ranks update
-    the row, new ones insert, the rest resolve. With `alerts`, the alerts and notifications
+    the row (its span too: an onset estimated from a few slow steps sharpens as more come, and
+    the row must say what its summary says), new ones insert, the rest resolve. With `alerts`, the alerts and notifications
     these changes raise are written in the same transaction (collector/alerts/outbox.py)."""
     firing = {(kind, tuple(ranks)): fid for fid, kind, ranks in con.execute(
         "SELECT id, kind, ranks FROM findings WHERE run_id = ? AND analyzer = ? AND state = 'firing'",
@@ -31,9 +32,9 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings:
                                      [run_id, analyzer, f.kind, f.ranks, f.step_start, f.step_end, f.severity,
                                       f.score, f.summary, evidence]).fetchone()
             else:
-                con.execute("""UPDATE findings SET step_end = ?, severity = ?, score = ?, summary = ?, evidence = ?,
-                               updated_at = now() WHERE id = ?""",
-                            [f.step_end, f.severity, f.score, f.summary, evidence, fid])
+                con.execute("""UPDATE findings SET step_start = ?, step_end = ?, severity = ?, score = ?, summary = ?,
+                               evidence = ?, updated_at = now() WHERE id = ?""",
+                            [f.step_start, f.step_end, f.severity, f.score, f.summary, evidence, fid])
             drawn.append((fid, f))
         for fid in firing.values():
             con.execute("UPDATE findings SET state = 'resolved', updated_at = now() WHERE id = ?", [fid])

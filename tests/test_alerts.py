@@ -1,18 +1,19 @@
 """Alert webhooks: findings become Alertmanager (v4) notifications in a durable outbox, signed
 per Standard Webhooks and delivered with retries.
 
-Covered: the rules (labels, grouping, no repeat for a finding redrawn, escalation, a resolved
-alert with the firing one's fingerprint, receivers' filters); the receivers file's checks; the
-signature against the spec's test vector; delivery to a real receiver that is down, then up
-(every notification once, signatures verified by the test's own implementation of the spec);
-a collector killed with kill -9 while the receiver is down loses nothing after a restart;
-`rankwatch alerts test`.
+Covered: the rules (labels, grouping, no repeat for a finding redrawn, which keeps its row and
+takes the latest span, escalation, a resolved alert with the firing one's fingerprint, receivers'
+filters); the receivers file's checks; the signature against the spec's test vector; delivery to
+a real receiver that is down, then up (every notification once, signatures verified by the test's
+own implementation of the spec); a collector killed with kill -9 while the receiver is down loses
+nothing after a restart; `rankwatch alerts test`.
 """
 
 import json
 import re
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import duckdb
@@ -91,6 +92,16 @@ def test_a_finding_redrawn_notifies_nobody_and_its_resolution_once(con):
     assert resolved_alert["fingerprint"] == firing_alert["fingerprint"]
     assert resolved_alert["labels"] == firing_alert["labels"]
     assert resolved_alert["startsAt"] == firing_alert["startsAt"] < resolved_alert["endsAt"]
+
+
+def test_a_finding_redrawn_keeps_its_row_and_takes_the_latest_span_and_words(con):
+    """The straggler analyzer's onset sharpens as slow steps accumulate; the row follows it."""
+    findings.record(con, "run-a", "stragglers", [straggler([3])])
+    (first_id,), = con.execute("SELECT id FROM findings").fetchall()
+    sharper = replace(straggler([3]), step_start=15, step_end=40, summary="rank [3] slower since step 15")
+    findings.record(con, "run-a", "stragglers", [sharper])
+    assert con.execute("SELECT id, step_start, step_end, summary, state FROM findings").fetchall() == [
+        (first_id, 15, 40, "rank [3] slower since step 15", "firing")]
 
 
 def test_escalation_to_critical_sends_again_and_never_back(con):
