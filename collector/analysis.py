@@ -99,10 +99,15 @@ class Analysis:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
 
-    def close(self) -> None:
-        """Let a power report being drawn finish (it reads the store, which closes next)."""
+    def close(self, con: duckdb.DuckDBPyConnection) -> None:
+        """The last pass, over what came since the one before, so that the store left behind has
+        findings for all it holds (a job's last steps often come in its final flush, just before
+        the collector stops); the power report being drawn finishes first and is recorded, and no
+        new one is started."""
+        self._power_every_s = None
         if self._power_thread is not None:
             self._power_thread.shutdown(cancel_futures=True)
+        self.run(con)
 
     def judge_health(self, con: duckdb.DuckDBPyConnection, snapshot: health.Snapshot,
                      settings: health.Settings = health.Settings()) -> None:

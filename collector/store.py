@@ -155,7 +155,7 @@ class _Writer:
                 self._analysis.run(self._con)
             if stop:
                 self._queries.shutdown()  # queries end within their time limit
-                self._analysis.close()
+                self._analysis.close(self._con)
                 self._delivery.close()
                 self._con.execute("CHECKPOINT")
                 self._con.close()

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds: what a background thread or process does takes as long as a
+    loaded machine makes it take, so a test waits for it rather than sleeping a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} (after {timeout_s:.0f} s)"
+        time.sleep(0.05)
 
 
 @dataclass
@@ -136,10 +146,10 @@ class Interactive:
 
 
 def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: list[str],
-                    collector_args: tuple[str, ...] = (), settle_s: float = 0.0) -> Path:
+                    collector_args: tuple[str, ...] = (), until: Callable[[], object] | None = None) -> Path:
     """A store filled by `rankwatch simulate` through a real collector, one run per entry of `runs`
-    (run id -> fault specs), then stopped; `settle_s`: how long the collector's analyzers get after
-    the last run, before it stops."""
+    (run id -> fault specs), then stopped (its last analysis pass covers every step sent); `until`:
+    what to wait for while it still runs (an alert's delivery)."""
     db = directory / "rankwatch.duckdb"
     with open(directory / "collector.log", "w") as log:
         collector = Collector(db, free_port(), "test-token", extra_args=collector_args, log=log).start()
@@ -150,7 +160,8 @@ def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: 
                     args += ["--inject", spec]
                 result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
                 assert result.returncode == 0, result.stderr
-            time.sleep(settle_s)
+            if until is not None:
+                until()
         finally:
             collector.stop()
     return db

@@ -311,11 +311,13 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     receiver = Receiver(free_port()).start()
     alerts = tmp_path / "alerts.toml"
     alerts.write_text(f'[[receivers]]\nurl = "{receiver.url}"\nanalyzers = ["power"]\n')
+    deliveries = []
     try:
         db = simulated_store(tmp_path, {"pw-live": ["straggler:rank=5,slowdown=1.2"]},
                              ["--ranks", "16", "--steps", "80"],
-                             ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)), settle_s=1)
-        (delivery, *_) = receiver.wait_for(1)
+                             ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)),
+                             until=lambda: deliveries.extend(receiver.wait_for(1, 60)))
+        (delivery, *_) = deliveries
     finally:
         receiver.stop()
     firing = dict(query(db, """SELECT kind, ranks FROM findings
@@ -357,7 +359,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
             time.sleep(0.1)
             live.run(con)
     finally:
-        live.close()
+        live.close(con)
     assert drawn_on == ["rankwatch-power_0"]  # once: a report is not redrawn before power_every_s
     kinds = {k for (k,) in con.execute("SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' "
                                        "AND state = 'firing'").fetchall()}

@@ -22,11 +22,9 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    # two analysis passes after the last steps arrived
     return simulated_store(tmp_path_factory.mktemp("sim"), {f"sim-{name}": faults for name, (faults, _) in
                                                            SCENARIOS.items()},
-                           ["--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30"], ("--analyze-every", "1"),
-                           settle_s=3)
+                           ["--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30"], ("--analyze-every", "1"))
 
 
 @pytest.fixture(scope="module")
