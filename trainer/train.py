@@ -10,6 +10,8 @@ The training state is checkpointed by trainer/checkpoint.py, and a start
 import argparse
 import math
 import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -203,4 +205,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torchrun stops its workers with SIGTERM (on Ctrl-C, a failed peer, a cancelled job): exit as on
+    # Ctrl-C, through the agent's exit hook, which sends the telemetry still buffered and puts the
+    # GPU's power limit back; killed outright, a worker would leave a cap set and lose its last steps
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
