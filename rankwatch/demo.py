@@ -61,7 +61,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
             print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}",
                   flush=True)
             status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url,
-                           token=token)
+                           token=token, store=db)
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
             time.sleep(2)  # the collector's last analysis pass over the final steps

@@ -45,6 +45,8 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
         assert "rolled back by the collector (1 rollback)" in output and "loss_spike" in output, output
         assert httpx.get(f"http://127.0.0.1:{demo.dashboard_port}/_stcore/health", timeout=5).text == "ok"
         assert httpx.get(f"http://127.0.0.1:{demo.port}/healthz", timeout=5).status_code == 200  # what it reads
+        for rank in range(4):  # the job's checkpoints, beside its store
+            assert list((tmp_path / "runs" / run_id / "checkpoints" / f"rank-{rank}").glob("step-*")), rank
         demo.assert_stops_cleanly_on(signal.SIGINT)
     finally:
         demo.kill()

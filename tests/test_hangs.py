@@ -79,7 +79,7 @@ def test_real_torchrun_hang_is_blamed_on_the_hung_rank(collector):
     from tests.otlp_payloads import query
 
     status = train(nproc=3, steps=8, run_id="run-hang", faults=["hang:rank=1,at=4,seconds=25"],
-                   collector=collector.url, token=collector.token)
+                   collector=collector.url, token=collector.token, store=collector.db)
     assert status == 0
     collector.stop()
     st = pd.DataFrame(query(collector.db, "SELECT run_id, rank, step, epoch_ns(end_ts), duration_s FROM steps "
