@@ -14,8 +14,9 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings:
            alerts: AlertConfig | None = None) -> None:
     """Make the firing rows of (run, analyzer) match `findings`: same kind and ranks update
     the row (its span too: an onset estimated from a few slow steps sharpens as more come, and
-    the row must say what its summary says), new ones insert, the rest resolve. With `alerts`, the alerts and notifications
-    these changes raise are written in the same transaction (collector/alerts/outbox.py)."""
+    the row must say what its summary says), new ones insert, the rest resolve. With `alerts`,
+    the alerts and notifications these changes raise are written in the same transaction
+    (collector/alerts/outbox.py)."""
     firing = {(kind, tuple(ranks)): fid for fid, kind, ranks in con.execute(
         "SELECT id, kind, ranks FROM findings WHERE run_id = ? AND analyzer = ? AND state = 'firing'",
         [run_id, analyzer]).fetchall()}

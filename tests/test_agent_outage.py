@@ -24,7 +24,7 @@ from conftest import free_port
 from otlp_payloads import query
 
 PACE = 0.25  # s per step
-STEPS = 100  # long enough that the job outlives a collector restart on a busy machine
+STEPS = 160  # long enough that the job outlives a collector restart on a busy machine
 
 # One rank: steady steps (the forward phase sleeps to the next tick), one line per step on stdout.
 LOOP = """
@@ -102,7 +102,7 @@ def test_collector_outage_and_restart(collector, tmp_path):
 
     status, elapsed = job.finish(timeout_s=STEPS * PACE + 60)
     assert status == 0, job.stderr
-    assert elapsed < STEPS * PACE + 20, elapsed  # no stall: ~25 s of steps, ~2 s of start-up
+    assert elapsed < STEPS * PACE + 20, elapsed  # no stall: ~40 s of steps, ~2 s of start-up
     assert restarted_at - stopped_at >= 4.0
     assert [line for line in job.stdout if line.startswith("step ")] == [f"step {i}" for i in range(STEPS)]
     assert sum("unreachable; training goes on" in line for line in job.stderr) == 1, job.stderr
@@ -204,7 +204,8 @@ def test_no_collector_at_all(nowhere):
     status, elapsed, stdout, stderr = nowhere
     assert status == 0, stderr
     assert [line for line in stdout if line.startswith("step ")] == [f"step {i}" for i in range(20)]
-    assert elapsed < 15, (elapsed, stdout[-1])
+    loop_s = float(stdout[-1].split()[1])  # the loop itself: start-up, on a loaded machine, is not its doing
+    assert loop_s < 5 and elapsed < 60, (elapsed, stdout[-1])
     unreachable = [line for line in stderr if "unreachable; training goes on" in line]
     assert len(unreachable) == 1, stderr
     assert "http://127.0.0.1:" in unreachable[0] and "training goes on" in unreachable[0]

@@ -29,7 +29,7 @@ from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, loa
 from collector.alerts.delivery import Delivery
 from collector.analyzers import Finding
 from collector.schema import DDL
-from tests.conftest import free_port, rankwatch_cli
+from tests.conftest import free_port, rankwatch_cli, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver as WebhookReceiver
 
@@ -241,20 +241,13 @@ def _send_steps(exporters: dict, steps, t0: int, slow_rank: int | None) -> None:
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: 3.0, sc.GRAD_NORM: 1.0, sc.TOKENS: 1024,
                 sc.COMPUTE_S: 0.12 if slow else 0.08, sc.COMM_WAIT_S: 0.01 if slow else 0.05})])
     for exporter in exporters.values():
-        _wait(exporter.flush, 120, "steps not delivered")  # a loaded machine may time an export out: retry
+        wait_until(exporter.flush, "steps not delivered", 120)  # a loaded machine may time an export out: retry
 
 
 def _pending(collector) -> float:
     page = httpx.get(f"{collector.url}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples
                if s.name == "rankwatch_collector_alerts_pending")
-
-
-def _wait(condition, timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_kill_9_while_the_receiver_is_down_loses_no_alert(collector_factory, tmp_path):
@@ -267,17 +260,17 @@ def test_kill_9_while_the_receiver_is_down_loses_no_alert(collector_factory, tmp
     exporters = {r: Exporter(collector.url, collector.token, {sc.RUN_ID: "run-alerts", sc.RANK: r}) for r in range(6)}
     t0 = time.time_ns() - 30_000 * MS
     _send_steps(exporters, range(30), t0, slow_rank=2)
-    _wait(lambda: _pending(collector) >= 1, what="the straggler's alert was never queued")
+    wait_until(lambda: _pending(collector) >= 1, "the straggler's alert was never queued")
     time.sleep(1.5)  # refused and retried
     assert collector.stop(signal.SIGKILL) == -signal.SIGKILL
     collector = collector_factory(collector.db, *args)
     exporters = {r: Exporter(collector.url, collector.token, {sc.RUN_ID: "run-alerts", sc.RANK: r}) for r in range(6)}
     _send_steps(exporters, range(30, 60), t0, slow_rank=None)  # the straggler recovers: its alert resolves
-    _wait(lambda: _pending(collector) >= 2, what="the resolution was never queued")
+    wait_until(lambda: _pending(collector) >= 2, "the resolution was never queued")
     receiver = WebhookReceiver(port, SECRET).start()
     try:
         receiver.wait_for(2)
-        _wait(lambda: _pending(collector) == 0)
+        wait_until(lambda: _pending(collector) == 0, "alerts still pending")
         time.sleep(1.0)  # nothing comes twice
     finally:
         receiver.stop()

@@ -128,7 +128,7 @@ def test_metrics_counts_refusals_and_commits(live):
              413: post(live, "traces", gzip_bomb(64 * 2**20), headers={"Content-Encoding": "gzip"}),
              415: post(live, "traces", body, headers={"Content-Type": "text/plain"})}
     assert {code: r.status_code for code, r in codes.items()} == {c: c for c in codes}
-    text = httpx.get(f"{live.url}/metrics").text
+    text = httpx.get(f"{live.url}/metrics", timeout=30).text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     for code in ("200", "400", "401", "413", "415"):

@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pynvml
 import pytest
+from conftest import wait_until
 from otlp_payloads import query
 
 from agent import semconv as sc
@@ -370,21 +371,25 @@ def sampler_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("rankwatch-sample")]
 
 
+def sample_times(batches, metric: str | None = None) -> list[int]:
+    return sorted({t for batch in batches for name, t, _, _ in batch if metric in (None, name)})
+
+
 def test_sampler_samples_at_its_rate_in_batches_and_stops_cleanly():
     batches = []
     utilization = [1.0]
     device = SimulatedDevice(4, utilization=lambda: utilization[0])
     sampler = Sampler([device], batches.append, period_s=0.02, flush_s=0.1).start()
-    time.sleep(0.3)
+    wait_until(lambda: len(sample_times(batches)) >= 5, "no samples")
     utilization[0] = 0.2
-    time.sleep(0.3)
+    wait_until(lambda: len(sample_times(batches)) >= 15 and len(batches) >= 3, "too few samples")
     assert not sampler.covers(time.time_ns() + 10**10)  # running: a future moment is not covered yet
     started = time.monotonic()
     sampler.stop()
-    assert time.monotonic() - started < 1.0 and sampler_threads() == []
+    assert time.monotonic() - started < 3.0 and sampler_threads() == []
     points = [point for batch in batches for point in batch]
     times = sorted({t for _, t, _, _ in points})
-    assert 10 <= len(times) <= 40  # 30 at 50 Hz over 0.6 s, on a busy machine
+    assert (times[-1] - times[0]) / (len(times) - 1) >= 0.02 * 1e9 * 0.9  # never faster than its 50 Hz
     assert 3 <= len(batches) < len(times)
     assert Counter(metric for metric, _, _, _ in points) == {metric: len(times) for metric, _, _ in device.read()}
     assert all(attributes[sc.GPU] == 4 for _, _, _, attributes in points)
@@ -396,9 +401,9 @@ def test_sampler_energy_between_is_the_counter_delta_interpolated_at_the_ends():
     utilization = [1.0]
     sampler = Sampler([SimulatedDevice(0, utilization=lambda: utilization[0])], batches.append,
                       period_s=0.02, flush_s=0.1).start()
-    time.sleep(0.25)
+    wait_until(lambda: len(sample_times(batches, sc.ENERGY_J)) >= 5, "too few energy readings")
     utilization[0] = 0.1  # the power, and the counter's slope, change
-    time.sleep(0.25)
+    wait_until(lambda: len(sample_times(batches, sc.ENERGY_J)) >= 10, "too few energy readings")
     sampler.stop()
     counter = sorted((t, joules) for batch in batches for metric, t, joules, _ in batch if metric == sc.ENERGY_J)
     (t0, e0), (t1, e1), (tn, en) = counter[1], counter[2], counter[-1]
@@ -435,7 +440,7 @@ def test_sampler_drops_the_oldest_batches_while_export_is_stuck():
         return True
 
     sampler = Sampler([SimulatedDevice(0)], stuck, period_s=0.01, flush_s=0.02, max_batches=2).start()
-    time.sleep(0.3)
+    wait_until(lambda: sampler.dropped >= 10 * 10, "nothing dropped while export was stuck")
     stopped_ns = time.time_ns()
     sampler.stop(timeout_s=0.3)  # sampling ends; the export thread is still stuck on the first batch
     release.set()
@@ -443,14 +448,20 @@ def test_sampler_drops_the_oldest_batches_while_export_is_stuck():
     assert sampler_threads() == []
     first, last = received  # the batch that was stuck, and the newest, with the last sample, taken at stop
     assert max(t for _, t, _, _ in first) < stopped_ns <= max(t for _, t, _, _ in last)
-    assert sampler.dropped >= 10 * 10  # ten metrics a sample, 30 samples in between
+    assert sampler.dropped >= 10 * 10  # ten metrics a sample, ten samples or more in between
 
 
 def test_samples_reach_the_collector_with_their_labels(collector, tmp_path):
     rapl_zone(tmp_path, "intel-rapl:0", "package-0", 1_000_000)
     exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: "run-power", sc.RANK: 5})
-    sampler = Sampler([SimulatedDevice(1), Rapl(tmp_path)], exporter.samples, period_s=0.05, flush_s=0.1).start()
-    time.sleep(0.3)
+    exported = []
+
+    def export(batch):
+        exported.append(batch)
+        return exporter.samples(batch)
+
+    sampler = Sampler([SimulatedDevice(1), Rapl(tmp_path)], export, period_s=0.05, flush_s=0.1).start()
+    wait_until(lambda: len(sample_times(exported, sc.ENERGY_J)) >= 3, "too few samples exported")
     sampler.stop()
     exporter.shutdown()
     collector.stop()

@@ -89,7 +89,8 @@ def test_acknowledged_rows_survive_kill_9(collector_factory):
 
 def _counters(collector) -> dict[str, float]:
     """The collector's own count of duplicate trace exports and of spans it stored."""
-    samples = {s.name: s.value for family in text_string_to_metric_families(httpx.get(f"{collector.url}/metrics").text)
+    page = httpx.get(f"{collector.url}/metrics", timeout=30).text
+    samples = {s.name: s.value for family in text_string_to_metric_families(page)
                for s in family.samples if s.labels.get("signal") == "traces"}
     return {"duplicates": samples.get("rankwatch_collector_duplicate_requests_total"),
             "received": samples.get("rankwatch_collector_items_received_total")}

@@ -14,7 +14,7 @@ import json
 
 import httpx
 import pytest
-from conftest import Collector, free_port
+from conftest import Collector, free_port, wait_until
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -61,7 +61,7 @@ def ingested(tmp_path_factory):
             (sc.POWER_W, T0 + 1000 * MS, 298.0, {sc.GPU: 1, sc.SOURCE: sc.SOURCE_NVML}),
             (sc.ENERGY_J, T0, 1.5e6, {sc.GPU: 1, sc.SOURCE: sc.SOURCE_SIMULATED}),
         ])
-        assert exporter.flush()
+        wait_until(exporter.flush, "spans not delivered", 120)
         exporter.shutdown()
         ids = {"trace_id": root.trace_id.to_bytes(16, "big"), "step_span_id": root.span_id.to_bytes(8, "big")}
     finally:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent import semconv as sc
 from agent.export import Exporter
-from tests.conftest import Collector, free_port, rankwatch_cli
+from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 
 RUN, RANKS, STEPS = "sim-prom", 8, 40
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -43,9 +43,15 @@ def collector(tmp_path_factory):
             for rank, blocked_s in enumerate(blocked):
                 exporter.event("checkpoint_saved", now, {sc.RANK: rank, sc.STEP: step,
                                                          "rankwatch.checkpoint.blocked_s": blocked_s})
-        assert exporter.flush()
+        wait_until(exporter.flush, "telemetry not delivered", 120)
         exporter.shutdown()
-        time.sleep(3)  # analysis passes over the last steps
+
+        def straggler_live() -> bool:  # an analysis pass went over the last steps
+            page = httpx.get(f"{collector.url}/metrics", timeout=30).text
+            return any(s.name == "rankwatch_run_suspect_rank_findings_firing" and s.labels == {"run": RUN, "rank": "3"}
+                       for family in text_string_to_metric_families(page) for s in family.samples)
+
+        wait_until(straggler_live, "the straggler's finding is not in /metrics", 60)
         yield collector
     finally:
         collector.stop()

@@ -123,7 +123,7 @@ def test_a_long_query_times_out(api):
     response = ask(api, SLOW, timeout_s=1)
     assert response.status_code == 408, response.text
     assert response.json() == {"error": "the query ran past 1 s and was interrupted"}
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 20  # interrupted: the query alone would run for minutes
     assert ask(api, "SELECT 42").json()["rows"] == [[42]]  # the query thread is free again
 
 
@@ -133,7 +133,7 @@ def test_ingest_goes_on_during_a_slow_query(api):
 
     def slow():
         # Long enough that ten commits on a loaded machine still land while it runs.
-        answer["response"] = ask(api, SLOW, timeout_s=15)
+        answer["response"] = ask(api, SLOW, timeout_s=30)
         answer["done"] = time.monotonic()
 
     worker = threading.Thread(target=slow)
@@ -149,7 +149,7 @@ def test_ingest_goes_on_during_a_slow_query(api):
     worker.join()
     assert answer["response"].status_code == 408
     assert committed < answer["done"], "ingest finished only after the slow query ended"
-    assert max(latencies) < 5.0, latencies  # blocked, one would wait ~14 s
+    assert max(latencies) < 10.0, latencies  # blocked, one would wait ~29 s
     assert ask(api, "SELECT count(*) FROM steps WHERE run_id = 'run-during'").json()["rows"] == [[500]]
 
 

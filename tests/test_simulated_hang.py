@@ -18,11 +18,16 @@ RUNS = {"sim-clean": [], "sim-hang": [f"hang:rank={HUNG},at={AT}"]}
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """Both runs into one collector with a stall floor of 3 s, so that a hang is five ~1 s steps
-    without progress; the stuck ranks' heartbeats go on for 10 s, past that."""
-    return simulated_store(tmp_path_factory.mktemp("sim-hang"), RUNS,
-                           ["--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--hang-for", "10"],
-                           ("--analyze-every", "1", "--hang-after", "3"))
+    """Both runs into one store, each through a collector of its own with a stall floor of 3 s, so
+    that a hang is five ~1 s steps without progress; the stuck ranks' heartbeats go on for 10 s, past
+    that. (A collector judges a run only while it runs: the clean run, ended, is not judged again,
+    however long the hung one takes on a loaded machine.)"""
+    directory = tmp_path_factory.mktemp("sim-hang")
+    for run, faults in RUNS.items():
+        db = simulated_store(directory, {run: faults},
+                             ["--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--hang-for", "10"],
+                             ("--analyze-every", "1", "--hang-after", "3"))
+    return db
 
 
 def hang_findings(store, run: str) -> list[tuple]:
