@@ -64,7 +64,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
                            token=token, store=db)
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
-            time.sleep(2)  # the collector's last analysis pass over the final steps
+            time.sleep(2)  # an analysis pass (every 1 s) over the final steps, before the summary reads them
             _summarize(CollectorSource(url, token), run_id)
             if dashboard_port is not None:
                 print(f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
