@@ -62,11 +62,8 @@ def _nan_run(collector: Collector) -> None:
 
     steps(range(NAN["steps"]), t0, NAN["nan_from"])
     with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=10) as http:
-        deadline = time.monotonic() + 30
-        while not (pending := http.get("/v1/commands", params={"run_id": NAN["run"]}).json()):
-            assert time.monotonic() < deadline, "no rollback command"
-            time.sleep(0.25)
-        command = pending[0]["id"]
+        wait_until(lambda: http.get("/v1/commands", params={"run_id": NAN["run"]}).json(), "no rollback command")
+        command = http.get("/v1/commands", params={"run_id": NAN["run"]}).json()[0]["id"]
         resumed = t0 + (NAN["steps"] + 5) * 100 * MS
         http.post(f"/v1/commands/{command}", json={"state": "acked", "apply_step": NAN["steps"] + 1})
         http.post(f"/v1/commands/{command}", json={

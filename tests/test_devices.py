@@ -423,11 +423,9 @@ def test_sampler_goes_on_when_a_reader_fails(caplog):
     sampler = Sampler([Broken(), SimulatedDevice(0)], batches.append, period_s=0.01, flush_s=0.05)
     with caplog.at_level(logging.ERROR, logger="rankwatch.agent"):
         sampler.start()
-        deadline = time.monotonic() + 10  # three rounds past the failures, however loaded the machine
-        while sum(len(batch) for batch in batches) < 3 * 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # three rounds past the failures, however loaded the machine
+        wait_until(lambda: sum(len(batch) for batch in batches) >= 3 * 10, "the sampler stopped at a failing reader")
         sampler.stop()
-    assert sum(len(batch) for batch in batches) >= 3 * 10
     assert caplog.text.count("reading Broken failed") == 1
 
 

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.conftest import wait_until
+
 TOLERANCE_S = 300  # the spec's suggested window for webhook-timestamp
 
 
@@ -75,8 +77,5 @@ class Receiver:
 
     def wait_for(self, n: int, timeout_s: float = 30.0) -> list[Delivery]:
         """The deliveries once there are at least `n` (or AssertionError after `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.deliveries) < n:
-            assert time.monotonic() < deadline, f"{len(self.deliveries)} of {n} notifications arrived"
-            time.sleep(0.05)
+        wait_until(lambda: len(self.deliveries) >= n, f"fewer than {n} notifications arrived", timeout_s)
         return self.deliveries
