@@ -113,7 +113,7 @@ def main() -> None:
                 if not live.due_in():
                     live.run(con)
             drawn.append(time.perf_counter() - started)
-            live.close(con)
+            live.close()
         con.close()
 
     def ms(values: list[float], q: float = 0.5) -> str:

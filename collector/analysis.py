@@ -1,7 +1,9 @@
 """Running the analyzers as telemetry arrives: every few seconds, over each run that
-sent anything recently, in the writer process (the only one with the store open),
-between commits; the power analyzer, which costs seconds at a thousand ranks, on a
-thread of its own so that commits go on while it draws.
+sent anything recently, in the writer process (the only one with the store open), on
+a thread of its own with a cursor of its own, so that commits, and the
+acknowledgements that wait for them, never wait for a pass however many runs it
+judges; the power analyzer, which costs seconds at a thousand ranks, on a second
+thread, so that a pass does not wait for it either.
 
 The analyzers are pure functions; this module reads what they need from the store
 (the last steps of a run, its placement, its recent heartbeats), calls them, and
@@ -11,6 +13,7 @@ records their findings.
 import collections
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -73,41 +76,105 @@ class Analysis:
         self.failures = 0  # analyses that raised, since the start
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._next = time.monotonic() + interval_s
+        self._counters: list[dict] = []  # the server's health counters, not yet judged
+        self._threading()
+
+    def _threading(self) -> None:
+        """The writer thread hands over what it saw under the lock; the analysis thread does the rest.
+        Made anew in the writer process (an Analysis is handed to it pickled, without them)."""
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_wake", "_thread")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._threading()
+
+    def start(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Run the passes on a thread of their own, on a cursor of `con` (a snapshot reader and a
+        writer of findings beside the commit loop), until close()."""
+        self._thread = threading.Thread(target=self._loop, args=(con.cursor(),), name="rankwatch-analysis",
+                                        daemon=True)
+        self._thread.start()
 
     def touched(self, run_ids, steps: bool) -> None:
         """Runs that sent something (`steps`: rank-steps, else only events such as heartbeats)."""
         now = time.monotonic()
-        self._active.update((run_id, now) for run_id in run_ids)
-        if steps:
-            self._stepped.update(run_ids)
+        with self._lock:
+            self._active.update((run_id, now) for run_id in run_ids)
+            if steps:
+                self._stepped.update(run_ids)
 
-    def due_in(self) -> float:
-        return max(self._next - time.monotonic(), 0.0)
+    def report_health(self, **counters) -> None:
+        """The server's counters (health.Snapshot's fields but the writer's own), judged on the
+        analysis thread with the writer's, right away."""
+        with self._lock:
+            self._counters.append(dict(counters, at=time.monotonic()))
+        self._wake.set()
 
     def run(self, con: duckdb.DuckDBPyConnection) -> None:
         """One pass over the active runs; an analyzer's failure is logged, never raised."""
         self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
-        self._active = {run: t for run, t in self._active.items() if t > cutoff}
-        self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
-        stepped, self._stepped = self._stepped, set()
+        with self._lock:
+            self._active = {run: t for run, t in self._active.items() if t > cutoff}
+            stepped, self._stepped = self._stepped, set()
+            active = sorted(self._active, key=lambda run: run not in stepped)  # runs that stepped first
+        self._power_due = {run: t for run, t in self._power_due.items() if run in active}
         self._record_power(con)
-        for run_id in list(self._active):
+        for run_id in active:
             try:
                 self._analyze(con, run_id, run_id in stepped)
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
 
-    def close(self, con: duckdb.DuckDBPyConnection) -> None:
-        """The last pass, over what came since the one before, so that the store left behind has
-        findings for all it holds (a job's last steps often come in its final flush, just before
-        the collector stops); the power report being drawn finishes first and is recorded, and no
-        new one is started."""
-        self._power_every_s = None
-        if self._power_thread is not None:
-            self._power_thread.shutdown(cancel_futures=True)
-        self.run(con)
+    def due_in(self) -> float:
+        return max(self._next - time.monotonic(), 0.0)
+
+    def close(self) -> None:
+        """Stop the thread after a last pass over what came since the one before, so that the store
+        left behind has findings for all it holds (a job's last steps often come in its final flush,
+        just before the collector stops); the power report being drawn finishes first and is
+        recorded, and no new one is started. The writer calls it once its queue is drained.
+        Passes run by hand (no start()) only have the power thread stopped."""
+        if self._thread is None:
+            if self._power_thread is not None:
+                self._power_thread.shutdown(cancel_futures=True)
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    def _loop(self, con: duckdb.DuckDBPyConnection) -> None:
+        try:
+            while not self._stopping:
+                self._wake.wait(self.due_in())
+                self._wake.clear()
+                self._judge_reported_health(con)
+                if not self.due_in() and not self._stopping:
+                    self.run(con)
+            self._power_every_s = None
+            if self._power_thread is not None:
+                self._power_thread.shutdown(cancel_futures=True)
+            self._judge_reported_health(con)
+            self.run(con)
+        finally:
+            con.close()
+
+    def _judge_reported_health(self, con: duckdb.DuckDBPyConnection) -> None:
+        with self._lock:
+            reported, self._counters = self._counters, []
+        for counters in reported:
+            try:
+                self.judge_health(con, health.Snapshot(analysis_failures=self.failures, **counters))
+            except Exception:
+                log.exception("judging the collector's health failed")
+                self.failures += 1
 
     def judge_health(self, con: duckdb.DuckDBPyConnection, snapshot: health.Snapshot,
                      settings: health.Settings = health.Settings()) -> None:

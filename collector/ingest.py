@@ -95,6 +95,7 @@ class Ingestor:
     def __init__(self, store: Store, workers: int | None = None):
         self.store = store
         self._workers = (os.cpu_count() or 1) if workers is None else workers
+        self._generation = store.generation  # the store's writer the pool's workers write to
         self._pool = self._new_pool()
         self._waiting: dict[str, list[tuple[Request, asyncio.Future]]] = defaultdict(list)
         self._busy = 0  # batches being decoded
@@ -131,6 +132,10 @@ class Ingestor:
     def _dispatch(self) -> None:
         """Give each idle worker the requests of one signal that wait, oldest signal first."""
         loop = asyncio.get_running_loop()
+        if self._generation != self.store.generation and self._pool is not None:
+            # a new writer, on new queues: workers hand rows to the queue they were started with
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._generation, self._pool = self.store.generation, self._new_pool()
         while self._waiting and self._busy < max(self._workers, 1):
             signal = next(iter(self._waiting))
             batch, rest = self._waiting[signal][:MAX_BATCH], self._waiting[signal][MAX_BATCH:]

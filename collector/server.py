@@ -8,6 +8,8 @@ as Prometheus and load balancers expect.
 
 import asyncio
 import logging
+import os
+import signal
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -81,7 +83,8 @@ def create_app(config: Config) -> Starlette:
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
                             rollback=RollbackPolicy() if config.auto_rollback else None, alerts=config.alerts,
                             power_every_s=config.power_every_s)
-        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis)
+        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis,
+                      on_failure=stop_failed)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         reporting = asyncio.create_task(report_health(store))
@@ -91,6 +94,12 @@ def create_app(config: Config) -> Starlette:
             reporting.cancel()
             state["ingestor"].close()
             store.close()
+
+    def stop_failed() -> None:
+        """The store gave up on its writer: stop as on SIGTERM, and exit non-zero (serve) so that a
+        supervisor starts the collector again."""
+        app.state.failed = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def report_health(store: Store) -> None:
         """Hand the writer the counters the collector's health is judged on, once per analysis period."""
@@ -135,7 +144,10 @@ def create_app(config: Config) -> Starlette:
         return Response(otlp.status(503, message, kind), 503, {"Retry-After": str(RETRY_AFTER_S)}, media_type=kind)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "queue_bytes": state["ingestor"].store.queued_bytes})
+        store = state["ingestor"].store
+        if not store.healthy:
+            return JSONResponse({"status": store.failure or "writer restarting"}, 503)
+        return JSONResponse({"status": "ok", "queue_bytes": store.queued_bytes})
 
     async def prometheus(request: Request) -> Response:
         # off the event loop: the run metrics wait for the writer process
@@ -145,7 +157,9 @@ def create_app(config: Config) -> Starlette:
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
     routes += control.routes(lambda: state["ingestor"].store, token)
     routes += queryapi.routes(lambda: state["ingestor"].store, token)
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.failed = False
+    return app
 
 
 def preflight(config: Config) -> None:
@@ -164,7 +178,10 @@ def check_address(host: str, port: int) -> None:
 
 
 def serve(config: Config) -> None:
-    """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint."""
+    """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint; exit non-zero when the store gave
+    up on its writer (Store.failure), for a supervisor to start it again."""
     app = create_app(config)
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=30)
+    if app.state.failed:
+        raise SystemExit(1)

@@ -21,6 +21,7 @@ memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
 import itertools
+import logging
 import multiprocessing
 import queue
 import re
@@ -41,12 +42,12 @@ import pyarrow.compute as pc
 from collector import commands, readonly
 from collector.alerts.delivery import Delivery
 from collector.analysis import Analysis
-from collector.analyzers import health
 from collector.children import die_with_parent
 from collector.decode import Decoded
 from collector.runmetrics import OPERATIONS as METRICS_OPERATIONS
 from collector.schema import DDL, TELEMETRY_TABLES
 
+log = logging.getLogger("rankwatch.collector")
 DIGEST_RETENTION = timedelta(hours=1)
 # How long the writer collects requests into one transaction. A commit costs
 # milliseconds however small it is, so under load a group must be large;
@@ -101,8 +102,9 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
 
 
 class _Writer:
-    """The writer process's side: owns the connection, commits groups, and runs the
-    analyzers between commits (it alone can read the store while the collector runs)."""
+    """The writer process's side: owns the connection, commits groups, and hosts the analysis
+    thread, the query threads and the alert delivery (it alone can read the store while the
+    collector runs)."""
 
     def __init__(self, path: Path, analysis: Analysis):
         self._analysis = analysis
@@ -121,16 +123,13 @@ class _Writer:
         readonly.lock_down(self._con, path.parent)
         self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
         self._delivery = Delivery(self._con, analysis.alerts)  # posts alert notifications from the outbox
+        analysis.start(self._con)  # passes on a thread of their own: a commit never waits for one
 
     def run(self, requests, acks) -> None:
         """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it,
         repeat; on None, checkpoint and stop."""
         while True:
-            try:
-                group = [requests.get(timeout=self._analysis.due_in())]
-            except queue.Empty:
-                self._analysis.run(self._con)
-                continue
+            group = [requests.get()]
             deadline = time.monotonic() + GROUP_LINGER_S
             while group[-1] is not None and (left := deadline - time.monotonic()) > 0:
                 try:
@@ -147,15 +146,14 @@ class _Writer:
                     self._queries.submit(self._query, call, acks)
                 elif call.operation in METRICS_OPERATIONS:  # reads too: on a query thread
                     self._queries.submit(self._read, call, acks)
-                elif call.operation == "health":
-                    acks.put(self._judge_health(call))
+                elif call.operation == "health":  # judged on the analysis thread
+                    self._analysis.report_health(**call.kwargs)
+                    acks.put(("result", call.id, None))
                 else:
                     acks.put(self._call(call))
-            if not self._analysis.due_in() and not stop:
-                self._analysis.run(self._con)
             if stop:
                 self._queries.shutdown()  # queries end within their time limit
-                self._analysis.close(self._con)
+                self._analysis.close()  # its last pass covers every commit above
                 self._delivery.close()
                 self._con.execute("CHECKPOINT")
                 self._con.close()
@@ -168,15 +166,6 @@ class _Writer:
             return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
         except (commands.CommandError, LookupError, duckdb.Error) as e:
             return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
-
-    def _judge_health(self, call: "Call") -> tuple:
-        """Judge the collector's health on the server's counters (call.kwargs) and the writer's own."""
-        snapshot = health.Snapshot(at=time.monotonic(), analysis_failures=self._analysis.failures, **call.kwargs)
-        try:
-            self._analysis.judge_health(self._con, snapshot)
-        except Exception as e:  # a future must settle, whatever went wrong
-            return ("error", call.id, RuntimeError(str(e)))
-        return ("result", call.id, None)
 
     def _query(self, call: "Call", acks) -> None:
         """Run a read-only query (collector/readonly.py) and put its ("result" | "error", call id, value)."""
@@ -287,33 +276,67 @@ class Store:
     server registers each request id with
     `expect()` first and gets a future that resolves when the writer has
     committed it (True) or found it a duplicate (False).
+
+    A writer that dies (killed, out of memory) fails what was waiting for it (the
+    clients retry) and is replaced by one that recovers the write-ahead log, on new
+    queues: `generation` counts them, so producers holding the old queue know to take
+    the new one. Past MAX_RESTARTS within RESTART_WINDOW_S the store gives up
+    (`failure` says why) rather than crash-loop on what kills it.
     """
 
+    MAX_RESTARTS = 3
+    RESTART_WINDOW_S = 60.0
+
     def __init__(self, path: Path, max_queue_bytes: int = 256 * 2**20,
-                 on_commit: Callable[[float, int], None] | None = None, analysis: Analysis | None = None):
-        """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`."""
+                 on_commit: Callable[[float, int], None] | None = None, analysis: Analysis | None = None,
+                 on_failure: Callable[[], None] | None = None):
+        """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`.
+        `on_failure`: called once the store has given up on its writer."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_queue_bytes = max_queue_bytes
-        self._on_commit = on_commit
-        context = multiprocessing.get_context("spawn")
-        self.requests = context.Queue()
-        self._acks = context.Queue()
-        self._process = context.Process(target=_writer_main, args=(path, analysis or Analysis(), self.requests,
-                                                                   self._acks),
-                                        name="rankwatch-writer", daemon=True)
-        self._process.start()
-        first = self._acks.get()
-        if first[0] == "error":
-            self._process.join()
-            raise StoreLocked(first[1]) if "held open" in first[1] else RuntimeError(first[1])
+        self._on_commit, self._on_failure = on_commit, on_failure
+        self._analysis = analysis or Analysis()
+        self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, int]] = {}
         self._ids = itertools.count()
         self._queued_bytes = 0
+        self._closing = False
         self._closed = threading.Event()
+        self._restarts: list[float] = []  # when the writer was replaced, within the window
+        self.generation = 0
+        self.failure: str | None = None
+        self._start_writer()
         self._reader = threading.Thread(target=self._read_acks, name="rankwatch-acks", daemon=True)
         self._reader.start()
+
+    def _start_writer(self) -> None:
+        """A writer process on new queues, once it has the store open (recovering its write-ahead log)."""
+        self._ready = False
+        self.requests = self._context.Queue()
+        self._acks = self._context.Queue()
+        self._process = self._context.Process(target=_writer_main, args=(self.path, self._analysis, self.requests,
+                                                                         self._acks),
+                                              name="rankwatch-writer", daemon=True)
+        self._process.start()
+        while True:
+            try:
+                first = self._acks.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._process.is_alive():
+                    first = ("error", f"the writer process exited with status {self._process.exitcode}")
+                    break
+        if first[0] == "error":
+            self._process.join()
+            raise StoreLocked(first[1]) if "held open" in first[1] else RuntimeError(first[1])
+        self._ready = True
+
+    @property
+    def healthy(self) -> bool:
+        """Whether a writer is up and taking requests (what /healthz reports)."""
+        return self._ready and self._process.is_alive()
 
     @property
     def queued_bytes(self) -> int:
@@ -327,8 +350,7 @@ class Store:
         with self._lock:
             if self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes:
                 raise Overloaded(f"write queue full ({self._queued_bytes} bytes waiting)")
-            if not self._process.is_alive():
-                raise RuntimeError("the store's writer process has exited")
+            self._check_writer()
             request_id = next(self._ids)
             self._pending[request_id] = (future, nbytes)
             self._queued_bytes += nbytes
@@ -340,12 +362,15 @@ class Store:
         its result or its exception."""
         future: Future = Future()
         with self._lock:
-            if not self._process.is_alive():
-                raise RuntimeError("the store's writer process has exited")
+            self._check_writer()
             call_id = next(self._ids)
             self._pending[call_id] = (future, 0)
         self.requests.put(Call(call_id, operation, kwargs))
         return future
+
+    def _check_writer(self) -> None:
+        if not self.healthy:
+            raise RuntimeError(self.failure or "the store's writer process is restarting")
 
     def forget(self, request_id: int) -> None:
         """Drop a request that was never queued (it failed to decode or had no rows)."""
@@ -355,7 +380,9 @@ class Store:
 
     def close(self) -> None:
         """Drain the queue, checkpoint the WAL into the file, and stop the writer."""
-        self.requests.put(None)
+        self._closing = True
+        if self.healthy:
+            self.requests.put(None)
         self._closed.wait()
         self._process.join()
         for q in (self.requests, self._acks):
@@ -372,7 +399,11 @@ class Store:
             except queue.Empty:
                 if self._process.is_alive():
                     continue
-                ack = ("failed", list(self._pending), "the store's writer process exited")
+                self._fail_pending("the store's writer process exited")
+                if self._closing or not self._restart():
+                    self._closed.set()
+                    return
+                continue
             if ack[0] == "closed":
                 self._closed.set()
                 return
@@ -395,6 +426,31 @@ class Store:
                     future.set_exception(RuntimeError(ack[2]))
             if ack[0] == "committed" and self._on_commit:
                 self._on_commit(ack[2], ack[3])
-            if not self._process.is_alive() and not self._pending:
-                self._closed.set()
-                return
+
+    def _fail_pending(self, reason: str) -> None:
+        """Fail every request and call still waiting: none was acknowledged, so each client retries."""
+        with self._lock:
+            failed, self._pending, self._queued_bytes = list(self._pending.values()), {}, 0
+        for future, _ in failed:
+            future.set_exception(RuntimeError(reason))
+
+    def _restart(self) -> bool:
+        """Replace a dead writer; False (and `failure` set, `on_failure` called) when it cannot be."""
+        status = self._process.exitcode
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < self.RESTART_WINDOW_S] + [now]
+        if len(self._restarts) > self.MAX_RESTARTS:
+            self.failure = (f"the store's writer process died {len(self._restarts)} times in "
+                            f"{self.RESTART_WINDOW_S:.0f} s (last status {status}); not restarted")
+        else:
+            log.error("the store's writer process died (status %s); starting another", status)
+            try:
+                self._start_writer()
+                self.generation += 1
+                return True
+            except Exception as e:
+                self.failure = f"the store's writer process died (status {status}) and could not be restarted: {e}"
+        log.error("%s", self.failure)
+        if self._on_failure:
+            self._on_failure()
+        return False

@@ -359,7 +359,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
             time.sleep(0.1)
             live.run(con)
     finally:
-        live.close(con)
+        live.close()
     assert drawn_on == ["rankwatch-power_0"]  # once: a report is not redrawn before power_every_s
     kinds = {k for (k,) in con.execute("SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' "
                                        "AND state = 'firing'").fetchall()}
