@@ -7,8 +7,8 @@
  * columnar layout (validity bitmaps, values, offsets), so Python only wraps
  * finished buffers.
  *
- * traces(bodies: list[bytes], wanted: tuple[tuple[str, str], ...])
- *     -> (resources, owners, spans, columns, odd, errors)
+ * traces(bodies: list[bytes], wanted: tuple[tuple[str, str], ...], max_attributes: int)
+ *     -> (resources, owners, spans, columns, odd, crowded, errors)
  *   Decodes several requests at once, so that what costs per call (in Python
  *   and in Arrow) is paid once for all of them.
  *   resources: one dict of attributes per ResourceSpans, all requests'
@@ -24,9 +24,16 @@
  *     cell is null. Spans are in request order.
  *   odd: (span, column, value) for each wanted attribute sent with another
  *     type than its column's (the cell is null; the caller coerces or rejects).
+ *   crowded: the spans with more than max_attributes attributes (their cells
+ *     are null; the caller rejects them). Past that many a span's attributes
+ *     are skipped unread, and its other keys are found through a hash table,
+ *     so that a span costs time linear in its size whatever it holds.
  *   errors: (request index, message) for each malformed request (one that
  *     does not parse, or has strings that are not UTF-8); none of its spans
  *     are in the columns.
+ *
+ * entries(body, points, limit) counts the resources, scopes and items of a
+ * request of any signal, so that one with too many is refused before decoding.
  *
  * Every read is bounds-checked. Unknown fields are skipped, as protobuf requires,
  * so newer OTLP versions decode.
@@ -249,6 +256,7 @@ static int grow(Buf *b, Py_ssize_t more) {
 }
 
 static int put(Buf *b, const void *p, Py_ssize_t n) {
+    if (n == 0) return 0; /* an empty buffer's data is NULL, and memcpy(NULL, p, 0) is undefined */
     if (grow(b, n) < 0) return -1;
     memcpy(b->data + b->len, p, n);
     b->len += n;
@@ -463,8 +471,12 @@ typedef struct {
     PyObject *odd;
     Buf json;     /* scratch: one span's other attributes */
     Reader *slot; /* per span: the last value of each wanted key */
-    Reader *other_key, *other_value;
-    Py_ssize_t n_other, cap_other;
+    Reader *other_key, *other_value; /* max_attributes entries */
+    Py_ssize_t n_other;
+    int32_t *index;   /* open addressing over other_key: 1 + its position, 0 empty; n_index slots */
+    Py_ssize_t n_index;
+    Py_ssize_t max_attributes, n_attributes;
+    PyObject *crowded; /* rows of spans with more than max_attributes attributes */
 } Decoder;
 
 enum { COL_RESOURCE, COL_TRACE_ID, COL_SPAN_ID, COL_PARENT, COL_NAME, COL_START, COL_END, COL_WANTED };
@@ -522,10 +534,13 @@ static int wanted_cell(Decoder *d, Py_ssize_t i, Reader value) {
     return var_width(c->type) ? cell_bytes(c, d->rows, NULL, 0, 0) : cell_fixed(c, d->rows, NULL, 0);
 }
 
-/* One KeyValue of a span: into its wanted slot, else kept for the JSON of other attributes. */
+/* One KeyValue of a span: into its wanted slot, else kept for the JSON of other attributes.
+   Past max_attributes the span is refused (its row is noted in `crowded`) and the rest only skipped,
+   so the work per span is bounded whatever it sends. */
 static int span_attribute(Decoder *d, Reader *r) {
     Reader key = {NULL, NULL}, value = {NULL, NULL};
     uint32_t field, wire;
+    if (++d->n_attributes > d->max_attributes) return 0;
     while (r->p < r->end) {
         if (read_tag(r, &field, &wire) < 0) return -1;
         if (field == 1 && wire == 2) {
@@ -544,25 +559,27 @@ static int span_attribute(Decoder *d, Reader *r) {
             return 0;
         }
     }
-    for (Py_ssize_t i = 0; i < d->n_other; i++) { /* a repeated key: the last value wins, in the first place */
+    /* a repeated key: the last value wins, in the first place */
+    size_t h = 14695981039346656037u; /* FNV-1a */
+    for (const uint8_t *p = key.p; p < key.end; p++) h = (h ^ *p) * 1099511628211u;
+    for (size_t at = h & (d->n_index - 1);; at = (at + 1) & (d->n_index - 1)) {
+        int32_t i = d->index[at] - 1;
+        if (i < 0) {
+            d->index[at] = (int32_t)d->n_other + 1;
+            d->other_key[d->n_other] = key;
+            d->other_value[d->n_other++] = value;
+            return 0;
+        }
         if (d->other_key[i].end - d->other_key[i].p == klen && memcmp(d->other_key[i].p, key.p, klen) == 0) {
             d->other_value[i] = value;
             return 0;
         }
     }
-    if (d->n_other == d->cap_other) {
-        Py_ssize_t cap = d->cap_other ? 2 * d->cap_other : 8;
-        Reader *k = PyMem_Realloc(d->other_key, cap * sizeof(Reader));
-        if (!k) return PyErr_NoMemory(), -1;
-        d->other_key = k;
-        Reader *v = PyMem_Realloc(d->other_value, cap * sizeof(Reader));
-        if (!v) return PyErr_NoMemory(), -1;
-        d->other_value = v;
-        d->cap_other = cap;
-    }
-    d->other_key[d->n_other] = key;
-    d->other_value[d->n_other++] = value;
-    return 0;
+}
+
+static void forget_others(Decoder *d) {
+    if (d->n_other) memset(d->index, 0, d->n_index * sizeof(int32_t));
+    d->n_other = 0;
 }
 
 static int id_cell(Column *c, Py_ssize_t row, Reader id, int null_when_empty) {
@@ -577,7 +594,8 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
     uint64_t start = 0, end = 0;
     uint32_t field, wire;
     memset(d->slot, 0, d->n_wanted * sizeof(Reader));
-    d->n_other = 0;
+    forget_others(d);
+    d->n_attributes = 0;
     while (r->p < r->end) {
         Reader s;
         if (read_tag(r, &field, &wire) < 0) return -1;
@@ -600,6 +618,14 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
     }
     if (!utf8_valid(name.p, name.end)) return fail("span name is not UTF-8");
     Py_ssize_t row = d->rows;
+    if (d->n_attributes > d->max_attributes) { /* refused: a row of nulls the caller filters out */
+        PyObject *at = PyLong_FromSsize_t(row);
+        int rc = at ? PyList_Append(d->crowded, at) : -1;
+        Py_XDECREF(at);
+        if (rc < 0) return -1;
+        memset(d->slot, 0, d->n_wanted * sizeof(Reader));
+        forget_others(d);
+    }
     if (cell_fixed(&d->col[COL_RESOURCE], row, &resource, 1) < 0 ||
         id_cell(&d->col[COL_TRACE_ID], row, trace_id, 0) < 0 || id_cell(&d->col[COL_SPAN_ID], row, span_id, 0) < 0 ||
         id_cell(&d->col[COL_PARENT], row, parent, 1) < 0 ||
@@ -719,19 +745,32 @@ static PyObject *traces(PyObject *module, PyObject *args) {
     Mark *marks = NULL;
     Decoder d;
     memset(&d, 0, sizeof d);
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &bodies, &PyTuple_Type, &wanted)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!O!n", &PyList_Type, &bodies, &PyTuple_Type, &wanted, &d.max_attributes))
+        return NULL;
+    if (d.max_attributes < 1 || d.max_attributes > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "max_attributes must be in [1, 2**20]");
+        return NULL;
+    }
+    for (d.n_index = 2; d.n_index < 2 * d.max_attributes; d.n_index *= 2) {
+    }
     d.n_wanted = PyTuple_GET_SIZE(wanted);
     Py_ssize_t n_columns = COL_WANTED + d.n_wanted + 1;
     d.key = PyMem_Calloc(d.n_wanted + 1, sizeof(char *));
     d.key_len = PyMem_Calloc(d.n_wanted + 1, sizeof(Py_ssize_t));
     d.slot = PyMem_Calloc(d.n_wanted + 1, sizeof(Reader));
     d.col = PyMem_Calloc(n_columns, sizeof(Column));
+    d.other_key = PyMem_Calloc(d.max_attributes, sizeof(Reader));
+    d.other_value = PyMem_Calloc(d.max_attributes, sizeof(Reader));
+    d.index = PyMem_Calloc(d.n_index, sizeof(int32_t));
     marks = PyMem_Calloc(n_columns, sizeof(Mark));
     d.odd = PyList_New(0);
+    d.crowded = PyList_New(0);
     resources = PyList_New(0);
     owners = PyList_New(0);
     errors = PyList_New(0);
-    if (!d.key || !d.key_len || !d.slot || !d.col || !marks || !d.odd || !resources || !owners || !errors) goto done;
+    if (!d.key || !d.key_len || !d.slot || !d.col || !d.other_key || !d.other_value || !d.index || !marks || !d.odd ||
+        !d.crowded || !resources || !owners || !errors)
+        goto done;
     for (Py_ssize_t i = 0; i < COL_WANTED; i++) d.col[i].type = FIXED_TYPES[i];
     for (Py_ssize_t i = 0; i < d.n_wanted; i++) {
         const char *type;
@@ -744,7 +783,8 @@ static PyObject *traces(PyObject *module, PyObject *args) {
     }
     d.col[n_columns - 1].type = 's';
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bodies); i++) {
-        Py_ssize_t rows = d.rows, odd = PyList_GET_SIZE(d.odd), before = PyList_GET_SIZE(resources);
+        Py_ssize_t rows = d.rows, odd = PyList_GET_SIZE(d.odd), crowded = PyList_GET_SIZE(d.crowded),
+                   before = PyList_GET_SIZE(resources);
         mark(&d, marks, n_columns);
         if (request(&d, PyList_GET_ITEM(bodies, i), resources) == 0) {
             PyObject *owner = PyLong_FromSsize_t(i);
@@ -769,6 +809,7 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         Py_DECREF(entry);
         rewind_to(&d, marks, n_columns, rows);
         if (PyList_SetSlice(d.odd, odd, PY_SSIZE_T_MAX, NULL) < 0 ||
+            PyList_SetSlice(d.crowded, crowded, PY_SSIZE_T_MAX, NULL) < 0 ||
             PyList_SetSlice(resources, before, PY_SSIZE_T_MAX, NULL) < 0)
             goto done;
     }
@@ -779,7 +820,7 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         if (!buffers) goto done;
         PyList_SET_ITEM(columns, i, buffers);
     }
-    out = Py_BuildValue("(OOnOOO)", resources, owners, d.rows, columns, d.odd, errors);
+    out = Py_BuildValue("(OOnOOOO)", resources, owners, d.rows, columns, d.odd, d.crowded, errors);
 done:
     if (d.col) {
         for (Py_ssize_t i = 0; i < n_columns; i++) {
@@ -795,8 +836,10 @@ done:
     PyMem_Free(d.slot);
     PyMem_Free(d.other_key);
     PyMem_Free(d.other_value);
+    PyMem_Free(d.index);
     PyMem_Free(d.json.data);
     Py_XDECREF(d.odd);
+    Py_XDECREF(d.crowded);
     Py_XDECREF(resources);
     Py_XDECREF(owners);
     Py_XDECREF(errors);
@@ -804,9 +847,48 @@ done:
     return out;
 }
 
+/* Entries of one export request, counted on the wire: resources (field 1 of the request), scopes
+   (field 2 of those), items (field 2 of scopes: spans, metrics, log records) and, at level 3 with
+   `points`, metrics' data points (field 1 of a metric's gauge, sum, histogram, exponential histogram
+   or summary). Only tags and lengths are read, nothing is allocated. */
+static int count_entries(Reader *r, int level, int points, Py_ssize_t limit, Py_ssize_t *n) {
+    uint32_t field, wire;
+    while (r->p < r->end && *n <= limit) {
+        Reader s;
+        if (read_tag(r, &field, &wire) < 0) return -1;
+        int child = level == 0   ? field == 1
+                    : level < 3 ? field == 2
+                    : level == 3 ? field == 5 || field == 7 || field == 9 || field == 10 || field == 11
+                                 : field == 1;
+        if (!child || wire != 2) {
+            if (skip_field(r, field, wire, 0) < 0) return -1;
+            continue;
+        }
+        if (read_len(r, &s) < 0) return -1;
+        if (level != 3) ++*n;
+        if ((level < 2 || (points && level < 4)) && count_entries(&s, level + 1, points, limit, n) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *entries(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    int points;
+    Py_ssize_t limit, n = 0;
+    if (!PyArg_ParseTuple(args, "y*pn", &view, &points, &limit)) return NULL;
+    Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    if (count_entries(&r, 0, points, limit, &n) < 0) PyErr_Clear(); /* malformed: the decoder says why */
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
+    {"entries", entries, METH_VARARGS,
+     "entries(body, points, limit) -> int: resources, scopes and items (with points, metrics' data points too)\n"
+     "of an export request, counted up to just past limit; a malformed body counts as far as it reads."},
     {"traces", traces, METH_VARARGS,
-     "traces(bodies, wanted) -> (resources, owners, spans, columns, odd, errors): ExportTraceServiceRequests\n"
+     "traces(bodies, wanted, max_attributes) -> (resources, owners, spans, columns, odd, crowded, errors):\n"
+     "ExportTraceServiceRequests"
      "in Arrow's columnar layout; see the module's source for the columns."},
     {NULL, NULL, 0, NULL},
 };

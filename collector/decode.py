@@ -13,9 +13,20 @@ columns and any others are kept as JSON in `attrs`, so nothing valid is lost.
 A value of the wrong type is coerced ("5" -> 5) or its item rejected;
 rejected items are reported back through OTLP partial_success with the first
 reason.
+
+Nothing one request holds may fail the others decoded with it: a request is
+refused whole (413) when it has more entries than MAX_ITEMS, counted on the
+wire before anything is decoded; an item with more than MAX_ATTRIBUTES
+attributes, or a step, rank or token count outside RANGES, is refused alone;
+and should decoding a batch still raise, each request is decoded alone and
+one that raises is refused alone (400). docs/telemetry.md gives the reasons
+for each bound.
 """
 
 import json
+import logging
+import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cache
@@ -34,6 +45,13 @@ from collector import _otlpwire
 from collector.nccl import bandwidths
 from collector.otlp import PROTOBUF, OtlpError, parse
 from collector.schema import DDL
+
+MAX_ITEMS = 100_000  # resources, scopes and items (and metrics' data points) per request
+MAX_ATTRIBUTES = 128  # per item: the OpenTelemetry SDKs' default attribute count limit
+# Numbers analysis computes with: [0, bound); far past any real job, far from int64's ends.
+RANGES = {"step": 2**40, "rank": 2**24, "tokens": 2**40}
+_INTEGER = re.compile(r"-?[0-9]{1,20}")  # what a string must be to be read as an integer: int() takes "٣" too
+log = logging.getLogger(__name__)
 
 
 class Rejected(ValueError):
@@ -84,24 +102,50 @@ class Decoded:
         self.__dict__.update(state)
 
 
+def decode(signal: str, bodies: list[bytes]) -> Decoded:
+    """A batch of requests of one signal decoded. Should that raise, each request is decoded alone,
+    and one that still raises is refused alone (400): the others are stored all the same."""
+    try:
+        return DECODERS[signal][1](bodies)
+    except Exception as e:
+        if len(bodies) > 1:
+            return _merge(signal, [decode(signal, [body]) for body in bodies])
+        log.exception("a %s request could not be decoded", signal)
+        return Decoded(signal, [Part(malformed=f"request could not be decoded: {type(e).__name__}: {e}")])
+
+
+def admit(signal: str, body: bytes) -> None:
+    """413 for a request with more than MAX_ITEMS entries, counted on the wire before anything is
+    allocated for them, so that refusing it costs less than decoding it would."""
+    if _otlpwire.entries(body, signal == "metrics", MAX_ITEMS) > MAX_ITEMS:
+        raise OtlpError(413, f"more than {MAX_ITEMS} resources, scopes and items in one request; "
+                             "send smaller batches")
+
+
 def each(signal: str, bodies: list[bytes], decode_one) -> Decoded:
     """A batch decoded request by request, for signals whose decoders read one at a time."""
-    out = Decoded(signal, [])
-    tables: dict[str, list[pa.Table]] = defaultdict(list)
+    batches = []
     for body in bodies:
         part = Part()
         try:
             one = decode_one(body, part)
         except OtlpError as e:
             part.malformed = str(e)
-        else:
-            for name, table in one.tables.items():
-                tables[name].append(table)
-                part.rows[name] = table.num_rows
-            out.ranks += one.ranks
-        out.parts.append(part)
-    out.tables = {name: pa.concat_tables(parts) for name, parts in tables.items()}
-    return out
+            one = Decoded(signal, [part])
+        part.rows = {name: table.num_rows for name, table in one.tables.items()}
+        batches.append(one)
+    return _merge(signal, batches)
+
+
+def _merge(signal: str, batches: list[Decoded]) -> Decoded:
+    """Decoded batches as one, their requests in order."""
+    tables: dict[str, list[pa.Table]] = defaultdict(list)
+    for batch in batches:
+        for name, table in batch.tables.items():
+            tables[name].append(table)
+    return Decoded(signal, [part for batch in batches for part in batch.parts],
+                   {name: pa.concat_tables(parts) for name, parts in tables.items()},
+                   [rank for batch in batches for rank in batch.ranks])
 
 
 def _ipc(table: pa.Table) -> bytes:
@@ -134,7 +178,40 @@ def _attributes(key_values) -> dict:
 
 
 def _leftover(attrs: dict) -> str | None:
-    return json.dumps(attrs, default=bytes.hex) if attrs else None
+    return _json(attrs) if attrs else None
+
+
+def _json(v) -> str:
+    """A value as JSON, bytes as hex and non-finite doubles as null (as the C decoder writes them;
+    NaN is no JSON, and the store's JSON columns refuse it)."""
+    try:
+        return json.dumps(v, default=bytes.hex, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(v), default=bytes.hex)
+
+
+def _finite(v):
+    if type(v) is float:
+        return v if math.isfinite(v) else None
+    if type(v) is list:
+        return [_finite(x) for x in v]
+    if type(v) is dict:
+        return {k: _finite(x) for k, x in v.items()}
+    return v
+
+
+def _bounded(column: str, v):
+    """`v` when within its RANGES bound (or None), else Rejected."""
+    if v is not None and not 0 <= v < RANGES[column]:
+        raise Rejected(f"{column} {v} outside [0, {RANGES[column]})")
+    return v
+
+
+def _attributes_of(item, what: str) -> dict:
+    """An item's attributes as a dict, or Rejected past MAX_ATTRIBUTES."""
+    if len(item.attributes) > MAX_ATTRIBUTES:
+        raise Rejected(f"{what} has more than {MAX_ATTRIBUTES} attributes")
+    return _attributes(item.attributes)
 
 
 def _coerce(v, column: pa.Field):
@@ -145,14 +222,14 @@ def _coerce(v, column: pa.Field):
     if pa.types.is_integer(t) or pa.types.is_timestamp(t):
         if type(v) is float and v.is_integer():
             v = int(v)
-        elif type(v) is str and v.lstrip("-").isdigit():
+        elif type(v) is str and _INTEGER.fullmatch(v):
             v = int(v)
         if type(v) is not int:
             raise Rejected(f"{column.name} must be an integer, not {v!r}")
     elif pa.types.is_floating(t):
         try:
             v = float(v) if type(v) in (int, float, str) else None
-        except ValueError:
+        except (ValueError, OverflowError):
             v = None
         if v is None:
             raise Rejected(f"{column.name} must be a number")
@@ -213,6 +290,7 @@ class _Identity:
         rank = attrs.pop(sc.RANK, self.rank)
         if run_id is None or rank is None or type(rank) is not int or type(run_id) is not str:
             raise Rejected(f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the item")
+        _bounded("rank", rank)
         self.seen(run_id, rank)
         return run_id, rank
 
@@ -303,14 +381,14 @@ def _from_resources(columns: dict[str, pa.Array], identities: list["_Identity"])
 
 def decode_traces(bodies: list[bytes]) -> Decoded:
     """Spans of a batch of requests -> `steps` (spans of kind step) and `ops` (every other span)."""
-    resources, owners, n, buffers, odd, errors = _otlpwire.traces(bodies, _wanted())
+    resources, owners, n, buffers, odd, crowded, errors = _otlpwire.traces(bodies, _wanted(), MAX_ATTRIBUTES)
     out = Decoded("traces", [Part() for _ in bodies])
     for i, why in errors:
         out.parts[i].malformed = why
     if not n:
         return out
     cols = _columns(n, buffers)
-    bad: dict[int, str] = {}
+    bad = dict.fromkeys(crowded, f"more than {MAX_ATTRIBUTES} attributes")
     if odd:
         _coerce_odd(cols, odd, bad)
     identities = [_Identity(attrs, out) for attrs in resources]
@@ -364,6 +442,9 @@ def _valid_spans(out: Decoded, cols: dict[str, pa.Array], times_ok: np.ndarray, 
                f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the span"),
               (times_ok, "start time missing, after the end time, or past the year 2262"),
               (~is_step | present("step"), f"a step span needs {sc.STEP}")]
+    for column, bound in RANGES.items():
+        within = pc.and_(pc.greater_equal(cols[column], 0), pc.less(cols[column], bound))
+        checks.append((within.fill_null(True).to_numpy(zero_copy_only=False), f"{column} outside [0, {bound})"))
     if not set(pc.unique(cols["kind"]).to_pylist()) <= _KINDS:
         checks.append((pc.is_in(cols["kind"], pa.array(sorted(_KINDS))).to_numpy(zero_copy_only=False),
                        f"{sc.KIND} must be one of {', '.join(sorted(_KINDS))}"))
@@ -404,7 +485,7 @@ def _decode_metrics(body: bytes, part: Part) -> Decoded:
                     try:
                         if kind not in ("gauge", "sum"):
                             raise Rejected("only gauge and sum metrics are stored")
-                        attrs = _attributes(point.attributes)
+                        attrs = _attributes_of(point, "data point")
                         run_id, rank = who.resolve(attrs)
                         number = point.WhichOneof("value")
                         if number is None or not point.time_unix_nano:
@@ -417,6 +498,9 @@ def _decode_metrics(body: bytes, part: Part) -> Decoded:
     _table("device_samples", ("run_id", "rank", "ts", "metric", "value", "gpu", "source", "attrs"), rows, out,
            part, "data point")
     return out
+
+
+_EVENT_STEP = arrow_schema("events").field("step")
 
 
 def decode_logs(bodies: list[bytes]) -> Decoded:
@@ -433,19 +517,20 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
         for sl in rl.scope_logs:
             for record in sl.log_records:
                 try:
-                    attrs = _attributes(record.attributes)
+                    attrs = _attributes_of(record, "log record")
                     run_id, rank = who.resolve(attrs)
                     ts = record.time_unix_nano or record.observed_time_unix_nano
                     if not ts:
                         raise Rejected("no time")
+                    step = _bounded("step", _coerce(attrs.pop(sc.STEP, None), _EVENT_STEP))
                 except Rejected as e:
                     part.reject(f"log record: {e}")
                     continue
                 body_value = value(record.body) if record.HasField("body") else None
                 if body_value is not None and not isinstance(body_value, str):
-                    body_value = json.dumps(body_value, default=bytes.hex)
+                    body_value = _json(body_value)
                 event = attrs.pop(sc.EVENT, None) or body_value or "log"
-                rows.append((run_id, rank, ts, event, attrs.pop(sc.STEP, None), record.severity_text or None,
+                rows.append((run_id, rank, ts, event, step, record.severity_text or None,
                              body_value, _leftover(attrs)))
     _table("events", ("run_id", "rank", "ts", "event", "step", "severity", "body", "attrs"), rows, out,
            part, "log record")

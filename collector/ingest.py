@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from collector import otlp
 from collector.children import die_with_parent
-from collector.decode import DECODERS, arrow_schema
+from collector.decode import DECODERS, admit, arrow_schema, decode
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
 
@@ -51,7 +51,8 @@ class Request:
 
 def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | otlp.OtlpError]:
     """Decompress and decode requests of one signal, queue their rows for the writer as one
-    message, and return each request's outcome (an OtlpError for one that cannot be read)."""
+    message, and return each request's outcome (an OtlpError for one that cannot be read or is
+    too large; it alone)."""
     answers: dict[int, Outcome | otlp.OtlpError] = {}
     bodies, readable = [], []
     for request in requests:
@@ -60,13 +61,14 @@ def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | o
             digest = hashlib.blake2b(request.signal.encode() + b"\0" + body, digest_size=16).digest()
             if request.kind == otlp.JSON:
                 body = otlp.parse(body, request.kind, DECODERS[request.signal][0]).SerializeToString()
+            admit(request.signal, body)
         except otlp.OtlpError as e:
             answers[request.id] = e
             continue
         bodies.append(body)
         readable.append((request.id, digest))
     if bodies:
-        decoded = DECODERS[requests[0].signal][1](bodies)
+        decoded = decode(requests[0].signal, bodies)
         for (request_id, _), part in zip(readable, decoded.parts):
             answers[request_id] = (otlp.OtlpError(400, part.malformed) if part.malformed
                                    else Outcome(part.accepted, part.rejected, part.error))

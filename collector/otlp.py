@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 MAX_BODY = 20 * 2**20  # bytes, after decompression
+MAX_GZIP_MEMBERS = 16
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 _ID_FIELDS = {"traceId", "spanId", "parentSpanId"}
@@ -54,22 +55,30 @@ def encoding(content_encoding: str | None) -> str | None:
 def decompress(body: bytes, encoding: str | None) -> bytes:
     """The body with its encoding (None or "gzip") removed, never more than MAX_BODY bytes.
 
-    Inflation stops at the limit, so a gzip bomb costs at most MAX_BODY of memory.
+    Inflation stops at the limit, so a gzip bomb costs at most MAX_BODY of memory. A gzip body of
+    several members (as concatenated gzip files are) is read whole, up to MAX_GZIP_MEMBERS of them:
+    each further member costs a copy of the rest of the body.
     """
     if encoding is None:
         if len(body) > MAX_BODY:
             raise OtlpError(413, f"body larger than {MAX_BODY} bytes")
         return body
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, MAX_BODY + 1)
-    except zlib.error as e:
-        raise OtlpError(400, f"invalid gzip body: {e}") from None
-    if len(out) > MAX_BODY:
-        raise OtlpError(413, f"body larger than {MAX_BODY} bytes after decompression")
-    if not inflater.eof:
-        raise OtlpError(400, "invalid gzip body: truncated")
-    return out
+    out = bytearray()
+    rest = body
+    for _ in range(MAX_GZIP_MEMBERS):
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out += inflater.decompress(rest, MAX_BODY + 1 - len(out))
+        except zlib.error as e:
+            raise OtlpError(400, f"invalid gzip body: {e}") from None
+        if len(out) > MAX_BODY:
+            raise OtlpError(413, f"body larger than {MAX_BODY} bytes after decompression")
+        if not inflater.eof:
+            raise OtlpError(400, "invalid gzip body: truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return bytes(out)
+    raise OtlpError(400, f"invalid gzip body: more than {MAX_GZIP_MEMBERS} gzip members")
 
 
 def _ids_to_base64(node):

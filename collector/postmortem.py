@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, replace
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from collector.analyzers import Finding, anomalies, hangs, links, stragglers, whatif
@@ -70,6 +71,19 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
                                                                    hang_settings), steps)
 
 
+def _window_ends(steps: pd.Series, first: int, last: int, window: int, stride: int):
+    """Every `stride` steps from the first full window to the last step, skipping windows that hold
+    no step: a run whose steps jump by 2**40 costs no 2**40 passes."""
+    have = np.unique(steps.to_numpy())
+    end = first + window - 1
+    while end < last + stride:
+        upcoming = int(have[np.searchsorted(have, end - window, side="right")])  # the window's first step
+        if upcoming > end:
+            end += -(-(upcoming - end) // stride) * stride
+        yield min(end, last)
+        end += stride
+
+
 def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, ranks: pd.DataFrame,
               straggler_settings: stragglers.Settings, hang_settings: hangs.Settings) -> list[Finding]:
     """Every finding of the run's history, in step order."""
@@ -78,8 +92,7 @@ def _findings(con: duckdb.DuckDBPyConnection, run_id: str, steps: pd.DataFrame, 
     first, last = int(steps["step"].min()), int(steps["step"].max())
     found: list[Finding] = []
     stride = max(window // 2, 1)  # windows overlap by half: an episode's ends are placed to within half a window
-    for end in range(first + window - 1, last + stride, stride):
-        end = min(end, last)
+    for end in _window_ends(steps["step"], first, last, window, stride):
         history = steps[(steps["step"] > end - 4 * window) & (steps["step"] <= end)]  # as the live pass reads
         judged = stragglers.analyze(history, ranks, straggler_settings)
         if judged:  # only then are the device samples of those steps worth reading
