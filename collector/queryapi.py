@@ -3,16 +3,19 @@
 
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
-    400 {"error"}  not JSON, not one SELECT, or DuckDB refused it (its message's first line)
+    400 {"error"}  not JSON, a field missing or of the wrong type, not one SELECT, or DuckDB refused it
+                   (its message's first line)
     401 {"error"}  missing or wrong bearer token
     408 {"error"}  ran past its time limit and was interrupted
+    413 {"error"}  a body over MAX_BODY
 
-The store's writer process runs the query (collector/readonly.py), the one
-process that can read the file while the collector holds it.
+Every field is checked here, before the request reaches the store's writer process, which runs the
+query (collector/readonly.py): the one process that can read the file while the collector holds it.
 """
 
 import asyncio
 import json
+import math
 from collections.abc import Callable
 
 import httpx
@@ -25,6 +28,17 @@ from collector.auth import authorized
 from collector.store import Store
 
 PATH = "/api/v1/query"
+MAX_BODY = 2**20  # a request carries SQL and a few parameters, never data
+MAX_PARAM_DEPTH = 4  # lists in lists a parameter may nest: DuckDB's binding time grows with the depth cubed
+_FIELDS = ("sql", "params", "timeout_s", "max_rows")
+
+
+class BadRequest(Exception):
+    """A request refused before it runs: a one-line reason and its HTTP status."""
+
+    def __init__(self, reason: str, status: int = 400):
+        super().__init__(reason)
+        self.status = status
 
 
 class QueryFailed(Exception):
@@ -38,24 +52,77 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
         if not authorized(request.headers.get("authorization"), token):
             return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
         try:
-            fields = json.loads(await request.body())
-            if not isinstance(fields, dict) or not isinstance(fields.get("sql"), str):
-                raise TypeError
-            options = {"sql": fields["sql"], "params": fields.get("params") or None,
-                       "timeout_s": float(fields.get("timeout_s", readonly.TIMEOUT_S)),
-                       "max_rows": int(fields.get("max_rows", readonly.ROW_CAP))}
-        except (ValueError, TypeError):
-            return JSONResponse({"error": 'the body must be a JSON object {"sql": "...", "params"?: [...]}'}, 400)
-        if not isinstance(options["params"], (list, dict, type(None))):
-            return JSONResponse({"error": "params must be a list or an object"}, 400)
-        try:
+            options = parse(await _body(request))
             return JSONResponse(await asyncio.wrap_future(store().call("query", **options)))
+        except BadRequest as e:
+            return JSONResponse({"error": str(e)}, e.status)
         except readonly.QueryRefused as e:
             return JSONResponse({"error": str(e)}, 400)
         except readonly.QueryTimeout as e:
             return JSONResponse({"error": str(e)}, 408)
 
     return [Route(PATH, query, methods=["POST"])]
+
+
+async def _body(request: Request) -> bytes:
+    """The body, refused (413) past MAX_BODY; read to its end all the same, up to four times that, so
+    the client, still sending, sees the answer."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY:
+            chunks.append(chunk)
+        elif size > 4 * MAX_BODY:
+            break
+    if size > MAX_BODY:
+        raise BadRequest(f"the body is larger than {MAX_BODY} bytes", 413)
+    return b"".join(chunks)
+
+
+def parse(body: bytes) -> dict:
+    """readonly.run's arguments from a request body, each field checked, the limits clamped to the
+    server's; BadRequest says what is wrong in one line."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
+        fields = None
+    if not isinstance(fields, dict):
+        raise BadRequest('the body must be a JSON object {"sql": "...", "params"?: [...]}')
+    if unknown := sorted(set(fields) - set(_FIELDS)):
+        raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
+    sql, params = fields.get("sql"), fields.get("params")
+    timeout_s, max_rows = fields.get("timeout_s"), fields.get("max_rows")
+    if not isinstance(sql, str):
+        raise BadRequest("sql must be a string: one SELECT")
+    if params is not None and not (isinstance(params, (list, dict))
+                                   and all(_parameter(v, MAX_PARAM_DEPTH) for v in _values(params))):
+        raise BadRequest("params must be a list (or an object, for $name) of strings, numbers, booleans, "
+                         f"nulls or lists of them, nested at most {MAX_PARAM_DEPTH} deep")
+    if timeout_s is not None and not (_number(timeout_s) and timeout_s > 0):
+        raise BadRequest(f"timeout_s must be a positive number of seconds (at most {readonly.TIMEOUT_S:g} apply)")
+    if max_rows is not None and not (_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
+        raise BadRequest(f"max_rows must be a whole number from 0 (at most {readonly.ROW_CAP} apply)")
+    return {"sql": sql, "params": params,
+            "timeout_s": readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
+            "max_rows": readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP)}
+
+
+def _values(params: list | dict) -> list:
+    return list(params.values()) if isinstance(params, dict) else params
+
+
+def _number(value) -> bool:
+    """A finite JSON number (an integer of any size, or a float that is neither NaN nor infinite)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parameter(value, depth: int) -> bool:
+    """Whether `value` is a JSON scalar, or a list of parameters nested at most `depth` deep."""
+    if isinstance(value, list):
+        return depth > 0 and all(_parameter(v, depth - 1) for v in value)
+    return value is None or isinstance(value, (str, int, float))
 
 
 def remote_query(client: httpx.Client, sql: str, params: list | dict | None = None) -> dict:

@@ -1,5 +1,5 @@
 """The query API on a real collector: read-only SQL, checked by DuckDB's parser, confined to
-the data directory, interrupted past its time limit, capped in rows, and run beside ingest
+the sql-files directory beside the store, interrupted past its time limit, capped in rows, and run beside ingest
 without stalling it; `rankwatch query --collector` goes through it."""
 
 import threading
@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from collector import readonly
 from tests.conftest import rankwatch_cli
 from tests.otlp_payloads import post, query, step_spans, trace_body, with_rank
 
@@ -99,10 +100,15 @@ def test_refused(api, sql, reason):
     assert not any((data / name).exists() for name in ("out.csv", "other.duckdb", "dump"))
 
 
-def test_files_in_the_data_directory_are_readable(api):
-    (api.collector.db.parent / "extra.csv").write_text("a,b\n1,2\n")
-    answer = ask(api, f"SELECT a + b FROM read_csv('{api.collector.db.parent}/extra.csv')").json()
+def test_files_in_the_sql_files_directory_are_readable(api):
+    files = readonly.files_dir(api.collector.db.parent)
+    files.mkdir(exist_ok=True)
+    (files / "extra.csv").write_text("a,b\n1,2\n")
+    answer = ask(api, f"SELECT a + b FROM read_csv('{files}/extra.csv')").json()
     assert answer["rows"] == [[3]]
+    (api.collector.db.parent / "beside.csv").write_text("a,b\n1,2\n")  # beside the store, with its secrets
+    response = ask(api, f"SELECT a + b FROM read_csv('{api.collector.db.parent}/beside.csv')")
+    assert response.status_code == 400 and "Permission Error" in response.json()["error"]
 
 
 def test_token_is_required(api):

@@ -1,0 +1,315 @@
+"""Abuse of the read-only SQL paths, the query API on a real collector and the dashboard's file source:
+the secrets beside the store (the token file, the receivers file) stay unreadable whatever table function,
+path or trick a query uses; the time limit holds whatever `timeout_s` says; results are capped in bytes as
+well as rows, without stalling ingest; and every field of a request is checked, a bad one answered 400
+with one line."""
+
+import base64
+import json
+import os
+import secrets
+import threading
+import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from collector import readonly
+from collector.auth import load_or_create_token
+from collector.schema import DDL
+from dashboard.source import FileSource, QueryFailed
+from tests.conftest import Collector, free_port
+from tests.otlp_payloads import post, step_spans, trace_body
+
+# A cross join that runs for minutes unless interrupted.
+SLOW = "SELECT count(*) FROM range(100000000) a, range(100000) b WHERE a.range + b.range = -1"
+# 100,000 rows of 1 KB: about 100 MB of JSON, three times the byte cap.
+WIDE = "SELECT repeat('x', 1000) AS s FROM range(100000)"
+
+
+def plant(data: Path) -> list[str]:
+    """The data directory as a collector leaves it (the token file, a receivers file with a webhook
+    secret beside the store), plus a file queries may read and links from there to the secrets;
+    the secrets, which no answer may hold."""
+    token = load_or_create_token(data)
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    (data / "alerts.toml").write_text(f'[[receivers]]\nurl = "http://127.0.0.1:9/hook"\nsecret = "whsec_{key}"\n')
+    files = readonly.files_dir(data)
+    files.mkdir(exist_ok=True)
+    (files / "extra.csv").write_text("a,b\n1,2\n")
+    for name in ("token", "alerts.toml"):
+        (files / f"link-{name}").symlink_to(data / name)
+    (files / "up").symlink_to(data, target_is_directory=True)
+    return [token, key]
+
+
+def fragments(secret_values: list[str]) -> list[str]:
+    """Pieces of each secret, as text and as hex (read_blob's bytes come back in hex): a reader that
+    splits a file into fields still shows one of them."""
+    pieces = [s[i:i + 8] for s in secret_values for i in range(0, len(s) - 7, 8)]
+    return pieces + [p.encode().hex() for p in pieces]
+
+
+def file_functions(run) -> list[str]:
+    """Every table function of this DuckDB that takes a path (a string, a list or any value first)."""
+    answer = run("SELECT DISTINCT function_name FROM duckdb_functions() WHERE function_type = 'table' "
+                 "AND (parameter_types[1] IN ('VARCHAR', 'ANY', 'ANY[]', 'VARCHAR[]', 'VARIANT')) ORDER BY 1")
+    names = [row[0] for row in answer["rows"]]
+    assert {"read_text", "read_blob", "read_csv", "read_csv_auto", "read_json", "read_json_auto", "read_json_objects",
+            "read_parquet", "parquet_scan", "parquet_metadata", "parquet_schema", "glob", "sniff_csv"} <= set(names)
+    return names
+
+
+def attacks(data: Path) -> list[str]:
+    """Paths to the secrets: absolute, relative, through `..`, doubled slashes, a file:// URL, links from
+    the directory queries may read, and globs that would match them."""
+    files = readonly.files_dir(data)
+    paths = []
+    for name in ("token", "alerts.toml"):
+        secret = data / name
+        paths += [str(secret), os.path.relpath(secret), f"{files}/../{name}", f"{data}//{name}", f"file://{secret}",
+                  f"{files}/link-{name}", f"{files}/up/{name}", f"{files}/./up/../../{name}"]
+    return paths + [f"{data}/*", f"{data}/**", f"{files}/*", f"{files}/**", f"{files}/../*", f"{data}/[at]*",
+                    f"{data}/?oken", f"{files}/up/*", f"{files}/*/*"]
+
+
+def probe_all(run, data: Path, leaked: list[str]) -> list[str]:
+    """Every file function on every attack path (the readers also in a list, and read_text inside
+    query()), two at a time as the collector runs them; the calls whose answer held a piece of a secret."""
+    calls = []
+    for function in file_functions(run):
+        for path in attacks(data):
+            quoted = path.replace("'", "''")
+            calls.append(f"SELECT * FROM {function}('{quoted}')")
+            if function in ("read_text", "read_blob", "glob"):
+                calls.append(f"SELECT * FROM {function}(['{quoted}'])")
+            if function == "read_text":
+                twice = quoted.replace("'", "''")
+                calls.append(f"SELECT * FROM query('SELECT * FROM read_text(''{twice}'')')")
+    pieces = fragments(leaked)
+    with ThreadPoolExecutor(2) as pool:
+        answers = pool.map(lambda sql: json.dumps(run(sql, refused_ok=True)), calls)
+        return [sql for sql, text in zip(calls, answers) if any(p in text for p in pieces)]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """An HTTP client with the token, on one collector for the module whose data directory holds the
+    secrets (`plant`); `api.secrets` lists them."""
+    data = tmp_path_factory.mktemp("abuse")
+    planted = plant(data)
+    with open(data.parent / "abuse-collector.log", "w") as log:
+        collector = Collector(data / "rankwatch.duckdb", free_port(), planted[0], log=log).start()
+        try:
+            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+                http.collector, http.secrets = collector, planted
+                yield http
+        finally:
+            collector.stop()
+
+
+def ask(api: httpx.Client, sql: str, **fields) -> httpx.Response:
+    return api.post("/api/v1/query", json={"sql": sql, **fields})
+
+
+def one_line_400(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error and "\n" not in error
+    return error
+
+
+# 1. Secrets readable through SQL
+
+def test_the_api_reads_no_secret(api):
+    data = api.collector.db.parent
+
+    def run(sql: str, refused_ok: bool = False):
+        response = ask(api, sql)
+        assert response.status_code in ((200, 400) if refused_ok else (200,)), (sql, response.text[:300])
+        return response.json()
+
+    assert run(f"SELECT a + b FROM read_csv('{readonly.files_dir(data)}/extra.csv')")["rows"] == [[3]]
+    assert probe_all(run, data, api.secrets) == []
+
+
+def test_the_dashboards_file_source_reads_no_secret(tmp_path):
+    planted = plant(tmp_path)
+    con = duckdb.connect(str(tmp_path / "rankwatch.duckdb"))
+    con.execute(DDL)
+    con.close()
+    source = FileSource(tmp_path / "rankwatch.duckdb")
+
+    def run(sql: str, refused_ok: bool = False):
+        try:
+            return source.query(sql)
+        except QueryFailed as e:
+            if not refused_ok:
+                raise
+            return {"error": str(e)}
+
+    assert run(f"SELECT a + b FROM read_csv('{readonly.files_dir(tmp_path)}/extra.csv')")["rows"] == [[3]]
+    assert probe_all(run, tmp_path, planted) == []
+
+
+def test_secrets_are_outside_the_directory_queries_read(tmp_path):
+    """Where the token and the receivers file live by default is not where SQL may read."""
+    from collector.alerts.config import default_path
+
+    db = tmp_path / "rankwatch.duckdb"
+    files = readonly.files_dir(db.parent).resolve()
+    for secret in (db.parent / "token", default_path(db)):
+        assert not secret.resolve().is_relative_to(files)
+
+
+# 7. timeout_s must not lift the time limit
+
+@pytest.mark.parametrize("raw", [b"0", b"-1", b"NaN", b"Infinity", b"-Infinity", b'"5"', b"true", b"[1]", b"{}"])
+def test_a_bad_timeout_is_refused(api, raw):
+    response = api.post("/api/v1/query", content=b'{"sql": "SELECT 1", "timeout_s": ' + raw + b"}")
+    assert "timeout_s" in one_line_400(response)
+
+
+@pytest.mark.parametrize("timeout_s, limit", [(1e-9, 1e-9), (0.2, 0.2), (1e308, readonly.TIMEOUT_S)])
+def test_a_long_query_stops_at_the_limit_whatever_timeout_s_says(api, timeout_s, limit):
+    started = time.monotonic()
+    response = ask(api, SLOW, timeout_s=timeout_s)
+    assert response.status_code == 408, response.text
+    assert response.json() == {"error": f"the query ran past {limit:g} s and was interrupted"}
+    assert time.monotonic() - started < readonly.TIMEOUT_S + 15  # the cross join alone runs for minutes
+    assert ask(api, "SELECT 42").json()["rows"] == [[42]]
+
+
+def test_an_interrupt_before_the_query_starts_is_not_lost(tmp_path):
+    """A limit that passes before DuckDB starts the query (a tiny timeout_s, or a thread preempted on a
+    loaded machine) interrupts it all the same."""
+    con = duckdb.connect()
+    readonly.lock_down(con, tmp_path)
+
+    def outcome(timeout_s: float) -> str:
+        try:
+            readonly.run(con, SLOW, timeout_s=timeout_s)
+        except readonly.QueryTimeout:
+            return "interrupted"
+        return "finished"
+
+    for timeout_s in (1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3) * 3:
+        outcomes: list[str] = []
+        worker = threading.Thread(target=lambda: outcomes.append(outcome(timeout_s)), daemon=True)
+        worker.start()
+        worker.join(timeout=20)
+        assert outcomes == ["interrupted"], f"timeout_s={timeout_s:g}: still running after 20 s"
+
+
+# 8. Results capped in bytes, without stalling ingest
+
+def test_results_are_capped_in_bytes(api):
+    response = ask(api, WIDE)
+    answer = response.json()
+    assert response.status_code == 200 and answer["truncated"] is True
+    assert 0 < len(answer["rows"]) < 100_000
+    assert all(row == ["x" * 1000] for row in answer["rows"])
+    assert len(response.content) <= readonly.BYTE_CAP + 1024
+    assert len(response.content) > readonly.BYTE_CAP * 0.9  # cut at the cap, not far below it
+
+
+def test_a_result_is_fetched_a_chunk_at_a_time(tmp_path):
+    """The query thread never holds much more than the cap, however large the whole result."""
+    con = duckdb.connect()
+    readonly.lock_down(con, tmp_path)
+    tracemalloc.start()
+    try:
+        answer = readonly.run(con, "SELECT repeat('x', 65536) AS s FROM range(4000)")  # 256 MiB in all
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert answer["truncated"] is True and 0 < len(answer["rows"]) < 4000
+    assert peak < 3 * readonly.BYTE_CAP, f"{peak / 2**20:.0f} MiB at the peak"
+
+
+def test_ingest_goes_on_while_queries_hit_the_byte_cap(api):
+    collector = api.collector
+    answers: list[httpx.Response] = []
+
+    def wide():
+        for _ in range(3):
+            answers.append(ask(api, WIDE))
+
+    worker = threading.Thread(target=wide)
+    worker.start()
+    latencies = []
+    for i in range(20):
+        body = trace_body(step_spans("run-wide", 0, range(i * 10, i * 10 + 10)))
+        sent = time.monotonic()
+        assert post(collector, "traces", body).status_code == 200
+        assert httpx.get(f"{collector.url}/healthz", timeout=30).status_code == 200
+        latencies.append(time.monotonic() - sent)
+    worker.join()
+    assert [r.status_code for r in answers] == [200] * 3 and all(r.json()["truncated"] for r in answers)
+    assert max(latencies) < 5.0, latencies  # 500 MB uncapped held both for 5 s
+    assert ask(api, "SELECT count(*) FROM steps WHERE run_id = 'run-wide'").json()["rows"] == [[200]]
+
+
+# Every field of the request
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"sql": "SELECT ?", "params": [' + nested(500) + b"]}", "params"),
+    (b'{"sql": "SELECT ?", "params": ' + nested(100_000) + b"}", ""),
+    (b'{"sql": "SELECT ?", "params": [[[[[[1]]]]]]}', "params"),
+    (b'{"sql": "SELECT ?", "params": [{"a": 1}]}', "params"),
+    (b'{"sql": "SELECT $a", "params": {"a": {"b": 1}}}', "params"),
+    (b'{"sql": "SELECT 1", "params": "x"}', "params"),
+    (b'{"params": []}', "sql"),
+    (b'{"sql": null}', "sql"),
+    (b'{"sql": ["SELECT 1"]}', "sql"),
+    (b'{"sql": "SELECT 1", "max_rows": -1}', "max_rows"),
+    (b'{"sql": "SELECT 1", "max_rows": 1.5}', "max_rows"),
+    (b'{"sql": "SELECT 1", "max_rows": "10"}', "max_rows"),
+    (b'{"sql": "SELECT 1", "max_rows": true}', "max_rows"),
+    (b'{"sql": "SELECT 1", "timeout": 5}', "timeout"),
+    (b'\xff\xfe not utf-8', ""),
+    (b"[]", ""),
+])
+def test_a_bad_request_is_one_line_400(api, body, field):
+    started = time.monotonic()
+    response = api.post("/api/v1/query", content=body)
+    assert field in one_line_400(response)
+    assert time.monotonic() - started < 10
+
+
+def test_limits_are_clamped_not_refused(api):
+    answer = ask(api, "SELECT * FROM range(3)", max_rows=10**30, timeout_s=10**30, params=None).json()
+    assert answer["rows"] == [[0], [1], [2]] and answer["truncated"] is False
+    assert ask(api, "SELECT ?::INTEGER[][]", params=[[[1, 2], [3]]]).json()["rows"] == [[[[1, 2], [3]]]]
+
+
+def test_an_oversized_request_is_413(api):
+    response = ask(api, "SELECT '" + "x" * (2 * 2**20) + "'")
+    assert response.status_code == 413 and "\n" not in response.json()["error"]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.fixed_dictionaries({}, optional={"sql": JSON | st.just("SELECT ?"), "params": JSON,
+                                                  "timeout_s": JSON, "max_rows": JSON}))
+def test_any_json_request_is_answered_in_time(api, fields):
+    started = time.monotonic()
+    response = api.post("/api/v1/query", content=json.dumps(fields).encode())
+    assert response.status_code in (200, 400, 408), response.text[:300]
+    if response.status_code != 200:
+        assert "\n" not in response.json()["error"]
+    assert time.monotonic() - started < readonly.TIMEOUT_S + 15
