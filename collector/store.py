@@ -120,6 +120,7 @@ class _Writer:
         cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
         columns = [d[0] for d in cursor.description]
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
+        readonly.files_dir(path.parent).mkdir(exist_ok=True)  # where a user puts files for SQL to read
         readonly.lock_down(self._con, path.parent)
         self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
         self._delivery = Delivery(self._con, analysis.alerts)  # posts alert notifications from the outbox
