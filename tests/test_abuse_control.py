@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agent.commands import Commands
@@ -153,7 +153,7 @@ def test_non_finite_numbers_in_a_result_are_refused(client):
     command = create(client).json()
     response = client.post(f"/v1/commands/{command['id']}", content=b'{"state": "failed", "result": {"x": 1e999}}')
     assert "finite" in refused(response)
-    assert client.get(f"/v1/commands", params={"run_id": RUN}).status_code == 200
+    assert client.get("/v1/commands", params={"run_id": RUN}).status_code == 200
 
 
 @pytest.mark.parametrize("field", ["args", "result"])
@@ -174,7 +174,7 @@ def test_a_bad_apply_step_is_refused(client, apply_step):
     command = create(client).json()
     body = json.dumps({"state": "acked", "apply_step": apply_step}).encode()
     assert "apply_step" in refused(client.post(f"/v1/commands/{command['id']}", content=body))
-    assert client.get(f"/v1/commands", params={"run_id": RUN, "state": "pending"}).status_code == 200
+    assert client.get("/v1/commands", params={"run_id": RUN, "state": "pending"}).status_code == 200
 
 
 @pytest.mark.parametrize("fields, why", [
@@ -283,20 +283,44 @@ raw_bodies = st.one_of(
     st.builds(lambda n, o, c: (o * n + c * n).encode(), st.integers(0, 5000), st.sampled_from(["[", '{"a":']),
               st.sampled_from(["]", "}"])),
     st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b'{"args": {"watts": NaN}}', b"1e999", b"[1e999]",
-                     b'{"run_id": "r", "kind": "rollback", "args": {"before_step": -Infinity}}', b"", b"\xff\xfe"]))
-bodies = st.one_of(raw_bodies, fields.map(lambda f: json.dumps(f).encode()),
-                   json_values.map(lambda v: json.dumps(v).encode()))
+                     b'{"run_id": "r", "kind": "rollback", "args": {"before_step": -Infinity}}', b"", b"\xff\xfe",
+                     b'{"run_id": "\\ud800", "kind": "rollback", "args": {"before_step": 1}}',
+                     b'{"state": "\\udfff"}']))
+creates = st.sampled_from([  # bodies the API takes: as they are, or with one field swapped for anything
+    {"run_id": RUN, "kind": "rollback",
+     "args": {"before_step": 5, "skip_batches": 2, "lr_scale": 0.5, "anomaly": "nan"}},
+    {"run_id": RUN, "kind": "power_cap", "args": {"caps": {"0": 300.0, "3": 250}, "watts": 400}}])
+updates = st.sampled_from([{"state": "acked", "apply_step": 3},
+                           {"state": "failed", "result": {"why": "no checkpoint"}}])
+
+
+def swapped(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """`valid` bodies, or those with one field, at the top or in args, swapped for any JSON value; as bytes."""
+    return st.one_of(
+        valid, st.builds(lambda body, name, value: body | {name: value}, valid, field_names, json_values),
+        st.builds(lambda body, name, value: body | {"args": body.get("args", {}) | {name: value}},
+                  valid, field_names, json_values)).map(lambda body: json.dumps(body).encode())
+
+
+bodies = st.one_of(raw_bodies, fields.map(lambda value: json.dumps(value).encode()),
+                   json_values.map(lambda value: json.dumps(value).encode()))
+ids = st.integers(1, 30).map(lambda i: f"/v1/commands/{i}")  # commands that exist, most of them
+paths = st.one_of(st.just("/v1/commands"), ids, st.integers(-5, 2**70).map(lambda i: f"/v1/commands/{i}"),
+                  st.text("0123456789x-", min_size=1, max_size=30).map(lambda i: f"/v1/commands/{i}"))
+requests = st.one_of(st.tuples(paths, bodies), st.tuples(st.just("/v1/commands"), swapped(creates)),
+                     st.tuples(ids, swapped(updates)))
 VALID = ("Bearer test-token", "bearer test-token")
 headers = st.sampled_from([*VALID, *VALID, "Bearer wrong", "Bearer", "Bearer test-token-2", "Basic dGVzdA==", None])
-paths = st.one_of(st.just("/v1/commands"), st.integers(-5, 2**70).map(lambda i: f"/v1/commands/{i}"),
-                  st.text("0123456789x-", min_size=1, max_size=30).map(lambda i: f"/v1/commands/{i}"))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(path=paths, body=bodies, header=headers)
-def test_fuzzed_posts_are_never_a_server_error(anonymous, path, body, header):
-    response = anonymous.post(path, content=body, headers=authorization(header) | {"Content-Type": "application/json"})
+@given(request=requests, header=headers)
+def test_fuzzed_posts_are_never_a_server_error(anonymous, request, header):
+    path, body = request
+    response = anonymous.post(path, content=body,
+                              headers=authorization(header) | {"Content-Type": "application/json"})
+    event(f"HTTP {response.status_code}")  # --hypothesis-show-statistics: how many got past the checks
     if header not in VALID:
         assert response.status_code == 401, response.text
     else:
