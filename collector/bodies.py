@@ -64,24 +64,32 @@ def parse_json(body: bytes, max_depth: int):
 
 
 def _check(value, max_depth: int) -> None:
-    """Refused(400) for the first part of `value` the store could not keep or send back; walked
-    without recursion, each part with the way to it (a linked list of keys, spelled out on refusal)."""
-    stack = [(value, 0, None)]
+    """Refused(400) for the first part of `value` the store could not keep or send back. Walked
+    without recursion, containers alone on the stack, each with the way to it (a linked list of
+    keys, spelled out only on refusal)."""
+    _scalar(value, None)
+    stack = [(value, 1, None)] if isinstance(value, (dict, list)) else []
     while stack:
-        item, depth, where = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth >= max_depth:
-                raise Refused(400, f"{_spelled(where)} is nested deeper than {max_depth}")
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            stack.extend((child, depth + 1, (where, key)) for key, child in pairs)
-            if isinstance(item, dict):
-                stack.extend((key, depth + 1, (where, key)) for key in item)
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise Refused(400, f"{_spelled(where)}: numbers must be finite, not {item}")
-        elif isinstance(item, int) and not -_INT64 <= item < _INT64:
-            raise Refused(400, f"{_spelled(where)}: integers must fit in 64 bits")
-        elif isinstance(item, str) and not _utf8(item):
-            raise Refused(400, f"{_spelled(where)}: text must be valid UTF-8 (no lone surrogates such as \\ud800)")
+        container, depth, where = stack.pop()
+        if depth > max_depth:
+            raise Refused(400, f"{_spelled(where)} is nested deeper than {max_depth}")
+        pairs = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, child in pairs:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1, (where, key)))
+            elif not isinstance(child, (bool, type(None))):
+                _scalar(child, (where, key))
+            if isinstance(key, str):
+                _scalar(key, (where, key))
+
+
+def _scalar(item, where) -> None:
+    if isinstance(item, float) and not math.isfinite(item):
+        raise Refused(400, f"{_spelled(where)}: numbers must be finite, not {item}")
+    if isinstance(item, int) and not -_INT64 <= item < _INT64:
+        raise Refused(400, f"{_spelled(where)}: integers must fit in 64 bits")
+    if isinstance(item, str) and not _utf8(item):
+        raise Refused(400, f"{_spelled(where)}: text must be valid UTF-8 (no lone surrogates such as \\ud800)")
 
 
 def _utf8(text: str) -> bool:

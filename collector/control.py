@@ -23,7 +23,9 @@ from collector.auth import authorized
 from collector.commands import CommandError
 from collector.store import Store
 
-MAX_BODY = 2**20  # bytes: a command or a job's report is a few hundred; per-rank power caps ~16 a rank
+# Bytes of a body: a command or a job's report is a few hundred, per-rank power caps ~16 a rank (16,000
+# ranks fit); the strict parse of the most a body this size can hold takes ~50 ms of the event loop.
+MAX_BODY = 256 * 2**10
 MAX_DEPTH = 16  # nesting of a body: commands use 3 levels (body, args, caps)
 _MAX_ID = 2**63  # command ids are BIGINTs
 
