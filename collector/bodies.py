@@ -35,7 +35,7 @@ async def read(request: Request, cap: int) -> bytes:
     read on, and dropped, so that a client still sending gets the answer."""
     too_large = Refused(413, f"body larger than {cap} bytes")
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > _DRAIN * cap:
+    if length.isascii() and length.isdigit() and int(length) > _DRAIN * cap:
         raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -84,6 +84,7 @@ def _check(value, max_depth: int) -> None:
 
 
 def _scalar(item, where) -> None:
+    """Refused(400) for a number that is not finite, an integer outside 64 bits, or text with a lone surrogate."""
     if isinstance(item, float) and not math.isfinite(item):
         raise Refused(400, f"{_spelled(where)}: numbers must be finite, not {item}")
     if isinstance(item, int) and not -_INT64 <= item < _INT64:
