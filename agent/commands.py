@@ -83,11 +83,17 @@ class Commands:
 
     def _poll(self, every_s: float) -> None:
         query = urllib.parse.urlencode({"run_id": self._run_id, "state": "pending"})
+        logged: set[str] = set()  # the kinds of failure logged: each once, not once a poll
         while not self._stop.wait(every_s):
             try:
                 pending = self._request("GET", f"/v1/commands?{query}")
-            except (OSError, ValueError):
-                continue  # the collector is away: the command waits there
+            except (OSError, ValueError) as e:  # the command waits there until a poll gets it
+                kind, detail = _failure(e)
+                if kind not in logged:
+                    logged.add(kind)
+                    log.warning("rankwatch: polling %s for commands failed (%s); retrying every %g s, "
+                                "not logging this failure again", self._base, detail, every_s)
+                continue
             with self._lock:
                 for command in pending:
                     if command["id"] not in self._seen:
@@ -100,3 +106,15 @@ class Commands:
                                          headers={**self._headers, "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
+
+
+def _failure(error: Exception) -> tuple[str, str]:
+    """A failed poll's kind (an HTTP status, or the exception's type) and what to log of it."""
+    if isinstance(error, urllib.error.HTTPError):
+        try:
+            reason = json.loads(error.read())["error"]
+        except (OSError, ValueError, KeyError, TypeError):
+            reason = error.reason
+        return f"HTTP {error.code}", f"HTTP {error.code}: {reason}"
+    cause = error.reason if isinstance(error, urllib.error.URLError) else error
+    return type(cause).__name__, f"{type(cause).__name__}: {cause}"

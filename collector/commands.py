@@ -9,6 +9,7 @@ the one process with the store open for writing.
 """
 
 import json
+import math
 from dataclasses import dataclass
 
 import duckdb
@@ -17,6 +18,11 @@ from collector.analyzers import anomalies
 
 KINDS = ("rollback", "power_cap")
 STATES = ("pending", "acked", "applied", "failed", "cancelled")
+MAX_STEP = 2**40  # steps are in [0, MAX_STEP), the range ingest takes them in
+MAX_RANK = 2**24  # ranks are in [0, MAX_RANK), likewise
+MAX_WATTS = 10_000.0  # a cap above any GPU's range (the job clamps it to its GPU's anyway)
+MAX_LR_SCALE = 1_000.0
+MAX_TEXT = 256  # characters of a run id or an anomaly's name
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
 
@@ -36,11 +42,12 @@ class CommandError(ValueError):
 
 def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, created_by: str,
            finding_id: int | None = None) -> dict:
-    """A new pending command; for a finding that already has one, that one (one anomaly, one rollback)."""
+    """A new pending command; for a finding that already has one, that one (one anomaly, one rollback).
+    CommandError, with one line, for a run id, kind or args the job could not act on."""
+    _check_run_id(run_id)
     if kind not in KINDS:
-        raise CommandError(f"unknown command kind {kind!r}; kinds: {', '.join(KINDS)}")
-    if kind == "power_cap":
-        args = power_cap_args(args)
+        raise CommandError(f"unknown command kind {_shown(kind)}; kinds: {', '.join(KINDS)}")
+    args = (power_cap_args if kind == "power_cap" else rollback_args)(args)
     if finding_id is not None:
         existing = _select(con, "WHERE finding_id = ? AND kind = ?", [finding_id, kind])
         if existing:
@@ -51,20 +58,72 @@ def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, c
     return get(con, command_id)
 
 
+def rollback_args(args) -> dict:
+    """A rollback's args as the job reads them: `before_step` (the newest checkpoint at or before it
+    is restored; below 0 when the anomaly came within the margin of the start), and optionally
+    `skip_batches`, `lr_scale` and `anomaly` (what was seen); CommandError for anything else."""
+    if not isinstance(args, dict) or "before_step" not in args:
+        raise CommandError("a rollback takes args {before_step, skip_batches?, lr_scale?, anomaly?}")
+    if unknown := sorted(set(args) - {"before_step", "skip_batches", "lr_scale", "anomaly"}):
+        raise CommandError(f"a rollback takes no {_shown(unknown[0])}; args: before_step, skip_batches?, "
+                           "lr_scale?, anomaly?")
+    _integer(args["before_step"], "before_step", -MAX_STEP, MAX_STEP)
+    _integer(args.get("skip_batches", 0), "skip_batches", 0, MAX_STEP)
+    _number(args.get("lr_scale", 1.0), "lr_scale", MAX_LR_SCALE)
+    if not isinstance(args.get("anomaly", ""), str) or len(args.get("anomaly", "")) > MAX_TEXT:
+        raise CommandError(f"anomaly must be a string of at most {MAX_TEXT} characters")
+    return args
+
+
 def power_cap_args(args) -> dict:
     """A power cap's args as the job reads them: `caps` {rank: W} (rank as a string, as JSON has
     it) and `watts` for every other rank, either or both; CommandError for anything else."""
-    usage = "a power_cap takes caps {rank: watts} and/or watts (every other rank), ranks >= 0, watts positive"
+    usage = (f"a power_cap takes caps {{rank: watts}} and/or watts (every other rank), ranks in [0, {MAX_RANK}), "
+             f"watts positive, at most {MAX_WATTS:g}")
     if not isinstance(args, dict) or set(args) - {"caps", "watts"} or not isinstance(args.get("caps", {}), dict):
         raise CommandError(usage)
+    caps, watts = args.get("caps", {}), args.get("watts")
     try:
-        caps = {str(int(rank)): float(w) for rank, w in args.get("caps", {}).items()}
-        watts = [float(args["watts"])] if args.get("watts") is not None else []
-    except (TypeError, ValueError):
+        caps = {_rank(rank): _number(w, "watts", MAX_WATTS) for rank, w in caps.items()}
+        watts = None if watts is None else _number(watts, "watts", MAX_WATTS)
+    except CommandError:
         raise CommandError(usage) from None
-    if not (caps or watts) or any(int(r) < 0 for r in caps) or not all(w > 0 for w in [*caps.values(), *watts]):
+    if not caps and watts is None:
         raise CommandError(usage)
-    return {"caps": caps} | ({"watts": watts[0]} if watts else {})
+    return {"caps": caps} | ({"watts": watts} if watts is not None else {})
+
+
+def _check_run_id(run_id) -> None:
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_TEXT:
+        raise CommandError(f"run_id must be a string of 1 to {MAX_TEXT} characters")
+
+
+def _rank(key) -> str:
+    """A caps key as the job looks it up: a rank in [0, MAX_RANK) in decimal digits, without leading zeros."""
+    text = str(key)
+    if not (text.isascii() and text.isdigit() and len(text) <= 8 and int(text) < MAX_RANK):
+        raise CommandError(f"rank {_shown(key)} is not in [0, {MAX_RANK})")
+    return str(int(text))
+
+
+def _integer(value, name: str, low: int, high: int) -> int:
+    """`value` when it is an integer in [low, high); CommandError otherwise (a bool is no integer)."""
+    if type(value) is not int or not low <= value < high:
+        raise CommandError(f"{name} must be an integer in [{low}, {high}), not {_shown(value)}")
+    return value
+
+
+def _number(value, name: str, high: float) -> float:
+    """`value` as a float when it is a number in (0, high]; CommandError otherwise (NaN fails the comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise CommandError(f"{name} must be a number in (0, {high:g}], not {_shown(value)}")
+    return float(value)
+
+
+def _shown(value) -> str:
+    """A value for an error message: its repr, cut short (one line, whatever was sent)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def get(con: duckdb.DuckDBPyConnection, command_id: int) -> dict:
@@ -76,17 +135,23 @@ def get(con: duckdb.DuckDBPyConnection, command_id: int) -> dict:
 
 def listing(con: duckdb.DuckDBPyConnection, run_id: str, state: str | None = None) -> list[dict]:
     """A run's commands, oldest first; only those in `state` when given."""
+    _check_run_id(run_id)
     if state is not None and state not in STATES:
-        raise CommandError(f"unknown state {state!r}; states: {', '.join(STATES)}")
+        raise CommandError(f"unknown state {_shown(state)}; states: {', '.join(STATES)}")
     return _select(con, "WHERE run_id = ?" + (" AND state = ?" if state else "") + " ORDER BY id",
                    [run_id, state] if state else [run_id])
 
 
 def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_step: int | None = None,
            result: dict | None = None) -> dict:
-    """Move a command on; a command that is applied, failed or cancelled stays so."""
+    """Move a command on (`apply_step`: the step the job applies it at; `result`: what happened);
+    a command that is applied, failed or cancelled stays so."""
     if state not in STATES:
-        raise CommandError(f"unknown state {state!r}; states: {', '.join(STATES)}")
+        raise CommandError(f"unknown state {_shown(state)}; states: {', '.join(STATES)}")
+    if apply_step is not None:
+        _integer(apply_step, "apply_step", 0, MAX_STEP)
+    if result is not None and not isinstance(result, dict):
+        raise CommandError(f"result must be a JSON object, not {_shown(result)}")
     current = get(con, command_id)
     if current["state"] in ("applied", "failed", "cancelled") and current["state"] != state:
         raise CommandError(f"command {command_id} is already {current['state']}")
@@ -131,11 +196,30 @@ def _select(con: duckdb.DuckDBPyConnection, where: str, params: list) -> list[di
     for row in cursor.fetchall():
         command = dict(zip(names, row))
         for column in ("args", "result"):
-            command[column] = json.loads(command[column]) if command[column] else None
+            command[column] = _stored(command[column])
         for column in ("created_at", "updated_at"):
             command[column] = command[column].isoformat()
         rows.append(command)
     return rows
+
+
+def _stored(text: str | None):
+    """A stored JSON value as an answer can carry it, whatever was stored before requests were
+    checked: a number that is not finite reads as null (as NaN attributes are stored), and a value
+    JSON cannot carry at all as None, so that one such row never breaks the answers for its run."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text, parse_constant=lambda _: None, parse_float=_finite_or_none)
+        json.dumps(value, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return value
+
+
+def _finite_or_none(text: str) -> float | None:
+    number = float(text)
+    return number if math.isfinite(number) else None
 
 
 # What the control API may ask of the writer process, by name.

@@ -5,67 +5,82 @@
   POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress
 
 Bodies and answers are JSON; a refused request gets {"error": "..."} with 400,
-401 or 404. The store's writer process, the one with the file open for writing,
-carries the operations out (collector/commands.py).
+401, 404 or 413. The token is checked before anything of the body is read; a
+body is read up to MAX_BODY and parsed strictly (collector/bodies.py); what
+each field may hold is checked by the store's writer process, the one with the
+file open for writing, which carries the operations out (collector/commands.py).
 """
 
 import asyncio
-import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from collector import bodies
 from collector.auth import authorized
 from collector.commands import CommandError
 from collector.store import Store
+
+# Bytes of a body: a command or a job's report is a few hundred, per-rank power caps ~16 a rank (16,000
+# ranks fit); the strict parse of the most a body this size can hold takes ~50 ms of the event loop.
+MAX_BODY = 256 * 2**10
+MAX_DEPTH = 16  # nesting of a body: commands use 3 levels (body, args, caps)
+_MAX_ID = 2**63  # command ids are BIGINTs
+
+# A request's operation: the writer's operation name, the success status, and its arguments.
+Operation = tuple[str, int, dict]
 
 
 def routes(store: Callable[[], Store], token: str) -> list[Route]:
     """The control API's routes; `store` gives the open store (it opens after the routes exist)."""
 
-    async def call(request: Request, operation: str, status: int = 200, **kwargs) -> JSONResponse:
-        if not authorized(request.headers.get("authorization"), token):
-            return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
-        try:
-            return JSONResponse(await asyncio.wrap_future(store().call(operation, **kwargs)), status)
-        except CommandError as e:
-            return JSONResponse({"error": str(e)}, 400)
-        except LookupError as e:
-            return JSONResponse({"error": str(e).strip("'")}, 404)
+    def guarded(operation: Callable[[Request], Awaitable[Operation]]) -> Callable:
+        """An endpoint that checks the token, before anything else, then runs `operation`'s call."""
 
-    async def body(request: Request, required: tuple[str, ...]) -> dict:
-        try:
-            fields = json.loads(await request.body())
-        except ValueError:
-            raise CommandError("the body is not JSON") from None
-        if not isinstance(fields, dict) or any(k not in fields for k in required):
-            raise CommandError(f"the body must be a JSON object with {', '.join(required)}")
-        return fields
+        async def endpoint(request: Request) -> JSONResponse:
+            if not authorized(request.headers.get("authorization"), token):
+                return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+            try:
+                name, status, kwargs = await operation(request)
+                return JSONResponse(await asyncio.wrap_future(store().call(name, **kwargs)), status)
+            except bodies.Refused as e:
+                return JSONResponse({"error": str(e)}, e.status)
+            except CommandError as e:
+                return JSONResponse({"error": str(e)}, 400)
+            except LookupError as e:
+                return JSONResponse({"error": str(e).strip("'")}, 404)
 
-    async def listing(request: Request) -> JSONResponse:
+        return endpoint
+
+    async def listing(request: Request) -> Operation:
         run_id = request.query_params.get("run_id")
         if not run_id:
-            return JSONResponse({"error": "run_id is required"}, 400)
-        return await call(request, "listing", run_id=run_id, state=request.query_params.get("state"))
+            raise CommandError("run_id is required")
+        return "listing", 200, {"run_id": run_id, "state": request.query_params.get("state")}
 
-    async def create(request: Request) -> JSONResponse:
-        try:
-            fields = await body(request, ("run_id", "kind"))
-        except CommandError as e:
-            return JSONResponse({"error": str(e)}, 400)
-        return await call(request, "create", 201, run_id=str(fields["run_id"]), kind=str(fields["kind"]),
-                          args=fields.get("args") or {}, created_by="api")
+    async def create(request: Request) -> Operation:
+        fields = await body(request, ("run_id", "kind"), ("args",))
+        return "create", 201, {"args": {}} | fields | {"created_by": "api"}
 
-    async def update(request: Request) -> JSONResponse:
-        try:
-            fields = await body(request, ("state",))
-            command_id = int(request.path_params["id"])
-        except (CommandError, ValueError) as e:
-            return JSONResponse({"error": str(e)}, 400)
-        return await call(request, "update", command_id=command_id, state=str(fields["state"]),
-                          apply_step=fields.get("apply_step"), result=fields.get("result"))
+    async def update(request: Request) -> Operation:
+        command_id = request.path_params["id"]
+        if not (command_id.isascii() and command_id.isdigit() and int(command_id) < _MAX_ID):
+            raise CommandError(f"command ids are integers in [0, 2^63), not {command_id[:30]!r}")
+        fields = await body(request, ("state",), ("apply_step", "result"))
+        return "update", 200, {"command_id": int(command_id)} | fields
 
-    return [Route("/v1/commands", listing, methods=["GET"]), Route("/v1/commands", create, methods=["POST"]),
-            Route("/v1/commands/{id}", update, methods=["POST"])]
+    return [Route("/v1/commands", guarded(listing), methods=["GET"]),
+            Route("/v1/commands", guarded(create), methods=["POST"]),
+            Route("/v1/commands/{id}", guarded(update), methods=["POST"])]
+
+
+async def body(request: Request, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+    """The body's fields: a JSON object with every `required` field and no field but those and `optional`."""
+    fields = bodies.parse_json(await bodies.read(request, MAX_BODY), MAX_DEPTH)
+    if not isinstance(fields, dict) or any(k not in fields for k in required):
+        raise CommandError(f"the body must be a JSON object with {', '.join(required)}")
+    if unknown := sorted(set(fields) - {*required, *optional}):
+        raise CommandError(f"unknown field {unknown[0][:30]!r}; fields: {', '.join(required + optional)}")
+    return fields

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from collector import control, otlp, queryapi
+from collector import bodies, control, otlp, queryapi
 from collector.alerts.config import AlertConfig
 from collector.analysis import Analysis
 from collector.analyzers import hangs
@@ -35,7 +35,6 @@ from collector.store import Overloaded, Store, connect
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2
-_DRAIN_LIMIT = 4 * otlp.MAX_BODY  # read past an oversized body this far so the client sees the 413
 
 
 @dataclass
@@ -56,19 +55,10 @@ class Config:
 
 
 async def _read_body(request: Request) -> bytes:
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > _DRAIN_LIMIT:
-        raise otlp.OtlpError(413, f"body larger than {otlp.MAX_BODY} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= otlp.MAX_BODY:
-            chunks.append(chunk)
-        elif size > _DRAIN_LIMIT:
-            break
-    if size > otlp.MAX_BODY:
-        raise otlp.OtlpError(413, f"body larger than {otlp.MAX_BODY} bytes")
-    return b"".join(chunks)
+    try:
+        return await bodies.read(request, otlp.MAX_BODY)
+    except bodies.Refused as e:
+        raise otlp.OtlpError(e.status, str(e)) from None
 
 
 def create_app(config: Config) -> Starlette:

@@ -1,0 +1,344 @@
+"""The control API under hostile or broken requests, on a real collector on loopback.
+
+Covered: the token is checked before the body is read (a wrong token gets 401
+even while the body is still on its way, and a huge unauthenticated body costs
+the server no memory); bodies are capped (413, read as a stream); non-finite
+numbers, deep nesting, out-of-range or mistyped fields get 400 with one line;
+a stored row that cannot be sent as JSON does not break polling for its run;
+the agent logs a poll that fails, once per kind of failure. Then hypothesis
+posts random bodies and tokens: never a 5xx, never a hang, and a valid
+command still goes round (create, poll, ack) afterwards.
+"""
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from agent.commands import Commands
+from collector.control import MAX_BODY, MAX_DEPTH
+from tests.conftest import Collector, free_port, wait_until
+
+RUN = "run-abuse-control"
+ANSWER_S = 10  # every request is answered within this, on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    """One collector for the module: the fuzzing posts many requests, a fresh one each would be slow."""
+    directory = tmp_path_factory.mktemp("control")
+    with open(directory / "collector.log", "w") as log:
+        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        yield c
+        if c.process.poll() is None:
+            c.stop()
+
+
+@pytest.fixture
+def client(collector):
+    with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=ANSWER_S) as http:
+        yield http
+
+
+@pytest.fixture
+def anonymous(collector):
+    """A client that sends only the headers each request names."""
+    with httpx.Client(base_url=collector.url, timeout=ANSWER_S) as http:
+        yield http
+
+
+def authorization(header: str | None) -> dict[str, str]:
+    return {"Authorization": header} if header is not None else {}
+
+
+def peak_rss(pid: int) -> int:
+    """The most resident memory the process has held."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def chunks(total: int, size: int = 1 << 20):
+    """`total` bytes of a JSON-looking body, generated as it is sent (the client holds one chunk)."""
+    chunk = b"[" * size
+    for _ in range(total // size):
+        yield chunk
+
+
+def create(client, **fields) -> httpx.Response:
+    """POST a command: a rollback unless `fields` say otherwise (sent as ASCII JSON, lone surrogates escaped)."""
+    body = {"run_id": RUN, "kind": "rollback", "args": {"before_step": 5}} | fields
+    return client.post("/v1/commands", content=json.dumps(body).encode())
+
+
+def round_trip(client) -> None:
+    """A valid command goes round: created, polled as pending, acked, applied."""
+    created = create(client)
+    assert created.status_code == 201, created.text
+    pending = client.get("/v1/commands", params={"run_id": RUN, "state": "pending"})
+    assert pending.status_code == 200, pending.text
+    assert created.json()["id"] in [c["id"] for c in pending.json()]
+    acked = client.post(f"/v1/commands/{created.json()['id']}", json={"state": "acked", "apply_step": 12})
+    assert acked.status_code == 200 and acked.json()["apply_step"] == 12, acked.text
+    applied = client.post(f"/v1/commands/{created.json()['id']}", json={"state": "applied", "result": {"ok": 1}})
+    assert applied.status_code == 200 and applied.json()["result"] == {"ok": 1}, applied.text
+
+
+def refused(response: httpx.Response, status: int = 400) -> str:
+    """The one-line reason of a refusal with `status`."""
+    assert response.status_code == status, (response.status_code, response.text)
+    reason = response.json()["error"]
+    assert reason and "\n" not in reason
+    return reason
+
+
+# --- the token first, the body capped
+
+
+def test_a_wrong_token_is_answered_before_the_body_arrives(collector):
+    """401 while the body is still being sent: nothing of it was read, let alone parsed."""
+    with socket.create_connection(("127.0.0.1", collector.port), timeout=ANSWER_S) as s:
+        s.sendall(b"POST /v1/commands HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{\"run_id\": ")
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic dGVzdA=="}])
+@pytest.mark.parametrize("path", ["/v1/commands", "/v1/commands/1", "/v1/commands/x"])
+def test_a_malformed_body_without_the_token_gets_401(anonymous, headers, path):
+    response = anonymous.post(path, content=b"{not json", headers=headers)
+    assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_a_huge_unauthenticated_body_costs_no_memory(collector, anonymous):
+    before = peak_rss(collector.process.pid)
+    response = anonymous.post("/v1/commands", content=chunks(128 << 20), timeout=60)
+    assert response.status_code == 401
+    assert peak_rss(collector.process.pid) - before < 64 << 20
+
+
+def test_a_huge_body_is_refused_as_too_large_without_being_held(collector, client):
+    before = peak_rss(collector.process.pid)
+    response = client.post("/v1/commands", content=chunks(128 << 20), timeout=60)  # streamed: no Content-Length
+    assert f"{MAX_BODY} bytes" in refused(response, 413)
+    assert peak_rss(collector.process.pid) - before < 64 << 20
+    declared = client.post("/v1/commands", content=b"x" * (5 * MAX_BODY))  # refused on its Content-Length
+    refused(declared, 413)
+    round_trip(client)
+
+
+# --- every field checked
+
+
+@pytest.mark.parametrize("body", [
+    b'{"run_id": "r", "kind": "power_cap", "args": {"watts": 1e999}}',
+    b'{"run_id": "r", "kind": "power_cap", "args": {"watts": Infinity}}',
+    b'{"run_id": "r", "kind": "power_cap", "args": {"caps": {"0": NaN}}}',
+    b'{"run_id": "r", "kind": "rollback", "args": {"before_step": 5, "lr_scale": -Infinity}}',
+])
+def test_non_finite_numbers_are_refused(client, body):
+    assert "finite" in refused(client.post("/v1/commands", content=body))
+
+
+def test_non_finite_numbers_in_a_result_are_refused(client):
+    command = create(client).json()
+    response = client.post(f"/v1/commands/{command['id']}", content=b'{"state": "failed", "result": {"x": 1e999}}')
+    assert "finite" in refused(response)
+    assert client.get("/v1/commands", params={"run_id": RUN}).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["args", "result"])
+def test_deep_nesting_is_refused_promptly(client, field):
+    deep = "[" * 500 + "]" * 500
+    command = create(client).json()
+    if field == "args":
+        response = client.post("/v1/commands", content=f'{{"run_id": "r", "kind": "rollback", "args": {deep}}}')
+    else:
+        response = client.post(f"/v1/commands/{command['id']}", content=f'{{"state": "failed", "result": {deep}}}')
+    assert f"deeper than {MAX_DEPTH}" in refused(response)
+    very_deep = "[" * 30_000 + "]" * 30_000  # deeper than Python's recursion limit, within the size cap
+    assert "deeper" in refused(client.post("/v1/commands", content=very_deep))
+
+
+@pytest.mark.parametrize("apply_step", ["12", 2**70, -1, 2**40, {"step": 1}, [1], 1.5, True, 1e999])
+def test_a_bad_apply_step_is_refused(client, apply_step):
+    command = create(client).json()
+    body = json.dumps({"state": "acked", "apply_step": apply_step}).encode()
+    assert "apply_step" in refused(client.post(f"/v1/commands/{command['id']}", content=body))
+    assert client.get("/v1/commands", params={"run_id": RUN, "state": "pending"}).status_code == 200
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"run_id": 7}, "run_id"),
+    ({"run_id": ""}, "run_id"),
+    ({"run_id": "r" * 1000}, "run_id"),
+    ({"run_id": "\ud800"}, "UTF-8"),
+    ({"kind": ["rollback"]}, "kind"),
+    ({"kind": "reboot"}, "unknown command kind"),
+    ({"args": [1, 2]}, "args"),
+    ({"args": "before_step=5"}, "args"),
+    ({"args": {}}, "before_step"),
+    ({"args": {"before_step": "5"}}, "before_step"),
+    ({"args": {"before_step": 2**70}}, "before_step"),
+    ({"args": {"before_step": 5, "skip_batches": -1}}, "skip_batches"),
+    ({"args": {"before_step": 5, "lr_scale": 0}}, "lr_scale"),
+    ({"args": {"before_step": 5, "reboot": True}}, "reboot"),
+    ({"args": {"before_step": 5, "anomaly": "x" * 1000}}, "anomaly"),
+    ({"kind": "power_cap", "args": {"watts": 2**70}}, "watts"),
+    ({"kind": "power_cap", "args": {"watts": 20_000}}, "power_cap"),
+    ({"kind": "power_cap", "args": {"caps": {"-1": 300}}}, "power_cap"),
+    ({"kind": "power_cap", "args": {"caps": {"x": 300}}}, "power_cap"),
+    ({"kind": "power_cap", "args": {"caps": {"1" * 5000: 300}}}, "power_cap"),
+    ({"kind": "power_cap", "args": {"watts": True}}, "power_cap"),
+])
+def test_a_bad_create_field_is_refused(client, fields, why):
+    assert why in refused(create(client, **fields))
+
+
+@pytest.mark.parametrize("body, why", [
+    ({"state": 3}, "state"),
+    ({"state": "done"}, "unknown state"),
+    ({"state": "failed", "result": [1]}, "result"),
+    ({"state": "failed", "result": "oops"}, "result"),
+    ({"state": "failed", "result": {"why": "\udfff"}}, "UTF-8"),
+    ({"state": "failed", "extra": 1}, "extra"),
+])
+def test_a_bad_update_field_is_refused(client, body, why):
+    command = create(client).json()
+    assert why in refused(client.post(f"/v1/commands/{command['id']}", content=json.dumps(body).encode()))
+
+
+@pytest.mark.parametrize("path", ["/v1/commands/x", "/v1/commands/99999999999999999999999", "/v1/commands/-1"])
+def test_a_bad_command_id_is_refused(client, path):
+    response = client.post(path, json={"state": "acked"})
+    assert response.status_code in (400, 404) and response.json()["error"]
+
+
+@pytest.mark.parametrize("params", [{"run_id": RUN, "state": "done"}, {"run_id": "r" * 1000}, {}])
+def test_a_bad_listing_is_refused(client, params):
+    refused(client.get("/v1/commands", params=params))
+
+
+# --- a bad stored row
+
+
+def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
+    """Rows written before requests were checked (non-finite watts): the run's later commands still
+    reach the job; the bad values read back as null."""
+    with open(tmp_path / "collector.log", "w") as log:
+        first = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        first.stop()
+        with duckdb.connect(str(first.db)) as con:
+            con.execute("INSERT INTO commands (run_id, kind, args, created_by) VALUES (?, 'power_cap', "
+                        "'{\"watts\": Infinity}', 'api'), (?, 'power_cap', '{\"caps\": {\"0\": 1e999}}', 'api')",
+                        [RUN, RUN])
+        again = Collector(first.db, free_port(), "test-token", log=log).start()
+        try:
+            with httpx.Client(base_url=again.url, headers=again.headers, timeout=ANSWER_S) as client:
+                pending = client.get("/v1/commands", params={"run_id": RUN, "state": "pending"})
+                assert pending.status_code == 200, pending.text
+                assert [c["args"] for c in pending.json()] == [{"watts": None}, {"caps": {"0": None}}]
+                round_trip(client)
+        finally:
+            again.stop()
+
+
+# --- the agent's side
+
+
+def test_the_agent_logs_a_failing_poll_once(collector, caplog):
+    caplog.set_level(logging.WARNING, "rankwatch.agent")
+    wrong = Commands(collector.url, "wrong-token", RUN, rank=0, poll_s=0.05, every=1)
+    try:
+        wait_until(lambda: caplog.records, "the failing poll was not logged")
+        time.sleep(1)  # many more polls, failing the same way
+    finally:
+        wrong.close()
+    (record,) = caplog.records
+    assert "401" in record.getMessage() and "bearer token" in record.getMessage()
+
+
+# --- fuzzing
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20))
+json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                           max_leaves=20)
+field_names = st.sampled_from(["run_id", "kind", "args", "state", "apply_step", "result", "caps", "watts",
+                               "before_step", "skip_batches", "lr_scale", "anomaly"])
+fields = st.dictionaries(field_names, st.one_of(json_values, st.sampled_from(
+    ["rollback", "power_cap", "pending", "acked", "applied", "failed", "cancelled", RUN, 2**40, 2**70, -1])),
+    max_size=5)
+raw_bodies = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda n, o, c: (o * n + c * n).encode(), st.integers(0, 5000), st.sampled_from(["[", '{"a":']),
+              st.sampled_from(["]", "}"])),
+    st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b'{"args": {"watts": NaN}}', b"1e999", b"[1e999]",
+                     b'{"run_id": "r", "kind": "rollback", "args": {"before_step": -Infinity}}', b"", b"\xff\xfe",
+                     b'{"run_id": "\\ud800", "kind": "rollback", "args": {"before_step": 1}}',
+                     b'{"state": "\\udfff"}']))
+creates = st.sampled_from([  # bodies the API takes: as they are, or with one field swapped for anything
+    {"run_id": RUN, "kind": "rollback",
+     "args": {"before_step": 5, "skip_batches": 2, "lr_scale": 0.5, "anomaly": "nan"}},
+    {"run_id": RUN, "kind": "power_cap", "args": {"caps": {"0": 300.0, "3": 250}, "watts": 400}}])
+updates = st.sampled_from([{"state": "acked", "apply_step": 3},
+                           {"state": "failed", "result": {"why": "no checkpoint"}}])
+
+
+def swapped(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """`valid` bodies, or those with one field, at the top or in args, swapped for any JSON value; as bytes."""
+    return st.one_of(
+        valid, st.builds(lambda body, name, value: body | {name: value}, valid, field_names, json_values),
+        st.builds(lambda body, name, value: body | {"args": body.get("args", {}) | {name: value}},
+                  valid, field_names, json_values)).map(lambda body: json.dumps(body).encode())
+
+
+bodies = st.one_of(raw_bodies, fields.map(lambda value: json.dumps(value).encode()),
+                   json_values.map(lambda value: json.dumps(value).encode()))
+ids = st.integers(1, 30).map(lambda i: f"/v1/commands/{i}")  # commands that exist, most of them
+paths = st.one_of(st.just("/v1/commands"), ids, st.integers(-5, 2**70).map(lambda i: f"/v1/commands/{i}"),
+                  st.text("0123456789x-", min_size=1, max_size=30).map(lambda i: f"/v1/commands/{i}"))
+requests = st.one_of(st.tuples(paths, bodies), st.tuples(st.just("/v1/commands"), swapped(creates)),
+                     st.tuples(ids, swapped(updates)))
+VALID = ("Bearer test-token", "bearer test-token")
+headers = st.sampled_from([*VALID, *VALID, "Bearer wrong", "Bearer", "Bearer test-token-2", "Basic dGVzdA==", None])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(request=requests, header=headers)
+def test_fuzzed_posts_are_never_a_server_error(anonymous, request, header):
+    path, body = request
+    response = anonymous.post(path, content=body,
+                              headers=authorization(header) | {"Content-Type": "application/json"})
+    event(f"HTTP {response.status_code}")  # --hypothesis-show-statistics: how many got past the checks
+    if header not in VALID:
+        assert response.status_code == 401, response.text
+    else:
+        assert response.status_code < 500, response.text
+        assert response.json()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=st.dictionaries(st.sampled_from(["run_id", "state", "x"]), st.text(max_size=300), max_size=3),
+       header=headers)
+def test_fuzzed_listings_are_never_a_server_error(anonymous, params, header):
+    response = anonymous.get("/v1/commands", params=params, headers=authorization(header))
+    if header not in VALID:
+        assert response.status_code == 401, response.text
+    else:
+        assert response.status_code < 500, response.text
+
+
+def test_a_valid_command_still_goes_round_after_the_fuzzing(client, collector):
+    round_trip(client)
+    assert collector.process.poll() is None
