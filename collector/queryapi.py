@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from collector import readonly
+from collector import bodies, readonly
 from collector.auth import authorized
 from collector.store import Store
 
@@ -31,14 +31,6 @@ PATH = "/api/v1/query"
 MAX_BODY = 2**20  # a request carries SQL and a few parameters, never data
 MAX_PARAM_DEPTH = 4  # lists in lists a parameter may nest: DuckDB's binding time grows with the depth cubed
 _FIELDS = ("sql", "params", "timeout_s", "max_rows")
-
-
-class BadRequest(Exception):
-    """A request refused before it runs: a one-line reason and its HTTP status."""
-
-    def __init__(self, reason: str, status: int = 400):
-        super().__init__(reason)
-        self.status = status
 
 
 class QueryFailed(Exception):
@@ -52,9 +44,9 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
         if not authorized(request.headers.get("authorization"), token):
             return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
         try:
-            options = parse(await _body(request))
+            options = parse(await bodies.read(request, MAX_BODY))
             return JSONResponse(await asyncio.wrap_future(store().call("query", **options)))
-        except BadRequest as e:
+        except bodies.Refused as e:
             return JSONResponse({"error": str(e)}, e.status)
         except readonly.QueryRefused as e:
             return JSONResponse({"error": str(e)}, 400)
@@ -64,44 +56,30 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
     return [Route(PATH, query, methods=["POST"])]
 
 
-async def _body(request: Request) -> bytes:
-    """The body, refused (413) past MAX_BODY; read to its end all the same, up to four times that, so
-    the client, still sending, sees the answer."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= MAX_BODY:
-            chunks.append(chunk)
-        elif size > 4 * MAX_BODY:
-            break
-    if size > MAX_BODY:
-        raise BadRequest(f"the body is larger than {MAX_BODY} bytes", 413)
-    return b"".join(chunks)
-
-
 def parse(body: bytes) -> dict:
     """readonly.run's arguments from a request body, each field checked, the limits clamped to the
-    server's; BadRequest says what is wrong in one line."""
+    server's; bodies.Refused says what is wrong in one line."""
     try:
         fields = json.loads(body)
     except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
         fields = None
     if not isinstance(fields, dict):
-        raise BadRequest('the body must be a JSON object {"sql": "...", "params"?: [...]}')
+        raise bodies.Refused(400, 'the body must be a JSON object {"sql": "...", "params"?: [...]}')
     if unknown := sorted(set(fields) - set(_FIELDS)):
-        raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
+        raise bodies.Refused(400, f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
     sql, params = fields.get("sql"), fields.get("params")
     timeout_s, max_rows = fields.get("timeout_s"), fields.get("max_rows")
     if not isinstance(sql, str):
-        raise BadRequest("sql must be a string: one SELECT")
+        raise bodies.Refused(400, "sql must be a string: one SELECT")
     if params is not None and not (isinstance(params, (list, dict))
                                    and all(_parameter(v, MAX_PARAM_DEPTH) for v in _values(params))):
-        raise BadRequest("params must be a list (or an object, for $name) of strings, numbers, booleans, "
+        raise bodies.Refused(400, "params must be a list (or an object, for $name) of strings, numbers, booleans, "
                          f"nulls or lists of them, nested at most {MAX_PARAM_DEPTH} deep")
     if timeout_s is not None and not (_number(timeout_s) and timeout_s > 0):
-        raise BadRequest(f"timeout_s must be a positive number of seconds (at most {readonly.TIMEOUT_S:g} apply)")
+        raise bodies.Refused(400, "timeout_s must be a positive number of seconds "
+                                  f"(at most {readonly.TIMEOUT_S:g} apply)")
     if max_rows is not None and not (_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
-        raise BadRequest(f"max_rows must be a whole number from 0 (at most {readonly.ROW_CAP} apply)")
+        raise bodies.Refused(400, f"max_rows must be a whole number from 0 (at most {readonly.ROW_CAP} apply)")
     return {"sql": sql, "params": params,
             "timeout_s": readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
             "max_rows": readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP)}

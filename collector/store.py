@@ -165,8 +165,10 @@ class _Writer:
         """("result", call id, value) or ("error", call id, exception) of a control API operation."""
         try:
             return ("result", call.id, commands.OPERATIONS[call.operation](self._con, **call.kwargs))
-        except (commands.CommandError, LookupError, duckdb.Error) as e:
-            return ("error", call.id, e if not isinstance(e, duckdb.Error) else RuntimeError(str(e)))
+        except (commands.CommandError, LookupError) as e:
+            return ("error", call.id, e)
+        except Exception as e:  # a future must settle, whatever went wrong
+            return ("error", call.id, RuntimeError(str(e)))
 
     def _query(self, call: "Call", acks) -> None:
         """Run a read-only query (collector/readonly.py) and put its ("result" | "error", call id, value)."""
