@@ -89,6 +89,18 @@ def collector(collector_factory) -> Collector:
     return collector_factory()
 
 
+@pytest.fixture(scope="module")
+def module_collector(tmp_path_factory) -> Collector:
+    """One collector for a whole module, for tests that only need answers (fuzzing posts many requests,
+    and a fresh collector each would be slow)."""
+    directory = tmp_path_factory.mktemp("collector")
+    with open(directory / "collector.log", "w") as log:
+        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        yield c
+        if c.process.poll() is None:
+            c.stop()
+
+
 def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the installed console script, as a user would."""
     return subprocess.run([sys.executable, "-m", "rankwatch", *args], capture_output=True, text=True,

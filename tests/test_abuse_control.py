@@ -31,14 +31,8 @@ ANSWER_S = 10  # every request is answered within this, on a loaded machine
 
 
 @pytest.fixture(scope="module")
-def collector(tmp_path_factory):
-    """One collector for the module: the fuzzing posts many requests, a fresh one each would be slow."""
-    directory = tmp_path_factory.mktemp("control")
-    with open(directory / "collector.log", "w") as log:
-        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
-        yield c
-        if c.process.poll() is None:
-            c.stop()
+def collector(module_collector):
+    return module_collector
 
 
 @pytest.fixture

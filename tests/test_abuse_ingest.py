@@ -27,7 +27,6 @@ from agent import semconv as sc
 from collector import decode, otlp
 from collector.decode import MAX_ATTRIBUTES, MAX_ITEMS, RANGES
 from collector.ingest import Outcome, Request, decode_batch
-from tests.conftest import Collector, free_port
 from tests.otlp_payloads import T0, post, query
 
 RUN = "abuse"
@@ -108,16 +107,6 @@ def decode_together(signal: str, *bodies: bytes, kind: str = otlp.PROTOBUF) -> l
 
 def accepted(answer, n: int) -> bool:
     return isinstance(answer, Outcome) and answer.accepted == n
-
-
-@pytest.fixture(scope="module")
-def shared_collector(tmp_path_factory):
-    """One collector for the tests that only need answers (hypothesis runs many examples)."""
-    directory = tmp_path_factory.mktemp("abuse")
-    with open(directory / "collector.log", "w") as log:
-        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
-        yield c
-        c.stop()
 
 
 # -- one odd value refuses its item alone ---------------------------------------------------------
@@ -368,11 +357,11 @@ def test_a_mangled_json_body_is_refused_alone(tree, text, use_text):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(signal=st.sampled_from(sorted(SAMPLES)), edits=EDITS, kind=st.sampled_from([otlp.PROTOBUF, otlp.JSON]),
        zipped=st.booleans())
-def test_a_collector_answers_any_body_without_5xx(shared_collector, signal, edits, kind, zipped):
+def test_a_collector_answers_any_body_without_5xx(module_collector, signal, edits, kind, zipped):
     body = _mutated(SAMPLES[signal], edits)
     if kind == otlp.JSON:
         body = _mutated(b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "x"}]}]}]}', edits)
-    response = post(shared_collector, signal, body, headers={"Content-Type": kind}, gzip_body=zipped, timeout=60)
+    response = post(module_collector, signal, body, headers={"Content-Type": kind}, gzip_body=zipped, timeout=60)
     assert response.status_code in (200, 400, 413), response.text
-    good = post(shared_collector, signal, BODIES[signal]({"fresh": time.monotonic_ns()}))
+    good = post(module_collector, signal, BODIES[signal]({"fresh": time.monotonic_ns()}))
     assert good.status_code == 200 and good.content == b"", good.content  # no partial_success
