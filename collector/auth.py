@@ -5,6 +5,9 @@ import os
 import secrets
 from pathlib import Path
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
 from agent.config import TOKEN_FILE
 
 
@@ -26,3 +29,11 @@ def authorized(header: str | None, token: str) -> bool:
     """Whether an Authorization header carries the token (constant-time compare)."""
     scheme, _, presented = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def refused(request: Request, token: str) -> JSONResponse | None:
+    """The JSON APIs' 401 for a request without the token, before anything of it is read; None
+    for one with it."""
+    if authorized(request.headers.get("authorization"), token):
+        return None
+    return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})

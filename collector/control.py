@@ -5,7 +5,7 @@
   POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress
 
 Bodies and answers are JSON; a refused request gets {"error": "..."} with 400,
-401, 404 or 413. The token is checked before anything of the body is read; a
+401, 404 or 413, and 503 while the store's writer is restarting. The token is checked before anything of the body is read; a
 body is read up to MAX_BODY and parsed strictly (collector/bodies.py); what
 each field may hold is checked by the store's writer process, the one with the
 file open for writing, which carries the operations out (collector/commands.py).
@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from collector import bodies
-from collector.auth import authorized
+from collector.auth import refused
 from collector.commands import CommandError
 from collector.store import Store
 
@@ -40,8 +40,8 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
         """An endpoint that checks the token, before anything else, then runs `operation`'s call."""
 
         async def endpoint(request: Request) -> JSONResponse:
-            if not authorized(request.headers.get("authorization"), token):
-                return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+            if (refusal := refused(request, token)) is not None:
+                return refusal
             try:
                 name, status, kwargs = await operation(request)
                 return JSONResponse(await asyncio.wrap_future(store().call(name, **kwargs)), status)
@@ -51,6 +51,8 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
                 return JSONResponse({"error": str(e)}, 400)
             except LookupError as e:
                 return JSONResponse({"error": str(e).strip("'")}, 404)
+            except RuntimeError as e:  # the store's writer is restarting, or failed the call
+                return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
 
         return endpoint
 

@@ -86,6 +86,9 @@ def _ready() -> None:
 def _init_worker(writer_queue) -> None:
     global _writer_queue
     die_with_parent()
+    # A worker exits only when the pool is replaced (its writer died: nobody reads the queue) or
+    # shut down (every request it decoded has been acknowledged): never wait to flush at exit.
+    writer_queue.cancel_join_thread()
     _writer_queue = writer_queue
     for table in TELEMETRY_TABLES:
         arrow_schema(table)
@@ -136,7 +139,7 @@ class Ingestor:
         loop = asyncio.get_running_loop()
         if self._generation != self.store.generation and self._pool is not None:
             # a new writer, on new queues: workers hand rows to the queue they were started with
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False)  # what it still decodes was failed with the dead writer
             self._generation, self._pool = self.store.generation, self._new_pool()
         while self._waiting and self._busy < max(self._workers, 1):
             signal = next(iter(self._waiting))
@@ -151,12 +154,13 @@ class Ingestor:
             else:
                 task = loop.run_in_executor(self._pool, decode_batch, requests)
             self._busy += 1
-            task.add_done_callback(lambda task, batch=batch: self._decoded(task, batch))
+            task.add_done_callback(lambda task, batch=batch, pool=self._pool: self._decoded(task, batch, pool))
 
-    def _decoded(self, task: asyncio.Future, batch: list[tuple[Request, asyncio.Future]]) -> None:
+    def _decoded(self, task: asyncio.Future, batch: list[tuple[Request, asyncio.Future]],
+                 pool: ProcessPoolExecutor | None) -> None:
         self._busy -= 1
         failed = task.exception()
-        if isinstance(failed, BrokenProcessPool) and self._pool is not None:
+        if isinstance(failed, BrokenProcessPool) and pool is not None and pool is self._pool:
             self._pool = self._new_pool()
         answers = [failed] * len(batch) if failed else task.result()
         for (_, waiter), answer in zip(batch, answers):

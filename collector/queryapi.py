@@ -8,6 +8,7 @@
     401 {"error"}  missing or wrong bearer token
     408 {"error"}  ran past its time limit and was interrupted
     413 {"error"}  a body over MAX_BODY
+    503 {"error"}  the store's writer is restarting (Retry-After)
 
 Every field is checked here, before the request reaches the store's writer process, which runs the
 query (collector/readonly.py): the one process that can read the file while the collector holds it.
@@ -24,7 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from collector import bodies, readonly
-from collector.auth import authorized
+from collector.auth import refused
 from collector.store import Store
 
 PATH = "/api/v1/query"
@@ -41,8 +42,8 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
     """The query route; `store` gives the open store (it opens after the routes exist)."""
 
     async def query(request: Request) -> JSONResponse:
-        if not authorized(request.headers.get("authorization"), token):
-            return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+        if (refusal := refused(request, token)) is not None:
+            return refusal
         try:
             options = parse(await bodies.read(request, MAX_BODY))
             return JSONResponse(await asyncio.wrap_future(store().call("query", **options)))
@@ -52,6 +53,8 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
             return JSONResponse({"error": str(e)}, 400)
         except readonly.QueryTimeout as e:
             return JSONResponse({"error": str(e)}, 408)
+        except RuntimeError as e:  # the store's writer is restarting, or the query failed unforeseen
+            return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
 
     return [Route(PATH, query, methods=["POST"])]
 
@@ -69,12 +72,12 @@ def parse(body: bytes) -> dict:
         raise bodies.Refused(400, f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
     sql, params = fields.get("sql"), fields.get("params")
     timeout_s, max_rows = fields.get("timeout_s"), fields.get("max_rows")
-    if not isinstance(sql, str):
-        raise bodies.Refused(400, "sql must be a string: one SELECT")
+    if not isinstance(sql, str) or not _utf8(sql):
+        raise bodies.Refused(400, "sql must be a string of UTF-8 text: one SELECT")
     if params is not None and not (isinstance(params, (list, dict))
                                    and all(_parameter(v, MAX_PARAM_DEPTH) for v in _values(params))):
         raise bodies.Refused(400, "params must be a list (or an object, for $name) of strings, numbers, booleans, "
-                         f"nulls or lists of them, nested at most {MAX_PARAM_DEPTH} deep")
+                                  f"nulls or lists of them, nested at most {MAX_PARAM_DEPTH} deep")
     if timeout_s is not None and not (_number(timeout_s) and timeout_s > 0):
         raise bodies.Refused(400, "timeout_s must be a positive number of seconds "
                                   f"(at most {readonly.TIMEOUT_S:g} apply)")
@@ -83,6 +86,15 @@ def parse(body: bytes) -> dict:
     return {"sql": sql, "params": params,
             "timeout_s": readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
             "max_rows": readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP)}
+
+
+def _utf8(text: str) -> bool:
+    """Whether `text` has no lone surrogate (JSON's \\ud800 escape), which DuckDB's parser cannot take."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _values(params: list | dict) -> list:
@@ -100,7 +112,7 @@ def _parameter(value, depth: int) -> bool:
     """Whether `value` is a JSON scalar, or a list of parameters nested at most `depth` deep."""
     if isinstance(value, list):
         return depth > 0 and all(_parameter(v, depth - 1) for v in value)
-    return value is None or isinstance(value, (str, int, float))
+    return value is None or isinstance(value, (int, float)) or isinstance(value, str) and _utf8(value)
 
 
 def remote_query(client: httpx.Client, sql: str, params: list | dict | None = None) -> dict:

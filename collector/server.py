@@ -8,8 +8,6 @@ as Prometheus and load balancers expect.
 
 import asyncio
 import logging
-import os
-import signal
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -89,7 +87,8 @@ def create_app(config: Config) -> Starlette:
         """The store gave up on its writer: stop as on SIGTERM, and exit non-zero (serve) so that a
         supervisor starts the collector again."""
         app.state.failed = True
-        os.kill(os.getpid(), signal.SIGTERM)
+        if app.state.server is not None:
+            app.state.server.should_exit = True
 
     async def report_health(store: Store) -> None:
         """Hand the writer the counters the collector's health is judged on, once per analysis period."""
@@ -148,7 +147,7 @@ def create_app(config: Config) -> Starlette:
     routes += control.routes(lambda: state["ingestor"].store, token)
     routes += queryapi.routes(lambda: state["ingestor"].store, token)
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.failed = False
+    app.state.failed, app.state.server = False, None  # serve() sets the server, which stop_failed stops
     return app
 
 
@@ -172,6 +171,8 @@ def serve(config: Config) -> None:
     up on its writer (Store.failure), for a supervisor to start it again."""
     app = create_app(config)
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=30)
+    app.state.server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                     timeout_graceful_shutdown=30))
+    app.state.server.run()
     if app.state.failed:
         raise SystemExit(1)

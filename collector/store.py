@@ -9,7 +9,8 @@ write-ahead log and survives a crash.
 The writer is a process of its own because DuckDB's Python API takes the GIL
 back many times per statement: next to a busy event loop every transaction
 waited out the interpreter's switch interval again and again (9x slower,
-measured). Alone in its process, the writer never waits for the GIL.
+measured). In its process it shares the GIL only with the analysis thread,
+whose passes are short bursts every few seconds.
 Read-only queries (the query API) run in that process too, the only one that
 can read the file, but on threads of their own with a cursor each: they read
 a snapshot and never hold up a commit.
@@ -308,15 +309,20 @@ class Store:
         self._closing = False
         self._closed = threading.Event()
         self._restarts: list[float] = []  # when the writer was replaced, within the window
-        self.generation = 0
+        self.generation = -1  # writers started before the one running
         self.failure: str | None = None
         self._start_writer()
         self._reader = threading.Thread(target=self._read_acks, name="rankwatch-acks", daemon=True)
         self._reader.start()
 
     def _start_writer(self) -> None:
-        """A writer process on new queues, once it has the store open (recovering its write-ahead log)."""
+        """A writer process on new queues, once it has the store open (recovering its write-ahead log).
+        A dead writer's queues are let go without waiting to flush what nobody will read."""
         self._ready = False
+        for dead in (getattr(self, "requests", None), getattr(self, "_acks", None)):
+            if dead is not None:
+                dead.cancel_join_thread()
+                dead.close()
         self.requests = self._context.Queue()
         self._acks = self._context.Queue()
         self._process = self._context.Process(target=_writer_main, args=(self.path, self._analysis, self.requests,
@@ -334,6 +340,7 @@ class Store:
         if first[0] == "error":
             self._process.join()
             raise StoreLocked(first[1]) if "held open" in first[1] else RuntimeError(first[1])
+        self.generation += 1  # before requests are admitted: none may go to the old queue's producers
         self._ready = True
 
     @property
@@ -438,21 +445,27 @@ class Store:
             future.set_exception(RuntimeError(reason))
 
     def _restart(self) -> bool:
-        """Replace a dead writer; False (and `failure` set, `on_failure` called) when it cannot be."""
-        status = self._process.exitcode
-        now = time.monotonic()
-        self._restarts = [t for t in self._restarts if now - t < self.RESTART_WINDOW_S] + [now]
-        if len(self._restarts) > self.MAX_RESTARTS:
-            self.failure = (f"the store's writer process died {len(self._restarts)} times in "
-                            f"{self.RESTART_WINDOW_S:.0f} s (last status {status}); not restarted")
-        else:
+        """Replace a dead writer (one that dies starting counts as another death); False (and
+        `failure` set, `on_failure` called) when it cannot be."""
+        while True:
+            status = self._process.exitcode
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < self.RESTART_WINDOW_S] + [now]
+            if len(self._restarts) > self.MAX_RESTARTS:
+                self.failure = (f"the store's writer process died {len(self._restarts)} times in "
+                                f"{self.RESTART_WINDOW_S:.0f} s (last status {status}); not restarted")
+                break
             log.error("the store's writer process died (status %s); starting another", status)
             try:
                 self._start_writer()
-                self.generation += 1
-                return True
-            except Exception as e:
+            except StoreLocked as e:  # another process took the store: starting again cannot help
                 self.failure = f"the store's writer process died (status {status}) and could not be restarted: {e}"
+                break
+            except Exception:
+                continue
+            if self._closing:  # close() found no writer to stop: stop this one
+                self.requests.put(None)
+            return True
         log.error("%s", self.failure)
         if self._on_failure:
             self._on_failure()

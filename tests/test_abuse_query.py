@@ -271,6 +271,8 @@ def nested(depth: int) -> bytes:
     (b'{"sql": "SELECT 1", "params": "x"}', "params"),
     (b'{"params": []}', "sql"),
     (b'{"sql": null}', "sql"),
+    (b'{"sql": "SELECT \\ud800"}', "sql"),
+    (b'{"sql": "SELECT ?", "params": ["\\udfff"]}', "params"),
     (b'{"sql": ["SELECT 1"]}', "sql"),
     (b'{"sql": "SELECT 1", "max_rows": -1}', "max_rows"),
     (b'{"sql": "SELECT 1", "max_rows": 1.5}', "max_rows"),
