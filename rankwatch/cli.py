@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.device import DEVICES
+
 
 
 class UsageError(Exception):
@@ -332,6 +334,7 @@ def _stop_on_sigterm() -> None:
 
 def cmd_train(args) -> None:
     from rankwatch.launch import train
+    from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
 
     for spec in args.inject:
@@ -340,8 +343,11 @@ def cmd_train(args) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
     _stop_on_sigterm()
-    sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
-                   collector=args.collector, model=args.model, max_restarts=args.max_restarts))
+    try:
+        sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
+                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device))
+    except DeviceError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_simulate(args) -> None:
@@ -466,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: a GPU per rank where this machine has enough, else the CPU")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")

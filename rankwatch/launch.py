@@ -23,11 +23,19 @@ def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny"
 
 def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] = (), collector: str | None = None,
           model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: list[str] = (),
-          store: Path | None = None) -> int:
+          store: Path | None = None, device: str = "auto") -> int:
     """Run the trainer to the end; returns torchrun's exit status. After a failure torchrun starts the
     job again, up to `max_restarts` times, and the trainer resumes from its last checkpoint. Interrupted,
     it stops the job before it returns. `store`: the store the job's checkpoints are kept beside
-    (`runs/RUN/checkpoints`; default: $RANKWATCH_DB's, else ./rankwatch-data's)."""
+    (`runs/RUN/checkpoints`; default: $RANKWATCH_DB's, else ./rankwatch-data's). `device`: auto, cpu or
+    cuda (trainer/device.py; DeviceError for cuda without a GPU per rank, before anything starts)."""
+    import torch
+
+    from trainer.device import choose
+
+    device, notice = choose(device, nproc, torch.cuda.device_count())
+    if notice:
+        print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
     env = {**os.environ, "RANKWATCH_RUN_ID": run_id or time.strftime("run-%Y%m%d-%H%M%S"),
            "RANKWATCH_COLLECTOR": config.collector_url(collector), "OMP_NUM_THREADS": "1",
            # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
@@ -37,7 +45,8 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] =
         env["RANKWATCH_TOKEN"] = token
     if store is not None:
         env["RANKWATCH_DB"] = str(store)
-    with subprocess.Popen(train_command(nproc, steps, list(faults), model, max_restarts, list(trainer_args)),
+    with subprocess.Popen(train_command(nproc, steps, list(faults), model, max_restarts,
+                                        ["--device", device, *trainer_args]),
                           env=env) as job:
         try:
             return job.wait()

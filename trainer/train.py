@@ -26,6 +26,7 @@ from agent import semconv as sc
 from trainer import rollback
 from trainer.checkpoint import Checkpointer
 from trainer.data import TokenStream
+from trainer.device import DEVICES, DeviceError, choose
 from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
@@ -56,7 +57,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollbacks allowed within --rollback-window steps; the next one stops the job, its last "
                         "good state on disk")
     p.add_argument("--rollback-window", type=int, default=1000, metavar="STEPS")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: a GPU per rank where the machine has enough, else the CPU")
     args = p.parse_args(argv)
+    try:
+        args.device, _ = choose(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    except DeviceError as e:
+        p.error(str(e))
     if min(args.snapshot_every, args.ckpt_every, args.ckpt_memory, args.ckpt_keep, args.rollback_window) < 1:
         p.error("--snapshot-every, --ckpt-every, --ckpt-memory, --ckpt-keep and --rollback-window must be at least 1")
     if args.max_rollbacks < 0:
@@ -111,7 +118,7 @@ def resume(ckpt: Checkpointer) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda"
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
