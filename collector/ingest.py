@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from collector import otlp
 from collector.children import die_with_parent
-from collector.decode import DECODERS, admit, arrow_schema, decode
+from collector.decode import DECODERS, MAX_ITEMS, admit, arrow_schema, decode
 from collector.schema import TELEMETRY_TABLES
 from collector.store import Store
 
@@ -60,7 +60,7 @@ def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | o
             body = otlp.decompress(request.body, request.encoding)
             digest = hashlib.blake2b(request.signal.encode() + b"\0" + body, digest_size=16).digest()
             if request.kind == otlp.JSON:
-                body = otlp.parse(body, request.kind, DECODERS[request.signal][0]).SerializeToString()
+                body = otlp.parse(body, request.kind, DECODERS[request.signal][0], MAX_ITEMS).SerializeToString()
             admit(request.signal, body)
         except otlp.OtlpError as e:
             answers[request.id] = e
