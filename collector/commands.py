@@ -26,14 +26,23 @@ MAX_TEXT = 256  # characters of a run id or an anomaly's name
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
 
+# The anomalies (anomalies.py's kinds) a rollback answers unless asked otherwise: a non-finite value
+# and a loss spike. A gradient-norm spike alone is a warning: in early training the norm swings by
+# 2x while the loss keeps falling (a GPT-2 run on an H100 was rolled back twice for such swings
+# before any fault, and then stopped by its rollback budget), so rolling back on it is opt-in.
+ROLLBACK_ON = frozenset({"nan", "loss_spike"})
+
+
 @dataclass(frozen=True)
 class RollbackPolicy:
     """How an anomaly is rolled back: to a checkpoint at least `margin` steps before it began,
-    skipping the `skip_batches` batches that led to it, the learning rate scaled by `lr_scale`."""
+    skipping the `skip_batches` batches that led to it, the learning rate scaled by `lr_scale`;
+    `on`: the anomaly kinds that are rolled back (the others are only reported)."""
 
     margin: int = 5
     skip_batches: int = 20
     lr_scale: float = 1.0
+    on: frozenset[str] = ROLLBACK_ON
 
 
 class CommandError(ValueError):
@@ -180,7 +189,7 @@ def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy:
     if con.execute("SELECT 1 FROM commands WHERE run_id = ? AND kind = 'rollback' AND state IN ('pending', 'acked')",
                    [run_id]).fetchone():
         return []
-    findings = con.execute(_UNANSWERED, [run_id, anomalies.ANALYZER]).fetchall()
+    findings = [f for f in con.execute(_UNANSWERED, [run_id, anomalies.ANALYZER]).fetchall() if f[1] in policy.on]
     if not findings:
         return []
     finding_id, kind, step_start = min(findings, key=lambda f: f[2])  # the earliest: one rollback covers all

@@ -25,7 +25,7 @@ from collector.alerts.config import AlertConfig
 from collector.analysis import Analysis
 from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
-from collector.commands import RollbackPolicy
+from collector.commands import ROLLBACK_ON, RollbackPolicy
 from collector.ingest import Ingestor
 from collector.runmetrics import RunMetrics
 from collector.selfmetrics import SelfMetrics
@@ -47,7 +47,7 @@ class Config:
     max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
-    auto_rollback: bool = True  # an anomaly (NaN, loss spike) becomes a rollback command for the job
+    rollback_on: frozenset[str] = ROLLBACK_ON  # the anomalies that become a rollback for the job; empty: none
     power_every_s: float | None = 60.0  # how often power recommendations are redrawn; None: never
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
 
@@ -69,7 +69,7 @@ def create_app(config: Config) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy() if config.auto_rollback else None, alerts=config.alerts,
+                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None, alerts=config.alerts,
                             power_every_s=config.power_every_s)
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis,
                       on_failure=stop_failed)

@@ -48,6 +48,15 @@ def _preflight(config) -> None:
         raise UsageError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
 
 
+def _rollback_kinds(text: str) -> frozenset[str]:
+    """--rollback-on's anomaly kinds (collector/analyzers/anomalies.py's names) from nan, loss, grad."""
+    names = {"nan": "nan", "loss": "loss_spike", "grad": "grad_spike"}
+    chosen = [k.strip() for k in text.split(",") if k.strip()]
+    if not chosen or not set(chosen) <= set(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of nan, loss and grad")
+    return frozenset(names[k] for k in chosen)
+
+
 def cmd_collector(args) -> None:
     from collector.server import Config, serve
 
@@ -56,7 +65,8 @@ def cmd_collector(args) -> None:
     config = Config(db=_db(args), host=args.host, port=args.port,
                     token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
-                    hang_after_s=args.hang_after, auto_rollback=not args.no_auto_rollback,
+                    hang_after_s=args.hang_after,
+                    rollback_on=frozenset() if args.no_auto_rollback else args.rollback_on,
                     power_every_s=args.power_every or None, alerts=_alert_config(args))
     _preflight(config)
     serve(config)
@@ -512,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 60; 0: never)")
     p.add_argument("--no-auto-rollback", action="store_true",
                    help="report anomalies (NaN, loss spikes) without sending the job a rollback")
+    p.add_argument("--rollback-on", type=_rollback_kinds, default="nan,loss", metavar="KINDS",
+                   help="the anomalies rolled back, of nan, loss and grad (default nan,loss: a gradient-norm spike "
+                        "alone is reported as a warning)")
     p.add_argument("--alerts", metavar="FILE",
                    help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)")
     p.set_defaults(func=cmd_collector)

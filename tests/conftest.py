@@ -14,9 +14,6 @@ import pytest
 
 from rankwatch.launch import wait_healthy
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

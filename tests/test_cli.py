@@ -194,3 +194,11 @@ def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, 
                           "--token", "t")
     assert taken.returncode == 2
     assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{collector.port}" in taken.stderr
+
+
+@pytest.mark.parametrize("kinds", ["foo", "", "nan,grads"])
+def test_collector_refuses_unknown_rollback_kinds_in_one_line(kinds):
+    result = rankwatch_cli("collector", "--rollback-on", kinds)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"rankwatch collector: error: argument --rollback-on: {kinds!r}: a "
+                                     "comma-separated list of nan, loss and grad")

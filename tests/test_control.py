@@ -145,3 +145,20 @@ def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():
     findings.record(con, "r", "anomalies", [spike("loss_spike")])  # and spiked at 120 again
     (again,) = commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy())
     assert again["id"] != sent["id"]
+
+
+def test_a_gradient_norm_spike_alone_is_rolled_back_only_when_asked():
+    import duckdb
+
+    from collector import commands, findings
+    from collector.analyzers import Finding
+    from collector.schema import DDL
+
+    con = duckdb.connect()
+    con.execute(DDL)
+    findings.record(con, "r", "anomalies", [Finding("r", "grad_spike", [], 77, 77, "warning", 10.3, "grad at 77",
+                                                    analyzer="anomalies")])
+    assert commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy()) == []
+    asked = commands.RollbackPolicy(on=commands.ROLLBACK_ON | {"grad_spike"})
+    (sent,) = commands.rollbacks_for_anomalies(con, "r", asked)
+    assert (sent["args"]["anomaly"], sent["args"]["before_step"]) == ("grad_spike", 72)

@@ -8,6 +8,9 @@ a fraction of the median so a flat loss does not make every wiggle a spike.
 A step is spiking when its robust z-score passes `z` and it is at least
 `min_rise` above the baseline; the finding fires after `patience` such steps
 in a row, and never during `warmup`, when the loss falls fast by nature.
+A non-finite value and a loss spike are critical (the collector rolls them
+back); a gradient-norm spike is a warning: alone, it is often a natural
+excursion of early training while the loss keeps falling.
 """
 
 from dataclasses import dataclass
@@ -39,8 +42,9 @@ def analyze(steps: pd.DataFrame, settings: Settings = Settings()) -> list[Findin
     run_id = str(steps["run_id"].iloc[0])
     found = _non_finite(run_id, steps)
     per_step = steps[~steps["non_finite"]].groupby("step")[["loss", "grad_norm"]].median()
-    for column, kind, what in (("loss", "loss_spike", "loss"), ("grad_norm", "grad_spike", "gradient norm")):
-        finding = _spike(run_id, per_step[column].dropna(), kind, what, settings)
+    for column, kind, what, severity in (("loss", "loss_spike", "loss", "critical"),
+                                         ("grad_norm", "grad_spike", "gradient norm", "warning")):
+        finding = _spike(run_id, per_step[column].dropna(), kind, what, severity, settings)
         if finding:
             found.append(finding)
     return found
@@ -59,7 +63,7 @@ def _non_finite(run_id: str, steps: pd.DataFrame) -> list[Finding]:
         {"first_step": first, "ranks": ranks, "steps_affected": int(bad["step"].nunique())}, analyzer=ANALYZER)]
 
 
-def _spike(run_id: str, series: pd.Series, kind: str, what: str, s: Settings) -> Finding | None:
+def _spike(run_id: str, series: pd.Series, kind: str, what: str, severity: str, s: Settings) -> Finding | None:
     """The first run of `patience` spiking steps after warmup, with its evidence; None if none."""
     if len(series) <= s.baseline:
         return None
@@ -76,7 +80,7 @@ def _spike(run_id: str, series: pd.Series, kind: str, what: str, s: Settings) ->
             start = i - streak + 1
             window = series.iloc[max(start - s.baseline, 0):min(i + 6, len(series))]
             return Finding(
-                run_id, kind, [], int(steps[start]), int(steps[i]), "critical", float(z),
+                run_id, kind, [], int(steps[start]), int(steps[i]), severity, float(z),
                 f"{what} spiked at step {int(steps[start])}: {values[start]:.4g} against a baseline of "
                 f"{center:.4g} (robust z {z:.0f})",
                 {"baseline_median": center, "baseline_mad": spread / 1.4826, "z": float(z),
