@@ -116,8 +116,9 @@ class Analysis:
             self._counters.append(dict(counters, at=time.monotonic()))
         self._wake.set()
 
-    def run(self, con: duckdb.DuckDBPyConnection) -> None:
-        """One pass over the active runs; an analyzer's failure is logged, never raised."""
+    def run(self, con: duckdb.DuckDBPyConnection, last: bool = False) -> None:
+        """One pass over the active runs; an analyzer's failure is logged, never raised. `last`: every
+        analyzer on every run, so the findings left behind are drawn on all the data committed."""
         self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         with self._lock:
@@ -128,7 +129,7 @@ class Analysis:
         self._record_power(con)
         for run_id in active:
             try:
-                self._analyze(con, run_id, run_id in stepped)
+                self._analyze(con, run_id, last or run_id in stepped)
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
@@ -162,7 +163,7 @@ class Analysis:
             if self._power_thread is not None:
                 self._power_thread.shutdown(cancel_futures=True)
             self._judge_reported_health(con)
-            self.run(con)
+            self.run(con, last=True)
         finally:
             con.close()
 
@@ -193,7 +194,9 @@ class Analysis:
         steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
         if steps.empty:
             return
-        complete = steps[steps["step"] < steps["step"].max()]  # the newest step may still be arriving
+        # only steps every rank has reported: the ranks' exports arrive apart, and a pass may come between
+        # them; judging a step half-arrived compares a rank with some of its peers only
+        complete = steps[steps.groupby("step")["rank"].transform("nunique") == steps["rank"].nunique()]
         if new_steps and not complete.empty:
             ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
             devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()

@@ -1,0 +1,115 @@
+"""How the rollback policy fares on real training curves: false rollbacks on clean curves, and how
+soon injected spikes and NaNs are rolled back.
+
+Curves: the first attempt of every step of GPT-2 on an H100 before its injected spike
+(tests/data/h100_gpt2_first_attempts.csv), and 1-rank CPU runs of the reference trainer over seeds,
+learning rates and model sizes, sent through a real collector (`rankwatch train`, no rollback) and
+read back from its store. Each curve is judged as the live collector judges it: after every step,
+the anomaly analyzer over the newest 48 steps, and a rollback for each finding the default policy
+(collector/commands.py's ROLLBACK_ON) answers.
+
+  false    rollback-worthy findings on the clean curves, per 10,000 steps
+  caught   the same curves with one step's loss (and gradient norm) scaled 2x, 5x, 50x, or made NaN,
+           at every 20th step past the analyzer's warmup and baseline: the share rolled back, and
+           the steps from the bad step to the pass that rolls it back (0: the pass right after it)
+
+Usage: python bench/anomalies.py [--steps 300] [--seeds 2]
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from collector.analyzers import anomalies  # noqa: E402
+from collector.commands import ROLLBACK_ON  # noqa: E402
+from rankwatch.launch import train  # noqa: E402
+from tests.conftest import Collector, free_port  # noqa: E402
+from tests.otlp_payloads import query  # noqa: E402
+
+WINDOW = 48  # the live pass's steps per run (4 x the straggler window)
+H100 = Path(__file__).resolve().parents[1] / "tests" / "data" / "h100_gpt2_first_attempts.csv"
+FIRST = anomalies.Settings().warmup + anomalies.Settings().baseline  # the first step a spike can be judged at
+
+
+def rollbacks(curve: pd.DataFrame, last: int | None = None) -> dict[int, int]:
+    """step_start -> the newest step of the pass that first rolls it back, judging after every step."""
+    steps = curve.assign(run_id="bench", rank=0, non_finite=~np.isfinite(curve[["loss", "grad_norm"]]).all(axis=1))
+    found: dict[int, int] = {}
+    for newest in range(int(steps["step"].min()), int(steps["step"].max() if last is None else last) + 1):
+        window = steps[(steps["step"] <= newest) & (steps["step"] > newest - WINDOW)]
+        for finding in anomalies.analyze(window):
+            if finding.kind in ROLLBACK_ON:
+                found.setdefault(finding.step_start, newest)
+    return found
+
+
+def cpu_curves(steps: int, seeds: int, directory: Path) -> dict[str, pd.DataFrame]:
+    """Clean 1-rank runs of the reference trainer, through a collector that rolls nothing back."""
+    runs = []
+    with open(directory / "collector.log", "w") as log:
+        collector = Collector(directory / "curves.duckdb", free_port(), "bench-token",
+                              extra_args=("--no-auto-rollback",), log=log).start()
+        try:
+            for model in ("tiny", "small"):
+                for lr in (1e-3, 3e-3, 1e-2):
+                    for seed in range(seeds):
+                        runs.append(f"{model}-lr{lr:g}-seed{seed}")
+                        status = train(nproc=1, steps=steps if model == "tiny" else steps // 2, run_id=runs[-1],
+                                       model=model, collector=collector.url, token=collector.token,
+                                       store=collector.db, device="cpu",
+                                       trainer_args=["--seed", str(seed), "--lr", str(lr), "--log-every", "1000"])
+                        assert status == 0, f"{runs[-1]}: exit {status}"
+        finally:
+            collector.stop()
+    return {f"CPU {run}": pd.DataFrame(query(collector.db, "SELECT step, loss, grad_norm FROM steps WHERE run_id = ? "
+                                                           "ORDER BY step", [run]), columns=["step", "loss", "grad_norm"])
+            for run in runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="steps of each tiny CPU run (small: half)")
+    parser.add_argument("--seeds", type=int, default=2)
+    args = parser.parse_args()
+    h100 = pd.read_csv(H100)
+    curves = {"H100 GPT-2 (steps 0-149)": h100[h100["step"] < 150]}
+    with tempfile.TemporaryDirectory() as directory:
+        curves |= cpu_curves(args.steps, args.seeds, Path(directory))
+
+    console = Console()
+    table = Table("clean curve", "steps", "false rollbacks", "per 10,000 steps")
+    total_steps = total_false = 0
+    for name, curve in curves.items():
+        false = len(rollbacks(curve))
+        total_steps, total_false = total_steps + len(curve), total_false + false
+        table.add_row(name, str(len(curve)), str(false), f"{1e4 * false / len(curve):.0f}")
+    table.add_row("all", str(total_steps), str(total_false), f"{1e4 * total_false / total_steps:.0f}")
+    console.print(table)
+
+    table = Table("injected at one step", "cases", "rolled back", "steps to rollback (median, max)")
+    for label, bad in (("loss x2", 2.0), ("loss x5", 5.0), ("loss x50", 50.0), ("NaN", np.nan)):
+        delays = []
+        cases = 0
+        for curve in curves.values():
+            for at in range(FIRST, int(curve["step"].max()) - 5, 20):
+                hit = curve.copy()
+                row = hit["step"] == at
+                hit.loc[row, ["loss", "grad_norm"]] = hit.loc[row, ["loss", "grad_norm"]] * bad
+                cases += 1
+                found = rollbacks(hit[hit["step"] > at - WINDOW], last=at + 5)
+                if at in found:
+                    delays.append(found[at] - at)
+        table.add_row(label, str(cases), f"{len(delays) / cases:.0%}",
+                      f"{np.median(delays):.0f}, {max(delays)}" if delays else "-")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
