@@ -89,11 +89,12 @@ def _scalar(item, where) -> None:
         raise Refused(400, f"{_spelled(where)}: numbers must be finite, not {item}")
     if isinstance(item, int) and not -_INT64 <= item < _INT64:
         raise Refused(400, f"{_spelled(where)}: integers must fit in 64 bits")
-    if isinstance(item, str) and not _utf8(item):
+    if isinstance(item, str) and not utf8(item):
         raise Refused(400, f"{_spelled(where)}: text must be valid UTF-8 (no lone surrogates such as \\ud800)")
 
 
-def _utf8(text: str) -> bool:
+def utf8(text: str) -> bool:
+    """Whether `text` has no lone surrogate (JSON's \\ud800 escape), which UTF-8, and so DuckDB, cannot take."""
     try:
         text.encode()
     except UnicodeEncodeError:

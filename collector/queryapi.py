@@ -72,7 +72,7 @@ def parse(body: bytes) -> dict:
         raise bodies.Refused(400, f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
     sql, params = fields.get("sql"), fields.get("params")
     timeout_s, max_rows = fields.get("timeout_s"), fields.get("max_rows")
-    if not isinstance(sql, str) or not _utf8(sql):
+    if not isinstance(sql, str) or not bodies.utf8(sql):
         raise bodies.Refused(400, "sql must be a string of UTF-8 text: one SELECT")
     if params is not None and not (isinstance(params, (list, dict))
                                    and all(_parameter(v, MAX_PARAM_DEPTH) for v in _values(params))):
@@ -86,15 +86,6 @@ def parse(body: bytes) -> dict:
     return {"sql": sql, "params": params,
             "timeout_s": readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
             "max_rows": readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP)}
-
-
-def _utf8(text: str) -> bool:
-    """Whether `text` has no lone surrogate (JSON's \\ud800 escape), which DuckDB's parser cannot take."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _values(params: list | dict) -> list:
@@ -112,7 +103,7 @@ def _parameter(value, depth: int) -> bool:
     """Whether `value` is a JSON scalar, or a list of parameters nested at most `depth` deep."""
     if isinstance(value, list):
         return depth > 0 and all(_parameter(v, depth - 1) for v in value)
-    return value is None or isinstance(value, (int, float)) or isinstance(value, str) and _utf8(value)
+    return value is None or isinstance(value, (int, float)) or isinstance(value, str) and bodies.utf8(value)
 
 
 def remote_query(client: httpx.Client, sql: str, params: list | dict | None = None) -> dict:
