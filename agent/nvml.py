@@ -4,9 +4,13 @@ Each metric is read by the first of its NVML calls that the GPU and driver
 support: power from the instantaneous field where the GPU has it, else the
 driver's windowed average; clock-event reasons from the current call, else
 the one older drivers call "throttle reasons". A call that answers
-NotSupported, or that the driver's library lacks, is not tried again; after
-any other error the next call is tried, or the metric skipped, for that
-reading only. Nothing here stops training.
+NotSupported or NoPermission, or that the driver's library lacks, is not
+tried again; after any other error the next call is tried, or the metric
+skipped, for that reading only. Nothing here stops training.
+
+NVLink traffic comes as counters (KiB since the driver loaded, summed over the
+links), sent as the rate between two readings; XID errors as events, drained
+without waiting at each reading.
 """
 
 import os
@@ -18,7 +22,17 @@ from agent import semconv as sc
 from agent.devices import Device, Reading
 from agent.export import log
 
-_UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+_UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission)
+_ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId that sums every link
+_NVLINK = ((sc.NVLINK_TX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
+           (sc.NVLINK_RX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX))
+_ECC = ((sc.ECC_SBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+        (sc.ECC_DBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+        (sc.ECC_SBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+        (sc.ECC_DBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC))
+_PCIE = ((sc.PCIE_TX_BPS, pynvml.NVML_PCIE_UTIL_TX_BYTES), (sc.PCIE_RX_BPS, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+MAX_XIDS = 16  # XID events sent per reading; a GPU raising more is broken enough, and a reading stays bounded
+MIB = 2**20
 _FIELD_VALUE = {  # nvmlFieldValue_t.valueType -> the member of its value union
     pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
@@ -56,8 +70,11 @@ class NvmlDevice(Device):
         self._calls: list[list[Callable[[], list[Reading]]]] = [
             [self._power_instant, self._power_average], [self._energy], [self._sm_clock], [self._memory_clock],
             [self._temperature], [self._utilization], [self._enforced_limit], [self._limit_constraints],
-            [self._clock_event_reasons, self._clock_throttle_reasons]]
+            [self._clock_event_reasons, self._clock_throttle_reasons], [self._memory], [self._ecc], [self._xid],
+            [self._nvlink], [self._pcie]]  # PCIe last: its call measures over 20 ms
         self._warned: set[str] = set()
+        self._xid_events = None  # NVML's event set, registered for XID errors at the first reading
+        self._nvlink_last: tuple[int, list[int]] | None = None  # (µs, KiB per direction) of the last reading
 
     def _read(self) -> list[Reading]:
         readings = []
@@ -77,10 +94,16 @@ class NvmlDevice(Device):
                                     call.__name__.strip("_"), e)
         return readings
 
+    def _fields(self, ids: list) -> list:
+        """NVML field values (ids, or (id, scope) pairs); a field's own error raised as NVML's."""
+        fields = pynvml.nvmlDeviceGetFieldValues(self._handle, ids)
+        for field in fields:
+            if field.nvmlReturn != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(field.nvmlReturn)
+        return list(fields)
+
     def _power_instant(self) -> list[Reading]:
-        field = pynvml.nvmlDeviceGetFieldValues(self._handle, [pynvml.NVML_FI_DEV_POWER_INSTANT])[0]
-        if field.nvmlReturn != pynvml.NVML_SUCCESS:
-            raise pynvml.NVMLError(field.nvmlReturn)
+        (field,) = self._fields([pynvml.NVML_FI_DEV_POWER_INSTANT])
         milliwatts = getattr(field.value, _FIELD_VALUE[field.valueType])
         return [(sc.POWER_INSTANT_W, milliwatts / 1e3, {sc.POWER_KIND: sc.POWER_KIND_INSTANT})]
 
@@ -116,6 +139,49 @@ class NvmlDevice(Device):
     def _clock_throttle_reasons(self) -> list[Reading]:
         return [(sc.CLOCK_EVENT_REASONS, pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._handle), {})]
 
+    def _memory(self) -> list[Reading]:
+        memory = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return [(sc.FB_USED_MIB, memory.used / MIB, {}), (sc.FB_TOTAL_MIB, memory.total / MIB, {})]
+
+    def _ecc(self) -> list[Reading]:
+        return [(metric, pynvml.nvmlDeviceGetTotalEccErrors(self._handle, kind, counter), {})
+                for metric, kind, counter in _ECC]
+
+    def _xid(self) -> list[Reading]:
+        """The XID errors raised since the last reading (at most MAX_XIDS), each its code."""
+        if self._xid_events is None:
+            events = pynvml.nvmlEventSetCreate()
+            try:
+                pynvml.nvmlDeviceRegisterEvents(self._handle, pynvml.nvmlEventTypeXidCriticalError, events)
+            except pynvml.NVMLError:
+                pynvml.nvmlEventSetFree(events)
+                raise
+            self._xid_events = events
+        readings: list[Reading] = []
+        while len(readings) < MAX_XIDS:
+            try:
+                event = pynvml.nvmlEventSetWait_v2(self._xid_events, 0)  # 0 ms: never waits
+            except pynvml.NVMLError_Timeout:
+                break
+            readings.append((sc.XID_ERRORS, float(event.eventData), {}))
+        return readings
+
+    def _nvlink(self) -> list[Reading]:
+        """NVLink data rates since the last reading, from the links' counters (none at the first)."""
+        fields = self._fields([(field_id, _ALL_LINKS) for _, field_id in _NVLINK])
+        now = (fields[0].timestamp, [getattr(f.value, _FIELD_VALUE[f.valueType]) for f in fields])
+        last, self._nvlink_last = self._nvlink_last, now
+        if last is None or now[0] <= last[0]:
+            return []
+        seconds = (now[0] - last[0]) / 1e6
+        return [(metric, max(kib - before, 0) * 1024 / seconds, {})
+                for (metric, _), kib, before in zip(_NVLINK, now[1], last[1], strict=True)]
+
+    def _pcie(self) -> list[Reading]:
+        """PCIe data rates, NVML's KB/s over the call's own 20 ms window, as bytes/s."""
+        return [(metric, pynvml.nvmlDeviceGetPcieThroughput(self._handle, counter) * 1024.0, {})
+                for metric, counter in _PCIE]
+
     # -- the power-limit actuator --------------------------------------------------------------------
     def power_limit(self) -> float:
         return pynvml.nvmlDeviceGetPowerManagementLimit(self._handle) / 1e3
@@ -137,4 +203,7 @@ class NvmlDevice(Device):
         if self._handle is not None:
             super().close()
             self._handle = None
+            if self._xid_events is not None:
+                pynvml.nvmlEventSetFree(self._xid_events)
+                self._xid_events = None
             pynvml.nvmlShutdown()

@@ -94,11 +94,28 @@ GPU_UTIL_PCT = "DCGM_FI_DEV_GPU_UTIL"
 POWER_LIMIT_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT"
 POWER_LIMIT_MIN_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT_MIN"  # the lowest power limit the GPU accepts
 POWER_LIMIT_MAX_W = "DCGM_FI_DEV_POWER_MGMT_LIMIT_MAX"  # the highest
+FB_USED_MIB = "DCGM_FI_DEV_FB_USED"  # GPU memory in use, MiB
+FB_TOTAL_MIB = "DCGM_FI_DEV_FB_TOTAL"  # GPU memory in all, MiB
+XID_ERRORS = "DCGM_FI_DEV_XID_ERRORS"  # an XID error's code, one sample per error as it happens
+ECC_SBE_VOLATILE = "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"  # corrected (single-bit) ECC errors since the driver loaded
+ECC_DBE_VOLATILE = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"  # uncorrected (double-bit) ECC errors since the driver loaded
+ECC_SBE_AGGREGATE = "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"  # corrected ECC errors over the GPU's life
+ECC_DBE_AGGREGATE = "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL"  # uncorrected ECC errors over the GPU's life
+NVLINK_TX_BPS = "DCGM_FI_PROF_NVLINK_TX_BYTES"  # NVLink data sent, bytes/s, all links together
+NVLINK_RX_BPS = "DCGM_FI_PROF_NVLINK_RX_BYTES"  # and received
+PCIE_TX_BPS = "DCGM_FI_PROF_PCIE_TX_BYTES"  # PCIe data sent, bytes/s
+PCIE_RX_BPS = "DCGM_FI_PROF_PCIE_RX_BYTES"  # and received
 CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"  # a bitmask, NVML's nvmlClocksEventReason*
 CLOCK_EVENT_REASON_BITS = {
     0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
     0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
+}
+CLOCK_EVENT_REASON_WORDS = {  # each reason as a person reads it (dashboard, findings)
+    "gpu_idle": "idle", "applications_clocks_setting": "application clocks setting", "sw_power_cap": "power cap",
+    "hw_slowdown": "hardware slowdown", "sync_boost": "sync boost", "sw_thermal_slowdown": "thermal slowdown",
+    "hw_thermal_slowdown": "hardware thermal slowdown", "hw_power_brake_slowdown": "power brake",
+    "display_clock_setting": "display clock setting",
 }
 
 # Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.

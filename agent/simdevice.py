@@ -14,7 +14,9 @@ sw_power_cap. Compute at full load runs f_max / f times longer: `compute_scale()
 trainer to play out. Injected thermal throttling holds the clock at a thermal clock at most,
 raises the temperature and sets the thermal reasons. Otherwise the temperature follows power,
 T = T_ambient + k · P. The energy counter integrates power between readings, the load held
-from one reading to the next.
+from one reading to the next. Memory in use is constant; NVLink carries its peak rate while
+the GPU waits (in collectives), none while it computes; ECC errors and XIDs come only when
+injected (`inject_errors`).
 """
 
 import threading
@@ -49,6 +51,10 @@ class GpuModel:
     c_per_w: float = 0.06  # temperature rise per watt
     thermal_clock_mhz: float = 1500.0  # throttled clock and temperature, as the fleet simulator's
     thermal_c: float = 88.0
+    memory_total_mib: float = 81559.0  # HBM3, 80 GB
+    memory_used_mib: float = 62000.0  # a training job's weights, optimizer state, activations and cache
+    nvlink_bps: float = 450e9  # NVLink 4, one direction, all 18 links, while collectives run (load 0)
+    pcie_bps: float = 2e9  # the host's share: data batches in, a little back
 
     def power(self, load: "float | np.ndarray", clock_mhz: "float | np.ndarray") -> "float | np.ndarray":
         """P(u, f), W: the power model above; scalars or numpy arrays."""
@@ -100,6 +106,8 @@ class SimulatedDevice(Device):
         self._limit_w = model.limit_max_w
         self._thermal = False
         self._energy_j = 0.0
+        self._ecc_corrected = self._ecc_uncorrected = 0
+        self._xids: list[int] = []  # injected, sent at the next reading
         self._lock = threading.Lock()
         self._last_ns, self._load = clock_ns(), self._load_now()
 
@@ -118,7 +126,18 @@ class SimulatedDevice(Device):
                     (sc.POWER_LIMIT_W, self._limit_w, {}),
                     (sc.POWER_LIMIT_MIN_W, m.limit_min_w, {}),
                     (sc.POWER_LIMIT_MAX_W, m.limit_max_w, {}),
-                    (sc.CLOCK_EVENT_REASONS, reasons, {})]
+                    (sc.CLOCK_EVENT_REASONS, reasons, {}),
+                    (sc.FB_USED_MIB, m.memory_used_mib, {}),
+                    (sc.FB_TOTAL_MIB, m.memory_total_mib, {}),
+                    (sc.ECC_SBE_VOLATILE, self._ecc_corrected, {}),
+                    (sc.ECC_DBE_VOLATILE, self._ecc_uncorrected, {}),
+                    (sc.ECC_SBE_AGGREGATE, self._ecc_corrected, {}),
+                    (sc.ECC_DBE_AGGREGATE, self._ecc_uncorrected, {}),
+                    (sc.NVLINK_TX_BPS, m.nvlink_bps * (1 - self._load), {}),
+                    (sc.NVLINK_RX_BPS, m.nvlink_bps * (1 - self._load), {}),
+                    (sc.PCIE_TX_BPS, m.pcie_bps / 4, {}),
+                    (sc.PCIE_RX_BPS, m.pcie_bps, {}),
+                    *[(sc.XID_ERRORS, xid, {}) for xid in self._drain_xids()]]
 
     def compute_scale(self) -> float:
         """f_max / f at full load: how many times longer compute takes under the cap and throttling."""
@@ -130,6 +149,19 @@ class SimulatedDevice(Device):
         with self._lock:
             self._advance()
             self._thermal = on
+
+    def inject_errors(self, corrected: int = 0, uncorrected: int = 0, xid: int | None = None) -> None:
+        """ECC errors (added to the counters) and an XID error (e.g. 48, a double-bit ECC error; 79,
+        the GPU fell off the bus), as a failing GPU raises them."""
+        with self._lock:
+            self._ecc_corrected += corrected
+            self._ecc_uncorrected += uncorrected
+            if xid is not None:
+                self._xids.append(xid)
+
+    def _drain_xids(self) -> list[int]:
+        xids, self._xids = self._xids, []
+        return xids
 
     def _operating_point(self, load: float) -> tuple[float, float, int]:
         return operating_point(self.model, load, self._limit_w, self._thermal)

@@ -19,9 +19,9 @@ from conftest import wait_until
 from otlp_payloads import query
 
 from agent import semconv as sc
-from agent.devices import open_device
+from agent.devices import clock_event_words, open_device
 from agent.export import Exporter
-from agent.nvml import NvmlDevice
+from agent.nvml import MAX_XIDS, NvmlDevice
 from agent.rapl import Rapl
 from agent.sampler import Sampler
 from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_points
@@ -41,6 +41,11 @@ class FakeNvml:
         self.limit_mw = 650_000  # an operator's limit, below the default
         self.initialised = 0
         self.calls: Counter[str] = Counter()
+        self.now_us = 1_000_000  # the field values' timestamps
+        self.nvlink_kib = [0, 0]  # the links' counters, TX and RX
+        self.xids: list[int] = []  # XID events waiting to be read
+        self.event_sets = 0  # created and not yet freed
+        self.fields_asked: Counter[int] = Counter()
 
     def install(self, monkeypatch) -> "FakeNvml":
         for name in dir(self):
@@ -73,14 +78,48 @@ class FakeNvml:
 
     def nvmlDeviceGetFieldValues(self, handle, field_ids):
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        nvlink = {pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: 0, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: 1}
         for value, field_id in zip(values, field_ids, strict=True):
-            value.fieldId = field_id
+            field_id, scope = field_id if isinstance(field_id, tuple) else (field_id, 0)
+            value.fieldId, value.scopeId, value.timestamp = field_id, scope, self.now_us
+            self.fields_asked[field_id] += 1
             if field_id == pynvml.NVML_FI_DEV_POWER_INSTANT and self.instant:
                 value.nvmlReturn, value.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 value.value.uiVal = 612_345  # mW
+            elif field_id in nvlink and scope == 0xFFFFFFFF:  # every link's sum
+                value.nvmlReturn, value.valueType = pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.value.ullVal = self.nvlink_kib[nvlink[field_id]]
             else:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return pynvml.c_nvmlMemory_t(total=81_559 * 2**20, free=21_559 * 2**20, used=60_000 * 2**20)
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, error_type, counter_type):
+        return {(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 3,
+                (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC): 0,
+                (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC): 12,
+                (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC): 1}[error_type, counter_type]
+
+    def nvmlDeviceGetPcieThroughput(self, handle, counter):
+        return {pynvml.NVML_PCIE_UTIL_TX_BYTES: 1_000, pynvml.NVML_PCIE_UTIL_RX_BYTES: 250_000}[counter]  # KB/s
+
+    def nvmlEventSetCreate(self):
+        self.event_sets += 1
+        return "event set"
+
+    def nvmlEventSetFree(self, events):
+        self.event_sets -= 1
+
+    def nvmlDeviceRegisterEvents(self, handle, event_types, events):
+        assert event_types == pynvml.nvmlEventTypeXidCriticalError and events == "event set"
+
+    def nvmlEventSetWait_v2(self, events, timeout_ms):
+        assert timeout_ms == 0  # the sampler never waits for an event
+        if not self.xids:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        return pynvml.c_nvmlEventData_t(eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=self.xids.pop(0))
 
     def nvmlDeviceGetPowerUsage(self, handle):
         return 598_000  # mW, averaged
@@ -144,7 +183,9 @@ def test_nvml_reader_gives_dcgm_metrics_in_watts_and_joules_preferring_instant_p
         sc.POWER_INSTANT_W: pytest.approx(612.345), sc.ENERGY_J: pytest.approx(123_456.789),
         sc.SM_CLOCK_MHZ: 1755, sc.MEM_CLOCK_MHZ: 2619, sc.GPU_TEMP_C: 64, sc.GPU_UTIL_PCT: 97,
         sc.POWER_LIMIT_W: 650.0, sc.POWER_LIMIT_MIN_W: 200.0, sc.POWER_LIMIT_MAX_W: 700.0,
-        sc.CLOCK_EVENT_REASONS: 0x24}
+        sc.CLOCK_EVENT_REASONS: 0x24, sc.FB_USED_MIB: 60_000, sc.FB_TOTAL_MIB: 81_559,
+        sc.ECC_SBE_VOLATILE: 3, sc.ECC_DBE_VOLATILE: 0, sc.ECC_SBE_AGGREGATE: 12, sc.ECC_DBE_AGGREGATE: 1,
+        sc.PCIE_TX_BPS: 1_000 * 1024, sc.PCIE_RX_BPS: 250_000 * 1024}  # NVLink: a rate, from the second reading
     assert reason_names(values[sc.CLOCK_EVENT_REASONS]) == {"sw_power_cap", "sw_thermal_slowdown"}
     assert readings[sc.POWER_INSTANT_W][1][sc.POWER_KIND] == sc.POWER_KIND_INSTANT
     assert all(attributes[sc.GPU] == 3 and attributes[sc.SOURCE] == sc.SOURCE_NVML
@@ -160,7 +201,7 @@ def test_nvml_power_falls_back_to_the_average_and_says_so(nvml):
         assert readings[sc.POWER_W] == (598.0, {sc.GPU: 0, sc.SOURCE: sc.SOURCE_NVML,
                                                  sc.POWER_KIND: sc.POWER_KIND_AVERAGE})
         assert sc.POWER_INSTANT_W not in readings
-    assert nvml.calls["nvmlDeviceGetFieldValues"] == 1  # not supported: not asked again
+    assert nvml.fields_asked[pynvml.NVML_FI_DEV_POWER_INSTANT] == 1  # not supported: not asked again
 
 
 def test_nvml_calls_not_supported_are_skipped_from_then_on_other_errors_once(nvml):
@@ -178,6 +219,49 @@ def test_nvml_calls_not_supported_are_skipped_from_then_on_other_errors_once(nvm
     assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1
     assert nvml.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1
     assert nvml.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2
+
+
+def test_nvlink_rate_is_the_links_counters_rise_over_the_time_between_readings(nvml):
+    device = NvmlDevice(0)
+    assert sc.NVLINK_TX_BPS not in by_metric(device.read())  # one counter reading: no rate yet
+    nvml.nvlink_kib, nvml.now_us = [45_000_000, 9_000_000], nvml.now_us + 100_000  # KiB, over 100 ms
+    rates = by_metric(device.read())
+    assert rates[sc.NVLINK_TX_BPS][0] == pytest.approx(45_000_000 * 1024 / 0.1)
+    assert rates[sc.NVLINK_RX_BPS][0] == pytest.approx(9_000_000 * 1024 / 0.1)
+    nvml.nvlink_kib, nvml.now_us = [0, 0], nvml.now_us + 100_000  # the driver reloaded: counters start over, never a negative rate
+    assert by_metric(device.read())[sc.NVLINK_TX_BPS][0] == 0
+
+
+def test_xid_errors_are_sent_once_each_as_they_happen_and_the_event_set_freed(nvml):
+    device = NvmlDevice(0)
+    assert sc.XID_ERRORS not in by_metric(device.read())
+    nvml.xids = [48, 79]  # a double-bit ECC error, then the GPU fell off the bus
+    assert [value for metric, value, _ in device.read() if metric == sc.XID_ERRORS] == [48, 79]
+    assert sc.XID_ERRORS not in by_metric(device.read())
+    nvml.xids = [13] * 100  # a storm: a reading takes a bounded number
+    assert sum(metric == sc.XID_ERRORS for metric, _, _ in device.read()) == MAX_XIDS
+    assert nvml.calls["nvmlEventSetCreate"] == 1
+    device.close()
+    assert nvml.event_sets == 0 and nvml.initialised == 0
+
+
+@pytest.mark.parametrize("failing", ["nvmlDeviceRegisterEvents", "nvmlDeviceGetMemoryInfo",
+                                     "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetPcieThroughput"])
+def test_device_metrics_a_gpu_lacks_or_forbids_are_not_asked_again(nvml, failing):
+    nvml.errors = {failing: pynvml.NVML_ERROR_NO_PERMISSION if failing.endswith("Events")
+                   else pynvml.NVML_ERROR_NOT_SUPPORTED}  # ECC off, no NVML events in a container...
+    device = NvmlDevice(0)
+    for _ in range(3):
+        assert sc.POWER_INSTANT_W in by_metric(device.read())  # the rest is read
+    assert nvml.calls[failing] == 1
+    device.close()
+    assert nvml.event_sets == 0
+
+
+def test_clock_event_reasons_in_words():
+    assert clock_event_words(0x4 | 0x40) == ["power cap", "hardware thermal slowdown"]
+    assert clock_event_words(0) == []
+    assert set(sc.CLOCK_EVENT_REASON_WORDS) == set(sc.CLOCK_EVENT_REASON_BITS.values())
 
 
 @pytest.mark.parametrize("visible, local_index, gpu", [("4,5", 1, 5), ("GPU-aaaa,GPU-bbbb", 1, 6)])
@@ -316,6 +400,22 @@ def test_simulated_energy_integrates_power_over_time():
             energy.append(by_metric(device.read())[sc.ENERGY_J][0])
     # 700 W for 10 s, idle 70 W for 5 s, 700 W for 5 s, capped at 400 W for 10 s
     assert energy == pytest.approx([7000, 7000 + 350, 7000 + 350 + 3500 + 4000])
+    device.close()
+
+
+def test_simulated_gpu_reports_memory_links_and_the_errors_injected():
+    load = Load(1.0)
+    device = load.device()
+    busy = by_metric(device.read())
+    assert (busy[sc.FB_USED_MIB][0], busy[sc.FB_TOTAL_MIB][0]) == (H100.memory_used_mib, H100.memory_total_mib)
+    assert busy[sc.NVLINK_TX_BPS][0] == 0 and busy[sc.PCIE_RX_BPS][0] > 0  # computing: the links are quiet
+    assert busy[sc.ECC_DBE_VOLATILE][0] == 0 and sc.XID_ERRORS not in busy
+    load.utilization = 0.0  # waiting in a collective
+    device.inject_errors(corrected=5, uncorrected=2, xid=48)
+    waiting = by_metric(device.read())
+    assert waiting[sc.NVLINK_TX_BPS][0] == H100.nvlink_bps
+    assert (waiting[sc.ECC_SBE_VOLATILE][0], waiting[sc.ECC_DBE_VOLATILE][0], waiting[sc.XID_ERRORS][0]) == (5, 2, 48)
+    assert sc.XID_ERRORS not in by_metric(device.read())  # an XID is sent once
     device.close()
 
 
@@ -471,5 +571,7 @@ def test_samples_reach_the_collector_with_their_labels(collector, tmp_path):
     assert by_name[sc.HOST_POWER_W][:4] == [None, sc.SOURCE_RAPL, None, "package-0"]
     assert set(by_name) == {sc.POWER_INSTANT_W, sc.ENERGY_J, sc.SM_CLOCK_MHZ, sc.MEM_CLOCK_MHZ, sc.GPU_TEMP_C,
                             sc.GPU_UTIL_PCT, sc.POWER_LIMIT_W, sc.POWER_LIMIT_MIN_W, sc.POWER_LIMIT_MAX_W,
-                            sc.CLOCK_EVENT_REASONS, sc.HOST_ENERGY_J, sc.HOST_POWER_W}
+                            sc.CLOCK_EVENT_REASONS, sc.FB_USED_MIB, sc.FB_TOTAL_MIB, sc.ECC_SBE_VOLATILE,
+                            sc.ECC_DBE_VOLATILE, sc.ECC_SBE_AGGREGATE, sc.ECC_DBE_AGGREGATE, sc.NVLINK_TX_BPS,
+                            sc.NVLINK_RX_BPS, sc.PCIE_TX_BPS, sc.PCIE_RX_BPS, sc.HOST_ENERGY_J, sc.HOST_POWER_W}
     assert sampler.dropped == 0 and by_name[sc.ENERGY_J][-1] >= 3
