@@ -155,7 +155,7 @@ def test_analyze_names_the_rank_that_never_entered(hung):
     evidence = finding["evidence"]
     assert evidence["collective"] == {"op": "all_reduce", "group": "0", "seq": 7, "waiting_ranks": [0, 1, 3]}
     assert (evidence["missing_ranks"], evidence["mismatched"], evidence["no_dump_ranks"]) == ([2], [], [])
-    assert "ranks [2] never entered it" in finding["summary"]
+    assert "rank 2 never entered it" in finding["summary"]
 
     text = rankwatch_cli("analyze", "hung", "--db", str(db), env={"COLUMNS": "250"})
     assert text.returncode == 0, text.stderr

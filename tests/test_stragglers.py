@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from agent import semconv as sc
 from collector.analyzers.stragglers import analyze
 
 RANKS = 32  # four hosts of 8 ranks; four pipeline stages of 8 ranks, spread over the hosts
@@ -85,3 +86,52 @@ def test_random_slowness_is_widespread_not_a_rank():
 
 def test_too_few_ranks_to_judge():
     assert analyze(frame()[lambda f: f["rank"] < 2], PLACEMENT) == []
+
+
+def test_a_slow_node_reads_as_its_rank_range():
+    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(8, 16)}), PLACEMENT)
+    assert finding.summary.startswith("node node1 (ranks 8–15) computes ")
+
+
+def samples(metric: str, values_by_rank: dict, per_rank: int = 10) -> list[tuple]:
+    """Device samples (rank, metric, value): `per_rank` of each rank's value, or of its list of values."""
+    rows = []
+    for rank, value in values_by_rank.items():
+        values = value if isinstance(value, list) else [value] * per_rank
+        rows += [(rank, metric, v) for v in values]
+    return rows
+
+
+def devices(*groups) -> pd.DataFrame:
+    return pd.DataFrame([row for group in groups for row in group], columns=["rank", "metric", "value"])
+
+
+def test_hardware_evidence_explains_slow_ranks_by_their_gpus():
+    """Rank 5's GPU is held back by heat, rank 9's memory is full and raises ECC errors and an
+    XID; every GPU is power-capped, which explains no one rank."""
+    ranks = range(RANKS)
+    gpus = devices(
+        samples(sc.CLOCK_EVENT_REASONS, {r: (0x4 | 0x20 | 0x40 if r == 5 else 0x4) for r in ranks}),
+        samples(sc.FB_USED_MIB, {r: (81_000 if r == 9 else 60_000) for r in ranks}),
+        samples(sc.FB_TOTAL_MIB, {r: 81_559 for r in ranks}),
+        samples(sc.ECC_SBE_VOLATILE, {r: ([4] * 5 + [10] * 5 if r == 9 else 0) for r in ranks}),
+        samples(sc.ECC_DBE_VOLATILE, {r: ([0] * 5 + [1] * 5 if r == 9 else 0) for r in ranks}),
+        [(9, sc.XID_ERRORS, 48.0)])
+    (finding,) = analyze(frame(slow={5: (1.3, 10), 9: (1.3, 10)}), PLACEMENT, devices=gpus)
+    assert finding.ranks == [5, 9]
+    assert finding.evidence["hardware"] == [
+        {"cause": "clocks_held_back", "ranks": [5], "detail": "thermal slowdown, hardware thermal slowdown"},
+        {"cause": "memory_full", "ranks": [9], "detail": "99% full"},
+        {"cause": "ecc_errors", "ranks": [9], "detail": "6 corrected, 1 uncorrected ECC errors"},
+        {"cause": "xid", "ranks": [9], "detail": "XID 48"}]
+    assert finding.summary.endswith(
+        "; GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank 5; GPU memory 99% full on "
+        "rank 9; 6 corrected, 1 uncorrected ECC errors on rank 9; XID 48 on rank 9")
+
+
+def test_no_hardware_evidence_where_every_gpu_is_alike():
+    ranks = range(RANKS)
+    gpus = devices(samples(sc.CLOCK_EVENT_REASONS, {r: 0x4 for r in ranks}),  # the whole job capped
+                   samples(sc.FB_USED_MIB, {r: 81_000 for r in ranks}), samples(sc.FB_TOTAL_MIB, {r: 81_559 for r in ranks}))
+    (finding,) = analyze(frame(slow={5: (1.3, 10)}), PLACEMENT, devices=gpus)
+    assert "hardware" not in finding.evidence and "; GPU" not in finding.summary

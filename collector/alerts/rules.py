@@ -8,6 +8,8 @@ can page on `severity="critical"` as it does for every other source.
 
 from urllib.parse import quote, urlencode
 
+from collector import ranksets
+
 ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", "hangs": "RankwatchHang",
               "anomalies": "RankwatchTrainingAnomaly", "power": "RankwatchPowerRecommendation",
               "rollbacks": "RankwatchJobStopped", "collector": "RankwatchCollector"}
@@ -62,12 +64,7 @@ def escalates(severity: str, to: str) -> bool:
 def short_ranks(ranks: list[int]) -> str:
     """Ranks as ranges, "24-31" or "3,7,9-11", cut to a few ranges ("... +N" says how many more
     ranks); "none" for a finding about the whole job."""
-    ranges: list[list[int]] = []
-    for rank in sorted(set(ranks)):
-        if ranges and rank == ranges[-1][1] + 1:
-            ranges[-1][1] = rank
-        else:
-            ranges.append([rank, rank])
+    ranges = ranksets.ranges(ranks)
     text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:_RANGES_SHOWN])
     rest = sum(b - a + 1 for a, b in ranges[_RANGES_SHOWN:])
     return (text + (f"... +{rest}" if rest else "")) or "none"

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from collector import ranksets
 from collector.analyzers import Finding, hangs
 
 COMPLETED = "completed"
@@ -82,11 +83,11 @@ def _judge(run_id: str, group: str, desc: str | None, members: tuple[int, ...], 
     reference = _call(calls[next(rank for rank, s in signatures.items() if s == expected)])
     no_dump = [rank for rank in missing if rank not in dumped]
     where = f"group {group}" + (f" ({desc})" if desc else "")
-    reasons = ([f"ranks {missing} never entered it" + (f" (no dump from ranks {no_dump})" if no_dump else "")]
-               if missing else [])
+    reasons = ([f"{ranksets.phrase(missing)} never entered it"
+                + (f" (no dump from {ranksets.phrase(no_dump)})" if no_dump else "")] if missing else [])
     reasons += [f"rank {rank} entered it as {_describe(_call(calls[rank]))} instead of {_describe(reference)}"
                 for rank in mismatched]
-    summary = f"ranks {waiting} are blocked in {reference['op']} #{seq} of {where}: " + "; ".join(reasons)
+    summary = f"{ranksets.phrase(waiting)} {'is' if len(waiting) == 1 else 'are'} blocked in {reference['op']} #{seq} of {where}: " + "; ".join(reasons)
     return Finding(run_id, "hang", culprits, None, None, "critical", len(waiting) / len(members), summary,
                    {"collective": {"op": reference["op"], "group": group, "seq": seq, "waiting_ranks": waiting},
                     "group_desc": desc, "group_size": len(members), "missing_ranks": missing,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from collector import ranksets
 from collector.analyzers import Finding
 
 ANALYZER = "hangs"
@@ -71,11 +72,13 @@ def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
     where = {int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}
              for r in culprits if r in beats.index}
     if collective and culprits:
-        summary = (f"no step has finished for {stalled_s:.0f} s: ranks {collective['waiting_ranks']} are blocked in "
-                   f"{collective['op']} #{collective['seq']} of group {collective['group']}, which ranks {culprits} "
-                   f"never entered")
+        summary = (f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(collective['waiting_ranks'])} "
+                   f"{'is' if len(collective['waiting_ranks']) == 1 else 'are'} blocked in {collective['op']} "
+                   f"#{collective['seq']} of group {collective['group']}, which {ranksets.phrase(culprits)} never "
+                   f"entered")
     elif culprits:
-        summary = f"no step has finished for {stalled_s:.0f} s: ranks {culprits} stopped ({_describe(where, silent)})"
+        summary = (f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(culprits)} stopped "
+                   f"({_describe(where, silent)})")
     else:
         summary = f"no step has finished for {stalled_s:.0f} s; no rank stands out (all blocked alike)"
     return [Finding(run_id, "hang", culprits, stalled_step, stalled_step, "critical", stalled_s / timeout, summary,

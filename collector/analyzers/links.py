@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from collector import ranksets
 from collector.analyzers import Finding
 
 ANALYZER = "links"
@@ -74,7 +75,7 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
 def _finding(run_id: str, first: int, end: int, ranks: list[int], slow: list, step_s: float | None) -> Finding:
     lost = sum(max(row["per_step_s"] - peer_s, 0.0) for _, row, _, peer_s in slow)
     factor = max(center / row["busbw"] for _, row, center, _ in slow)
-    where = (f"rank {ranks[0]}'s link" if len(ranks) == 1 else f"a link among ranks {ranks}")
+    where = (f"rank {ranks[0]}'s link" if len(ranks) == 1 else f"a link among {ranksets.phrase(ranks)}")
     groups = "; ".join(f"{row['name']} in group {group} runs at {row['busbw']:.1f} GB/s busbw against "
                        f"{center:.1f} for its peers" for group, row, center, _ in slow)
     cost = f"{lost * 1e3:.1f} ms of collective time per step"

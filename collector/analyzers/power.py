@@ -51,6 +51,7 @@ import pandas as pd
 
 from agent import semconv as sc
 from agent.simdevice import THERMAL, GpuModel, operating_points
+from collector import ranksets
 from collector.analyzers import Finding
 
 ANALYZER = "power"
@@ -520,7 +521,8 @@ def _per_rank_finding(run_id: str, per_rank: PerRank, profile: pd.DataFrame) -> 
         run_id, "per_rank_caps", capped, per_rank.step_start, per_rank.step_end, "info", per_rank.saving_fraction,
         f"{len(capped)} ranks wait for slower ones and can run under lower power limits "
         f"({min(per_rank.caps.values()):.0f}-{max(per_rank.caps.values()):.0f} W; "
-        + (f"ranks {kept[:8]}{'...' if len(kept) > 8 else ''} keep theirs" if kept else "none keeps its limit")
+        + (f"{ranksets.phrase(kept)} {'keeps its' if len(kept) == 1 else 'keep theirs'}" if kept
+           else "none keeps its limit")
         + f"): {per_rank.saving_j_per_step / 1e3:.2f} kJ less per step ({100 * per_rank.saving_fraction:.1f}%, "
         f"re-run range {lo / 1e3:.2f}-{hi / 1e3:.2f} kJ), {100 * (per_rank.slowdown - 1):+.2f}% step time, "
         f"{per_rank.saving_kwh_run:.3f} kWh over the run",

@@ -22,7 +22,8 @@ import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
-from collector.analyzers import Finding
+from collector import ranksets
+from collector.analyzers import Finding, hardware
 
 ANALYZER = "stragglers"
 
@@ -68,6 +69,9 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
         finding = _suspect_finding(run_id, steps, recent, sorted(int(r) for r in slow.index), ranks, s,
                                    {int(r) for r in elevated})
         finding.evidence.update(_device_evidence(devices, finding.ranks))
+        if found := hardware.causes(devices, finding.ranks):  # what the GPUs say of why
+            finding.evidence["hardware"] = found
+            finding.summary += "; " + hardware.describe(found)
         if "data_s" in recent:
             finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
             finding.evidence["peer_data_s"] = float(recent.loc[~recent["rank"].isin(finding.ranks), "data_s"].median())
@@ -94,8 +98,7 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
     The suspects are a node (or a stage) when they all share one host (stage) and that group's
     ranks are nearly all slow too (`elevated`: above the median by half the threshold): a
     slightly slow node shows first as a few of its ranks crossing the threshold."""
-    listed = ", ".join(map(str, suspects))
-    kind, where = "rank", f"rank {listed}" if len(suspects) == 1 else f"ranks {listed}"
+    kind, where = "rank", ranksets.phrase(suspects)
     if ranks is not None and not ranks.empty:
         placed = ranks.set_index("rank")
         for column, label in (("host", "node"), ("pp_stage", "stage")):
@@ -104,7 +107,7 @@ def _suspect_finding(run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, sus
                 members = sorted(int(r) for r in placed.index[placed[column].isin(groups)])
                 if len(groups) == 1 and len(members) > 1 and len(elevated & set(members)) >= 0.75 * len(members):
                     suspects = members
-                    kind, where = label, f"{label} {groups[0]} (ranks {listed})"
+                    kind, where = label, f"{label} {groups[0]} ({ranksets.phrase(members)})"
                     break
     peers = recent[~recent["rank"].isin(suspects)]
     slowdown = float(recent.loc[recent["rank"].isin(suspects), "ratio"].median())
