@@ -12,10 +12,11 @@ import duckdb
 from rich.console import Console
 from rich.table import Table
 
-from collector import queryapi
+from collector import queryapi, ranksets
 from collector.store import connect
 
 FORMATS = ("table", "csv", "json")
+LIST_ITEMS = 8  # items of a list a table cell shows; CSV and JSON keep every one
 
 
 class QueryError(Exception):
@@ -56,8 +57,18 @@ def _plain(value):
     return value
 
 
+def _cell(value) -> str:
+    """A value as a table shows it: a long list shortened to one line, a sorted list of whole
+    numbers (ranks, most often) as ranges ("0–511"), any other its first items and a count."""
+    if isinstance(value, (list, tuple)) and len(value) > LIST_ITEMS:
+        if all(isinstance(v, int) for v in value) and list(value) == sorted(set(value)):
+            return f"[{ranksets.compact(value)}] ({len(value)})"
+        return "[" + ", ".join(str(_plain(v)) for v in value[:LIST_ITEMS]) + f", … {len(value) - LIST_ITEMS} more]"
+    return "" if value is None else str(_plain(value))
+
+
 def write(columns: list[str], rows: list[tuple], fmt: str, out: TextIO = sys.stdout) -> None:
-    """Print a result in one of FORMATS."""
+    """Print a result in one of FORMATS; a table abbreviates long lists (_cell)."""
     if fmt == "csv":
         writer = csv.writer(out)
         writer.writerow(columns)
@@ -68,5 +79,5 @@ def write(columns: list[str], rows: list[tuple], fmt: str, out: TextIO = sys.std
     else:
         table = Table(*columns)
         for row in rows:
-            table.add_row(*("" if v is None else str(_plain(v)) for v in row))
+            table.add_row(*map(_cell, row))
         Console(file=out).print(table)

@@ -202,7 +202,9 @@ def _print_findings(found: list, console) -> None:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks ({ranks[0]}..{ranks[-1]})"
+    from collector import ranksets
+
+    return ranksets.compact(ranks) or "-"
 
 
 def cmd_power_recommend(args) -> None:
