@@ -135,7 +135,7 @@ def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
              "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS}, "slowest_ranks": {"limit": 10},
              "timeline": {"step": last, "slowest": 8, "typical": 4}, "slowest_groups": {"limit": 8},
              "exposed_comm": {"rank_bins": ui.RANK_BINS}, "device_by_rank": {"rank_bins": ui.RANK_BINS},
-             "throttled": {"limit": 50}}
+             "throttled": {"limit": 50}, "gpu_errors": {"limit": 50}, "power_series": {"points": ui.POINTS}}
     return {name: ({} if name == "runs" else {"run": RUN}) | extra.get(name, {}) for name in queries.QUERIES}
 
 

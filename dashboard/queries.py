@@ -29,15 +29,16 @@ GROUP BY step ORDER BY step
 # The whole run, downsampled: medians over ranks per step, averaged over bins of steps.
 STEP_SERIES = """
 WITH per_step AS (
-    SELECT step, median(duration_s) AS step_s, median(compute_s) AS compute_s, median(comm_wait_s) AS comm_wait_s,
-           median(data_s) AS data_s, sum(tokens) / median(duration_s) AS tokens_per_s, avg(mfu) AS mfu,
+    SELECT step, max(end_ts) AS end_ts, median(duration_s) AS step_s, median(compute_s) AS compute_s,
+           median(comm_wait_s) AS comm_wait_s, median(data_s) AS data_s,
+           sum(tokens) / median(duration_s) AS tokens_per_s, avg(mfu) AS mfu,
            avg(loss) FILTER (WHERE isfinite(loss)) AS loss,
            avg(grad_norm) FILTER (WHERE isfinite(grad_norm)) AS grad_norm,
            count(*) FILTER (WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)) AS non_finite
     FROM current_steps WHERE run_id = $run GROUP BY step),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
          FROM per_step)
-SELECT min(step) AS step, avg(step_s) AS step_s, avg(compute_s) AS compute_s, avg(comm_wait_s) AS comm_wait_s,
+SELECT min(step) AS step, max(end_ts) AS end_ts, avg(step_s) AS step_s, avg(compute_s) AS compute_s, avg(comm_wait_s) AS comm_wait_s,
        avg(data_s) AS data_s, avg(tokens_per_s) AS tokens_per_s, avg(mfu) AS mfu, avg(loss) AS loss,
        avg(grad_norm) AS grad_norm, sum(non_finite) AS non_finite
 FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
@@ -176,19 +177,27 @@ SELECT hb.step AS step, nullif(hb.phase, '') AS phase, hb.op AS op, hb."group" A
 FROM last GROUP BY ALL ORDER BY ranks, step
 """
 
-# Which device metrics a run has, and from how many ranks.
+# Which device metrics a run has, from how many ranks, and where they came from (nvml, simulated, rapl).
 DEVICE_METRICS = """
-SELECT metric, count(DISTINCT rank) AS ranks, count(*) AS samples FROM device_samples WHERE run_id = $run
+SELECT metric, count(DISTINCT rank) AS ranks, count(*) AS samples, string_agg(DISTINCT source, ', ') AS sources
+FROM device_samples WHERE run_id = $run
 GROUP BY metric ORDER BY metric
 """
 
-# Power, clocks and temperature per rank (each rank's mean), in about $rank_bins bins of ranks.
+# Power, clocks, temperature, utilization, memory and link traffic per rank (each rank's mean;
+# memory as a share of the GPU's), in about $rank_bins bins of ranks.
 DEVICE_BY_RANK = """
 WITH per_rank AS (
     SELECT metric, rank, avg(value) AS value FROM device_samples
     WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT',
-                                       'DCGM_FI_DEV_SM_CLOCK', 'DCGM_FI_DEV_GPU_TEMP')
-    GROUP BY ALL),
+                                       'DCGM_FI_DEV_SM_CLOCK', 'DCGM_FI_DEV_GPU_TEMP', 'DCGM_FI_DEV_GPU_UTIL',
+                                       'DCGM_FI_PROF_NVLINK_TX_BYTES', 'DCGM_FI_PROF_PCIE_RX_BYTES')
+    GROUP BY ALL
+    UNION ALL
+    SELECT 'memory_used_pct', rank, 100 * avg(value) FILTER (WHERE metric = 'DCGM_FI_DEV_FB_USED')
+                                    / avg(value) FILTER (WHERE metric = 'DCGM_FI_DEV_FB_TOTAL')
+    FROM device_samples WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_FB_USED', 'DCGM_FI_DEV_FB_TOTAL')
+    GROUP BY rank HAVING count(*) FILTER (WHERE metric = 'DCGM_FI_DEV_FB_TOTAL') > 0),
 bins AS (SELECT greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM per_rank)
 SELECT metric, rank // rw * rw AS rank_lo, avg(value) AS mean, min(value) AS low, max(value) AS high,
        arg_min(rank, value) AS lowest_rank, arg_max(rank, value) AS highest_rank
@@ -217,6 +226,32 @@ SELECT rank, bit_or(value::BIGINT) AS reasons, count(*) FILTER (WHERE value > 0)
        count(*) AS samples
 FROM device_samples WHERE run_id = $run AND metric = 'DCGM_FI_DEV_CLOCKS_EVENT_REASONS'
 GROUP BY rank HAVING bit_or(value::BIGINT) > 0 ORDER BY throttled_samples DESC, rank LIMIT $limit
+"""
+
+# GPUs with errors over the run: ECC errors that arose (the volatile counters' rise) and XIDs, per rank.
+GPU_ERRORS = """
+SELECT rank, max(value) FILTER (WHERE metric = 'DCGM_FI_DEV_ECC_SBE_VOL_TOTAL')
+             - min(value) FILTER (WHERE metric = 'DCGM_FI_DEV_ECC_SBE_VOL_TOTAL') AS ecc_corrected,
+       max(value) FILTER (WHERE metric = 'DCGM_FI_DEV_ECC_DBE_VOL_TOTAL')
+             - min(value) FILTER (WHERE metric = 'DCGM_FI_DEV_ECC_DBE_VOL_TOTAL') AS ecc_uncorrected,
+       list(DISTINCT value::BIGINT) FILTER (WHERE metric = 'DCGM_FI_DEV_XID_ERRORS') AS xids,
+       max(ts) FILTER (WHERE metric = 'DCGM_FI_DEV_XID_ERRORS') AS last_xid
+FROM device_samples
+WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_ECC_SBE_VOL_TOTAL', 'DCGM_FI_DEV_ECC_DBE_VOL_TOTAL',
+                                   'DCGM_FI_DEV_XID_ERRORS')
+GROUP BY rank
+HAVING ecc_corrected > 0 OR ecc_uncorrected > 0 OR len(xids) > 0
+ORDER BY ecc_uncorrected DESC NULLS LAST, len(xids) DESC, ecc_corrected DESC NULLS LAST, rank LIMIT $limit
+"""
+
+# The job's power over the run, in about $points bins of time from its first sample: each rank's mean
+# in the bin, summed (a rank without a sample in a bin counts nothing there).
+POWER_SERIES = """
+WITH p AS (SELECT rank, epoch_ns(ts) AS t, value FROM device_samples
+           WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')),
+b AS (SELECT min(t) AS t0, greatest(1, ceil((max(t) - min(t) + 1) / $points))::BIGINT AS w FROM p),
+per_rank AS (SELECT (t - t0) // w AS bin, rank, avg(value) AS watts FROM p, b GROUP BY ALL)
+SELECT any_value(bin * w / 1e9) AS elapsed_s, sum(watts) AS watts FROM per_rank, b GROUP BY bin ORDER BY bin
 """
 
 QUERIES = {name.lower(): sql for name, sql in globals().items() if name.isupper() and isinstance(sql, str)}

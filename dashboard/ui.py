@@ -4,6 +4,7 @@ finding is shown (the answer in one line, its evidence one click away)."""
 import pandas as pd
 import streamlit as st
 
+from collector import ranksets
 from dashboard import queries, source
 from dashboard.source import QueryFailed
 
@@ -41,10 +42,10 @@ def current_run() -> str:
     return st.session_state["run"]
 
 
-def ranks_text(ranks, limit: int = 12) -> str:
-    ranks = list(ranks)
-    shown = ", ".join(map(str, ranks[:limit]))
-    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+def linked_finding() -> int | None:
+    """The finding an alert's link names (`?finding=ID`), shown first on its page."""
+    wanted = st.query_params.get("finding")
+    return int(wanted) if wanted is not None and wanted.isdigit() else None
 
 
 def finding_cost(row: pd.Series) -> str | None:
@@ -60,7 +61,7 @@ def finding_cost(row: pd.Series) -> str | None:
 def show_finding(row: pd.Series, expanded: bool = False) -> None:
     """One finding: severity, ranks and summary (which says the cost) as the answer; evidence,
     steps and times behind an expander (open when `expanded`)."""
-    where = f" on ranks {ranks_text(row['ranks'])}" if len(row["ranks"]) else ""
+    where = f" on {ranksets.phrase(row['ranks'])}" if len(row["ranks"]) else ""
     head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
     if row["state"] != "firing":
         st.info(f"resolved: {head}")
@@ -70,6 +71,11 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
         st.error(head)
     else:
         st.warning(head)
+    show_evidence(row, expanded)
+
+
+def show_evidence(row: pd.Series, expanded: bool = False) -> None:
+    """A finding's evidence, steps and times, behind an expander."""
     with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
         steps = "" if pd.isna(row["step_start"]) else f"steps {int(row['step_start'])}-{int(row['step_end'])}, "
@@ -78,10 +84,12 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
         st.json(row["evidence"] or {}, expanded=True)
 
 
-def show_findings(findings: pd.DataFrame, empty: str) -> None:
+def show_findings(findings: pd.DataFrame, empty: str, shown: tuple[int, ...] = ()) -> None:
+    """Each finding once: those the page has already shown (`shown`, and the one an alert's link
+    put first) are not repeated."""
     if findings.empty:
         st.success(empty)
-    for _, row in findings.iterrows():
+    for _, row in findings[~findings["id"].isin([*shown, linked_finding()])].iterrows():
         show_finding(row)
 
 
@@ -92,7 +100,7 @@ def show_linked_finding() -> None:
     if wanted is None:
         return
     findings = frame("findings", run=current_run())
-    linked = findings[findings["id"] == int(wanted)] if wanted.isdigit() else findings.iloc[:0]
+    linked = findings[findings["id"] == linked_finding()]
     if linked.empty:
         st.warning(f"The link names finding {wanted}, which run {current_run()} does not have.")
         return

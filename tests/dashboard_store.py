@@ -1,7 +1,7 @@
 """The store the dashboard tests look at, filled through real collectors: a simulated fleet with
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
-events and power samples; and a bare run (step times only), for the pages' empty states."""
+events and device samples from GPUs (one of them failing); and a bare run (step times only), for the pages' empty states."""
 
 import math
 import time
@@ -16,7 +16,8 @@ from tests.conftest import Collector, free_port, simulated_store, wait_until
 ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
 FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
 HANG = {"run": "sim-hang", "ranks": 8, "rank": 3, "at": 15}
-NAN = {"run": "run-nan", "ranks": 4, "steps": 40, "nan_from": 30, "restored": 24, "watts": 300.0}
+NAN = {"run": "run-nan", "ranks": 4, "steps": 40, "nan_from": 30, "restored": 24, "watts": 300.0,
+       "bad_gpu": 2, "xid_at": 35}  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
 BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
 MS = 1_000_000
 
@@ -53,8 +54,13 @@ def _nan_run(collector: Collector) -> None:
                 exporter.trace([("step", start, start + 100 * MS, {
                     sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: loss, sc.GRAD_NORM: 1.0 + rank / 10,
                     sc.COMPUTE_S: 0.08, sc.COMM_WAIT_S: 0.01, sc.TOKENS: 1024, sc.MFU: 0.4})])
-                exporter.samples([(sc.POWER_W, start + 100 * MS, NAN["watts"] + 10 * rank, {sc.GPU: rank}),
-                                  (sc.SM_CLOCK_MHZ, start + 100 * MS, 1980.0, {sc.GPU: rank})])
+                bad = rank == NAN["bad_gpu"] and step >= NAN["xid_at"]
+                at, gpu = start + 100 * MS, {sc.GPU: rank, sc.SOURCE: sc.SOURCE_NVML}
+                exporter.samples([(sc.POWER_W, at, NAN["watts"] + 10 * rank, gpu), (sc.SM_CLOCK_MHZ, at, 1980.0, gpu),
+                                  (sc.FB_USED_MIB, at, 81_000.0 if rank == NAN["bad_gpu"] else 60_000.0, gpu),
+                                  (sc.FB_TOTAL_MIB, at, 81_559.0, gpu), (sc.NVLINK_TX_BPS, at, 2e11 + 1e10 * rank, gpu),
+                                  (sc.ECC_SBE_VOLATILE, at, 3.0 * bad, gpu), (sc.ECC_DBE_VOLATILE, at, 1.0 * bad, gpu),
+                                  *([(sc.XID_ERRORS, at, 48.0, gpu)] if bad and step == NAN["xid_at"] else [])])
             if step % 10 == 0:
                 exporters[0].event("checkpoint_saved", start + 100 * MS, {sc.STEP: step})
         for exporter in exporters.values():

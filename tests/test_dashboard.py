@@ -3,11 +3,14 @@ collectors (tests/dashboard_store.py): no exception on any page for any run, and
 and ranks each page leads with are the ones the store holds. The Overview is also read through
 a running collector's query API, and `rankwatch dashboard` refuses a store it cannot read."""
 
+import json
 import shutil
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import duckdb
+import pandas as pd
+import pyarrow as pa
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
@@ -20,7 +23,7 @@ from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
-PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "sql")
+PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
 RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"])
 
 
@@ -36,6 +39,12 @@ def open_page(page: str, run: str) -> AppTest:
 
 def texts(elements) -> list[str]:
     return [e.value for e in elements]
+
+
+def chart(element) -> tuple[dict, pd.DataFrame]:
+    """A chart's Vega-Lite spec and the one data set it draws (Arrow IPC beside the spec)."""
+    (dataset,) = element.proto.datasets
+    return json.loads(element.proto.spec), pa.ipc.open_stream(dataset.data.data).read_pandas()
 
 
 @pytest.fixture
@@ -61,10 +70,11 @@ def test_overview_of_a_straggling_run(from_store):
     assert metrics["MFU"] == "—"  # the simulator reports none
     assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
     (verdict,) = texts(at.main.warning)
-    assert verdict.startswith("**1 finding firing.**")
-    (finding,) = texts(at.main.error)
+    assert verdict == "**1 finding firing** (stragglers / rank), below."
+    (finding,) = texts(at.main.error)  # shown once: the verdict names it, the box says it
     assert finding.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}, {FLEET['thermal']}:")
     assert "ms per step" in finding
+    assert f"GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank {FLEET['thermal']}" in finding
 
 
 def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
@@ -83,8 +93,9 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
 
 def test_overview_of_a_hung_run(from_store):
     at = from_store("overview", HANG["run"])
-    verdict = texts(at.main.error)[0]
-    assert verdict.startswith("**Hung.**") and f"ranks [{HANG['rank']}] never entered" in verdict
+    (verdict,) = texts(at.main.error)  # the hang finding once, in the verdict
+    assert verdict.startswith("**Hung.**") and f"which rank {HANG['rank']} never entered" in verdict
+    assert f"ranks 0–{HANG['rank'] - 1}, {HANG['rank'] + 1}–{HANG['ranks'] - 1} are blocked" in verdict
 
 
 def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store):
@@ -117,6 +128,7 @@ def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboa
     assert at.main.error[0].value.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}")
     assert at.main.expander[0].label == f"evidence of finding {finding_id}" and at.main.expander[0].proto.expanded
     assert at.title[0].value == "Stragglers"
+    assert [e.label for e in at.main.expander].count(f"evidence of finding {finding_id}") == 1  # not shown twice
 
     at.query_params["finding"] = "999999"
     at.run()
@@ -180,16 +192,16 @@ def test_checkpoints_empty_state(from_store):
 
 def test_hangs_names_the_culprit_and_the_collective(from_store):
     at = from_store("hangs", HANG["run"])
-    verdict = texts(at.main.error)[0]
-    assert verdict.startswith("**Hung for ") and f"Culprit ranks: **{HANG['rank']}**" in verdict
+    (verdict,) = texts(at.main.error)  # the headline; the hang finding is not repeated under it
+    assert verdict.startswith("**Hung for ") and f"Culprits: **rank {HANG['rank']}**" in verdict
     waiting = HANG["ranks"] - 1
-    assert (f"{waiting} ranks are blocked in **all_reduce #{HANG['at']}** of group **world**, which ranks "
-            f"{HANG['rank']} never entered.") in texts(at.markdown)
+    assert (f"{waiting} ranks (0–2, 4–7) are blocked in **all_reduce #{HANG['at']}** of group **world**, which "
+            f"rank {HANG['rank']} never entered.") in texts(at.markdown)
     (beats,) = at.dataframe
     by_size = {row.ranks: row for row in beats.value.itertuples()}
-    assert list(by_size[waiting].first_ranks) == [r for r in range(HANG["ranks"]) if r != HANG["rank"]]
+    assert by_size[waiting].first_ranks == "0–2, 4–7"
     assert (by_size[waiting].seq, by_size[waiting].done) == (HANG["at"], False)
-    assert (list(by_size[1].first_ranks), by_size[1].phase) == ([HANG["rank"]], "compute")
+    assert (by_size[1].first_ranks, by_size[1].phase) == (str(HANG["rank"]), "compute")
 
 
 def test_hangs_of_a_run_that_never_stalled(from_store):
@@ -199,21 +211,30 @@ def test_hangs_of_a_run_that_never_stalled(from_store):
 def test_power_names_the_throttled_rank(from_store):
     at = from_store("power", FLEET["run"])
     (throttled,) = texts(at.main.warning)
-    assert throttled.startswith(f"**Clocks held back on ranks {FLEET['thermal']}**: ") and "thermal" in throttled
+    assert throttled == f"**Clocks held back on rank {FLEET['thermal']}**: thermal slowdown, hardware thermal slowdown."
     assert {m.label: m.value for m in at.metric}["Ranks sampled"] == str(FLEET["ranks"])
 
 
-def test_power_shows_the_recommendations_and_the_trade_off_curve(from_store, dashboard_store):
+def test_power_leads_with_the_recommendation_and_the_command_that_applies_it(from_store, dashboard_store):
     at = from_store("power", FLEET["run"])
     with duckdb.connect(str(dashboard_store), read_only=True) as con:
-        advice = dict(con.execute("""SELECT kind, summary FROM findings
-                                     WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""",
-                                  [FLEET["run"]]).fetchall())
+        advice = {kind: (summary, json.loads(evidence)) for kind, summary, evidence in con.execute(
+            """SELECT kind, summary, evidence FROM findings
+               WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""", [FLEET["run"]]).fetchall()}
     assert {"job_cap", "per_rank_caps", "headroom"} <= set(advice)
-    shown = [t for t in texts(at.main.info) if t.startswith("**power / ")]
-    assert len(shown) == len(advice) and all(any(summary in t for t in shown) for summary in advice.values())
+    cap = advice["job_cap"][1]["cap_w"]
+    first = at.main.children[1]  # right under the title
+    assert first.type == "success" and first.value.startswith(f"**Recommendation: cap every GPU at {cap:.0f} W.**")
+    commands = [c.value for c in at.code]
+    assert commands[0] == f"rankwatch power apply {FLEET['run']} --watts {cap:.0f}"
+    assert commands[1].endswith(f"rankwatch power apply {FLEET['run']} --caps caps.json")
+    body = "\n".join(texts(at.main.markdown) + texts(at.main.success) + texts(at.main.caption))
+    for summary, _ in advice.values():  # each recommendation once
+        assert body.count(summary) == 1
+    assert "p99 against now" in body
     assert any(h.startswith("Time/energy trade-off, one limit for every GPU") for h in texts(at.subheader))
     assert any("slowdown_pct" in chart.proto.spec for chart in at.get("vega_lite_chart"))
+    assert any(t.startswith("**Simulated GPUs.**") for t in texts(at.main.info))
 
 
 def test_power_and_energy_per_step(from_store):
@@ -222,7 +243,46 @@ def test_power_and_energy_per_step(from_store):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics == {"Power now": f"{watts / 1000:.2f} kW", "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
                        "Ranks sampled": str(NAN["ranks"])}
-    assert texts(at.main.success) == ["No rank's clocks were held back."]
+    assert "No GPU's clocks were held back (NVML's clock-event reasons)." in texts(at.main.caption)
+    assert not any("Simulated" in t for t in texts(at.main.info))  # NVML's samples
+
+
+def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
+    at = from_store("power", NAN["run"])
+    (errors_text,) = texts(at.main.error)
+    assert errors_text.startswith(f"**GPU errors on rank {NAN['bad_gpu']}**")
+    (errors,) = [d.value for d in at.dataframe if "xids" in d.value]
+    assert errors[["rank", "ecc_corrected", "ecc_uncorrected", "xids"]].values.tolist() == [[NAN["bad_gpu"], 3, 1, "48"]]
+    assert {"GPU memory used", "NVLink sent", "Power"} <= set(texts(at.subheader))
+    spec, bars = chart(next(c for c in at.get("vega_lite_chart") if "GPU memory used" in c.proto.spec))
+    assert spec["mark"]["type"] == "bar"  # 4 ranks: a bar each, no line between rank 0.00 and 1.00
+    assert spec["encoding"]["x"]["type"] == "ordinal" and spec["encoding"]["x"]["field"] == "rank_lo"
+    assert spec["encoding"]["y"]["axis"]["format"] == ",.4~g"
+    assert bars.set_index("rank_lo")["mean"].round(1).to_dict() == {
+        r: round(100 * (81_000 if r == NAN["bad_gpu"] else 60_000) / 81_559, 1) for r in range(NAN["ranks"])}
+
+
+def test_overview_step_time_by_wall_clock_with_zoom(from_store):
+    at = from_store("overview", FLEET["run"])
+    spec, data = chart(at.get("vega_lite_chart")[0])
+    assert spec["encoding"]["x"]["field"] == "step" and spec["params"][0]["bind"] == "scales"  # drag to zoom
+    assert set(data["what"]) == {"step time", "compute", "exposed comm"}
+    at.radio(key="overview_axis").set_value("wall clock").run()
+    spec, _ = chart(at.get("vega_lite_chart")[0])
+    assert (spec["encoding"]["x"]["field"], spec["encoding"]["x"]["type"]) == ("end_ts", "temporal")
+
+
+def test_compare_overlays_two_runs(from_store):
+    at = from_store("compare", NAN["run"])
+    at.selectbox(key="compare_with").set_value(FLEET["run"]).run()
+    assert not at.exception
+    assert texts(at.subheader) == ["Step time", "Loss", "Tokens/s", "Power"]
+    charts = [chart(c) for c in at.get("vega_lite_chart")]
+    assert len(charts) == 4  # step time, loss (run-nan's alone: the simulator reports none), tokens/s, power
+    for spec, data in charts:
+        assert spec["params"][0]["bind"] == "scales"
+    assert [set(data["run"]) for _, data in charts] == [{NAN["run"], FLEET["run"]}, {NAN["run"]},
+                                                         {NAN["run"], FLEET["run"]}, {NAN["run"], FLEET["run"]}]
 
 
 def test_power_empty_state(from_store):

@@ -27,11 +27,13 @@ def live() -> None:
     complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
     now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
     hangs = firing[firing["analyzer"] == "hangs"]
+    shown: tuple[int, ...] = ()  # findings the verdict already says, not repeated below it
     if not hangs.empty:
         st.error(f"**Hung.** {hangs.iloc[0]['summary']}")
+        shown = (int(hangs.iloc[0]["id"]),)
     elif not firing.empty:
-        st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing.** "
-                   + " ".join(firing["summary"].head(3)))
+        kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
+        st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing** ({kinds}), below.")
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
     if complete.empty:
@@ -50,7 +52,8 @@ def live() -> None:
     cols[3].metric("MFU", "—" if mfu is None else f"{100 * mfu:.1f}%")
     cols[4].metric("Power", "—" if pd.isna(watts) else f"{watts / 1000:.2f} kW",
                    help="sum over ranks of each one's mean over the newest minute of samples")
-    ui.show_findings(firing, "No finding fires.")
+    if len(firing) > len(shown):
+        ui.show_findings(firing, "No finding fires.", shown)
     if not advice.empty:
         st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
 
@@ -58,7 +61,9 @@ def live() -> None:
 live()
 st.subheader("Step time over the run")
 series = ui.frame("step_series", run=run, points=ui.POINTS)
-st.altair_chart(charts.step_times(series), width="stretch")
+axis = st.radio("x axis", ["step", "wall clock"], horizontal=True, key="overview_axis", label_visibility="collapsed")
+st.altair_chart(charts.step_times(series, wall_clock=axis == "wall clock"), width="stretch")
+st.caption("Drag to zoom in on a stretch of the run, double-click to zoom out. The Compare page overlays two runs.")
 
 commands = ui.frame("commands", run=run)
 st.subheader("Commands sent to the job")

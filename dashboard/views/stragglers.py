@@ -3,6 +3,7 @@ against the step median (the MegaScale view); one step of the suspects laid out 
 
 import streamlit as st
 
+from collector import ranksets
 from dashboard import charts, ui
 
 run = ui.current_run()
@@ -13,7 +14,7 @@ firing = suspects[suspects["state"] == "firing"]
 if not firing.empty:
     top = firing.iloc[0]
     cost = ui.finding_cost(top)
-    st.markdown(f"### Suspects: ranks {ui.ranks_text(top['ranks'])}, pattern *{top['kind']}*")
+    st.markdown(f"### Suspects: {ranksets.phrase(top['ranks'])}, pattern *{top['kind']}*")
     if cost:
         st.markdown(cost)
 else:
