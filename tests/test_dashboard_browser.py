@@ -1,7 +1,9 @@
 """The dashboard in a real browser: `rankwatch dashboard --db` served on loopback, each page
 loaded by headless Chromium (Debian's, through Selenium and chromedriver), its key elements
-found, its charts drawn, and a screenshot saved under the test's tmp dir."""
+found, its charts drawn, and a screenshot kept as a test artifact: under $RANKWATCH_SCREENSHOTS
+when set (CI uploads that folder), else under the session's pytest tmp dir (screenshots0/)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -23,8 +25,9 @@ PAGES = [
     ("stragglers", FLEET["run"], f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank", 2),
     ("collectives", FLEET["run"], "Bus bandwidth by collective and size", 2),
     ("checkpoints", NAN["run"], f"the job restored step {NAN['restored']}", 2),
-    ("hangs", HANG["run"], f"Culprit ranks: {HANG['rank']}", 0),
-    ("power", FLEET["run"], f"Clocks held back on ranks {FLEET['thermal']}", 2),
+    ("hangs", HANG["run"], f"Culprits: rank {HANG['rank']}", 0),
+    ("power", FLEET["run"], "Recommendation: cap every GPU at", 4),
+    ("compare", NAN["run"], f"Compare {NAN['run']} with", 3),
     ("sql", FLEET["run"], "Download CSV", 0),
 ]
 
@@ -75,6 +78,10 @@ def browser(tmp_path_factory):
 @pytest.fixture(scope="module")
 def screenshots(tmp_path_factory) -> Path:
     """One folder with every page's screenshot, for a person to look at."""
+    if os.environ.get("RANKWATCH_SCREENSHOTS"):
+        folder = Path(os.environ["RANKWATCH_SCREENSHOTS"])
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
     return tmp_path_factory.mktemp("screenshots")
 
 
@@ -117,3 +124,20 @@ def test_an_alert_link_lands_on_its_finding(dashboard, browser, dashboard_store,
     assert body.index("The finding the link is about:") < body.index("lost_s_per_step")  # evidence shown, open
     assert f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank" in body  # the page itself
     assert browser.save_screenshot(str(screenshots / "alert-link.png"))
+
+
+def test_power_page_leads_with_the_recommendation(dashboard, browser, screenshots):
+    """In the browser, the recommendation and its command come before anything else the page
+    says, and the simulator's GPUs are labelled simulated."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{dashboard}/power?run={FLEET['run']}")
+    drawn = ("Recommendation: cap every GPU at", f"rankwatch power apply {FLEET['run']} --watts", "Simulated GPUs",
+             "p99 against now", "Clocks held back on rank")
+    WebDriverWait(browser, 60, poll_frequency=0.5).until(
+        lambda b: all(text in b.find_element(By.TAG_NAME, "body").text for text in drawn))
+    body = browser.find_element(By.TAG_NAME, "body").text
+    order = [body.index(text) for text in drawn]
+    assert order[:2] == sorted(order[:2]) and order[1] < min(order[2:])
+    assert browser.save_screenshot(str(screenshots / "power-recommendation.png"))
