@@ -280,8 +280,8 @@ class GpuSaver:
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
                                                        use_async_staging=True, use_non_blocking_copy=True))
         if method == "rankwatch":
-            self.ckpt = Checkpointer(directory, {"model": model, "optimizer": optimizer}, memory=2, disk_every=10,
-                                     keep=2)
+            self.ckpt = Checkpointer(directory, {"model": model, "optimizer": optimizer}, memory=4, disk_every=10,
+                                     keep=2)  # the trainer's default ring
 
     def before_update(self) -> None:
         if self.staging is not None:  # DCP's staging must be done before the tensors change
@@ -380,8 +380,8 @@ def gpu_main(args: argparse.Namespace) -> None:
     if not args.dir:
         base.rmdir()
     none = rows[0]["train_s"]
-    t = Table(title=f"Training time with checkpoints, {rows[0]['device']}, {rows[0]['state_mb']:.0f} MB of state, "
-                    f"{args.steps} steps")
+    t = Table(title=f"Training time with checkpoints, {rows[0]['device']}, {rows[0]['state_mb']:.0f} MB of "
+                    f"state, {args.steps} steps")
     for column in ("method", "snapshot every", "training time", "vs none", "step", "host time before/after update"):
         t.add_column(column, justify="left" if column == "method" else "right")
     for r in rows:

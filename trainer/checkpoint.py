@@ -2,22 +2,27 @@
 
 Parameters and optimizer state change only inside `optimizer.step()`, so a
 snapshot taken right after one can be copied while the next forward and
-backward run: a background thread copies the tensors into host buffers (on
-CUDA pinned ones, on a side stream). The loop waits only in
-`wait_until_safe()`, called right before the next `optimizer.step()`, and only
-if the copy has not finished. Python-side state (step, schedule, data
-position, RNG) is pickled at once, since the next step changes it first.
+backward run: a background thread copies the tensors into host buffers. The
+loop waits only in `wait_until_safe()`, called right before the next
+`optimizer.step()`, and only if the copy has not finished; on CUDA not even
+the host waits: the copies are queued on a side stream into pinned buffers,
+and the training stream waits for them on the GPU. Python-side state (step,
+schedule, data position, RNG) is pickled at once, since the next step
+changes it first.
 
 Two tiers. The last K snapshots stay in a ring of host buffers, allocated once
 and reused, for an instant rollback. Every M steps one of them goes to disk
 through a background writer: each file is written under a temporary name,
 fsync'd and renamed, then a manifest with the files' blake2b checksums is
-written and renamed last. A checkpoint whose manifest is missing or does not
-match its files is partial or damaged: it is reported and never loaded.
+written and renamed last. Data-parallel replicas hold the same tensors, so
+each writes only its share of them. Listing checkpoints reads manifests only;
+the one about to be loaded is read in full and checked: a checkpoint whose
+manifest is missing or does not match its files is partial or damaged, and is
+reported and never loaded.
 
-`restore(step)` loads the newest snapshot at or before `step`, from memory
-unless only the disk has it; the snapshots after it belong to a future that
-will not happen and are dropped from both tiers.
+`restore(step)` loads the newest snapshot at or before `step` that every
+replica has, from memory unless only the disk has it; the snapshots after it
+belong to a future that will not happen and are dropped from both tiers.
 """
 
 import ctypes
@@ -452,14 +457,15 @@ class Checkpointer:
                 self._copy(slot, tensors, updated, stream)
             except Exception as e:  # reported to the training loop by _report_copied
                 slot.error = e
-            slot.issued.set()
-            if slot.error is None and slot.done is not None:
+            if slot.error is None and slot.done is not None:  # CUDA: the loop goes on once the copy is queued
+                slot.issued.set()
                 try:
                     slot.done.synchronize()
                 except Exception as e:
                     slot.error = e
             slot.copied_at = time.perf_counter()
             slot.copied.set()
+            slot.issued.set()
 
     def _copy(self, slot: _Snapshot, tensors: list[torch.Tensor], updated, stream) -> None:
         refs, slot.nbytes = _layout(tensors)
