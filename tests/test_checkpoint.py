@@ -93,7 +93,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 @pytest.fixture
 def deterministic():
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: an op without a deterministic kernel warns
     yield
     torch.use_deterministic_algorithms(False)
 
@@ -472,6 +472,14 @@ def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
                                    "AND event = 'checkpoint_restored' ORDER BY rank", [])
     assert [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in restored] == [
         (0, 20, "disk"), (1, 20, "disk")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the GPU bench would run")
+def test_the_gpu_bench_without_a_gpu_says_so_in_one_line():
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "checkpoint.py"), "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
+    assert "needs a CUDA GPU" in out.stderr
 
 
 if __name__ == "__main__":
