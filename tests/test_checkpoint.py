@@ -125,7 +125,7 @@ def test_resume_from_disk_matches_the_uninterrupted_run(tmp_path, deterministic,
     expected = [whole.step(s) for s in range(steps)]
     whole.ckpt.close()
 
-    first = job(tmp_path / "crashed", device=device, disk_every=4)
+    first = job(tmp_path / "crashed", device=device, memory=6, disk_every=4)  # 6: step 7 stays while 4 and 8 flush
     assert [first.step(s) for s in range(10)] == expected[:10]
     assert first.ckpt.restore(7) == 7  # from memory, the copies of steps 8 to 10 overtaken by training
     assert [first.step(s) for s in range(7, 10)] == expected[7:10]

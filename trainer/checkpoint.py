@@ -273,6 +273,7 @@ class _Snapshot:
 
 
 def _alone(step: int) -> int:
+    """`agree` for a replica alone: its own value."""
     return step
 
 
