@@ -22,7 +22,18 @@ docs/benchmarks.md, 1.2 s at batch 2. Per method:
 - restore: from host memory (ours), and from disk with the files evicted from
   the page cache first (posix_fadvise DONTNEED), into the live model and optimizer.
 
+With `--device cuda` it measures what checkpoints cost a real GPU training
+loop instead: GPT-2 (124M parameters, `--model`) with AdamW under bf16
+autocast, its training time over `--steps` steps (after warm-up steps that
+take one checkpoint, so that every method's buffers exist) with no
+checkpoints, and with a snapshot every 10 steps and every step by torch.save,
+DCP async_save, DCP async_save with pinned-memory staging (torchtitan's
+"async_with_pinned_mem": a DefaultStager with pinned, shared memory and a
+saving process), and trainer/checkpoint.py (every snapshot in memory, one in
+10 to disk); each against no checkpoints, in one run.
+
 Usage: python bench/checkpoint.py [--sizes 100 1000] [--steps 36] [--every 6] [--compute-ms-per-mb 4]
+       python bench/checkpoint.py --device cuda [--model gpt2] [--batch 8] [--steps 60]
 """
 
 import argparse
@@ -254,6 +265,131 @@ def run(method: str, mb: float, steps: int, every: int, work: int, directory: Pa
             "restore_memory_s": restores.get("memory"), "restore_disk_s": restores["disk"]}
 
 
+GPU_METHODS = ("none", "torch.save", "dcp.async_save", "dcp.async_save pinned", "rankwatch")
+
+
+class GpuSaver:
+    """One way to checkpoint, in the GPU loop: `save` after an optimizer step, `before_update` before the next."""
+
+    def __init__(self, method: str, directory: Path, model, optimizer):
+        self.method, self.directory, self.model, self.optimizer = method, directory, model, optimizer
+        self.pending, self.staging, self.stager, self.ckpt = None, None, None, None
+        if method == "dcp.async_save pinned":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
+        if method == "rankwatch":
+            self.ckpt = Checkpointer(directory, {"model": model, "optimizer": optimizer}, memory=4, disk_every=10,
+                                     keep=2)  # the trainer's default ring
+
+    def before_update(self) -> None:
+        if self.staging is not None:  # DCP's staging must be done before the tensors change
+            self.staging.result()
+            self.staging = None
+        if self.ckpt:
+            self.ckpt.wait_until_safe()
+
+    def save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if self.method == "torch.save":
+            with open(self.directory / "state.pt", "wb") as f:
+                torch.save(state_dict(self.model, self.optimizer), f)
+        elif self.method.startswith("dcp"):
+            if self.pending is not None:  # one save in flight at a time (DCP's rule)
+                self.pending.result()
+            pinned = self.stager is not None
+            response = dcp.async_save(
+                state_dict(self.model, self.optimizer), checkpoint_id=self.directory / f"step-{step}",
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
+                async_stager=self.stager)
+            self.pending, self.staging = ((response.upload_completion, response.staging_completion) if pinned
+                                          else (response, None))
+        elif self.ckpt:
+            self.ckpt.snapshot(step)
+
+    def close(self) -> None:
+        self.before_update()
+        if self.pending is not None:
+            self.pending.result()
+        if self.stager is not None:
+            self.stager.close()
+        if self.ckpt:
+            self.ckpt.close()
+
+
+def run_gpu(method: str, every: int, steps: int, warmup: int, model_name: str, batch: int, device: str,
+            directory: Path) -> dict:
+    """One method's training time on the GPU (or any device), in its own process."""
+    import torch.distributed as dist
+
+    from trainer.model import CONFIGS, GPT
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = GPT(CONFIGS[model_name]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    c = model.config
+    tokens = torch.randint(0, c.vocab, (batch, c.seq_len + 1), device=device)
+    saver = GpuSaver(method, directory, model, optimizer)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    blocked, started = [], 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            started = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        t = time.perf_counter()
+        saver.before_update()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if method != "none" and ((step + 1) % every == 0 or step + 1 == warmup):
+            saver.save(step + 1)
+        if step >= warmup:
+            blocked.append(time.perf_counter() - t)
+    sync()
+    train_s = time.perf_counter() - started
+    saver.close()
+    dist.destroy_process_group()
+    nbytes = sum(t.nbytes for t in model.parameters()) + sum(
+        t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    return {"method": method, "every": every, "state_mb": nbytes / 1e6, "train_s": train_s,
+            "step_ms": train_s / steps * 1e3, "host_ms_per_step": statistics.mean(blocked) * 1e3,
+            "device": torch.cuda.get_device_name() if device == "cuda" else device}
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    """Every method at every cadence, each in its own process, side by side with no checkpoints."""
+    base = args.dir or Path(tempfile.mkdtemp(prefix="bench-checkpoint-gpu-"))
+    rows = []
+    for method, every in [("none", 0)] + [(m, e) for e in (10, 1) for m in GPU_METHODS[1:]]:
+        directory = base / f"{method.replace(' ', '-')}-{every}"
+        directory.mkdir(parents=True)
+        out = subprocess.run([sys.executable, __file__, "--device", args.device, "--gpu-child", method, str(every),
+                              "--steps", str(args.steps), "--model", args.model, "--batch", str(args.batch),
+                              "--dir", str(directory)], capture_output=True, text=True, check=False)
+        if out.returncode:
+            sys.exit(f"{method} every {every} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(directory)
+    if not args.dir:
+        base.rmdir()
+    none = rows[0]["train_s"]
+    t = Table(title=f"Training time with checkpoints, {rows[0]['device']}, {rows[0]['state_mb']:.0f} MB of "
+                    f"state, {args.steps} steps")
+    for column in ("method", "snapshot every", "training time", "vs none", "step", "host time before/after update"):
+        t.add_column(column, justify="left" if column == "method" else "right")
+    for r in rows:
+        t.add_row(r["method"], f"{r['every']} steps" if r["every"] else "—", f"{r['train_s']:.2f} s",
+                  f"{r['train_s'] / none:.3f}x", f"{r['step_ms']:.1f} ms", f"{r['host_ms_per_step']:.1f} ms")
+    Console(width=200).print(t)
+
+
 def ms(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
@@ -282,7 +418,24 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--dir", type=Path, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # METHOD MB WORK: one run, JSON out
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: a real GPT training loop on the GPU instead of the simulated CPU one")
+    p.add_argument("--model", default="gpt2", help="with --device cuda: the trainer's model config")
+    p.add_argument("--batch", type=int, default=8, help="with --device cuda: sequences per step")
+    p.add_argument("--warmup", type=int, default=12, help="with --device cuda: untimed steps first")
+    p.add_argument("--gpu-child", nargs=2, help=argparse.SUPPRESS)  # METHOD EVERY: one run, JSON out
     args = p.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench/checkpoint.py: --device cuda needs a CUDA GPU, and torch sees none", file=sys.stderr)
+            sys.exit(2)
+        if args.gpu_child:
+            method, every = args.gpu_child
+            print(json.dumps(run_gpu(method, int(every), args.steps, args.warmup, args.model, args.batch, "cuda",
+                                     args.dir)))
+        else:
+            gpu_main(args)
+        return
     torch.set_num_threads(1)  # as the children run (OMP_NUM_THREADS=1): one core computes, one is left over
     if args.child:
         method, mb, work = args.child

@@ -171,13 +171,14 @@ def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_st
 
 
 # Firing anomaly findings no rollback has answered: none was sent for them, nor for another
-# finding of the same step drawn before that rollback was done with (the same anomaly; one drawn
-# later at that step is the anomaly coming back on the new trajectory).
+# finding at that step or later drawn before that rollback was done with (the same anomaly, or
+# the steps the job ran on before the rollback landed, which it abandoned: they must not spend
+# the job's rollback budget; one drawn later is an anomaly of the new trajectory).
 _UNANSWERED = """
 SELECT f.id, f.kind, f.step_start FROM findings f
 WHERE f.run_id = ? AND f.analyzer = ? AND f.state = 'firing'
   AND NOT EXISTS (SELECT 1 FROM commands c JOIN findings answered ON c.finding_id = answered.id
-                  WHERE c.run_id = f.run_id AND (answered.id = f.id OR (answered.step_start = f.step_start
+                  WHERE c.run_id = f.run_id AND (answered.id = f.id OR (answered.step_start <= f.step_start
                                                                          AND f.created_at <= c.updated_at)))
 """
 

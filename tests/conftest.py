@@ -182,3 +182,15 @@ def dashboard_store(tmp_path_factory) -> Path:
     from tests.dashboard_store import build
 
     return build(tmp_path_factory.mktemp("dashboard"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `cuda` skip, saying why, where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU: torch.cuda.is_available() is false")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -20,7 +20,9 @@ writer that the SIGKILL test kills.
 
 import json
 import logging
+import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -33,11 +35,14 @@ import torch
 from conftest import rankwatch_cli
 from otlp_payloads import query
 
+from rankwatch.launch import train
 from trainer import rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.model import GPT, GPTConfig
 
+# deterministic cuBLAS (read when its handle is made, so before any test runs on CUDA)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 CONFIG = GPTConfig(vocab=64, seq_len=16, layers=1, heads=2, dim=32)
 
 
@@ -52,9 +57,11 @@ class Job:
     ckpt: Checkpointer
 
     def step(self, step: int) -> float:
-        """One training step, snapshot after it; the loss (which draws on both RNGs, so a resume must restore them)."""
-        inputs, targets = self.data.next()
-        loss = self.model(inputs, targets) * (1 + 0.01 * torch.rand(()) * random.random())
+        """One training step, snapshot after it; the loss (which draws on the RNGs, so a resume must restore them)."""
+        device = next(self.model.parameters()).device
+        inputs, targets = (t.to(device) for t in self.data.next())
+        rand = torch.rand(()) * torch.rand((), device=device).cpu()  # the CPU generator and the device's
+        loss = self.model(inputs, targets) * (1 + 0.01 * rand.item() * random.random())
         loss.backward()
         self.ckpt.wait_until_safe()
         self.optimizer.step()
@@ -64,13 +71,13 @@ class Job:
         return loss.item()
 
 
-def job(directory: Path, seed: int = 0, **ckpt) -> Job:
+def job(directory: Path, seed: int = 0, device: str = "cpu", rank: int = 0, **ckpt) -> Job:
     torch.manual_seed(seed)
     random.seed(seed)
-    model = GPT(CONFIG)
+    model = GPT(CONFIG).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    data = TokenStream(CONFIG.vocab, CONFIG.seq_len, 4, rank=0, seed=seed)
+    data = TokenStream(CONFIG.vocab, CONFIG.seq_len, 4, rank=rank, seed=seed)
     state = {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data}
     return Job(model, optimizer, schedule, data, Checkpointer(directory, state, **ckpt))
 
@@ -86,7 +93,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 @pytest.fixture
 def deterministic():
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: an op without a deterministic kernel warns
     yield
     torch.use_deterministic_algorithms(False)
 
@@ -109,17 +116,22 @@ def test_snapshot_is_isolated_from_later_changes(tmp_path):
     j.ckpt.close()
 
 
-def test_resume_from_disk_matches_the_uninterrupted_run(tmp_path, deterministic):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_resume_from_disk_matches_the_uninterrupted_run(tmp_path, deterministic, device):
+    """From disk and from memory, a restored run continues bitwise like the uninterrupted one: on
+    CUDA too, where the copy is asynchronous, into pinned memory on a side stream."""
     steps = 12
-    whole = job(tmp_path / "whole", disk_every=4)
+    whole = job(tmp_path / "whole", device=device, disk_every=4)
     expected = [whole.step(s) for s in range(steps)]
     whole.ckpt.close()
 
-    first = job(tmp_path / "crashed", disk_every=4)
+    first = job(tmp_path / "crashed", device=device, memory=6, disk_every=4)  # 6: step 7 stays while 4 and 8 flush
     assert [first.step(s) for s in range(10)] == expected[:10]
+    assert first.ckpt.restore(7) == 7  # from memory, the copies of steps 8 to 10 overtaken by training
+    assert [first.step(s) for s in range(7, 10)] == expected[7:10]
     first.ckpt.close()  # on disk: steps 4 and 8; snapshots 9 and 10 were only in memory, lost with the process
 
-    resumed = job(tmp_path / "crashed", seed=99, disk_every=4)  # another initialisation, RNG and data seed
+    resumed = job(tmp_path / "crashed", seed=99, device=device, disk_every=4)  # another initialisation, RNG, data
     assert resumed.ckpt.restore(steps) == 8
     assert resumed.data.position == 8 and resumed.data.seed == 0
     assert [resumed.step(s) for s in range(8, steps)] == expected[8:]  # bitwise
@@ -177,14 +189,18 @@ def test_a_rollback_that_finds_no_checkpoint_spends_none_of_the_budget(tmp_path)
         j.step(step)  # the ring holds steps 3 and 4, the disk nothing
     budget = rollback.Budget(rollbacks=1, window=1000)
 
-    def rollback_to(before_step: int) -> int:
-        command = {"args": {"before_step": before_step}, "created_at": datetime.now(timezone.utc).isoformat()}
+    def rollback_to(before_step: int, command_id: int) -> int:
+        command = {"id": command_id, "args": {"before_step": before_step, "anomaly": "nan"},
+                   "created_at": datetime.now(timezone.utc).isoformat()}
         return rollback.apply(command, 4, j.ckpt, j.data, j.schedule, budget, time.time_ns)
 
-    assert rollback_to(1) == 4 and budget.applied_at == []  # nothing that far back: the job trains on
-    assert rollback_to(3) == 3 and budget.applied_at == [4]  # the budget's one rollback
-    with pytest.raises(rollback.Stop, match="1 rollbacks within 1000 steps"):
-        rollback_to(3)
+    assert rollback_to(1, 7) == 4 and budget.applied == []  # nothing that far back: the job trains on
+    assert rollback_to(3, 8) == 3 and budget.applied == [(4, "command 8, for nan, back to step 3")]  # the one
+    with pytest.raises(rollback.Stop) as stop:
+        rollback_to(3, 9)
+    assert str(stop.value) == (f"1 rollbacks within 1000 steps: stopping instead of another, with step 3 durable in "
+                               f"{tmp_path} (the rollbacks: at step 4: command 8, for nan, back to step 3; this one "
+                               "command 9, for nan, back to step 3)")
     assert j.ckpt.durable_steps() == [3]
     j.ckpt.close()
 
@@ -325,6 +341,145 @@ def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path
     for step, attempts in losses:  # steps 100..114 ran twice, and the resumed attempt repeated them exactly
         assert len(attempts) == (2 if 100 <= step < 115 else 1), (step, attempts)
         assert len(set(attempts)) == 1, (step, attempts)
+
+
+def test_listing_reads_manifests_only_and_loading_verifies(tmp_path, caplog):
+    """What is durable is told by the manifests and file sizes alone: a damaged older checkpoint is
+    listed (its data was not read), and only loading it finds the damage and falls back as before."""
+    j = job(tmp_path, disk_every=2)
+    for step in range(6):
+        j.step(step)
+    j.ckpt.close()  # on disk: steps 4 and 6
+    _flip_a_byte(tmp_path / "step-00000004")
+
+    fresh = job(tmp_path, seed=5, disk_every=2)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        assert fresh.ckpt.durable_steps() == [4, 6]
+        assert not caplog.records  # nothing hashed, so nothing found
+        assert fresh.ckpt.restore(6) == 6  # the newest verifies
+        with pytest.raises(NoCheckpoint):
+            fresh.ckpt.restore(5)  # step 4 is hashed now, found damaged, and nothing older is left
+    [report] = [r.getMessage() for r in caplog.records]
+    assert "step-00000004 skipped: tensors.bin does not match its checksum" in report
+    fresh.ckpt.close()
+
+
+def replica_jobs(tmp_path: Path, count: int, **ckpt) -> list[Job]:
+    """`count` data-parallel replicas: the same initialisation, each its own data and checkpoint directory."""
+    replicas = [tmp_path / f"rank-{r}" for r in range(count)]
+    return [job(replicas[r], rank=r, replicas=replicas, **ckpt) for r in range(count)]
+
+
+def replica_step(jobs: list[Job], step: int) -> None:
+    """One DDP step without the process group: every replica applies the mean of their gradients."""
+    for j in jobs:
+        inputs, targets = j.data.next()
+        j.model(inputs, targets).backward()
+    for params in zip(*(j.model.parameters() for j in jobs)):
+        mean = sum(p.grad for p in params) / len(params)
+        for p in params:
+            p.grad = mean.clone()
+    for j in jobs:
+        j.ckpt.wait_until_safe()
+        j.optimizer.step()
+        j.schedule.step()
+        j.optimizer.zero_grad(set_to_none=True)
+        j.ckpt.snapshot(step + 1)
+
+
+def test_replicas_write_their_tensors_once_and_each_restores_them_all(tmp_path):
+    alone = replica_jobs(tmp_path / "one", 1, disk_every=2)
+    pair = replica_jobs(tmp_path / "two", 2, disk_every=2)
+    for step in range(4):
+        replica_step(alone, step)
+        replica_step(pair, step)
+    expected = [parameters(j.model) for j in pair]
+    assert_same(expected[0], expected[1])
+    for j in alone + pair:
+        j.ckpt.close()
+
+    def size(directory: Path) -> int:
+        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+    one, two = size(tmp_path / "one"), size(tmp_path / "two")
+    assert one < two < 1.3 * one, (one, two)
+    shares = [(tmp_path / "two" / f"rank-{r}" / "step-00000004" / TENSORS).stat().st_size for r in range(2)]
+    assert abs(shares[0] - shares[1]) <= 64 and sum(shares) < 1.01 * (tmp_path / "one" / "rank-0" / "step-00000004" /
+                                                                      TENSORS).stat().st_size
+
+    fresh = [job(tmp_path / "two" / f"rank-{r}", seed=7, rank=r,
+                 replicas=[tmp_path / "two" / f"rank-{i}" for i in range(2)]) for r in range(2)]
+    for r, j in enumerate(fresh):
+        assert j.ckpt.restore(100) == 4
+        assert_same(parameters(j.model), expected[r])
+        assert (j.data.rank, j.data.position) == (r, 4)
+    _flip_a_byte(tmp_path / "two" / "rank-1" / "step-00000004")  # one share damaged: neither replica loads step 4
+    for j in fresh:
+        assert j.ckpt.restore(100) == 2
+        j.ckpt.close()
+
+
+def test_ring_sized_from_step_time_and_detection_latency_serves_a_rollback_from_memory(tmp_path):
+    """The ring grown to the measured step time x the detection latency holds the snapshot that a
+    rollback a detection latency after its anomaly asks for; the ring of 2 it started with does not."""
+    reach = rollback.Reach(latency_s=0.5)
+    j = job(tmp_path, memory=2, disk_every=1000)
+    step, started = 0, time.monotonic()
+    while step < 10 or time.monotonic() - started < 3 * reach.latency_s:
+        reach.step_started(step)
+        j.ckpt.grow(reach.ring(every=1))
+        j.step(step)  # a snapshot every step
+        step += 1
+    anomaly = max(s for s, at in reach.started.items() if at <= time.monotonic() - reach.latency_s)
+    target = anomaly - rollback.MARGIN
+    assert j.ckpt.memory > 2 and step - target > 2
+    assert j.ckpt.restore(target) == target  # from memory: nothing was written to disk
+    assert not any(tmp_path.iterdir())
+    j.ckpt.close()
+
+
+def test_measured_detection_latency_grows_the_reach():
+    reach = rollback.Reach(latency_s=0.0)
+    for step in range(20):
+        reach.step_started(step)
+    reach.started[12] -= 3.0  # step 12 started 3 s ago (as if the machine had paused)
+    reach.rolled_back(12 - rollback.MARGIN)
+    assert 3.0 <= reach.latency_s < 10.0
+    step_s = statistics.median(reach.durations)
+    assert reach.ring(every=10) == rollback.ring_size(step_s, reach.latency_s, 10) > rollback.ring_size(step_s, 0, 10)
+
+
+def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
+    """A 2-rank DDP job's checkpoints take under 1.3x the bytes of a 1-rank job's (each rank writes half
+    the tensors), and a start under the same run id resumes on every rank from the shares of both."""
+    def run(nproc: int, name: str, steps: int) -> int:
+        return train(nproc=nproc, steps=steps, run_id=name, collector=collector.url, token=collector.token,
+                     trainer_args=["--ckpt-every", "10", "--ckpt-dir", str(tmp_path / name)])
+
+    def size(directory: Path) -> int:
+        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+    for nproc in (1, 2):
+        assert run(nproc, f"run-replicas-{nproc}", 20) == 0
+    one, two = size(tmp_path / "run-replicas-1"), size(tmp_path / "run-replicas-2")
+    assert one < two < 1.3 * one, (one, two)
+
+    capfd.readouterr()
+    assert run(2, "run-replicas-2", 30) == 0  # started again: both ranks load step 20 from the two shares
+    assert "resumed at step 20" in capfd.readouterr().out
+    collector.stop()
+    restored = query(collector.db, "SELECT rank, step, attrs FROM events WHERE run_id = 'run-replicas-2' "
+                                   "AND event = 'checkpoint_restored' ORDER BY rank", [])
+    assert [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in restored] == [
+        (0, 20, "disk"), (1, 20, "disk")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the GPU bench would run")
+def test_the_gpu_bench_without_a_gpu_says_so_in_one_line():
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "checkpoint.py"), "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
+    assert "needs a CUDA GPU" in out.stderr
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Automatic rollback end to end: a real torchrun job whose loss turns NaN (or spikes) is rolled
 back by the collector's anomaly analyzer, exactly once, and trains on with a sane loss; past its
-rollback budget it stops, its good state durable, and the collector says so."""
+rollback budget it stops, its good state durable, and the collector says so, naming each rollback;
+the anomalies of the steps a rollback abandoned spend none of the budget."""
 
 import json
 
@@ -15,28 +16,39 @@ from trainer.checkpoint import Checkpointer
 PACE = "straggler:rank=0,slowdown=3,from=0"
 
 
-@pytest.mark.parametrize("fault", ["nan:at=50", "spike:at=50,scale=50"])
-def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp_path, fault):
+@pytest.mark.parametrize("nproc, fault", [(2, "nan:at=50"), (2, "spike:at=50,scale=50"), (1, "spike:at=50,scale=50"),
+                                          (1, None)])
+def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp_path, nproc, fault):
+    """A NaN or a 50x loss spike: exactly one rollback, served from memory on every rank; a clean run: none.
+    Either way every step is kept once per rank and none after the anomaly is bad."""
     collector = collector_factory(None, "--analyze-every", "0.5")
-    run = "run-rollback-" + fault.split(":")[0]
-    status = train(nproc=2, steps=160, run_id=run, faults=[fault, PACE], collector=collector.url,
-                   token=collector.token, trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")])
+    run = f"run-rollback-{nproc}-" + (fault or "clean").split(":")[0]
+    status = train(nproc=nproc, steps=160, run_id=run, faults=[fault, PACE] if fault else [PACE],
+                   collector=collector.url, token=collector.token,
+                   trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")])
     assert status == 0
     collector.stop()
     commands = query(collector.db, "SELECT kind, state, args, result FROM commands WHERE run_id = ?", [run])
-    assert len(commands) == 1, commands
-    kind, state, args, result = commands[0]
-    args, result = json.loads(args), json.loads(result)
-    assert (kind, state, args["before_step"]) == ("rollback", "applied", 45)
-    assert result["restored_step"] <= 45 and result["from_step"] > 50 and result["skipped_batches"] == 20
-    events = query(collector.db, "SELECT rank, step FROM events WHERE run_id = ? AND event = 'rollback' ORDER BY rank",
-                   [run])
-    assert [r for r, _ in events] == [0, 1] and {s for _, s in events} == {result["restored_step"]}
+    if fault is None:
+        assert commands == []
+    else:
+        assert len(commands) == 1, commands
+        kind, state, args, result = commands[0]
+        args, result = json.loads(args), json.loads(result)
+        assert (kind, state, args["before_step"]) == ("rollback", "applied", 45)
+        assert result["restored_step"] <= 45 and result["from_step"] > 50 and result["skipped_batches"] == 20
+        events = query(collector.db, "SELECT rank, step FROM events WHERE run_id = ? AND event = 'rollback' "
+                                     "ORDER BY rank", [run])
+        assert [r for r, _ in events] == list(range(nproc)) and {s for _, s in events} == {result["restored_step"]}
+        restored = query(collector.db, "SELECT rank, step, attrs FROM events WHERE run_id = ? AND "
+                                       "event = 'checkpoint_restored' ORDER BY rank", [run])
+        assert [(r, s, json.loads(a)["rankwatch.checkpoint.tier"]) for r, s, a in restored] == [
+            (r, result["restored_step"], "memory") for r in range(nproc)]
     # the trajectory the job kept: every step once per rank, none after the anomaly bad
     ((rows, distinct, bad, last_loss),) = query(collector.db, """
         SELECT count(*), count(DISTINCT (rank, step)), count(*) FILTER (NOT isfinite(loss) OR loss > 20),
                max_by(loss, step) FROM current_steps WHERE run_id = ?""", [run])
-    assert rows == distinct == 2 * 160 and bad == 0 and last_loss < 10
+    assert rows == distinct == nproc * 160 and bad == 0 and last_loss < 10
 
 
 def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_factory, tmp_path):
@@ -49,10 +61,10 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
                    trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(ckpt), "--max-rollbacks", "1"])
     assert status == 0  # a clean stop
     collector.stop()
-    commands = query(collector.db, "SELECT state, args, result FROM commands WHERE run_id = ? ORDER BY id", [run])
-    assert [state for state, _, _ in commands] == ["applied", "failed"], commands
-    result = json.loads(commands[1][2])
-    assert result["restored_step"] <= json.loads(commands[1][1])["before_step"] < 120 < result["from_step"]
+    commands = query(collector.db, "SELECT id, state, args, result FROM commands WHERE run_id = ? ORDER BY id", [run])
+    assert [state for _, state, _, _ in commands] == ["applied", "failed"], commands
+    result = json.loads(commands[1][3])
+    assert result["restored_step"] <= json.loads(commands[1][2])["before_step"] < 120 < result["from_step"]
     assert result["why"].startswith("1 rollbacks within 1000 steps: stopping instead of another, with step "
                                     f"{result['restored_step']} durable in ")
     for rank in (0, 1):  # the good state, on disk and verified, to resume from
@@ -66,3 +78,36 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
         [run])
     assert (kind, state, severity) == ("stopped", "firing", "critical")
     assert summary.startswith(f"the job stopped at step {result['from_step']} instead of another rollback: 1 rollbacks")
+    first = json.loads(commands[0][3])  # the stop names each rollback and what it answered
+    assert (f"(the rollbacks: at step {first['from_step']}: command {commands[0][0]}, for loss_spike, back to step "
+            f"{first['restored_step']}; this one command {commands[1][0]}, for loss_spike, back to step "
+            f"{result['restored_step']})") in summary
+
+
+def test_anomalies_of_the_abandoned_steps_send_no_second_rollback():
+    """A NaN at step 158, in the steps the job ran on after a loss spike at 150 before its rollback
+    landed, is on the trajectory that rollback abandoned: no rollback of its own (it would spend
+    the budget on a healthy run); a NaN drawn after the rollback is a new anomaly, and gets one."""
+    import duckdb
+
+    from collector import commands, findings
+    from collector.analyzers import Finding
+    from collector.schema import DDL
+
+    con = duckdb.connect()
+    con.execute(DDL)
+
+    def anomaly(kind: str, step: int) -> Finding:
+        return Finding("r", kind, [0], step, step, "critical", 9.0, f"{kind} at {step}", analyzer="anomalies")
+
+    policy = commands.RollbackPolicy()
+    findings.record(con, "r", "anomalies", [anomaly("loss_spike", 150)])
+    (sent,) = commands.rollbacks_for_anomalies(con, "r", policy)
+    commands.update(con, sent["id"], "acked", apply_step=160)
+    findings.record(con, "r", "anomalies", [anomaly("loss_spike", 150), anomaly("nan", 158)])  # before it landed
+    commands.update(con, sent["id"], "applied", result={"restored_step": 140})
+    assert commands.rollbacks_for_anomalies(con, "r", policy) == []
+    findings.record(con, "r", "anomalies", [])  # the replayed steps are sane
+    findings.record(con, "r", "anomalies", [anomaly("nan", 158)])  # and later NaN for real
+    (again,) = commands.rollbacks_for_anomalies(con, "r", policy)
+    assert (again["args"]["anomaly"], again["args"]["before_step"]) == ("nan", 153)

@@ -6,10 +6,17 @@ before the command's `before_step` (memory first, then disk), the data stream
 skips the batches that followed (as PaLM skipped 200-500 batches around its
 spikes), and the learning rate can be scaled. A budget caps how often this
 may happen; past it the job goes back to the good snapshot once more, makes it durable, and
-stops cleanly instead of looping: a person resumes from there.
+stops cleanly instead of looping: a person resumes from there. Only rollbacks spend the budget
+(the collector sends them for real anomalies, never for warnings), and the stop names each one.
+
+The ring of memory snapshots must reach back to where a rollback lands: `ring_size` sizes it
+from the measured step time and the detection latency (docs/benchmarks.md, Checkpoints).
 """
 
+import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -21,21 +28,65 @@ from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 
 
+MARGIN = 5  # steps a rollback lands before its anomaly (the collector's RollbackPolicy.margin)
+LOOK_EVERY = 5  # steps between the agent's looks at commands (agent/commands.py)
+# Before a rollback has measured it: the export's batching (~1 s), the collector's analysis period
+# (--analyze-every, 5 s) and the agent's command poll (2 s), rounded up.
+DETECTION_LATENCY_S = 10.0
+
+
+def ring_size(step_s: float, latency_s: float, every: int) -> int:
+    """Snapshots (one every `every` steps) to keep in memory so that a rollback `latency_s` after its
+    anomaly still finds one MARGIN steps before it: the steps run in that time, the margin and the
+    steps until the agent next looks, in snapshots, plus the newest, which is past the anomaly."""
+    return math.ceil((latency_s / max(step_s, 1e-6) + MARGIN + LOOK_EVERY) / every) + 1
+
+
+@dataclass
+class Reach:
+    """How far back rollbacks reach, measured: the recent steps' time, and the longest detection
+    latency seen (from the anomaly step's start to the rollback), DETECTION_LATENCY_S until one is."""
+
+    latency_s: float = DETECTION_LATENCY_S
+    started: dict[int, float] = field(default_factory=dict)  # step -> time.monotonic() at its start
+    durations: deque = field(default_factory=lambda: deque(maxlen=20))
+
+    def step_started(self, step: int) -> None:
+        now = time.monotonic()
+        if step - 1 in self.started:
+            self.durations.append(now - self.started[step - 1])
+        self.started[step] = now
+        self.started.pop(step - 10_000, None)
+
+    def rolled_back(self, before_step: int) -> None:
+        """A rollback to `before_step` is being applied: its anomaly was MARGIN steps after it."""
+        if (anomaly := self.started.get(before_step + MARGIN)) is not None:
+            self.latency_s = max(self.latency_s, time.monotonic() - anomaly)
+
+    def ring(self, every: int) -> int:
+        """ring_size at the median of the recent steps (0 before any step was timed)."""
+        return ring_size(statistics.median(self.durations), self.latency_s, every) if self.durations else 0
+
+
 @dataclass
 class Budget:
     """At most `rollbacks` within any `window` steps."""
 
     rollbacks: int = 3
     window: int = 1000
-    applied_at: list[int] = field(default_factory=list)
+    applied: list[tuple[int, str]] = field(default_factory=list)  # (step applied at, what it answered)
 
-    def spend(self, step: int) -> bool:
+    def spend(self, step: int, what: str) -> bool:
         """Count a rollback at `step`; False (and nothing counted) when the budget is spent."""
-        recent = [s for s in self.applied_at if s > step - self.window]
+        recent = [(s, w) for s, w in self.applied if s > step - self.window]
         if len(recent) >= self.rollbacks:
             return False
-        self.applied_at = recent + [step]
+        self.applied = recent + [(step, what)]
         return True
+
+    def spent_on(self) -> str:
+        """The rollbacks in the window, for the stop's message."""
+        return "; ".join(f"at step {s}: {w}" for s, w in self.applied)
 
 
 class Stop(Exception):
@@ -53,10 +104,12 @@ def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
     except NoCheckpoint as e:  # nothing was rolled back, so nothing is spent: the job trains on
         agent.report(command, "failed", why=str(e))
         return step
-    if not budget.spend(step):
+    what = f"command {command.get('id', '?')}, for {args.get('anomaly') or 'a request'}, back to step {restored}"
+    if not budget.spend(step, what):
         ckpt.make_durable(restored)
         why = (f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another, "
-               f"with step {restored} durable in {ckpt.directory}")
+               f"with step {restored} durable in {ckpt.directory} (the rollbacks: {budget.spent_on()}; this one "
+               f"{what})")
         agent.report(command, "failed", why=why, restored_step=restored, from_step=step)
         agent.event(sc.EVENT_STOPPED, restored, **{sc.STOP_WHY: why})
         raise Stop(why)

@@ -24,7 +24,7 @@ import agent
 from agent import config
 from agent import semconv as sc
 from trainer import rollback
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.device import DEVICES, DeviceError, choose
 from trainer.faults import TRAINER_KINDS, Fault, parse
@@ -47,11 +47,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                    help="copy the training state to host memory every STEPS steps")
     p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
                    help="write one of those snapshots to disk every STEPS steps (a multiple of --snapshot-every)")
-    # 4 x 10 steps: served from memory while a rollback comes under 25 steps after its anomaly (the
-    # collector's analysis period, then the next command broadcast; docs/benchmarks.md, Checkpoints)
+    # the least kept: the ring grows to the measured step time x detection latency (trainer/rollback.py
+    # ring_size; docs/benchmarks.md, Checkpoints)
     p.add_argument("--ckpt-memory", type=int, default=4, metavar="K",
-                   help="snapshots kept in host memory; K x --snapshot-every steps is how far back a rollback "
-                        "is instant")
+                   help="snapshots kept in host memory at least; more as the measured step time and detection "
+                        "latency ask, within half the free memory")
     p.add_argument("--ckpt-keep", type=int, default=2, metavar="D", help="checkpoints kept on disk")
     p.add_argument("--max-rollbacks", type=int, default=3, metavar="N",
                    help="rollbacks allowed within --rollback-window steps; the next one stops the job, its last "
@@ -110,10 +110,31 @@ def apply_power_cap(command: dict, device, rank: int) -> None:
 
 def resume(ckpt: Checkpointer) -> int:
     """The step to start at: that of the newest checkpoint every rank can load, restored (0: none)."""
-    durable: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(durable, ckpt.durable_steps())
-    common = set.intersection(*map(set, durable))
-    return ckpt.restore(max(common)) if common else 0
+    try:
+        return ckpt.restore(sys.maxsize)
+    except NoCheckpoint:
+        return 0
+
+
+def grow_ring(ckpt: Checkpointer, reach: rollback.Reach, every: int) -> None:
+    """The ring grown to reach as far back as rollbacks land, within half the machine's free memory,
+    shared by its ranks; a ring held short by memory is said once per growth."""
+    wanted = reach.ring(every)
+    if wanted <= ckpt.memory or not ckpt.snapshot_bytes:
+        return
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    fits = ckpt.memory + free // ckpt.snapshot_bytes
+    if wanted > fits and fits > ckpt.memory:
+        print(f"rankwatch train: {fits} snapshots in memory where {wanted} would reach back "
+              f"{reach.latency_s:.0f} s: an older rollback target loads from disk", file=sys.stderr, flush=True)
+    ckpt.grow(min(wanted, fits))
+
+
+def lowest(value: int) -> int:
+    """The lowest of the values every rank passes: how the ranks agree on the step they restore."""
+    values: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return min(values)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     session = agent.init(resource={sc.DP_RANK: rank, sc.DEVICE: device_name})
     ckpt_dir = args.ckpt_dir or config.store_path().parent / "runs" / session.run_id / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir / f"rank-{rank}", {"model": model, "optimizer": optimizer, "schedule": schedule,
-                                                     "data": data},
-                        memory=args.ckpt_memory, disk_every=args.ckpt_every, keep=args.ckpt_keep)
+    # DDP replicas: the same tensors, each rank writing its share of them
+    replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]
+    ckpt = Checkpointer(replicas[rank], {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
+                        memory=args.ckpt_memory, disk_every=args.ckpt_every, keep=args.ckpt_keep, replicas=replicas,
+                        agree=lowest)
     start = resume(ckpt)
     current = {"step": 0}
     agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"]))
@@ -147,10 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
               f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""), flush=True)
 
-    budget, step = rollback.Budget(args.max_rollbacks, args.rollback_window), start
+    budget, reach, step = rollback.Budget(args.max_rollbacks, args.rollback_window), rollback.Reach(), start
     while step < args.steps:
         command = agent.command(step)  # the same on every rank, at the same step
         if command is not None and command["kind"] == "rollback":
+            reach.rolled_back(int(command["args"]["before_step"]))
             try:
                 step = rollback.apply(command, step, ckpt, data, schedule, budget, session.clock.now_ns)
             except rollback.Stop as e:
@@ -169,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                 announced.add(f.spec)
                 agent.event(sc.EVENT_FAULT, step, **{sc.FAULT_SPEC: f.spec})
         started = time.perf_counter()
+        reach.step_started(step)
         with agent.step(step):
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
@@ -196,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 schedule.step()
                 optimizer.zero_grad(set_to_none=True)
                 if (step + 1) % args.snapshot_every == 0:
+                    grow_ring(ckpt, reach, args.snapshot_every)
                     ckpt.snapshot(step + 1)
                 # a capped or throttled simulated GPU computes slower (a real one: scale 1)
                 time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
