@@ -1,4 +1,5 @@
-"""The GPU a rank reads and may power-cap, real (NVML) or simulated, and which one it gets.
+"""The GPU a rank reads and may power-cap, real (NVML) or simulated: the contract both keep
+(agent/opendevice.py picks which one a rank gets).
 
 Both kinds share one contract, so the sampler, the agent and a power-cap
 command need not ask which they hold: `read()` gives the device metrics of
@@ -8,7 +9,6 @@ put back as it was when the job ends.
 
 import atexit
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 from agent import semconv as sc
 from agent.export import Attributes, log
@@ -80,22 +80,3 @@ class Device(ABC):
     @abstractmethod
     def _set_power_limit(self, watts: float) -> None:
         """Set the limit, already within the constraints."""
-
-
-def open_device(local_index: int, utilization: Callable[[], float] | None = None) -> Device:
-    """This rank's GPU through NVML when the driver answers and has a GPU at `local_index` (in
-    CUDA_VISIBLE_DEVICES order), else a simulated one driven by `utilization` (0..1); logs
-    which, and why."""
-    import pynvml
-
-    from agent.nvml import NvmlDevice  # imported here: both build on this module
-    from agent.simdevice import SimulatedDevice
-
-    try:
-        device = NvmlDevice(local_index)
-        log.info("rankwatch: device telemetry from NVML, GPU %d", device.index)
-        return device
-    except (pynvml.NVMLError, IndexError, ValueError) as e:
-        log.info("rankwatch: no NVML GPU for local rank %d (%s: %s); device telemetry is simulated", local_index,
-                 type(e).__name__, e)
-        return SimulatedDevice(local_index, utilization=utilization)

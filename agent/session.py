@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer
-from agent.devices import open_device
+from agent.opendevice import open_device
 from agent.export import Exporter, log
 from agent.rapl import Rapl
 from agent.sampler import Sampler

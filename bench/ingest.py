@@ -6,6 +6,8 @@ are built before the clock starts so the sender costs little; both servers run
 as separate processes on loopback and receive the same bodies:
 
   rankwatch  `rankwatch collector`: decode to Arrow, group commit to DuckDB, ack
+             (twice: with the C trace decoder, and with its twin on the protobuf
+             runtime that a collector without the C build uses)
   baseline   the same HTTP stack that only gunzips and parses the protobuf
 
 Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 40] [--concurrency 64]
@@ -151,9 +153,9 @@ async def send_all(port: int, bodies: list[bytes], concurrency: int) -> tuple[fl
 
 
 def measure(name: str, command: list[str], port: int, warm_up: list[bytes], bodies: list[bytes], spans: int,
-            concurrency: int) -> dict:
+            concurrency: int, env: dict | None = None) -> dict:
     """Steady-state figures: every rank has announced itself before the clock starts."""
-    server = subprocess.Popen(command, env={**os.environ, "RANKWATCH_TOKEN": TOKEN})
+    server = subprocess.Popen(command, env={**os.environ, "RANKWATCH_TOKEN": TOKEN, **(env or {})})
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         asyncio.run(send_all(port, warm_up, concurrency))
@@ -179,21 +181,23 @@ def main() -> None:
     console = Console()
     console.print(f"{args.ranks} ranks x {args.steps} steps x 11 spans = {spans:,} spans in {len(bodies):,} "
                   f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores")
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        collector = [sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/bench.duckdb",
-                     "--port", str(port)]
-        if args.workers is not None:
-            collector += ["--workers", str(args.workers)]
-        results = [measure("rankwatch (decode + DuckDB commit)", collector, port, warm_up, bodies, spans,
-                           args.concurrency)]
-        port = free_port()
-        results.append(measure("baseline (protobuf parse only)", [sys.executable, "-c", BASELINE_APP, str(port)],
-                               port, warm_up, bodies, spans, args.concurrency))
+    results = []
+    for decoder, env in (("C decoder", {}), ("Python decoder", {"RANKWATCH_DECODER": "python"})):
+        with tempfile.TemporaryDirectory() as tmp:
+            port = free_port()
+            collector = [sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/bench.duckdb",
+                         "--port", str(port)]
+            if args.workers is not None:
+                collector += ["--workers", str(args.workers)]
+            results.append(measure(f"rankwatch, {decoder} (decode + DuckDB commit)", collector, port, warm_up,
+                                   bodies, spans, args.concurrency, env))
+    port = free_port()
+    results.append(measure("baseline (protobuf parse only)", [sys.executable, "-c", BASELINE_APP, str(port)],
+                           port, warm_up, bodies, spans, args.concurrency))
     table = Table("server", "spans/s", "p50 ack ms", "p99 ack ms", "wall s", "vs baseline")
     for r in results:
         table.add_row(r["name"], f"{r['spans_s']:,.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                      f"{r['wall_s']:.2f}", f"{r['spans_s'] / results[1]['spans_s']:.2f}x")
+                      f"{r['wall_s']:.2f}", f"{r['spans_s'] / results[-1]['spans_s']:.2f}x")
     console.print(table)
 
 

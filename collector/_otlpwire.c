@@ -5,20 +5,21 @@
  * building Arrow arrays from Python values tens of microseconds per column.
  * This walks the wire format once and writes the spans straight into Arrow's
  * columnar layout (validity bitmaps, values, offsets), so Python only wraps
- * finished buffers.
+ * finished buffers. collector/otlpwire.py is its twin on the protobuf runtime,
+ * for where this is not built; both return the same result for every body
+ * (tests/test_decode_differential.py).
  *
- * traces(bodies: list[bytes], wanted: tuple[tuple[str, str], ...], max_attributes: int)
- *     -> (resources, owners, spans, columns, odd, crowded, errors)
+ * traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_attributes: int) -> dict
  *   Decodes several requests at once, so that what costs per call (in Python
- *   and in Arrow) is paid once for all of them.
+ *   and in Arrow) is paid once for all of them. The dict holds:
  *   resources: one dict of attributes per ResourceSpans, all requests'
  *   owners: the index of the request each resource came from
  *   spans: the number of spans
- *   columns: one tuple of Arrow buffers per column, in this order:
- *     resource index (int32), trace_id, span_id, parent_span_id (binary; null
- *     when empty), name (utf8), start_ns, end_ns (uint64), then one per wanted
- *     (key, type) attribute (type "q" int64, "i" int32, "d" float64, "s" utf8;
- *     null where absent), then the span's other attributes as a JSON object
+ *   columns: {name: tuple of Arrow buffers}: resource (int32, the index in
+ *     resources), trace_id, span_id, parent_span_id (binary; null when empty),
+ *     name (utf8), start, end (uint64, ns), then one per wanted (column, key,
+ *     type) attribute (type "q" int64, "i" int32, "d" float64, "s" utf8; null
+ *     where absent), then attrs: the span's other attributes as a JSON object
  *     (utf8; null when it has none). Fixed-width columns are (validity, values),
  *     variable-width ones (validity, offsets, data); validity is None when no
  *     cell is null. Spans are in request order.
@@ -28,16 +29,21 @@
  *     are null; the caller rejects them). Past that many a span's attributes
  *     are skipped unread, and its other keys are found through a hash table,
  *     so that a span costs time linear in its size whatever it holds.
- *   errors: (request index, message) for each malformed request (one that
- *     does not parse, or has strings that are not UTF-8); none of its spans
- *     are in the columns.
+ *   errors: (request index, message) for each malformed request; none of its
+ *     spans are in the columns. A request is malformed when the protobuf
+ *     runtime would refuse it (a field that does not parse, a string that is
+ *     not UTF-8, anywhere in the schema; messages nested past MAX_NESTING),
+ *     or when an attribute value read is nested past MAX_DEPTH.
  *
  * entries(body, points, limit) counts the resources, scopes and items of a
  * request of any signal, so that one with too many is refused before decoding.
  *
- * Every read is bounds-checked. Unknown fields are skipped, as protobuf requires,
- * so newer OTLP versions decode.
- * Field numbers: opentelemetry-proto, trace/v1/trace.proto, common/v1/common.proto.
+ * Every read is bounds-checked. Unknown fields, and known ones sent with another
+ * wire type, are skipped, as protobuf requires, so newer OTLP versions decode.
+ * Repeated occurrences of a singular field are read as protobuf reads them: the
+ * last scalar wins, messages merge.
+ * Field numbers: opentelemetry-proto, trace/v1/trace.proto, common/v1/common.proto,
+ * resource/v1/resource.proto.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,7 +51,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_DEPTH 16
+#define MAX_DEPTH 16    /* attribute values (arrays, kvlists) nested in one another */
+#define MAX_NESTING 100 /* messages and groups: the protobuf runtime's recursion limit */
 
 typedef struct {
     const uint8_t *p;
@@ -92,13 +99,15 @@ static int read_len(Reader *r, Reader *sub) {
 static int read_tag(Reader *r, uint32_t *field, uint32_t *wire) {
     uint64_t tag;
     if (read_varint(r, &tag) < 0) return -1;
+    if (tag > UINT32_MAX) return fail("tag past 32 bits");
     *field = (uint32_t)(tag >> 3);
     *wire = (uint32_t)(tag & 7);
     if (*field == 0) return fail("field number 0");
     return 0;
 }
 
-/* Skip one field's value; groups (deprecated, wire types 3/4) are skipped to their end tag. */
+/* Skip one field's value; groups (deprecated, wire types 3/4) are skipped to their end tag.
+   `depth`: how deep the field is, messages and groups counted. */
 static int skip_group(Reader *r, uint32_t field, int depth);
 
 static int skip_field(Reader *r, uint32_t field, uint32_t wire, int depth) {
@@ -119,7 +128,7 @@ static int skip_field(Reader *r, uint32_t field, uint32_t wire, int depth) {
 
 static int skip_group(Reader *r, uint32_t field, int depth) {
     uint32_t f, w;
-    if (depth > MAX_DEPTH) return fail("groups nested too deep");
+    if (depth > MAX_NESTING) return fail("groups nested too deep");
     for (;;) {
         if (read_tag(r, &f, &w) < 0) return -1;
         if (w == 4) return f == field ? 0 : fail("mismatched end of group");
@@ -127,111 +136,311 @@ static int skip_group(Reader *r, uint32_t field, int depth) {
     }
 }
 
-
-static PyObject *any_value(Reader *r, int depth);
-
-/* KeyValue list entries -> dict[key] = value; used for attributes and kvlist_value. */
-static int key_value(Reader *r, PyObject *dict, int depth) {
-    PyObject *key = NULL, *value = NULL;
-    uint32_t field, wire;
-    while (r->p < r->end) {
-        if (read_tag(r, &field, &wire) < 0) goto error;
-        if (field == 1 && wire == 2) {
-            Reader s;
-            if (read_len(r, &s) < 0) goto error;
-            Py_XDECREF(key);
-            key = PyUnicode_DecodeUTF8((const char *)s.p, s.end - s.p, "strict");
-            if (!key) goto error;
-        } else if (field == 2 && wire == 2) {
-            Reader s;
-            if (read_len(r, &s) < 0) goto error;
-            Py_XDECREF(value);
-            value = any_value(&s, depth + 1);
-            if (!value) goto error;
-        } else if (skip_field(r, field, wire, 0) < 0) {
-            goto error;
+static int utf8_valid(const uint8_t *p, const uint8_t *end) {
+    while (p < end) {
+        uint8_t c = *p;
+        uint64_t eight;
+        if (end - p >= 8 && (memcpy(&eight, p, 8), !(eight & 0x8080808080808080u))) { /* ASCII, 8 at a time */
+            p += 8;
+            continue;
         }
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        int n = (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
+        if (n < 0 || end - p <= n || (n == 1 && c < 0xc2)) return 0;
+        uint32_t cp = c & (0x3f >> n);
+        for (int i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (p[i] & 0x3f);
+        }
+        if ((n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 3 && (cp < 0x10000 || cp > 0x10ffff)))
+            return 0;
+        p += n + 1;
     }
-    if (key) {
-        if (PyDict_SetItem(dict, key, value ? value : Py_None) < 0) goto error;
-    }
-    Py_XDECREF(key);
-    Py_XDECREF(value);
-    return 0;
-error:
-    Py_XDECREF(key);
-    Py_XDECREF(value);
-    return -1;
+    return 1;
 }
 
-static PyObject *any_value(Reader *r, int depth) {
+
+/* The schema of a trace export, as far as the protobuf runtime checks it: for each message, the
+   type of its length-delimited fields by number (S a string, else a message; 0 not checked). */
+enum { M_REQUEST = 1, M_RESOURCE_SPANS, M_RESOURCE, M_ENTITY_REF, M_SCOPE_SPANS, M_SCOPE, M_SPAN, M_EVENT, M_LINK,
+       M_STATUS, M_KEY_VALUE, M_ANY_VALUE, M_ARRAY, M_KVLIST, M_COUNT };
+#define S 0xff
+static const uint8_t SCHEMA[M_COUNT][16] = {
+    [M_REQUEST] = {[1] = M_RESOURCE_SPANS},
+    [M_RESOURCE_SPANS] = {[1] = M_RESOURCE, [2] = M_SCOPE_SPANS, [3] = S},
+    [M_RESOURCE] = {[1] = M_KEY_VALUE, [3] = M_ENTITY_REF},
+    [M_ENTITY_REF] = {[1] = S, [2] = S, [3] = S, [4] = S},
+    [M_SCOPE_SPANS] = {[1] = M_SCOPE, [2] = M_SPAN, [3] = S},
+    [M_SCOPE] = {[1] = S, [2] = S, [3] = M_KEY_VALUE},
+    [M_SPAN] = {[3] = S, [5] = S, [9] = M_KEY_VALUE, [11] = M_EVENT, [13] = M_LINK, [15] = M_STATUS},
+    [M_EVENT] = {[2] = S, [3] = M_KEY_VALUE},
+    [M_LINK] = {[3] = S, [4] = M_KEY_VALUE},
+    [M_STATUS] = {[2] = S},
+    [M_KEY_VALUE] = {[1] = S, [2] = M_ANY_VALUE},
+    [M_ANY_VALUE] = {[1] = S, [5] = M_ARRAY, [6] = M_KVLIST},
+    [M_ARRAY] = {[1] = M_ANY_VALUE},
+    [M_KVLIST] = {[1] = M_KEY_VALUE},
+};
+
+/* -1 where the protobuf runtime would refuse a message of this type: it checks every field it
+   knows, where this decoder reads only some, and refuses what these skip (a malformed scope, an
+   event name that is not UTF-8). */
+static int check(Reader r, int type, int depth) {
+    uint32_t field, wire;
+    if (depth > MAX_NESTING) return fail("messages nested too deep");
+    while (r.p < r.end) {
+        Reader s;
+        if (read_tag(&r, &field, &wire) < 0) return -1;
+        int kind = field < 16 && wire == 2 ? SCHEMA[type][field] : 0;
+        if (!kind) {
+            if (skip_field(&r, field, wire, depth) < 0) return -1;
+        } else if (read_len(&r, &s) < 0) {
+            return -1;
+        } else if (kind == S ? !utf8_valid(s.p, s.end) && fail("string is not UTF-8") : check(s, kind, depth + 1)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+/* An AnyValue's oneof: its last field on the wire, and where the run of that field began, since
+   protobuf merges occurrences of a message field (arrays and kvlists concatenate). */
+typedef struct {
+    uint32_t kind; /* the field number; 0: none */
+    uint64_t v;    /* bool, int or double bits */
+    Reader last;   /* a string or bytes */
+    Reader run;    /* from the first field of the last run of `kind` to the end */
+} Any;
+
+static int read_any(Reader r, Any *a) {
+    uint32_t field, wire;
+    *a = (Any){0, 0, {NULL, NULL}, r};
+    while (r.p < r.end) {
+        const uint8_t *at = r.p;
+        if (read_tag(&r, &field, &wire) < 0) return -1;
+        if ((field == 2 || field == 3) && wire == 0) {
+            if (read_varint(&r, &a->v) < 0) return -1;
+        } else if (field == 4 && wire == 1) {
+            if (read_fixed64(&r, &a->v) < 0) return -1;
+        } else if ((field == 1 || field == 5 || field == 6 || field == 7) && wire == 2) {
+            if (read_len(&r, &a->last) < 0) return -1;
+        } else {
+            if (skip_field(&r, field, wire, 0) < 0) return -1;
+            continue;
+        }
+        if (field != a->kind) a->run.p = at;
+        a->kind = field;
+    }
+    return 0;
+}
+
+/* The entries (field 1) of an array or kvlist AnyValue, over all its merged occurrences. */
+typedef struct {
+    Reader run, payload;
+    uint32_t kind;
+} Entries;
+
+static Entries entries_of(const Any *a) { return (Entries){a->run, {NULL, NULL}, a->kind}; }
+
+/* 1 and the next entry, 0 at the end, -1 on error. */
+static int next_entry(Entries *it, Reader *entry) {
+    uint32_t field, wire;
+    for (;;) {
+        while (it->payload.p < it->payload.end) {
+            if (read_tag(&it->payload, &field, &wire) < 0) return -1;
+            if (field == 1 && wire == 2) return read_len(&it->payload, entry) < 0 ? -1 : 1;
+            if (skip_field(&it->payload, field, wire, 0) < 0) return -1;
+        }
+        if (it->run.p >= it->run.end) return 0;
+        if (read_tag(&it->run, &field, &wire) < 0) return -1;
+        if (field == it->kind && wire == 2) {
+            if (read_len(&it->run, &it->payload) < 0) return -1;
+        } else if (skip_field(&it->run, field, wire, 0) < 0) {
+            return -1;
+        }
+    }
+}
+
+/* A KeyValue's key ("" when absent, as protobuf reads it) and value ({NULL} when absent). A value
+   sent more than once is the concatenation of its occurrences, which is how protobuf merges them;
+   the concatenation is a bytes object that `keep` holds. */
+static int kv_fields(Reader r, Reader *key, Reader *value, PyObject *keep) {
+    static const uint8_t empty[1] = {0};
+    Reader all = r;
+    uint32_t field, wire;
+    Py_ssize_t values = 0, size = 0;
+    *key = (Reader){empty, empty};
+    *value = (Reader){NULL, NULL};
+    while (r.p < r.end) {
+        if (read_tag(&r, &field, &wire) < 0) return -1;
+        if (field == 1 && wire == 2) {
+            if (read_len(&r, key) < 0) return -1;
+        } else if (field == 2 && wire == 2) {
+            if (read_len(&r, value) < 0) return -1;
+            values++;
+            size += value->end - value->p;
+        } else if (skip_field(&r, field, wire, 0) < 0) {
+            return -1;
+        }
+    }
+    if (values < 2) return 0;
+    PyObject *merged = PyBytes_FromStringAndSize(NULL, size);
+    if (!merged || PyList_Append(keep, merged) < 0) {
+        Py_XDECREF(merged);
+        return -1;
+    }
+    Py_DECREF(merged);
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(merged);
+    *value = (Reader){out, out + size};
+    for (r = all; r.p < r.end;) { /* read once already: cannot fail */
+        Reader s = {NULL, NULL};
+        read_tag(&r, &field, &wire);
+        if (field == 2 && wire == 2) {
+            read_len(&r, &s);
+            memcpy(out, s.p, s.end - s.p);
+            out += s.end - s.p;
+        } else if (field == 1 && wire == 2) {
+            read_len(&r, &s);
+        } else {
+            skip_field(&r, field, wire, 0);
+        }
+    }
+    return 0;
+}
+
+/* Key/value pairs by key, a later value replacing an earlier one's in its place: open addressing
+   over the keys, so that n pairs cost time linear in n whatever the keys. */
+typedef struct {
+    Reader *key, *value;
+    Py_ssize_t n, cap;
+    int32_t *index; /* 1 + the pair's position, 0 empty; cap * 2 slots */
+} Pairs;
+
+static void pairs_free(Pairs *s) {
+    PyMem_Free(s->key);
+    PyMem_Free(s->value);
+    PyMem_Free(s->index);
+    *s = (Pairs){0};
+}
+
+static void pairs_clear(Pairs *s) {
+    if (s->n) memset(s->index, 0, 2 * s->cap * sizeof(int32_t));
+    s->n = 0;
+}
+
+static size_t pairs_slot(const Pairs *s, Reader key) {
+    size_t h = 14695981039346656037u; /* FNV-1a */
+    Py_ssize_t len = key.end - key.p;
+    for (const uint8_t *p = key.p; p < key.end; p++) h = (h ^ *p) * 1099511628211u;
+    for (size_t at = h & (2 * s->cap - 1);; at = (at + 1) & (2 * s->cap - 1)) {
+        int32_t i = s->index[at] - 1;
+        if (i < 0 || (s->key[i].end - s->key[i].p == len && memcmp(s->key[i].p, key.p, len) == 0)) return at;
+    }
+}
+
+static int pairs_put(Pairs *s, Reader key, Reader value) {
+    if (s->n == s->cap) { /* grow, cap a power of two */
+        Py_ssize_t cap = s->cap ? 2 * s->cap : 8;
+        if (cap > INT32_MAX / 2) return fail("too many attributes");
+        Reader *k = PyMem_Realloc(s->key, cap * sizeof(Reader)), *v = k ? PyMem_Realloc(s->value, cap * sizeof(Reader)) : NULL;
+        int32_t *index = v ? PyMem_Calloc(2 * cap, sizeof(int32_t)) : NULL;
+        if (k) s->key = k;
+        if (v) s->value = v;
+        if (!index) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyMem_Free(s->index);
+        s->index = index;
+        s->cap = cap;
+        for (Py_ssize_t i = 0; i < s->n; i++) s->index[pairs_slot(s, s->key[i])] = (int32_t)i + 1;
+    }
+    size_t at = pairs_slot(s, key);
+    if (s->index[at]) {
+        s->value[s->index[at] - 1] = value;
+    } else {
+        s->index[at] = (int32_t)s->n + 1;
+        s->key[s->n] = key;
+        s->value[s->n++] = value;
+    }
+    return 0;
+}
+
+/* A kvlist's entries, over all its merged occurrences, by key. */
+static int kvlist_pairs(const Any *a, Pairs *pairs, PyObject *keep) {
+    Entries it = entries_of(a);
+    Reader e, key, value;
+    int more;
+    while ((more = next_entry(&it, &e)) != 0) {
+        if (more < 0 || kv_fields(e, &key, &value, keep) < 0 || pairs_put(pairs, key, value) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *any_value(Reader r, int depth, PyObject *keep);
+
+/* One KeyValue of a resource into dict[key] = value (a later key replaces an earlier one's value). */
+static int key_value(Reader r, PyObject *dict, int depth, PyObject *keep) {
+    Reader k, v;
+    if (kv_fields(r, &k, &v, keep) < 0) return -1;
+    PyObject *key = PyUnicode_DecodeUTF8((const char *)k.p, k.end - k.p, "strict");
+    PyObject *value = !key ? NULL : v.p ? any_value(v, depth, keep) : Py_NewRef(Py_None);
+    int rc = value ? PyDict_SetItem(dict, key, value) : -1;
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* An AnyValue as a plain Python value, as collector/otlpwire.py's value() reads it. */
+static PyObject *any_value(Reader r, int depth, PyObject *keep) {
+    Any a;
     if (depth > MAX_DEPTH) {
         fail("attribute values nested too deep");
         return NULL;
     }
-    PyObject *out = NULL;
-    uint32_t field, wire;
-    while (r->p < r->end) {
-        if (read_tag(r, &field, &wire) < 0) goto error;
-        PyObject *next = NULL;
-        uint64_t v;
-        Reader s;
-        if (field == 1 && wire == 2) { /* string_value */
-            if (read_len(r, &s) < 0) goto error;
-            next = PyUnicode_DecodeUTF8((const char *)s.p, s.end - s.p, "strict");
-        } else if (field == 2 && wire == 0) { /* bool_value */
-            if (read_varint(r, &v) < 0) goto error;
-            next = PyBool_FromLong(v != 0);
-        } else if (field == 3 && wire == 0) { /* int_value */
-            if (read_varint(r, &v) < 0) goto error;
-            next = PyLong_FromLongLong((long long)v);
-        } else if (field == 4 && wire == 1) { /* double_value */
-            double d;
-            if (read_fixed64(r, &v) < 0) goto error;
-            memcpy(&d, &v, 8);
-            next = PyFloat_FromDouble(d);
-        } else if (field == 5 && wire == 2) { /* array_value: ArrayValue{repeated AnyValue values = 1} */
-            if (read_len(r, &s) < 0) goto error;
-            next = PyList_New(0);
-            while (next && s.p < s.end) {
-                Reader e;
-                if (read_tag(&s, &field, &wire) < 0) { Py_CLEAR(next); break; }
-                if (field != 1 || wire != 2) {
-                    if (skip_field(&s, field, wire, 0) < 0) Py_CLEAR(next);
-                    continue;
-                }
-                if (read_len(&s, &e) < 0) { Py_CLEAR(next); break; }
-                PyObject *item = any_value(&e, depth + 1);
-                if (!item || PyList_Append(next, item) < 0) Py_CLEAR(next);
-                Py_XDECREF(item);
-            }
-        } else if (field == 6 && wire == 2) { /* kvlist_value: KeyValueList{repeated KeyValue values = 1} */
-            if (read_len(r, &s) < 0) goto error;
-            next = PyDict_New();
-            while (next && s.p < s.end) {
-                Reader e;
-                if (read_tag(&s, &field, &wire) < 0) { Py_CLEAR(next); break; }
-                if (field != 1 || wire != 2) {
-                    if (skip_field(&s, field, wire, 0) < 0) Py_CLEAR(next);
-                    continue;
-                }
-                if (read_len(&s, &e) < 0 || key_value(&e, next, depth + 1) < 0) Py_CLEAR(next);
-            }
-        } else if (field == 7 && wire == 2) { /* bytes_value */
-            if (read_len(r, &s) < 0) goto error;
-            next = PyBytes_FromStringAndSize((const char *)s.p, s.end - s.p);
-        } else {
-            if (skip_field(r, field, wire, 0) < 0) goto error;
-            continue;
-        }
-        if (!next) goto error;
-        Py_XSETREF(out, next); /* a oneof: the last value on the wire wins */
+    if (read_any(r, &a) < 0) return NULL;
+    switch (a.kind) {
+    case 1: return PyUnicode_DecodeUTF8((const char *)a.last.p, a.last.end - a.last.p, "strict");
+    case 2: return PyBool_FromLong(a.v != 0);
+    case 3: return PyLong_FromLongLong((long long)a.v);
+    case 4: {
+        double d;
+        memcpy(&d, &a.v, 8);
+        return PyFloat_FromDouble(d);
     }
-    if (!out) Py_RETURN_NONE;
-    return out;
-error:
-    Py_XDECREF(out);
-    return NULL;
+    case 5: {
+        PyObject *out = PyList_New(0);
+        Entries it = entries_of(&a);
+        Reader e;
+        int more;
+        while (out && (more = next_entry(&it, &e)) != 0) {
+            PyObject *item = more < 0 ? NULL : any_value(e, depth + 1, keep);
+            if (!item || PyList_Append(out, item) < 0) Py_CLEAR(out);
+            Py_XDECREF(item);
+        }
+        return out;
+    }
+    case 6: {
+        Pairs pairs = {0};
+        PyObject *out = kvlist_pairs(&a, &pairs, keep) < 0 ? NULL : PyDict_New();
+        for (Py_ssize_t i = 0; out && i < pairs.n; i++) {
+            Reader k = pairs.key[i], v = pairs.value[i];
+            PyObject *key = PyUnicode_DecodeUTF8((const char *)k.p, k.end - k.p, "strict");
+            PyObject *item = !key ? NULL : v.p ? any_value(v, depth + 1, keep) : Py_NewRef(Py_None);
+            if (!item || PyDict_SetItem(out, key, item) < 0) Py_CLEAR(out);
+            Py_XDECREF(key);
+            Py_XDECREF(item);
+        }
+        pairs_free(&pairs);
+        return out;
+    }
+    case 7: return PyBytes_FromStringAndSize((const char *)a.last.p, a.last.end - a.last.p);
+    default: Py_RETURN_NONE;
+    }
 }
 
 
@@ -264,27 +473,6 @@ static int put(Buf *b, const void *p, Py_ssize_t n) {
 }
 
 static int puts_(Buf *b, const char *s) { return put(b, s, strlen(s)); }
-
-static int utf8_valid(const uint8_t *p, const uint8_t *end) {
-    while (p < end) {
-        uint8_t c = *p;
-        if (c < 0x80) {
-            p++;
-            continue;
-        }
-        int n = (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
-        if (n < 0 || end - p <= n || (n == 1 && c < 0xc2)) return 0;
-        uint32_t cp = c & (0x3f >> n);
-        for (int i = 1; i <= n; i++) {
-            if ((p[i] & 0xc0) != 0x80) return 0;
-            cp = (cp << 6) | (p[i] & 0x3f);
-        }
-        if ((n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 3 && (cp < 0x10000 || cp > 0x10ffff)))
-            return 0;
-        p += n + 1;
-    }
-    return 1;
-}
 
 /* One Arrow column being filled, a cell per span. */
 typedef struct {
@@ -347,7 +535,8 @@ static PyObject *column_buffers(Column *c, Py_ssize_t rows) {
     return out;
 }
 
-/* An AnyValue as JSON, as Python's json.dumps(default=bytes.hex) writes it; non-finite doubles as null. */
+/* AnyValues as JSON, as collector/otlpwire.py writes them: json.dumps(ensure_ascii=False), bytes as hex,
+   non-finite doubles as null. */
 static int json_string(Buf *b, const uint8_t *p, const uint8_t *end) {
     if (!utf8_valid(p, end)) return fail("string is not UTF-8");
     if (put(b, "\"", 1) < 0) return -1;
@@ -373,37 +562,39 @@ static int json_string(Buf *b, const uint8_t *p, const uint8_t *end) {
     return put(b, "\"", 1);
 }
 
-static int json_key_value(Buf *b, Reader key, Reader value, int depth);
 
-static int json_any(Buf *b, Reader *r, int depth) {
-    if (depth > MAX_DEPTH) return fail("attribute values nested too deep");
-    Reader last = {NULL, NULL};
-    uint32_t field, wire, kind = 0;
-    uint64_t v = 0;
-    while (r->p < r->end) { /* a oneof: the last value on the wire wins */
-        if (read_tag(r, &field, &wire) < 0) return -1;
-        if ((field == 2 || field == 3) && wire == 0) {
-            if (read_varint(r, &v) < 0) return -1;
-        } else if (field == 4 && wire == 1) {
-            if (read_fixed64(r, &v) < 0) return -1;
-        } else if ((field == 1 || field == 5 || field == 6 || field == 7) && wire == 2) {
-            if (read_len(r, &last) < 0) return -1;
-        } else {
-            if (skip_field(r, field, wire, 0) < 0) return -1;
-            continue;
-        }
-        kind = field;
+static int json_key_value(Buf *b, Reader key, Reader value, int depth, PyObject *keep);
+
+/* A kvlist as a JSON object, a later key replacing an earlier one's value in its place (as in a dict). */
+static int json_kvlist(Buf *b, const Any *a, int depth, PyObject *keep) {
+    Pairs pairs = {0};
+    int rc = -1;
+    if (kvlist_pairs(a, &pairs, keep) < 0) goto done;
+    if (put(b, "{", 1) < 0) goto done;
+    for (Py_ssize_t i = 0; i < pairs.n; i++) {
+        if ((i && puts_(b, ", ") < 0) || json_key_value(b, pairs.key[i], pairs.value[i], depth + 1, keep) < 0)
+            goto done;
     }
+    rc = put(b, "}", 1);
+done:
+    pairs_free(&pairs);
+    return rc;
+}
+
+static int json_any(Buf *b, Reader r, int depth, PyObject *keep) {
+    Any a;
     char number[64];
-    switch (kind) {
-    case 1: return json_string(b, last.p, last.end);
-    case 2: return puts_(b, v ? "true" : "false");
+    if (depth > MAX_DEPTH) return fail("attribute values nested too deep");
+    if (read_any(r, &a) < 0) return -1;
+    switch (a.kind) {
+    case 1: return json_string(b, a.last.p, a.last.end);
+    case 2: return puts_(b, a.v ? "true" : "false");
     case 3:
-        snprintf(number, sizeof number, "%lld", (long long)v);
+        snprintf(number, sizeof number, "%lld", (long long)a.v);
         return puts_(b, number);
     case 4: {
         double d;
-        memcpy(&d, &v, 8);
+        memcpy(&d, &a.v, 8);
         if (!isfinite(d)) return puts_(b, "null");
         char *repr = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
         if (!repr) return -1;
@@ -411,41 +602,21 @@ static int json_any(Buf *b, Reader *r, int depth) {
         PyMem_Free(repr);
         return rc;
     }
-    case 5:
-    case 6: { /* ArrayValue / KeyValueList: repeated field 1 */
-        int first = 1;
-        if (put(b, kind == 5 ? "[" : "{", 1) < 0) return -1;
-        while (last.p < last.end) {
-            Reader e;
-            if (read_tag(&last, &field, &wire) < 0) return -1;
-            if (field != 1 || wire != 2) {
-                if (skip_field(&last, field, wire, 0) < 0) return -1;
-                continue;
-            }
-            if (read_len(&last, &e) < 0 || (!first && puts_(b, ", ") < 0)) return -1;
+    case 5: {
+        Entries it = entries_of(&a);
+        Reader e;
+        int more, first = 1;
+        if (put(b, "[", 1) < 0) return -1;
+        while ((more = next_entry(&it, &e)) != 0) {
+            if (more < 0 || (!first && puts_(b, ", ") < 0) || json_any(b, e, depth + 1, keep) < 0) return -1;
             first = 0;
-            if (kind == 5) {
-                if (json_any(b, &e, depth + 1) < 0) return -1;
-            } else {
-                Reader key = {NULL, NULL}, value = {NULL, NULL};
-                while (e.p < e.end) {
-                    if (read_tag(&e, &field, &wire) < 0) return -1;
-                    if (field == 1 && wire == 2) {
-                        if (read_len(&e, &key) < 0) return -1;
-                    } else if (field == 2 && wire == 2) {
-                        if (read_len(&e, &value) < 0) return -1;
-                    } else if (skip_field(&e, field, wire, 0) < 0) {
-                        return -1;
-                    }
-                }
-                if (json_key_value(b, key, value, depth + 1) < 0) return -1;
-            }
         }
-        return put(b, kind == 5 ? "]" : "}", 1);
+        return put(b, "]", 1);
     }
+    case 6: return json_kvlist(b, &a, depth, keep);
     case 7:
         if (put(b, "\"", 1) < 0) return -1;
-        for (const uint8_t *p = last.p; p < last.end; p++) {
+        for (const uint8_t *p = a.last.p; p < a.last.end; p++) {
             snprintf(number, sizeof number, "%02x", *p);
             if (put(b, number, 2) < 0) return -1;
         }
@@ -454,11 +625,10 @@ static int json_any(Buf *b, Reader *r, int depth) {
     }
 }
 
-static int json_key_value(Buf *b, Reader key, Reader value, int depth) {
-    static const uint8_t empty[1] = {0};
-    if (json_string(b, key.p ? key.p : empty, key.p ? key.end : empty) < 0 || puts_(b, ": ") < 0) return -1;
+static int json_key_value(Buf *b, Reader key, Reader value, int depth, PyObject *keep) {
+    if (json_string(b, key.p, key.end) < 0 || puts_(b, ": ") < 0) return -1;
     if (!value.p) return puts_(b, "null");
-    return json_any(b, &value, depth);
+    return json_any(b, value, depth, keep);
 }
 
 /* What the caller asked for, and the columns being filled. */
@@ -466,65 +636,49 @@ typedef struct {
     Py_ssize_t n_wanted;
     const char **key;
     Py_ssize_t *key_len;
-    Column *col; /* COL_WANTED + n_wanted + 1 */
+    PyObject **name; /* the columns' names: COL_WANTED + n_wanted + 1 */
+    Column *col;     /* as many */
     Py_ssize_t rows;
     PyObject *odd;
-    Buf json;     /* scratch: one span's other attributes */
-    Reader *slot; /* per span: the last value of each wanted key */
-    Reader *other_key, *other_value; /* max_attributes entries */
-    Py_ssize_t n_other;
-    int32_t *index;   /* open addressing over other_key: 1 + its position, 0 empty; n_index slots */
-    Py_ssize_t n_index;
+    PyObject *keep; /* bytes that readers point into: merged values */
+    Buf json;       /* scratch: one span's other attributes */
+    Reader *slot;   /* per span: the value of each wanted key */
+    Pairs others;   /* per span: its other attributes */
     Py_ssize_t max_attributes, n_attributes;
     PyObject *crowded; /* rows of spans with more than max_attributes attributes */
 } Decoder;
 
 enum { COL_RESOURCE, COL_TRACE_ID, COL_SPAN_ID, COL_PARENT, COL_NAME, COL_START, COL_END, COL_WANTED };
 static const char FIXED_TYPES[COL_WANTED] = {'i', 'b', 'b', 'b', 's', 'u', 'u'};
+static const char *FIXED_NAMES[COL_WANTED] = {"resource", "trace_id", "span_id", "parent_span_id", "name", "start", "end"};
 
 /* A wanted attribute's cell, typed; a value of another type becomes null plus an `odd` entry. */
 static int wanted_cell(Decoder *d, Py_ssize_t i, Reader value) {
     Column *c = &d->col[COL_WANTED + i];
-    Reader r = value, s = {NULL, NULL};
-    uint32_t field = 0, wire, kind = 0;
-    uint64_t v = 0;
-    while (r.p && r.p < r.end) {
-        if (read_tag(&r, &field, &wire) < 0) return -1;
-        if ((field == 2 || field == 3) && wire == 0) {
-            if (read_varint(&r, &v) < 0) return -1;
-        } else if (field == 4 && wire == 1) {
-            if (read_fixed64(&r, &v) < 0) return -1;
-        } else if ((field == 1 || field == 5 || field == 6 || field == 7) && wire == 2) {
-            if (read_len(&r, &s) < 0) return -1;
-        } else {
-            if (skip_field(&r, field, wire, 0) < 0) return -1;
-            continue;
-        }
-        kind = field;
-    }
-    if (!value.p || kind == 0) /* absent, or an empty AnyValue: null */
+    Any a = {0};
+    if (value.p && read_any(value, &a) < 0) return -1;
+    if (a.kind == 0) /* absent, or an empty AnyValue: null */
         return var_width(c->type) ? cell_bytes(c, d->rows, NULL, 0, 0) : cell_fixed(c, d->rows, NULL, 0);
-    int64_t i64 = (int64_t)v;
-    if (c->type == 's' && kind == 1) {
-        if (!utf8_valid(s.p, s.end)) return fail("string is not UTF-8");
-        return cell_bytes(c, d->rows, s.p, s.end - s.p, 1);
+    int64_t i64 = (int64_t)a.v;
+    if (c->type == 's' && a.kind == 1) {
+        if (!utf8_valid(a.last.p, a.last.end)) return fail("string is not UTF-8");
+        return cell_bytes(c, d->rows, a.last.p, a.last.end - a.last.p, 1);
     }
-    if (c->type == 'q' && kind == 3) return cell_fixed(c, d->rows, &i64, 1);
-    if (c->type == 'i' && kind == 3 && i64 >= INT32_MIN && i64 <= INT32_MAX) {
+    if (c->type == 'q' && a.kind == 3) return cell_fixed(c, d->rows, &i64, 1);
+    if (c->type == 'i' && a.kind == 3 && i64 >= INT32_MIN && i64 <= INT32_MAX) {
         int32_t i32 = (int32_t)i64;
         return cell_fixed(c, d->rows, &i32, 1);
     }
-    if (c->type == 'd' && (kind == 3 || kind == 4)) {
+    if (c->type == 'd' && (a.kind == 3 || a.kind == 4)) {
         double x;
-        if (kind == 3)
+        if (a.kind == 3)
             x = (double)i64;
         else
-            memcpy(&x, &v, 8);
+            memcpy(&x, &a.v, 8);
         return cell_fixed(c, d->rows, &x, 1);
     }
-    Reader again = value;
-    PyObject *sent = any_value(&again, 0);
-    PyObject *entry = sent ? Py_BuildValue("(nnO)", d->rows, i, sent) : NULL;
+    PyObject *sent = any_value(value, 0, d->keep);
+    PyObject *entry = sent ? Py_BuildValue("(nOO)", d->rows, d->name[COL_WANTED + i], sent) : NULL;
     Py_XDECREF(sent);
     if (!entry || PyList_Append(d->odd, entry) < 0) {
         Py_XDECREF(entry);
@@ -537,21 +691,10 @@ static int wanted_cell(Decoder *d, Py_ssize_t i, Reader value) {
 /* One KeyValue of a span: into its wanted slot, else kept for the JSON of other attributes.
    Past max_attributes the span is refused (its row is noted in `crowded`) and the rest only skipped,
    so the work per span is bounded whatever it sends. */
-static int span_attribute(Decoder *d, Reader *r) {
-    Reader key = {NULL, NULL}, value = {NULL, NULL};
-    uint32_t field, wire;
+static int span_attribute(Decoder *d, Reader r) {
+    Reader key, value;
     if (++d->n_attributes > d->max_attributes) return 0;
-    while (r->p < r->end) {
-        if (read_tag(r, &field, &wire) < 0) return -1;
-        if (field == 1 && wire == 2) {
-            if (read_len(r, &key) < 0) return -1;
-        } else if (field == 2 && wire == 2) {
-            if (read_len(r, &value) < 0) return -1;
-        } else if (skip_field(r, field, wire, 0) < 0) {
-            return -1;
-        }
-    }
-    if (!key.p) return 0;
+    if (kv_fields(r, &key, &value, d->keep) < 0) return -1;
     Py_ssize_t klen = key.end - key.p;
     for (Py_ssize_t i = 0; i < d->n_wanted; i++) {
         if (d->key_len[i] == klen && memcmp(d->key[i], key.p, klen) == 0) {
@@ -559,27 +702,7 @@ static int span_attribute(Decoder *d, Reader *r) {
             return 0;
         }
     }
-    /* a repeated key: the last value wins, in the first place */
-    size_t h = 14695981039346656037u; /* FNV-1a */
-    for (const uint8_t *p = key.p; p < key.end; p++) h = (h ^ *p) * 1099511628211u;
-    for (size_t at = h & (d->n_index - 1);; at = (at + 1) & (d->n_index - 1)) {
-        int32_t i = d->index[at] - 1;
-        if (i < 0) {
-            d->index[at] = (int32_t)d->n_other + 1;
-            d->other_key[d->n_other] = key;
-            d->other_value[d->n_other++] = value;
-            return 0;
-        }
-        if (d->other_key[i].end - d->other_key[i].p == klen && memcmp(d->other_key[i].p, key.p, klen) == 0) {
-            d->other_value[i] = value;
-            return 0;
-        }
-    }
-}
-
-static void forget_others(Decoder *d) {
-    if (d->n_other) memset(d->index, 0, d->n_index * sizeof(int32_t));
-    d->n_other = 0;
+    return pairs_put(&d->others, key, value);
 }
 
 static int id_cell(Column *c, Py_ssize_t row, Reader id, int null_when_empty) {
@@ -594,7 +717,7 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
     uint64_t start = 0, end = 0;
     uint32_t field, wire;
     memset(d->slot, 0, d->n_wanted * sizeof(Reader));
-    forget_others(d);
+    pairs_clear(&d->others);
     d->n_attributes = 0;
     while (r->p < r->end) {
         Reader s;
@@ -606,7 +729,7 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
             case 2: span_id = s; break;
             case 4: parent = s; break;
             case 5: name = s; break;
-            case 9: if (span_attribute(d, &s) < 0) return -1; break;
+            case 9: if (span_attribute(d, s) < 0) return -1; break;
             }
         } else if (field == 7 && wire == 1) {
             if (read_fixed64(r, &start) < 0) return -1;
@@ -624,7 +747,7 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
         Py_XDECREF(at);
         if (rc < 0) return -1;
         memset(d->slot, 0, d->n_wanted * sizeof(Reader));
-        forget_others(d);
+        pairs_clear(&d->others);
     }
     if (cell_fixed(&d->col[COL_RESOURCE], row, &resource, 1) < 0 ||
         id_cell(&d->col[COL_TRACE_ID], row, trace_id, 0) < 0 || id_cell(&d->col[COL_SPAN_ID], row, span_id, 0) < 0 ||
@@ -636,15 +759,16 @@ static int span(Decoder *d, Reader *r, int32_t resource) {
         if (wanted_cell(d, i, d->slot[i]) < 0) return -1;
     Column *json = &d->col[COL_WANTED + d->n_wanted];
     d->json.len = 0;
-    if (d->n_other) {
+    if (d->others.n) {
         if (put(&d->json, "{", 1) < 0) return -1;
-        for (Py_ssize_t i = 0; i < d->n_other; i++) {
-            if ((i && puts_(&d->json, ", ") < 0) || json_key_value(&d->json, d->other_key[i], d->other_value[i], 0) < 0)
+        for (Py_ssize_t i = 0; i < d->others.n; i++) {
+            if ((i && puts_(&d->json, ", ") < 0) ||
+                json_key_value(&d->json, d->others.key[i], d->others.value[i], 0, d->keep) < 0)
                 return -1;
         }
         if (put(&d->json, "}", 1) < 0) return -1;
     }
-    if (cell_bytes(json, row, (const uint8_t *)d->json.data, d->json.len, d->n_other > 0) < 0) return -1;
+    if (cell_bytes(json, row, (const uint8_t *)d->json.data, d->json.len, d->others.n > 0) < 0) return -1;
     d->rows++;
     return 0;
 }
@@ -680,7 +804,7 @@ static int resource_spans(Decoder *d, Reader *r, PyObject *resources) {
                 Reader kv;
                 if (read_tag(&s, &field, &wire) < 0) goto done;
                 if (field == 1 && wire == 2) {
-                    if (read_len(&s, &kv) < 0 || key_value(&kv, attrs, 0) < 0) goto done;
+                    if (read_len(&s, &kv) < 0 || key_value(kv, attrs, 0, d->keep) < 0) goto done;
                 } else if (skip_field(&s, field, wire, 0) < 0) {
                     goto done;
                 }
@@ -719,13 +843,13 @@ static void rewind_to(Decoder *d, const Mark *m, Py_ssize_t n_columns, Py_ssize_
     d->rows = rows;
 }
 
-/* One ExportTraceServiceRequest body into the columns. */
+/* One ExportTraceServiceRequest body into the columns, once checked whole. */
 static int request(Decoder *d, PyObject *body, PyObject *resources) {
     Py_buffer view;
     if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) return -1;
     Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
     uint32_t field, wire;
-    int rc = 0;
+    int rc = check(r, M_REQUEST, 0);
     while (rc == 0 && r.p < r.end) {
         Reader s;
         if (read_tag(&r, &field, &wire) < 0) {
@@ -740,6 +864,7 @@ static int request(Decoder *d, PyObject *body, PyObject *resources) {
     return rc;
 }
 
+
 static PyObject *traces(PyObject *module, PyObject *args) {
     PyObject *bodies, *wanted, *resources = NULL, *owners = NULL, *errors = NULL, *columns = NULL, *out = NULL;
     Mark *marks = NULL;
@@ -751,37 +876,40 @@ static PyObject *traces(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "max_attributes must be in [1, 2**20]");
         return NULL;
     }
-    for (d.n_index = 2; d.n_index < 2 * d.max_attributes; d.n_index *= 2) {
-    }
     d.n_wanted = PyTuple_GET_SIZE(wanted);
     Py_ssize_t n_columns = COL_WANTED + d.n_wanted + 1;
     d.key = PyMem_Calloc(d.n_wanted + 1, sizeof(char *));
     d.key_len = PyMem_Calloc(d.n_wanted + 1, sizeof(Py_ssize_t));
     d.slot = PyMem_Calloc(d.n_wanted + 1, sizeof(Reader));
     d.col = PyMem_Calloc(n_columns, sizeof(Column));
-    d.other_key = PyMem_Calloc(d.max_attributes, sizeof(Reader));
-    d.other_value = PyMem_Calloc(d.max_attributes, sizeof(Reader));
-    d.index = PyMem_Calloc(d.n_index, sizeof(int32_t));
+    d.name = PyMem_Calloc(n_columns, sizeof(PyObject *));
     marks = PyMem_Calloc(n_columns, sizeof(Mark));
     d.odd = PyList_New(0);
     d.crowded = PyList_New(0);
+    d.keep = PyList_New(0);
     resources = PyList_New(0);
     owners = PyList_New(0);
     errors = PyList_New(0);
-    if (!d.key || !d.key_len || !d.slot || !d.col || !d.other_key || !d.other_value || !d.index || !marks || !d.odd ||
-        !d.crowded || !resources || !owners || !errors)
+    if (!d.key || !d.key_len || !d.slot || !d.col || !d.name || !marks || !d.odd || !d.crowded || !d.keep ||
+        !resources || !owners || !errors)
         goto done;
-    for (Py_ssize_t i = 0; i < COL_WANTED; i++) d.col[i].type = FIXED_TYPES[i];
+    for (Py_ssize_t i = 0; i < COL_WANTED; i++) {
+        d.col[i].type = FIXED_TYPES[i];
+        if (!(d.name[i] = PyUnicode_FromString(FIXED_NAMES[i]))) goto done;
+    }
     for (Py_ssize_t i = 0; i < d.n_wanted; i++) {
         const char *type;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(wanted, i), "s#s", &d.key[i], &d.key_len[i], &type)) goto done;
+        PyObject *name;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(wanted, i), "Us#s", &name, &d.key[i], &d.key_len[i], &type)) goto done;
         if (strlen(type) != 1 || !strchr("qids", type[0])) {
             PyErr_Format(PyExc_ValueError, "unknown column type %s", type);
             goto done;
         }
         d.col[COL_WANTED + i].type = type[0];
+        d.name[COL_WANTED + i] = Py_NewRef(name);
     }
     d.col[n_columns - 1].type = 's';
+    if (!(d.name[n_columns - 1] = PyUnicode_FromString("attrs"))) goto done;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bodies); i++) {
         Py_ssize_t rows = d.rows, odd = PyList_GET_SIZE(d.odd), crowded = PyList_GET_SIZE(d.crowded),
                    before = PyList_GET_SIZE(resources);
@@ -813,14 +941,16 @@ static PyObject *traces(PyObject *module, PyObject *args) {
             PyList_SetSlice(resources, before, PY_SSIZE_T_MAX, NULL) < 0)
             goto done;
     }
-    columns = PyList_New(n_columns);
+    columns = PyDict_New();
     if (!columns) goto done;
     for (Py_ssize_t i = 0; i < n_columns; i++) {
         PyObject *buffers = column_buffers(&d.col[i], d.rows);
-        if (!buffers) goto done;
-        PyList_SET_ITEM(columns, i, buffers);
+        int rc = buffers ? PyDict_SetItem(columns, d.name[i], buffers) : -1;
+        Py_XDECREF(buffers);
+        if (rc < 0) goto done;
     }
-    out = Py_BuildValue("(OOnOOOO)", resources, owners, d.rows, columns, d.odd, d.crowded, errors);
+    out = Py_BuildValue("{sOsOsnsOsOsOsO}", "resources", resources, "owners", owners, "spans", d.rows, "columns",
+                        columns, "odd", d.odd, "crowded", d.crowded, "errors", errors);
 done:
     if (d.col) {
         for (Py_ssize_t i = 0; i < n_columns; i++) {
@@ -829,17 +959,20 @@ done:
             PyMem_Free(d.col[i].offsets.data);
         }
     }
+    if (d.name) {
+        for (Py_ssize_t i = 0; i < n_columns; i++) Py_XDECREF(d.name[i]);
+    }
     PyMem_Free(d.col);
+    PyMem_Free(d.name);
     PyMem_Free(marks);
     PyMem_Free(d.key);
     PyMem_Free(d.key_len);
     PyMem_Free(d.slot);
-    PyMem_Free(d.other_key);
-    PyMem_Free(d.other_value);
-    PyMem_Free(d.index);
+    pairs_free(&d.others);
     PyMem_Free(d.json.data);
     Py_XDECREF(d.odd);
     Py_XDECREF(d.crowded);
+    Py_XDECREF(d.keep);
     Py_XDECREF(resources);
     Py_XDECREF(owners);
     Py_XDECREF(errors);
@@ -887,9 +1020,8 @@ static PyMethodDef methods[] = {
      "entries(body, points, limit) -> int: resources, scopes and items (with points, metrics' data points too)\n"
      "of an export request, counted up to just past limit; a malformed body counts as far as it reads."},
     {"traces", traces, METH_VARARGS,
-     "traces(bodies, wanted, max_attributes) -> (resources, owners, spans, columns, odd, crowded, errors):\n"
-     "ExportTraceServiceRequests"
-     "in Arrow's columnar layout; see the module's source for the columns."},
+     "traces(bodies, wanted, max_attributes) -> {resources, owners, spans, columns, odd, crowded, errors}:\n"
+     "ExportTraceServiceRequests in Arrow's columnar layout; see the module's source for the columns."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,8 +7,9 @@ batch; each request's share of the rows (its `Part`) is kept, so each gets
 its own answer and a retried one can be left out.
 
 Spans, by far the most numerous items, are read by the C wire decoder
-collector/_otlpwire.c straight into Arrow buffers; metrics and logs by the
-protobuf runtime, as row tuples typed by pyarrow. Known attributes fill typed
+collector/_otlpwire.c straight into Arrow buffers (where it is not built, by its
+twin on the protobuf runtime, collector/otlpwire.py: WIRE says which); metrics
+and logs by the protobuf runtime, as row tuples typed by pyarrow. Known attributes fill typed
 columns and any others are kept as JSON in `attrs`, so nothing valid is lost.
 A value of the wrong type is coerced ("5" -> 5) or its item rejected;
 rejected items are reported back through OTLP partial_success with the first
@@ -23,9 +24,8 @@ one that raises is refused alone (400). docs/telemetry.md gives the reasons
 for each bound.
 """
 
-import json
 import logging
-import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,12 +38,12 @@ import pyarrow.compute as pc
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent import semconv as sc
-from collector import _otlpwire
+from collector import otlpwire
 from collector.nccl import bandwidths
 from collector.otlp import PROTOBUF, OtlpError, parse
+from collector.otlpwire import json_text, value
 from collector.schema import DDL
 
 MAX_ITEMS = 100_000  # resources, scopes and items (and metrics' data points) per request
@@ -52,6 +52,29 @@ MAX_ATTRIBUTES = 128  # per item: the OpenTelemetry SDKs' default attribute coun
 RANGES = {"step": 2**40, "rank": 2**24, "tokens": 2**40}
 _INTEGER = re.compile(r"-?[0-9]{1,20}")  # what a string must be to be read as an integer: int() takes "٣" too
 log = logging.getLogger(__name__)
+
+
+def _wire():
+    """The trace decoder: the C one where it is built (and RANKWATCH_DECODER is not "python"), else
+    its twin on the protobuf runtime."""
+    if os.environ.get("RANKWATCH_DECODER") != "python":
+        try:
+            from collector import _otlpwire
+            return _otlpwire
+        except ImportError:
+            pass
+    return otlpwire
+
+
+WIRE = _wire()
+
+
+def describe_decoder() -> str:
+    """Which trace decoder this process uses, for the collector's start-up line."""
+    if WIRE is otlpwire:
+        return ("OTLP trace decoder: the protobuf runtime's (collector/otlpwire.py); the C decoder is not built, "
+                "or RANKWATCH_DECODER=python; ingest is several times slower")
+    return "OTLP trace decoder: C (collector/_otlpwire.c)"
 
 
 class Rejected(ValueError):
@@ -117,7 +140,7 @@ def decode(signal: str, bodies: list[bytes]) -> Decoded:
 def admit(signal: str, body: bytes) -> None:
     """413 for a request with more than MAX_ITEMS entries, counted on the wire before anything is
     allocated for them, so that refusing it costs less than decoding it would."""
-    if _otlpwire.entries(body, signal == "metrics", MAX_ITEMS) > MAX_ITEMS:
+    if WIRE.entries(body, signal == "metrics", MAX_ITEMS) > MAX_ITEMS:
         raise OtlpError(413, f"more than {MAX_ITEMS} resources, scopes and items in one request; "
                              "send smaller batches")
 
@@ -163,41 +186,12 @@ def arrow_schema(table: str) -> pa.Schema:
     return con.sql(f"SELECT * FROM {table} LIMIT 0").arrow().schema
 
 
-def value(v: AnyValue):
-    """An OTLP AnyValue as a plain Python value (as the C decoder returns them)."""
-    which = v.WhichOneof("value")
-    if which == "array_value":
-        return [value(x) for x in v.array_value.values]
-    if which == "kvlist_value":
-        return {kv.key: value(kv.value) for kv in v.kvlist_value.values}
-    return getattr(v, which) if which else None
-
-
 def _attributes(key_values) -> dict:
     return {kv.key: value(kv.value) for kv in key_values}
 
 
 def _leftover(attrs: dict) -> str | None:
-    return _json(attrs) if attrs else None
-
-
-def _json(v) -> str:
-    """A value as JSON, bytes as hex and non-finite doubles as null (as the C decoder writes them;
-    NaN is no JSON, and the store's JSON columns refuse it)."""
-    try:
-        return json.dumps(v, default=bytes.hex, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(v), default=bytes.hex)
-
-
-def _finite(v):
-    if type(v) is float:
-        return v if math.isfinite(v) else None
-    if type(v) is list:
-        return [_finite(x) for x in v]
-    if type(v) is dict:
-        return {k: _finite(x) for k, x in v.items()}
-    return v
+    return json_text(attrs) if attrs else None
 
 
 def _bounded(column: str, v):
@@ -317,9 +311,10 @@ _SPAN_KEYS = {
 }
 _KINDS = frozenset([sc.KIND_STEP, *sc.OP_KINDS])
 _MAX_NS = 2**63 - 1  # TIMESTAMP_NS ends in the year 2262
-# The columns _otlpwire.traces() returns before the wanted attributes, and their Arrow types.
+# The columns the wire decoder returns besides the wanted attributes, and their Arrow types.
 _WIRE_COLUMNS = {"resource": pa.int32(), "trace_id": pa.binary(), "span_id": pa.binary(),
-                 "parent_span_id": pa.binary(), "name": pa.string(), "start": pa.uint64(), "end": pa.uint64()}
+                 "parent_span_id": pa.binary(), "name": pa.string(), "start": pa.uint64(), "end": pa.uint64(),
+                 "attrs": pa.string()}
 _WIRE_TYPES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d", pa.string(): "s"}
 
 
@@ -330,26 +325,26 @@ def _span_field(column: str) -> pa.Field:
 
 
 @cache
-def _wanted() -> tuple[tuple[str, str], ...]:
-    """The attribute keys the wire decoder puts in typed columns, with their types."""
-    return tuple((key, _WIRE_TYPES[_span_field(column).type]) for key, column in _SPAN_KEYS.items())
+def _wanted() -> tuple[tuple[str, str, str], ...]:
+    """The columns the wire decoder fills from attributes: column, attribute key and type."""
+    return tuple((column, key, _WIRE_TYPES[_span_field(column).type]) for key, column in _SPAN_KEYS.items())
 
 
-def _columns(n: int, buffers: list[tuple]) -> dict[str, pa.Array]:
+def _columns(n: int, buffers: dict[str, tuple]) -> dict[str, pa.Array]:
     """The wire decoder's buffers as Arrow arrays, by column name (zero-copy)."""
-    types = [*_WIRE_COLUMNS.values(), *(_span_field(c).type for c in _SPAN_KEYS.values()), pa.string()]
-    names = [*_WIRE_COLUMNS, *_SPAN_KEYS.values(), "attrs"]
-    return {name: pa.Array.from_buffers(t, n, [b if b is None else pa.py_buffer(b) for b in bufs])
-            for name, t, bufs in zip(names, types, buffers)}
+    def wrap(name: str, t: pa.DataType) -> pa.Array:
+        return pa.Array.from_buffers(t, n, [b if b is None else pa.py_buffer(b) for b in buffers[name]])
+
+    return {**{name: wrap(name, t) for name, t in _WIRE_COLUMNS.items()},
+            **{column: wrap(column, _span_field(column).type) for column in _SPAN_KEYS.values()}}
 
 
 def _coerce_odd(columns: dict[str, pa.Array], odd: list[tuple], bad: dict[int, str]) -> None:
     """Cells sent with another type than their column's: coerced ("5" -> 5) in place, or their
     span marked bad."""
-    keyed = list(_SPAN_KEYS.values())
     by_column = defaultdict(list)
-    for row, i, sent in odd:
-        by_column[keyed[i]].append((row, sent))
+    for row, column, sent in odd:
+        by_column[column].append((row, sent))
     for column, cells in by_column.items():
         field = _span_field(column)
         values = columns[column].to_pylist()
@@ -381,31 +376,31 @@ def _from_resources(columns: dict[str, pa.Array], identities: list["_Identity"])
 
 def decode_traces(bodies: list[bytes]) -> Decoded:
     """Spans of a batch of requests -> `steps` (spans of kind step) and `ops` (every other span)."""
-    resources, owners, n, buffers, odd, crowded, errors = _otlpwire.traces(bodies, _wanted(), MAX_ATTRIBUTES)
+    wire = WIRE.traces(bodies, _wanted(), MAX_ATTRIBUTES)
     out = Decoded("traces", [Part() for _ in bodies])
-    for i, why in errors:
+    for i, why in wire["errors"]:
         out.parts[i].malformed = why
+    n = wire["spans"]
     if not n:
         return out
-    cols = _columns(n, buffers)
-    bad = dict.fromkeys(crowded, f"more than {MAX_ATTRIBUTES} attributes")
-    if odd:
-        _coerce_odd(cols, odd, bad)
-    identities = [_Identity(attrs, out) for attrs in resources]
+    cols = _columns(n, wire["columns"])
+    bad = dict.fromkeys(wire["crowded"], f"more than {MAX_ATTRIBUTES} attributes")
+    if wire["odd"]:
+        _coerce_odd(cols, wire["odd"], bad)
+    identities = [_Identity(attrs, out) for attrs in wire["resources"]]
     _from_resources(cols, identities)
     if cols["kind"].null_count:  # a span without a kind is a step if so named
         cols["kind"] = pc.coalesce(cols["kind"], pc.if_else(pc.equal(cols["name"], "step"), sc.KIND_STEP,
                                                             sc.KIND_OTHER))
-    start, end = np.frombuffer(buffers[5][1], np.uint64), np.frombuffer(buffers[6][1], np.uint64)
+    start, end = cols.pop("start").to_numpy(), cols.pop("end").to_numpy()
     times_ok = (start > 0) & (start <= end) & (end <= _MAX_NS)
     start, end = np.where(times_ok, start, 0).astype(np.int64), np.where(times_ok, end, 0).astype(np.int64)
     seconds = (end - start) / 1e9
-    del cols["start"], cols["end"]
     algbw, busbw = bandwidths(cols["name"], cols["group_size"], cols["bytes"], seconds)
     cols.update(start_ts=pa.array(start, pa.timestamp("ns")), end_ts=pa.array(end, pa.timestamp("ns")),
                 duration_s=pa.array(seconds), algbw_gbps=algbw, busbw_gbps=busbw)
     is_step = pc.equal(cols["kind"], sc.KIND_STEP).to_numpy(zero_copy_only=False)
-    owner = np.asarray(owners, np.int64)[np.frombuffer(buffers[0][1], np.int32)]  # each span's request
+    owner = np.asarray(wire["owners"], np.int64)[cols["resource"].to_numpy()]  # each span's request
     valid = _valid_spans(out, cols, times_ok, is_step, bad, owner)
     _note_ranks(identities, cols, valid)
     del cols["resource"]
@@ -528,7 +523,7 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
                     continue
                 body_value = value(record.body) if record.HasField("body") else None
                 if body_value is not None and not isinstance(body_value, str):
-                    body_value = _json(body_value)
+                    body_value = json_text(body_value)
                 event = attrs.pop(sc.EVENT, None) or body_value or "log"
                 rows.append((run_id, rank, ts, event, step, record.severity_text or None,
                              body_value, _leftover(attrs)))

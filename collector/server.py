@@ -26,6 +26,7 @@ from collector.analysis import Analysis
 from collector.analyzers import hangs
 from collector.auth import authorized, load_or_create_token
 from collector.commands import ROLLBACK_ON, RollbackPolicy
+from collector.decode import describe_decoder
 from collector.ingest import Ingestor
 from collector.runmetrics import RunMetrics
 from collector.selfmetrics import SelfMetrics
@@ -171,6 +172,7 @@ def serve(config: Config) -> None:
     up on its writer (Store.failure), for a supervisor to start it again."""
     app = create_app(config)
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
+    print(describe_decoder(), flush=True)
     app.state.server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                      timeout_graceful_shutdown=30))
     app.state.server.run()

@@ -19,7 +19,8 @@ from conftest import wait_until
 from otlp_payloads import query
 
 from agent import semconv as sc
-from agent.devices import clock_event_words, open_device
+from agent.devices import clock_event_words
+from agent.opendevice import open_device
 from agent.export import Exporter
 from agent.nvml import MAX_XIDS, NvmlDevice
 from agent.rapl import Rapl

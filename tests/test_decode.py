@@ -1,0 +1,18 @@
+"""The collector says which trace decoder it uses, and stores the same rows with either."""
+
+import pytest
+
+from tests.otlp_payloads import post, query, step_spans, trace_body
+
+
+@pytest.mark.parametrize("forced, says", [(None, "C (collector/_otlpwire.c)"),
+                                          ("python", "the protobuf runtime's (collector/otlpwire.py)")])
+def test_the_collector_says_which_decoder_it_uses_and_stores_with_it(collector_factory, monkeypatch, forced, says):
+    if forced:
+        monkeypatch.setenv("RANKWATCH_DECODER", forced)
+    c = collector_factory()
+    assert post(c, "traces", trace_body(step_spans("decoders", 0, range(3), spans_per_step=2))).status_code == 200
+    c.stop()
+    assert f"OTLP trace decoder: {says}" in open(c.log.name).read()
+    assert query(c.db, "SELECT count(*) FROM steps WHERE run_id = 'decoders'") == [(3,)]
+    assert query(c.db, "SELECT count(*) FROM ops WHERE run_id = 'decoders'") == [(6,)]
