@@ -173,14 +173,19 @@ def _print_report(report) -> None:
         console.print(f"[bold]run {report.run_id}[/]: Flight Recorder dumps, no steps: no what-if analysis")
         _print_findings(report.findings, console)
         return
+    idle = "" if w.idle_slowdown is None else (
+        f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, {w.idle_slowdown:.2f}x the ops "
+        f"back to back")
     console.print(f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
-                  f"{w.actual_step_s:.3f} s against {w.ideal_step_s:.3f} s with every op at its typical duration: "
-                  f"[bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
+                  f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
+                  f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
                   + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
-                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it")
+                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it" + idle)
     explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
     for t, slowdown in w.op_types.items():
         explained.add_row(f"op type {t}", f"{slowdown:.3f}x")
+    if w.idle_slowdown is not None:
+        explained.add_row("launch delay and idle (not in the slowdown)", f"{w.idle_slowdown:.3f}x")
     for s in w.stages[:4]:
         explained.add_row(f"stage {s['pp_stage']}", f"{s['slowdown']:.3f}x")
     for worker in w.workers[:8]:
