@@ -18,7 +18,8 @@ from PIL import Image
 from agent import semconv as sc
 from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_points
 from collector.analyzers import power
-from tests.conftest import free_port, rankwatch_cli, simulated_store
+from collector import queryapi
+from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
 from trainer import simulate
@@ -288,8 +289,17 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     caps.write_text(json.dumps({"run": "pw-live", "rank_caps": {"1": 512.0, "2": 498.0}}))  # a recommend document
     env = {"RANKWATCH_TOKEN": collector.token}
 
-    def apply(*args: str):
-        return rankwatch_cli("power", "apply", "pw-live", *args, "--collector", collector.url, env=env)
+    def apply(*args: str, run: str = "pw-live"):
+        return rankwatch_cli("power", "apply", run, *args, "--collector", collector.url, env=env)
+
+    sent = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url,
+                         env=env)
+    assert sent.returncode == 0, sent.stderr
+    with queryapi.client(collector.url, collector.token) as http:
+        wait_until(lambda: queryapi.remote_query(http, "SELECT count(DISTINCT rank) FROM device_samples WHERE "
+                                                       "run_id = 'pw-live' AND metric = ?",
+                                                 [sc.POWER_LIMIT_MAX_W])["rows"] == [[4]],
+                   "the run's power-limit range in the store")
 
     result = apply("--caps", str(caps), "--watts", "650")
     assert result.returncode == 0, result.stderr
@@ -300,9 +310,18 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     assert command["args"] == {"caps": {"1": 512.0, "2": 498.0}, "watts": 650.0}
     caps.write_text('{"x": 300}')
     for args, message in ((("--caps", str(caps)), "a power_cap takes caps"), ((), "give --caps FILE.json, --watts W"),
-                          (("--watts", "-5"), "watts positive")):
+                          (("--watts", "-5"), "--watts: must be more than 0"),
+                          (("--watts", "5000"), "5000 W for every other rank is outside the 200-700 W"),
+                          (("--watts", "100"), "100 W for every other rank is outside")):
         result = apply(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+    caps.write_text('{"7": 300}')
+    result = apply("--caps", str(caps))
+    assert result.returncode == 2 and "run pw-live has no rank 7 (its ranks: 0, 1, 2, 3)" in result.stderr
+    caps.write_text('{"1": 900}')
+    assert "900 W for rank 1 is outside the 200-700 W" in apply("--caps", str(caps)).stderr
+    result = apply("--watts", "300", run="no-such-run")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "knows no run 'no-such-run'" in result.stderr
 
 
 def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_path):
