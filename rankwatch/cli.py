@@ -432,7 +432,8 @@ def cmd_train(args) -> None:
     _stop_on_sigterm()
     try:
         sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
-                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device))
+                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device,
+                       store=_db(args)))
     except DeviceError as e:
         raise UsageError(str(e)) from None
 
@@ -477,13 +478,19 @@ def cmd_simulate(args) -> None:
         return
     from agent import config
     from agent.export import Exporter
+    from rankwatch.launch import announce
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
-    exporter = Exporter(config.collector_url(args.collector), config.token(), {"rankwatch.run_id": run_id})
+    exporter_url = config.collector_url(args.collector)
+    announce("simulate", run_id, exporter_url)
+    exporter = Exporter(exporter_url, config.token(), {"rankwatch.run_id": run_id})
     spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
-    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
+    if lost := exporter.undelivered():
+        sys.exit(f"rankwatch simulate: error: run {run_id}: {lost} spans, log records and device samples never "
+                 f"reached {exporter_url} (of {spans} step spans and their samples)")
+    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {exporter_url}")
 
 
 def _power_caps(path: str, ranks: int):
@@ -563,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    p.add_argument("--db", help="the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints "
+                                "(default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
     p.add_argument("--max-restarts", type=NON_NEGATIVE, default=0,
                    help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
