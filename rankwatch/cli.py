@@ -394,6 +394,8 @@ def cmd_import(args) -> None:
             counts = store_run(db, args.run, batches(), trace.placement_frame, **run)
     except (TraceError, StoreLocked) as e:
         raise UsageError(str(e)) from None
+    for notice in getattr(trace, "notices", ()):
+        print(f"rankwatch import: {notice}", file=sys.stderr)
     dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if kineto else ""
     print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
           f"{counts['ranks']} ranks -> {db}")
