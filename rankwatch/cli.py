@@ -339,8 +339,11 @@ def _print_power(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from collector.analyzers.power import SIMULATED
+
     console = Console()
-    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}")
+    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}"
+                  + (f"; [bold]{SIMULATED}[/]" if report.simulated else ""))
     source = report.curve[0].source if report.curve else "measured"
     curve = Table("limit", "step time", "slowdown", "energy per step", "saving", "ZeusCost",
                   title=f"time/energy trade-off ({'measured' if source == 'measured' else 'power model'}, ±95%)")

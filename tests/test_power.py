@@ -226,7 +226,10 @@ def test_recommend_json(store, tmp_path):
     plot = tmp_path / "curve.png"
     report = recommend(store, "pw-straggler", "--plot", str(plot))
     assert list(report) == ["run", "policy", "ranks", "steps", "curve", "job_cap", "per_rank", "headroom", "findings",
-                            "rank_caps"]
+                            "simulated", "rank_caps"]
+    assert report["simulated"] is True  # the fleet simulator's GPUs: every piece of advice says so
+    assert all(f["summary"].startswith("simulated GPUs, not measured hardware: ") and f["evidence"]["simulated"]
+               for f in report["findings"])
     assert (report["run"], report["policy"], report["ranks"], report["steps"]) == ("pw-straggler",
                                                                                    "max-slowdown:0.02", 16, 30)
     assert set(report["curve"][0]) == {"cap_w", "source", "steps", "step_s", "step_s_se", "energy_j", "energy_j_se",
@@ -261,12 +264,13 @@ def test_recommend_table(store):
     result = rankwatch_cli("power", "recommend", "pw-straggler", "--db", str(store))
     assert result.returncode == 0, result.stderr
     assert "time/energy trade-off" in result.stdout and "per-rank caps: 15 of 16 ranks" in result.stdout
+    assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in " ".join(result.stdout.split())
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["pw-straggler", "--policy", "fastest"], "unknown policy 'fastest'"),
     (["pw-straggler", "--policy", "zeus:2"], "eta is within 0..1"),
-    (["pw-straggler", "--facility-watts", "0"], "--facility-watts must be positive"),
+    (["pw-straggler", "--facility-watts", "0"], "--facility-watts: must be more than 0"),
     (["no-such-run"], "no steps for run 'no-such-run'")])
 def test_recommend_errors_are_one_line(store, args, message):
     result = rankwatch_cli("power", "recommend", *args, "--db", str(store))
@@ -345,6 +349,7 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     assert "headroom" in firing
     alert = delivery.body["alerts"][0]
     assert alert["labels"]["alertname"] == "RankwatchPowerRecommendation" and alert["labels"]["run"] == "pw-live"
+    assert alert["annotations"]["summary"].startswith("simulated GPUs, not measured hardware: ")
     assert alert["annotations"]["dashboard"].startswith("http://127.0.0.1:8501/power?run=pw-live&finding=")
 
 

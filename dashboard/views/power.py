@@ -33,7 +33,8 @@ for _, finding in advice.iterrows():  # the power analyzer's recommendations
 job_cap = advice[advice["kind"] == "job_cap"]
 if not job_cap.empty:
     evidence = job_cap["evidence"].iloc[0]
-    st.subheader(f"Time/energy trade-off, one limit for every GPU ({evidence['source']})")
+    simulated = ", simulated GPUs" if evidence.get("simulated") else ""
+    st.subheader(f"Time/energy trade-off, one limit for every GPU ({evidence['source']}{simulated})")
     st.altair_chart(charts.tradeoff(pd.DataFrame(evidence["curve"]), evidence["cap_w"]), width="stretch")
 
 energy, power = ui.frame("energy_per_step", run=run), ui.frame("power_now", run=run)
