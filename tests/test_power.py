@@ -394,5 +394,5 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
 
 def test_the_collector_refuses_a_negative_power_period():
     result = rankwatch_cli("collector", "--power-every", "-1")
-    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch: error: --power-every must be 0 (never) or "
-                                                             "more seconds")
+    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch collector: error: argument --power-every: "
+                                                             "must be 0 or more, got -1")
