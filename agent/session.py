@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import semconv as sc
-from agent.config import UNDELIVERED_ENV
 from agent.clock import Clock, CpuTimer
+from agent.config import UNDELIVERED_ENV
 from agent.devices import open_device
 from agent.export import Exporter, log
 from agent.rapl import Rapl
