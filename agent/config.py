@@ -8,6 +8,7 @@ from pathlib import Path
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
 DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
 TOKEN_FILE = "token"  # beside the store, mode 0600
+UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
 
 
 def collector_url(explicit: str | None = None) -> str:

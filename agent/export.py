@@ -161,6 +161,7 @@ class Exporter:
             self.logs_backlog, schedule_delay_millis=1000, max_queue_size=65536, max_export_batch_size=2048))
         self._logger = self._logger_provider.get_logger(SCOPE)
         self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", **common)
+        self.samples_refused = 0  # device samples the collector never took
 
     def trace(self, spans: Sequence[tuple[str, int, int, Attributes]], resource: Resource | None = None) -> SpanContext:
         """Record one finished trace, times given: the first span is the root (a step), the
@@ -190,8 +191,6 @@ class Exporter:
     def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
         """Export device samples (metric name, time ns, value, attributes) now; True when accepted.
         With the collector away, False at once: the SDK would retry for its whole timeout."""
-        if not reachable(self._endpoint):
-            return False
         by_metric: dict[str, list[NumberDataPoint]] = defaultdict(list)
         for name, time_ns, value, attributes in points:
             by_metric[name].append(NumberDataPoint(attributes=dict(attributes), start_time_unix_nano=0,
@@ -201,7 +200,10 @@ class Exporter:
         metrics = [Metric(name=name, description="", unit="", data=Gauge(data_points=pts))
                    for name, pts in by_metric.items()]
         data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
-        return self._metric_exporter.export(data).name == "SUCCESS"
+        if reachable(self._endpoint) and self._metric_exporter.export(data).name == "SUCCESS":
+            return True
+        self.samples_refused += sum(map(len, by_metric.values()))
+        return False
 
     def flush(self, timeout_ms: int = 30_000) -> bool:
         """Push everything queued, backlog included; True when it all went out."""
@@ -209,6 +211,13 @@ class Exporter:
         self.spans_backlog.deliver()
         self.logs_backlog.deliver()
         return flushed and not self.spans_backlog.waiting and not self.logs_backlog.waiting
+
+    def undelivered(self) -> int:
+        """What this exporter knows never reached the collector, or has not yet: spans and log
+        records dropped or still waiting, device samples refused. After flush() and shutdown(),
+        all of it is lost."""
+        return (self.spans_backlog.dropped + self.spans_backlog.waiting + self.logs_backlog.dropped
+                + self.logs_backlog.waiting + self.samples_refused)
 
     def shutdown(self) -> None:
         """Stop exporting, without waiting out retries: call flush() first to deliver."""

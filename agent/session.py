@@ -14,9 +14,11 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer
+from agent.config import UNDELIVERED_ENV
 from agent.opendevice import open_device
 from agent.export import Exporter, log
 from agent.rapl import Rapl
@@ -145,6 +147,8 @@ class Session:
                                                       "rankwatch.spans_delivered_late": backlog.delivered_late})
             self.exporter.flush()
         self.exporter.shutdown()
+        if (lost := self.exporter.undelivered()) and (notes := os.environ.get(UNDELIVERED_ENV)):
+            Path(notes, f"rank-{self.rank}-{os.getpid()}").write_text(str(lost))  # for `rankwatch train`'s status
         if dropped:
             log.warning("rankwatch: %d spans of rank %d were never delivered (collector unreachable)",
                         dropped, self.rank)

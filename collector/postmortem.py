@@ -67,7 +67,8 @@ def analyze_run(con: duckdb.DuckDBPyConnection, run_id: str,
             return Report(run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id),
                                                           ranks["rank"]), steps)
         raise unknown_run(con, run_id)
-    return Report(run_id, whatif.analyze(steps, ranks), _findings(con, run_id, steps, ranks, straggler_settings,
+    parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
+    return Report(run_id, whatif.analyze(steps, ranks, parts), _findings(con, run_id, steps, ranks, straggler_settings,
                                                                    hang_settings), steps)
 
 

@@ -27,6 +27,8 @@ _WINDOW = """WITH w AS (SELECT max(step) - $steps + 1 AS first FROM current_step
              GROUP BY first"""
 _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND list_contains($metrics, metric) AND ts >= make_timestamp_ns($since)"""
+_SIMULATED = """SELECT coalesce(bool_and(source = $simulated), false) FROM device_samples
+                WHERE run_id = $run AND list_contains($metrics, metric)"""
 _CONSTRAINTS = """SELECT median(value) FILTER (metric = $low), median(value) FILTER (metric = $high)
                   FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
 
@@ -48,7 +50,9 @@ def recommend(con: duckdb.DuckDBPyConnection, run_id: str, policy: power.Policy,
     model = GpuModel()
     if low is not None and high is not None:
         model = replace(model, limit_min_w=low, limit_max_w=high, max_w=high)
-    return power.analyze(steps, devices, ranks, policy, facility_w, model)
+    simulated = con.execute(_SIMULATED, {"run": run_id, "simulated": sc.SOURCE_SIMULATED,
+                                         "metrics": list(power.POWER_METRICS)}).fetchone()[0]
+    return power.analyze(steps, devices, ranks, policy, facility_w, model, simulated=simulated)
 
 
 def document(report: power.PowerReport) -> dict:

@@ -98,8 +98,20 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
         if "lock" in str(e).lower():
             holder = re.search(r"PID (\d+)", str(e))
             raise StoreLocked(f"{path} is held open by a running collector"
-                              f"{f' (pid {holder[1]})' if holder else ''}; stop it first") from None
+                              f"{f' (pid {_collector_pid(int(holder[1]))})' if holder else ''}; stop it first"
+                              ) from None
         raise
+
+
+def _collector_pid(holder: int) -> int:
+    """The process to stop: DuckDB names the collector's writer process, a child the user never
+    started; its parent, where that is a `collector` command line, is the collector itself."""
+    try:
+        parent = int(re.search(r"PPid:\s*(\d+)", Path(f"/proc/{holder}/status").read_text())[1])
+        arguments = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except (OSError, TypeError):  # no /proc (not Linux), or the process is gone
+        return holder
+    return parent if b"collector" in arguments else holder
 
 
 class _Writer:

@@ -29,8 +29,14 @@ if runs.empty and page.title != "SQL":
     st.stop()
 if not runs.empty:
     labels = {r.run_id: f"{r.run_id}  ·  {r.firing} firing" if r.firing else r.run_id for r in runs.itertuples()}
-    if "run" not in st.session_state and st.query_params.get("run") in labels:  # a link to a run's page
-        st.session_state["run"] = st.query_params["run"]
-    st.query_params["run"] = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+    linked = st.query_params.get("run")
+    if "run" not in st.session_state and linked in labels:  # a link to a run's page
+        st.session_state["run"] = linked
+    picked = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run",
+                                  on_change=lambda: st.query_params.update(run=st.session_state["run"]))
+    if linked is not None and linked not in labels:  # never another run's pages under this one's link
+        st.error(f"Run **{linked}** is unknown: {ui.data_source().label} has no such run. Pick one in the sidebar.")
+        st.stop()
+    st.query_params["run"] = picked
     ui.show_linked_finding()
 page.run()

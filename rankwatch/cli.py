@@ -6,6 +6,7 @@ duckdb and `rankwatch query` never loads torch.
 """
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -27,6 +28,36 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(message, self.prog)
+
+
+def _whole(low: int, high: int | None = None):
+    """argparse type: a whole number in [low, high]; anything else is a one-line usage error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}" if high is not None
+                                             else f"must be {low} or more, got {value}")
+        return value
+    return parse
+
+
+def _quantity(allow_zero: bool):
+    """argparse type: a finite number of seconds (or watts), positive, or also 0 with `allow_zero`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < 0 or value == 0 and not allow_zero:
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'more than 0'}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE, PORT = _whole(1), _whole(0), _whole(1, 65535)
 
 
 def _db(args) -> Path:
@@ -60,8 +91,6 @@ def _rollback_kinds(text: str) -> frozenset[str]:
 def cmd_collector(args) -> None:
     from collector.server import Config, serve
 
-    if args.power_every < 0:
-        raise UsageError("--power-every must be 0 (never) or more seconds")
     config = Config(db=_db(args), host=args.host, port=args.port,
                     token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
                     max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
@@ -173,14 +202,19 @@ def _print_report(report) -> None:
         console.print(f"[bold]run {report.run_id}[/]: Flight Recorder dumps, no steps: no what-if analysis")
         _print_findings(report.findings, console)
         return
+    idle = "" if w.idle_slowdown is None else (
+        f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, {w.idle_slowdown:.2f}x the ops "
+        f"back to back")
     console.print(f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
-                  f"{w.actual_step_s:.3f} s against {w.ideal_step_s:.3f} s with every op at its typical duration: "
-                  f"[bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
+                  f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
+                  f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
                   + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
-                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it")
+                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it" + idle)
     explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
     for t, slowdown in w.op_types.items():
         explained.add_row(f"op type {t}", f"{slowdown:.3f}x")
+    if w.idle_slowdown is not None:
+        explained.add_row("launch delay and idle (not in the slowdown)", f"{w.idle_slowdown:.3f}x")
     for s in w.stages[:4]:
         explained.add_row(f"stage {s['pp_stage']}", f"{s['slowdown']:.3f}x")
     for worker in w.workers[:8]:
@@ -219,8 +253,6 @@ def cmd_power_recommend(args) -> None:
         policy = Policy.parse(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.facility_watts is not None and not args.facility_watts > 0:
-        raise UsageError("--facility-watts must be positive")
     db = _db(args)
     if not db.exists():
         raise UsageError(f"no store at {db}")
@@ -259,6 +291,7 @@ def cmd_power_apply(args) -> None:
     else:
         body = {"watts": args.watts}
     url, secret = collector_url(args.collector), token()
+    _check_caps(url, secret, args.run, body)
     try:
         response = httpx.post(f"{url}/v1/commands", json={"run_id": args.run, "kind": "power_cap", "args": body},
                               headers={"Authorization": f"Bearer {secret}"} if secret else {}, timeout=30)
@@ -274,12 +307,45 @@ def cmd_power_apply(args) -> None:
           + f") is pending for run {args.run}; the job applies it at a step boundary")
 
 
+_JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run),
+                  max(value) FILTER (metric = $low), min(value) FILTER (metric = $high)
+           FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
+
+
+def _check_caps(url: str, secret: str | None, run_id: str, body: dict) -> None:
+    """Before a power cap is sent: the run is one the collector knows, every capped rank is one of
+    its ranks, and every cap is within the limits its GPUs accept (the tightest range they share)."""
+    from agent import semconv as sc
+    from collector import queryapi
+
+    with queryapi.client(url, secret) as http:
+        try:
+            answer = queryapi.remote_query(http, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
+                                                        "high": sc.POWER_LIMIT_MAX_W})
+        except queryapi.QueryFailed as e:
+            raise UsageError(str(e)) from None
+    ranks, low, high = answer["rows"][0]
+    if not ranks:
+        raise UsageError(f"the collector at {url} knows no run {run_id!r}")
+    caps = body.get("caps") if isinstance(body.get("caps"), dict) else {}
+    targets = [(f"rank {r}", r, w) for r, w in caps.items()] + (
+        [("every other rank", None, body["watts"])] if "watts" in body else [])
+    for name, rank, watts in targets:
+        if rank is not None and str(rank).isdigit() and int(rank) not in ranks:
+            raise UsageError(f"run {run_id} has no rank {rank} (its ranks: {_ranks(ranks)})")
+        if isinstance(watts, (int, float)) and low is not None and high is not None and not low <= watts <= high:
+            raise UsageError(f"{watts:g} W for {name} is outside the {low:g}-{high:g} W its GPUs accept")
+
+
 def _print_power(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from collector.analyzers.power import SIMULATED
+
     console = Console()
-    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}")
+    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}"
+                  + (f"; [bold]{SIMULATED}[/]" if report.simulated else ""))
     source = report.curve[0].source if report.curve else "measured"
     curve = Table("limit", "step time", "slowdown", "energy per step", "saving", "ZeusCost",
                   title=f"time/energy trade-off ({'measured' if source == 'measured' else 'power model'}, ±95%)")
@@ -333,6 +399,8 @@ def cmd_import(args) -> None:
             counts = store_run(db, args.run, batches(), trace.placement_frame, **run)
     except (TraceError, StoreLocked) as e:
         raise UsageError(str(e)) from None
+    for notice in getattr(trace, "notices", ()):
+        print(f"rankwatch import: {notice}", file=sys.stderr)
     dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if kineto else ""
     print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
           f"{counts['ranks']} ranks -> {db}")
@@ -344,20 +412,35 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts: int = 1) -> None:
+    """Each fault names a rank, stage and host the job has, and a step it reaches: one that does
+    not would be silently ignored."""
+    job = {"rank": ranks, "stage": stages, "node": hosts, "at": steps, "from": steps}
+    for f in faults:
+        for key, count in job.items():
+            if f.get(key) is not None and not f.get(key) < count:
+                what = "step" if key in ("at", "from") else key
+                raise UsageError(f"{f.spec!r}: {key}={f.get(key)} is not in the job, whose {what}s are 0..{count - 1}")
+
+
 def cmd_train(args) -> None:
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
+    from trainer.model import CONFIGS
 
-    for spec in args.inject:
-        try:
-            parse(spec, TRAINER_KINDS)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    if args.model not in CONFIGS:
+        raise UsageError(f"unknown --model {args.model!r}; models: {', '.join(CONFIGS)}")
+    try:
+        faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_targets(faults, args.nproc, args.steps)
     _stop_on_sigterm()
     try:
         sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
-                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device))
+                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device,
+                       store=_db(args)))
     except DeviceError as e:
         raise UsageError(str(e)) from None
 
@@ -378,10 +461,10 @@ def cmd_simulate(args) -> None:
     try:
         faults = [parse(spec, simulate.SIMULATOR_KINDS) for spec in args.inject]
     except ValueError as e:
-        raise UsageError(str(e).replace("the trainer injects", "the simulator injects")) from None
+        raise UsageError(str(e).replace("the trainer injects", "the simulator injects")
+                         .replace("for `rankwatch simulate`", "for `rankwatch train`")) from None
+    _check_targets(faults, args.ranks, args.steps, pp, -(-args.ranks // topology.ranks_per_host))
     for f in faults:
-        if f.rank is not None and not 0 <= f.rank < args.ranks:
-            raise UsageError(f"{f.spec!r}: rank {f.rank} is outside 0..{args.ranks - 1}")
         if f.kind == "hang" and not 1 <= f.get("at") < args.steps:
             raise UsageError(f"{f.spec!r}: at must be within 1..{args.steps - 1} (a step must finish before "
                              "the hang, and the hang fall within the run)")
@@ -402,13 +485,19 @@ def cmd_simulate(args) -> None:
         return
     from agent import config
     from agent.export import Exporter
+    from rankwatch.launch import announce
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
-    exporter = Exporter(config.collector_url(args.collector), config.token(), {"rankwatch.run_id": run_id})
+    exporter_url = config.collector_url(args.collector)
+    announce("simulate", run_id, exporter_url)
+    exporter = Exporter(exporter_url, config.token(), {"rankwatch.run_id": run_id})
     spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
-    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {args.collector}")
+    if lost := exporter.undelivered():
+        sys.exit(f"rankwatch simulate: error: run {run_id}: {lost} spans, log records and device samples never "
+                 f"reached {exporter_url} (of {spans} step spans and their samples)")
+    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {exporter_url}")
 
 
 def _power_caps(path: str, ranks: int):
@@ -430,6 +519,7 @@ def cmd_dashboard(args) -> None:
     from collector.store import StoreLocked, connect
     from dashboard.serve import serve
 
+    _dashboard_port_free(args.port, "--port PORT")
     collector, db = args.collector, None
     if not collector:
         db = _db(args)
@@ -444,19 +534,25 @@ def cmd_dashboard(args) -> None:
     serve(args.port, db, collector)
 
 
-def cmd_demo(args) -> None:
-    from collector.server import Config, check_address
+def _dashboard_port_free(port: int, hint: str) -> None:
+    """A one-line usage error, before Streamlit starts, when the dashboard's port is taken."""
+    from collector.server import check_address
     from dashboard.serve import HOST
+
+    try:
+        check_address(HOST, port)
+    except OSError as e:
+        raise UsageError(f"cannot serve the dashboard on {HOST}:{port}: {e.strerror or e} ({hint})") from None
+
+
+def cmd_demo(args) -> None:
+    from collector.server import Config
     from rankwatch.demo import run
 
     db = _db(args)
     _preflight(Config(db=db, port=args.port))
     if not args.no_dashboard:
-        try:
-            check_address(HOST, args.dashboard_port)
-        except OSError as e:
-            raise UsageError(f"cannot serve the dashboard on {HOST}:{args.dashboard_port}: {e.strerror or e} "
-                             "(--dashboard-port PORT, or --no-dashboard)") from None
+        _dashboard_port_free(args.dashboard_port, "--dashboard-port PORT, or --no-dashboard")
     _stop_on_sigterm()
     run(db=db, steps=args.steps, port=args.port, dashboard_port=None if args.no_dashboard else args.dashboard_port)
 
@@ -466,43 +562,45 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("demo", help="collector + a 4-rank job with injected faults, end to end")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=POSITIVE, default=300)
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
-    p.add_argument("--port", type=int, default=4318, help="collector port")
-    p.add_argument("--dashboard-port", type=int, default=8501)
+    p.add_argument("--port", type=PORT, default=4318, help="collector port")
+    p.add_argument("--dashboard-port", type=PORT, default=8501)
     p.add_argument("--no-dashboard", action="store_true",
                    help="end with the job, without the dashboard (by default it shows the run live and stays up)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", help="the reference GPT trainer under torchrun, instrumented")
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=POSITIVE, default=2, help="ranks on this machine")
+    p.add_argument("--steps", type=POSITIVE, default=200)
     p.add_argument("--run", help="run id (default: made from the time)")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    p.add_argument("--db", help="the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints "
+                                "(default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=NON_NEGATIVE, default=0,
                    help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto: a GPU per rank where this machine has enough, else the CPU")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
-    p.add_argument("--ranks", type=int, required=True)
-    p.add_argument("--dp", type=int, help="data-parallel replicas (default: ranks / (pp x tp))")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--ranks", type=POSITIVE, required=True)
+    p.add_argument("--dp", type=POSITIVE, help="data-parallel replicas (default: ranks / (pp x tp))")
+    p.add_argument("--pp", type=POSITIVE, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel ranks")
+    p.add_argument("--steps", type=POSITIVE, required=True)
     p.add_argument("--run", help="run id (default: made from the time)")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)")
     p.add_argument("--collector", help="send OTLP to this collector")
     p.add_argument("--out", help="write a Parquet op trace instead (with a hang, it ends before the hang's step)")
-    p.add_argument("--hang-for", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--hang-for", type=_quantity(allow_zero=True), default=60.0, metavar="SECONDS",
                    help="with a hang and --collector: how long the stuck ranks keep sending heartbeats "
                         "(default 60, past the collector's default --hang-after of 30)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--power-caps", metavar="FILE.json",
                    help="per-rank power limits, {rank: watts} or a `rankwatch power recommend --json` document")
     p.set_defaults(func=cmd_simulate)
@@ -510,16 +608,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=4318)
+    p.add_argument("--port", type=PORT, default=4318)
     p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
-    p.add_argument("--workers", type=int, help="decode processes (default: one per core; 0: none)")
-    p.add_argument("--max-queue-bytes", type=int, default=256 * 2**20,
+    p.add_argument("--workers", type=NON_NEGATIVE, help="decode processes (default: one per core; 0: none)")
+    p.add_argument("--max-queue-bytes", type=POSITIVE, default=256 * 2**20,
                    help="request bytes waiting for commit before exports get 503 + Retry-After")
-    p.add_argument("--analyze-every", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--analyze-every", type=_quantity(allow_zero=False), default=5.0, metavar="SECONDS",
                    help="how often the analyzers look at the runs that are sending (default 5)")
-    p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--hang-after", type=_quantity(allow_zero=False), default=30.0, metavar="SECONDS",
                    help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
-    p.add_argument("--power-every", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--power-every", type=_quantity(allow_zero=True), default=60.0, metavar="SECONDS",
                    help="how often power-cap recommendations are redrawn for the runs whose GPUs report power "
                         "(default 60; 0: never)")
     p.add_argument("--no-auto-rollback", action="store_true",
@@ -566,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="max-slowdown:0.02",
                    help="how the job's limit is picked: zeus:ETA, max-slowdown:FRACTION, min-energy or "
                         "budget:WATTS (default max-slowdown:0.02)")
-    p.add_argument("--facility-watts", type=float, metavar="WATTS",
+    p.add_argument("--facility-watts", type=_quantity(allow_zero=False), metavar="WATTS",
                    help="the power the job's nodes may draw, for the headroom (default: their GPUs' nameplate)")
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the time/energy trade-off")
@@ -575,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id")
     p.add_argument("--caps", metavar="FILE.json",
                    help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document")
-    p.add_argument("--watts", type=float, help="the cap of every rank --caps leaves out (of all, without --caps)")
+    p.add_argument("--watts", type=_quantity(allow_zero=False), help="the cap of every rank --caps leaves out (of all, without --caps)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.set_defaults(func=cmd_power_apply)
 
@@ -596,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--collector", metavar="URL",
                        help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
                             "file beside the store)")
-    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--port", type=PORT, default=8501)
     p.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -610,3 +708,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        # the reader stopped early (`rankwatch query ... | head`): nothing is left to say, and the exit
+        # flush must not complain either; status 1, as rich's tables (analyze, power) end then
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -1,14 +1,18 @@
 """Starting rankwatch's processes: the reference trainer under torchrun, and waiting for a collector."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
 from agent import config
+from agent.config import UNDELIVERED_ENV
 
 
 def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny", max_restarts: int = 0,
@@ -24,11 +28,13 @@ def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny"
 def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] = (), collector: str | None = None,
           model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: list[str] = (),
           store: Path | None = None, device: str = "auto") -> int:
-    """Run the trainer to the end; returns torchrun's exit status. After a failure torchrun starts the
-    job again, up to `max_restarts` times, and the trainer resumes from its last checkpoint. Interrupted,
-    it stops the job before it returns. `store`: the store the job's checkpoints are kept beside
-    (`runs/RUN/checkpoints`; default: $RANKWATCH_DB's, else ./rankwatch-data's). `device`: auto, cpu or
-    cuda (trainer/device.py; DeviceError for cuda without a GPU per rank, before anything starts)."""
+    """Run the trainer to the end; returns torchrun's exit status, or 1 when it was 0 but a rank's
+    telemetry never reached the collector (each rank notes what its exporter failed to send in the
+    UNDELIVERED_ENV directory). After a failure torchrun starts the job again, up to `max_restarts`
+    times, and the trainer resumes from its last checkpoint. Interrupted, it stops the job before it
+    returns. `store`: the store the job's checkpoints are kept beside (`runs/RUN/checkpoints`; default:
+    $RANKWATCH_DB's, else ./rankwatch-data's). `device`: auto, cpu or cuda (trainer/device.py;
+    DeviceError for cuda without a GPU per rank, before anything starts)."""
     import torch
 
     from trainer.device import choose
@@ -36,24 +42,43 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] =
     device, notice = choose(device, nproc, torch.cuda.device_count())
     if notice:
         print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
-    env = {**os.environ, "RANKWATCH_RUN_ID": run_id or time.strftime("run-%Y%m%d-%H%M%S"),
-           "RANKWATCH_COLLECTOR": config.collector_url(collector), "OMP_NUM_THREADS": "1",
+    run_id, collector = run_id or time.strftime("run-%Y%m%d-%H%M%S"), config.collector_url(collector)
+    store = (store or config.store_path()).resolve()  # the ranks' working directory must not matter
+    announce("train", run_id, collector)
+    print(f"rankwatch train: checkpoints in {store.parent / 'runs' / run_id / 'checkpoints'}", flush=True)
+    undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
+    env = {**os.environ, "RANKWATCH_RUN_ID": run_id, "RANKWATCH_COLLECTOR": collector, "OMP_NUM_THREADS": "1",
+           UNDELIVERED_ENV: str(undelivered),
            # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
            # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if token := config.token(token):
         env["RANKWATCH_TOKEN"] = token
-    if store is not None:
-        env["RANKWATCH_DB"] = str(store)
+    env["RANKWATCH_DB"] = str(store)
     with subprocess.Popen(train_command(nproc, steps, list(faults), model, max_restarts,
                                         ["--device", device, *trainer_args]),
                           env=env) as job:
         try:
-            return job.wait()
+            status = job.wait()
         except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (a SIGKILL would orphan them)
             job.terminate()
             job.wait()
             raise
+    lost = {int(f.name.split("-")[1]): int(f.read_text()) for f in undelivered.iterdir()}
+    shutil.rmtree(undelivered, ignore_errors=True)
+    if lost:
+        print(f"rankwatch train: error: run {run_id}: {sum(lost.values())} spans, log records and device samples "
+              f"of ranks {', '.join(map(str, sorted(lost)))} never reached {collector}", file=sys.stderr, flush=True)
+        return status or 1
+    return status
+
+
+def announce(program: str, run_id: str, collector: str) -> None:
+    """Say, before a job starts, which run it is, where its telemetry goes and where to watch it."""
+    from collector.alerts.config import DEFAULT_DASHBOARD_URL
+
+    print(f"rankwatch {program}: run {run_id}, telemetry to {collector}; watch it at "
+          f"{DEFAULT_DASHBOARD_URL}/?run={quote(run_id)} (rankwatch dashboard)", flush=True)
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

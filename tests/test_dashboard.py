@@ -135,6 +135,23 @@ def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboa
     assert f"The link names finding 999999, which run {FLEET['run']} does not have." in texts(at.main.warning)
 
 
+def test_a_link_to_an_unknown_run_says_so_instead_of_showing_another(from_store):
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["run"] = "no-such-run"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value for e in at.main.error] == [
+        f"Run **no-such-run** is unknown: {at.sidebar.caption[0].value.removeprefix('reading ')} has no such run. "
+        "Pick one in the sidebar."]
+    assert not at.title  # no page of another run
+    assert at.query_params["run"] == "no-such-run"
+    at.run()  # an autorefresh keeps saying so
+    assert len(at.main.error) == 1 and not at.title
+    at.selectbox(key="run").select(FLEET["run"]).run()  # picking a run shows it
+    assert not any("is unknown" in e.value for e in at.main.error)
+    assert at.title and at.query_params["run"] == FLEET["run"]
+
+
 def test_the_sidebar_shows_the_collectors_own_findings(dashboard_store, tmp_path, monkeypatch):
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)

@@ -7,9 +7,12 @@ the kernels of the file (recomputed here on a microsecond grid, apart from the
 importer), and `rankwatch analyze` reads the run; a trace with collective
 metadata gets nccl-tests bytes, group size and bus bandwidth, and wall-clock
 times from its baseTimeNanoseconds. On a small made-up trace: the rank from
-the file name, kernels tied to steps by their launch or their start, and the
-ones outside every step dropped. A rank file that is unreadable, has no
-traceEvents or no ProfilerStep fails the whole import in one line, exit 2.
+the file name, kernels tied to steps by their launch, by the launched kernel
+before them on their stream, or by their start, and the ones outside every
+step dropped; a trace without ProfilerStep is one step, one without a rank is
+rank 0, each with a one-line notice. A rank file that is unreadable, has no
+traceEvents or no GPU ops fails the whole import in one line, exit 2, naming
+the file.
 """
 
 import gzip
@@ -167,8 +170,10 @@ def test_steps_by_launch_or_start_and_rank_from_file_name(tmp_path):
     (lambda p: p.write_text(json.dumps({"schemaVersion": 1, "distributedInfo": {"rank": 1, "world_size": 128}})),
      "no traceEvents"),
     (lambda p: p.write_text(json.dumps({"distributedInfo": {"rank": 1, "world_size": 128}, "traceEvents": [
-        kernel("gemm", 1, 1, 1)]})), "no ProfilerStep#N"),
-], ids=["truncated gzip", "no traceEvents", "no ProfilerStep"])
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 9, "tid": 9, "ts": 1, "dur": 9},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 2, "dur": 5}]})),
+     "no GPU kernels, copies or memsets: a CPU-only trace"),
+], ids=["truncated gzip", "no traceEvents", "CPU only"])
 def test_bad_rank_file_fails_the_whole_import(tmp_path, write, why):
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -188,3 +193,37 @@ def test_unreadable_single_file_is_a_trace_error(tmp_path):
     path.write_text("{")
     with pytest.raises(TraceError, match="not readable as JSON"):
         KinetoTrace(path)
+
+
+def test_kernels_without_a_launch_follow_the_launched_kernel_before_them(tmp_path):
+    """The GPU runs behind the CPU: a kernel whose launch the trace lacks starts in the next step's
+    window, yet belongs to the step of the kernel queued before it on its stream."""
+    path = tmp_path / "rank0.json"
+    events = []
+    for step in range(3):
+        t = 100 * step
+        events += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 9, "tid": 9,
+                    "ts": t, "dur": 100},
+                   launch(t + 10, 10 * step + 1), kernel("gemm", t + 60, 30, 10 * step + 1),
+                   kernel("relu_no_launch", t + 100, 10, 10 * step + 2)]  # at the next window's start
+    path.write_text(json.dumps({"traceEvents": events}))
+    imported = KinetoTrace(path)
+    store_run(tmp_path / "s.duckdb", "r", imported.batches(), imported.placement_frame, imported.world_size,
+              imported.step_columns)
+    assert query(tmp_path / "s.duckdb", "SELECT step, count(*), sum(duration_s) FROM ops GROUP BY step ORDER BY step"
+                 ) == [(s, 2, pytest.approx(40e-6)) for s in range(3)]
+    assert imported.notices == []
+
+
+def test_no_profiler_step_and_no_rank_are_assumed_with_a_notice(tmp_path):
+    path = tmp_path / "trace.json"  # no rank in its name, no distributedInfo, no ProfilerStep
+    path.write_text(json.dumps({"traceEvents": [launch(5, 1), kernel("gemm", 10, 30, 1), launch(50, 2),
+                                                kernel("softmax", 60, 20, 2)]}))
+    db = tmp_path / "s.duckdb"
+    result = rankwatch_cli("import", "kineto", str(path), "--run", "one", "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"rankwatch import: {path}: no rank in distributedInfo or in the file name (rank<N>): taken as rank 0",
+        f"rankwatch import: {path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
+        f"the whole trace is taken as one step, step 0"]
+    assert query(db, "SELECT rank, step, compute_s FROM steps") == [(0, 0, pytest.approx(50e-6))]

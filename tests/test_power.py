@@ -18,7 +18,8 @@ from PIL import Image
 from agent import semconv as sc
 from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_points
 from collector.analyzers import power
-from tests.conftest import free_port, rankwatch_cli, simulated_store
+from collector import queryapi
+from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
 from trainer import simulate
@@ -225,7 +226,10 @@ def test_recommend_json(store, tmp_path):
     plot = tmp_path / "curve.png"
     report = recommend(store, "pw-straggler", "--plot", str(plot))
     assert list(report) == ["run", "policy", "ranks", "steps", "curve", "job_cap", "per_rank", "headroom", "findings",
-                            "rank_caps"]
+                            "simulated", "rank_caps"]
+    assert report["simulated"] is True  # the fleet simulator's GPUs: every piece of advice says so
+    assert all(f["summary"].startswith("simulated GPUs, not measured hardware: ") and f["evidence"]["simulated"]
+               for f in report["findings"])
     assert (report["run"], report["policy"], report["ranks"], report["steps"]) == ("pw-straggler",
                                                                                    "max-slowdown:0.02", 16, 30)
     assert set(report["curve"][0]) == {"cap_w", "source", "steps", "step_s", "step_s_se", "energy_j", "energy_j_se",
@@ -260,12 +264,13 @@ def test_recommend_table(store):
     result = rankwatch_cli("power", "recommend", "pw-straggler", "--db", str(store))
     assert result.returncode == 0, result.stderr
     assert "time/energy trade-off" in result.stdout and "per-rank caps: 15 of 16 ranks" in result.stdout
+    assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in " ".join(result.stdout.split())
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["pw-straggler", "--policy", "fastest"], "unknown policy 'fastest'"),
     (["pw-straggler", "--policy", "zeus:2"], "eta is within 0..1"),
-    (["pw-straggler", "--facility-watts", "0"], "--facility-watts must be positive"),
+    (["pw-straggler", "--facility-watts", "0"], "--facility-watts: must be more than 0"),
     (["no-such-run"], "no steps for run 'no-such-run'")])
 def test_recommend_errors_are_one_line(store, args, message):
     result = rankwatch_cli("power", "recommend", *args, "--db", str(store))
@@ -288,8 +293,17 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     caps.write_text(json.dumps({"run": "pw-live", "rank_caps": {"1": 512.0, "2": 498.0}}))  # a recommend document
     env = {"RANKWATCH_TOKEN": collector.token}
 
-    def apply(*args: str):
-        return rankwatch_cli("power", "apply", "pw-live", *args, "--collector", collector.url, env=env)
+    def apply(*args: str, run: str = "pw-live"):
+        return rankwatch_cli("power", "apply", run, *args, "--collector", collector.url, env=env)
+
+    sent = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url,
+                         env=env)
+    assert sent.returncode == 0, sent.stderr
+    with queryapi.client(collector.url, collector.token) as http:
+        wait_until(lambda: queryapi.remote_query(http, "SELECT count(DISTINCT rank) FROM device_samples WHERE "
+                                                       "run_id = 'pw-live' AND metric = ?",
+                                                 [sc.POWER_LIMIT_MAX_W])["rows"] == [[4]],
+                   "the run's power-limit range in the store")
 
     result = apply("--caps", str(caps), "--watts", "650")
     assert result.returncode == 0, result.stderr
@@ -300,9 +314,18 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     assert command["args"] == {"caps": {"1": 512.0, "2": 498.0}, "watts": 650.0}
     caps.write_text('{"x": 300}')
     for args, message in ((("--caps", str(caps)), "a power_cap takes caps"), ((), "give --caps FILE.json, --watts W"),
-                          (("--watts", "-5"), "watts positive")):
+                          (("--watts", "-5"), "--watts: must be more than 0"),
+                          (("--watts", "5000"), "5000 W for every other rank is outside the 200-700 W"),
+                          (("--watts", "100"), "100 W for every other rank is outside")):
         result = apply(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+    caps.write_text('{"7": 300}')
+    result = apply("--caps", str(caps))
+    assert result.returncode == 2 and "run pw-live has no rank 7 (its ranks: 0–3)" in result.stderr
+    caps.write_text('{"1": 900}')
+    assert "900 W for rank 1 is outside the 200-700 W" in apply("--caps", str(caps)).stderr
+    result = apply("--watts", "300", run="no-such-run")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "knows no run 'no-such-run'" in result.stderr
 
 
 def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_path):
@@ -326,6 +349,7 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     assert "headroom" in firing
     alert = delivery.body["alerts"][0]
     assert alert["labels"]["alertname"] == "RankwatchPowerRecommendation" and alert["labels"]["run"] == "pw-live"
+    assert alert["annotations"]["summary"].startswith("simulated GPUs, not measured hardware: ")
     assert alert["annotations"]["dashboard"].startswith("http://127.0.0.1:8501/power?run=pw-live&finding=")
 
 
@@ -370,5 +394,5 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
 
 def test_the_collector_refuses_a_negative_power_period():
     result = rankwatch_cli("collector", "--power-every", "-1")
-    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch: error: --power-every must be 0 (never) or "
-                                                             "more seconds")
+    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch collector: error: argument --power-every: "
+                                                             "must be 0 or more, got -1")

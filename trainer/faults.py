@@ -14,6 +14,7 @@
     power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
 """
 
+import math
 from dataclasses import dataclass
 
 _KEYS = {  # kind -> {key: (type, required)}
@@ -30,6 +31,11 @@ _KEYS = {  # kind -> {key: (type, required)}
     "power-cap": {"watts": (float, True), "rank": (int, False), "from": (int, False), "to": (int, False)},
 }
 
+
+# the least each value may be, and whether it may equal it: a slowdown below 1 would be a speed-up
+_LEAST = {"rank": (0, True), "node": (0, True), "stage": (0, True), "at": (0, True), "from": (0, True),
+          "to": (0, False), "slowdown": (1.0, True), "factor": (1.0, True), "scale": (0.0, False),
+          "cv": (0.0, True), "seconds": (0.0, False), "watts": (0.0, False)}
 
 TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash")  # the rest need the fleet simulator
 
@@ -73,6 +79,13 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
             params[key] = allowed[key][0](raw)
         except ValueError:
             raise ValueError(f"{spec!r}: {key} must be {allowed[key][0].__name__}, got {raw!r}") from None
+    for key, value in params.items():
+        least, inclusive = _LEAST[key]
+        if not math.isfinite(value) or not (value >= least if inclusive else value > least):
+            raise ValueError(f"{spec!r}: {key} must be {'at least' if inclusive else 'more than'} {least:g}, "
+                             f"got {value:g}")
+    if params.get("to") is not None and params["to"] <= params.get("from", 0):
+        raise ValueError(f"{spec!r}: to must come after from")
     missing = [k for k, (_, required) in allowed.items() if required and k not in params]
     if missing:
         raise ValueError(f"{spec!r}: {kind} needs {', '.join(missing)}")

@@ -272,8 +272,8 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
 def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFrame:
     """A step frame's device samples as each rank's sampler would catch them (rank, ts ns, metric,
     value): clock, temperature and clock-event reasons at the step's end; power and utilization
-    busy, in the middle of compute, and waiting, at the step's end; the power limit at the step's
-    end. No energy counter: the step spans carry each step's energy."""
+    busy, in the middle of compute, and waiting, at the step's end; the power limit and the range of
+    limits the GPU accepts at the step's end. No energy counter: the step spans carry each step's energy."""
     from agent import semconv as sc
 
     end = frame["end_ns"]
@@ -282,7 +282,8 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFra
                (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
                (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
                (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
-               (sc.POWER_LIMIT_W, end, frame["power_limit_w"])]
+               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, GpuModel.limit_min_w),
+               (sc.POWER_LIMIT_MAX_W, end, GpuModel.limit_max_w)]
     return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
                       for metric, ts, value in samples], ignore_index=True)
 

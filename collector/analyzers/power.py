@@ -44,7 +44,7 @@ that would exceed the budget.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -56,6 +56,7 @@ from collector.analyzers import Finding
 
 ANALYZER = "power"
 POWER_METRICS = (sc.POWER_W, sc.POWER_INSTANT_W)
+SIMULATED = "simulated GPUs, not measured hardware"  # how advice drawn from simulated samples is labelled
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class PowerReport:
     per_rank: PerRank | None
     headroom: Headroom | None
     findings: list[Finding]
+    simulated: bool = False  # drawn from simulated GPUs' samples (the fleet simulator), not hardware
 
 
 @dataclass
@@ -241,7 +243,7 @@ class _Draws:
 
 def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.DataFrame | None = None,
             policy: Policy = Policy("max-slowdown", 0.02), facility_w: float | None = None,
-            model: GpuModel = GpuModel(), settings: Settings = Settings()) -> PowerReport:
+            model: GpuModel = GpuModel(), settings: Settings = Settings(), simulated: bool = False) -> PowerReport:
     """The power report of one run.
 
     `steps`: run_id, rank, step, duration_s, data_s, compute_s, comm_wait_s, energy_j and
@@ -249,7 +251,8 @@ def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.
     `devices`: rank, ts (ns), metric, value: device samples (power, utilization, clock-event reasons).
     `ranks`: rank, host: placement, for the nodes of the headroom.
     `facility_w`: the power the job's nodes may draw; default their GPUs' nameplate (the highest limit).
-    `model`: the GPUs' power model and limits."""
+    `model`: the GPUs' power model and limits.
+    `simulated`: the samples are simulated GPUs'; every finding says so (SIMULATED), wherever it is shown."""
     s = settings
     steps = _complete(steps)
     devices = (devices if devices is not None else pd.DataFrame(columns=["rank", "ts", "metric", "value"])).astype(
@@ -275,7 +278,10 @@ def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.
         findings.append(_per_rank_finding(run_id, per_rank, profile))
     if headroom is not None:
         findings.append(_headroom_finding(run_id, headroom, sorted(int(r) for r in profile.index)))
-    return PowerReport(run_id, str(policy), n_ranks, n_steps, curve, choice, per_rank, headroom, findings)
+    if simulated:
+        findings = [replace(f, summary=f"{SIMULATED}: {f.summary}", evidence={**f.evidence, "simulated": True})
+                    for f in findings]
+    return PowerReport(run_id, str(policy), n_ranks, n_steps, curve, choice, per_rank, headroom, findings, simulated)
 
 
 def _complete(steps: pd.DataFrame) -> pd.DataFrame:

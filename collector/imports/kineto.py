@@ -1,12 +1,15 @@
 """PyTorch profiler (Kineto) traces: one Chrome trace JSON per rank, its GPU work as ops.
 
 A rank's file gives its rank and world size (`distributedInfo`, else `rank<N>`
-in the file name) and its steps (the `ProfilerStep#N` annotations around each
-iteration). Every GPU kernel, memcpy and memset becomes an op of the step whose
-CPU window launched it: the launch is the CUDA runtime call with the same
-correlation id (the flow Chrome draws from CPU to GPU); a GPU op without one
-belongs to the step its start falls in. GPU ops outside every step are dropped
-and counted. NCCL kernels are `comm` ops named after their collective, with
+in the file name, else rank 0, as HTA assumes, with a notice) and its steps
+(the `ProfilerStep#N` annotations around each iteration; without any, the whole
+trace is step 0, with a notice). Every GPU kernel, memcpy and memset becomes an
+op of the step whose CPU window launched it: the launch is the CUDA runtime
+call with the same correlation id (the flow Chrome draws from CPU to GPU); a
+GPU op without one takes the step of the latest launched op before it on its
+stream, else the step its start falls in. GPU ops outside every step are
+dropped and counted. A trace without GPU ops (CPU-only, or an accelerator
+other than CUDA) is refused, naming the file. NCCL kernels are `comm` ops named after their collective, with
 nccl-tests bytes and bandwidths where the profiler recorded the collective's
 sizes; other kernels are `compute`, copies and memsets `other`. Comm kernels
 often run beside compute kernels on other streams, so a rank-step's
@@ -77,15 +80,16 @@ def load(path: Path) -> dict:
     return doc
 
 
-def _rank(path: Path, doc: dict) -> tuple[int, int | None]:
-    """(rank, world size or None) from distributedInfo, else the rank in the file name."""
+def _rank(path: Path, doc: dict) -> tuple[int, int | None, str | None]:
+    """(rank, world size or None, notice or None) from distributedInfo, else the rank in the file
+    name, else rank 0, as HTA assumes, with a notice saying so."""
     info = doc.get("distributedInfo")
     if isinstance(info, dict) and isinstance(info.get("rank"), int):
         size = info.get("world_size")
-        return info["rank"], size if isinstance(size, int) else None
+        return info["rank"], size if isinstance(size, int) else None, None
     if m := _RANK_IN_NAME.search(path.name):
-        return int(m.group(1)), None
-    raise TraceError(f"{path}: no distributedInfo and no rank<N> in the file name: which rank is it?")
+        return int(m.group(1)), None, None
+    return 0, None, f"{path}: no rank in distributedInfo or in the file name (rank<N>): taken as rank 0"
 
 
 def _ns(us: pd.Series, base_ns: int) -> np.ndarray:
@@ -118,24 +122,27 @@ def _spans(path: Path, doc: dict) -> pd.DataFrame:
     return spans
 
 
-def _step_windows(path: Path, spans: pd.DataFrame) -> pd.DataFrame:
-    """step, start, end (ns) of each ProfilerStep#N annotation, in time order."""
+def _step_windows(path: Path, spans: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """step, start, end (ns) of each ProfilerStep#N annotation, in time order, and None; without
+    any, the whole trace as step 0 and a notice saying so."""
     marks = spans[spans["cat"].isin(_STEP_CATS)]
     steps = marks["name"].str.extract(_STEP, expand=False).dropna()
     if steps.empty:
-        raise TraceError(f"{path}: no ProfilerStep#N annotations; profile with a schedule and call "
-                         f"prof.step() once per iteration")
+        whole = pd.DataFrame({"step": [0], "start": [spans["start"].min()], "end": [spans["end"].max()],
+                              "pid": [spans["pid"].iloc[0]]})
+        return whole, (f"{path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
+                       f"the whole trace is taken as one step, step 0")
     marks = marks.loc[steps.index].assign(step=steps.astype(np.int64))
     return marks.groupby("step").agg(start=("start", "min"), end=("end", "max"), pid=("pid", "first")
-                                     ).reset_index().sort_values("start", ignore_index=True)
+                                     ).reset_index().sort_values("start", ignore_index=True), None
 
 
-def _launch_times(spans: pd.DataFrame, gpu: pd.DataFrame) -> np.ndarray:
-    """When the CPU launched each GPU op (the runtime call with its correlation id), else its own start."""
+def _launch_times(spans: pd.DataFrame, gpu: pd.DataFrame) -> pd.arrays.IntegerArray:
+    """When the CPU launched each GPU op (the runtime call with its correlation id); NA where no
+    launch event is in the trace."""
     launches = spans[spans["cat"].isin(_LAUNCHES)]
     launched_at = {a["correlation"]: t for a, t in zip(launches["args"], launches["start"]) if "correlation" in a}
-    at = pd.array([launched_at.get(a.get("correlation")) for a in gpu["args"]], dtype="Int64")
-    return np.where(at.isna(), gpu["start"].to_numpy(), at.to_numpy(np.int64, na_value=0))
+    return pd.array([launched_at.get(a.get("correlation")) for a in gpu["args"]], dtype="Int64")
 
 
 def _step_of(when: np.ndarray, windows: pd.DataFrame) -> np.ndarray:
@@ -143,6 +150,21 @@ def _step_of(when: np.ndarray, windows: pd.DataFrame) -> np.ndarray:
     i = np.maximum(np.searchsorted(windows["start"].to_numpy(), when, side="right") - 1, 0)
     inside = (when >= windows["start"].to_numpy()[i]) & (when <= windows["end"].to_numpy()[i])
     return np.where(inside, windows["step"].to_numpy()[i], -1)
+
+
+def _steps(spans: pd.DataFrame, gpu: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
+    """Each GPU op's step: that of the CPU window its launch falls in. An op without a launch event
+    runs after the ops queued before it on its stream, so it takes the step of the latest launched
+    op before it there (its own start lags its launch by the queue, often into the next step's
+    window); an op with none before it, the step its start falls in."""
+    launched = _launch_times(spans, gpu)
+    step = pd.Series(np.where(launched.isna(), -2, _step_of(launched.to_numpy(np.int64, na_value=0), windows)),
+                     index=gpu.index)
+    stream = gpu["args"].map(lambda a: (a.get("device"), a.get("stream")))
+    order = gpu["start"].sort_values(kind="stable").index
+    inherited = step[order].where(step[order] != -2).groupby(stream[order]).ffill()
+    own = pd.Series(_step_of(gpu["start"].to_numpy(), windows), index=gpu.index)
+    return inherited.reindex(gpu.index).fillna(own).astype(np.int64).to_numpy()
 
 
 def _covered_ns(start: np.ndarray, end: np.ndarray, busy_start: np.ndarray, busy_end: np.ndarray) -> np.ndarray:
@@ -197,6 +219,7 @@ class KinetoTrace:
         self.world_size = _rank(self.files[0], self._first)[1]
         self.placement: dict[int, dict] = {}
         self.dropped = 0  # GPU ops outside every ProfilerStep
+        self.notices: list[str] = []  # one line each: what was assumed where the trace did not say
         self._comm_wait: list[pd.DataFrame] = []
         self._seen: dict[int, Path] = {}
 
@@ -210,16 +233,20 @@ class KinetoTrace:
             yield table
 
     def _ops(self, path: Path, doc: dict) -> pa.Table:
-        rank, world_size = _rank(path, doc)
+        rank, world_size, notice = _rank(path, doc)
         if rank in self._seen:
             raise TraceError(f"{path}: rank {rank} again (also in {self._seen[rank]})")
         if world_size != self.world_size:
             raise TraceError(f"{path}: world size {world_size}, but {self.files[0]} says {self.world_size}")
         self._seen[rank] = path
         spans = _spans(path, doc)
-        windows = _step_windows(path, spans)
         gpu = spans[spans["cat"].isin(_GPU_OPS)].reset_index(drop=True)
-        gpu["step"] = _step_of(_launch_times(spans, gpu), windows)
+        if gpu.empty:
+            raise TraceError(f"{path}: no GPU kernels, copies or memsets: a CPU-only trace, or one of an "
+                             f"accelerator other than CUDA, which this import does not read")
+        windows, windowless = _step_windows(path, spans)
+        self.notices += [n for n in (notice, windowless) if n]
+        gpu["step"] = _steps(spans, gpu, windows)
         gpu["kind"] = gpu["cat"].map(_GPU_OPS)
         nccl = (gpu["cat"] == "kernel") & (gpu["name"].str.match(_NCCL_KERNEL)
                                            | gpu["name"].map(canonical_op).notna())

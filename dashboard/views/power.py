@@ -66,7 +66,8 @@ if not headroom.empty:
     ui.show_evidence(headroom.iloc[0])
 if not job_cap.empty:
     evidence = job_cap.iloc[0]["evidence"]
-    st.subheader(f"Time/energy trade-off, one limit for every GPU ({evidence['source']})")
+    simulated = ", simulated GPUs" if evidence.get("simulated") else ""
+    st.subheader(f"Time/energy trade-off, one limit for every GPU ({evidence['source']}{simulated})")
     st.altair_chart(charts.tradeoff(pd.DataFrame(evidence["curve"]), evidence["cap_w"]), width="stretch")
 
 st.subheader("Clocks held back")

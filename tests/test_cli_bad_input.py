@@ -1,0 +1,144 @@
+"""Bad input as a new user types it: one line on stderr, exit 2, checked before anything starts.
+
+The whole class: every numeric option of every subcommand (found from the parser itself, so a
+new option is covered the day it is added) refuses what is not a number, NaN, infinity and
+negatives; counts refuse zero; faults that name a rank, stage, node or step the job does not have,
+or a slowdown below 1, are refused before torchrun or the simulator starts; an unknown model; a
+dashboard port in use; and a reader that closes the pipe early gets silence, not a traceback.
+"""
+
+import argparse
+import socket
+import subprocess
+import sys
+
+import duckdb
+import pytest
+
+from rankwatch import cli
+from tests.conftest import rankwatch_cli
+
+
+def numeric_options() -> list[tuple[tuple[str, ...], str]]:
+    """(subcommand path, option) for every option of every subcommand that takes a number."""
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+            elif action.option_strings and action.type not in (None, str) and not isinstance(action.type, type):
+                if getattr(action.type, "__qualname__", "").startswith(("_whole", "_quantity")):
+                    found.append((path, action.option_strings[0]))
+
+    walk(cli.build_parser(), ())
+    return found
+
+
+NUMERIC = numeric_options()
+REQUIRED = {("simulate",): ["--ranks", "4", "--steps", "4", "--out", "x.parquet"], ("power", "apply"): ["r"],
+            ("power", "recommend"): ["r"]}
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one line `rankwatch ARGV` prints, in this process (argparse and the checks run before any
+    command does its work), after asserting exit status 2."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err, err
+    return err
+
+
+def test_every_numeric_option_is_found():
+    options = {(path, option) for path, option in NUMERIC}
+    assert {(("train",), "--nproc"), (("train",), "--steps"), (("simulate",), "--ranks"),
+            (("simulate",), "--steps"), (("collector",), "--port"), (("dashboard",), "--port"),
+            (("power", "apply"), "--watts"), (("collector",), "--hang-after")} <= options
+    assert len(options) >= 20
+
+
+@pytest.mark.parametrize("path, option", NUMERIC, ids=[" ".join((*p, o)) for p, o in NUMERIC])
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-1", "1e999", ""])
+def test_numeric_options_refuse_non_numbers_and_negatives(path, option, value, capsys):
+    err = refused([*path, *REQUIRED.get(path, []), f"{option}={value}"], capsys)
+    assert option in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--nproc", "0"], ["train", "--steps", "0"], ["simulate", "--ranks", "0", "--steps", "3"],
+    ["simulate", "--ranks", "4", "--steps", "0"], ["simulate", "--ranks", "4", "--steps", "3", "--pp", "0"],
+    ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"], ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
+    ["demo", "--steps", "0"], ["collector", "--port", "0"], ["collector", "--port", "65536"],
+    ["collector", "--analyze-every", "0"], ["collector", "--hang-after", "0"], ["collector", "--max-queue-bytes", "0"],
+    ["dashboard", "--port", "70000"], ["power", "recommend", "r", "--facility-watts", "0"],
+    ["power", "apply", "r", "--watts", "0"], ["demo", "--dashboard-port", "0"],
+])
+def test_counts_and_ports_refuse_zero_and_out_of_range(argv, capsys):
+    refused(argv, capsys)
+
+
+FAULTS = [
+    ("straggler:rank=1,slowdown=0.8", "slowdown must be at least 1"),
+    ("straggler:rank=4,slowdown=1.3", "rank=4 is not in the job, whose ranks are 0..3"),
+    ("straggler:rank=-1,slowdown=1.3", "rank must be at least 0"),
+    ("slow-link:rank=1,factor=0.5", "factor must be at least 1"),
+    ("spike:at=99,scale=4", "at=99 is not in the job, whose steps are 0..9"),
+    ("spike:at=3,scale=0", "scale must be more than 0"),
+    ("straggler:rank=1,slowdown=1.3,from=5,to=2", "to must come after from"),
+    ("straggler:rank=1,slowdown=inf", "slowdown must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("spec, message", FAULTS)
+def test_train_refuses_faults_the_job_cannot_have(spec, message, capsys):
+    assert message in refused(["train", "--nproc", "4", "--steps", "10", "--inject", spec], capsys)
+
+
+@pytest.mark.parametrize("spec, message", [
+    *((spec, message) for spec, message in FAULTS if not spec.startswith("spike")),
+    ("hang:rank=1,at=99", "at=99 is not in the job, whose steps are 0..9"),
+    ("spike:at=3,scale=4", "spike is for `rankwatch train`"),
+    ("slow-stage:stage=2,slowdown=1.2", "stage=2 is not in the job, whose stages are 0..1"),
+    ("slow-node:node=1,slowdown=1.2", "node=1 is not in the job, whose nodes are 0..0"),
+    ("data-skew:cv=-0.1", "cv must be at least 0"),
+    ("power-cap:watts=0", "watts must be more than 0"),
+])
+def test_simulate_refuses_faults_the_job_cannot_have(spec, message, capsys, tmp_path):
+    out = tmp_path / "t.parquet"
+    assert message in refused(["simulate", "--ranks", "4", "--pp", "2", "--steps", "10", "--out", str(out),
+                               "--inject", spec], capsys)
+    assert not out.exists()
+
+
+def test_unknown_model_is_refused_before_torchrun():
+    result = rankwatch_cli("train", "--model", "gpt5", "--steps", "2")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "unknown --model 'gpt5'; models: tiny, small, gpt2, 1b" in result.stderr
+    assert result.stdout == ""  # nothing was started
+
+
+def test_dashboard_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = rankwatch_cli("dashboard", "--port", str(port), "--db", str(tmp_path / "none.duckdb"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot serve the dashboard on 127.0.0.1:{port}" in result.stderr and "--port PORT" in result.stderr
+
+
+def test_a_reader_that_stops_early_gets_silence(tmp_path):
+    """`rankwatch query ... | head -1`: the pipe closes while rows are still being written."""
+    db = tmp_path / "s.duckdb"
+    duckdb.connect(str(db)).close()
+    writer = subprocess.Popen([sys.executable, "-m", "rankwatch", "query", "SELECT * FROM range(200000)",
+                               "--format", "csv", "--db", str(db)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    writer.stdout.readline()
+    writer.stdout.close()  # as `head -1` does once it has its line
+    stderr = writer.stderr.read().decode()
+    assert stderr == ""
+    assert writer.wait(timeout=120) in (0, 1)  # 1 where the pipe broke under a write
