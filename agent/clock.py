@@ -48,6 +48,8 @@ class Clock:
 class CpuTimer:
     """Marks are monotonic-clock readings; they are ready at once."""
 
+    serial = False  # collectives are marked where the host saw them start and end
+
     def mark(self) -> int:
         return time.monotonic_ns()
 
@@ -60,6 +62,8 @@ class CpuTimer:
 
 class CudaTimer:
     """Marks are CUDA events on the current stream, read once the GPU has passed them."""
+
+    serial = True  # a group's collectives run one at a time on its stream (agent/timeline.py: serialized)
 
     def __init__(self, device) -> None:
         import torch
