@@ -181,6 +181,8 @@ class Session:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
         comm_wait = self._exposed_comm_wait((start, end), phases, comm)
+        self.timer.release([s.start, s.end, *(m for _, a, b in s.phases for m in (a, b)),
+                            *(m for c in s.collectives if c.end is not None for m in (c.start, c.end))])
         compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
         if not self.exporter:
             return
