@@ -152,8 +152,9 @@ def main() -> None:
     from rankwatch.launch import wait_healthy
 
     console = Console()
+    nccl = torch.cuda.nccl.version()  # a tuple; an int in older releases
     console.print(f"GPU: [bold]{torch.cuda.get_device_name(0)}[/bold], torch {torch.__version__}, "
-                  f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+                  f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     port = free_port()

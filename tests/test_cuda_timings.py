@@ -4,7 +4,8 @@ Covered, on one GPU with NCCL (world size 1) and a real collector: DDP's
 gradient buckets timed by `comm_hook` leave an exposed wait near zero (an
 all-reduce without a peer waits for nobody) and their durations within the
 backward pass; a blocking all-reduce's stored duration is the CUDA-event
-reading around the call, to the few µs between the events.
+reading around the call, to the few µs between the events; ranks a job puts
+on the CPU of a GPU machine time their steps with CPU readings.
 """
 
 import statistics
@@ -92,3 +93,18 @@ def test_a_blocking_all_reduce_lasts_what_cuda_events_around_it_read(collector, 
     ((duration,),) = query(collector.db, "SELECT duration_s FROM ops WHERE kind = 'comm'")
     around = before.elapsed_time(after) / 1e3
     assert around - 50e-6 <= duration <= around + 2e-6, (duration, around)
+
+
+def test_cpu_ranks_on_a_gpu_machine_time_their_steps_on_the_cpu(collector, tmp_path):
+    """`--device cpu` (as `auto` picks for more ranks than GPUs): the ranks train on the CPU, so their
+    marks are CPU readings; CUDA events on an idle GPU would time every phase at a few µs."""
+    from conftest import rankwatch_cli
+
+    result = rankwatch_cli("train", "--nproc", "2", "--steps", "6", "--run", "run-cpu-ranks", "--device", "cpu",
+                           "--collector", collector.url, env={"RANKWATCH_TOKEN": collector.token}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    collector.stop()
+    rows = query(collector.db, "SELECT rank, step, compute_s FROM steps WHERE run_id = 'run-cpu-ranks'")
+    assert len(rows) == 12
+    assert statistics.median(compute for _, _, compute in rows) > 1e-3, rows
+    assert query(collector.db, "SELECT DISTINCT device FROM ranks") == [("cpu",)]
