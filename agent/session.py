@@ -162,9 +162,12 @@ class Session:
         after it ended still goes out while the next one hangs."""
         with self._emitting:
             while self._pending and (wait or self._readable(self._pending[0])):
-                if wait and hasattr(self._pending[0].end, "synchronize"):
-                    self._pending[0].end.synchronize()  # a CUDA event: the one wait, at the end of the job
-                self._emit(self._pending.popleft())
+                step = self._pending.popleft()
+                # CUDA events: the one wait, at the end of the job; a collective's end is on a stream of its own
+                for mark in (step.end, *(c.end for c in step.collectives)) if wait else ():
+                    if hasattr(mark, "synchronize"):
+                        mark.synchronize()
+                self._emit(step)
 
     def _readable(self, s: _Step) -> bool:
         """Its marks are readable, and the sampler has sampled past its end (for its energy)."""

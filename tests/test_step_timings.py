@@ -6,7 +6,8 @@ collector: on one GPU (no peer) an exposed wait of the last bucket's
 all-reduce alone, and with slow links the time after backward's compute in
 which the all-reduces still ran; each bucket's duration is its own time on
 NCCL's stream, which runs the buckets one after another, not the time since
-its launch. On CPU, a real one-rank gloo DDP model through `agent.watch_ddp`:
+its launch; at shutdown, a step still on the GPU waits for its buckets' end
+events, which are on streams of their own. On CPU, a real one-rank gloo DDP model through `agent.watch_ddp`:
 every bucket timed, the exposed wait within the step and the phases adding up.
 """
 
@@ -48,9 +49,10 @@ class RecordedTimer:
         return clock.wall(self._anchor + mark)
 
 
-def ddp_step(session: Session, buckets: int) -> None:
+def ddp_step(session: Session, buckets: int, end_mark=None) -> None:
     """One step's calls in the order DDP's training loop makes them, each bucket's end marked as
     agent/collectives.py marks it (at once, in the callback of a future NCCL completed when enqueued)."""
+    end_mark = end_mark or session.timer.mark
     with session.step(0):
         for name in ("data", "forward"):
             with session.phase(name):
@@ -58,7 +60,7 @@ def ddp_step(session: Session, buckets: int) -> None:
         with session.phase("backward"):
             for _ in range(buckets):
                 c = session.collective("all_reduce", "world", 1, 25 * 2**20, BUCKET)
-                c.end = session.timer.mark()
+                c.end = end_mark()
         with session.phase("optimizer"):
             pass
 
@@ -140,3 +142,58 @@ def test_gloo_ddp_buckets_on_cpu(collector, gloo):
         assert buckets >= (3 if step else 1) and total == nbytes, (step, buckets, total)  # rebuilt after step 0
         assert shortest > 0
         assert 0 <= wait <= duration and compute + wait <= duration * (1 + 1e-9)
+
+
+class PendingEvent:
+    """A CUDA event's contract as the agent uses it: readable once the GPU passed it; synchronize()
+    waits for it, and so for the marks before it on its stream; reading it before raises, as
+    Event.elapsed_time does."""
+
+    def __init__(self, gpu_ns: int, stream: str, timer: "PendingTimer"):
+        self.gpu_ns, self.stream, self.timer, self.done = gpu_ns, stream, timer, False
+
+    def synchronize(self) -> None:
+        for e in self.timer.events:
+            e.done |= e.stream == self.stream and e.gpu_ns <= self.gpu_ns
+
+
+class PendingTimer(RecordedTimer):
+    """Marks the GPU has not passed yet, on the stream `stream` names when they are taken."""
+
+    def __init__(self, gpu_ns: list[int]):
+        super().__init__(gpu_ns)
+        self.events: list[PendingEvent] = []
+        self.stream = "training"
+
+    def mark(self) -> PendingEvent:
+        self.events.append(PendingEvent(super().mark(), self.stream, self))
+        return self.events[-1]
+
+    def ready(self, mark: PendingEvent) -> bool:
+        return mark.done
+
+    def to_wall(self, clock: Clock, mark: PendingEvent) -> int:
+        if not mark.done:
+            raise RuntimeError("event not completed: elapsed_time would fail")
+        return super().to_wall(clock, mark.gpu_ns)
+
+
+def test_shutdown_waits_for_every_collectives_end_event(collector):
+    """The last step is still on the GPU at shutdown: the one wait there covers the buckets' end
+    events too, which are recorded on streams of their own, not only the training stream's."""
+    ready = [15, 19, 23, 27, 31]
+    timer = PendingTimer(timeline(ready, 0.03, 31.05))
+    session = Session("run-pending", 0, 1, collector.url, collector.token, timer=timer)
+
+    def on_its_stream() -> PendingEvent:
+        timer.stream = "pool"  # the future callback's stream, which waited for NCCL's
+        try:
+            return timer.mark()
+        finally:
+            timer.stream = "training"
+
+    ddp_step(session, len(ready), end_mark=on_its_stream)
+    session.shutdown()
+    collector.stop()
+    assert query(collector.db, "SELECT count(*) FROM ops WHERE kind = 'comm'") == [(5,)]
+    assert query(collector.db, "SELECT comm_wait_s FROM steps") == [(pytest.approx(30e-6, abs=1e-9),)]
