@@ -7,8 +7,9 @@ all-reduce alone, and with slow links the time after backward's compute in
 which the all-reduces still ran; each bucket's duration is its own time on
 NCCL's stream, which runs the buckets one after another, not the time since
 its launch; at shutdown, a step still on the GPU waits for its buckets' end
-events, which are on streams of their own. On CPU, a real one-rank gloo DDP model through `agent.watch_ddp`:
-every bucket timed, the exposed wait within the step and the phases adding up.
+events, which are on streams of their own. On CPU, a real one-rank gloo DDP
+model through the agent's comm hook: every bucket timed, the exposed wait
+within the step and the phases adding up.
 """
 
 import time
