@@ -155,12 +155,12 @@ def _span(span: Span) -> bytes:
                      _key_values(9, span.attributes), _FLAGS))
 
 
-def encode_spans(spans: Sequence[Span], scope: str = "rankwatch.agent") -> bytes:
+def encode_spans(spans: Sequence[Span]) -> bytes:
     """An OTLP ExportTraceServiceRequest, serialized: one ResourceSpans per resource."""
     by_resource: dict[int, tuple[Resource, list[bytes]]] = {}
     for span in spans:
         by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(_field(2, _span(span)))
-    scope_field = _field(1, _field(1, scope.encode()))
+    scope_field = _field(1, _field(1, SCOPE.encode()))
     return b"".join(_field(1, _field(1, _key_values(1, resource.attributes))
                            + _field(2, scope_field + b"".join(encoded)))
                     for resource, encoded in by_resource.values())
@@ -175,7 +175,7 @@ class SpanExporter:
         self._headers = {**headers, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
 
     def export(self, spans: Sequence[Span]) -> SpanExportResult:
-        body = gzip.compress(encode_spans(spans, SCOPE), compresslevel=6)
+        body = gzip.compress(encode_spans(spans), compresslevel=6)
         try:
             with urlopen(Request(self._url, body, self._headers), timeout=self._timeout_s):
                 return SpanExportResult.SUCCESS  # 2xx: urlopen raises for the others

@@ -54,7 +54,7 @@ def normalized(request: ExportTraceServiceRequest) -> list:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(span, min_size=1, max_size=8))
 def test_encoding_matches_the_sdk(spans):
-    ours = ExportTraceServiceRequest.FromString(encode_spans(spans, SCOPE))
+    ours = ExportTraceServiceRequest.FromString(encode_spans(spans))
     assert normalized(ours) == normalized(sdk_encode([sdk_span(s) for s in spans]))
     assert len(ours.resource_spans) == len({id(s.resource) for s in spans})
 
