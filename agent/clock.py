@@ -48,11 +48,16 @@ class Clock:
 class CpuTimer:
     """Marks are monotonic-clock readings; they are ready at once."""
 
+    serial = False  # collectives are marked where the host saw them start and end
+
     def mark(self) -> int:
         return time.monotonic_ns()
 
     def ready(self, mark: int) -> bool:
         return True
+
+    def release(self, marks) -> None:
+        """Marks that were read (nothing to give back on CPU)."""
 
     def to_wall(self, clock: Clock, mark: int) -> int:
         return clock.wall(mark)
@@ -60,6 +65,8 @@ class CpuTimer:
 
 class CudaTimer:
     """Marks are CUDA events on the current stream, read once the GPU has passed them."""
+
+    serial = True  # a group's collectives run one at a time on its stream (agent/timeline.py: serialized)
 
     def __init__(self, device) -> None:
         import torch
@@ -70,14 +77,22 @@ class CudaTimer:
         self._anchor.record()
         torch.cuda.synchronize(device)
         self._anchor_mono = time.monotonic_ns()
+        self._free: list = []  # events already read, recorded again rather than made anew
 
     def mark(self):
-        event = self._torch.cuda.Event(enable_timing=True)
+        try:
+            event = self._free.pop()
+        except IndexError:  # none free (pop is atomic: the autograd thread marks buckets too)
+            event = self._torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
     def ready(self, mark) -> bool:
         return mark.query()
+
+    def release(self, marks) -> None:
+        """Events of a step that was read: they are recorded again for later marks."""
+        self._free.extend(marks)
 
     def to_wall(self, clock: Clock, mark) -> int:
         return clock.wall(self._anchor_mono + int(self._anchor.elapsed_time(mark) * 1e6))

@@ -5,12 +5,22 @@ Bytes follow the nccl-tests convention (the collector computes algbw and
 busbw from them): the full buffer of all_reduce, broadcast, send and recv;
 the gathered output of all_gather; the input of reduce_scatter and
 all_to_all.
+
+Timing: a collective's start and end are marks of the session's timer. On
+CUDA the start is an event on the calling stream just before the launch, and
+the end an event recorded in a callback of the work's future: PyTorch runs
+such a callback with pool streams made current that wait for the work's
+kernels (`torch.futures.Future.then`), so the event passes once the
+collective is done on the GPU, and no host clock enters a GPU duration.
+ProcessGroupNCCL completes its futures when the work is enqueued, so the
+callback runs at once, on the launching thread. On CPU (gloo) the marks are
+monotonic readings at the call and in the callback, which runs when the
+work completes.
 """
 
 import functools
-import time
 
-from agent.session import Session
+from agent.session import ASYNC, BUCKET, SYNC, Session
 
 
 def _nbytes(tensor) -> int:
@@ -23,24 +33,35 @@ def _group(dist, group) -> tuple[str, int]:
 
 
 def comm_hook(session: Session, inner=None):
-    """A DDP comm hook that times each gradient bucket's all-reduce around `inner`
-    (default: DDP's own allreduce_hook). Register it with
-    `model.register_comm_hook(process_group, hook)`."""
+    """A DDP comm hook that times each gradient bucket's all-reduce around `inner` (default: the
+    averaging all-reduce of DDP's allreduce_hook, launched here so that one future callback both
+    unpacks the result and marks the end). Register it with `model.register_comm_hook(None, hook)`."""
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    inner = inner or default_hooks.allreduce_hook
+    groups: dict = {}  # DDP passes the same process group on every call: its name once
+    mark = session.timer.mark
 
     def hook(process_group, bucket):
-        name, size = _group(dist, process_group)
-        c = session.collective("all_reduce", name, size, _nbytes(bucket.buffer()))
-        c.ready = c.start
+        key = id(process_group)
+        if key not in groups:
+            groups[key] = _group(dist, process_group)
+        name, size = groups[key]
+        tensor = bucket.buffer()
+        c = session.collective("all_reduce", name, size, _nbytes(tensor), BUCKET)
+        if inner is not None:
+            def done(fut):
+                c.end = mark()
+                return fut.value()
 
-        def done(fut):
-            c.end = time.monotonic_ns()
-            return fut.value()
+            return inner(process_group, bucket).then(done)
 
-        return inner(process_group, bucket).then(done)
+        def averaged(fut):
+            c.end = mark()
+            return fut.value()[0]
+
+        tensor.div_(size)  # as allreduce_hook: divided first, against overflow in low precision
+        all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)  # not timed twice (trace_collectives)
+        return all_reduce(tensor, group=process_group, async_op=True).get_future().then(averaged)
 
     return hook
 
@@ -78,12 +99,14 @@ def _traced(session: Session, dist, name: str, original, size_of):
     def call(*args, **kwargs):
         group = kwargs.get("group")
         group_name, size = _group(dist, group)
-        c = session.collective(_OPS.get(name, name), group_name, size, size_of(size, *args, **kwargs))
+        launched = kwargs.get("async_op")
+        c = session.collective(_OPS.get(name, name), group_name, size, size_of(size, *args, **kwargs),
+                               ASYNC if launched else SYNC)
         work = original(*args, **kwargs)
-        if kwargs.get("async_op") and work is not None:
-            work.get_future().then(lambda fut: setattr(c, "end", time.monotonic_ns()))
-        else:
-            c.end = time.monotonic_ns()
+        if launched and work is not None:
+            work.get_future().then(lambda fut: setattr(c, "end", session.timer.mark()))
+        else:  # a blocking call returns once the calling stream waits for it (on CUDA) or it is done
+            c.end = session.timer.mark()
         return work
 
     call.__rankwatch__ = True

@@ -1,7 +1,11 @@
 """OTLP/HTTP export of one rank's telemetry through the OpenTelemetry SDK.
 
 Spans and log records go through the SDK's batch processors (a background
-thread, so training never waits on the network). The SDK drops a batch
+thread, so training never waits on the network). A step's trace is handed to
+the processor as one plain record and encoded to OTLP protobuf on the export
+thread by `encode_spans` below: the SDK's ReadableSpan, processor and encoder
+cost ~45 µs a span between the training thread and the export thread, whose
+time is GIL time the training thread may wait for. The SDK drops a batch
 whose export failed; here a failed batch is kept in a bounded backlog and
 sent once the collector is back, oldest first, and only what overflows the
 backlog is dropped (and counted). Device samples carry their own timestamps,
@@ -9,27 +13,31 @@ which the metrics API cannot express, so they are handed to the SDK's OTLP
 metric exporter as ready-made gauge points.
 """
 
+import functools
+import gzip
 import logging
 import os
 import random
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+from urllib.error import URLError
 from urllib.parse import urlsplit
+from urllib.request import Request, urlopen
 
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import (Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics,
                                               ScopeMetrics)
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -43,6 +51,142 @@ log = logging.getLogger("rankwatch.agent")
 # The SDK's exporters log every retry; the backlog reports an outage once instead.
 for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shared_internal"):
     logging.getLogger(_name).setLevel(logging.CRITICAL)
+
+
+_CONTEXT = SpanContext(0, 0, is_remote=False, trace_flags=_SAMPLED)
+
+
+class Span(NamedTuple):
+    """A finished span, as `encode_spans` takes it."""
+
+    trace_id: int
+    span_id: int
+    parent_id: int  # 0: a root
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Attributes
+    resource: Resource
+
+
+class Trace(NamedTuple):
+    """One finished trace (a step and its children) as the batch processor queues it: one item a
+    step, since the processor's work per item is done on the training thread. Its `context` says
+    sampled, which is all the processor reads of it."""
+
+    trace_id: int
+    root_id: int
+    spans: tuple[tuple[str, int, int, Attributes], ...]  # (name, start ns, end ns, attributes), the root first
+    resource: Resource
+
+    @property
+    def context(self) -> SpanContext:
+        return _CONTEXT
+
+
+class _Spans:
+    """Between the batch processor and the span backlog, on the export thread: a batch of traces
+    becomes their spans (the children's ids drawn here), so that the backlog counts spans."""
+
+    def __init__(self, backlog: "Backlog"):
+        self._backlog = backlog
+        self._ids = random.Random(os.urandom(16))
+
+    def export(self, traces: Sequence[Trace]):
+        spans, ids = [], self._ids
+        for t in traces:
+            (name, start_ns, end_ns, attributes), *children = t.spans
+            spans.append(Span(t.trace_id, t.root_id, 0, name, start_ns, end_ns, attributes, t.resource))
+            spans += [Span(t.trace_id, ids.getrandbits(64), t.root_id, *child, t.resource) for child in children]
+        return self._backlog.export(spans)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._backlog.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._backlog.shutdown()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(key: str) -> bytes:
+    """KeyValue.key, encoded once per name."""
+    return _field(1, key.encode())
+
+
+def _any_value(value) -> bytes:
+    """An AnyValue; a value of another type than str, bool, int (int64) or float goes as its str()."""
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"
+    if isinstance(value, int) and -2**63 <= value < 2**63:
+        return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
+    if isinstance(value, float):
+        return b"\x21" + struct.pack("<d", value)
+    return _field(1, (value if isinstance(value, str) else str(value)).encode())
+
+
+def _key_values(number: int, attributes: Attributes) -> bytes:
+    """Repeated KeyValue field `number`."""
+    return b"".join(_field(number, _key(k) + _field(2, _any_value(v))) for k, v in attributes.items())
+
+
+_KIND_INTERNAL = b"\x30\x01"
+_FLAGS = b"\x85\x01" + struct.pack("<I", 0x101)  # sampled; is_remote known (false)
+
+
+def _span(span: Span) -> bytes:
+    return b"".join((_field(1, span.trace_id.to_bytes(16, "big")), _field(2, span.span_id.to_bytes(8, "big")),
+                     _field(4, span.parent_id.to_bytes(8, "big")) if span.parent_id else b"",
+                     _field(5, span.name.encode()), _KIND_INTERNAL,
+                     b"\x39" + struct.pack("<Q", span.start_ns), b"\x41" + struct.pack("<Q", span.end_ns),
+                     _key_values(9, span.attributes), _FLAGS))
+
+
+def encode_spans(spans: Sequence[Span]) -> bytes:
+    """An OTLP ExportTraceServiceRequest, serialized: one ResourceSpans per resource."""
+    by_resource: dict[int, tuple[Resource, list[bytes]]] = {}
+    for span in spans:
+        by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(_field(2, _span(span)))
+    scope_field = _field(1, _field(1, SCOPE.encode()))
+    return b"".join(_field(1, _field(1, _key_values(1, resource.attributes))
+                           + _field(2, scope_field + b"".join(encoded)))
+                    for resource, encoded in by_resource.values())
+
+
+class SpanExporter:
+    """OTLP/HTTP protobuf export of `Span` records: one gzipped POST a batch, no retries (the
+    Backlog around it keeps and retries a batch that failed)."""
+
+    def __init__(self, url: str, headers: dict, timeout_s: float):
+        self._url, self._timeout_s = url, timeout_s
+        self._headers = {**headers, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
+
+    def export(self, spans: Sequence[Span]) -> SpanExportResult:
+        body = gzip.compress(encode_spans(spans), compresslevel=6)
+        try:
+            with urlopen(Request(self._url, body, self._headers), timeout=self._timeout_s):
+                return SpanExportResult.SUCCESS  # 2xx: urlopen raises for the others
+        except (URLError, OSError):
+            return SpanExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Nothing to stop: an export in flight ends within its timeout."""
 
 
 def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
@@ -143,7 +287,7 @@ class Exporter:
         endpoint = self._endpoint = endpoint.rstrip("/")
         common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
         self.resource = Resource.create(dict(resource))
-        self.spans_backlog = Backlog(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", **common),
+        self.spans_backlog = Backlog(SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
                                      SpanExportResult.SUCCESS, backlog_items, endpoint,
                                      on_first_failure=lambda: log.warning(
                                          "rankwatch: collector at %s unreachable; training goes on, telemetry "
@@ -151,8 +295,10 @@ class Exporter:
                                          backlog_items))
         self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", **common),
                                     LogRecordExportResult.SUCCESS, backlog_items // 10, endpoint)
-        self._processor = BatchSpanProcessor(self.spans_backlog, max_queue_size=65536, max_export_batch_size=2048,
-                                             schedule_delay_millis=1000)
+        # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
+        # request stay far below the collector's 20 MiB and 100k entries a request
+        self._processor = BatchSpanProcessor(_Spans(self.spans_backlog), max_queue_size=8192,
+                                             max_export_batch_size=256, schedule_delay_millis=1000)
         self._scope = InstrumentationScope(SCOPE)
         self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)
@@ -168,18 +314,12 @@ class Exporter:
         others its children; returns the root's context. `resource`: who it is from, when one
         process speaks for many ranks (the fleet simulator); default this exporter's.
 
-        The spans are built as the SDK's ReadableSpan and handed to its batch processor
-        directly: the tracer API's context and sampling machinery would cost ~80 µs a span
-        on the training thread, for spans whose times are known after the fact."""
-        trace_id = self._ids.getrandbits(128)
-        root = None
-        for name, start_ns, end_ns, attributes in spans:
-            context = SpanContext(trace_id, self._ids.getrandbits(64), is_remote=False, trace_flags=_SAMPLED)
-            self._processor.on_end(ReadableSpan(name, context, parent=root, resource=resource or self.resource,
-                                                attributes=attributes, start_time=start_ns, end_time=end_ns,
-                                                instrumentation_scope=self._scope))
-            root = root or context
-        return root
+        The trace is queued as one plain record: the tracer API's context and sampling machinery
+        would cost ~80 µs a span on the training thread, for spans whose times are known after the
+        fact, and the SDK's ReadableSpan and batch processor ~15 µs more a span."""
+        trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
+        self._processor.on_end(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
+        return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def event(self, event: str, time_ns: int, attributes: Attributes, body: str | None = None,
               severity: SeverityNumber = SeverityNumber.INFO) -> None:

@@ -4,13 +4,13 @@ A step is recorded as marks (monotonic readings on CPU, CUDA events on GPU);
 when the step ends it waits in `pending` until its marks are readable, then
 becomes one `step` span with `phase` and `comm` children. Nothing here
 blocks the training loop: GPU marks are read when the GPU has passed them,
-and export happens in the SDK's background thread.
+and export happens in the SDK's background thread. The step's exposed
+communication wait is interval arithmetic over its marks (agent/timeline.py).
 """
 
 import os
 import socket
 import threading
-import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,15 +23,20 @@ from agent.opendevice import open_device
 from agent.export import Exporter, log
 from agent.rapl import Rapl
 from agent.sampler import Sampler
+from agent.timeline import exposed, serialized, subtract
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
+# how the training stream waits for a collective: DDP waits for its buckets at the end of backward,
+# a blocking call at once, an async_op=True call where the code waits (unknown here)
+BUCKET, SYNC, ASYNC = "bucket", "sync", "async"
 
 
-@dataclass
+@dataclass(slots=True)
 class Collective:
-    """One collective as the host saw it: monotonic ns from launch to completion of its
-    future (on CUDA an upper bound on the GPU's own time for it)."""
+    """One collective as two marks of the session's timer: `start` at its launch (on CUDA an event
+    on the launching stream: when that stream reached the call; for a DDP bucket, when its gradients
+    were ready) and `end` once it completed (on CUDA an event on a stream that waited for it)."""
 
     op: str
     group: str
@@ -39,8 +44,8 @@ class Collective:
     seq: int
     nbytes: int
     start: object
+    waits: str = SYNC
     end: object = None
-    ready: object = None  # for DDP buckets: when the gradients were ready (= the hook ran)
 
 
 @dataclass
@@ -116,11 +121,12 @@ class Session:
         if self._current is not None:
             self._current.values.update(values)
 
-    def collective(self, op: str, group: str, group_size: int, nbytes: int) -> Collective:
-        """Start recording a collective; the caller sets `.end` (and `.ready` for buckets)."""
+    def collective(self, op: str, group: str, group_size: int, nbytes: int, waits: str = SYNC) -> Collective:
+        """Start recording a collective (call it just before launching it); the caller sets
+        `.end = session.timer.mark()` once it completed."""
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
-        c = Collective(op, group, group_size, seq, nbytes, time.monotonic_ns())
+        c = Collective(op, group, group_size, seq, nbytes, self.timer.mark(), waits)
         self._last_collective = c
         if self._current is not None:
             self._current.collectives.append(c)
@@ -160,13 +166,17 @@ class Session:
         after it ended still goes out while the next one hangs."""
         with self._emitting:
             while self._pending and (wait or self._readable(self._pending[0])):
-                if wait and hasattr(self._pending[0].end, "synchronize"):
-                    self._pending[0].end.synchronize()  # a CUDA event: the one wait, at the end of the job
-                self._emit(self._pending.popleft())
+                step = self._pending.popleft()
+                # CUDA events: the one wait, at the end of the job; a collective's end is on a stream of its own
+                for mark in (step.end, *(c.end for c in step.collectives)) if wait else ():
+                    if hasattr(mark, "synchronize"):
+                        mark.synchronize()
+                self._emit(step)
 
     def _readable(self, s: _Step) -> bool:
         """Its marks are readable, and the sampler has sampled past its end (for its energy)."""
         return (self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
+                and all(c.end is None or self.timer.ready(c.end) for c in s.collectives)
                 and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end))))
 
     def _emit(self, s: _Step) -> None:
@@ -176,7 +186,10 @@ class Session:
         seconds = {name: 0.0 for name in ("data", *COMPUTE_PHASES)}
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
-        comm_wait = self._exposed_comm_wait(s, phases)
+        comm = self._comm_intervals(s, wall)
+        comm_wait = self._exposed_comm_wait((start, end), phases, comm)
+        self.timer.release([s.start, s.end, *(m for _, a, b in s.phases for m in (a, b)),
+                            *(m for c in s.collectives if c.end is not None for m in (c.start, c.end))])
         compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
         if not self.exporter:
             return
@@ -190,27 +203,37 @@ class Session:
                            for k, v in s.values.items() if v is not None})
         spans = [("step", start, end, attributes)]
         spans += [(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}) for name, a, b in phases]
-        spans += [(c.op, self.clock.wall(c.start), self.clock.wall(c.end),
-                   {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group, sc.COMM_GROUP_SIZE: c.group_size,
-                    sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes}) for c in s.collectives if c.end is not None]
+        spans += [(c.op, a, b, {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group,
+                                sc.COMM_GROUP_SIZE: c.group_size, sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes})
+                  for c, _, a, b in comm]
         self.exporter.trace(spans)
 
-    def _exposed_comm_wait(self, s: _Step, phases: list) -> float:
-        """Seconds this rank waited for communication that no compute hid.
+    def _comm_intervals(self, s: _Step, wall) -> list[tuple[Collective, int, int, int]]:
+        """(collective, launch, start, end) in wall ns for each completed collective of the step.
+        Where the timer's marks are stream events (CUDA), a group's collectives run one after
+        another on their stream: each starts at its launch or at the end of the one before it."""
+        done = [(c, wall(c.start), wall(c.end)) for c in s.collectives if c.end is not None]
+        if not self.timer.serial:
+            return [(c, a, a, b) for c, a, b in done]
+        starts: dict[int, int] = {}
+        for group in {c.group for c, _, _ in done}:
+            ops = [(i, a, b) for i, (c, a, b) in enumerate(done) if c.group == group]
+            starts.update((i, a) for (i, _, _), (a, _) in zip(ops, serialized([(a, b) for _, a, b in ops])))
+        return [(c, a, starts[i], b) for i, (c, a, b) in enumerate(done)]
 
-        For DDP buckets: from the moment the last bucket's gradients were ready
-        until the end of backward (DDP waits there for the all-reduces still in
-        flight). For collectives called outside backward: their whole duration."""
-        backward = [(a, b) for name, a, b in phases if name == "backward"]
-        wait = 0
-        buckets = [c for c in s.collectives if c.ready is not None and c.end is not None]
+    @staticmethod
+    def _exposed_comm_wait(window: tuple[int, int], phases: list, comm: list) -> float:
+        """Seconds of the step during which communication was in flight and no compute hid it
+        (docs/telemetry.md). Compute is the compute phases less the stretches in which the training
+        stream waits for communication: a blocking collective from its launch to its end, and DDP's
+        wait at the end of backward, from the last bucket's launch (its gradients ready) on."""
+        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC]
+        buckets = [a for c, a, _, _ in comm if c.waits == BUCKET]
+        backward = [b for name, _, b in phases if name == "backward"]
         if buckets and backward:
-            last_ready = self.clock.wall(max(c.ready for c in buckets))
-            wait += max(backward[-1][1] - last_ready, 0)
-        for c in s.collectives:
-            if c.ready is None and c.end is not None:
-                wait += c.end - c.start
-        return wait / 1e9
+            waits.append((max(buckets), backward[-1]))
+        compute = subtract([(a, b) for name, a, b in phases if name in COMPUTE_PHASES], waits)
+        return exposed([(a, b) for _, _, a, b in comm], compute, window) / 1e9
 
     def _beat(self, every_s: float) -> None:
         """Progress, even when no step finishes: the step and phase this rank is in, and the

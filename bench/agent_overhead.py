@@ -1,19 +1,24 @@
-"""Agent overhead: the same training run with and without the agent, alternating.
+"""Agent overhead: the same training run without the agent and with it, alternating; with
+`--baseline DIR`, also with the agent of another checkout (DIR/agent), so that a change to the
+agent is measured against the version before it side by side, in one run.
 
-One process trains the reference GPT under DistributedDataParallel (gloo, one
-rank, so the DDP comm hook runs) for `--steps` steps per run. Runs with the
-agent export everything (step, phase and bucket spans) to a real collector on
-loopback. Runs alternate in pairs, the order flipped every pair. Two figures,
-each the median over pairs of (with agent / without agent):
+Each run is a process of its own (the agent it imports is the variant's), training the reference
+GPT under DistributedDataParallel (gloo, one rank, so the DDP comm hook runs) for `--steps` steps.
+Runs with an agent export everything (step, phase and bucket spans) to a real collector on
+loopback. The variants take turns, the order rotated every round. Figures, each the median over
+rounds of (variant / no agent):
 - wall: each run's median step time;
-- CPU: the process's CPU time per step (all its threads, so the exporter's
-  background work counts), which other load on a shared machine disturbs far
-  less than wall time.
+- CPU: the process's CPU time per step (all its threads, so the exporter's background work
+  counts), which other load on a shared machine disturbs far less than wall time.
+And the agent's own CPU per step: a loop that does nothing but a tiny DDP step (8 gradient buckets)
+and the agent's calls around it (a step, 4 phases, a record; the shutdown's export included),
+less the same loop without the agent.
 
-Usage: python bench/agent_overhead.py [--pairs 6] [--steps 60] [--model tiny] [--batch 8]
+Usage: python bench/agent_overhead.py [--rounds 6] [--steps 60] [--model tiny] [--batch 8] [--baseline DIR]
 """
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -23,32 +28,43 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from rich.console import Console
-from rich.table import Table
-from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import agent  # noqa: E402
-from rankwatch.launch import wait_healthy  # noqa: E402
-from trainer.data import TokenStream  # noqa: E402
-from trainer.model import CONFIGS, GPT  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
+EMPTY_STEPS = 2000
 
 
-def run(with_agent: bool, args, url: str, run_id: str) -> tuple[float, float]:
-    """(median step wall time, CPU time per step) of one training run, in seconds."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(agent_dir: str | None, args) -> dict:
+    """One run in this process: the training run's median step time and CPU per step, and the
+    empty loop's CPU per step; `agent_dir` None: without the agent."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, agent_dir or str(ROOT))
+    import agent
+    from trainer.data import TokenStream
+    from trainer.model import CONFIGS, GPT
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+    def start(run_id: str, ddp) -> None:
+        if agent_dir:
+            agent.init(run_id=run_id, collector=args.url, token=TOKEN, rank=0, world_size=1, cuda=False)
+            agent.watch_ddp(ddp)
+
     torch.manual_seed(0)
     model = GPT(CONFIGS[args.model])
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    c = model.config
-    data = TokenStream(c.vocab, c.seq_len, args.batch, 0)
-    if with_agent:
-        agent.init(run_id=run_id, collector=url, token=TOKEN, rank=0, world_size=1)
-        agent.watch_ddp(ddp)
+    data = TokenStream(model.config.vocab, model.config.seq_len, args.batch, 0)
+    start(args.run, ddp)
     times = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -69,68 +85,98 @@ def run(with_agent: bool, args, url: str, run_id: str) -> tuple[float, float]:
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
     agent.shutdown()  # the export of the last spans is the agent's cost too
-    return statistics.median(times), (time.process_time() - cpu_started) / args.steps
+    cpu = (time.process_time() - cpu_started) / args.steps
 
-
-def empty_steps(with_agent: bool, url: str, steps: int = 3000) -> float:
-    """CPU seconds per step of a loop that does nothing but the agent's calls (4 phases, a record)."""
-    if with_agent:
-        agent.init(run_id="overhead-empty", collector=url, token=TOKEN, rank=0, world_size=1)
-    started = time.process_time()
-    for step in range(steps):
+    tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    tiny_ddp = DistributedDataParallel(tiny, bucket_cap_mb=1e-5)  # a bucket per layer
+    x = torch.randn(2, 4)
+    for _ in range(3):  # DDP rebuilds its buckets after the first step
+        tiny_ddp(x).sum().backward()
+    start(f"{args.run}-empty", tiny_ddp)
+    empty_started = time.process_time()
+    for step in range(EMPTY_STEPS):
         with agent.step(step):
-            for name in ("data", "forward", "backward", "optimizer"):
-                with agent.phase(name):
-                    pass
+            with agent.phase("data"):
+                pass
+            with agent.phase("forward"):
+                out = tiny_ddp(x).sum()
+            with agent.phase("backward"):
+                out.backward()
+            with agent.phase("optimizer"):
+                pass
             agent.record(loss=1.0, tokens=512)
     agent.shutdown()
-    return (time.process_time() - started) / steps
+    empty = (time.process_time() - empty_started) / EMPTY_STEPS
+    dist.destroy_process_group()
+    return {"wall": statistics.median(times), "cpu": cpu, "empty": empty}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--model", default="tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="a checkout whose agent/ is measured beside this one's (e.g. git archive of a commit)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # "none" or the agent's directory
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1 if port < 65000 else port - 1))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if args.worker:
+        print(json.dumps(worker(None if args.worker == "none" else args.worker, args)))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    sys.path.insert(0, str(ROOT))
+    from rankwatch.launch import wait_healthy
+
+    if args.baseline and not (args.baseline / "agent" / "__init__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no agent/ package there")
+    variants = {"no agent": "none", "agent": str(ROOT)}
+    if args.baseline:
+        variants["baseline agent"] = str(args.baseline.resolve())
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/a.duckdb",
                                       "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL)
         try:
             wait_healthy(url, collector)
-            per_step = empty_steps(True, url) - empty_steps(False, url)
-            rows = []
-            for pair in range(args.pairs):
-                order = (False, True) if pair % 2 == 0 else (True, False)
-                median = {mode: run(mode, args, url, f"overhead-{pair}") for mode in order}
-                rows.append((median[False], median[True]))
+            names = list(variants)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--worker", variants[name], "--url", url, "--run",
+                         f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-')}", "--steps", str(args.steps),
+                         "--warmup", str(args.warmup), "--model", args.model, "--batch", str(args.batch)],
+                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp)
+                    if out.returncode:
+                        sys.exit(f"{name} run failed:\n{out.stderr}")
+                    results[name].append(json.loads(out.stdout.splitlines()[-1]))
         finally:
             collector.terminate()
             collector.wait()
+
     console = Console()
-    table = Table("pair", "wall ms without", "wall ms with", "wall ratio", "CPU ms/step without",
-                  "CPU ms/step with", "CPU ratio")
-    for i, ((wall0, cpu0), (wall1, cpu1)) in enumerate(rows):
-        table.add_row(str(i), f"{wall0 * 1e3:.2f}", f"{wall1 * 1e3:.2f}", f"{wall1 / wall0:.4f}",
-                      f"{cpu0 * 1e3:.2f}", f"{cpu1 * 1e3:.2f}", f"{cpu1 / cpu0:.4f}")
+    none = results["no agent"]
+    table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step", "CPU ratio", "agent CPU µs/step")
+    for name, runs in results.items():
+        def ratio(key: str) -> float:
+            return statistics.median(run[key] / base[key] for run, base in zip(runs, none))
+
+        own = statistics.median(run["empty"] - base["empty"] for run, base in zip(runs, none))
+        table.add_row(name, f"{statistics.median(r['wall'] for r in runs) * 1e3:.2f}", f"{ratio('wall'):.4f}",
+                      f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}", f"{ratio('cpu'):.4f}",
+                      "" if name == "no agent" else f"{own * 1e6:.0f}")
     console.print(table)
-    wall = statistics.median(w[0] / wo[0] for wo, w in rows)
-    cpu = statistics.median(w[1] / wo[1] for wo, w in rows)
-    console.print(f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.pairs} pairs: "
-                  f"with/without agent, median step time ratio [bold]{wall:.4f}[/bold], "
-                  f"CPU per step ratio [bold]{cpu:.4f}[/bold]")
-    console.print(f"The agent's own CPU cost: {per_step * 1e6:.0f} µs per step (step, 4 phases, a record, "
-                  f"export included) = {per_step / statistics.median(r[0][0] for r in rows) * 100:.2f}% of the "
-                  f"median step here")
+    console.print(f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios "
+                  f"and the agent's CPU per step (a tiny DDP step with 8 buckets, 4 phases, a record, export "
+                  f"included; less the same without the agent) are medians over rounds")
 
 
 if __name__ == "__main__":

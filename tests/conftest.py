@@ -14,6 +14,17 @@ import pytest
 
 from rankwatch.launch import wait_healthy
 
+def pytest_collection_modifyitems(items) -> None:
+    """Tests marked `cuda` run where torch sees a GPU and are skipped, saying so, elsewhere."""
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,15 +193,3 @@ def dashboard_store(tmp_path_factory) -> Path:
     from tests.dashboard_store import build
 
     return build(tmp_path_factory.mktemp("dashboard"))
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` skip, saying why, where torch sees no GPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="no CUDA GPU: torch.cuda.is_available() is false")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     c = model.config
     data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    session = agent.init(resource={sc.DP_RANK: rank, sc.DEVICE: device_name})
+    session = agent.init(cuda=cuda, resource={sc.DP_RANK: rank, sc.DEVICE: device_name})  # CPU ranks: CPU marks
     ckpt_dir = args.ckpt_dir or config.store_path().parent / "runs" / session.run_id / "checkpoints"
     # DDP replicas: the same tensors, each rank writing its share of them
     replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]

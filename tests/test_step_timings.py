@@ -1,0 +1,200 @@
+"""A step's split and its collectives' durations, as the agent stores them, from its timer's marks.
+
+Covered: a session whose timer plays back a DDP step as CUDA events record it
+on a GPU (every mark, a bucket's end too, a GPU time) sends to a real
+collector: on one GPU (no peer) an exposed wait of the last bucket's
+all-reduce alone, and with slow links the time after backward's compute in
+which the all-reduces still ran; each bucket's duration is its own time on
+NCCL's stream, which runs the buckets one after another, not the time since
+its launch; at shutdown, a step still on the GPU waits for its buckets' end
+events, which are on streams of their own. On CPU, a real one-rank gloo DDP
+model through the agent's comm hook: every bucket timed, the exposed wait
+within the step and the phases adding up.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from otlp_payloads import query
+from torch.nn.parallel import DistributedDataParallel
+
+from agent.clock import Clock
+from agent.collectives import comm_hook
+from agent.session import BUCKET, Session
+
+MS = 1_000_000  # ns
+
+
+class RecordedTimer:
+    """The CUDA timer's contract (agent/clock.py) over a recorded timeline: each mark taken is
+    the next recorded GPU time in ns, in the order the host takes them; all are readable."""
+
+    serial = True
+
+    def __init__(self, gpu_ns: list[int]):
+        self._times = iter(gpu_ns)
+        self._anchor = time.monotonic_ns()
+
+    def mark(self) -> int:
+        return next(self._times)
+
+    def ready(self, mark: int) -> bool:
+        return True
+
+    def release(self, marks) -> None:
+        pass
+
+    def to_wall(self, clock: Clock, mark: int) -> int:
+        return clock.wall(self._anchor + mark)
+
+
+def ddp_step(session: Session, buckets: int, end_mark=None) -> None:
+    """One step's calls in the order DDP's training loop makes them, each bucket's end marked as
+    agent/collectives.py marks it (at once, in the callback of a future NCCL completed when enqueued)."""
+    end_mark = end_mark or session.timer.mark
+    with session.step(0):
+        for name in ("data", "forward"):
+            with session.phase(name):
+                pass
+        with session.phase("backward"):
+            for _ in range(buckets):
+                c = session.collective("all_reduce", "world", 1, 25 * 2**20, BUCKET)
+                c.end = end_mark()
+        with session.phase("optimizer"):
+            pass
+
+
+def timeline(ready_ms: list[float], allreduce_ms: float, backward_end_ms: float) -> list[int]:
+    """The GPU times of ddp_step's marks: data 0-1 ms, forward 1-11, backward from 11, buckets
+    ready at `ready_ms`, each end the launch's completion on NCCL's stream (one after another),
+    optimizer from the end of backward for 4 ms."""
+    marks, nccl_free = [0, 0, 1, 1, 11, 11], 0.0
+    for ready in ready_ms:
+        nccl_free = max(ready, nccl_free) + allreduce_ms
+        marks += [ready, nccl_free]
+    marks += [backward_end_ms, backward_end_ms, backward_end_ms + 4, backward_end_ms + 4]
+    return [int(m * MS) for m in marks]
+
+
+def stored_step(collector, gpu_ns: list[int], buckets: int) -> tuple:
+    session = Session("run-gpu", 0, 1, collector.url, collector.token, timer=RecordedTimer(gpu_ns))
+    ddp_step(session, buckets)
+    session.shutdown()
+    collector.stop()
+    step = query(collector.db, "SELECT duration_s, data_s, compute_s, comm_wait_s FROM steps")
+    ops = query(collector.db, "SELECT seq, duration_s, epoch_ns(start_ts) FROM ops WHERE kind = 'comm' ORDER BY seq")
+    return step[0], ops
+
+
+def test_one_gpu_exposes_only_the_last_buckets_all_reduce(collector):
+    ready = [15, 19, 23, 27, 31]
+    (duration, data, compute, wait), ops = stored_step(collector, timeline(ready, 0.03, 31.05), len(ready))
+    assert wait == pytest.approx(30e-6, abs=1e-9)  # not the 135 ms of host time mixed with GPU time
+    assert duration == pytest.approx(35.05e-3, abs=1e-9) and data == pytest.approx(1e-3, abs=1e-9)
+    assert compute == pytest.approx(35.05e-3 - 1e-3 - 30e-6, abs=1e-9)
+    assert [(seq, pytest.approx(30e-6, abs=1e-9)) for seq, _, _ in ops] == [(k, d) for k, d, _ in ops]
+    assert len(ops) == 5
+
+
+def test_slow_links_expose_the_all_reduces_after_backward_and_time_each_on_its_stream(collector):
+    ready = [15, 19, 23, 27, 31]  # 6 ms each: they queue behind each other on NCCL's stream
+    (duration, _, compute, wait), ops = stored_step(collector, timeline(ready, 6, 45.02), len(ready))
+    assert wait == pytest.approx(14e-3, abs=1e-9)  # from the last gradient (31 ms) to the last end (45 ms)
+    assert compute == pytest.approx(45.02e-3 + 4e-3 - 1e-3 - 14e-3, abs=1e-9)
+    assert [d for _, d, _ in ops] == [pytest.approx(6e-3, abs=1e-9)] * 5  # not 6, 8, 10, 12, 14 ms
+    starts = [t for _, _, t in ops]
+    assert [round((b - a) / MS, 3) for a, b in zip(starts, starts[1:])] == [6.0] * 4
+
+
+@pytest.fixture
+def gloo():
+    from conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_gloo_ddp_buckets_on_cpu(collector, gloo):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.5)
+    session = Session("run-cpu", 0, 1, collector.url, collector.token)
+    ddp.register_comm_hook(None, comm_hook(session))
+    steps = 4
+    for i in range(steps):
+        with session.step(i):
+            with session.phase("forward"):
+                loss = ddp(torch.randn(64, 256)).square().mean()
+            with session.phase("backward"):
+                loss.backward()
+            with session.phase("optimizer"):
+                model.zero_grad()
+    session.shutdown()
+    collector.stop()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = query(collector.db, """
+        SELECT s.step, s.duration_s, s.compute_s, s.comm_wait_s, count(*), sum(o.bytes), min(o.duration_s)
+        FROM steps s JOIN ops o USING (run_id, rank, step) WHERE o.kind = 'comm' GROUP BY ALL ORDER BY s.step""")
+    assert [r[0] for r in rows] == list(range(steps))
+    for step, duration, compute, wait, buckets, total, shortest in rows:
+        assert buckets >= (3 if step else 1) and total == nbytes, (step, buckets, total)  # rebuilt after step 0
+        assert shortest > 0
+        assert 0 <= wait <= duration and compute + wait <= duration * (1 + 1e-9)
+
+
+class PendingEvent:
+    """A CUDA event's contract as the agent uses it: readable once the GPU passed it; synchronize()
+    waits for it, and so for the marks before it on its stream; reading it before raises, as
+    Event.elapsed_time does."""
+
+    def __init__(self, gpu_ns: int, stream: str, timer: "PendingTimer"):
+        self.gpu_ns, self.stream, self.timer, self.done = gpu_ns, stream, timer, False
+
+    def synchronize(self) -> None:
+        for e in self.timer.events:
+            e.done |= e.stream == self.stream and e.gpu_ns <= self.gpu_ns
+
+
+class PendingTimer(RecordedTimer):
+    """Marks the GPU has not passed yet, on the stream `stream` names when they are taken."""
+
+    def __init__(self, gpu_ns: list[int]):
+        super().__init__(gpu_ns)
+        self.events: list[PendingEvent] = []
+        self.stream = "training"
+
+    def mark(self) -> PendingEvent:
+        self.events.append(PendingEvent(super().mark(), self.stream, self))
+        return self.events[-1]
+
+    def ready(self, mark: PendingEvent) -> bool:
+        return mark.done
+
+    def to_wall(self, clock: Clock, mark: PendingEvent) -> int:
+        if not mark.done:
+            raise RuntimeError("event not completed: elapsed_time would fail")
+        return super().to_wall(clock, mark.gpu_ns)
+
+
+def test_shutdown_waits_for_every_collectives_end_event(collector):
+    """The last step is still on the GPU at shutdown: the one wait there covers the buckets' end
+    events too, which are recorded on streams of their own, not only the training stream's."""
+    ready = [15, 19, 23, 27, 31]
+    timer = PendingTimer(timeline(ready, 0.03, 31.05))
+    session = Session("run-pending", 0, 1, collector.url, collector.token, timer=timer)
+
+    def on_its_stream() -> PendingEvent:
+        timer.stream = "pool"  # the future callback's stream, which waited for NCCL's
+        try:
+            return timer.mark()
+        finally:
+            timer.stream = "training"
+
+    ddp_step(session, len(ready), end_mark=on_its_stream)
+    session.shutdown()
+    collector.stop()
+    assert query(collector.db, "SELECT count(*) FROM ops WHERE kind = 'comm'") == [(5,)]
+    assert query(collector.db, "SELECT comm_wait_s FROM steps") == [(pytest.approx(30e-6, abs=1e-9),)]
