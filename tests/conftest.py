@@ -14,6 +14,7 @@ import pytest
 
 from rankwatch.launch import wait_healthy
 
+
 def pytest_collection_modifyitems(items) -> None:
     """Tests marked `cuda` run where torch sees a GPU and are skipped, saying so, elsewhere."""
     cuda = [item for item in items if item.get_closest_marker("cuda")]

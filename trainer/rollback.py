@@ -14,7 +14,6 @@ from the measured step time and the detection latency (docs/benchmarks.md, Check
 """
 
 import math
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,8 +63,9 @@ class Reach:
             self.latency_s = max(self.latency_s, time.monotonic() - anomaly)
 
     def ring(self, every: int) -> int:
-        """ring_size at the median of the recent steps (0 before any step was timed)."""
-        return ring_size(statistics.median(self.durations), self.latency_s, every) if self.durations else 0
+        """ring_size at the fastest of the recent steps (0 before any step was timed): steps that speed up
+        after a slow stretch must not outrun the ring."""
+        return ring_size(min(self.durations), self.latency_s, every) if self.durations else 0
 
 
 @dataclass
