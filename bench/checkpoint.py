@@ -362,6 +362,16 @@ def run_gpu(method: str, every: int, steps: int, warmup: int, model_name: str, b
             "device": torch.cuda.get_device_name() if device == "cuda" else device}
 
 
+def child(what: str, *argv: str, env: dict | None = None) -> dict:
+    """One method's figures, measured in a fresh process of this script (and echoed as they come)."""
+    out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, check=False)
+    if out.returncode:
+        sys.exit(f"{what} failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.splitlines()[-1])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def gpu_main(args: argparse.Namespace) -> None:
     """Every method at every cadence, each in its own process, side by side with no checkpoints."""
     base = args.dir or Path(tempfile.mkdtemp(prefix="bench-checkpoint-gpu-"))
@@ -369,13 +379,9 @@ def gpu_main(args: argparse.Namespace) -> None:
     for method, every in [("none", 0)] + [(m, e) for e in (10, 1) for m in GPU_METHODS[1:]]:
         directory = base / f"{method.replace(' ', '-')}-{every}"
         directory.mkdir(parents=True)
-        out = subprocess.run([sys.executable, __file__, "--device", args.device, "--gpu-child", method, str(every),
-                              "--steps", str(args.steps), "--model", args.model, "--batch", str(args.batch),
-                              "--dir", str(directory)], capture_output=True, text=True, check=False)
-        if out.returncode:
-            sys.exit(f"{method} every {every} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(child(f"{method} every {every}", "--device", args.device, "--gpu-child", method, str(every),
+                          "--steps", str(args.steps), "--model", args.model, "--batch", str(args.batch),
+                          "--dir", str(directory)))
         shutil.rmtree(directory)
     if not args.dir:
         base.rmdir()
@@ -448,13 +454,9 @@ def main() -> None:
         for method in args.methods:
             directory = base / f"{mb:g}MB-{method}"
             directory.mkdir(parents=True)
-            out = subprocess.run([sys.executable, __file__, "--child", method, str(mb), str(work),
-                                  "--steps", str(args.steps), "--every", str(args.every), "--dir", str(directory)],
-                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-            if out.returncode:
-                sys.exit(f"{method} at {mb:g} MB failed:\n{out.stderr[-3000:]}")
-            rows.append(json.loads(out.stdout.splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append(child(f"{method} at {mb:g} MB", "--child", method, str(mb), str(work), "--steps",
+                              str(args.steps), "--every", str(args.every), "--dir", str(directory),
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
             shutil.rmtree(directory)
     if not args.dir:
         base.rmdir()  # each run's directory went as soon as its figures came back
