@@ -2,18 +2,22 @@
 soon injected spikes and NaNs are rolled back.
 
 Curves: the first attempt of every step of GPT-2 on an H100 before its injected spike
-(tests/data/h100_gpt2_first_attempts.csv), and 1-rank CPU runs of the reference trainer over seeds,
+(tests/data/h100_gpt2_first_attempts.csv), 1-rank CPU runs of the reference trainer over seeds,
 learning rates and model sizes, sent through a real collector (`rankwatch train`, no rollback) and
-read back from its store. Each curve is judged as the live collector judges it: after every step,
+read back from its store, and the fleet simulator's training curve (trainer/curve.py: 8 ranks, the
+loss falling as a power law, natural gradient-norm excursions) over seeds and noise levels (0.5x to
+4x the H100's noise), its spikes and NaNs injected by the simulator's own `spike` and `nan` faults. Each curve is judged as the live collector judges it: after every step,
 the anomaly analyzer over the newest 48 steps, and a rollback for each finding the default policy
 (collector/commands.py's ROLLBACK_ON) answers.
 
   false    rollback-worthy findings on the clean curves, per 10,000 steps
   caught   the same curves with one step's loss (and gradient norm) scaled 2x, 5x, 50x, or made NaN,
            at every 20th step past the analyzer's warmup and baseline: the share rolled back, and
-           the steps from the bad step to the pass that rolls it back (0: the pass right after it)
+           the steps from the bad step to the pass that rolls it back (0: the pass right after it);
+           on the simulator's curves at every 100th step (each case judges ~50 passes)
 
-Usage: python bench/anomalies.py [--steps 300] [--seeds 2]
+Usage: python bench/anomalies.py [--steps 300] [--seeds 2] [--sim-steps 1000] [--sim-seeds 3]
+(--seeds 0: no trainer runs)
 """
 
 import argparse
@@ -30,17 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.analyzers import anomalies  # noqa: E402
 from collector.commands import ROLLBACK_ON  # noqa: E402
 from rankwatch.launch import train  # noqa: E402
+from trainer.curve import Curve, curve  # noqa: E402
+from trainer.faults import parse  # noqa: E402
 from tests.conftest import Collector, free_port  # noqa: E402
 from tests.otlp_payloads import query  # noqa: E402
 
 WINDOW = 48  # the live pass's steps per run (4 x the straggler window)
 H100 = Path(__file__).resolve().parents[1] / "tests" / "data" / "h100_gpt2_first_attempts.csv"
 FIRST = anomalies.Settings().warmup + anomalies.Settings().baseline  # the first step a spike can be judged at
+SIM_RANKS, SIM_NOISE = 8, (0.5, 1.0, 2.0, 4.0)
+INJECTED = (("loss x2", 2.0), ("loss x5", 5.0), ("loss x50", 50.0), ("NaN", np.nan))
 
 
 def rollbacks(curve: pd.DataFrame, last: int | None = None) -> dict[int, int]:
     """step_start -> the newest step of the pass that first rolls it back, judging after every step."""
-    steps = curve.assign(run_id="bench", rank=0, non_finite=~np.isfinite(curve[["loss", "grad_norm"]]).all(axis=1))
+    steps = curve.assign(run_id="bench", non_finite=~np.isfinite(curve[["loss", "grad_norm"]]).all(axis=1))
     found: dict[int, int] = {}
     for newest in range(int(steps["step"].min()), int(steps["step"].max() if last is None else last) + 1):
         window = steps[(steps["step"] <= newest) & (steps["step"] > newest - WINDOW)]
@@ -69,45 +77,74 @@ def cpu_curves(steps: int, seeds: int, directory: Path) -> dict[str, pd.DataFram
         finally:
             collector.stop()
     return {f"CPU {run}": pd.DataFrame(query(collector.db, "SELECT step, loss, grad_norm FROM steps WHERE run_id = ? "
-                                                           "ORDER BY step", [run]), columns=["step", "loss", "grad_norm"])
+                                                           "ORDER BY step", [run]), columns=["step", "loss", "grad_norm"]).assign(rank=0)
             for run in runs}
+
+
+def simulated(seed: int, noise: float, steps: int, faults: tuple[str, ...] = ()) -> pd.DataFrame:
+    """The fleet simulator's curve (rank, step, loss, grad_norm) at `noise` times the H100's noise."""
+    draws = curve(Curve().scaled(noise), SIM_RANKS, [parse(spec) for spec in faults], seed)
+    rows = [(rank, step, loss, grad) for step, (losses, grad) in zip(range(steps), draws)
+            for rank, loss in enumerate(losses)]
+    return pd.DataFrame(rows, columns=["rank", "step", "loss", "grad_norm"])
+
+
+def spoiled(curve: pd.DataFrame, at: int, bad: float) -> pd.DataFrame:
+    """`curve` with step `at`'s loss and gradient norm times `bad` (NaN: made NaN), as the trainer's
+    `spike` and `nan` faults leave them."""
+    hit = curve.copy()
+    row = hit["step"] == at
+    hit.loc[row, ["loss", "grad_norm"]] = hit.loc[row, ["loss", "grad_norm"]] * bad
+    return hit
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="steps of each tiny CPU run (small: half)")
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=2, help="CPU runs per model and learning rate (0: none)")
+    parser.add_argument("--sim-steps", type=int, default=1000, help="steps of each simulated curve")
+    parser.add_argument("--sim-seeds", type=int, default=3, help="simulated curves per noise level")
     args = parser.parse_args()
-    h100 = pd.read_csv(H100)
+    h100 = pd.read_csv(H100).assign(rank=0)
     curves = {"H100 GPT-2 (steps 0-149)": h100[h100["step"] < 150]}
-    with tempfile.TemporaryDirectory() as directory:
-        curves |= cpu_curves(args.steps, args.seeds, Path(directory))
+    if args.seeds:
+        with tempfile.TemporaryDirectory() as directory:
+            curves |= cpu_curves(args.steps, args.seeds, Path(directory))
+    sims = {f"simulator, noise x{noise:g}, seed {seed}": (seed, noise) for noise in SIM_NOISE
+            for seed in range(args.sim_seeds)}
+    curves |= {name: simulated(seed, noise, args.sim_steps) for name, (seed, noise) in sims.items()}
 
     console = Console()
     table = Table("clean curve", "steps", "false rollbacks", "per 10,000 steps")
-    total_steps = total_false = 0
+    totals: dict[str, list[int]] = {}
     for name, curve in curves.items():
-        false = len(rollbacks(curve))
-        total_steps, total_false = total_steps + len(curve), total_false + false
-        table.add_row(name, str(len(curve)), str(false), f"{1e4 * false / len(curve):.0f}")
-    table.add_row("all", str(total_steps), str(total_false), f"{1e4 * total_false / total_steps:.0f}")
+        steps, false = curve["step"].nunique(), len(rollbacks(curve))
+        table.add_row(name, str(steps), str(false), f"{1e4 * false / steps:.0f}")
+        for group in ("all", "simulator" if name in sims else "recorded and trainer"):
+            totals[group] = [a + b for a, b in zip(totals.get(group, [0, 0]), (steps, false))]
+    for group, (steps, false) in totals.items():
+        table.add_row(group, str(steps), str(false), f"{1e4 * false / steps:.1f}")
     console.print(table)
 
-    table = Table("injected at one step", "cases", "rolled back", "steps to rollback (median, max)")
-    for label, bad in (("loss x2", 2.0), ("loss x5", 5.0), ("loss x50", 50.0), ("NaN", np.nan)):
-        delays = []
-        cases = 0
-        for curve in curves.values():
-            for at in range(FIRST, int(curve["step"].max()) - 5, 20):
-                hit = curve.copy()
-                row = hit["step"] == at
-                hit.loc[row, ["loss", "grad_norm"]] = hit.loc[row, ["loss", "grad_norm"]] * bad
-                cases += 1
-                found = rollbacks(hit[hit["step"] > at - WINDOW], last=at + 5)
-                if at in found:
-                    delays.append(found[at] - at)
-        table.add_row(label, str(cases), f"{len(delays) / cases:.0%}",
-                      f"{np.median(delays):.0f}, {max(delays)}" if delays else "-")
+    table = Table("injected at one step", "curves", "cases", "rolled back", "steps to rollback (median, max)")
+    for label, bad in INJECTED:
+        for source in ("recorded and trainer", "simulator"):
+            delays, cases = [], 0
+            for name, clean in curves.items():
+                if (name in sims) != (source == "simulator"):
+                    continue
+                for at in range(FIRST, int(clean["step"].max()) - 5, 100 if name in sims else 20):
+                    if name in sims:  # the simulator's own fault, drawn afresh up to 5 steps past it
+                        spec = f"nan:at={at}" if np.isnan(bad) else f"spike:at={at},scale={bad:g}"
+                        hit = simulated(*sims[name], at + 6, (spec,))
+                    else:
+                        hit = spoiled(clean, at, bad)
+                    cases += 1
+                    found = rollbacks(hit[hit["step"] > at - WINDOW], last=at + 5)
+                    if at in found:
+                        delays.append(found[at] - at)
+            table.add_row(label, source, str(cases), f"{len(delays) / cases:.0%}",
+                          f"{np.median(delays):.0f}, {max(delays)}" if delays else "-")
     console.print(table)
 
 

@@ -34,6 +34,10 @@ Steps go to a collector as real OTLP (the agent's exporter, one resource per
 rank) or to a Parquet op trace in the generic format of `rankwatch import
 ops`; the faults injected are logged as `fault_injected` events, and written
 as JSON ground truth beside a Parquet file.
+
+Each step also has a training curve (trainer/curve.py): every rank's loss and the step's gradient
+norm, on the step spans, so the anomaly analyzer judges simulated runs; `spike` and `nan` faults
+spoil one step's loss as the trainer's do.
 """
 
 import json
@@ -46,9 +50,11 @@ import numpy as np
 import pandas as pd
 
 from agent.simdevice import GpuModel, operating_points
+from trainer.curve import CURVE_KINDS, Curve, curve
 from trainer.faults import Fault
 
-SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap")
+SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap",
+                   *CURVE_KINDS)
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
 THERMAL_SLOWDOWN = 0x20 | 0x40  # NVML clocks event reasons: software and hardware thermal slowdown
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
@@ -134,12 +140,12 @@ def power_limits(caps, ranks: int, gpu: GpuModel = GpuModel()) -> np.ndarray:
 
 def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
           seed: int = 0, start_ns: int | None = None, power_limits: np.ndarray | None = None,
-          gpu: GpuModel = GpuModel()) -> Iterator[pd.DataFrame]:
+          gpu: GpuModel = GpuModel(), training: Curve = Curve()) -> Iterator[pd.DataFrame]:
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
     tp_allreduce_s (the tensor-parallel transfer), allreduce_done_s (when, from the step's start, its
     data-parallel group's all-reduce completes), sm_clock_mhz (under load), temp_c, clock_event_reasons,
     power_limit_w, busy_power_w and wait_power_w (while computing and otherwise) and energy_j (the
-    rank-step's). A hang ends the frames before its step.
+    rank-step's), loss and grad_norm (`training`'s curve). A hang ends the frames before its step.
     `power_limits`: each rank's power limit, W (default the GPU's highest), clamped as the GPU
     clamps it; a power-cap fault overrides it while active. Limits do not change the random draws:
     the same seed with and without caps plays the same jitter."""
@@ -149,6 +155,7 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
     now = time.time_ns() if start_ns is None else start_ns
     hang = first_hang(faults)
     limits = np.full(n, gpu.limit_max_w) if power_limits is None else np.asarray(power_limits, float)
+    losses = curve(training, n, faults, seed)
     for step in range(n_steps if hang is None else min(n_steps, hang[0])):
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
@@ -194,12 +201,13 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         energy = wait_w * step_s + (busy_w - wait_w) * compute
         # a group's all-reduce starts when its last rank enters and lasts its transfer time
         allreduce_done = _group_max(data + compute + tp_s, topology.dp_groups()) + dp_s
+        loss, grad_norm = next(losses)
         yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
                             "end_ns": now + int(step_s * 1e9), "duration_s": step_s, "data_s": data,
                             "compute_s": compute, "comm_wait_s": comm_wait, "tp_allreduce_s": tp_s,
                             "allreduce_done_s": allreduce_done, "sm_clock_mhz": clock, "temp_c": temp,
                             "clock_event_reasons": reasons, "power_limit_w": limit, "busy_power_w": busy_w,
-                            "wait_power_w": wait_w, "energy_j": energy})
+                            "wait_power_w": wait_w, "energy_j": energy, "loss": loss, "grad_norm": grad_norm})
         now += int(step_s * 1e9)
 
 
@@ -244,7 +252,8 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
         for row in frame.itertuples():
             spans = [("step", row.start_ns, row.end_ns, {
                 sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
-                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096, sc.STEP_ENERGY_J: row.energy_j})]
+                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096, sc.STEP_ENERGY_J: row.energy_j,
+                sc.LOSS: row.loss, sc.GRAD_NORM: row.grad_norm})]
             # each collective as the agent times it: from the rank's entry to its completion
             entered = row.start_ns + int((row.data_s + row.compute_s) * 1e9)
             if topology.tp > 1:
