@@ -295,11 +295,10 @@ def test_compare_overlays_two_runs(from_store):
     assert not at.exception
     assert texts(at.subheader) == ["Step time", "Loss", "Tokens/s", "Power"]
     charts = [chart(c) for c in at.get("vega_lite_chart")]
-    assert len(charts) == 4  # step time, loss (run-nan's alone: the simulator reports none), tokens/s, power
+    assert len(charts) == 4  # step time, loss, tokens/s, power
     for spec, data in charts:
         assert spec["params"][0]["bind"] == "scales"
-    assert [set(data["run"]) for _, data in charts] == [{NAN["run"], FLEET["run"]}, {NAN["run"]},
-                                                         {NAN["run"], FLEET["run"]}, {NAN["run"], FLEET["run"]}]
+    assert [set(data["run"]) for _, data in charts] == [{NAN["run"], FLEET["run"]}] * 4
 
 
 def test_power_empty_state(from_store):
