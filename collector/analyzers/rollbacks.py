@@ -4,9 +4,15 @@ of the run's failed rollback commands and the last step it reported."""
 
 import pandas as pd
 
-from collector.analyzers import Finding
+from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "rollbacks"
+READS = Reads(history=0, linger=1, every_pass=True, failed_rollbacks=True)
+
+
+def judge(frames: Frames, settings: None = None) -> list[Finding]:
+    """The job's stop, while no step came after it."""
+    return analyze(frames.failed_rollbacks, frames.last)
 
 
 def analyze(failed: pd.DataFrame, last_step: int) -> list[Finding]:
