@@ -55,7 +55,7 @@ class Analysis:
         recommend` still draws them)."""
         self.interval_s = interval_s
         self.alerts = alerts
-        self.engine = Engine({stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings})
+        self.engine = Engine({stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}, stored=True)
         self._rollback = rollback
         self._power_every_s = power_every_s
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
@@ -195,9 +195,15 @@ class Analysis:
         """One pass of the engine over a run, its findings recorded, rollbacks sent for its anomalies;
         whether steps are left for another pass (the run is then judged again at once)."""
         judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended)
-        if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
-            findings.end_run(con, run_id, ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
-        findings.record_pass(con, run_id, judged.found, self.engine.reads, judged.last, self.alerts)
+        cursor = self.engine.cursors[run_id]
+        try:
+            if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
+                findings.end_run(con, run_id, ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
+            findings.record_pass(con, run_id, judged.found, self.engine.reads, judged.last, self.alerts,
+                                 (cursor.step, cursor.rollback, cursor.world))
+        except Exception:
+            self.engine.forget(run_id)  # the next pass judges these steps again, from the stored cursor
+            raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
         if (new_steps and self._power_every_s is not None

@@ -49,7 +49,10 @@ _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
 _APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
                         WHERE run_id = $run AND kind = 'rollback' AND state = 'applied' AND id > $seen ORDER BY id"""
 _ENDED = """SELECT count(DISTINCT rank), max(epoch_ns(ts)) FROM events WHERE run_id = $run AND event = $ended"""
-_WORLD = "SELECT count(*) FROM ranks WHERE run_id = ?"
+_WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
+                            (SELECT coalesce(max(world_size), 0) FROM runs WHERE run_id = $1))"""
+_FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
+                         (SELECT rank FROM ranks WHERE run_id = ? ORDER BY first_seen DESC LIMIT ?)"""
 _PLACEMENT = "SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?"
 HEARTBEATS_S = 120  # heartbeats read back from the moment judged: a stall's culprits are in the last few
 
@@ -58,6 +61,7 @@ HEARTBEATS_S = 120  # heartbeats read back from the moment judged: a stall's cul
 class Cursor:
     step: int = -1  # the newest step judged (steps are never negative)
     rollback: int = 0  # the newest applied rollback command seen
+    world: int = 0  # the ranks known when it last judged
     ended_ns: int | None = None  # when every rank said it ended, once known
 
 
@@ -82,13 +86,20 @@ class Engine:
     where none is given)."""
 
     def __init__(self, settings: Mapping[str, object] | None = None, analyzers=ANALYZERS,
-                 rank_steps: int = RANK_STEPS):
+                 rank_steps: int = RANK_STEPS, stored: bool = False):
+        """`stored`: a run's cursor starts where the store's `analysis_cursors` says (the live
+        collector, which records it with each pass's findings); else from the run's first step."""
+        self.stored = stored
         self.settings = dict(settings or {})
         self._modules = tuple(a.__name__ for a in analyzers)  # by name: an Engine is pickled to the writer
         self.reads = {a.ANALYZER: a.READS for a in analyzers}
         self.rank_steps = rank_steps
         self.cursors: dict[str, Cursor] = {}
         self._history = max(a.READS.history for a in analyzers)
+
+    def forget(self, run_id: str) -> None:
+        """Drop a run's cursor (a pass that failed to record: the next starts from the stored one)."""
+        self.cursors.pop(run_id, None)
 
     @property
     def analyzers(self) -> tuple:
@@ -101,11 +112,16 @@ class Engine:
         events may have come since the last pass (the live collector knows when any did); they are
         looked for then, on a run's first pass, and while it is ended (steps after its end undo it)."""
         new = run_id not in self.cursors
+        if new and self.stored:
+            row = con.execute("SELECT step, rollback, world FROM analysis_cursors WHERE run_id = ?",
+                              [run_id]).fetchone()
+            self.cursors[run_id] = Cursor(*row) if row else Cursor()
         cursor = self.cursors.setdefault(run_id, Cursor())
         rolled_back = self._rollbacks(con, run_id, cursor)
         if ended_came or final or new or cursor.ended_ns is not None:
             cursor.ended_ns = self._ended(con, run_id)
         world = con.execute(_WORLD, [run_id]).fetchone()[0]
+        self._ranks_came(con, run_id, cursor, world)
         newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step}).fetchall())
         world = max(world, len(newest))
         if final or cursor.ended_ns is not None:
@@ -128,9 +144,18 @@ class Engine:
                 if last >= first_new or reads.every_pass:
                     settings = self.settings.get(analyzer.ANALYZER)
                     judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
-        cursor.step = last
+        cursor.step, cursor.world = last, world
         judged.ended = cursor.ended_ns is not None and not more
         return judged
+
+    def _ranks_came(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
+        """Ranks first heard from after steps were judged without them (a job whose world size is
+        not said, its ranks' first exports apart): the cursor moves back to their first step."""
+        if world <= cursor.world or cursor.step < 0:
+            return
+        (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchone()
+        if first is not None:
+            cursor.step = int(first) - 1
 
     def _rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
         """The cursor moved back to before the earliest step a rollback applied since the last pass
@@ -166,7 +191,9 @@ class Engine:
         steps = steps.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
         steps = steps.sort_values(["step", "rank"], ignore_index=True)
         reads = [a.READS for a in self.analyzers]
-        frames = Frames(run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns)
+        stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
+        frames = Frames(run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns,
+                        stated)
         if any(r.collectives for r in reads):
             history = max(r.history for r in reads if r.collectives)
             frames.collectives = con.execute(_COLLECTIVES, {"run": run_id, "after": first_new - 1 - history,

@@ -9,7 +9,7 @@ import duckdb
 
 from collector.alerts import outbox
 from collector.alerts.config import AlertConfig
-from collector.analyzers import Finding, Reads
+from collector.analyzers import NOT_JUDGED, Finding, Reads
 
 _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
              WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""
@@ -34,13 +34,17 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings:
 
 
 def record_pass(con: duckdb.DuckDBPyConnection, run_id: str, found: Mapping[str, list[Finding]],
-                reads: Mapping[str, Reads], last: int, alerts: AlertConfig | None = None) -> None:
+                reads: Mapping[str, Reads], last: int, alerts: AlertConfig | None = None,
+                cursor: tuple[int, int, int] | None = None) -> None:
     """One pass of the engine over a run, in one transaction: each finding goes on the firing row
     of its episode (same analyzer, kind and ranks, and `Reads.continues`; its span widened to both,
     the strongest finding speaking for it) or starts one, and the episodes of the analyzers that
     judged resolve where `Reads.holds` says they no longer fire once the steps up to `last` are
-    judged (collector/engine.py's `merge`, on rows)."""
+    judged (collector/engine.py's `merge`, on rows). `cursor`: (step, rollback, world) the engine stands at
+    after the pass, recorded with its findings (a step is judged once, across restarts too)."""
     with _transaction(con):
+        if cursor is not None:
+            con.execute("INSERT OR REPLACE INTO analysis_cursors VALUES (?, ?, ?, ?)", [run_id, *cursor])
         for analyzer, drawn in found.items():
             rules = reads[analyzer]
             firing = {(kind, tuple(ranks)): [fid, start, end, False, score]
@@ -67,9 +71,9 @@ def record_pass(con: duckdb.DuckDBPyConnection, run_id: str, found: Mapping[str,
             ended += [fid for fid, _, end, redrawn, _ in firing.values()
                       if end is None or not rules.holds(end, last, redrawn)]
             _resolve(con, ended)
-            if alerts is not None:
-                outbox.notify(con, alerts, run_id, analyzer, [(fid, f) for fid, f in changed if fid not in ended],
-                              ended)
+            if alerts is not None:  # a verdict an analyzer could not draw pages nobody
+                outbox.notify(con, alerts, run_id, analyzer, [(fid, f) for fid, f in changed
+                                                              if fid not in ended and f.kind != NOT_JUDGED], ended)
 
 
 def end_run(con: duckdb.DuckDBPyConnection, run_id: str, reason: str, alerts: AlertConfig | None = None,

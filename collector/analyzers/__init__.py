@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge; its summary says why
+
 
 @dataclass
 class Finding:
@@ -66,7 +68,8 @@ class Frames:
     `ranks`: rank, host, pp_stage (placement). `devices(since_ns, until_ns)`: rank, metric,
     value of the device samples then (read only when asked: evidence). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
-    when every rank said its training loop ended (None: not ended)."""
+    when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
+    says it has (None: unsaid; the ranks that reported so far may be only the first to)."""
 
     run_id: str
     steps: pd.DataFrame
@@ -75,6 +78,7 @@ class Frames:
     ranks: pd.DataFrame
     now_ns: int
     ended_ns: int | None = None
+    world_size: int | None = None
     collectives: pd.DataFrame | None = None
     heartbeats: pd.DataFrame | None = None
     failed_rollbacks: pd.DataFrame | None = None

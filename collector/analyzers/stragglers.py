@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
-from collector.analyzers import Finding, Frames, Reads
+from collector.analyzers import NOT_JUDGED, Finding, Frames, Reads
 
 ANALYZER = "stragglers"
 MEDIAN_NOISE = 1.2533  # the standard error of a median of Gaussian samples, in standard errors of their mean
@@ -68,6 +68,9 @@ READS = Reads(history=Settings().max_window, linger=Settings().window // 2, devi
 
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     """The findings of the steps from `frames.first_new` on, each judged on the steps before it."""
+    if frames.steps["rank"].nunique() < 2:  # a run of one rank says so; one whose peers have yet to report waits
+        alone = frames.world_size == 1 and frames.last >= frames.first_new
+        return [_alone(frames.run_id, frames.new_steps)] if alone else []
     return _judge(frames.run_id, frames.steps, frames.first_new, frames.ranks, settings, frames.devices)
 
 
@@ -182,7 +185,7 @@ def _judge(run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame
     if new.empty:
         return []
     if steps["rank"].nunique() < 2:
-        return [_alone(run_id, new)]
+        return []
     steps = _filled(steps)
     m, placement = _matrices(steps), _placement(ranks)
     found: list[Finding] = []
@@ -205,8 +208,8 @@ def _judge(run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame
 
 def _alone(run_id: str, new: pd.DataFrame) -> Finding:
     rank = int(new["rank"].iloc[0])
-    return Finding(run_id, "not_judged", [], int(new["step"].min()), int(new["step"].max()), "info", 0.0,
-                   f"not judged: rank {rank} is the only rank, with no peers to compare its compute with",
+    return Finding(run_id, NOT_JUDGED, [], int(new["step"].min()), int(new["step"].max()), "info", 0.0,
+                   f"not judged: rank {rank} is the run's only rank, with no peers to compare its compute with",
                    {"ranks": [rank], "why": "no peers"}, analyzer=ANALYZER)
 
 
@@ -227,8 +230,7 @@ def _drawn(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int
     history = history.assign(ratio=history["compute_s"] / history.groupby("step")["compute_s"].transform("median"))
     if kind == "widespread":
         return _widespread(run_id, history[history["step"] >= m.steps[last + 1 - w]], s)
-    at_first = _verdict(m, first, s, placement)
-    onset = _onset(m, first, at_first[1], at_first[3], s.max_window)
+    onset = _onset(m, first, _verdict(m, first, s, placement)[1], s)
     recent = history[history["step"] >= m.steps[last + 1 - w]]
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None and "end_ts" in recent:
@@ -240,17 +242,17 @@ def _drawn(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int
     return finding
 
 
-def _onset(m: _Matrices, i: int, suspects: tuple, w: int, lookback: int) -> int:
-    """Since when the suspects found at row i (over a window of `w`) are slow: the last step their
-    rolling median ratio was under halfway to its level at i, plus half a window of lag (a median
-    crosses halfway that late); looked for over the `lookback` steps up to i."""
+def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
+    """Since when the suspects found at row i are slow: the last step their rolling median ratio
+    (over the shortest window) was under halfway to its level at i, plus half that window of lag (a
+    median crosses halfway that late); looked for over the `max_window` steps up to i."""
     columns = np.searchsorted(m.ranks, suspects)
-    rows = slice(max(i + 1 - lookback, 0), i + 1)
+    rows = slice(max(i + 1 - s.max_window, 0), i + 1)
     mine = pd.Series(np.median(m.ratio[rows][:, columns], axis=1), index=m.steps[rows])
-    slowdown = float(np.median(mine.iloc[-w:]))
-    rolling = mine.rolling(w, min_periods=1).median()
+    rolling = mine.rolling(s.window, min_periods=1).median()
+    slowdown = float(rolling.iloc[-1])
     under = rolling.index[rolling <= 1 + (slowdown - 1) / 2]
-    first = int(under[-1]) + 1 - w // 2 if len(under) else int(mine.index[0])
+    first = int(under[-1]) + 1 - s.window // 2 if len(under) else int(mine.index[0])
     return min(max(first, int(mine.index[0])), int(m.steps[i]))
 
 
