@@ -211,7 +211,8 @@ class Analysis:
             self._power_due[run_id] = time.monotonic() + self._power_every_s
             self._draw_power(con, run_id)
         if judged.ended:
-            findings.end_run(con, run_id, RUN_ENDED, self.alerts)
+            findings.end_run(con, run_id, RUN_ENDED, self.alerts,
+                             keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run))
             with self._lock:
                 self._active.pop(run_id, None)
         if judged.more:

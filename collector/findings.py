@@ -77,13 +77,13 @@ def record_pass(con: duckdb.DuckDBPyConnection, run_id: str, found: Mapping[str,
 
 
 def end_run(con: duckdb.DuckDBPyConnection, run_id: str, reason: str, alerts: AlertConfig | None = None,
-            since_step: int | None = None) -> None:
+            since_step: int | None = None, keep: tuple[str, ...] = ()) -> None:
     """Resolve a run's firing findings, saying why in their evidence (`resolved`: "run ended", say),
     and end their alerts; `since_step`: only those that began at it or after (the steps a rollback
-    abandoned)."""
-    rows = con.execute("SELECT id, analyzer FROM findings WHERE run_id = ? AND state = 'firing'"
-                       + (" AND step_start >= ?" if since_step is not None else ""),
-                       [run_id] + ([since_step] if since_step is not None else [])).fetchall()
+    abandoned); `keep`: analyzers whose findings stay."""
+    rows = [(fid, analyzer) for fid, analyzer, start in con.execute(
+        "SELECT id, analyzer, step_start FROM findings WHERE run_id = ? AND state = 'firing'", [run_id]).fetchall()
+        if analyzer not in keep and (since_step is None or (start is not None and start >= since_step))]
     if not rows:
         return
     with _transaction(con):

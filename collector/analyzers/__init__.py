@@ -38,11 +38,13 @@ class Reads:
     those before it, as if it were the newest). `linger`: steps an episode stays firing after
     the last step that showed it (what merges two episodes into one, too); 0: only while it
     holds at the newest step. `every_pass`: judged on every pass, new steps or not (what the
-    passing of time alone changes: a stall). The rest: frames it needs beside the steps."""
+    passing of time alone changes: a stall). `ends_with_run`: its findings resolve when the run
+    ends (not those that say how it ended). The rest: frames it needs beside the steps."""
 
     history: int
     linger: int
     every_pass: bool = False
+    ends_with_run: bool = True
     collectives: bool = False
     devices: bool = False
     heartbeats: bool = False

@@ -7,7 +7,8 @@ import pandas as pd
 from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "rollbacks"
-READS = Reads(history=0, linger=1, every_pass=True, failed_rollbacks=True)
+# a job stopped by its rollback budget has ended; that it stopped is what a person must read
+READS = Reads(history=0, linger=1, every_pass=True, ends_with_run=False, failed_rollbacks=True)
 
 
 def judge(frames: Frames, settings: None = None) -> list[Finding]:
