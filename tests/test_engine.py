@@ -178,3 +178,39 @@ def test_a_run_that_ended_is_no_hang_and_its_findings_resolve(collector_factory)
     collector.stop()
     assert query(collector.db, "SELECT count(*) FROM alerts WHERE run_id = 'ends' AND ends_at IS NULL") == [(0,)]
     assert query(collector.db, "SELECT count(*) FROM alerts WHERE run_id = 'ends'") != [(0,)]
+
+
+def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factory, monkeypatch):
+    """Real 2-rank jobs: the rank that computes longer is named, a clean pair draws nothing (on a
+    loaded machine a CPU rank's compute varies ~20% step to step, so the slowdown is large enough to
+    stand out of that within the run; tests/test_stragglers.py judges 20% ones at 1-5% jitter); a
+    1-rank run is not judged, and the collector, `rankwatch analyze` and the dashboard say why rather
+    than call it healthy."""
+    from rankwatch.launch import train
+
+    collector = collector_factory(None, "--analyze-every", "1")
+    for run, faults in {"pair-slow": ["straggler:rank=1,slowdown=2,from=30"], "pair-clean": []}.items():
+        assert train(nproc=2, steps=120, run_id=run, faults=faults, collector=collector.url, token=collector.token,
+                     store=collector.db) == 0
+    send_steps(exporters(collector, "alone", 1), range(30), time.time_ns() - 30 * 100 * MS)
+    wait_until(lambda: any(f["kind"] == "not_judged" for f in live_findings(collector, "alone")), "no verdict")
+    collector.stop()
+    stragglers = """SELECT kind, ranks, step_start FROM findings WHERE run_id = ? AND analyzer = 'stragglers'
+                    AND severity <> 'info'"""
+    ((kind, ranks, start),) = query(collector.db, stragglers, ["pair-slow"])
+    assert (kind, list(ranks)) == ("rank", [1]) and abs(start - 30) <= WINDOW
+    assert query(collector.db, stragglers, ["pair-clean"]) == []
+    report = rankwatch_cli("analyze", "alone", "--db", str(collector.db))
+    assert report.returncode == 0, report.stderr
+    assert "not judged" in report.stdout and "no peers" in report.stdout.replace("\n", " ")
+
+    from dashboard.source import COLLECTOR_ENV, DB_ENV
+    from tests.test_dashboard import open_page, texts
+
+    monkeypatch.setenv(DB_ENV, str(collector.db))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    overview = open_page("overview", "alone")
+    assert not any("Healthy" in t for t in texts(overview.main.success))
+    assert any("not every analyzer could judge" in t and "no peers" in t for t in texts(overview.main.info))
+    page = open_page("stragglers", "alone")
+    assert any(m.value.startswith("### Not judged") for m in page.main.markdown)

@@ -11,8 +11,8 @@ less than its peers.
 
 The threshold follows the run's own noise. The noise is measured on the
 steps before (the median over steps of the cross-rank spread of one step's
-ratios; with two ranks, the spread over time of one rank's ratio, which a
-persistent slowdown does not inflate), and the spread a rank's typical ratio
+ratios; with two ranks, the spread of one rank's ratio from step to step,
+which neither a persistent slowdown nor its onset inflates), and the spread a rank's typical ratio
 is compared with is at least what that noise leaves in a median of `w`
 steps. The z-score to pass grows with the number of ranks (a Bonferroni
 bound: a clean window flags any rank with a chance of `false_rate`), and the
@@ -130,8 +130,8 @@ def _matrices(steps: pd.DataFrame) -> _Matrices:
 def _noise(m: _Matrices, i: int, s: Settings) -> float:
     """The run's jitter of one rank-step's ratio, measured on the steps up to row i."""
     recent = m.noise[max(i + 1 - s.max_window, 0):i + 1]
-    if len(m.ranks) == 2:  # the spread over time of one rank's deviation: a steady gap does not widen it
-        return float(1.4826 * np.median(np.abs(recent - np.median(recent))))
+    if len(m.ranks) == 2:  # from one rank's deviation step to step: neither a steady gap nor its onset widens it
+        return float(1.4826 * np.median(np.abs(np.diff(recent))) / math.sqrt(2)) if len(recent) > 1 else 0.0
     return float(np.median(recent))
 
 
