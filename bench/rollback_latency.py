@@ -38,7 +38,7 @@ def job(directory: Path, steps: int, spike_at: int, pace: list[str]) -> dict:
         finally:
             collector.stop()
     assert status == 0, f"the job exited {status}"
-    ((spiked_ns, step_s),) = query(db, f"""SELECT max(epoch_ns(end_ts)) FILTER (WHERE step = {spike_at}),
+    ((spiked_ns, step_s),) = query(db, f"""SELECT min(epoch_ns(end_ts)) FILTER (WHERE step = {spike_at}),
                                              median(duration_s) FROM steps WHERE run_id = 'latency'""")
     ((found,),) = query(db, "SELECT min(epoch_ns(created_at)) FROM findings WHERE run_id = 'latency' "
                             "AND kind = 'loss_spike'")
@@ -60,7 +60,7 @@ def main() -> None:
     table = Table("job", "median step", "spike → finding", "→ rollback command", "→ job resumed", "restore tier",
                   "rollbacks", title="rollback latency from the spiked step's end (goal: ≤ 2 s plus the restore)")
     cases = {"own pace": (args.fast_steps, args.fast_steps // 2, []),
-             "paced to ~1 s a step": (args.slow_steps, args.slow_steps // 2, ["straggler:rank=0,slowdown=12,from=0"])}
+             "paced to ~1 s a step": (args.slow_steps, args.slow_steps // 2, ["straggler:rank=0,slowdown=35,from=0"])}
     for name, (steps, spike_at, pace) in cases.items():
         with tempfile.TemporaryDirectory() as directory:
             t = job(Path(directory), steps, spike_at, pace)

@@ -36,7 +36,8 @@ _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, d
                    AS non_finite
             FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
 _COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
-                  WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL AND step > $after AND step <= $upto"""
+                  WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
+                    AND step > $after AND step <= $upto"""
 _DEVICES = """SELECT rank, metric, value FROM device_samples
               WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
 _HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
@@ -242,8 +243,8 @@ def merge(episodes: list[tuple[str, Finding, bool]], found: Mapping[str, list[Fi
                        and (e.kind, e.ranks) == (f.kind, f.ranks)), None)
             if at is not None and rules.continues(episodes[at][1].step_end, f):
                 earlier = episodes[at][1]
-                f = replace(f if f.score >= earlier.score else earlier,
-                            step_start=min(earlier.step_start, f.step_start), step_end=max(earlier.step_end, f.step_end))
+                f = replace(f if f.score >= earlier.score else earlier, step_start=min(earlier.step_start, f.step_start),
+                            step_end=max(earlier.step_end, f.step_end))
                 episodes[at] = (analyzer, f, True)
             else:
                 if at is not None:

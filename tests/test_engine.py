@@ -94,7 +94,8 @@ def test_a_fast_jobs_spike_is_found_while_it_runs_by_the_commit_that_shows_it(co
 
 SCENARIOS = {  # run -> how it is made; every analyzer's findings but info (power advice, verdicts not drawn)
     "eq-straggler": ("simulate", ["--ranks", "16", "--steps", "70"], ["straggler:rank=5,slowdown=1.15,from=25"]),
-    "eq-stage": ("simulate", ["--ranks", "32", "--pp", "4", "--steps", "60"], ["slow-stage:stage=2,slowdown=1.2,from=20"]),
+    "eq-stage": ("simulate", ["--ranks", "32", "--pp", "4", "--steps", "60"],
+                 ["slow-stage:stage=2,slowdown=1.2,from=20"]),
     "eq-hang": ("simulate", ["--ranks", "8", "--steps", "40", "--hang-for", "8"], ["hang:rank=3,at=18"]),
     "eq-spike": ("exporter", None, None),
 }
