@@ -31,6 +31,9 @@ log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
 RUN_ENDED = "run ended"  # why the findings of an ended run resolve (their evidence's `resolved`)
 ROLLED_BACK = "rolled back"  # why the findings of steps a rollback abandoned resolve
+# The collector's stop waits for its last pass: past this, the runs left are judged when it next
+# hears from them, from their stored cursors (a backlog of a thousand runs must not hold a stop).
+LAST_PASS_S = 20.0
 # Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): they are
 # redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
 POWER_STEPS = 100
@@ -61,12 +64,14 @@ class Analysis:
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
         self._power_drawing: dict[str, Future] = {}  # run -> its power report, being drawn
         self._power_thread: ThreadPoolExecutor | None = None  # made in the writer process, on first use
+        self._unpowered: set[str] = set()  # runs that stepped since their power report was last drawn
         self._active: dict[str, float] = {}
         self._health: collections.deque[health.Snapshot] = collections.deque()
         self._started = time.monotonic()
         self.failures = 0  # analyses that raised, since the start
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._ended: set[str] = set()  # runs with new `ended` events since the last pass
+        self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
         self._threading()
@@ -114,9 +119,9 @@ class Analysis:
 
     def run(self, con: duckdb.DuckDBPyConnection, last: bool = False, every: bool = True) -> None:
         """One pass; an analyzer's failure is logged, never raised. `every`: every active run (else
-        only those with new steps or ends). `last`: every active run judged to its newest step, even
-        where not every rank has reported it, so the findings left behind are drawn on all the data
-        committed. A run with more new steps than one pass judges is judged again at once."""
+        only those with new steps or ends). `last`: the runs with steps not yet judged, to their newest
+        step even where not every rank has reported it, so the findings left behind are drawn on all
+        the data committed. A run with more new steps than one pass judges is judged again at once."""
         if every or last:
             self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
@@ -124,13 +129,23 @@ class Analysis:
             self._active = {run: t for run, t in self._active.items() if t > cutoff}
             stepped, self._stepped = self._stepped, set()
             ended, self._ended = self._ended, set()
-            runs = sorted(self._active, key=lambda run: run not in stepped) if every or last else \
-                sorted((stepped | ended) & set(self._active))
+            if every and not last:
+                runs = sorted(self._active, key=lambda run: run not in stepped)
+            else:  # the last pass: only runs with steps not yet judged (the timer pass judged the others' stalls)
+                waiting = stepped | ended | self._behind | (set(self._active) - set(self.engine.cursors))
+                runs = sorted(waiting & set(self._active))
         self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         self._record_power(con)
+        until = time.monotonic() + LAST_PASS_S
         for run_id in runs:
+            if self._stopping and not last:  # the last pass comes at once; it judges what this one would
+                break
+            if last and time.monotonic() > until:
+                log.warning("the last analysis pass left %d runs for the next start (their cursors are stored)",
+                            len(runs) - runs.index(run_id))
+                break
             try:
-                while self._analyze(con, run_id, run_id in stepped, run_id in ended, last) and last:
+                while self._analyze(con, run_id, every and not last, run_id in ended, last) and last:
                     pass
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
@@ -190,10 +205,12 @@ class Analysis:
         found = health.analyze(self._health[0], snapshot, con.execute(_OUTBOX).df(), settings)
         findings.record(con, health.RUN_ID, health.ANALYZER, found, self.alerts)
 
-    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, new_steps: bool, ended: bool,
+    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, timed: bool, ended: bool,
                  last: bool) -> bool:
-        """One pass of the engine over a run, its findings recorded, rollbacks sent for its anomalies;
-        whether steps are left for another pass (the run is then judged again at once)."""
+        """One pass of the engine over a run, its findings recorded, rollbacks sent for its anomalies,
+        its power report started on a timer pass (`timed`) where it stepped since the last (power
+        moves slowly, and commit-driven passes stay light); whether steps are left for another pass
+        (the run is then judged again at once)."""
         judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended)
         cursor = self.engine.cursors[run_id]
         try:
@@ -206,10 +223,15 @@ class Analysis:
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
-        if (new_steps and self._power_every_s is not None
+        if judged.last >= judged.first_new:
+            self._unpowered.add(run_id)
+        if (timed and run_id in self._unpowered and self._power_every_s is not None
                 and time.monotonic() >= self._power_due.get(run_id, 0.0)):
             self._power_due[run_id] = time.monotonic() + self._power_every_s
+            self._unpowered.discard(run_id)
             self._draw_power(con, run_id)
+        with self._lock:
+            (self._behind.add if judged.behind else self._behind.discard)(run_id)
         if judged.ended:
             findings.end_run(con, run_id, RUN_ENDED, self.alerts,
                              keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run))

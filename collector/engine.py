@@ -69,8 +69,8 @@ class Cursor:
 @dataclass
 class Judged:
     """One pass over one run: the steps judged (`first_new` to `last`; none where first > last),
-    each analyzer's findings, whether steps are left for another pass, and whether the run has
-    ended with all its steps judged. `rolled_back`: the step a rollback restored, where one moved
+    each analyzer's findings, whether steps are left for another pass (`more`) or wait for some
+    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the step a rollback restored, where one moved
     the cursor back."""
 
     run_id: str
@@ -80,6 +80,7 @@ class Judged:
     more: bool = False
     ended: bool = False
     rolled_back: int | None = None
+    behind: bool = False  # steps were reported after `last` that not every rank has yet
 
 
 class Engine:
@@ -96,7 +97,6 @@ class Engine:
         self.reads = {a.ANALYZER: a.READS for a in analyzers}
         self.rank_steps = rank_steps
         self.cursors: dict[str, Cursor] = {}
-        self._history = max(a.READS.history for a in analyzers)
 
     def forget(self, run_id: str) -> None:
         """Drop a run's cursor (a pass that failed to record: the next starts from the stored one)."""
@@ -138,7 +138,8 @@ class Engine:
                 last, more = int(nth[0]), True
         first_new = cursor.step + 1
         frames = self._frames(con, run_id, first_new, last, now_ns, cursor.ended_ns)
-        judged = Judged(run_id, first_new, last, more=more, rolled_back=rolled_back)
+        judged = Judged(run_id, first_new, last, more=more, rolled_back=rolled_back,
+                        behind=max(newest.values(), default=last) > last)
         if frames is not None:
             for analyzer in self.analyzers:
                 reads = analyzer.READS
@@ -185,13 +186,14 @@ class Engine:
                 ended_ns: int | None) -> Frames | None:
         """What the analyzers read, once for all of them; None for a run without steps."""
         upto = max(last, first_new - 1)
-        steps = con.execute(_STEPS, {"run": run_id, "after": first_new - 1 - self._history, "upto": upto}).df()
+        reads = [a.READS for a in self.analyzers if a.READS.every_pass or last >= first_new]  # those called
+        history = max((r.history for r in reads), default=0)
+        steps = con.execute(_STEPS, {"run": run_id, "after": first_new - 1 - max(history, 1), "upto": upto}).df()
         if steps.empty:
             return None
         # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
         steps = steps.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
         steps = steps.sort_values(["step", "rank"], ignore_index=True)
-        reads = [a.READS for a in self.analyzers]
         stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
         frames = Frames(run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns,
                         stated)

@@ -13,6 +13,8 @@ from collector.analyzers import NOT_JUDGED, Finding, Reads
 
 _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
              WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""
+_FIRING_OF_RUN = """SELECT id, analyzer, kind, ranks, step_start, step_end, score FROM findings
+                    WHERE run_id = ? AND state = 'firing'"""
 
 
 def record(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, findings: list[Finding],
@@ -45,10 +47,11 @@ def record_pass(con: duckdb.DuckDBPyConnection, run_id: str, found: Mapping[str,
     with _transaction(con):
         if cursor is not None:
             con.execute("INSERT OR REPLACE INTO analysis_cursors VALUES (?, ?, ?, ?)", [run_id, *cursor])
+        rows = con.execute(_FIRING_OF_RUN, [run_id]).fetchall() if found else []
         for analyzer, drawn in found.items():
             rules = reads[analyzer]
             firing = {(kind, tuple(ranks)): [fid, start, end, False, score]
-                      for fid, kind, ranks, start, end, score in con.execute(_FIRING, [run_id, analyzer]).fetchall()}
+                      for fid, of, kind, ranks, start, end, score in rows if of == analyzer}
             changed, ended = [], []
             for f in sorted(drawn, key=lambda f: (f.step_start is None, f.step_start or 0)):
                 key = (f.kind, tuple(f.ranks))

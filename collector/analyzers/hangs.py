@@ -77,6 +77,8 @@ def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
         return []
     s = settings
     last_end = int(steps["end_ts"].max())
+    if (now_ns - last_end) / 1e9 <= s.floor_s:  # under the floor no stall is one, whatever the steps' pace
+        return []
     recent = steps[steps["step"] >= steps["step"].max() - RECENT]
     typical = float(recent.groupby("step")["duration_s"].max().median())
     timeout = _timeout(steps, s)

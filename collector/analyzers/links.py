@@ -39,6 +39,8 @@ READS = Reads(history=Settings().window, linger=Settings().window // 2, collecti
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     """The window ending at each new step on a multiple of half a window (and at the newest step of
     a run that ended), over the collectives of its steps; one finding per run of windows alike."""
+    if frames.collectives is None or frames.collectives.empty:
+        return []
     stride = max(settings.window // 2, 1)
     ends = [e for e in frames.new_steps["step"].unique() if e % stride == 0]
     if frames.ended_ns is not None and frames.last >= frames.first_new:
