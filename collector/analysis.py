@@ -128,6 +128,7 @@ class Analysis:
         with self._lock:
             self._active = {run: t for run, t in self._active.items() if t > cutoff}
             stepped, self._stepped = self._stepped, set()
+            self._unpowered |= stepped
             ended, self._ended = self._ended, set()
             if every and not last:
                 runs = sorted(self._active, key=lambda run: run not in stepped)
@@ -223,8 +224,6 @@ class Analysis:
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
-        if judged.last >= judged.first_new:
-            self._unpowered.add(run_id)
         if (timed and run_id in self._unpowered and self._power_every_s is not None
                 and time.monotonic() >= self._power_due.get(run_id, 0.0)):
             self._power_due[run_id] = time.monotonic() + self._power_every_s
