@@ -9,6 +9,7 @@
                 loss = model(batch)
             ...
             agent.record(loss=loss.item(), tokens=batch.numel())
+    agent.end()                        # the loop is over (shutdown says so too, if not yet said)
     agent.shutdown()
 
 Nothing here blocks training on the network: spans are exported by the
@@ -115,6 +116,12 @@ def watch_collectives() -> None:
     from agent.collectives import trace_collectives
 
     trace_collectives(_session)
+
+
+def end() -> None:
+    """The training loop has ended: a last checkpoint written after it is no stall."""
+    if _session:
+        _session.end()
 
 
 def shutdown() -> None:

@@ -85,6 +85,7 @@ class Session:
         self._lock = threading.Lock()
         self._emitting = threading.Lock()
         self._stop = threading.Event()
+        self._ended = False
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat",
                                            daemon=True)
         self.clock.align()
@@ -137,7 +138,15 @@ class Session:
             attrs = {**attributes, **({sc.STEP: step} if step is not None else {})}
             self.exporter.event(name, self.clock.now_ns(), attrs)
 
+    def end(self) -> None:
+        """The training loop has ended: say so once (what follows, a last checkpoint written or the
+        teardown, is then no stall to the collector)."""
+        if not self._ended:
+            self._ended = True
+            self.event(sc.EVENT_ENDED)
+
     def shutdown(self) -> None:
+        self.end()
         self._stop.set()
         if self.sampler:
             self.sampler.stop()  # its last sample covers every step still pending

@@ -1,17 +1,20 @@
-"""Running the analyzers as telemetry arrives: every few seconds, over each run that
-sent anything recently, in the writer process (the only one with the store open), on
-a thread of its own with a cursor of its own, so that commits, and the
-acknowledgements that wait for them, never wait for a pass however many runs it
-judges; the power analyzer, which costs seconds at a thousand ranks, on a second
-thread, so that a pass does not wait for it either.
+"""Running the analysis engine (collector/engine.py) as telemetry arrives, in the writer process
+(the only one with the store open), on a thread of its own with a cursor of its own, so that
+commits, and the acknowledgements that wait for them, never wait for a pass however many runs it
+judges.
 
-The analyzers are pure functions; this module reads what they need from the store
-(the last steps of a run, its placement, its recent heartbeats), calls them, and
-records their findings.
+Passes are driven by commits: the writer tells this thread which runs each commit brought steps
+(or `ended` events) for and wakes it, and the pass judges those runs' new steps at once, so a
+finding exists within a pass of the commit of the step that shows it, whatever the step rate. A
+timer wakes it too (every `interval_s`), for what time alone changes: a run that stopped sending
+steps (a stall), a job stopped by its rollback budget. A run whose ranks all said their training
+loop ended has its firing findings resolved ("run ended") once its last steps are judged.
+
+The power analyzer, which costs seconds at a thousand ranks, runs on a second thread, so that a
+pass does not wait for it either.
 """
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -21,36 +24,25 @@ import duckdb
 
 from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
-from collector.analyzers import anomalies, hangs, health, links, power, rollbacks, stragglers
+from collector.analyzers import hangs, health, power, stragglers
+from collector.engine import Engine
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
+RUN_ENDED = "run ended"  # why the findings of an ended run resolve (their evidence's `resolved`)
+ROLLED_BACK = "rolled back"  # why the findings of steps a rollback abandoned resolve
+# The collector's stop waits for its last pass: past this, the runs left are judged when it next
+# hears from them, from their stored cursors (a backlog of a thousand runs must not hold a stop).
+LAST_PASS_S = 20.0
 # Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): they are
 # redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
 POWER_STEPS = 100
 POWER_POLICY = power.Policy("max-slowdown", 0.02)
 
-_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
-                   grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
-                   AS non_finite
-            FROM current_steps
-            WHERE run_id = $run AND step >= (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
-_COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
-                  WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
-                    AND step > (SELECT max(step) FROM current_steps WHERE run_id = $run) - $steps"""
-_DEVICES = """SELECT rank, metric, value FROM device_samples
-              WHERE run_id = $run AND ts >= make_timestamp_ns($since)"""
 _HAS_POWER = """SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples
                                          WHERE run_id = $run AND metric IN $metrics LIMIT 1)"""
-_FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
-                       WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _OUTBOX = """SELECT receiver, count(*) AS pending, epoch(now() - min(created_at)) AS waiting_s FROM outbox
              WHERE state = 'pending' GROUP BY receiver"""
-_HEARTBEATS = """SELECT rank, epoch_ns(ts) AS ts, step, attrs->>'$."rankwatch.phase"' AS phase,
-                        attrs->>'$."rankwatch.comm.op"' AS op, attrs->>'$."rankwatch.comm.group"' AS "group",
-                        TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT) AS seq,
-                        TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN) AS done
-                 FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > make_timestamp_ns($since)"""
 
 
 class Analysis:
@@ -59,22 +51,27 @@ class Analysis:
     def __init__(self, interval_s: float = 5.0, straggler_settings=stragglers.Settings(),
                  hang_settings=hangs.Settings(), rollback: commands.RollbackPolicy | None = commands.RollbackPolicy(),
                  alerts: AlertConfig = AlertConfig(), power_every_s: float | None = 60.0):
-        """`rollback`: how anomalies are rolled back; None: they are reported, not rolled back.
+        """`interval_s`: how often every active run is judged, new steps or not (a stall shows so).
+        `rollback`: how anomalies are rolled back; None: they are reported, not rolled back.
         `alerts`: where the alerts that findings raise are sent (the writer's delivery thread reads it too).
         `power_every_s`: how often a run's power recommendations are redrawn; None: never (`rankwatch power
         recommend` still draws them)."""
         self.interval_s = interval_s
         self.alerts = alerts
-        self._stragglers, self._hangs, self._rollback = straggler_settings, hang_settings, rollback
+        self.engine = Engine({stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}, stored=True)
+        self._rollback = rollback
         self._power_every_s = power_every_s
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn
         self._power_drawing: dict[str, Future] = {}  # run -> its power report, being drawn
         self._power_thread: ThreadPoolExecutor | None = None  # made in the writer process, on first use
+        self._unpowered: set[str] = set()  # runs that stepped since their power report was last drawn
         self._active: dict[str, float] = {}
         self._health: collections.deque[health.Snapshot] = collections.deque()
         self._started = time.monotonic()
         self.failures = 0  # analyses that raised, since the start
         self._stepped: set[str] = set()  # runs with new steps since the last pass
+        self._ended: set[str] = set()  # runs with new `ended` events since the last pass
+        self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
         self._threading()
@@ -101,13 +98,17 @@ class Analysis:
                                         daemon=True)
         self._thread.start()
 
-    def touched(self, run_ids, steps: bool) -> None:
-        """Runs that sent something (`steps`: rank-steps, else only events such as heartbeats)."""
+    def touched(self, run_ids, steps: bool, ended=()) -> None:
+        """Runs a commit brought something for (`steps`: rank-steps, else only events such as
+        heartbeats; `ended`: runs among them with `ended` events); new steps or ends wake a pass."""
         now = time.monotonic()
         with self._lock:
             self._active.update((run_id, now) for run_id in run_ids)
             if steps:
                 self._stepped.update(run_ids)
+            self._ended.update(ended)
+        if steps or ended:
+            self._wake.set()
 
     def report_health(self, **counters) -> None:
         """The server's counters (health.Snapshot's fields but the writer's own), judged on the
@@ -116,20 +117,37 @@ class Analysis:
             self._counters.append(dict(counters, at=time.monotonic()))
         self._wake.set()
 
-    def run(self, con: duckdb.DuckDBPyConnection, last: bool = False) -> None:
-        """One pass over the active runs; an analyzer's failure is logged, never raised. `last`: every
-        analyzer on every run, so the findings left behind are drawn on all the data committed."""
-        self._next = time.monotonic() + self.interval_s
+    def run(self, con: duckdb.DuckDBPyConnection, last: bool = False, every: bool = True) -> None:
+        """One pass; an analyzer's failure is logged, never raised. `every`: every active run (else
+        only those with new steps or ends). `last`: the runs with steps not yet judged, to their newest
+        step even where not every rank has reported it, so the findings left behind are drawn on all
+        the data committed. A run with more new steps than one pass judges is judged again at once."""
+        if every or last:
+            self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         with self._lock:
             self._active = {run: t for run, t in self._active.items() if t > cutoff}
             stepped, self._stepped = self._stepped, set()
-            active = sorted(self._active, key=lambda run: run not in stepped)  # runs that stepped first
-        self._power_due = {run: t for run, t in self._power_due.items() if run in active}
+            self._unpowered |= stepped
+            ended, self._ended = self._ended, set()
+            if every and not last:
+                runs = sorted(self._active, key=lambda run: run not in stepped)
+            else:  # the last pass: only runs with steps not yet judged (the timer pass judged the others' stalls)
+                waiting = stepped | ended | self._behind | (set(self._active) - set(self.engine.cursors))
+                runs = sorted(waiting & set(self._active))
+        self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         self._record_power(con)
-        for run_id in active:
+        until = time.monotonic() + LAST_PASS_S
+        for run_id in runs:
+            if self._stopping and not last:  # the last pass comes at once; it judges what this one would
+                break
+            if last and time.monotonic() > until:
+                log.warning("the last analysis pass left %d runs for the next start (their cursors are stored)",
+                            len(runs) - runs.index(run_id))
+                break
             try:
-                self._analyze(con, run_id, last or run_id in stepped)
+                while self._analyze(con, run_id, every and not last, run_id in ended, last) and last:
+                    pass
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
@@ -157,8 +175,8 @@ class Analysis:
                 self._wake.wait(self.due_in())
                 self._wake.clear()
                 self._judge_reported_health(con)
-                if not self.due_in() and not self._stopping:
-                    self.run(con)
+                if not self._stopping:
+                    self.run(con, every=not self.due_in())
             self._power_every_s = None
             if self._power_thread is not None:
                 self._power_thread.shutdown(cancel_futures=True)
@@ -188,37 +206,41 @@ class Analysis:
         found = health.analyze(self._health[0], snapshot, con.execute(_OUTBOX).df(), settings)
         findings.record(con, health.RUN_ID, health.ANALYZER, found, self.alerts)
 
-    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, new_steps: bool) -> None:
-        """The hang and stopped-job analyzers on every active run (a run that stopped sending steps);
-        the others only where new steps came since the last pass."""
-        steps = con.execute(_STEPS, {"run": run_id, "steps": 4 * self._stragglers.window}).df()
-        if steps.empty:
-            return
-        # only steps every rank has reported: the ranks' exports arrive apart, and a pass may come between
-        # them; judging a step half-arrived compares a rank with some of its peers only
-        complete = steps[steps.groupby("step")["rank"].transform("nunique") == steps["rank"].nunique()]
-        if new_steps and not complete.empty:
-            ranks = con.execute("SELECT rank, host, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
-            devices = con.execute(_DEVICES, {"run": run_id, "since": int(complete["end_ts"].min())}).df()
-            findings.record(con, run_id, stragglers.ANALYZER,
-                            stragglers.analyze(complete, ranks, self._stragglers, devices), self.alerts)
-            collectives = con.execute(_COLLECTIVES, {"run": run_id, "steps": links.Settings().window + 1}).df()
-            collectives = collectives[collectives["step"] < steps["step"].max()]
-            findings.record(con, run_id, links.ANALYZER,
-                            links.analyze(collectives, float(complete["duration_s"].median())), self.alerts)
-            findings.record(con, run_id, anomalies.ANALYZER, anomalies.analyze(complete), self.alerts)
-            if self._rollback is not None:
-                commands.rollbacks_for_anomalies(con, run_id, self._rollback)
-            if self._power_every_s is not None and time.monotonic() >= self._power_due.get(run_id, 0.0):
-                self._power_due[run_id] = time.monotonic() + self._power_every_s
-                self._draw_power(con, run_id)
-        failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
-        failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
-        findings.record(con, run_id, rollbacks.ANALYZER, rollbacks.analyze(failed, int(steps["step"].max())),
-                        self.alerts)
-        now = time.time_ns()  # telemetry times are UTC epoch ns, whatever DuckDB's time zone
-        heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": now - 120 * 10**9}).df()
-        findings.record(con, run_id, hangs.ANALYZER, hangs.analyze(steps, heartbeats, now, self._hangs), self.alerts)
+    def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, timed: bool, ended: bool,
+                 last: bool) -> bool:
+        """One pass of the engine over a run, its findings recorded, rollbacks sent for its anomalies,
+        its power report started on a timer pass (`timed`) where it stepped since the last (power
+        moves slowly, and commit-driven passes stay light); whether steps are left for another pass
+        (the run is then judged again at once)."""
+        judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended)
+        cursor = self.engine.cursors[run_id]
+        try:
+            if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
+                findings.end_run(con, run_id, ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
+            findings.record_pass(con, run_id, judged.found, self.engine.reads, judged.last, self.alerts,
+                                 (cursor.step, cursor.rollback, cursor.world))
+        except Exception:
+            self.engine.forget(run_id)  # the next pass judges these steps again, from the stored cursor
+            raise
+        if self._rollback is not None and judged.last >= judged.first_new:
+            commands.rollbacks_for_anomalies(con, run_id, self._rollback)
+        if (timed and run_id in self._unpowered and self._power_every_s is not None
+                and time.monotonic() >= self._power_due.get(run_id, 0.0)):
+            self._power_due[run_id] = time.monotonic() + self._power_every_s
+            self._unpowered.discard(run_id)
+            self._draw_power(con, run_id)
+        with self._lock:
+            (self._behind.add if judged.behind else self._behind.discard)(run_id)
+        if judged.ended:
+            findings.end_run(con, run_id, RUN_ENDED, self.alerts,
+                             keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run))
+            with self._lock:
+                self._active.pop(run_id, None)
+        if judged.more:
+            with self._lock:
+                self._stepped.add(run_id)
+            self._wake.set()
+        return judged.more
 
     def _draw_power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
         """Start drawing a run's power report on the power thread, on a cursor of its own; the next

@@ -173,6 +173,16 @@ CREATE TABLE IF NOT EXISTS outbox (
     created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
     settled_at       TIMESTAMPTZ
 );
+
+-- Where the analysis engine stands on each run (collector/engine.py): the newest step it judged,
+-- the newest applied rollback it saw and the ranks it knew, written in the transaction of the
+-- pass's findings, so that a collector started again (after a crash too) judges each step once still.
+CREATE TABLE IF NOT EXISTS analysis_cursors (
+    run_id    VARCHAR PRIMARY KEY,
+    step      BIGINT NOT NULL,
+    rollback  BIGINT NOT NULL,
+    world     INTEGER NOT NULL
+);
 """
 
 # Tables that ingest appends Arrow batches to, by OTLP signal.

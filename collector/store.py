@@ -45,6 +45,7 @@ from collector.alerts.delivery import Delivery
 from collector.analysis import Analysis
 from collector.children import die_with_parent
 from collector.decode import Decoded
+from collector.engine import ENDED
 from collector.runmetrics import OPERATIONS as METRICS_OPERATIONS
 from collector.schema import DDL, TELEMETRY_TABLES
 
@@ -245,7 +246,9 @@ class _Writer:
             self._placements[r["run_id"], r["rank"]] = r
         for table in ("steps", "events"):
             run_ids = {run_id for part in tables[table] for run_id in pc.unique(part["run_id"]).to_pylist()}
-            self._analysis.touched(run_ids, steps=table == "steps")
+            ended = {run_id for part in tables[table] if table == "events"
+                     for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()}
+            self._analysis.touched(run_ids, steps=table == "steps", ended=ended)
         now = time.time()
         for digest in fresh:
             self._digests[digest] = now

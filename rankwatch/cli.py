@@ -168,6 +168,7 @@ def cmd_analyze(args) -> None:
     import json
     from dataclasses import asdict
 
+    from collector.analyzers import hangs
     from collector.postmortem import analyze_run
     from collector.runs import UnknownRun
     from collector.store import StoreLocked, connect
@@ -177,7 +178,7 @@ def cmd_analyze(args) -> None:
         raise UsageError(f"no store at {db}")
     try:
         con = connect(db, read_only=True)
-        report = analyze_run(con, args.run)
+        report = analyze_run(con, args.run, hang_settings=hangs.Settings(floor_s=args.hang_after))
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
     if args.heatmap and report.whatif is None:
@@ -227,12 +228,17 @@ def _print_report(report) -> None:
 def _print_findings(found: list, console) -> None:
     from rich.table import Table
 
+    from collector.analyzers import NOT_JUDGED
+
     findings = Table("analyzer", "kind", "ranks", "steps", "severity", "summary",
                      title=f"{len(found)} finding{'s' * (len(found) != 1)}", show_lines=True)
     for f in found:
         steps = "-" if f.step_start is None else f"{f.step_start}-{f.step_end}"
         findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)
     console.print(findings)
+    for f in found:  # silence from an analyzer that could not judge is no clean bill: say why
+        if f.kind == NOT_JUDGED:
+            console.print(f"[bold]{f.analyzer}: not judged[/] ({f.summary.removeprefix('not judged: ')})")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -653,6 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
+    p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
+                   help="least stall judged a hang, as the collector's --hang-after (default 30)")
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("power", help="power-cap recommendations")

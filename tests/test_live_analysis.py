@@ -8,19 +8,25 @@ from tests.conftest import simulated_store
 from tests.otlp_payloads import query
 
 
-def test_straggler_of_a_live_job_becomes_a_firing_finding(collector_factory):
+def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collector_factory):
+    """The straggler fires while the job runs; the job's end (every rank's `ended` event) resolves it,
+    and says so."""
     collector = collector_factory(None, "--analyze-every", "1")
     status = train(nproc=4, steps=60, run_id="run-live", faults=["straggler:rank=2,slowdown=2.5,from=15"],
                    collector=collector.url, token=collector.token, store=collector.db)
     assert status == 0
     collector.stop()
+    # (on a loaded machine, a window of 4 CPU ranks may also vary widely enough to be `widespread`)
     rows = query(collector.db, """SELECT kind, ranks, state, score, step_start, evidence FROM findings
-                                  WHERE run_id = 'run-live' AND analyzer = 'stragglers' AND state = 'firing'""")
+                                  WHERE run_id = 'run-live' AND analyzer = 'stragglers' AND kind <> 'widespread'""")
     assert len(rows) == 1, query(collector.db, "SELECT analyzer, kind, ranks, state, summary FROM findings")
     kind, ranks, state, score, step_start, evidence = rows[0]
-    assert (kind, list(ranks)) == ("rank", [2])
+    assert (kind, list(ranks), state) == ("rank", [2], "resolved")
     assert score > 1.3 and 15 - 12 // 2 <= step_start <= 15 + 12  # the onset, to within half a 12-step window
     assert json.loads(evidence)["lost_s_per_step"] > 0
+    assert json.loads(evidence)["resolved"] == "run ended"
+    assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND state = 'firing'") \
+        == [(0,)]
     # no hang was reported for a job that kept stepping
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") \
         == [(0,)]

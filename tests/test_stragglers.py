@@ -3,9 +3,12 @@
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent import semconv as sc
-from collector.analyzers.stragglers import analyze
+from collector.analyzers import Frames
+from collector.analyzers.stragglers import analyze, judge
 
 RANKS = 32  # four hosts of 8 ranks; four pipeline stages of 8 ranks, spread over the hosts
 
@@ -135,3 +138,51 @@ def test_no_hardware_evidence_where_every_gpu_is_alike():
                    samples(sc.FB_USED_MIB, {r: 81_000 for r in ranks}), samples(sc.FB_TOTAL_MIB, {r: 81_559 for r in ranks}))
     (finding,) = analyze(frame(slow={5: (1.3, 10)}), PLACEMENT, devices=gpus)
     assert "hardware" not in finding.evidence and "; GPU" not in finding.summary
+
+
+def pair(steps=80, jitter=0.02, slow=None, seed=0):
+    """Rank-steps of a 2-rank synchronous job (`slow`: (slowdown, from_step) of rank 1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        c = 0.100 * rng.lognormal(0, jitter, 2)
+        if slow and step >= slow[1]:
+            c[1] *= slow[0]
+        for rank in (0, 1):
+            wait = c.max() - c[rank] + 0.02
+            rows.append(("r", rank, step, c[rank] + wait, c[rank], wait))
+    return pd.DataFrame(rows, columns=["run_id", "rank", "step", "duration_s", "compute_s", "comm_wait_s"])
+
+
+def every_step(steps: pd.DataFrame) -> list:
+    """The findings of every step judged on the steps before it, as the engine judges a run."""
+    return judge(Frames("r", steps, 0, int(steps["step"].max()), pd.DataFrame({"rank": [0, 1]}), 0, world_size=2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(jitter=st.floats(0.01, 0.05), seed=st.integers(0, 10**6))
+def test_a_clean_pair_draws_no_finding_at_any_step(jitter, seed):
+    assert every_step(pair(steps=150, jitter=jitter, seed=seed)) == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(jitter=st.floats(0.01, 0.05), slowdown=st.floats(1.2, 2.0), seed=st.integers(0, 10**6))
+def test_of_a_pair_the_rank_that_computes_longer_while_its_peer_waits_is_the_straggler(jitter, slowdown, seed):
+    (finding,) = every_step(pair(steps=150, jitter=jitter, slow=(slowdown, 40), seed=seed))
+    assert (finding.kind, finding.ranks, finding.step_end) == ("rank", [1], 149)
+    assert abs(finding.step_start - 40) <= 6
+    assert finding.evidence["comm_wait_s"] < finding.evidence["peer_comm_wait_s"]
+
+
+def test_a_pair_whose_gap_is_under_the_floor_is_not_a_straggler():
+    """5% between two ranks, steady and quiet: as often the host as a fault."""
+    assert every_step(pair(steps=150, jitter=0.005, slow=(1.05, 0))) == []
+
+
+def test_one_rank_is_not_judged_and_says_why():
+    steps = frame()[lambda f: f["rank"] == 0]
+    (finding,) = judge(Frames("r", steps, 0, 39, PLACEMENT, 0, world_size=1))
+    assert (finding.kind, finding.severity) == ("not_judged", "info")
+    assert "no peers" in finding.summary
+    # a run whose other ranks have yet to report is not judged alone
+    assert judge(Frames("r", steps, 0, 39, PLACEMENT, 0, world_size=32)) == []

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step:5d}  loss {loss.item():7.4f}  {(time.perf_counter() - started) * 1e3:7.1f} ms",
                   flush=True)
         step += 1
+    agent.end()  # before the last checkpoint's write, which may outlast the collector's stall timeout
     ckpt.close()
     agent.shutdown()
     dist.destroy_process_group()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from collector.analyzers import Finding
+from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "anomalies"
 
@@ -33,20 +33,32 @@ class Settings:
     patience: int = 1  # spiking steps in a row before a finding
 
 
+# an anomaly stays firing for a baseline's length after its last step: a spike back within it is the same
+# anomaly (one rollback answers it)
+READS = Reads(history=Settings().baseline + Settings().patience, linger=Settings().baseline)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The anomalies of the steps from `frames.first_new` on, each judged on the steps before it."""
+    return _judge(frames.steps, frames.first_new, settings)
+
+
 def analyze(steps: pd.DataFrame, settings: Settings = Settings()) -> list[Finding]:
-    """Findings for one run. `steps`: run_id, rank, step, loss, grad_norm, non_finite (one row per
-    rank-step; non_finite: loss or grad_norm was NaN or infinite, which a frame cannot tell from a
-    missing value once both are NaN)."""
+    """Findings for one run, every step judged. `steps`: run_id, rank, step, loss, grad_norm,
+    non_finite (one row per rank-step; non_finite: loss or grad_norm was NaN or infinite, which a
+    frame cannot tell from a missing value once both are NaN)."""
+    return _judge(steps, int(steps["step"].min()) if not steps.empty else 0, settings)
+
+
+def _judge(steps: pd.DataFrame, first_new: int, settings: Settings) -> list[Finding]:
     if steps.empty:
         return []
     run_id = str(steps["run_id"].iloc[0])
-    found = _non_finite(run_id, steps)
+    found = _non_finite(run_id, steps[steps["step"] >= first_new])
     per_step = steps[~steps["non_finite"]].groupby("step")[["loss", "grad_norm"]].median()
     for column, kind, what, severity in (("loss", "loss_spike", "loss", "critical"),
                                          ("grad_norm", "grad_spike", "gradient norm", "warning")):
-        finding = _spike(run_id, per_step[column].dropna(), kind, what, severity, settings)
-        if finding:
-            found.append(finding)
+        found += _spikes(run_id, per_step[column].dropna(), first_new, kind, what, severity, settings)
     return found
 
 
@@ -63,26 +75,34 @@ def _non_finite(run_id: str, steps: pd.DataFrame) -> list[Finding]:
         {"first_step": first, "ranks": ranks, "steps_affected": int(bad["step"].nunique())}, analyzer=ANALYZER)]
 
 
-def _spike(run_id: str, series: pd.Series, kind: str, what: str, severity: str, s: Settings) -> Finding | None:
-    """The first run of `patience` spiking steps after warmup, with its evidence; None if none."""
+def _spikes(run_id: str, series: pd.Series, first_new: int, kind: str, what: str, severity: str,
+            s: Settings) -> list[Finding]:
+    """Each run of spiking steps from `first_new` on (after warmup and `patience` in a row), with its
+    evidence at the step that made it one."""
     if len(series) <= s.baseline:
-        return None
+        return []
     values, steps = series.to_numpy(), series.index.to_numpy()
-    first = int(np.searchsorted(steps, s.warmup))  # warmup counts from the run's first step, 0
-    streak = 0
-    for i in range(max(first, s.baseline), len(values)):
+    first = max(int(np.searchsorted(steps, s.warmup)), s.baseline)  # warmup counts from the run's first step, 0
+    streak, episodes = 0, []  # episodes: [first index, last index, index found at, z, center, spread]
+    for i in range(first, len(values)):
         base = values[i - s.baseline:i]
         center = float(np.median(base))
         spread = max(1.4826 * float(np.median(np.abs(base - center))), s.mad_floor * abs(center), 1e-12)
         z = (values[i] - center) / spread
         streak = streak + 1 if z > s.z and values[i] > center * (1 + s.min_rise) else 0
-        if streak >= s.patience:
-            start = i - streak + 1
-            window = series.iloc[max(start - s.baseline, 0):min(i + 6, len(series))]
-            return Finding(
-                run_id, kind, [], int(steps[start]), int(steps[i]), severity, float(z),
-                f"{what} spiked at step {int(steps[start])}: {values[start]:.4g} against a baseline of "
-                f"{center:.4g} (robust z {z:.0f})",
-                {"baseline_median": center, "baseline_mad": spread / 1.4826, "z": float(z),
-                 "values": {int(k): float(v) for k, v in window.items()}}, analyzer=ANALYZER)
-    return None
+        if streak < s.patience or steps[i] < first_new:
+            continue
+        if episodes and episodes[-1][1] == i - 1:
+            episodes[-1][1] = i
+        else:
+            episodes.append([i - streak + 1, i, i, z, center, spread])
+    found = []
+    for start, end, at, z, center, spread in episodes:
+        window = series.iloc[max(start - s.baseline, 0):min(end + 6, len(series))]
+        found.append(Finding(
+            run_id, kind, [], int(steps[start]), int(steps[end]), severity, float(z),
+            f"{what} spiked at step {int(steps[start])}: {values[at]:.4g} against a baseline of "
+            f"{center:.4g} (robust z {z:.0f})",
+            {"baseline_median": center, "baseline_mad": spread / 1.4826, "z": float(z),
+             "values": {int(k): float(v) for k, v in window.items()}}, analyzer=ANALYZER))
+    return found

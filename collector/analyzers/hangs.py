@@ -9,17 +9,27 @@ it completed; the ranks blocked in a collective are waiting for the ranks of
 the same group that have not entered it (their last sequence number is
 lower). Ranks whose heartbeats stopped are culprits too (a dead process),
 while the others still send theirs: when every rank has gone quiet, the job
-has ended (or was killed), and nobody is waiting on anybody.
+has ended (or was killed), and nobody is waiting on anybody. So has a run
+whose ranks all said their training loop ended: what follows (a last
+checkpoint written to a slow disk, the teardown) is no stall.
+
+Each stall is judged once: the one under way at the moment judged, and each
+stall the new steps closed (a gap between one step's end and the next longer
+than the timeout), judged as it stood when it first passed the timeout.
 """
 
 from dataclasses import dataclass
 
 import pandas as pd
 
+import numpy as np
+
 from collector import ranksets
-from collector.analyzers import Finding
+from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "hangs"
+RECENT = 20  # steps whose typical duration sets the timeout
+READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True)
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,33 @@ class Settings:
     floor_s: float = 30.0  # ...and at least this long
     heartbeat_s: float = 5.0  # the agent's heartbeat period
     silent_after: float = 3.0  # heartbeats missed before a rank counts as gone
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The stalls the new steps closed, and the one under way at `frames.now_ns` (or, for a run
+    that ended, at its end)."""
+    steps = frames.steps
+    if steps.empty:
+        return []
+    found = []
+    ends = np.sort(steps["end_ts"].to_numpy())
+    gaps = np.flatnonzero(np.diff(ends) > settings.floor_s * 1e9)  # a stall lasts the floor at least
+    for g in gaps:
+        if int(steps.loc[steps["end_ts"] == ends[g + 1], "step"].max()) < frames.first_new:
+            continue  # closed by a step judged before
+        before = steps[steps["end_ts"] <= ends[g]]
+        timeout = _timeout(before, settings)
+        if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
+            found += analyze(before, frames.heartbeats, int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)),
+                             settings)
+    now = frames.now_ns if frames.ended_ns is None else min(frames.now_ns, frames.ended_ns)
+    return found + analyze(steps, frames.heartbeats, now, settings)
+
+
+def _timeout(steps: pd.DataFrame, s: Settings) -> float:
+    """A multiple of the recent steps' typical duration, never below the floor."""
+    recent = steps[steps["step"] >= steps["step"].max() - RECENT]
+    return max(s.floor_s, s.factor * float(recent.groupby("step")["duration_s"].max().median()))
 
 
 def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
@@ -41,9 +78,11 @@ def analyze(steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int,
         return []
     s = settings
     last_end = int(steps["end_ts"].max())
-    recent = steps[steps["step"] >= steps["step"].max() - 20]
+    if (now_ns - last_end) / 1e9 <= s.floor_s:  # under the floor no stall is one, whatever the steps' pace
+        return []
+    recent = steps[steps["step"] >= steps["step"].max() - RECENT]
     typical = float(recent.groupby("step")["duration_s"].max().median())
-    timeout = max(s.floor_s, s.factor * typical)
+    timeout = _timeout(steps, s)
     stalled_s = (now_ns - last_end) / 1e9
     if stalled_s <= timeout:
         return []

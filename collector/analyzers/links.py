@@ -14,12 +14,12 @@ its members. Compute is untouched by a slow link, which is how this differs
 from a straggler. The cost is the collective time beyond the peers', per step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
 from collector import ranksets
-from collector.analyzers import Finding
+from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "links"
 
@@ -33,6 +33,32 @@ class Settings:
     min_peers: int = 3  # groups of one shape needed to judge any of them
 
 
+# judged every half window (windows overlap by half, so each step is in one): a link's bandwidth moves slowly
+READS = Reads(history=Settings().window, linger=Settings().window // 2, collectives=True)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The window ending at each new step on a multiple of half a window (and at the newest step of
+    a run that ended), over the collectives of its steps; one finding per run of windows alike."""
+    if frames.collectives is None or frames.collectives.empty:
+        return []
+    stride = max(settings.window // 2, 1)
+    ends = [e for e in frames.new_steps["step"].unique() if e % stride == 0]
+    if frames.ended_ns is not None and frames.last >= frames.first_new:
+        ends.append(frames.last)
+    found: list[Finding] = []
+    for end in sorted(set(ends)):
+        steps = frames.steps[(frames.steps["step"] > end - settings.window) & (frames.steps["step"] <= end)]
+        ops = frames.collectives[(frames.collectives["step"] > end - settings.window)
+                                 & (frames.collectives["step"] <= end)]
+        for f in analyze(ops, float(steps["duration_s"].median()), settings):
+            same = next((g for g in found if (g.kind, g.ranks) == (f.kind, f.ranks)
+                         and g.step_end >= f.step_start - stride), None)
+            if same:
+                found[found.index(same)] = replace(f, step_start=same.step_start)
+            else:
+                found.append(f)
+    return found
 def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings = Settings()) -> list[Finding]:
     """Findings for one run from its collectives over the last `settings.window` steps.
 

@@ -4,9 +4,16 @@ of the run's failed rollback commands and the last step it reported."""
 
 import pandas as pd
 
-from collector.analyzers import Finding
+from collector.analyzers import Finding, Frames, Reads
 
 ANALYZER = "rollbacks"
+# a job stopped by its rollback budget has ended; that it stopped is what a person must read
+READS = Reads(history=0, linger=1, every_pass=True, ends_with_run=False, failed_rollbacks=True)
+
+
+def judge(frames: Frames, settings: None = None) -> list[Finding]:
+    """The job's stop, while no step came after it."""
+    return analyze(frames.failed_rollbacks, frames.last)
 
 
 def analyze(failed: pd.DataFrame, last_step: int) -> list[Finding]:

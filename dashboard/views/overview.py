@@ -20,7 +20,8 @@ def _mean(frame: pd.DataFrame, column: str) -> float | None:
 @st.fragment(run_every=ui.live_every())
 def live() -> None:
     findings = ui.frame("findings", run=run)
-    firing = findings[findings["state"] == "firing"]
+    unjudged = findings[findings["kind"] == "not_judged"]  # what an analyzer could not judge, and why
+    firing = findings[(findings["state"] == "firing") & (findings["kind"] != "not_judged")]
     advice = firing[firing["severity"] == "info"]  # recommendations (power caps), not trouble
     firing = firing[firing["severity"] != "info"]
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
@@ -34,6 +35,8 @@ def live() -> None:
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
         st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing** ({kinds}), below.")
+    elif not unjudged.empty:
+        st.info("**No finding, but not every analyzer could judge.** " + " ".join(unjudged["summary"].unique()))
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
     if complete.empty:

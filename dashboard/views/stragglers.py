@@ -10,6 +10,8 @@ run = ui.current_run()
 st.title("Stragglers")
 findings = ui.frame("findings", run=run)
 suspects = findings[findings["analyzer"] == "stragglers"]
+unjudged = suspects[suspects["kind"] == "not_judged"]  # the analyzer could not judge, and says why
+suspects = suspects[suspects["kind"] != "not_judged"]
 firing = suspects[suspects["state"] == "firing"]
 if not firing.empty:
     top = firing.iloc[0]
@@ -17,9 +19,14 @@ if not firing.empty:
     st.markdown(f"### Suspects: {ranksets.phrase(top['ranks'])}, pattern *{top['kind']}*")
     if cost:
         st.markdown(cost)
+elif not unjudged.empty:
+    st.markdown(f"### Not judged: {unjudged.iloc[-1]['summary'].removeprefix('not judged: ')}")
 else:
     st.markdown("### No straggler now")
-ui.show_findings(suspects, "The straggler analyzer has found no slow rank in this run.")
+if not unjudged.empty and suspects.empty:
+    st.info(unjudged.iloc[-1]["summary"])
+else:
+    ui.show_findings(suspects, "The straggler analyzer has found no slow rank in this run.")
 
 slowest = ui.frame("slowest_ranks", run=run, limit=10)
 st.subheader("Slowest ranks over the run")

@@ -1,0 +1,134 @@
+"""What one pass of the analysis engine costs, and how soon after its commit a step's finding exists.
+
+1. Cost per pass (offline, a DuckDB store file, no collector): a run of `--ranks` ranks with a
+   full history (the most any analyzer reads) and new steps since the last pass, judged by every
+   analyzer of the registry and recorded, as the live collector's pass does: wall and CPU time for
+   1 new step and for a full pass (RANK_STEPS rank-steps: 16 steps at 16,384 ranks), side by side
+   with the same at 1,024 ranks (the ratio shows the cost grows with ranks x steps, and a pass is
+   bounded by the rank-steps it takes).
+2. Commit to finding (a real collector on loopback, real OTLP from the agent's exporter): jobs of
+   4 ranks at 10 and at 100 steps a second, their loss spiking every 60 steps; for each spike, the
+   time from the acknowledgement of the export that carried it (its commit) to its finding in the
+   store (the goal: 1 s), against the timer pass of before (every 5 s, the collector's default
+   --analyze-every, here set to an hour so that only commits drive passes).
+
+Usage: python bench/analysis_pass.py [--ranks 16384] [--spikes 5]
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from collector import findings  # noqa: E402
+from collector.engine import RANK_STEPS, Engine  # noqa: E402
+from collector.schema import DDL  # noqa: E402
+from trainer import simulate  # noqa: E402
+from trainer.faults import parse  # noqa: E402
+
+HISTORY = 96  # steps before the new ones: what the straggler analyzer reads at most
+
+
+def _store(path: Path, ranks: int, steps: int) -> duckdb.DuckDBPyConnection:
+    """A store holding one run of `ranks` ranks x `steps` steps, one rank straggling."""
+    pp = 8
+    topology = simulate.Topology(dp=ranks // pp, pp=pp)
+    frames = pd.concat(simulate.steps(topology, steps, [parse("straggler:rank=3,slowdown=1.2,from=40")],
+                                      seed=0, start_ns=time.time_ns() - steps * 10**9), ignore_index=True)
+    con = duckdb.connect(str(path))
+    con.execute(DDL)
+    frames = frames.assign(run_id="bench", start_ts=pd.to_datetime(frames["start_ns"], unit="ns"),
+                           end_ts=pd.to_datetime(frames["end_ns"], unit="ns"), loss=3.0, grad_norm=1.0)
+    con.execute("""INSERT INTO steps BY NAME SELECT run_id, rank, step, start_ts, end_ts, duration_s, data_s,
+                   compute_s, comm_wait_s, loss, grad_norm FROM frames""")
+    placement = topology.placement().assign(run_id="bench", first_seen=pd.Timestamp.now(tz="UTC"))
+    con.execute("INSERT INTO ranks BY NAME SELECT * FROM placement")
+    con.execute("INSERT INTO runs VALUES ('bench', ?, now())", [ranks])
+    return con
+
+
+def _pass(con, engine: Engine, after: int) -> tuple[float, float, int]:
+    """(wall s, CPU s, steps judged) of one pass starting after step `after`."""
+    engine.cursors.clear()
+    engine.judge(con, "bench", time.time_ns())  # the cursor made; then moved to `after`
+    engine.cursors["bench"].step = after
+    wall, cpu = time.perf_counter(), time.process_time()
+    judged = engine.judge(con, "bench", time.time_ns())
+    findings.record_pass(con, "bench", judged.found, engine.reads, judged.last)
+    return time.perf_counter() - wall, time.process_time() - cpu, judged.last - judged.first_new + 1
+
+
+def pass_costs(ranks_list: list[int]) -> Table:
+    table = Table("ranks", "new steps", "wall, ms", "CPU, ms", "CPU per rank-step, µs", "vs 1,024 ranks (wall)",
+                  title="one pass of the engine (every analyzer, findings recorded)")
+    base: dict[int, float] = {}
+    for ranks in ranks_list:
+        full = max(RANK_STEPS // ranks, 1)
+        with tempfile.TemporaryDirectory() as directory:
+            con = _store(Path(directory) / "bench.duckdb", ranks, HISTORY + full + 1)
+            engine = Engine()
+            for new in (1, full):
+                _pass(con, engine, HISTORY + full - new)  # warm
+                runs = [_pass(con, engine, HISTORY + full - new) for _ in range(3)]
+                wall, cpu, judged = (float(np.median([r[i] for r in runs])) for i in range(3))
+                key = 1 if new == 1 else 0
+                base.setdefault(key, wall)
+                table.add_row(f"{ranks:,}", f"{int(judged)}", f"{wall * 1e3:.0f}", f"{cpu * 1e3:.0f}",
+                              f"{cpu / (judged * ranks) * 1e6:.2f}", f"{wall / base[key]:.1f}x")
+            con.close()
+    return table
+
+
+def commit_latency(spikes: int) -> Table:
+    """Commit to finding at 10 and 100 steps a second, through a real collector."""
+    from tests.conftest import Collector, free_port, wait_until
+    from tests.engine_jobs import exporters, live_findings, send_steps
+
+    table = Table("steps/s", "spikes", "commit → finding, s (median)", "max", "vs the 1 s goal",
+                  "timer pass of before (5 s): mean wait", title="a spike's finding after the commit that carried it")
+    for rate in (10, 100):
+        with tempfile.TemporaryDirectory() as directory, open(Path(directory) / "collector.log", "w") as log:
+            collector = Collector(Path(directory) / "rw.duckdb", free_port(), "bench", log=log,
+                                  extra_args=("--analyze-every", "3600")).start()
+            try:
+                run, step_s = f"latency-{rate}", 1 / rate
+                sending = exporters(collector, run, 4)
+                t0, latencies, batch = time.time_ns(), [], max(rate // 10, 1)  # an export every 0.1 s
+                spike_steps = set(range(60, 60 * (spikes + 1), 60))
+                for start in range(0, 60 * (spikes + 1), batch):
+                    acked = send_steps(sending, range(start, start + batch), t0, step_s,
+                                       compute=lambda r, s: 0.6 * step_s,
+                                       loss=lambda s: 50.0 if s in spike_steps else 3.0)
+                    if spike_steps & set(range(start, start + batch)):
+                        seen = len(latencies) + 1
+                        wait_until(lambda: sum(f["kind"] == "loss_spike" for f in live_findings(collector, run))
+                                   >= seen, "the spike was not found", 60)
+                        latencies.append(time.monotonic() - acked)
+                    time.sleep(max(0.0, t0 / 1e9 + (start + batch) * step_s - time.time()))
+            finally:
+                collector.stop()
+        table.add_row(str(rate), str(len(latencies)), f"{np.median(latencies):.2f}", f"{max(latencies):.2f}",
+                      f"{np.median(latencies) / 1.0:.2f}x", "2.5 s")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=16384)
+    parser.add_argument("--spikes", type=int, default=5)
+    args = parser.parse_args()
+    console = Console()
+    console.print(pass_costs([1024, args.ranks]))
+    console.print(commit_latency(args.spikes))
+
+
+if __name__ == "__main__":
+    main()
