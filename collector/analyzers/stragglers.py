@@ -234,8 +234,9 @@ def _drawn(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int
     onset = _onset(m, first, _verdict(m, first, s, placement)[1], s)
     recent = history[history["step"] >= m.steps[last + 1 - w]]
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
-    if devices is not None and "end_ts" in recent:
-        samples = devices(int(recent["end_ts"].min()), int(recent["end_ts"].max()))
+    if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
+        ends = recent["end_ts"] if "end_ts" in recent else None
+        samples = devices(None, None) if ends is None else devices(int(ends.min()), int(ends.max()))
         finding.evidence.update(_device_evidence(samples, finding.ranks))
         if found := hardware.causes(samples, finding.ranks):  # what the GPUs say of why
             finding.evidence["hardware"] = found
