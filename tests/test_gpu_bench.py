@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_import_kineto import kernels_by_step
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "kineto"
 
@@ -31,13 +33,7 @@ def bench_gpu():
 def grid_split(doc: dict) -> dict[int, dict[str, float]]:
     """Per step, on the trace's 1 µs grid: compute kernels' union, NCCL kernels' sum, and NCCL
     time with no compute kernel running; a kernel belongs to the step its launch falls in."""
-    events = doc["traceEvents"]
-    windows = [(int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"]) for e in events
-               if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
-    launched = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    origin = int(min(e["ts"] for e in kernels))
-    size = int(max(e["ts"] + e["dur"] for e in kernels)) - origin + 1
+    windows, launched, kernels, origin, size = kernels_by_step(doc)
     split = {}
     for step, start, end in windows:
         mine = [e for e in kernels if start <= launched[e["args"]["correlation"]] <= end]

@@ -61,16 +61,23 @@ def test_ranks_world_size_and_steps(sampled):
     json.loads(report.stdout)
 
 
-def expected_steps(doc: dict) -> dict[int, dict[str, float]]:
-    """Per step, from the trace alone: compute kernel time, NCCL kernel time and NCCL time with no
-    compute kernel running (on a 1 µs grid: this trace's times are whole microseconds)."""
+def kernels_by_step(doc: dict) -> tuple[list, dict, list, int, int]:
+    """A trace's ProfilerStep windows (step, start, end), each launch's time by correlation id, its
+    kernels, and the 1 µs grid they lie on (origin, size)."""
     events = doc["traceEvents"]
     windows = [(int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     launched = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
     kernels = [e for e in events if e.get("cat") == "kernel"]
     origin = int(min(e["ts"] for e in kernels))
-    busy = np.zeros(int(max(e["ts"] + e["dur"] for e in kernels)) - origin + 1, bool)
+    return windows, launched, kernels, origin, int(max(e["ts"] + e["dur"] for e in kernels)) - origin + 1
+
+
+def expected_steps(doc: dict) -> dict[int, dict[str, float]]:
+    """Per step, from the trace alone: compute kernel time, NCCL kernel time and NCCL time with no
+    compute kernel running (on a 1 µs grid: this trace's times are whole microseconds)."""
+    windows, launched, kernels, origin, size = kernels_by_step(doc)
+    busy = np.zeros(size, bool)
     for e in kernels:
         if not e["name"].startswith("ncclKernel"):
             busy[int(e["ts"]) - origin:int(e["ts"] + e["dur"]) - origin] = True
