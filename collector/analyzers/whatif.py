@@ -145,7 +145,7 @@ def analyze(steps: pd.DataFrame, placement: pd.DataFrame | None = None, parts: p
     excess = report.slowdown - 1
     if excess < negligible:
         return report
-    report.concentration = min((workers[0]["slowdown"] - 1) / excess, 1.0)
+    report.concentration = min(max((workers[0]["slowdown"] - 1) / excess, 0.0), 1.0)  # rounding stays in [0, 1]
     # in synchronous training one slow rank alone holds everyone up: each rank that, alone at its
     # real speed, costs most of the excess is a culprit; a different rank at each step is none
     heavy = [w for w in workers if w["slowdown"] - 1 >= worst * excess]
