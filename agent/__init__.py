@@ -21,23 +21,27 @@ streamlit, and torch only where torch is used.
 import atexit
 import os
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from agent import config
-from agent.session import Session
 
-_session: Session | None = None
+if TYPE_CHECKING:  # the session (and the OpenTelemetry SDK) load at init(): `agent.config` and
+    from agent.session import Session  # `agent.semconv` are read by the collector, which exports nothing
+
+_session: "Session | None" = None
 _commands = None  # agent.commands.Commands, made on the first command() call
 _control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
 def init(run_id: str | None = None, collector: str | None = None, token: str | None = None,
          rank: int | None = None, world_size: int | None = None, cuda: bool | None = None,
-         resource: dict | None = None) -> Session:
+         resource: dict | None = None) -> "Session":
     """Start this rank's session. Everything defaults from the environment: RANK and
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
     from agent.clock import CpuTimer
+    from agent.session import Session
 
     timer = CpuTimer()
     if cuda or cuda is None:

@@ -30,7 +30,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector import findings  # noqa: E402
 from collector.engine import RANK_STEPS, Engine  # noqa: E402
-from collector.schema import DDL  # noqa: E402
+from collector.store.schema import DDL  # noqa: E402
 from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent import semconv as sc  # noqa: E402
 from collector.postmortem import analyze_run  # noqa: E402
-from collector.schema import DDL  # noqa: E402
+from collector.store.schema import DDL  # noqa: E402
 from dashboard import queries, source, ui  # noqa: E402
 from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402

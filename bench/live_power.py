@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector import analysis, findings  # noqa: E402
 from collector.alerts.config import AlertConfig  # noqa: E402
 from collector.analyzers import power  # noqa: E402
-from collector.store import connect  # noqa: E402
+from collector.store.db import connect  # noqa: E402
 from rankwatch.launch import wait_healthy  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 

@@ -18,14 +18,19 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
 from collector.analyzers import hangs, health, power, stragglers
-from collector.engine import Engine
+from collector.engine import ENDED, Engine
+from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
@@ -110,11 +115,18 @@ class Analysis:
         if steps or ended:
             self._wake.set()
 
-    def report_health(self, **counters) -> None:
-        """The server's counters (health.Snapshot's fields but the writer's own), judged on the
-        analysis thread with the writer's, right away."""
+    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
+        """The writer's word of a commit (a store task's): the runs it brought steps or events for."""
+        for table in ("steps", "events"):
+            run_ids = {run_id for part in tables.get(table, ()) for run_id in pc.unique(part["run_id"]).to_pylist()}
+            ended = {run_id for part in tables.get(table, ()) if table == "events"
+                     for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()}
+            self.touched(run_ids, steps=table == "steps", ended=ended)
+
+    def report_health(self, counters: "HealthCounters") -> None:
+        """The server's counters, judged on the analysis thread with the writer's, right away."""
         with self._lock:
-            self._counters.append(dict(counters, at=time.monotonic()))
+            self._counters.append(dict(asdict(counters), at=time.monotonic()))
         self._wake.set()
 
     def run(self, con: duckdb.DuckDBPyConnection, last: bool = False, every: bool = True) -> None:
@@ -264,6 +276,22 @@ class Analysis:
             except Exception:
                 log.exception("power analysis of run %s failed", run_id)
                 self.failures += 1
+
+
+@dataclass(frozen=True)
+class HealthCounters(Request[None]):
+    """The server's counters for the collector's health (health.Snapshot's fields but the writer's own),
+    handed to the writer's analysis once per analysis period."""
+
+    requests: dict[int, int]
+    commits: dict[float, int]
+    queue_bytes: int
+    max_queue_bytes: int
+
+
+@handles(HealthCounters)
+def _report_health(context: Context, counters: HealthCounters) -> None:
+    context.task(Analysis).report_health(counters)
 
 
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:

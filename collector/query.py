@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from collector import queryapi, ranksets
-from collector.store import connect
+from collector.store.db import connect
 
 FORMATS = ("table", "csv", "json")
 LIST_ITEMS = 8  # items of a list a table cell shows; CSV and JSON keep every one

@@ -11,7 +11,7 @@ import pandas as pd
 
 from collector import queryapi, readonly
 from collector.queryapi import QueryFailed
-from collector.store import StoreLocked, connect
+from collector.store.db import StoreLocked, connect
 
 COLLECTOR_ENV = "RANKWATCH_DASHBOARD_COLLECTOR"  # set by `rankwatch dashboard --collector URL`
 DB_ENV = "RANKWATCH_DASHBOARD_DB"  # set by `rankwatch dashboard --db PATH`

@@ -69,7 +69,7 @@ def _db(args) -> Path:
 def _preflight(config) -> None:
     """What would stop a collector from starting (collector/server.py), as a one-line usage error."""
     from collector.server import preflight
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     try:
         preflight(config)
@@ -148,7 +148,7 @@ def cmd_alerts_test(args) -> None:
 
 def cmd_query(args) -> None:
     from collector.query import QueryError, run_remote, run_sql, write
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     try:
         if args.collector:
@@ -171,7 +171,7 @@ def cmd_analyze(args) -> None:
     from collector.analyzers import hangs
     from collector.postmortem import analyze_run
     from collector.runs import UnknownRun
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
 
     db = _db(args)
     if not db.exists():
@@ -253,7 +253,7 @@ def cmd_power_recommend(args) -> None:
     from collector.analyzers.power import Policy
     from collector.runs import UnknownRun
     from collector.powercaps import document, recommend
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
 
     try:
         policy = Policy.parse(args.policy)
@@ -381,7 +381,7 @@ def cmd_import(args) -> None:
     from collector.imports.flight_recorder import FlightRecorderDumps
     from collector.imports.kineto import KinetoTrace
     from collector.imports.ops import OpTrace
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     db, path = _db(args), Path(args.path)
     kineto = args.format == "kineto"
@@ -522,7 +522,7 @@ def _power_caps(path: str, ranks: int):
 
 def cmd_dashboard(args) -> None:
     from agent.config import collector_url
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
     from dashboard.serve import serve
 
     _dashboard_port_free(args.port, "--port PORT")

@@ -357,7 +357,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
     """The writer's analysis pass only starts the power report (a bootstrap over the ranks, seconds
     at a thousand ranks) on the power thread; a later pass records its findings."""
     from collector import analysis, powercaps
-    from collector.store import connect
+    from collector.store.db import connect
 
     db = tmp_path / "copy.duckdb"
     db.write_bytes(store.read_bytes())
