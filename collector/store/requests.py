@@ -70,17 +70,18 @@ def handles(kind: type[Request[Reply]], beside: bool = False, passes: tuple[type
     return register
 
 
-def handler(request: Request) -> Handler:
-    """The handler registered for `request`'s type; LookupError when none is."""
-    try:
-        return _HANDLERS[type(request)]
-    except KeyError:
-        raise LookupError(f"no handler for {type(request).__name__}") from None
+def beside(request: Request) -> bool:
+    """Whether `request` is answered beside the commit loop (see Handler)."""
+    found = _HANDLERS.get(type(request))
+    return found is not None and found.beside
 
 
 def answer(context: Context, request: Request[Reply]) -> Reply:
-    """Run `request`'s handler; an exception it does not pass is a RuntimeError with its message."""
-    found = handler(request)
+    """Run `request`'s handler; an exception it does not pass is a RuntimeError with its message,
+    and a request of a type without a handler a LookupError."""
+    found = _HANDLERS.get(type(request))
+    if found is None:
+        raise LookupError(f"no handler for {type(request).__name__}")
     try:
         return found.function(context, request)
     except found.passes:

@@ -186,12 +186,7 @@ class _Writer:
             if group:
                 acks.put(self._commit(group))
             for call in calls:
-                try:
-                    beside = requests.handler(call.request).beside
-                except LookupError as e:
-                    acks.put(Raised(call.id, e))
-                    continue
-                if beside:  # on a query thread: a slow read never holds up commits
+                if requests.beside(call.request):  # on a query thread: a slow read never holds up commits
                     self._queries.submit(self._read, call, acks)
                 else:
                     acks.put(self._answer(requests.Context(self._con, self._tasks), call))
