@@ -1,10 +1,11 @@
 """Running the analysis engine (collector/engine.py) as telemetry arrives, in the writer process
 (the only one with the store open), on a thread of its own with a cursor of its own, so that
 commits, and the acknowledgements that wait for them, never wait for a pass however many runs it
-judges.
+judges. The server hands an Analysis to the store's writer as one of its tasks
+(collector/store/writer.py), and its health counters as a HealthCounters request.
 
-Passes are driven by commits: the writer tells this thread which runs each commit brought steps
-(or `ended` events) for and wakes it, and the pass judges those runs' new steps at once, so a
+Passes are driven by commits: the writer hands over each commit's tables, this takes from them
+the runs the commit brought steps (or `ended` events) for and wakes the thread, and the pass judges those runs' new steps at once, so a
 finding exists within a pass of the commit of the step that shows it, whatever the step rate. A
 timer wakes it too (every `interval_s`), for what time alone changes: a run that stopped sending
 steps (a stall), a job stopped by its rollback budget. A run whose ranks all said their training
