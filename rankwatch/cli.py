@@ -12,9 +12,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.device import DEVICES
 
+if TYPE_CHECKING:
+    from agent.apiclient import ApiClient
 
 
 class UsageError(Exception):
@@ -279,8 +282,7 @@ def cmd_power_recommend(args) -> None:
 def cmd_power_apply(args) -> None:
     import json
 
-    import httpx
-
+    from agent.apiclient import ApiClient, ApiError
     from agent.config import collector_url, token
 
     if not args.caps and args.watts is None:
@@ -296,18 +298,13 @@ def cmd_power_apply(args) -> None:
         body = {"caps": caps} | ({"watts": args.watts} if args.watts is not None else {})
     else:
         body = {"watts": args.watts}
-    url, secret = collector_url(args.collector), token()
-    _check_caps(url, secret, args.run, body)
+    api = ApiClient(collector_url(args.collector), token())
+    _check_caps(api, args.run, body)
     try:
-        response = httpx.post(f"{url}/v1/commands", json={"run_id": args.run, "kind": "power_cap", "args": body},
-                              headers={"Authorization": f"Bearer {secret}"} if secret else {}, timeout=30)
-    except httpx.HTTPError as e:
-        raise UsageError(f"cannot reach the collector at {url}: {e}") from None
-    if response.status_code != 201:
-        json_body = response.headers.get("content-type", "").startswith("application/json")
-        raise UsageError(f"the collector refused the power cap (HTTP {response.status_code}): "
-                         f"{response.json().get('error') if json_body else response.text.strip()[:200]}")
-    command = response.json()
+        command = api.post("/v1/commands", {"run_id": args.run, "kind": "power_cap", "args": body})
+    except ApiError as e:
+        raise UsageError(f"the collector refused the power cap (HTTP {e.status}): {e}" if e.status
+                         else str(e)) from None
     print(f"rankwatch power apply: command {command['id']} (power_cap: {len(command['args']['caps'])} ranks capped"
           + (f", the others at {command['args']['watts']:g} W" if "watts" in command["args"] else "")
           + f") is pending for run {args.run}; the job applies it at a step boundary")
@@ -318,21 +315,20 @@ _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run
            FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
 
 
-def _check_caps(url: str, secret: str | None, run_id: str, body: dict) -> None:
+def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     """Before a power cap is sent: the run is one the collector knows, every capped rank is one of
     its ranks, and every cap is within the limits its GPUs accept (the tightest range they share)."""
     from agent import semconv as sc
     from collector import queryapi
 
-    with queryapi.client(url, secret) as http:
-        try:
-            answer = queryapi.remote_query(http, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
-                                                        "high": sc.POWER_LIMIT_MAX_W})
-        except queryapi.QueryFailed as e:
-            raise UsageError(str(e)) from None
+    try:
+        answer = queryapi.remote_query(api, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
+                                                   "high": sc.POWER_LIMIT_MAX_W})
+    except queryapi.QueryFailed as e:
+        raise UsageError(str(e)) from None
     ranks, low, high = answer["rows"][0]
     if not ranks:
-        raise UsageError(f"the collector at {url} knows no run {run_id!r}")
+        raise UsageError(f"the collector at {api.url} knows no run {run_id!r}")
     caps = body.get("caps") if isinstance(body.get("caps"), dict) else {}
     targets = [(f"rank {r}", r, w) for r, w in caps.items()] + (
         [("every other rank", None, body["watts"])] if "watts" in body else [])

@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
-
 from agent import config
+from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
 
 
@@ -83,14 +82,14 @@ def announce(program: str, run_id: str, collector: str) -> None:
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Block until the collector answers /healthz (or fail if it died)."""
-    deadline = time.monotonic() + timeout_s
+    deadline, api = time.monotonic() + timeout_s, ApiClient(url, None, timeout_s=1)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"collector exited with status {process.returncode}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
+            api.get("/healthz")
+            return
+        except ApiError:  # not listening yet, or 503 while its store opens
             pass
         time.sleep(0.2)
     raise RuntimeError(f"collector not healthy at {url} after {timeout_s:.0f}s")
