@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent.paths import DEFAULT_DB
 from collector import bodies, control, otlp, queryapi
 from collector.alerts.config import AlertConfig
 from collector.analysis import Analysis
@@ -40,7 +41,7 @@ RETRY_AFTER_S = 2
 class Config:
     """How a collector is started (defaults are the newcomer's)."""
 
-    db: Path = Path("rankwatch-data/rankwatch.duckdb")
+    db: Path = DEFAULT_DB
     host: str = "127.0.0.1"
     port: int = 4318
     token: str | None = None  # None: the token file beside the DB, created on first start

@@ -17,7 +17,8 @@ from PIL import Image
 
 from agent import semconv as sc
 from agent.apiclient import ApiClient
-from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_points
+from agent.gpumodel import THERMAL, GpuModel, operating_points
+from agent.simdevice import SimulatedDevice
 from collector.analyzers import power
 from collector import queryapi
 from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until

@@ -14,7 +14,7 @@ spans timed from its entry to their completion, with group, size, sequence
 number and bytes. A thermal fault throttles the clock and raises the
 temperature and the clock-event reasons in the device samples.
 
-Power follows the simulated GPU's model (agent/simdevice.py): each rank's GPU
+Power follows the GPU power model (agent/gpumodel.py): each rank's GPU
 is busy (load 1) while it computes and idle-ish (`Timing.wait_load`) while it
 loads data or waits in collectives. A power limit (`power_limits`, per rank,
 or the `power-cap:watts=W[,rank=R]` fault, for all ranks or one, over its
@@ -49,14 +49,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from agent.simdevice import GpuModel, operating_points
+from agent.gpumodel import THERMAL, GpuModel, operating_points
 from trainer.curve import CURVE_KINDS, Curve, curve
 from trainer.faults import Fault
 
 SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap",
                    *CURVE_KINDS)
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
-THERMAL_SLOWDOWN = 0x20 | 0x40  # NVML clocks event reasons: software and hardware thermal slowdown
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
 ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
@@ -160,7 +159,7 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
-        clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
+        clock, temp, link = np.full(n, gpu.clock_max_mhz), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
         reasons, limit = np.zeros(n), limits.copy()
         for f in faults:
             if not f.active(step):
@@ -174,9 +173,9 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
             elif f.kind == "data-skew":
                 compute *= rng.lognormal(0.0, f.get("cv"), n)
             elif f.kind == "thermal":  # throttled: clocks down, hotter, slower in proportion
-                clock[f.rank], temp[f.rank] = 1500.0, 88.0
-                reasons[f.rank] = THERMAL_SLOWDOWN
-                compute[f.rank] *= 1980.0 / 1500.0
+                clock[f.rank], temp[f.rank] = gpu.thermal_clock_mhz, gpu.thermal_c
+                reasons[f.rank] = THERMAL
+                compute[f.rank] *= gpu.clock_max_mhz / gpu.thermal_clock_mhz
             elif f.kind == "slow-link":  # its link slows every collective of every group it is in
                 link[f.rank] = max(link[f.rank], f.get("factor"))
             elif f.kind == "power-cap":

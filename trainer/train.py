@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
-from agent import config
+from agent import paths
 from agent import semconv as sc
 from trainer import rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     session = agent.init(cuda=cuda, resource={sc.DP_RANK: rank, sc.DEVICE: device_name})  # CPU ranks: CPU marks
-    ckpt_dir = args.ckpt_dir or config.store_path().parent / "runs" / session.run_id / "checkpoints"
+    ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
     # DDP replicas: the same tensors, each rank writing its share of them
     replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]
     ckpt = Checkpointer(replicas[rank], {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
