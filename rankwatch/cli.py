@@ -1,4 +1,4 @@
-"""`rankwatch` command line: one subcommand per public job (DESIGN.md's contract).
+"""`rankwatch` command line: one subcommand per public job.
 
 Bad input ends in a one-line `rankwatch: error: ...` on stderr and exit 2.
 Subcommands import their machinery lazily, so `rankwatch train` never loads
