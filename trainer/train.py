@@ -42,7 +42,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--ckpt-dir", type=Path, metavar="DIR",
-                   help="checkpoints, DIR/rank-R for rank R (default: rankwatch-data/runs/RUN/checkpoints)")
+                   help=f"checkpoints, DIR/rank-R for rank R (default: "
+                        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, beside ${paths.DB_ENV}'s store when it is set)")
     p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
                    help="copy the training state to host memory every STEPS steps")
     p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
