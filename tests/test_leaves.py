@@ -108,6 +108,15 @@ def test_the_simulator_plays_the_gpu_models_figures():
     assert np.allclose(throttled[:, 0] / _compute(a100).reshape(3, 4, 4)[:, 1, 0], 1410.0 / 1100.0)
 
 
+def test_the_simulators_samples_carry_the_gpu_models_limits():
+    gpu = GpuModel(limit_min_w=100.0, limit_max_w=400.0, max_w=400.0)
+    (frame,) = simulate.steps(simulate.Topology(dp=2), 1, [], start_ns=0, gpu=gpu)
+    samples = simulate.device_samples(frame, gpu=gpu)
+    limits = samples[samples["metric"].isin([sc.POWER_LIMIT_MIN_W, sc.POWER_LIMIT_MAX_W, sc.POWER_LIMIT_W])]
+    assert sorted(limits.groupby("metric")["value"].unique().map(list).items()) == [
+        (sc.POWER_LIMIT_W, [400.0]), (sc.POWER_LIMIT_MAX_W, [400.0]), (sc.POWER_LIMIT_MIN_W, [100.0])]
+
+
 def test_the_store_and_what_lives_beside_it(tmp_path, monkeypatch):
     from collector.alerts.config import default_path
     from collector.readonly import files_dir

@@ -211,9 +211,10 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
 
 
 def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.DataFrame],
-                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing()) -> int:
-    """Send the steps as OTLP through the agent's exporter, one resource per rank, and the ranks'
-    heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
+                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing(),
+                 gpu: GpuModel = GpuModel()) -> int:
+    """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
+    ranks' heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
     clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
     past would look like a stall while they arrive), and heartbeats follow in real time for
     `hang_for_s` seconds."""
@@ -268,7 +269,7 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
         exporter.samples((metric, int(time_ns), float(value), {
             sc.RANK: int(rank), sc.GPU: int(rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED,
             **(instant if metric == sc.POWER_INSTANT_W else {})})
-            for rank, time_ns, metric, value in device_samples(frame, timing).itertuples(index=False))
+            for rank, time_ns, metric, value in device_samples(frame, timing, gpu).itertuples(index=False))
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
@@ -277,11 +278,11 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.
     return sent
 
 
-def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFrame:
+def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel = GpuModel()) -> pd.DataFrame:
     """A step frame's device samples as each rank's sampler would catch them (rank, ts ns, metric,
     value): clock, temperature and clock-event reasons at the step's end; power and utilization
     busy, in the middle of compute, and waiting, at the step's end; the power limit and the range of
-    limits the GPU accepts at the step's end. No energy counter: the step spans carry each step's energy."""
+    limits `gpu` accepts at the step's end. No energy counter: the step spans carry each step's energy."""
     from agent import semconv as sc
 
     end = frame["end_ns"]
@@ -290,8 +291,8 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFra
                (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
                (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
                (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
-               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, GpuModel.limit_min_w),
-               (sc.POWER_LIMIT_MAX_W, end, GpuModel.limit_max_w)]
+               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, gpu.limit_min_w),
+               (sc.POWER_LIMIT_MAX_W, end, gpu.limit_max_w)]
     return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
                       for metric, ts, value in samples], ignore_index=True)
 
