@@ -16,7 +16,14 @@ Nothing here blocks training on the network: spans are exported by the
 OpenTelemetry SDK's background thread, and wait in a bounded backlog while
 the collector is away. The agent imports no collector code, duckdb or
 streamlit, and torch only where torch is used.
+
+Importing the package loads none of its machinery: the session, and with it the
+OpenTelemetry SDK, is imported by `init()`, so the collector, the dashboard and
+the importers read the package's leaves (semconv, gpumodel, paths, apiclient)
+without paying for it.
 """
+
+from __future__ import annotations
 
 import atexit
 import os

@@ -1,5 +1,5 @@
-"""The query API, both ends: `POST /api/v1/query` on the collector, and the client that
-`rankwatch query --collector` and the dashboard call it with.
+"""The query API, both ends: `POST /api/v1/query` on the collector, and the call that
+`rankwatch query --collector` and the dashboard make to it (through agent/apiclient.py).
 
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
@@ -20,11 +20,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agent.apiclient import ApiClient, ApiError
 from collector import bodies, readonly
 from collector.auth import refused
 
@@ -108,22 +108,10 @@ def _parameter(value, depth: int) -> bool:
     return value is None or isinstance(value, (int, float)) or isinstance(value, str) and bodies.utf8(value)
 
 
-def remote_query(client: httpx.Client, sql: str, params: list | dict | None = None) -> dict:
-    """The API's answer to one query through `client` (base URL and token set); QueryFailed
-    with the API's reason when it refuses."""
+def remote_query(client: ApiClient, sql: str, params: list | dict | None = None) -> dict:
+    """The API's answer to one query through `client`; QueryFailed with the API's reason when it
+    refuses, or why it could not be reached."""
     try:
-        response = client.post(PATH, json={"sql": sql, "params": params})
-    except httpx.HTTPError as e:
-        raise QueryFailed(f"cannot reach the collector at {client.base_url}: {e}") from None
-    if response.status_code != 200:
-        try:
-            reason = response.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            reason = f"HTTP {response.status_code}"
-        raise QueryFailed(reason)
-    return response.json()
-
-
-def client(url: str, token: str | None, timeout_s: float = readonly.TIMEOUT_S + 5) -> httpx.Client:
-    """An HTTP client for a collector's query API."""
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token or ''}"}, timeout=timeout_s)
+        return client.post(PATH, {"sql": sql, "params": params}, timeout_s=readonly.TIMEOUT_S + 5)
+    except ApiError as e:
+        raise QueryFailed(str(e)) from None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import duckdb
 
+from agent.paths import SQL_FILES_DIR
 from collector.store.requests import Context, Request, handles
 
 ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there were more
@@ -36,7 +37,6 @@ ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there w
 # result crosses the writer's queue and the server's event loop in a fraction of a second.
 BYTE_CAP = 32 * 2**20
 TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
-FILES_DIR = "sql-files"  # beside the store: the only directory whose files queries may read
 _CHUNK_ROWS = 4096  # the most rows fetched at once
 _INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
 _COMPACT = (",", ":")  # the separators of the JSON answer
@@ -53,7 +53,7 @@ class QueryTimeout(Exception):
 def files_dir(data_dir: Path) -> Path:
     """The directory whose files queries may read: one of its own, never the store's directory, which
     holds the token file and the receivers file."""
-    return data_dir / FILES_DIR
+    return data_dir / SQL_FILES_DIR
 
 
 def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:

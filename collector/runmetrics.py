@@ -67,9 +67,9 @@ _SUSPECTS = """SELECT run_id, rank, count(*) AS n
 _ROLLBACKS = """SELECT run_id, count(*) FROM commands WHERE kind = 'rollback' AND list_contains($runs, run_id)
                 GROUP BY ALL"""
 # the newest checkpoint of each run: the longest any rank's training loop was blocked by it
-_CHECKPOINTS = """
+_CHECKPOINTS = f"""
 WITH saved AS (
-    SELECT run_id, step, TRY_CAST(attrs->>'$."rankwatch.checkpoint.blocked_s"' AS DOUBLE) AS blocked_s,
+    SELECT run_id, step, TRY_CAST(attrs->>{sc.json_path(sc.CKPT_BLOCKED_S)} AS DOUBLE) AS blocked_s,
            max(step) OVER (PARTITION BY run_id) AS last_step
     FROM events WHERE event = 'checkpoint_saved' AND ts > make_timestamp_ns($since) AND list_contains($runs, run_id))
 SELECT run_id, max(blocked_s) FROM saved WHERE step = last_step GROUP BY run_id HAVING max(blocked_s) IS NOT NULL"""

@@ -20,12 +20,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent.paths import DEFAULT_DB
 from collector import bodies, control, otlp, queryapi
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
 from collector.analysis import Analysis, HealthCounters
 from collector.analyzers import hangs
-from collector.auth import authorized, load_or_create_token
+from collector.auth import CHALLENGE, load_or_create_token, refusal
 from collector.commands import ROLLBACK_ON, RollbackPolicy
 from collector.decode import describe_decoder
 from collector.ingest import Ingestor
@@ -42,7 +43,7 @@ RETRY_AFTER_S = 2
 class Config:
     """How a collector is started (defaults are the newcomer's)."""
 
-    db: Path = Path("rankwatch-data/rankwatch.duckdb")
+    db: Path = DEFAULT_DB
     host: str = "127.0.0.1"
     port: int = 4318
     token: str | None = None  # None: the token file beside the DB, created on first start
@@ -108,14 +109,14 @@ def create_app(config: Config) -> Starlette:
         async def export(request: Request) -> Response:
             kind = otlp.PROTOBUF
             try:
-                if not authorized(request.headers.get("authorization"), token):
-                    raise otlp.OtlpError(401, "missing or wrong bearer token")
+                if (reason := refusal(request, token)) is not None:
+                    raise otlp.OtlpError(401, reason)
                 kind = otlp.media_type(request.headers.get("content-type"))
                 outcome = await state["ingestor"].export(signal, kind, otlp.encoding(request.headers.get(
                     "content-encoding")), await _read_body(request))
             except otlp.OtlpError as e:
                 metrics.requests.labels(signal, e.status).inc()
-                headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+                headers = CHALLENGE if e.status == 401 else None
                 return Response(otlp.status(e.status, str(e), kind), e.status, headers, media_type=kind)
             except Overloaded as e:
                 return _unavailable(signal, str(e), kind)

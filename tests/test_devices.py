@@ -25,7 +25,8 @@ from agent.export import Exporter
 from agent.nvml import MAX_XIDS, NvmlDevice
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_points
+from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
+from agent.simdevice import SimulatedDevice
 
 H100 = GpuModel()
 
