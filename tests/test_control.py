@@ -9,6 +9,7 @@ commands (404), and going back from applied; people can create commands.
 """
 
 import math
+import socket
 import threading
 import time
 
@@ -17,6 +18,7 @@ import pytest
 
 from agent import semconv as sc
 from agent.export import Exporter
+from collector.control import MAX_WAITING
 from tests.conftest import wait_until
 from tests.otlp_payloads import query
 
@@ -150,6 +152,43 @@ def test_an_idle_held_poll_ends_at_its_wait_and_needs_the_token(client):
     unauthorized = httpx.get(f"{client.collector.url}/v1/commands",
                              params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=10)
     assert unauthorized.status_code == 401  # at once, never held
+
+
+def test_held_polls_are_bounded_in_number(client):
+    """MAX_WAITING polls held at once: a poll beyond them is answered at once, empty, as without
+    `wait`, while those held stay held."""
+    url = httpx.URL(client.collector.url)
+    request = (f"GET /v1/commands?run_id={RUN}&state=pending&wait=30 HTTP/1.1\r\nHost: {url.host}\r\n"
+               f"Authorization: Bearer {client.collector.token}\r\n\r\n").encode()
+    held = []
+    try:
+        for _ in range(MAX_WAITING):
+            held.append(socket.create_connection((url.host, url.port)))
+            held[-1].sendall(request)
+
+        def answered_at_once() -> bool:  # a probe that is held counts too: it stays held once it times out
+            try:
+                return client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 30},
+                                  timeout=3).json() == []
+            except httpx.TimeoutException:
+                return False
+
+        wait_until(answered_at_once, "no poll was answered at once past the bound", 120)
+        for connection in held:
+            connection.setblocking(False)
+        assert all(_unanswered(connection) for connection in held)
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def _unanswered(connection: socket.socket) -> bool:
+    """Nothing came back on the connection yet (neither an answer nor its end)."""
+    try:
+        connection.recv(1)
+    except BlockingIOError:
+        return True
+    return False
 
 
 def test_a_spike_seen_with_its_clean_steps_after_it_is_still_rolled_back():
