@@ -88,7 +88,7 @@ class Commands:
         self._until_look -= 1
         if self._until_look > 0:
             return None
-        command, gap = None, 0
+        command, gap = None, 1  # the other ranks take rank 0's gap from the broadcast
         if self._rank == 0:
             gap = self._looks.gap(time.monotonic())
             with self._lock:
