@@ -51,12 +51,12 @@ def job(directory: Path, steps: int, spike_at: int, pace: list[str]) -> dict:
                                          median(duration_s) FROM steps WHERE run_id = '{RUN}'""")
     ((found,),) = query(db, f"SELECT min(epoch_ns(created_at)) FROM findings WHERE run_id = '{RUN}' "
                             "AND kind = 'loss_spike'")
-    ((committed,),) = query(db, "SELECT max(epoch_ns(received_at)) FROM exports WHERE signal = 'traces' "
-                                "AND epoch_ns(received_at) <= ?", [found])
     rows = query(db, f"SELECT epoch_ns(created_at), apply_step, result FROM commands WHERE run_id = '{RUN}' "
                      "AND kind = 'rollback' ORDER BY id")
-    if not rows or rows[0][2] is None:
-        raise SystemExit(f"no rollback was applied: see {directory}")
+    if found is None or not rows or rows[0][2] is None:  # a row of dashes says so
+        return {"step_s": step_s, "rollbacks": len(rows), "tier": "-", **dict.fromkeys(MARKS)}
+    ((committed,),) = query(db, "SELECT max(epoch_ns(received_at)) FROM exports WHERE signal = 'traces' "
+                                "AND epoch_ns(received_at) <= ?", [found])
     commanded, apply_step, result = rows[0][0], rows[0][1], json.loads(rows[0][2])
     ((looked,),) = query(db, f"SELECT min(epoch_ns(end_ts)) FROM steps WHERE run_id = '{RUN}' AND step = ? "
                              "AND epoch_ns(end_ts) >= ?", [apply_step - 1, spiked])
