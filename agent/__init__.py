@@ -98,7 +98,8 @@ def command(step: int) -> dict | None:
     """At a step boundary, on every rank: the command to apply now (a rollback: restore the
     newest checkpoint at or before `args["before_step"]`, skip `args["skip_batches"]` batches,
     scale the learning rate by `args["lr_scale"]`), the same on every rank; else None. Every rank
-    must call it at every step (it looks every few steps, as a collective). Then report()."""
+    must call it at every step: it looks for a command every step or every ~0.25 s of training,
+    whichever is longer (a look is a collective). Then report()."""
     global _commands
     if not _session or not _session.exporter:
         return None

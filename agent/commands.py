@@ -1,51 +1,99 @@
 """Commands from the collector (rollbacks), taken by every rank at the same step.
 
 Rank 0 fetches the run's pending commands from the control API in a
-background thread, so the training loop never waits on the network. At a
-step boundary every rank calls `at_step`: rank 0 hands out the oldest command
+background thread, so the training loop never waits on the network: a held
+poll (`wait`), which the collector answers as soon as a command is queued,
+or at the latest after WAIT_S with none. Every rank calls `at_step` at every
+step boundary; at some of them, the looks, rank 0 hands out the oldest command
 it has fetched, tells the collector it is taken (acked, with that step), and
 the job's process group carries it to every rank, on a CPU (gloo) group so
 the GPUs' streams are not touched. All ranks thus apply it at the same step.
+
+A look is a broadcast, so looks are paced by time, not steps (`Looks`): rank 0
+measures the step time and picks how many steps on the next look comes, about
+LOOK_S of training away (every step when steps are that long), and carries
+that count in the look's broadcast, so every rank knows it without another
+collective.
 """
 
 import logging
+import math
 import threading
+import time
 from collections import deque
 
 from agent.apiclient import ApiClient, ApiError
 
 log = logging.getLogger("rankwatch.agent")
+# Seconds of training between two looks at most (or one step, when steps are longer): a command
+# waits at most this long for its look, and a fast job pays one small broadcast per LOOK_S.
+LOOK_S = 0.25
+MAX_STEPS_APART = 10_000  # steps between looks at most, however short the steps measured
+# Seconds the collector holds a poll while it has no command (its bound: collector/control.py MAX_WAIT_S).
+WAIT_S = 20.0
+
+
+def steps_apart(step_s: float, look_s: float = LOOK_S) -> int:
+    """Steps from one look to the next at `step_s` a step: as many as fit in `look_s`, at least one,
+    so looks are at most max(one step, look_s) apart and no more often than that needs."""
+    if not step_s > 0:
+        return MAX_STEPS_APART
+    steps = math.floor(look_s / step_s)
+    steps += ((steps + 1) * step_s <= look_s) - (steps * step_s > look_s)  # the quotient's rounding, undone
+    return min(max(steps, 1), MAX_STEPS_APART)
+
+
+class Looks:
+    """Rank 0's pacing of the looks: the step time measured between two looks sets the next gap."""
+
+    def __init__(self, look_s: float = LOOK_S):
+        self._look_s = look_s
+        self._last: float | None = None  # time.monotonic() at the last look
+        self._gap = 1  # steps from the last look to this one
+
+    def gap(self, now: float) -> int:
+        """At a look at time `now`: the steps until the next one (the first look is followed by
+        one at the next step, to measure a step)."""
+        if self._last is not None:
+            self._gap = steps_apart((now - self._last) / self._gap, self._look_s)
+        self._last = now
+        return self._gap
 
 
 class Commands:
     """This rank's view of the commands for its run."""
 
     def __init__(self, collector: str, token: str | None, run_id: str, rank: int, poll_s: float = 2.0,
-                 every: int = 5):
-        """`every`: steps between two looks (each look is a broadcast over the job's ranks)."""
-        self._api, self._run_id, self._rank, self._every = ApiClient(collector, token, 5), run_id, rank, every
+                 look_s: float = LOOK_S, wait_s: float = WAIT_S):
+        """`poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
+        most training between two looks (each look is a broadcast over the job's ranks); `wait_s`: how
+        long the collector may hold a poll."""
+        self._api, self._run_id, self._rank = ApiClient(collector, token, 5), run_id, rank
+        self._looks, self._until_look = Looks(look_s), 1  # at_step calls until the next look
         self._fetched: deque[dict] = deque()
         self._seen: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._group = None
-        self._thread = None
         if rank == 0:
-            self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="rankwatch-commands", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._poll, args=(poll_s, wait_s), name="rankwatch-commands",
+                             daemon=True).start()
 
     def at_step(self, step: int) -> dict | None:
         """The command every rank applies at this step boundary, the same on all ranks; None
-        most of the time. Every rank must call it at the same steps (it is a collective)."""
-        if step % self._every:
+        most of the time. Every rank must call it at every step boundary (a look is a collective)."""
+        self._until_look -= 1
+        if self._until_look > 0:
             return None
-        command = None
+        command, gap = None, 1  # the other ranks take rank 0's gap from the broadcast
         if self._rank == 0:
+            gap = self._looks.gap(time.monotonic())
             with self._lock:
                 command = self._fetched.popleft() if self._fetched else None
             if command is not None:
                 command = self.report(command, "acked", apply_step=step) or command
-        return self._shared(command)
+        command, self._until_look = self._shared((command, gap))
+        return command
 
     def report(self, command: dict, state: str, apply_step: int | None = None, result: dict | None = None) -> dict | None:
         """Tell the collector how a command went (rank 0 speaks for the job); the updated command."""
@@ -60,29 +108,35 @@ class Commands:
             return None
 
     def close(self) -> None:
+        """Stop polling, without waiting for a held poll to end: the thread (a daemon) leaves when it does."""
         self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=5)
 
-    def _shared(self, command: dict | None) -> dict | None:
-        """Rank 0's command, on every rank."""
+    def _shared(self, look: tuple[dict | None, int]) -> tuple[dict | None, int]:
+        """Rank 0's look (its command, and the steps until the next look), on every rank."""
         try:
             import torch.distributed as dist
         except ImportError:
-            return command
+            return look
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return command
+            return look
         if self._group is None:  # a CPU group, so the broadcast never waits on a GPU stream
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        box = [command]
+        box = [look]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def _poll(self, every_s: float) -> None:
+    def _poll(self, every_s: float, wait_s: float) -> None:
+        """Poll for pending commands until close(), a poll starting at most every `every_s`: a held
+        poll that ended empty is followed at once by the next, while a collector that answers at once
+        (one that holds no poll, or one that answers with a command still to be acked) is asked
+        every `every_s`, as are failing polls."""
+        query = {"run_id": self._run_id, "state": "pending", "wait": str(wait_s)}
         logged: set[str] = set()  # the kinds of failure logged: each once, not once a poll
-        while not self._stop.wait(every_s):
+        started = -math.inf
+        while not self._stop.wait(max(started + every_s - time.monotonic(), 0.0)):
+            started = time.monotonic()
             try:
-                pending = self._api.get("/v1/commands", {"run_id": self._run_id, "state": "pending"})
+                pending = self._api.get("/v1/commands", query, timeout_s=wait_s + 5)
             except ApiError as e:  # the command waits there until a poll gets it
                 if e.kind not in logged:
                     logged.add(e.kind)

@@ -54,6 +54,10 @@ for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shar
 
 
 _CONTEXT = SpanContext(0, 0, is_remote=False, trace_flags=_SAMPLED)
+# How long a finished step waits for its export at most: the first stretch of a rollback's way
+# (a spike's step must reach the collector for it to be judged), against one request a rank per
+# stretch (docs/benchmarks.md, Rollback latency, for both sides of it).
+SPANS_DELAY_MS = 250
 
 
 class Span(NamedTuple):
@@ -298,7 +302,7 @@ class Exporter:
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
         # request stay far below the collector's 20 MiB and 100k entries a request
         self._processor = BatchSpanProcessor(_Spans(self.spans_backlog), max_queue_size=8192,
-                                             max_export_batch_size=256, schedule_delay_millis=1000)
+                                             max_export_batch_size=256, schedule_delay_millis=SPANS_DELAY_MS)
         self._scope = InstrumentationScope(SCOPE)
         self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)

@@ -35,8 +35,9 @@ class Sampler:
 
     def __init__(self, readers: Sequence[Reader], emit: Callable[[list[Point]], object], period_s: float = 0.1,
                  flush_s: float = 1.0, now_ns: Callable[[], int] = time.time_ns, keep_s: float = 600.0,
-                 max_batches: int = 60):
-        self._readers, self._emit, self._now_ns = list(readers), emit, now_ns
+                 max_batches: int = 60, on_sample: Callable[[], object] = lambda: None):
+        """`on_sample`: called after each sample (the agent emits the steps it held for their energy)."""
+        self._readers, self._emit, self._now_ns, self._on_sample = list(readers), emit, now_ns, on_sample
         self._period_s, self._flush_s = period_s, flush_s
         self._keep = max(int(keep_s / period_s), 2)
         self._energy: list[tuple[int, float]] = []  # (time ns, J) of the GPU's counter, oldest first
@@ -114,6 +115,7 @@ class Sampler:
         while True:
             stopping = self._stop.wait(max(next_tick - time.monotonic(), 0.0))
             batch += self._read_all()
+            self._on_sample()
             now = time.monotonic()
             if (stopping or now >= next_flush) and batch:
                 self._hand_over(batch)

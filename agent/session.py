@@ -77,8 +77,9 @@ class Session:
         readers: list = [self.device]
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
-        self.sampler = Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns) \
-            if self.exporter else None
+        # a step held for its energy goes out once sampled past, not only at the next step's end
+        self.sampler = Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns,
+                               on_sample=self._emit_ready) if self.exporter else None
         self._pending: deque[_Step] = deque()
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None

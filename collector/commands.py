@@ -154,6 +154,13 @@ def listing(con: duckdb.DuckDBPyConnection, run_id: str, state: str | None = Non
                    [run_id, state] if state else [run_id])
 
 
+def pending_runs(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> list[str]:
+    """Which of `run_ids` have a pending command: what the control API's held polls wait for."""
+    return [run_id for (run_id,) in con.execute(
+        "SELECT DISTINCT run_id FROM commands WHERE state = 'pending' AND list_contains(?, run_id)",
+        [run_ids]).fetchall()]
+
+
 def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_step: int | None = None,
            result: dict | None = None) -> dict:
     """Move a command on (`apply_step`: the step the job applies it at; `result`: what happened);
@@ -176,10 +183,12 @@ def update(con: duckdb.DuckDBPyConnection, command_id: int, state: str, apply_st
 # Firing anomaly findings no rollback has answered: none was sent for them, nor for another
 # finding at that step or later drawn before that rollback was done with (the same anomaly, or
 # the steps the job ran on before the rollback landed, which it abandoned: they must not spend
-# the job's rollback budget; one drawn later is an anomaly of the new trajectory).
+# the job's rollback budget; one drawn later is an anomaly of the new trajectory). Firing, or
+# resolved in the pass that drew it (created and updated at once): at a fast step rate one export
+# can bring a spike and more clean steps after it than an anomaly stays firing for.
 _UNANSWERED = """
 SELECT f.id, f.kind, f.step_start FROM findings f
-WHERE f.run_id = ? AND f.analyzer = ? AND f.state = 'firing'
+WHERE f.run_id = ? AND f.analyzer = ? AND (f.state = 'firing' OR f.created_at = f.updated_at)
   AND NOT EXISTS (SELECT 1 FROM commands c JOIN findings answered ON c.finding_id = answered.id
                   WHERE c.run_id = f.run_id AND (answered.id = f.id OR (answered.step_start <= f.step_start
                                                                          AND f.created_at <= c.updated_at)))
@@ -235,7 +244,8 @@ def _finite_or_none(text: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-# The control API's requests: each answered by the function above of its name, on the writer thread;
+# The control API's requests: each answered by the function above of its name, on the writer thread (a
+# held poll's check for pending commands beside it, on a cursor of its own);
 # a refusal (CommandError, 400) or an unknown command (LookupError, 404) reaches the API as it is.
 _REFUSALS = (CommandError, LookupError)
 
@@ -268,6 +278,13 @@ class UpdateCommand(Request[dict]):
     result: dict | None = None
 
 
+@dataclass(frozen=True)
+class PendingRuns(Request[list[str]]):
+    """Which of `run_ids` have a pending command (the control API's held polls)."""
+
+    run_ids: list[str]
+
+
 @handles(CreateCommand, passes=_REFUSALS)
 def _create(context: Context, r: CreateCommand) -> dict:
     return create(context.con, r.run_id, r.kind, r.args, r.created_by)
@@ -281,3 +298,8 @@ def _listing(context: Context, r: ListCommands) -> list[dict]:
 @handles(UpdateCommand, passes=_REFUSALS)
 def _update(context: Context, r: UpdateCommand) -> dict:
     return update(context.con, r.command_id, r.state, r.apply_step, r.result)
+
+
+@handles(PendingRuns, beside=True)
+def _pending_runs(context: Context, r: PendingRuns) -> list[str]:
+    return pending_runs(context.con, r.run_ids)

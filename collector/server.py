@@ -149,7 +149,8 @@ def create_app(config: Config) -> Starlette:
 
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
-    routes += control.routes(lambda: state["ingestor"].store, token)
+    routes += control.routes(lambda: state["ingestor"].store, token,
+                             lambda: app.state.server is not None and app.state.server.should_exit)
     routes += queryapi.routes(lambda: state["ingestor"].store, token)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.failed, app.state.server = False, None  # serve() sets the server, which stop_failed stops

@@ -251,7 +251,7 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
 
 def test_the_agent_logs_a_failing_poll_once(collector, caplog):
     caplog.set_level(logging.WARNING, "rankwatch.agent")
-    wrong = Commands(collector.url, "wrong-token", RUN, rank=0, poll_s=0.05, every=1)
+    wrong = Commands(collector.url, "wrong-token", RUN, rank=0, poll_s=0.05, look_s=0)
     try:
         wait_until(lambda: caplog.records, "the failing poll was not logged")
         time.sleep(1)  # many more polls, failing the same way

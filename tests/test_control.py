@@ -9,6 +9,8 @@ commands (404), and going back from applied; people can create commands.
 """
 
 import math
+import socket
+import threading
 import time
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 
 from agent import semconv as sc
 from agent.export import Exporter
+from collector.control import MAX_WAITING
 from tests.conftest import wait_until
 from tests.otlp_payloads import query
 
@@ -102,6 +105,11 @@ def test_a_person_creates_a_command(client):
     ("post", "/v1/commands/999", b'{"state": "applied"}', 404, "no command 999"),
     ("post", "/v1/commands/x", b'{"state": "applied"}', 400, "command ids are integers"),
     ("get", "/v1/commands", None, 400, "run_id is required"),
+    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=31", None, 400, "wait must be a number of seconds in [0, 30]"),
+    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=1e999", None, 400, "wait must be a number"),
+    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=nan", None, 400, "wait must be a number"),
+    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=-1", None, 400, "wait must be a number"),
+    ("get", f"/v1/commands?run_id={RUN}&wait=1", None, 400, "it takes state=pending"),
 ])
 def test_bad_requests_are_refused(client, method, path, body, status, why):
     response = client.request(method.upper(), path, content=body)
@@ -119,6 +127,90 @@ def test_the_token_is_required(client):
                     httpx.Request("POST", f"{client.collector.url}/v1/commands", json={"run_id": RUN,
                                                                                         "kind": "rollback"})):
         assert httpx.Client().send(request).status_code == 401
+
+
+def test_a_held_poll_answers_as_soon_as_a_command_is_queued(client):
+    """A poll held for 20 s answers with the command created meanwhile well within the agent's
+    plain poll interval (2 s), the held polls being asked about every 50 ms."""
+    held: list = []
+    poll = threading.Thread(target=lambda: held.append(client.get(
+        "/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=30)))
+    poll.start()
+    time.sleep(0.5)  # the poll is held by now (were it not, it would be answered at once, empty: the test fails)
+    created = client.post("/v1/commands", json={"run_id": RUN, "kind": "rollback", "args": {"before_step": 7}})
+    queued = time.monotonic()
+    poll.join(30)
+    answered = time.monotonic() - queued
+    assert held[0].status_code == 200 and [c["id"] for c in held[0].json()] == [created.json()["id"]]
+    assert answered < 1.5, answered
+
+
+def test_an_idle_held_poll_ends_at_its_wait_and_needs_the_token(client):
+    started = time.monotonic()
+    idle = client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 1.5})
+    assert idle.status_code == 200 and idle.json() == [] and time.monotonic() - started >= 1.5
+    unauthorized = httpx.get(f"{client.collector.url}/v1/commands",
+                             params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=10)
+    assert unauthorized.status_code == 401  # at once, never held
+
+
+def test_held_polls_are_bounded_in_number(client):
+    """MAX_WAITING polls held at once: a poll beyond them is answered at once, empty, as without
+    `wait`, while those held stay held."""
+    url = httpx.URL(client.collector.url)
+    request = (f"GET /v1/commands?run_id={RUN}&state=pending&wait=30 HTTP/1.1\r\nHost: {url.host}\r\n"
+               f"Authorization: Bearer {client.collector.token}\r\n\r\n").encode()
+    held = []
+    try:
+        for _ in range(MAX_WAITING):
+            held.append(socket.create_connection((url.host, url.port)))
+            held[-1].sendall(request)
+
+        def answered_at_once() -> bool:  # a probe that is held counts too: it stays held once it times out
+            try:
+                return client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 30},
+                                  timeout=3).json() == []
+            except httpx.TimeoutException:
+                return False
+
+        wait_until(answered_at_once, "no poll was answered at once past the bound", 120)
+        for connection in held:
+            connection.setblocking(False)
+        assert all(_unanswered(connection) for connection in held)
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def _unanswered(connection: socket.socket) -> bool:
+    """Nothing came back on the connection yet (neither an answer nor its end)."""
+    try:
+        connection.recv(1)
+    except BlockingIOError:
+        return True
+    return False
+
+
+def test_a_spike_seen_with_its_clean_steps_after_it_is_still_rolled_back():
+    """At a fast step rate one export brings a loss spike and more clean steps after it than an
+    anomaly stays firing for: the pass that draws it resolves it at once, and it still gets its
+    rollback (a spike at 200 seen with steps up to 245: none was sent)."""
+    import duckdb
+
+    from collector import commands, findings
+    from collector.analyzers import Finding, anomalies
+    from collector.schema import DDL
+
+    con = duckdb.connect()
+    con.execute(DDL)
+    spike = Finding("r", "loss_spike", [], 200, 200, "critical", 60.0, "loss at 200", analyzer="anomalies")
+    findings.record_pass(con, "r", {"anomalies": [spike]}, {"anomalies": anomalies.READS}, last=245)
+    assert con.execute("SELECT state FROM findings").fetchall() == [("resolved",)]
+    (sent,) = commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy())
+    assert sent["args"]["before_step"] == 195
+    findings.record_pass(con, "r", {"anomalies": []}, {"anomalies": anomalies.READS}, last=260)
+    commands.update(con, sent["id"], "applied", result={"restored_step": 190})
+    assert commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy()) == []  # answered once
 
 
 def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():

@@ -51,6 +51,26 @@ def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp
     assert rows == distinct == nproc * 160 and bad == 0 and last_loss < 10
 
 
+def test_at_about_a_second_a_step_a_spike_is_rolled_back_from_memory_within_two_steps(collector_factory, tmp_path):
+    """A 1-rank job whose steps 14 to 24 take a second more (a 1 s pause in each, once) and whose loss
+    spikes at step 21: the rollback is applied, from memory, within two steps of the spike's end (at
+    step 24 at the latest; the step boundary right after the spike comes before its span is even
+    sent); looks every 5 steps and polls every 2 s applied it at step 25 at the earliest."""
+    collector = collector_factory(None, "--analyze-every", "3600")  # only commits drive passes
+    run = "run-rollback-slow-steps"
+    status = train(nproc=1, steps=26, run_id=run, faults=["spike:at=21,scale=50",
+                                                          *(f"hang:rank=0,at={s},seconds=1" for s in range(14, 25))],
+                   collector=collector.url, token=collector.token,
+                   trainer_args=["--snapshot-every", "5", "--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")])
+    assert status == 0
+    collector.stop()
+    ((result,),) = query(collector.db, "SELECT result FROM commands WHERE run_id = ? AND state = 'applied'", [run])
+    result = json.loads(result)
+    ((tier,),) = query(collector.db, """SELECT attrs->>'$."rankwatch.checkpoint.tier"' FROM events
+                                       WHERE run_id = ? AND event = 'checkpoint_restored'""", [run])
+    assert result["from_step"] <= 24 and tier == "memory", result
+
+
 def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_factory, tmp_path):
     """--max-rollbacks 1: the first spike is rolled back, the second stops the job, back at its
     last good snapshot and with that snapshot on disk; the collector names the stop, critical."""

@@ -9,10 +9,13 @@ NCCL's stream, which runs the buckets one after another, not the time since
 its launch; at shutdown, a step still on the GPU waits for its buckets' end
 events, which are on streams of their own. On CPU, a real one-rank gloo DDP
 model through the agent's comm hook: every bucket timed, the exposed wait
-within the step and the phases adding up.
+within the step and the phases adding up. A finished step reaches the collector
+soon, without waiting for the next step to end.
 """
 
 import time
+
+import httpx
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from agent.clock import Clock
 from agent.collectives import comm_hook
 from agent.session import BUCKET, Session
+from tests.conftest import wait_until
 
 MS = 1_000_000  # ns
 
@@ -198,3 +202,25 @@ def test_shutdown_waits_for_every_collectives_end_event(collector):
     collector.stop()
     assert query(collector.db, "SELECT count(*) FROM ops WHERE kind = 'comm'") == [(5,)]
     assert query(collector.db, "SELECT comm_wait_s FROM steps") == [(pytest.approx(30e-6, abs=1e-9),)]
+
+
+def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(collector):
+    """A step held for the sample past its end (for its energy) goes out once sampled, within the
+    export's 250 ms, where it waited for the next step's end or the 5 s heartbeat and a 1 s batch:
+    what a spike at a slow step rate waited before its rollback could start."""
+    session = Session("run-one-step", 0, 1, collector.url, collector.token)
+    with session.step(0):
+        with session.phase("forward"):
+            time.sleep(0.01)
+    ended = time.monotonic()
+
+    def stored() -> bool:
+        answer = httpx.post(f"{collector.url}/api/v1/query", headers=collector.headers, timeout=10,
+                            json={"sql": "SELECT count(*) FROM steps WHERE run_id = 'run-one-step'"})
+        return answer.json()["rows"] == [[1]]
+
+    try:
+        wait_until(stored, "the step never reached the collector", 30)
+        assert time.monotonic() - ended < 3.5
+    finally:
+        session.shutdown()

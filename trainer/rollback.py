@@ -23,22 +23,25 @@ import torch
 
 import agent
 from agent import semconv as sc
+from agent.commands import steps_apart
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 
 
 MARGIN = 5  # steps a rollback lands before its anomaly (the collector's RollbackPolicy.margin)
-LOOK_EVERY = 5  # steps between the agent's looks at commands (agent/commands.py)
-# Before a rollback has measured it: the export's batching (~1 s), the collector's analysis period
-# (--analyze-every, 5 s) and the agent's command poll (2 s), rounded up.
+# Before a rollback has measured it: the export's batching (0.25 s), the collector's analysis period
+# (--analyze-every, 5 s; commits wake a pass at once, a timer pass is the worst case) and a command
+# poll that finds the collector away (2 s), rounded up.
 DETECTION_LATENCY_S = 10.0
 
 
 def ring_size(step_s: float, latency_s: float, every: int) -> int:
     """Snapshots (one every `every` steps) to keep in memory so that a rollback `latency_s` after its
-    anomaly still finds one MARGIN steps before it: the steps run in that time, the margin and the
-    steps until the agent next looks, in snapshots, plus the newest, which is past the anomaly."""
-    return math.ceil((latency_s / max(step_s, 1e-6) + MARGIN + LOOK_EVERY) / every) + 1
+    anomaly still finds one MARGIN steps before it: the steps run in that time and until the agent
+    next looks (one step or LOOK_S), and the margin, in snapshots, plus the newest, which is past
+    the anomaly."""
+    step_s = max(step_s, 1e-6)
+    return math.ceil((latency_s / step_s + steps_apart(step_s) + MARGIN) / every) + 1
 
 
 @dataclass
