@@ -199,7 +199,7 @@ def test_a_spike_seen_with_its_clean_steps_after_it_is_still_rolled_back():
 
     from collector import commands, findings
     from collector.analyzers import Finding, anomalies
-    from collector.schema import DDL
+    from collector.store.schema import DDL
 
     con = duckdb.connect()
     con.execute(DDL)
