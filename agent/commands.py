@@ -50,7 +50,8 @@ class Commands:
                 command = self.report(command, "acked", apply_step=step) or command
         return self._shared(command)
 
-    def report(self, command: dict, state: str, apply_step: int | None = None, result: dict | None = None) -> dict | None:
+    def report(self, command: dict, state: str, apply_step: int | None = None,
+               result: dict | None = None) -> dict | None:
         """Tell the collector how a command went (rank 0 speaks for the job); the updated command."""
         if self._rank != 0:
             return None

@@ -35,8 +35,7 @@ from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult
-from opentelemetry.sdk.metrics.export import (Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics,
-                                              ScopeMetrics)
+from opentelemetry.sdk.metrics.export import Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics, ScopeMetrics
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -285,7 +284,7 @@ class Exporter:
                  backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = self._endpoint = endpoint.rstrip("/")
-        common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
+        common = {"headers": headers, "timeout": timeout_s, "compression": Compression.Gzip}
         self.resource = Resource.create(dict(resource))
         self.spans_backlog = Backlog(SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
                                      SpanExportResult.SUCCESS, backlog_items, endpoint,

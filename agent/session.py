@@ -19,8 +19,8 @@ from pathlib import Path
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer
 from agent.config import UNDELIVERED_ENV
-from agent.opendevice import open_device
 from agent.export import Exporter, log
+from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
 from agent.timeline import exposed, serialized, subtract
@@ -192,7 +192,7 @@ class Session:
         wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
         start, end = wall(s.start), wall(s.end)
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
-        seconds = {name: 0.0 for name in ("data", *COMPUTE_PHASES)}
+        seconds = dict.fromkeys(("data", *COMPUTE_PHASES), 0.0)
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)

@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rankwatch.launch import train  # noqa: E402
-from tests.conftest import Collector, free_port  # noqa: E402
-from tests.otlp_payloads import query  # noqa: E402
+from rankwatch.launch import train
+from tests.conftest import Collector, free_port
+from tests.otlp_payloads import query
 
 
 def job(directory: Path, steps: int, spike_at: int, pace: list[str]) -> dict:

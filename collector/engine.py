@@ -70,8 +70,8 @@ class Cursor:
 class Judged:
     """One pass over one run: the steps judged (`first_new` to `last`; none where first > last),
     each analyzer's findings, whether steps are left for another pass (`more`) or wait for some
-    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the step a rollback restored, where one moved
-    the cursor back."""
+    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the
+    step a rollback restored, where one moved the cursor back."""
 
     run_id: str
     first_new: int
@@ -245,7 +245,8 @@ def merge(episodes: list[tuple[str, Finding, bool]], found: Mapping[str, list[Fi
                        and (e.kind, e.ranks) == (f.kind, f.ranks)), None)
             if at is not None and rules.continues(episodes[at][1].step_end, f):
                 earlier = episodes[at][1]
-                f = replace(f if f.score >= earlier.score else earlier, step_start=min(earlier.step_start, f.step_start),
+                f = replace(f if f.score >= earlier.score else earlier,
+                            step_start=min(earlier.step_start, f.step_start),
                             step_end=max(earlier.step_end, f.step_end))
                 episodes[at] = (analyzer, f, True)
             else:

@@ -16,6 +16,7 @@ Each query gets its own cursor (a DuckDB connection of its own), so it reads
 a snapshot while the writer commits on the main connection.
 """
 
+import contextlib
 import datetime as dt
 import decimal
 import json
@@ -148,10 +149,8 @@ def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, timeout
     that lands between two DuckDB calls (before the query starts, between two fetches) is lost."""
     wait = timeout_s
     while not finished.wait(wait):
-        try:
+        with contextlib.suppress(duckdb.Error):  # closing meanwhile: the query finished in time after all
             cursor.interrupt()
-        except duckdb.Error:  # closing meanwhile: the query finished in time after all
-            pass
         wait = _INTERRUPT_AGAIN_S
 
 

@@ -70,8 +70,8 @@ def create_app(config: Config) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None, alerts=config.alerts,
-                            power_every_s=config.power_every_s)
+                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
+                            alerts=config.alerts, power_every_s=config.power_every_s)
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis,
                       on_failure=stop_failed)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)

@@ -16,7 +16,6 @@ from pathlib import Path
 from trainer.device import DEVICES
 
 
-
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
@@ -37,7 +36,7 @@ def _whole(low: int, high: int | None = None):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low or high is not None and value > high:
+        if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}" if high is not None
                                              else f"must be {low} or more, got {value}")
         return value
@@ -51,7 +50,7 @@ def _quantity(allow_zero: bool):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < 0 or value == 0 and not allow_zero:
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'more than 0'}, got {text}")
         return value
     return parse
@@ -251,8 +250,8 @@ def cmd_power_recommend(args) -> None:
     import json
 
     from collector.analyzers.power import Policy
-    from collector.runs import UnknownRun
     from collector.powercaps import document, recommend
+    from collector.runs import UnknownRun
     from collector.store import StoreLocked, connect
 
     try:
@@ -681,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id")
     p.add_argument("--caps", metavar="FILE.json",
                    help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document")
-    p.add_argument("--watts", type=_quantity(allow_zero=False), help="the cap of every rank --caps leaves out (of all, without --caps)")
+    p.add_argument("--watts", type=_quantity(allow_zero=False),
+                   help="the cap of every rank --caps leaves out (of all, without --caps)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.set_defaults(func=cmd_power_apply)
 

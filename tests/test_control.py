@@ -25,7 +25,7 @@ RUN, RANKS, MS = "run-control", 4, 1_000_000
 def send_steps(exporter_by_rank, steps, t0, nan_from=None):
     """Step spans of every rank: a falling loss, NaN from step `nan_from` on."""
     for step in steps:
-        for rank, exporter in exporter_by_rank.items():
+        for exporter in exporter_by_rank.values():
             loss = math.nan if nan_from is not None and step >= nan_from else 3 + 5 * math.exp(-step / 10)
             start = t0 + step * 100 * MS
             exporter.trace([("step", start, start + 100 * MS, {

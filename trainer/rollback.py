@@ -26,7 +26,6 @@ from agent import semconv as sc
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 
-
 MARGIN = 5  # steps a rollback lands before its anomaly (the collector's RollbackPolicy.margin)
 LOOK_EVERY = 5  # steps between the agent's looks at commands (agent/commands.py)
 # Before a rollback has measured it: the export's batching (~1 s), the collector's analysis period
@@ -81,7 +80,7 @@ class Budget:
         recent = [(s, w) for s, w in self.applied if s > step - self.window]
         if len(recent) >= self.rollbacks:
             return False
-        self.applied = recent + [(step, what)]
+        self.applied = [*recent, (step, what)]
         return True
 
     def spent_on(self) -> str:

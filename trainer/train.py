@@ -31,6 +31,7 @@ from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
 
+
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)

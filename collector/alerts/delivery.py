@@ -18,7 +18,7 @@ those still undelivered after EXPIRE_AFTER expire.
 import logging
 import random
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import duckdb
 import httpx
@@ -65,7 +65,7 @@ class Delivery:
 
     def _deliver_due(self, client: httpx.Client) -> None:
         failed: set[str] = set()  # receivers that failed in this pass: their later notifications wait
-        expired_before = datetime.now(timezone.utc) - EXPIRE_AFTER
+        expired_before = datetime.now(UTC) - EXPIRE_AFTER
         for notification in outbox.due(self._con):
             if self._stop.is_set():
                 return

@@ -87,8 +87,8 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
     """
     if steps.empty:
         return []
-    return [f for f in _judge(str(steps["run_id"].iloc[0]), steps, int(steps["step"].max()), ranks, settings,
-                              None if devices is None else lambda since, until: devices)]
+    return list(_judge(str(steps["run_id"].iloc[0]), steps, int(steps["step"].max()), ranks, settings,
+                       None if devices is None else lambda since, until: devices))
 
 
 @dataclass
@@ -235,7 +235,7 @@ def _drawn(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int
     recent = history[history["step"] >= m.steps[last + 1 - w]]
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
-        ends = recent["end_ts"] if "end_ts" in recent else None
+        ends = recent.get("end_ts")
         samples = devices(None, None) if ends is None else devices(int(ends.min()), int(ends.max()))
         finding.evidence.update(_device_evidence(samples, finding.ranks))
         if found := hardware.causes(samples, finding.ranks):  # what the GPUs say of why
@@ -352,4 +352,4 @@ def _cost(steps: pd.DataFrame, lost: pd.Series) -> dict:
     return {"lost_s_per_step": float(lost.mean()),
             "lost_percent": float(100 * lost.sum() / step_time.sum()) if step_time.sum() else 0.0,
             "gpu_hours_lost": float(lost.sum() * world / 3600),
-            "steps": int(len(lost))}
+            "steps": len(lost)}
