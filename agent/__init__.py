@@ -37,9 +37,9 @@ def init(run_id: str | None = None, collector: str | None = None, token: str | N
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
-    from agent.clock import CpuTimer
+    from agent.clock import CpuTimer, Timer
 
-    timer = CpuTimer()
+    timer: Timer = CpuTimer()
     if cuda or cuda is None:
         try:
             import torch
@@ -108,14 +108,21 @@ def watch_ddp(model, inner_hook=None) -> None:
     """Time a DistributedDataParallel model's gradient all-reduces (wrapping `inner_hook`, if any)."""
     from agent.collectives import comm_hook
 
-    model.register_comm_hook(None, comm_hook(_session, inner_hook))
+    model.register_comm_hook(None, comm_hook(_started(), inner_hook))
 
 
 def watch_collectives() -> None:
     """Time the torch.distributed collectives the training code calls itself."""
     from agent.collectives import trace_collectives
 
-    trace_collectives(_session)
+    trace_collectives(_started())
+
+
+def _started() -> Session:
+    """The session `init` started: without one, a watched collective would fail inside training."""
+    if _session is None:
+        raise RuntimeError("rankwatch: call agent.init() before watching collectives")
+    return _session
 
 
 def end() -> None:

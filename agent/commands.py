@@ -15,6 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
+from typing import Any
 
 log = logging.getLogger("rankwatch.agent")
 
@@ -31,7 +32,7 @@ class Commands:
         self._seen: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._group = None
+        self._group: Any = None  # torch.distributed's gloo group, made on first use
         self._thread = None
         if rank == 0:
             self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="rankwatch-commands", daemon=True)
