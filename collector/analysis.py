@@ -269,7 +269,7 @@ class Analysis:
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:
     """A run's live power report; None where its GPUs report no power."""
     try:
-        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
+        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchall()[0][0]:
             return powercaps.recommend(cursor, run_id, POWER_POLICY, last_steps=POWER_STEPS)
         return None
     finally:

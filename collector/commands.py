@@ -10,6 +10,7 @@ the one process with the store open for writing.
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import duckdb
@@ -63,7 +64,7 @@ def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, c
             return existing[0]
     (command_id,) = con.execute("INSERT INTO commands (run_id, kind, args, created_by, finding_id) "
                                 "VALUES (?, ?, ?, ?, ?) RETURNING id",
-                                [run_id, kind, json.dumps(args), created_by, finding_id]).fetchone()
+                                [run_id, kind, json.dumps(args), created_by, finding_id]).fetchall()[0]
     return get(con, command_id)
 
 
@@ -233,4 +234,4 @@ def _finite_or_none(text: str) -> float | None:
 
 
 # What the control API may ask of the writer process, by name.
-OPERATIONS = {"create": create, "get": get, "listing": listing, "update": update}
+OPERATIONS: dict[str, Callable[..., object]] = {"create": create, "get": get, "listing": listing, "update": update}

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -530,7 +531,8 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
     return out
 
 
-DECODERS = {
+_Request = ExportTraceServiceRequest | ExportMetricsServiceRequest | ExportLogsServiceRequest
+DECODERS: dict[str, tuple[type[_Request], Callable[[list[bytes]], Decoded]]] = {
     "traces": (ExportTraceServiceRequest, decode_traces),
     "metrics": (ExportMetricsServiceRequest, decode_metrics),
     "logs": (ExportLogsServiceRequest, decode_logs),

@@ -98,7 +98,10 @@ def traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_at
 def _request(body: bytes, wanted, max_attributes: int, first_resource: int, first_row: int):
     """One request's resources, span rows, odd cells and crowded spans."""
     request = ExportTraceServiceRequest.FromString(body)
-    resources, rows, odd, crowded = [], [], [], []
+    resources: list[dict] = []
+    rows: list[tuple] = []
+    odd: list[tuple] = []
+    crowded: list[int] = []
     for resource, rs in enumerate(request.resource_spans, first_resource):
         resources.append({kv.key: value(kv.value, MAX_DEPTH) if kv.HasField("value") else None
                           for kv in rs.resource.attributes})

@@ -62,7 +62,7 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     shares them, which costs it nothing (it reads Arrow batches it was
     handed, and writes only its own file). A file opened again in the same process shares its
     database, already locked down."""
-    if con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+    if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
     con.execute("SET allowed_directories = ?", [[str(files_dir(data_dir).resolve())]])
     con.execute("SET autoinstall_known_extensions = false")

@@ -108,9 +108,12 @@ def _collector_pid(holder: int) -> int:
     """The process to stop: DuckDB names the collector's writer process, a child the user never
     started; its parent, where that is a `collector` command line, is the collector itself."""
     try:
-        parent = int(re.search(r"PPid:\s*(\d+)", Path(f"/proc/{holder}/status").read_text())[1])
+        found = re.search(r"PPid:\s*(\d+)", Path(f"/proc/{holder}/status").read_text())
+        if found is None:  # not the status file Linux writes
+            return holder
+        parent = int(found[1])
         arguments = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-    except (OSError, TypeError):  # no /proc (not Linux), or the process is gone
+    except OSError:  # no /proc (not Linux), or the process is gone
         return holder
     return parent if b"collector" in arguments else holder
 
@@ -220,13 +223,13 @@ class _Writer:
                 if not all(keep):  # a retried request: its rows are left out
                     table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
                 tables[name].append(table)
-        rows = 0
+        appended = 0
         try:
             self._con.begin()
             for table in TELEMETRY_TABLES:
                 if tables[table]:
                     batch = pa.concat_tables(tables[table], promote_options="default")
-                    rows += batch.num_rows
+                    appended += batch.num_rows
                     if batch.num_rows:
                         self._append(table, batch)
             ranks = self._changed_placements(r for _, d in group for r in d.ranks)
@@ -255,7 +258,7 @@ class _Writer:
         self._forget_old_digests(now)
         written = {request_id for request_id, _, _ in fresh.values()}
         acknowledged = [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored]
-        return ("committed", acknowledged, time.perf_counter() - started, rows)
+        return ("committed", acknowledged, time.perf_counter() - started, appended)
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column

@@ -11,7 +11,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from trainer.device import DEVICES
 
@@ -149,6 +151,7 @@ def cmd_query(args) -> None:
     from collector.query import QueryError, run_remote, run_sql, write
     from collector.store import StoreLocked
 
+    rows: Sequence[Sequence]
     try:
         if args.collector:
             from agent.config import token
@@ -332,7 +335,9 @@ def _check_caps(url: str, secret: str | None, run_id: str, body: dict) -> None:
     ranks, low, high = answer["rows"][0]
     if not ranks:
         raise UsageError(f"the collector at {url} knows no run {run_id!r}")
-    caps = body.get("caps") if isinstance(body.get("caps"), dict) else {}
+    caps = body.get("caps")
+    if not isinstance(caps, dict):
+        caps = {}
     targets = [(f"rank {r}", r, w) for r, w in caps.items()] + (
         [("every other rank", None, body["watts"])] if "watts" in body else [])
     for name, rank, watts in targets:
@@ -384,6 +389,8 @@ def cmd_import(args) -> None:
 
     db, path = _db(args), Path(args.path)
     kineto = args.format == "kineto"
+    trace: KinetoTrace | FlightRecorderDumps | OpTrace
+    run: dict[str, Any]
     try:
         if kineto:
             trace = KinetoTrace(path)
@@ -406,7 +413,7 @@ def cmd_import(args) -> None:
         raise UsageError(str(e)) from None
     for notice in getattr(trace, "notices", ()):
         print(f"rankwatch import: {notice}", file=sys.stderr)
-    dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if kineto else ""
+    dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if isinstance(trace, KinetoTrace) else ""
     print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
           f"{counts['ranks']} ranks -> {db}")
 
