@@ -16,17 +16,28 @@ Nothing here blocks training on the network: spans are exported by the
 OpenTelemetry SDK's background thread, and wait in a bounded backlog while
 the collector is away. The agent imports no collector code, duckdb or
 streamlit, and torch only where torch is used.
+
+Importing the package loads none of its machinery: the session, and with it the
+OpenTelemetry SDK, is imported by `init()`, so the collector, the dashboard and
+the importers read the package's leaves (semconv, gpumodel, paths, apiclient)
+without paying for it.
 """
+
+from __future__ import annotations
 
 import atexit
 import os
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from agent import config
-from agent.session import Session
+
+if TYPE_CHECKING:  # the session (and the OpenTelemetry SDK) load at init(): `agent.config` and
+    from agent.commands import Commands  # `agent.semconv` are read by the collector, which exports nothing
+    from agent.session import Session
 
 _session: Session | None = None
-_commands = None  # agent.commands.Commands, made on the first command() call
+_commands: Commands | None = None  # made on the first command() call
 _control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
@@ -38,6 +49,7 @@ def init(run_id: str | None = None, collector: str | None = None, token: str | N
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
     from agent.clock import CpuTimer, Timer
+    from agent.session import Session
 
     timer: Timer = CpuTimer()
     if cuda or cuda is None:

@@ -8,14 +8,12 @@ the job's process group carries it to every rank, on a CPU (gloo) group so
 the GPUs' streams are not touched. All ranks thus apply it at the same step.
 """
 
-import json
 import logging
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import deque
 from typing import Any
+
+from agent.apiclient import ApiClient, ApiError
 
 log = logging.getLogger("rankwatch.agent")
 
@@ -26,8 +24,7 @@ class Commands:
     def __init__(self, collector: str, token: str | None, run_id: str, rank: int, poll_s: float = 2.0,
                  every: int = 5):
         """`every`: steps between two looks (each look is a broadcast over the job's ranks)."""
-        self._base, self._run_id, self._rank, self._every = collector.rstrip("/"), run_id, rank, every
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._api, self._run_id, self._rank, self._every = ApiClient(collector, token, 5), run_id, rank, every
         self._fetched: deque[dict] = deque()
         self._seen: set[int] = set()
         self._lock = threading.Lock()
@@ -59,8 +56,8 @@ class Commands:
         body = {"state": state, **({"apply_step": apply_step} if apply_step is not None else {}),
                 **({"result": result} if result is not None else {})}
         try:
-            return self._request("POST", f"/v1/commands/{command['id']}", body)
-        except (OSError, ValueError) as e:
+            return self._api.post(f"/v1/commands/{command['id']}", body)
+        except ApiError as e:
             log.warning("rankwatch: could not report command %s as %s: %s", command["id"], state, e)
             return None
 
@@ -84,17 +81,15 @@ class Commands:
         return box[0]
 
     def _poll(self, every_s: float) -> None:
-        query = urllib.parse.urlencode({"run_id": self._run_id, "state": "pending"})
         logged: set[str] = set()  # the kinds of failure logged: each once, not once a poll
         while not self._stop.wait(every_s):
             try:
-                pending = self._request("GET", f"/v1/commands?{query}")
-            except (OSError, ValueError) as e:  # the command waits there until a poll gets it
-                kind, detail = _failure(e)
-                if kind not in logged:
-                    logged.add(kind)
+                pending = self._api.get("/v1/commands", {"run_id": self._run_id, "state": "pending"})
+            except ApiError as e:  # the command waits there until a poll gets it
+                if e.kind not in logged:
+                    logged.add(e.kind)
                     log.warning("rankwatch: polling %s for commands failed (%s); retrying every %g s, "
-                                "not logging this failure again", self._base, detail, every_s)
+                                "not logging this failure again", self._api.url, _detail(e), every_s)
                 continue
             with self._lock:
                 for command in pending:
@@ -102,21 +97,7 @@ class Commands:
                         self._seen.add(command["id"])
                         self._fetched.append(command)
 
-    def _request(self, method: str, path: str, body: dict | None = None):
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self._base + path, data=data, method=method,
-                                         headers={**self._headers, "Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
 
-
-def _failure(error: Exception) -> tuple[str, str]:
-    """A failed poll's kind (an HTTP status, or the exception's type) and what to log of it."""
-    if isinstance(error, urllib.error.HTTPError):
-        try:
-            reason = json.loads(error.read())["error"]
-        except (OSError, ValueError, KeyError, TypeError):
-            reason = error.reason
-        return f"HTTP {error.code}", f"HTTP {error.code}: {reason}"
-    cause = error.reason if isinstance(error, urllib.error.URLError) else error
-    return type(cause).__name__, f"{type(cause).__name__}: {cause}"
+def _detail(error: ApiError) -> str:
+    """What to log of a failed poll: the status with the API's reason, or why no answer came."""
+    return f"HTTP {error.status}: {error}" if error.status is not None else str(error)

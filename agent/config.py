@@ -1,13 +1,12 @@
 """Where a rank finds its collector, token and run id: arguments, then the environment,
-then the defaults a newcomer gets (which the collector shares)."""
+then the defaults a newcomer gets (which the collector shares). Files: agent/paths.py."""
 
 import os
 import time
-from pathlib import Path
+
+from agent import paths
 
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
-DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
-TOKEN_FILE = "token"  # beside the store, mode 0600
 UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
 
 
@@ -15,15 +14,11 @@ def collector_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
 
 
-def store_path(explicit: str | Path | None = None) -> Path:
-    return Path(explicit or os.environ.get("RANKWATCH_DB") or DEFAULT_DB)
-
-
 def token(explicit: str | None = None) -> str | None:
     """The ingest token: given, $RANKWATCH_TOKEN, or the token file of the default store."""
     if explicit or os.environ.get("RANKWATCH_TOKEN"):
         return explicit or os.environ["RANKWATCH_TOKEN"]
-    path = store_path().parent / TOKEN_FILE
+    path = paths.store_path().parent / paths.TOKEN_FILE
     return path.read_text().strip() if path.exists() else None
 
 

@@ -3,6 +3,8 @@ span kind, event and device metric that crosses the wire.
 
 The agent writes these names and the collector reads them; both import them
 from here so the two can never drift. docs/telemetry.md documents each one.
+A leaf: it imports nothing, so the collector, the dashboard and the importers
+read the names without loading the agent (agent/__init__.py imports lazily).
 """
 
 # Resource attributes: who is talking. Span, data point and log attributes of
@@ -132,3 +134,11 @@ ROLLBACK_LR_SCALE = "rankwatch.rollback.lr_scale"
 ROLLBACK_ANOMALY = "rankwatch.rollback.anomaly"
 ROLLBACK_LATENCY_S = "rankwatch.rollback.latency_s"  # from the command's creation to training going on
 STOP_WHY = "rankwatch.stop.why"
+
+
+def json_path(name: str) -> str:
+    """The SQL literal of the JSON path to attribute `name` in an `attrs` column, quoted because the
+    names contain dots: `attrs->>{json_path(PHASE)}` is `attrs->>'$."rankwatch.phase"'`."""
+    if any(c in name for c in "'\"\\"):
+        raise ValueError(f"no JSON path is built for a name with quotes or backslashes: {name!r}")
+    return f"""'$."{name}"'"""

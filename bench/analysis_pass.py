@@ -30,7 +30,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector import findings
 from collector.engine import RANK_STEPS, Engine
-from collector.schema import DDL
+from collector.store.schema import DDL
 from trainer import simulate
 from trainer.faults import parse
 

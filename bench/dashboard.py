@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent import semconv as sc  # noqa: E402
 from collector.postmortem import analyze_run  # noqa: E402
-from collector.schema import DDL  # noqa: E402
+from collector.store.schema import DDL  # noqa: E402
 from dashboard import queries, source, ui  # noqa: E402
 from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402
@@ -210,6 +210,7 @@ def main() -> None:
 
 def api_times(db: Path, params: dict[str, dict]) -> dict[str, float]:
     """Each named query's time through a collector's query API, the collector holding the store."""
+    from agent.apiclient import ApiClient
     from collector import queryapi
     from rankwatch.launch import wait_healthy
 
@@ -219,9 +220,9 @@ def api_times(db: Path, params: dict[str, dict]) -> dict[str, float]:
                                       str(port), "--token", token], stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", collector)
-            with queryapi.client(f"http://127.0.0.1:{port}", token, 60) as http:
-                return {name: timed(lambda: source.to_frame(queryapi.remote_query(http, sql, params[name])))
-                        for name, sql in queries.QUERIES.items()}
+            api = ApiClient(f"http://127.0.0.1:{port}", token)
+            return {name: timed(lambda: source.to_frame(queryapi.remote_query(api, sql, params[name])))
+                    for name, sql in queries.QUERIES.items()}
         finally:
             collector.terminate()
             collector.wait(timeout=60)

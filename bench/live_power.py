@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector import analysis, findings
 from collector.alerts.config import AlertConfig
 from collector.analyzers import power
-from collector.store import connect
+from collector.store.db import connect
 from rankwatch.launch import wait_healthy
 from tests.conftest import free_port
 

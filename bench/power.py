@@ -2,8 +2,8 @@
 Zeus-style global limit and per-rank caps, side by side.
 
 The fleet simulator (trainer/simulate.py) plays a data-parallel job of 1,024 ranks, one rank
-computing 20% slower, its GPUs following the simulated GPU's power model
-(agent/simdevice.py). The power analyzer (collector/analyzers/power.py) decides, offline:
+computing 20% slower, its GPUs following the GPU power model
+(agent/gpumodel.py). The power analyzer (collector/analyzers/power.py) decides, offline:
 
   (a) no cap: every GPU at its highest limit (700 W);
   (b) a global limit the way Zeus's GlobalPowerLimitOptimizer finds it: the job runs under

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent import semconv as sc
 from rankwatch.launch import train
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import query
@@ -44,8 +45,8 @@ def job(directory: Path, steps: int, spike_at: int, pace: list[str]) -> dict:
                             "AND kind = 'loss_spike'")
     rows = query(db, "SELECT epoch_ns(created_at), result FROM commands WHERE run_id = 'latency' AND kind = 'rollback' "
                      "ORDER BY id")
-    tiers = query(db, """SELECT attrs->>'$."rankwatch.checkpoint.tier"' FROM events WHERE run_id = 'latency'
-                         AND event = 'checkpoint_restored' ORDER BY ts""")
+    tiers = query(db, f"""SELECT attrs->>{sc.json_path(sc.CKPT_TIER)} FROM events WHERE run_id = 'latency'
+                          AND event = 'checkpoint_restored' ORDER BY ts""")
     commanded, result = rows[0][0], json.loads(rows[0][1])
     return {"step_s": step_s, "found": (found - spiked_ns) / 1e9, "commanded": (commanded - spiked_ns) / 1e9,
             "resumed": (result["resumed_ns"] - spiked_ns) / 1e9, "rollbacks": len(rows),

@@ -1,14 +1,16 @@
 """Running the analysis engine (collector/engine.py) as telemetry arrives, in the writer process
 (the only one with the store open), on a thread of its own with a cursor of its own, so that
 commits, and the acknowledgements that wait for them, never wait for a pass however many runs it
-judges.
+judges. The server hands an Analysis to the store's writer as one of its tasks
+(collector/store/writer.py), and its health counters as a HealthCounters request.
 
-Passes are driven by commits: the writer tells this thread which runs each commit brought steps
-(or `ended` events) for and wakes it, and the pass judges those runs' new steps at once, so a
-finding exists within a pass of the commit of the step that shows it, whatever the step rate. A
-timer wakes it too (every `interval_s`), for what time alone changes: a run that stopped sending
-steps (a stall), a job stopped by its rollback budget. A run whose ranks all said their training
-loop ended has its firing findings resolved ("run ended") once its last steps are judged.
+Passes are driven by commits: the writer hands over each commit's tables, this takes from them
+the runs the commit brought steps (or `ended` events) for and wakes the thread, and the pass judges
+those runs' new steps at once, so a finding exists within a pass of the commit of the step that
+shows it, whatever the step rate. A timer wakes it too (every `interval_s`), for what time alone
+changes: a run that stopped sending steps (a stall), a job stopped by its rollback budget. A run
+whose ranks all said their training loop ended has its firing findings resolved ("run ended") once
+its last steps are judged.
 
 The power analyzer, which costs seconds at a thousand ranks, runs on a second thread, so that a
 pass does not wait for it either.
@@ -18,14 +20,19 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from collector import commands, findings, powercaps
 from collector.alerts.config import AlertConfig
 from collector.analyzers import hangs, health, power, stragglers
-from collector.engine import Engine
+from collector.engine import ENDED, Engine
+from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
@@ -110,11 +117,18 @@ class Analysis:
         if steps or ended:
             self._wake.set()
 
-    def report_health(self, **counters) -> None:
-        """The server's counters (health.Snapshot's fields but the writer's own), judged on the
-        analysis thread with the writer's, right away."""
+    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
+        """The writer's word of a commit (a store task's): the runs it brought steps or events for."""
+        for table in ("steps", "events"):
+            run_ids = {run_id for part in tables.get(table, ()) for run_id in pc.unique(part["run_id"]).to_pylist()}
+            ended = {run_id for part in tables.get(table, ()) if table == "events"
+                     for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()}
+            self.touched(run_ids, steps=table == "steps", ended=ended)
+
+    def report_health(self, counters: "HealthCounters") -> None:
+        """The server's counters, judged on the analysis thread with the writer's, right away."""
         with self._lock:
-            self._counters.append(dict(counters, at=time.monotonic()))
+            self._counters.append(dict(asdict(counters), at=time.monotonic()))
         self._wake.set()
 
     def run(self, con: duckdb.DuckDBPyConnection, last: bool = False, every: bool = True) -> None:
@@ -264,6 +278,22 @@ class Analysis:
             except Exception:
                 log.exception("power analysis of run %s failed", run_id)
                 self.failures += 1
+
+
+@dataclass(frozen=True)
+class HealthCounters(Request[None]):
+    """The server's counters for the collector's health (health.Snapshot's fields but the writer's own),
+    handed to the writer's analysis once per analysis period."""
+
+    requests: dict[int, int]
+    commits: dict[float, int]
+    queue_bytes: int
+    max_queue_bytes: int
+
+
+@handles(HealthCounters)
+def _report_health(context: Context, counters: HealthCounters) -> None:
+    context.task(Analysis).report_health(counters)
 
 
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:

@@ -1,4 +1,5 @@
-"""The bearer token that guards ingest, control and query endpoints."""
+"""The bearer token that guards ingest, control and query endpoints: made once, checked in one place
+(`refusal`), whichever endpoint and answer format."""
 
 import hmac
 import os
@@ -8,7 +9,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from agent.config import TOKEN_FILE
+from agent.paths import TOKEN_FILE
 
 
 def load_or_create_token(data_dir: Path) -> str:
@@ -25,15 +26,19 @@ def load_or_create_token(data_dir: Path) -> str:
     return token
 
 
-def authorized(header: str | None, token: str) -> bool:
-    """Whether an Authorization header carries the token (constant-time compare)."""
-    scheme, _, presented = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+CHALLENGE = {"WWW-Authenticate": "Bearer"}  # every 401's header: how to authenticate
+
+
+def refusal(request: Request, token: str) -> str | None:
+    """None when the request's Authorization header carries the token (constant-time compare); else
+    the reason of its 401, which every endpoint answers before reading anything of the request."""
+    scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode()):
+        return None
+    return "missing or wrong bearer token"
 
 
 def refused(request: Request, token: str) -> JSONResponse | None:
-    """The JSON APIs' 401 for a request without the token, before anything of it is read; None
-    for one with it."""
-    if authorized(request.headers.get("authorization"), token):
-        return None
-    return JSONResponse({"error": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+    """The JSON APIs' 401 for a request without the token; None for one with it."""
+    reason = refusal(request, token)
+    return None if reason is None else JSONResponse({"error": reason}, 401, CHALLENGE)

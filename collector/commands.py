@@ -5,17 +5,19 @@ most one per finding) or by a person through the control API, fetched by the
 job's agent while `pending`, and moved by the job to `acked` (with the step
 at which every rank will apply it), then `applied` or `failed` (with what
 happened, in `result`). These functions run in the store's writer process,
-the one process with the store open for writing.
+the one process with the store open for writing: the control API sends them
+as requests (CreateCommand, ListCommands, UpdateCommand), answered on the
+writer thread between commits.
 """
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import duckdb
 
 from collector.analyzers import anomalies
+from collector.store.requests import Context, Request, handles
 
 KINDS = ("rollback", "power_cap")
 STATES = ("pending", "acked", "applied", "failed", "cancelled")
@@ -233,5 +235,49 @@ def _finite_or_none(text: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-# What the control API may ask of the writer process, by name.
-OPERATIONS: dict[str, Callable[..., object]] = {"create": create, "get": get, "listing": listing, "update": update}
+# The control API's requests: each answered by the function above of its name, on the writer thread;
+# a refusal (CommandError, 400) or an unknown command (LookupError, 404) reaches the API as it is.
+_REFUSALS = (CommandError, LookupError)
+
+
+@dataclass(frozen=True)
+class CreateCommand(Request[dict]):
+    """A person's command (create)."""
+
+    run_id: str
+    kind: str
+    args: dict
+    created_by: str
+
+
+@dataclass(frozen=True)
+class ListCommands(Request[list[dict]]):
+    """A run's commands (listing)."""
+
+    run_id: str
+    state: str | None = None
+
+
+@dataclass(frozen=True)
+class UpdateCommand(Request[dict]):
+    """A job's report of a command's progress (update)."""
+
+    command_id: int
+    state: str
+    apply_step: int | None = None
+    result: dict | None = None
+
+
+@handles(CreateCommand, passes=_REFUSALS)
+def _create(context: Context, r: CreateCommand) -> dict:
+    return create(context.con, r.run_id, r.kind, r.args, r.created_by)
+
+
+@handles(ListCommands, passes=_REFUSALS)
+def _listing(context: Context, r: ListCommands) -> list[dict]:
+    return listing(context.con, r.run_id, r.state)
+
+
+@handles(UpdateCommand, passes=_REFUSALS)
+def _update(context: Context, r: UpdateCommand) -> dict:
+    return update(context.con, r.command_id, r.state, r.apply_step, r.result)

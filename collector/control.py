@@ -14,6 +14,7 @@ operations out (collector/commands.py).
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -21,8 +22,10 @@ from starlette.routing import Route
 
 from collector import bodies
 from collector.auth import refused
-from collector.commands import CommandError
-from collector.store import Store
+from collector.commands import CommandError, CreateCommand, ListCommands, UpdateCommand
+
+if TYPE_CHECKING:
+    from collector.store.handle import Store
 
 # Bytes of a body: a command or a job's report is a few hundred, per-rank power caps ~16 a rank (16,000
 # ranks fit); the strict parse of the most a body this size can hold takes ~50 ms of the event loop.
@@ -30,11 +33,11 @@ MAX_BODY = 256 * 2**10
 MAX_DEPTH = 16  # nesting of a body: commands use 3 levels (body, args, caps)
 _MAX_ID = 2**63  # command ids are BIGINTs
 
-# A request's operation: the writer's operation name, the success status, and its arguments.
-Operation = tuple[str, int, dict]
+# A request's operation: the writer's request, and the success status.
+Operation = tuple[CreateCommand | ListCommands | UpdateCommand, int]
 
 
-def routes(store: Callable[[], Store], token: str) -> list[Route]:
+def routes(store: Callable[[], "Store"], token: str) -> list[Route]:
     """The control API's routes; `store` gives the open store (it opens after the routes exist)."""
 
     def guarded(operation: Callable[[Request], Awaitable[Operation]]) -> Callable:
@@ -44,8 +47,8 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
             if (refusal := refused(request, token)) is not None:
                 return refusal
             try:
-                name, status, kwargs = await operation(request)
-                return JSONResponse(await asyncio.wrap_future(store().call(name, **kwargs)), status)
+                call, status = await operation(request)
+                return JSONResponse(await asyncio.wrap_future(store().call(call)), status)
             except bodies.Refused as e:
                 return JSONResponse({"error": str(e)}, e.status)
             except CommandError as e:
@@ -61,18 +64,18 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
         run_id = request.query_params.get("run_id")
         if not run_id:
             raise CommandError("run_id is required")
-        return "listing", 200, {"run_id": run_id, "state": request.query_params.get("state")}
+        return ListCommands(run_id, request.query_params.get("state")), 200
 
     async def create(request: Request) -> Operation:
         fields = await body(request, ("run_id", "kind"), ("args",))
-        return "create", 201, {"args": {}} | fields | {"created_by": "api"}
+        return CreateCommand(fields["run_id"], fields["kind"], fields.get("args", {}), created_by="api"), 201
 
     async def update(request: Request) -> Operation:
         command_id = request.path_params["id"]
         if not (command_id.isascii() and command_id.isdigit() and int(command_id) < _MAX_ID):
             raise CommandError(f"command ids are integers in [0, 2^63), not {command_id[:30]!r}")
         fields = await body(request, ("state",), ("apply_step", "result"))
-        return "update", 200, {"command_id": int(command_id)} | fields
+        return UpdateCommand(int(command_id), fields["state"], fields.get("apply_step"), fields.get("result")), 200
 
     return [Route("/v1/commands", guarded(listing), methods=["GET"]),
             Route("/v1/commands", guarded(create), methods=["POST"]),

@@ -45,7 +45,7 @@ from collector import otlpwire
 from collector.nccl import bandwidths
 from collector.otlp import PROTOBUF, OtlpError, parse
 from collector.otlpwire import json_text, value
-from collector.schema import DDL
+from collector.store.schema import DDL
 
 MAX_ITEMS = 100_000  # resources, scopes and items (and metrics' data points) per request
 MAX_ATTRIBUTES = 128  # per item: the OpenTelemetry SDKs' default attribute count limit

@@ -23,8 +23,8 @@ from multiprocessing.queues import Queue
 from collector import otlp
 from collector.children import die_with_parent
 from collector.decode import DECODERS, MAX_ITEMS, admit, arrow_schema, decode
-from collector.schema import TELEMETRY_TABLES
-from collector.store import Store
+from collector.store.handle import Store
+from collector.store.schema import TELEMETRY_TABLES
 
 MAX_BATCH = 64  # requests decoded together at most
 _writer_queue: Queue | None = None  # in a decode worker: the store's request queue

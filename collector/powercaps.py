@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 import duckdb
 
 from agent import semconv as sc
-from agent.simdevice import GpuModel
+from agent.gpumodel import GpuModel
 from collector.analyzers import power
 from collector.runs import unknown_run
 

@@ -13,8 +13,9 @@ import duckdb
 from rich.console import Console
 from rich.table import Table
 
+from agent.apiclient import ApiClient
 from collector import queryapi, ranksets
-from collector.store import connect
+from collector.store.db import connect
 
 FORMATS = ("table", "csv", "json")
 LIST_ITEMS = 8  # items of a list a table cell shows; CSV and JSON keep every one
@@ -42,11 +43,10 @@ def run_sql(db: Path, sql: str, parameters: list | None = None) -> tuple[list[st
 
 def run_remote(url: str, token: str | None, sql: str) -> tuple[list[str], list[list], bool]:
     """(column names, rows, truncated?) of a read-only query through a collector's query API."""
-    with queryapi.client(url, token) as http:
-        try:
-            answer = queryapi.remote_query(http, sql)
-        except queryapi.QueryFailed as e:
-            raise QueryError(str(e)) from None
+    try:
+        answer = queryapi.remote_query(ApiClient(url, token), sql)
+    except queryapi.QueryFailed as e:
+        raise QueryError(str(e)) from None
     return answer["columns"], answer["rows"], answer["truncated"]
 
 

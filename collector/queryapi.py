@@ -1,5 +1,5 @@
-"""The query API, both ends: `POST /api/v1/query` on the collector, and the client that
-`rankwatch query --collector` and the dashboard call it with.
+"""The query API, both ends: `POST /api/v1/query` on the collector, and the call that
+`rankwatch query --collector` and the dashboard make to it (through agent/apiclient.py).
 
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
@@ -18,15 +18,18 @@ import asyncio
 import json
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agent.apiclient import ApiClient, ApiError
 from collector import bodies, readonly
 from collector.auth import refused
-from collector.store import Store
+
+if TYPE_CHECKING:
+    from collector.store.handle import Store
 
 PATH = "/api/v1/query"
 MAX_BODY = 2**20  # a request carries SQL and a few parameters, never data
@@ -38,15 +41,14 @@ class QueryFailed(Exception):
     """The API refused a query or could not be reached; a one-line reason."""
 
 
-def routes(store: Callable[[], Store], token: str) -> list[Route]:
+def routes(store: Callable[[], "Store"], token: str) -> list[Route]:
     """The query route; `store` gives the open store (it opens after the routes exist)."""
 
     async def query(request: Request) -> JSONResponse:
         if (refusal := refused(request, token)) is not None:
             return refusal
         try:
-            options = parse(await bodies.read(request, MAX_BODY))
-            return JSONResponse(await asyncio.wrap_future(store().call("query", **options)))
+            return JSONResponse(await asyncio.wrap_future(store().call(parse(await bodies.read(request, MAX_BODY)))))
         except bodies.Refused as e:
             return JSONResponse({"error": str(e)}, e.status)
         except readonly.QueryRefused as e:
@@ -59,9 +61,9 @@ def routes(store: Callable[[], Store], token: str) -> list[Route]:
     return [Route(PATH, query, methods=["POST"])]
 
 
-def parse(body: bytes) -> dict:
-    """readonly.run's arguments from a request body, each field checked, the limits clamped to the
-    server's; bodies.Refused says what is wrong in one line."""
+def parse(body: bytes) -> readonly.Query:
+    """The query of a request body, each field checked, the limits clamped to the server's;
+    bodies.Refused says what is wrong in one line."""
     try:
         fields = json.loads(body)
     except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
@@ -83,9 +85,9 @@ def parse(body: bytes) -> dict:
                                   f"(at most {readonly.TIMEOUT_S:g} apply)")
     if max_rows is not None and not (_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
         raise bodies.Refused(400, f"max_rows must be a whole number from 0 (at most {readonly.ROW_CAP} apply)")
-    return {"sql": sql, "params": params,
-            "timeout_s": readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
-            "max_rows": readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP)}
+    return readonly.Query(sql, params,
+                          readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
+                          readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP))
 
 
 def _values(params: list | dict) -> list:
@@ -106,22 +108,10 @@ def _parameter(value, depth: int) -> bool:
     return value is None or isinstance(value, (int, float)) or (isinstance(value, str) and bodies.utf8(value))
 
 
-def remote_query(client: httpx.Client, sql: str, params: list | dict | None = None) -> dict:
-    """The API's answer to one query through `client` (base URL and token set); QueryFailed
-    with the API's reason when it refuses."""
+def remote_query(client: ApiClient, sql: str, params: list | dict | None = None) -> dict:
+    """The API's answer to one query through `client`; QueryFailed with the API's reason when it
+    refuses, or why it could not be reached."""
     try:
-        response = client.post(PATH, json={"sql": sql, "params": params})
-    except httpx.HTTPError as e:
-        raise QueryFailed(f"cannot reach the collector at {client.base_url}: {e}") from None
-    if response.status_code != 200:
-        try:
-            reason = response.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            reason = f"HTTP {response.status_code}"
-        raise QueryFailed(reason)
-    return response.json()
-
-
-def client(url: str, token: str | None, timeout_s: float = readonly.TIMEOUT_S + 5) -> httpx.Client:
-    """An HTTP client for a collector's query API."""
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token or ''}"}, timeout=timeout_s)
+        return client.post(PATH, {"sql": sql, "params": params}, timeout_s=readonly.TIMEOUT_S + 5)
+    except ApiError as e:
+        raise QueryFailed(str(e)) from None

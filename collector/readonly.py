@@ -13,7 +13,8 @@ back, fetched a chunk at a time, so neither a cross join nor `SELECT * FROM
 ops` can hold a thread or the memory for long.
 
 Each query gets its own cursor (a DuckDB connection of its own), so it reads
-a snapshot while the writer commits on the main connection.
+a snapshot while the writer commits on the main connection. The query API hands
+one to the store's writer as a `Query` request, answered on a query thread.
 """
 
 import contextlib
@@ -24,16 +25,19 @@ import math
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+
+from agent.paths import SQL_FILES_DIR
+from collector.store.requests import Context, Request, handles
 
 ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there were more
 # JSON bytes of rows a query returns at most (`truncated` too): 100,000 rows of a wide table fit, and the
 # result crosses the writer's queue and the server's event loop in a fraction of a second.
 BYTE_CAP = 32 * 2**20
 TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
-FILES_DIR = "sql-files"  # beside the store: the only directory whose files queries may read
 _CHUNK_ROWS = 4096  # the most rows fetched at once
 _INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
 _COMPACT = (",", ":")  # the separators of the JSON answer
@@ -50,7 +54,7 @@ class QueryTimeout(Exception):
 def files_dir(data_dir: Path) -> Path:
     """The directory whose files queries may read: one of its own, never the store's directory, which
     holds the token file and the receivers file."""
-    return data_dir / FILES_DIR
+    return data_dir / SQL_FILES_DIR
 
 
 def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
@@ -111,6 +115,21 @@ def run(con: duckdb.DuckDBPyConnection, sql: str, params: list | dict | None = N
         cursor.close()  # ends the read-only transaction with it
     return {"columns": [d[0] for d in description], "types": [str(d[1]) for d in description],
             "rows": rows, "truncated": truncated}
+
+
+@dataclass(frozen=True)
+class Query(Request[dict]):
+    """One query for the store's writer: run's arguments, checked by the query API."""
+
+    sql: str
+    params: list | dict | None = None
+    timeout_s: float = TIMEOUT_S
+    max_rows: int = ROW_CAP
+
+
+@handles(Query, beside=True, passes=(QueryRefused, QueryTimeout))
+def _query(context: Context, q: Query) -> dict:
+    return run(context.con, q.sql, q.params, q.timeout_s, q.max_rows)
 
 
 def _fetch(result: duckdb.DuckDBPyConnection, max_rows: int, deadline: float) -> tuple[list[list], bool]:

@@ -1,8 +1,8 @@
 """Per-run fleet aggregates at /metrics, for Prometheus and Grafana.
 
-Computed on scrape: the server asks the writer process (Store.call
-"run_metrics", the one process that can read the store), which reads on a
-query thread with a cursor of its own, beside the commit loop, and the server
+Computed on scrape: the server asks the writer process (a `RunMetrics`
+request, collector/store/requests.py; the one process that can read the store),
+which reads on a query thread with a cursor of its own, beside the commit loop, and the server
 keeps the answer CACHE_S. On scrape rather than after each analysis pass
 because then the cost is paid only when someone scrapes, at most once per
 CACHE_S however many Prometheus servers do, the values are as fresh as the
@@ -25,7 +25,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import duckdb
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from agent import semconv as sc
 from collector.alerts import outbox
+from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.metrics")
 ACTIVE_S = 3600  # a run that finished no step for this long has no series
@@ -64,9 +67,9 @@ _SUSPECTS = """SELECT run_id, rank, count(*) AS n
 _ROLLBACKS = """SELECT run_id, count(*) FROM commands WHERE kind = 'rollback' AND list_contains($runs, run_id)
                 GROUP BY ALL"""
 # the newest checkpoint of each run: the longest any rank's training loop was blocked by it
-_CHECKPOINTS = """
+_CHECKPOINTS = f"""
 WITH saved AS (
-    SELECT run_id, step, TRY_CAST(attrs->>'$."rankwatch.checkpoint.blocked_s"' AS DOUBLE) AS blocked_s,
+    SELECT run_id, step, TRY_CAST(attrs->>{sc.json_path(sc.CKPT_BLOCKED_S)} AS DOUBLE) AS blocked_s,
            max(step) OVER (PARTITION BY run_id) AS last_step
     FROM events WHERE event = 'checkpoint_saved' AND ts > make_timestamp_ns($since) AND list_contains($runs, run_id))
 SELECT run_id, max(blocked_s) FROM saved WHERE step = last_step GROUP BY run_id HAVING max(blocked_s) IS NOT NULL"""
@@ -79,8 +82,31 @@ SELECT run_id, metric, sum(latest) FROM (
 GROUP BY ALL ORDER BY ALL"""
 
 
-def snapshot(con: duckdb.DuckDBPyConnection) -> dict:
-    """The aggregates of the runs active now (runs in the writer process: a Store.call operation)."""
+@dataclass(frozen=True)
+class Snapshot:
+    """The aggregates of the runs active now, as the queries below give them (rows of tuples)."""
+
+    steps: list[tuple]  # run, duration quantiles, tokens/s, MFU, exposed share, last step, its end, ranks
+    findings: list[tuple]  # run, kind, firing
+    suspects: list[tuple]  # run, rank, firing findings naming it
+    rollbacks: dict[str, int]  # run -> rollback commands
+    checkpoints: list[tuple]  # run, the newest checkpoint's longest stall
+    devices: list[tuple]  # run, metric (power or energy), sum of each GPU's latest
+    outbox: list[tuple]  # receiver, state, notifications
+
+
+@dataclass(frozen=True)
+class SnapshotRequest(Request[Snapshot]):
+    """The run metrics, for /metrics: read in the writer process on a query thread."""
+
+
+@handles(SnapshotRequest, beside=True)
+def _snapshot(context: Context, _: SnapshotRequest) -> Snapshot:
+    return snapshot(context.con)
+
+
+def snapshot(con: duckdb.DuckDBPyConnection) -> Snapshot:
+    """The aggregates of the runs active now (run in the writer process: a SnapshotRequest)."""
     now = time.time_ns()
     since = now - ACTIVE_S * 10**9
     ends = dict(con.execute(_RUNS, {"since": since}).fetchall())
@@ -88,30 +114,26 @@ def snapshot(con: duckdb.DuckDBPyConnection) -> dict:
     steps = con.execute(_STEPS, {**runs, "ends": list(ends.values()), "window": WINDOW_S * 10**9,
                                  "oldest": min(ends.values(), default=now) - WINDOW_S * 10**9,
                                  "quantiles": list(QUANTILES)}).fetchall()
-    return {
-        "steps": steps,
-        "findings": con.execute(_FINDINGS, runs).fetchall(),
-        "suspects": con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall(),
-        "rollbacks": dict(con.execute(_ROLLBACKS, runs).fetchall()),
-        "checkpoints": con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall(),
-        "devices": con.execute(_DEVICES, {**runs, "since": now - WINDOW_S * 10**9, "power": sc.POWER_W,
-                                          "energy": sc.ENERGY_J}).fetchall(),
-        "outbox": outbox.counts(con),
-    }
-
-
-# What the server may ask of the writer process for /metrics, by name (see Store.call).
-OPERATIONS = {"run_metrics": snapshot}
+    return Snapshot(
+        steps=steps,
+        findings=con.execute(_FINDINGS, runs).fetchall(),
+        suspects=con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall(),
+        rollbacks=dict(con.execute(_ROLLBACKS, runs).fetchall()),
+        checkpoints=con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall(),
+        devices=con.execute(_DEVICES, {**runs, "since": now - WINDOW_S * 10**9, "power": sc.POWER_W,
+                                       "energy": sc.ENERGY_J}).fetchall(),
+        outbox=outbox.counts(con),
+    )
 
 
 class RunMetrics(Collector):
     """A prometheus_client collector of the run aggregates; `call` is Store.call of the open store.
     collect() waits for the writer, so /metrics must render off the event loop."""
 
-    def __init__(self, call: Callable):
+    def __init__(self, call: Callable[[SnapshotRequest], "Future[Snapshot]"]):
         self._call = call
         self._lock = threading.Lock()
-        self._snapshot: dict | None = None
+        self._snapshot: Snapshot | None = None
         self._taken = float("-inf")
 
     def collect(self):
@@ -119,18 +141,18 @@ class RunMetrics(Collector):
         if snap is not None:
             yield from families(snap)
 
-    def _fresh(self) -> dict | None:
+    def _fresh(self) -> Snapshot | None:
         with self._lock:  # concurrent scrapes share one call
             if time.monotonic() - self._taken >= CACHE_S:
                 try:
-                    self._snapshot = self._call("run_metrics").result(CALL_TIMEOUT_S)
+                    self._snapshot = self._call(SnapshotRequest()).result(CALL_TIMEOUT_S)
                     self._taken = time.monotonic()
                 except (FutureTimeout, RuntimeError) as e:
                     log.warning("run metrics unavailable, serving the previous ones: %s", e)
             return self._snapshot
 
 
-def families(snap: dict) -> list:
+def families(snap: Snapshot) -> list:
     """The metric families of a snapshot."""
     def gauge(name: str, doc: str, labels: tuple[str, ...] = ("run",)) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=list(labels))
@@ -146,7 +168,7 @@ def families(snap: dict) -> list:
     last_step = gauge("rankwatch_run_last_step", "The newest step any rank finished")
     last_end = gauge("rankwatch_run_last_step_timestamp_seconds", "When the newest step ended (Unix time)")
     ranks = gauge("rankwatch_run_ranks", f"Ranks that finished a step in the run's last {WINDOW_S} s of steps")
-    for run, quantiles, tps, mfu_mean, exposed_share, newest, end_s, n_ranks in snap["steps"]:
+    for run, quantiles, tps, mfu_mean, exposed_share, newest, end_s, n_ranks in snap.steps:
         for q, value in zip(QUANTILES, quantiles):
             step.add_sample(step.name, {"run": run, "quantile": str(q)}, value)
         for family, value in ((tokens, tps), (mfu, mfu_mean), (exposed, exposed_share), (last_step, newest),
@@ -154,25 +176,25 @@ def families(snap: dict) -> list:
             if value is not None:
                 family.add_metric([run], value)
     firing = gauge("rankwatch_run_findings_firing", "Firing findings, by kind", ("run", "kind"))
-    for run, kind, n in snap["findings"]:
+    for run, kind, n in snap.findings:
         firing.add_metric([run, kind], n)
     suspects = gauge("rankwatch_run_suspect_rank_findings_firing",
                      f"Firing findings naming a rank, for the {SUSPECTS} ranks named most", ("run", "rank"))
-    for run, rank, n in snap["suspects"]:
+    for run, rank, n in snap.suspects:
         suspects.add_metric([run, str(rank)], n)
     rollbacks = CounterMetricFamily("rankwatch_run_rollbacks", "Rollback commands created for the run",
                                     labels=["run"])
-    for run, *_ in snap["steps"]:
-        rollbacks.add_metric([run], snap["rollbacks"].get(run, 0))
+    for run, *_ in snap.steps:
+        rollbacks.add_metric([run], snap.rollbacks.get(run, 0))
     stall = gauge("rankwatch_run_checkpoint_stall_seconds",
                   "Training-loop time the newest checkpoint cost, on its slowest rank")
-    for run, seconds in snap["checkpoints"]:
+    for run, seconds in snap.checkpoints:
         stall.add_metric([run], seconds)
     power = gauge("rankwatch_run_power_watts", "Power drawn by the run's GPUs, latest sample of each, summed")
     energy = CounterMetricFamily("rankwatch_run_energy_joules",
                                  "The run's GPUs' energy counters (since driver load), summed; use increase()",
                                  labels=["run"])
-    for run, metric, value in snap["devices"]:
+    for run, metric, value in snap.devices:
         (power if metric == sc.POWER_W else energy).add_metric([run], value)
     pending = gauge("rankwatch_collector_alerts_pending", "Alert notifications waiting for delivery", ("receiver",))
     delivered = CounterMetricFamily("rankwatch_collector_alerts_delivered", "Alert notifications delivered",
@@ -181,7 +203,7 @@ def families(snap: dict) -> list:
                                     "Alert notifications given up (expired, or their receiver removed)",
                                     labels=["receiver"])
     by_state: dict[tuple[str, str], int] = {}
-    for receiver, state, n in snap["outbox"]:
+    for receiver, state, n in snap.outbox:
         key = (receiver, "abandoned" if state in ("expired", "dropped") else state)
         by_state[key] = by_state.get(key, 0) + n
     for receiver in sorted({r for r, _ in by_state}):

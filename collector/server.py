@@ -20,17 +20,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent.paths import DEFAULT_DB
 from collector import bodies, control, otlp, queryapi
 from collector.alerts.config import AlertConfig
-from collector.analysis import Analysis
+from collector.alerts.delivery import Delivery
+from collector.analysis import Analysis, HealthCounters
 from collector.analyzers import hangs
-from collector.auth import authorized, load_or_create_token
+from collector.auth import CHALLENGE, load_or_create_token, refusal
 from collector.commands import ROLLBACK_ON, RollbackPolicy
 from collector.decode import describe_decoder
 from collector.ingest import Ingestor
 from collector.runmetrics import RunMetrics
 from collector.selfmetrics import SelfMetrics
-from collector.store import Overloaded, Store, connect
+from collector.store.db import connect
+from collector.store.handle import Overloaded, Store
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2
@@ -40,7 +43,7 @@ RETRY_AFTER_S = 2
 class Config:
     """How a collector is started (defaults are the newcomer's)."""
 
-    db: Path = Path("rankwatch-data/rankwatch.duckdb")
+    db: Path = DEFAULT_DB
     host: str = "127.0.0.1"
     port: int = 4318
     token: str | None = None  # None: the token file beside the DB, created on first start
@@ -64,7 +67,7 @@ def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
     token = config.token or load_or_create_token(config.db.parent)
     metrics = SelfMetrics()
-    metrics.registry.register(RunMetrics(lambda operation: state["ingestor"].store.call(operation)))
+    metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request)))
     state: dict = {}
 
     @asynccontextmanager
@@ -72,8 +75,9 @@ def create_app(config: Config) -> Starlette:
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
                             rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
                             alerts=config.alerts, power_every_s=config.power_every_s)
-        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit, analysis=analysis,
-                      on_failure=stop_failed)
+        # the writer's tasks, run between its commits: the analysis, then the alert delivery
+        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
+                      tasks=(analysis, Delivery(config.alerts)), on_failure=stop_failed)
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         reporting = asyncio.create_task(report_health(store))
@@ -96,8 +100,8 @@ def create_app(config: Config) -> Starlette:
         while True:
             await asyncio.sleep(config.analyze_every_s)
             try:
-                await asyncio.wrap_future(store.call("health", queue_bytes=store.queued_bytes,
-                                                     max_queue_bytes=store.max_queue_bytes, **metrics.health()))
+                await asyncio.wrap_future(store.call(HealthCounters(
+                    queue_bytes=store.queued_bytes, max_queue_bytes=store.max_queue_bytes, **metrics.health())))
             except Exception:
                 log.exception("judging the collector's health failed")
 
@@ -105,14 +109,14 @@ def create_app(config: Config) -> Starlette:
         async def export(request: Request) -> Response:
             kind = otlp.PROTOBUF
             try:
-                if not authorized(request.headers.get("authorization"), token):
-                    raise otlp.OtlpError(401, "missing or wrong bearer token")
+                if (reason := refusal(request, token)) is not None:
+                    raise otlp.OtlpError(401, reason)
                 kind = otlp.media_type(request.headers.get("content-type"))
                 outcome = await state["ingestor"].export(signal, kind, otlp.encoding(request.headers.get(
                     "content-encoding")), await _read_body(request))
             except otlp.OtlpError as e:
                 metrics.requests.labels(signal, e.status).inc()
-                headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+                headers = CHALLENGE if e.status == 401 else None
                 return Response(otlp.status(e.status, str(e), kind), e.status, headers, media_type=kind)
             except Overloaded as e:
                 return _unavailable(signal, str(e), kind)

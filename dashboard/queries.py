@@ -7,6 +7,8 @@ about $rank_bins rows, and a heatmap cell keeps its worst rank. Parameters are
 named ($run, ...); each query takes exactly those it names.
 """
 
+from agent import semconv as sc
+
 # Runs, newest first, with their last step and how many findings fire (recommendations, severity info, aside).
 RUNS = """
 SELECT r.run_id, r.world_size, r.first_seen, s.last_step, coalesce(f.firing, 0) AS firing
@@ -146,7 +148,7 @@ FROM s, bins GROUP BY ALL ORDER BY rank_lo
 """
 
 # What happened to a run's trajectory, by step: anomalies, rollbacks, checkpoints, injected faults.
-MARKERS = """
+MARKERS = f"""
 SELECT step_start AS step, 'anomaly: ' || kind AS marker, summary AS detail FROM findings
 WHERE run_id = $run AND analyzer = 'anomalies'
 UNION ALL
@@ -156,7 +158,7 @@ UNION ALL
 SELECT CAST(result->>'restored_step' AS BIGINT), 'rollback restored', 'command ' || id FROM commands
 WHERE run_id = $run AND kind = 'rollback' AND result->>'restored_step' IS NOT NULL
 UNION ALL
-SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->>'$."rankwatch.fault"'), '')
+SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->>{sc.json_path(sc.FAULT_SPEC)}), '')
 FROM events WHERE run_id = $run AND step IS NOT NULL
   AND event IN ('checkpoint_saved', 'checkpoint_restored', 'checkpoint_corrupt', 'fault_injected')
 GROUP BY step, event
@@ -165,12 +167,12 @@ ORDER BY step
 
 # Where each rank was when last heard from, grouped: a hung job is many ranks in one collective
 # and a few elsewhere.
-LAST_HEARTBEATS = """
+LAST_HEARTBEATS = f"""
 WITH last AS (
-    SELECT rank, max(ts) AS last_seen, arg_max({'step': step, 'phase': attrs->>'$."rankwatch.phase"',
-           'op': attrs->>'$."rankwatch.comm.op"', 'group': attrs->>'$."rankwatch.comm.group"',
-           'seq': TRY_CAST(attrs->>'$."rankwatch.comm.seq"' AS BIGINT),
-           'done': TRY_CAST(attrs->>'$."rankwatch.comm.done"' AS BOOLEAN)}, ts) AS hb
+    SELECT rank, max(ts) AS last_seen, arg_max({{'step': step, 'phase': attrs->>{sc.json_path(sc.PHASE)},
+           'op': attrs->>{sc.json_path(sc.COMM_OP)}, 'group': attrs->>{sc.json_path(sc.COMM_GROUP)},
+           'seq': TRY_CAST(attrs->>{sc.json_path(sc.COMM_SEQ)} AS BIGINT),
+           'done': TRY_CAST(attrs->>{sc.json_path(sc.COMM_DONE)} AS BOOLEAN)}}, ts) AS hb
     FROM events WHERE run_id = $run AND event = 'heartbeat' GROUP BY rank)
 SELECT hb.step AS step, nullif(hb.phase, '') AS phase, hb.op AS op, hb."group" AS "group", hb.seq AS seq,
        hb.done AS done, count(*) AS ranks, list(rank ORDER BY rank)[1:16] AS first_ranks, max(last_seen) AS last_seen
@@ -206,10 +208,10 @@ FROM per_rank, bins GROUP BY ALL ORDER BY metric, rank_lo
 
 # Energy per step, all ranks together: the median step's, where the agent measured each rank-step's
 # energy (rankwatch.energy_j), else each rank's mean power times the median step time.
-ENERGY_PER_STEP = """
+ENERGY_PER_STEP = f"""
 WITH measured AS (
     SELECT median(joules) AS joules FROM (
-        SELECT step, sum(TRY_CAST(attrs->>'$."rankwatch.energy_j"' AS DOUBLE)) AS joules FROM current_steps
+        SELECT step, sum(TRY_CAST(attrs->>{sc.json_path(sc.STEP_ENERGY_J)} AS DOUBLE)) AS joules FROM current_steps
         WHERE run_id = $run GROUP BY step)),
 estimated AS (
     SELECT sum(watts) * (SELECT median(duration_s) FROM current_steps WHERE run_id = $run) AS joules

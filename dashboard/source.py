@@ -9,9 +9,10 @@ from typing import Protocol
 
 import pandas as pd
 
+from agent.apiclient import ApiClient
 from collector import queryapi, readonly
 from collector.queryapi import QueryFailed
-from collector.store import StoreLocked, connect
+from collector.store.db import StoreLocked, connect
 
 COLLECTOR_ENV = "RANKWATCH_DASHBOARD_COLLECTOR"  # set by `rankwatch dashboard --collector URL`
 DB_ENV = "RANKWATCH_DASHBOARD_DB"  # set by `rankwatch dashboard --db PATH`
@@ -29,10 +30,10 @@ class CollectorSource:
 
     def __init__(self, url: str, token: str | None):
         self.label = f"collector {url}"
-        self._http = queryapi.client(url, token)
+        self._api = ApiClient(url, token)
 
     def query(self, sql: str, params: dict | list | None = None) -> dict:
-        return queryapi.remote_query(self._http, sql, params)
+        return queryapi.remote_query(self._api, sql, params)
 
 
 class FileSource:
@@ -57,7 +58,8 @@ class FileSource:
 
 def from_environment() -> Source:
     """The source `rankwatch dashboard` chose, passed on in the environment."""
-    from agent.config import store_path, token
+    from agent.config import token
+    from agent.paths import store_path
 
     if os.environ.get(COLLECTOR_ENV):
         return CollectorSource(os.environ[COLLECTOR_ENV], token())

@@ -1,4 +1,4 @@
-"""`rankwatch` command line: one subcommand per public job (DESIGN.md's contract).
+"""`rankwatch` command line: one subcommand per public job.
 
 Bad input ends in a one-line `rankwatch: error: ...` on stderr and exit 2.
 Subcommands import their machinery lazily, so `rankwatch train` never loads
@@ -13,9 +13,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from agent.paths import DB_ENV, DEFAULT_DB
 from trainer.device import DEVICES
+
+if TYPE_CHECKING:
+    from agent.apiclient import ApiClient
+
+_DEFAULT_DB = f"default: {DEFAULT_DB}, or ${DB_ENV}"  # the --db options' help
 
 
 class UsageError(Exception):
@@ -62,7 +68,7 @@ POSITIVE, NON_NEGATIVE, PORT = _whole(1), _whole(0), _whole(1, 65535)
 
 
 def _db(args) -> Path:
-    from agent.config import store_path
+    from agent.paths import store_path
 
     return store_path(args.db)
 
@@ -70,7 +76,7 @@ def _db(args) -> Path:
 def _preflight(config) -> None:
     """What would stop a collector from starting (collector/server.py), as a one-line usage error."""
     from collector.server import preflight
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     try:
         preflight(config)
@@ -149,7 +155,7 @@ def cmd_alerts_test(args) -> None:
 
 def cmd_query(args) -> None:
     from collector.query import QueryError, run_remote, run_sql, write
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     rows: Sequence[Sequence]
     try:
@@ -173,7 +179,7 @@ def cmd_analyze(args) -> None:
     from collector.analyzers import hangs
     from collector.postmortem import analyze_run
     from collector.runs import UnknownRun
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
 
     db = _db(args)
     if not db.exists():
@@ -255,7 +261,7 @@ def cmd_power_recommend(args) -> None:
     from collector.analyzers.power import Policy
     from collector.powercaps import document, recommend
     from collector.runs import UnknownRun
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
 
     try:
         policy = Policy.parse(args.policy)
@@ -281,8 +287,7 @@ def cmd_power_recommend(args) -> None:
 def cmd_power_apply(args) -> None:
     import json
 
-    import httpx
-
+    from agent.apiclient import ApiClient, ApiError
     from agent.config import collector_url, token
 
     if not args.caps and args.watts is None:
@@ -298,18 +303,13 @@ def cmd_power_apply(args) -> None:
         body = {"caps": caps} | ({"watts": args.watts} if args.watts is not None else {})
     else:
         body = {"watts": args.watts}
-    url, secret = collector_url(args.collector), token()
-    _check_caps(url, secret, args.run, body)
+    api = ApiClient(collector_url(args.collector), token())
+    _check_caps(api, args.run, body)
     try:
-        response = httpx.post(f"{url}/v1/commands", json={"run_id": args.run, "kind": "power_cap", "args": body},
-                              headers={"Authorization": f"Bearer {secret}"} if secret else {}, timeout=30)
-    except httpx.HTTPError as e:
-        raise UsageError(f"cannot reach the collector at {url}: {e}") from None
-    if response.status_code != 201:
-        json_body = response.headers.get("content-type", "").startswith("application/json")
-        raise UsageError(f"the collector refused the power cap (HTTP {response.status_code}): "
-                         f"{response.json().get('error') if json_body else response.text.strip()[:200]}")
-    command = response.json()
+        command = api.post("/v1/commands", {"run_id": args.run, "kind": "power_cap", "args": body})
+    except ApiError as e:
+        raise UsageError(f"the collector refused the power cap (HTTP {e.status}): {e}" if e.status
+                         else str(e)) from None
     print(f"rankwatch power apply: command {command['id']} (power_cap: {len(command['args']['caps'])} ranks capped"
           + (f", the others at {command['args']['watts']:g} W" if "watts" in command["args"] else "")
           + f") is pending for run {args.run}; the job applies it at a step boundary")
@@ -320,21 +320,20 @@ _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run
            FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
 
 
-def _check_caps(url: str, secret: str | None, run_id: str, body: dict) -> None:
+def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     """Before a power cap is sent: the run is one the collector knows, every capped rank is one of
     its ranks, and every cap is within the limits its GPUs accept (the tightest range they share)."""
     from agent import semconv as sc
     from collector import queryapi
 
-    with queryapi.client(url, secret) as http:
-        try:
-            answer = queryapi.remote_query(http, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
-                                                        "high": sc.POWER_LIMIT_MAX_W})
-        except queryapi.QueryFailed as e:
-            raise UsageError(str(e)) from None
+    try:
+        answer = queryapi.remote_query(api, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
+                                                   "high": sc.POWER_LIMIT_MAX_W})
+    except queryapi.QueryFailed as e:
+        raise UsageError(str(e)) from None
     ranks, low, high = answer["rows"][0]
     if not ranks:
-        raise UsageError(f"the collector at {url} knows no run {run_id!r}")
+        raise UsageError(f"the collector at {api.url} knows no run {run_id!r}")
     caps = body.get("caps")
     if not isinstance(caps, dict):
         caps = {}
@@ -385,7 +384,7 @@ def cmd_import(args) -> None:
     from collector.imports.flight_recorder import FlightRecorderDumps
     from collector.imports.kineto import KinetoTrace
     from collector.imports.ops import OpTrace
-    from collector.store import StoreLocked
+    from collector.store.db import StoreLocked
 
     db, path = _db(args), Path(args.path)
     kineto = args.format == "kineto"
@@ -496,13 +495,14 @@ def cmd_simulate(args) -> None:
               f"(ground truth: {args.out}.truth.json)")
         return
     from agent import config
+    from agent import semconv as sc
     from agent.export import Exporter
     from rankwatch.launch import announce
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
     exporter_url = config.collector_url(args.collector)
     announce("simulate", run_id, exporter_url)
-    exporter = Exporter(exporter_url, config.token(), {"rankwatch.run_id": run_id})
+    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id})
     spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
@@ -528,7 +528,7 @@ def _power_caps(path: str, ranks: int):
 
 def cmd_dashboard(args) -> None:
     from agent.config import collector_url
-    from collector.store import StoreLocked, connect
+    from collector.store.db import StoreLocked, connect
     from dashboard.serve import serve
 
     _dashboard_port_free(args.port, "--port PORT")
@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="collector + a 4-rank job with injected faults, end to end")
     p.add_argument("--steps", type=POSITIVE, default=300)
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--port", type=PORT, default=4318, help="collector port")
     p.add_argument("--dashboard-port", type=PORT, default=8501)
     p.add_argument("--no-dashboard", action="store_true",
@@ -590,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.add_argument("--db", help="the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints "
-                                "(default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+                                f"({_DEFAULT_DB})")
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
     p.add_argument("--max-restarts", type=NON_NEGATIVE, default=0,
                    help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=PORT, default=4318)
     p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
@@ -657,12 +657,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank, or a directory)")
     p.add_argument("path")
     p.add_argument("--run", required=True, help="run id to import under")
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("analyze", help="the analyzers over a whole run, from a store file (read-only)")
     p.add_argument("run", help="run id")
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
     p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = power.add_parser("recommend", help="power limits for the job and for each rank, and facility headroom, "
                                            "from a store file (read-only)")
     p.add_argument("run", help="run id")
-    p.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--policy", default="max-slowdown:0.02",
                    help="how the job's limit is picked: zeus:ETA, max-slowdown:FRACTION, min-energy or "
                         "budget:WATTS (default max-slowdown:0.02)")
@@ -695,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", help="store file (default: rankwatch-data/rankwatch.duckdb, or $RANKWATCH_DB)")
+    where.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     where.add_argument("--collector", metavar="URL",
                        help="ask a running collector's query API instead (token: $RANKWATCH_TOKEN, else the "
                             "token file beside the store)")
@@ -704,8 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", help="a store file no collector holds, read-only (default: rankwatch-data/"
-                                    "rankwatch.duckdb, or $RANKWATCH_DB; through its collector when one holds it)")
+    where.add_argument("--db", help=f"a store file no collector holds, read-only ({_DEFAULT_DB}; through its "
+                                     "collector when one holds it)")
     where.add_argument("--collector", metavar="URL",
                        help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
                             "file beside the store)")

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
-
-from agent import config
+from agent import config, paths
+from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
 
 
@@ -44,9 +43,9 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[st
     if notice:
         print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
     run_id, collector = run_id or time.strftime("run-%Y%m%d-%H%M%S"), config.collector_url(collector)
-    store = (store or config.store_path()).resolve()  # the ranks' working directory must not matter
+    store = (store or paths.store_path()).resolve()  # the ranks' working directory must not matter
     announce("train", run_id, collector)
-    print(f"rankwatch train: checkpoints in {store.parent / 'runs' / run_id / 'checkpoints'}", flush=True)
+    print(f"rankwatch train: checkpoints in {paths.checkpoint_dir(store, run_id)}", flush=True)
     undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
     env = {**os.environ, "RANKWATCH_RUN_ID": run_id, "RANKWATCH_COLLECTOR": collector, "OMP_NUM_THREADS": "1",
            UNDELIVERED_ENV: str(undelivered),
@@ -55,7 +54,7 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[st
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if token := config.token(token):
         env["RANKWATCH_TOKEN"] = token
-    env["RANKWATCH_DB"] = str(store)
+    env[paths.DB_ENV] = str(store)
     with subprocess.Popen(train_command(nproc, steps, list(faults), model, max_restarts,
                                         ["--device", device, *trainer_args]),
                           env=env) as job:
@@ -84,14 +83,14 @@ def announce(program: str, run_id: str, collector: str) -> None:
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Block until the collector answers /healthz (or fail if it died)."""
-    deadline = time.monotonic() + timeout_s
+    deadline, api = time.monotonic() + timeout_s, ApiClient(url, None, timeout_s=1)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"collector exited with status {process.returncode}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
+            api.get("/healthz")
+            return
+        except ApiError:  # not listening yet, or 503 while its store opens
             pass
         time.sleep(0.2)
     raise RuntimeError(f"collector not healthy at {url} after {timeout_s:.0f}s")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from collector import readonly
 from collector.auth import load_or_create_token
-from collector.schema import DDL
+from collector.store.schema import DDL
 from dashboard.source import FileSource, QueryFailed
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import post, step_spans, trace_body

@@ -28,7 +28,7 @@ from collector.alerts import outbox, rules, webhook
 from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, load
 from collector.alerts.delivery import Delivery
 from collector.analyzers import Finding
-from collector.schema import DDL
+from collector.store.schema import DDL
 from tests.conftest import free_port, rankwatch_cli, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver as WebhookReceiver
@@ -200,7 +200,8 @@ def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):
     con = duckdb.connect(str(tmp_path / "store.duckdb"))
     con.execute(DDL)
     findings.record(con, "run-a", "stragglers", [straggler([3])], config)
-    delivery = Delivery(con, config)
+    delivery = Delivery(config)
+    delivery.start(con)
     try:
         wait_until(lambda: con.execute("SELECT attempts FROM outbox").fetchone()[0] >= 3,  # refused, retried
                    "the receiver that is down was not retried")
@@ -222,7 +223,7 @@ def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):
 
 
 def test_backoff_grows_to_its_cap_with_jitter():
-    delivery = Delivery(duckdb.connect(), AlertConfig(backoff_initial_s=1.0, backoff_max_s=8.0))
+    delivery = Delivery(AlertConfig(backoff_initial_s=1.0, backoff_max_s=8.0))
     waits = [[delivery.backoff_s(attempts) for _ in range(50)] for attempts in range(6)]
     for attempts, samples in enumerate(waits):
         cap = min(8.0, 2.0 ** attempts)

@@ -128,7 +128,7 @@ def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():
 
     from collector import commands, findings
     from collector.analyzers import Finding
-    from collector.schema import DDL
+    from collector.store.schema import DDL
 
     con = duckdb.connect()
     con.execute(DDL)
@@ -152,7 +152,7 @@ def test_a_gradient_norm_spike_alone_is_rolled_back_only_when_asked():
 
     from collector import commands, findings
     from collector.analyzers import Finding
-    from collector.schema import DDL
+    from collector.store.schema import DDL
 
     con = duckdb.connect()
     con.execute(DDL)

@@ -21,11 +21,12 @@ from otlp_payloads import query
 from agent import semconv as sc
 from agent.devices import clock_event_words
 from agent.export import Exporter
+from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
 from agent.nvml import MAX_XIDS, NvmlDevice
 from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.simdevice import SW_POWER_CAP, THERMAL, GpuModel, SimulatedDevice, operating_points
+from agent.simdevice import SimulatedDevice
 
 H100 = GpuModel()
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collector.engine import Engine
-from collector.schema import DDL
+from collector.store.schema import DDL
 from tests.conftest import rankwatch_cli, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
 from tests.otlp_payloads import query

@@ -1,4 +1,4 @@
-"""Fault injection specs: one grammar for the trainer and the simulator (DESIGN.md).
+"""Fault injection specs: one grammar for the trainer and the simulator (trainer/faults.py).
 
 Covered: trainer.faults.parse on every kind of the grammar (values, their
 types, the rank they apply to, the steps `active()` selects); malformed specs
@@ -147,7 +147,7 @@ def test_train_cli_refuses_simulator_fault(thermal_through_torchrun):
 
 
 def test_train_cli_simulator_fault_is_a_one_line_usage_error(thermal_through_torchrun):
-    """DESIGN.md: a CLI gets a one-line message and exit 2. The spec is valid grammar, but the trainer
+    """Bad input to a command gets a one-line message and exit 2. The spec is valid grammar, but the trainer
     cannot inject it: `rankwatch train` should say so itself, not leave it to each rank under torchrun
     (two argparse usage blocks and torchrun's ChildFailedError traceback, exit status 1)."""
     r = thermal_through_torchrun

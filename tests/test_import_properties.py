@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from collector.imports import store_run
 from collector.imports.ops import OpTrace
 from collector.postmortem import analyze_run
-from collector.store import connect
+from collector.store.db import connect
 
 OPS = ("batch-generator", "forward-compute", "backward-compute", "optimizer", "grads-all-reduce", "forward-recv")
 

@@ -16,7 +16,9 @@ import pytest
 from PIL import Image
 
 from agent import semconv as sc
-from agent.simdevice import THERMAL, GpuModel, SimulatedDevice, operating_points
+from agent.apiclient import ApiClient
+from agent.gpumodel import THERMAL, GpuModel, operating_points
+from agent.simdevice import SimulatedDevice
 from collector import queryapi
 from collector.analyzers import power
 from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until
@@ -299,11 +301,11 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     sent = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url,
                          env=env)
     assert sent.returncode == 0, sent.stderr
-    with queryapi.client(collector.url, collector.token) as http:
-        wait_until(lambda: queryapi.remote_query(http, "SELECT count(DISTINCT rank) FROM device_samples WHERE "
-                                                       "run_id = 'pw-live' AND metric = ?",
-                                                 [sc.POWER_LIMIT_MAX_W])["rows"] == [[4]],
-                   "the run's power-limit range in the store")
+    api = ApiClient(collector.url, collector.token)
+    wait_until(lambda: queryapi.remote_query(api, "SELECT count(DISTINCT rank) FROM device_samples WHERE "
+                                                  "run_id = 'pw-live' AND metric = ?",
+                                             [sc.POWER_LIMIT_MAX_W])["rows"] == [[4]],
+               "the run's power-limit range in the store")
 
     result = apply("--caps", str(caps), "--watts", "650")
     assert result.returncode == 0, result.stderr
@@ -357,7 +359,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
     """The writer's analysis pass only starts the power report (a bootstrap over the ranks, seconds
     at a thousand ranks) on the power thread; a later pass records its findings."""
     from collector import analysis, powercaps
-    from collector.store import connect
+    from collector.store.db import connect
 
     db = tmp_path / "copy.duckdb"
     db.write_bytes(store.read_bytes())

@@ -92,7 +92,7 @@ def test_anomalies_of_the_abandoned_steps_send_no_second_rollback():
 
     from collector import commands, findings
     from collector.analyzers import Finding
-    from collector.schema import DDL
+    from collector.store.schema import DDL
 
     con = duckdb.connect()
     con.execute(DDL)

@@ -14,7 +14,7 @@ spans timed from its entry to their completion, with group, size, sequence
 number and bytes. A thermal fault throttles the clock and raises the
 temperature and the clock-event reasons in the device samples.
 
-Power follows the simulated GPU's model (agent/simdevice.py): each rank's GPU
+Power follows the GPU power model (agent/gpumodel.py): each rank's GPU
 is busy (load 1) while it computes and idle-ish (`Timing.wait_load`) while it
 loads data or waits in collectives. A power limit (`power_limits`, per rank,
 or the `power-cap:watts=W[,rank=R]` fault, for all ranks or one, over its
@@ -49,14 +49,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from agent.simdevice import GpuModel, operating_points
+from agent.gpumodel import THERMAL, GpuModel, operating_points
 from trainer.curve import CURVE_KINDS, Curve, curve
 from trainer.faults import Fault
 
 SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap",
                    *CURVE_KINDS)
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
-THERMAL_SLOWDOWN = 0x20 | 0x40  # NVML clocks event reasons: software and hardware thermal slowdown
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
 ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
@@ -163,7 +162,7 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
-        clock, temp, link = np.full(n, 1980.0), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
+        clock, temp, link = np.full(n, gpu.clock_max_mhz), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
         reasons, limit = np.zeros(n), limits.copy()
         for f in faults:
             if not f.active(step):
@@ -177,9 +176,9 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
             elif f.kind == "data-skew":
                 compute *= rng.lognormal(0.0, f.get("cv"), n)
             elif f.kind == "thermal":  # throttled: clocks down, hotter, slower in proportion
-                clock[f.rank], temp[f.rank] = 1500.0, 88.0
-                reasons[f.rank] = THERMAL_SLOWDOWN
-                compute[f.rank] *= 1980.0 / 1500.0
+                clock[f.rank], temp[f.rank] = gpu.thermal_clock_mhz, gpu.thermal_c
+                reasons[f.rank] = THERMAL
+                compute[f.rank] *= gpu.clock_max_mhz / gpu.thermal_clock_mhz
             elif f.kind == "slow-link":  # its link slows every collective of every group it is in
                 link[f.rank] = max(link[f.rank], f.get("factor"))
             elif f.kind == "power-cap":
@@ -215,9 +214,10 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
 
 
 def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.DataFrame],
-                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing()) -> int:
-    """Send the steps as OTLP through the agent's exporter, one resource per rank, and the ranks'
-    heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
+                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing(),
+                 gpu: GpuModel = GpuModel()) -> int:
+    """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
+    ranks' heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
     clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
     past would look like a stall while they arrive), and heartbeats follow in real time for
     `hang_for_s` seconds."""
@@ -272,7 +272,7 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.
         exporter.samples((metric, int(time_ns), float(value), {
             sc.RANK: int(rank), sc.GPU: int(rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED,
             **(instant if metric == sc.POWER_INSTANT_W else {})})
-            for rank, time_ns, metric, value in device_samples(frame, timing).itertuples(index=False))
+            for rank, time_ns, metric, value in device_samples(frame, timing, gpu).itertuples(index=False))
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
@@ -281,11 +281,11 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.
     return sent
 
 
-def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFrame:
+def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel = GpuModel()) -> pd.DataFrame:
     """A step frame's device samples as each rank's sampler would catch them (rank, ts ns, metric,
     value): clock, temperature and clock-event reasons at the step's end; power and utilization
     busy, in the middle of compute, and waiting, at the step's end; the power limit and the range of
-    limits the GPU accepts at the step's end. No energy counter: the step spans carry each step's energy."""
+    limits `gpu` accepts at the step's end. No energy counter: the step spans carry each step's energy."""
     from agent import semconv as sc
 
     end = frame["end_ns"]
@@ -294,8 +294,8 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing()) -> pd.DataFra
                (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
                (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
                (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
-               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, GpuModel.limit_min_w),
-               (sc.POWER_LIMIT_MAX_W, end, GpuModel.limit_max_w)]
+               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, gpu.limit_min_w),
+               (sc.POWER_LIMIT_MAX_W, end, gpu.limit_max_w)]
     return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
                       for metric, ts, value in samples], ignore_index=True)
 

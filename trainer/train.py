@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import agent
-from agent import config
+from agent import paths
 from agent import semconv as sc
 from trainer import rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
@@ -43,7 +43,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--ckpt-dir", type=Path, metavar="DIR",
-                   help="checkpoints, DIR/rank-R for rank R (default: rankwatch-data/runs/RUN/checkpoints)")
+                   help=f"checkpoints, DIR/rank-R for rank R (default: "
+                        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, "
+                        f"beside ${paths.DB_ENV}'s store when it is set)")
     p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
                    help="copy the training state to host memory every STEPS steps")
     p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     session = agent.init(cuda=cuda, resource={sc.DP_RANK: rank, sc.DEVICE: device_name})  # CPU ranks: CPU marks
-    ckpt_dir = args.ckpt_dir or config.store_path().parent / "runs" / session.run_id / "checkpoints"
+    ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
     # DDP replicas: the same tensors, each rank writing its share of them
     replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]
     ckpt = Checkpointer(replicas[rank], {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},

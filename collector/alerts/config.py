@@ -21,10 +21,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from agent.paths import ALERTS_FILE
 from collector.alerts.webhook import signing_key
 
 DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"
-FILE_NAME = "alerts.toml"  # the default receivers file, beside the store
 _FILTERS = ("analyzers", "kinds", "severities")  # receiver keys, each matched against a label
 _LABEL = {"analyzers": "analyzer", "kinds": "kind", "severities": "severity"}
 
@@ -61,7 +61,7 @@ class AlertConfig:
 
 
 def default_path(db: Path) -> Path:
-    return db.parent / FILE_NAME
+    return db.parent / ALERTS_FILE
 
 
 def load(path: Path) -> AlertConfig:

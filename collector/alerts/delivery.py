@@ -2,7 +2,8 @@
 
 The outbox is in the store and only the writer process may open it, so the
 poster lives there, as a thread that spends its time asleep or waiting on a
-socket (the writer's commits do not wait for it). It reads and updates rows
+socket (the writer's commits do not wait for it): a task the collector hands
+the writer (collector/store/writer.py). It reads and updates rows
 on a cursor of its own, DuckDB's connection for another thread.
 
 Every POLL_S it takes the due notifications, oldest first. A receiver that
@@ -18,10 +19,12 @@ those still undelivered after EXPIRE_AFTER expire.
 import logging
 import random
 import threading
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 import duckdb
 import httpx
+import pyarrow as pa
 
 from collector.alerts import outbox, webhook
 from collector.alerts.config import AlertConfig
@@ -32,16 +35,24 @@ EXPIRE_AFTER = timedelta(days=1)
 
 
 class Delivery:
-    """The posting thread; it runs only when a receiver is configured."""
+    """The posting thread, a task of the store's writer; it runs only when a receiver is configured."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, config: AlertConfig):
+    def __init__(self, config: AlertConfig):
+        """Handed to the writer process pickled: the thread and the cursor are made there, in start()."""
         self._config = config
         self._receivers = {r.name: r for r in config.receivers}
-        self._stop = threading.Event()
-        self._con = con.cursor() if config.receivers else None
-        self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
-        if config.receivers:
+        self._con: duckdb.DuckDBPyConnection | None = None
+
+    def start(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Post from a cursor of `con`, on a thread of its own, until close()."""
+        if self._config.receivers:
+            self._stop = threading.Event()
+            self._con = con.cursor()
+            self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
             self._thread.start()
+
+    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
+        """Nothing: notifications are polled for (they commit with an analysis pass, not with telemetry)."""
 
     def close(self) -> None:
         """Stop after the attempt in flight (at most timeout_s) and close the cursor."""

@@ -18,8 +18,8 @@ slowest in the next collective; that wait, its exposed communication time less t
 itself (the least any rank waited at that step), is slack: it can compute more slowly, at a
 lower clock and power, without delaying the step. The clock a rank needs is
 clock_now * compute / (compute + safety * slack) (its median compute and slack over the
-judged steps), and its cap the power model's power at that clock and its load: the simulated
-GPU's model (agent/simdevice.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
+judged steps), and its cap the power model's power at that clock and its load: the GPU
+power model (agent/gpumodel.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
 the rank's utilization while busy (a high quantile of its samples). A straggler has no slack
 and keeps its limit; so does a rank that throttles for heat (most of its samples): its clock is
 held by its temperature, not its limit, and a cap at its present draw would bind once it cooled,
@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
-from agent.simdevice import THERMAL, GpuModel, operating_points
+from agent.gpumodel import THERMAL, GpuModel, operating_points
 from collector import ranksets
 from collector.analyzers import Finding
 

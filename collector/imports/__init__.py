@@ -19,8 +19,7 @@ import pandas as pd
 import pyarrow as pa
 
 from collector.decode import arrow_schema, conform
-from collector.schema import DDL
-from collector.store import connect
+from collector.store.db import connect, create_tables
 
 
 class TraceError(ValueError):
@@ -52,7 +51,7 @@ def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
     db.parent.mkdir(parents=True, exist_ok=True)
     con = connect(db)
     try:
-        con.execute(DDL)
+        create_tables(con)
         if con.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchone():
             raise TraceError(f"run {run_id!r} is already in {db}; import under another --run")
         con.begin()

@@ -1,4 +1,5 @@
-"""The generic op trace of DESIGN.md: one row per op, in Parquet or CSV.
+"""The generic op trace, rankwatch's own import format for any framework's timings: one row per op,
+in Parquet or CSV (the fleet simulator writes it too).
 
 Columns: rank, step, op, start, duration (seconds), and optionally kind
 (compute|comm|data|other), dp_rank, pp_stage, tp_rank, microbatch, seq, bytes.

@@ -1,0 +1,31 @@
+"""Where rankwatch keeps its files: the store and what lives beside it, named once for the agent,
+the trainer, the collector, the dashboard and the command line. A leaf (the standard library only).
+
+    rankwatch-data/               the data directory: the store's, wherever the store is
+      rankwatch.duckdb            the store: --db, else $RANKWATCH_DB, else this
+      token                       the bearer token, mode 0600, made by the collector's first start
+      alerts.toml                 the alert receivers, if any (collector/alerts/config.py)
+      sql-files/                  the only files SQL queries may read (collector/readonly.py)
+      runs/RUN/checkpoints/       `rankwatch train`'s checkpoints of run RUN, rank-R/ for rank R
+
+The token and receivers files are secrets, which is why queries get a directory of their own.
+"""
+
+import os
+from pathlib import Path
+
+DB_ENV = "RANKWATCH_DB"
+DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
+TOKEN_FILE = "token"
+ALERTS_FILE = "alerts.toml"
+SQL_FILES_DIR = "sql-files"
+
+
+def store_path(explicit: str | Path | None = None) -> Path:
+    """The store file: given, else $RANKWATCH_DB, else the default."""
+    return Path(explicit or os.environ.get(DB_ENV) or DEFAULT_DB)
+
+
+def checkpoint_dir(store: Path, run_id: str) -> Path:
+    """Where `rankwatch train` keeps run `run_id`'s checkpoints: beside the store."""
+    return store.parent / "runs" / run_id / "checkpoints"

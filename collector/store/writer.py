@@ -1,0 +1,297 @@
+"""The store's writer process: the one process with the DuckDB file open, and its group-commit loop.
+
+Producers (decode workers, or the server itself) queue decoded Arrow batches; the writer takes
+everything that piled up since its last commit and appends it in one transaction (group commit),
+then acknowledges each request. A request is answered only once acknowledged, so an acknowledged
+row is in DuckDB's write-ahead log and survives a crash.
+
+The writer is a process of its own because DuckDB's Python API takes the GIL
+back many times per statement: next to a busy event loop every transaction
+waited out the interpreter's switch interval again and again (9x slower,
+measured). In its process it shares the GIL only with its tasks' threads (the
+analysis passes, short bursts every few seconds, and the alert delivery, asleep
+or on a socket).
+
+Calls (collector/store/requests.py) are answered between commits: a write on the writer thread,
+in order with the commits; a read (a query, the run metrics) on one of QUERY_THREADS query threads
+with a cursor of its own, reading a snapshot, so it never holds up a commit.
+
+The tasks the collector hands the writer (its analysis and alert delivery) start on the open store,
+hear of each commit's tables, and stop once the queue is drained, before the checkpoint: the writer
+knows them only by the `Task` protocol, so the store imports neither.
+
+A retried export is recognised by the digest of its decompressed body (the
+OpenTelemetry exporters resend the same serialized bytes) and acknowledged
+without writing again. Digests are kept, in the `exports` table and in
+memory, for DIGEST_RETENTION, far longer than any exporter retries.
+"""
+
+import queue
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from collector import readonly
+from collector.children import die_with_parent
+from collector.decode import Decoded
+from collector.store import requests
+from collector.store.db import StoreLocked, connect, create_tables
+from collector.store.schema import TELEMETRY_TABLES
+
+DIGEST_RETENTION = timedelta(hours=1)
+# How long the writer collects requests into one transaction. A commit costs
+# milliseconds however small it is, so under load a group must be large;
+# 10 ms of added latency is nothing to an exporter that batches for seconds.
+GROUP_LINGER_S = 0.010
+# Threads for read-only queries (the query API): they read snapshots beside the commit loop.
+QUERY_THREADS = 2
+
+# Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
+_UPSERT_RANKS = """
+INSERT INTO ranks BY NAME SELECT * EXCLUDE (world_size), now() AS first_seen FROM new_ranks
+ON CONFLICT (run_id, rank) DO UPDATE SET
+    host = coalesce(excluded.host, host), local_rank = coalesce(excluded.local_rank, local_rank),
+    dp_rank = coalesce(excluded.dp_rank, dp_rank), pp_stage = coalesce(excluded.pp_stage, pp_stage),
+    tp_rank = coalesce(excluded.tp_rank, tp_rank), device = coalesce(excluded.device, device),
+    pid = coalesce(excluded.pid, pid)
+"""
+_UPSERT_RUNS = """
+INSERT INTO runs SELECT run_id, max(world_size), now() FROM new_ranks GROUP BY run_id
+ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, world_size)
+"""
+
+
+@dataclass(frozen=True)
+class Call:
+    """A request (collector/store/requests.py) for the writer, under the id its answer comes back with."""
+
+    id: int
+    request: requests.Request
+
+
+# What the writer puts on its acknowledgement queue, for the server's handle (collector/store/handle.py).
+@dataclass(frozen=True)
+class Ready:
+    """The writer has the store open (its write-ahead log recovered) and takes requests."""
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """The writer could not open the store; `locked`: another process holds it."""
+
+    reason: str
+    locked: bool
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A group committed: each request's id and whether it was written (False: a retry already stored)."""
+
+    acknowledged: list[tuple[int, bool]]
+    seconds: float
+    rows: int
+
+
+@dataclass(frozen=True)
+class CommitFailed:
+    """A group rolled back: none of its requests was stored, each client retries."""
+
+    request_ids: list[int]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A call's reply."""
+
+    call_id: int
+    value: object
+
+
+@dataclass(frozen=True)
+class Raised:
+    """A call's refusal or failure."""
+
+    call_id: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The queue is drained, the tasks stopped and the store checkpointed and closed."""
+
+
+class Task(Protocol):
+    """Work the writer process runs beside its commits (the collector's analysis, its alert delivery):
+    it is handed over pickled, started on the open store, told of each commit, and closed, in the
+    order handed, once the queue is drained and before the checkpoint."""
+
+    def start(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Begin, on cursors of `con` (threads of its own: a commit never waits for a task)."""
+
+    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
+        """A commit appended `tables` (by table name); returns at once."""
+
+    def close(self) -> None:
+        """Finish (a last pass over what was committed, say) and stop."""
+
+
+class _Writer:
+    """The writer process's side: owns the connection, commits groups, answers calls, and runs the
+    tasks and the query threads (it alone can read the store while the collector runs)."""
+
+    def __init__(self, path: Path, tasks: Sequence[Task]):
+        self._tasks = tasks
+        self._con = connect(path)
+        # One DuckDB thread: the writer shares the machine with decoding, and a
+        # parallel insert of a few thousand rows costs more than it gains.
+        self._con.execute("SET threads TO 1")
+        create_tables(self._con)
+        self._digests: OrderedDict[bytes, float] = OrderedDict(
+            (d, t) for d, t in self._con.execute(
+                "SELECT digest, epoch(received_at) FROM exports WHERE received_at > now() - ?::INTERVAL "
+                "ORDER BY received_at", [DIGEST_RETENTION]).fetchall())
+        cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
+        columns = [d[0] for d in cursor.description]
+        self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
+        readonly.files_dir(path.parent).mkdir(exist_ok=True)  # where a user puts files for SQL to read
+        readonly.lock_down(self._con, path.parent)
+        self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
+        for task in tasks:
+            task.start(self._con)
+
+    def run(self, queued, acks) -> None:
+        """Commit what arrives within GROUP_LINGER_S of the first request, acknowledge it, answer
+        the calls that came with it, repeat; on None, close the tasks, checkpoint and stop."""
+        while True:
+            group = [queued.get()]
+            deadline = time.monotonic() + GROUP_LINGER_S
+            while group[-1] is not None and (left := deadline - time.monotonic()) > 0:
+                try:
+                    group.append(queued.get(timeout=left))
+                except queue.Empty:
+                    break
+            stop = group[-1] is None
+            calls = [g for g in group if isinstance(g, Call)]
+            group = [g for g in group if g is not None and not isinstance(g, Call)]
+            if group:
+                acks.put(self._commit(group))
+            for call in calls:
+                if requests.beside(call.request):  # on a query thread: a slow read never holds up commits
+                    self._queries.submit(self._read, call, acks)
+                else:
+                    acks.put(self._answer(requests.Context(self._con, self._tasks), call))
+            if stop:
+                self._queries.shutdown()  # queries end within their time limit
+                for task in self._tasks:  # the analysis's last pass covers every commit above
+                    task.close()
+                self._con.execute("CHECKPOINT")
+                self._con.close()
+                acks.put(Closed())
+                return
+
+    def _answer(self, context: requests.Context, call: Call) -> Answered | Raised:
+        try:
+            return Answered(call.id, requests.answer(context, call.request))
+        except Exception as e:  # the handler's refusal, or a RuntimeError for anything else
+            return Raised(call.id, e)
+
+    def _read(self, call: Call, acks) -> None:
+        """Answer a call on a cursor of its own (a snapshot beside the commits) and put its answer."""
+        cursor = self._con.cursor()
+        try:
+            acks.put(self._answer(requests.Context(cursor, self._tasks), call))
+        finally:
+            cursor.close()
+
+    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]
+                ) -> Committed | CommitFailed:
+        """Append a group of decoded batches in one transaction, leaving out requests already
+        stored, and tell the tasks what was appended."""
+        started = time.perf_counter()
+        fresh: dict[bytes, tuple[int, str, int]] = {}  # digest -> (request id, signal, rows)
+        tables: dict[str, list[pa.Table]] = defaultdict(list)
+        for stored, decoded in group:
+            keep = []
+            for request_id, digest, rows in stored:
+                keep.append(digest not in self._digests and digest not in fresh)
+                if keep[-1]:
+                    fresh[digest] = (request_id, decoded.signal, sum(rows.values()))
+            for name, table in decoded.tables.items():
+                if not all(keep):  # a retried request: its rows are left out
+                    table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
+                tables[name].append(table)
+        appended = 0
+        try:
+            self._con.begin()
+            for table in TELEMETRY_TABLES:
+                if tables[table]:
+                    batch = pa.concat_tables(tables[table], promote_options="default")
+                    appended += batch.num_rows
+                    if batch.num_rows:
+                        self._append(table, batch)
+            ranks = self._changed_placements(r for _, d in group for r in d.ranks)
+            if ranks:
+                self._con.register("new_ranks", pa.Table.from_pylist(ranks))
+                self._con.execute(_UPSERT_RANKS)
+                self._con.execute(_UPSERT_RUNS)
+                self._con.unregister("new_ranks")
+            if fresh:
+                self._con.execute("INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
+                                  [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)])
+            self._con.commit()
+        except Exception as e:  # the whole group fails; each client retries
+            self._con.rollback()
+            return CommitFailed([request_id for stored, _ in group for request_id, _, _ in stored], str(e))
+        for r in ranks:
+            self._placements[r["run_id"], r["rank"]] = r
+        for task in self._tasks:
+            task.committed(tables)
+        now = time.time()
+        for digest in fresh:
+            self._digests[digest] = now
+        self._forget_old_digests(now)
+        written = {request_id for request_id, _, _ in fresh.values()}
+        acknowledged = [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored]
+        return Committed(acknowledged, time.perf_counter() - started, appended)
+
+    def _append(self, table: str, batch: pa.Table) -> None:
+        self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
+
+    def _changed_placements(self, ranks) -> list[dict]:
+        changed = {}
+        for r in ranks:
+            known = self._placements.get((r["run_id"], r["rank"]))
+            if known is None or any(v is not None and known.get(k) != v for k, v in r.items()):
+                changed[r["run_id"], r["rank"]] = r
+        return list(changed.values())
+
+    def _forget_old_digests(self, now: float) -> None:
+        horizon = now - DIGEST_RETENTION.total_seconds()
+        if self._digests and next(iter(self._digests.values())) < horizon:
+            while self._digests and next(iter(self._digests.values())) < horizon:
+                self._digests.popitem(last=False)
+            self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
+
+
+def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
+    """The writer process: open the store, say Ready (or StartFailed), then run until told to stop."""
+    die_with_parent()
+    try:
+        writer = _Writer(path, tasks)
+    except Exception as e:
+        acks.put(StartFailed(str(e), isinstance(e, StoreLocked)))
+        return
+    acks.put(Ready())
+    writer.run(queued, acks)
+
+
