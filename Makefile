@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-tools bench clean
+.PHONY: demo test lint test-tools bench clean
 
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,14 @@ $(BIN)/rankwatch: pyproject.toml
 demo: $(BIN)/rankwatch
 	$(BIN)/rankwatch demo
 
-test: $(BIN)/rankwatch test-tools
+test: lint test-tools
 	$(BIN)/python -m pytest
+
+# The quality gates, before the tests: lint, format and types (configured in pyproject.toml).
+lint: $(BIN)/rankwatch
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # System packages some tests use (they skip without them): Debian's prometheus brings promtool
 # and the server that tests/test_prometheus.py scrapes the collector with; chromium and its

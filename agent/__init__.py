@@ -33,24 +33,25 @@ from typing import TYPE_CHECKING
 from agent import config
 
 if TYPE_CHECKING:  # the session (and the OpenTelemetry SDK) load at init(): `agent.config` and
-    from agent.session import Session  # `agent.semconv` are read by the collector, which exports nothing
+    from agent.commands import Commands  # `agent.semconv` are read by the collector, which exports nothing
+    from agent.session import Session
 
-_session: "Session | None" = None
-_commands = None  # agent.commands.Commands, made on the first command() call
+_session: Session | None = None
+_commands: Commands | None = None  # made on the first command() call
 _control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
 def init(run_id: str | None = None, collector: str | None = None, token: str | None = None,
          rank: int | None = None, world_size: int | None = None, cuda: bool | None = None,
-         resource: dict | None = None) -> "Session":
+         resource: dict | None = None) -> Session:
     """Start this rank's session. Everything defaults from the environment: RANK and
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
-    from agent.clock import CpuTimer
+    from agent.clock import CpuTimer, Timer
     from agent.session import Session
 
-    timer = CpuTimer()
+    timer: Timer = CpuTimer()
     if cuda or cuda is None:
         try:
             import torch
@@ -120,14 +121,21 @@ def watch_ddp(model, inner_hook=None) -> None:
     """Time a DistributedDataParallel model's gradient all-reduces (wrapping `inner_hook`, if any)."""
     from agent.collectives import comm_hook
 
-    model.register_comm_hook(None, comm_hook(_session, inner_hook))
+    model.register_comm_hook(None, comm_hook(_started(), inner_hook))
 
 
 def watch_collectives() -> None:
     """Time the torch.distributed collectives the training code calls itself."""
     from agent.collectives import trace_collectives
 
-    trace_collectives(_session)
+    trace_collectives(_started())
+
+
+def _started() -> Session:
+    """The session `init` started: without one, a watched collective would fail inside training."""
+    if _session is None:
+        raise RuntimeError("rankwatch: call agent.init() before watching collectives")
+    return _session
 
 
 def end() -> None:

@@ -13,6 +13,7 @@ wall clock. On CPU the marks are monotonic-clock readings.
 
 import statistics
 import time
+from typing import Any, Protocol
 
 
 class Clock:
@@ -43,6 +44,21 @@ class Clock:
             dist.all_gather_object(readings, mine)
             offsets.append(readings[0] - mine)
         self.offset_ns = int(statistics.median(offsets))
+
+
+class Timer(Protocol):
+    """What a session needs of a timer. Its marks are opaque to the session (ns on CPU, CUDA
+    events on a GPU), hence Any."""
+
+    serial: bool
+
+    def mark(self) -> Any: ...
+
+    def ready(self, mark: Any) -> bool: ...
+
+    def release(self, marks: list[Any]) -> None: ...
+
+    def to_wall(self, clock: Clock, mark: Any) -> int: ...
 
 
 class CpuTimer:

@@ -109,5 +109,5 @@ def _traced(session: Session, dist, name: str, original, size_of):
             c.end = session.timer.mark()
         return work
 
-    call.__rankwatch__ = True
+    call.__rankwatch__ = True  # type: ignore[attr-defined]  # marks it wrapped (see trace_collectives)
     return call

@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Any
 
 from agent.apiclient import ApiClient, ApiError
 
@@ -74,7 +75,7 @@ class Commands:
         self._seen: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._group = None
+        self._group: Any = None  # torch.distributed's gloo group, made on first use
         if rank == 0:
             threading.Thread(target=self._poll, args=(poll_s, wait_s), name="rankwatch-commands",
                              daemon=True).start()
@@ -95,7 +96,8 @@ class Commands:
         command, self._until_look = self._shared((command, gap))
         return command
 
-    def report(self, command: dict, state: str, apply_step: int | None = None, result: dict | None = None) -> dict | None:
+    def report(self, command: dict, state: str, apply_step: int | None = None,
+               result: dict | None = None) -> dict | None:
         """Tell the collector how a command went (rank 0 speaks for the job); the updated command."""
         if self._rank != 0:
             return None

@@ -31,7 +31,7 @@ class Device(ABC):
 
     def read(self) -> list[Reading]:
         """The device metrics now, each labelled with the GPU and where it came from."""
-        labels = {sc.GPU: self.index, sc.SOURCE: self.source}
+        labels: Attributes = {sc.GPU: self.index, sc.SOURCE: self.source}
         return [(metric, value, {**labels, **attributes}) for metric, value, attributes in self._read()]
 
     def compute_scale(self) -> float:

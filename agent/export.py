@@ -35,8 +35,7 @@ from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult
-from opentelemetry.sdk.metrics.export import (Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics,
-                                              ScopeMetrics)
+from opentelemetry.sdk.metrics.export import Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics, ScopeMetrics
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -46,7 +45,8 @@ from agent import semconv as sc
 
 SCOPE = "rankwatch.agent"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-Attributes = Mapping[str, str | int | float | bool]
+AttributeValue = str | int | float | bool
+Attributes = Mapping[str, AttributeValue]
 log = logging.getLogger("rankwatch.agent")
 # The SDK's exporters log every retry; the backlog reports an outage once instead.
 for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shared_internal"):
@@ -131,7 +131,7 @@ def _key(key: str) -> bytes:
     return _field(1, key.encode())
 
 
-def _any_value(value) -> bytes:
+def _any_value(value: object) -> bytes:
     """An AnyValue; a value of another type than str, bool, int (int64) or float goes as its str()."""
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
@@ -142,8 +142,8 @@ def _any_value(value) -> bytes:
     return _field(1, (value if isinstance(value, str) else str(value)).encode())
 
 
-def _key_values(number: int, attributes: Attributes) -> bytes:
-    """Repeated KeyValue field `number`."""
+def _key_values(number: int, attributes: Mapping[str, object]) -> bytes:
+    """Repeated KeyValue field `number` (a resource's attributes may hold any AnyValue)."""
     return b"".join(_field(number, _key(k) + _field(2, _any_value(v))) for k, v in attributes.items())
 
 
@@ -289,7 +289,6 @@ class Exporter:
                  backlog_items: int = 100_000):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = self._endpoint = endpoint.rstrip("/")
-        common = dict(headers=headers, timeout=timeout_s, compression=Compression.Gzip)
         self.resource = Resource.create(dict(resource))
         self.spans_backlog = Backlog(SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
                                      SpanExportResult.SUCCESS, backlog_items, endpoint,
@@ -297,20 +296,24 @@ class Exporter:
                                          "rankwatch: collector at %s unreachable; training goes on, telemetry "
                                          "waits (up to %d spans) and is sent when it is back", endpoint,
                                          backlog_items))
-        self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", **common),
+        self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", headers=headers,
+                                                    timeout=timeout_s, compression=Compression.Gzip),
                                     LogRecordExportResult.SUCCESS, backlog_items // 10, endpoint)
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
         # request stay far below the collector's 20 MiB and 100k entries a request
-        self._processor = BatchSpanProcessor(_Spans(self.spans_backlog), max_queue_size=8192,
+        self._processor = BatchSpanProcessor(_Spans(self.spans_backlog),  # type: ignore[arg-type]  # takes Traces
+                                             max_queue_size=8192,
                                              max_export_batch_size=256, schedule_delay_millis=SPANS_DELAY_MS)
         self._scope = InstrumentationScope(SCOPE)
         self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)
         # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
         self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(
-            self.logs_backlog, schedule_delay_millis=1000, max_queue_size=65536, max_export_batch_size=2048))
+            self.logs_backlog,  # type: ignore[arg-type]  # a LogRecordExporter by duck typing (export, shutdown)
+            schedule_delay_millis=1000, max_queue_size=65536, max_export_batch_size=2048))
         self._logger = self._logger_provider.get_logger(SCOPE)
-        self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", **common)
+        self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", headers=headers,
+                                                   timeout=timeout_s, compression=Compression.Gzip)
         self.samples_refused = 0  # device samples the collector never took
 
     def trace(self, spans: Sequence[tuple[str, int, int, Attributes]], resource: Resource | None = None) -> SpanContext:
@@ -322,7 +325,8 @@ class Exporter:
         would cost ~80 µs a span on the training thread, for spans whose times are known after the
         fact, and the SDK's ReadableSpan and batch processor ~15 µs more a span."""
         trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
-        self._processor.on_end(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
+        trace = Trace(trace_id, root_id, tuple(spans), resource or self.resource)
+        self._processor.on_end(trace)  # type: ignore[arg-type]  # stands in for a ReadableSpan: see Trace
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def event(self, event: str, time_ns: int, attributes: Attributes, body: str | None = None,

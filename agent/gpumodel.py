@@ -64,9 +64,9 @@ def operating_point(model: GpuModel, load: float, limit_w: float, thermal: bool 
     m = model
     clock, reasons = (m.thermal_clock_mhz, THERMAL) if thermal else (m.clock_max_mhz, 0)
     if load > 0 and m.power(load, clock) > limit_w:
-        clock, reasons = m.fitting_clock(load, limit_w), reasons | SW_POWER_CAP
+        clock, reasons = float(m.fitting_clock(load, limit_w)), reasons | SW_POWER_CAP
     clock = max(clock, m.clock_min_mhz)
-    return clock, m.power(load, clock), reasons
+    return clock, float(m.power(load, clock)), reasons
 
 
 def operating_points(model: GpuModel, load: "float | np.ndarray", limit_w: "float | np.ndarray",
@@ -82,4 +82,4 @@ def operating_points(model: GpuModel, load: "float | np.ndarray", limit_w: "floa
     with np.errstate(divide="ignore", invalid="ignore"):
         clock = np.maximum(np.where(capped, m.fitting_clock(load, limit_w), clock), m.clock_min_mhz)
     reasons = np.where(thermal, THERMAL, 0) | np.where(capped, SW_POWER_CAP, 0)
-    return clock, m.power(load, clock), reasons
+    return clock, np.asarray(m.power(load, clock)), reasons

@@ -55,7 +55,7 @@ class Rapl:
     def read(self) -> list[Reading]:
         now = self._clock_ns()
         seconds, self._last_ns = (now - self._last_ns) / 1e9, now
-        readings = []
+        readings: list[Reading] = []
         for zone in self._zones:
             counter = int(zone.counter.read_text())
             delta_uj = counter - zone.last_uj if counter >= zone.last_uj else zone.range_uj - zone.last_uj + counter

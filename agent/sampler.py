@@ -96,7 +96,7 @@ class Sampler:
         for i, reader in enumerate(self._readers):
             try:
                 points += [(metric, now, float(value), attributes) for metric, value, attributes in reader.read()]
-            except Exception:  # noqa: BLE001 (whatever one reader raises, the others are still read)
+            except Exception:
                 if i not in self._failing:
                     self._failing.add(i)
                     log.exception("rankwatch: reading %s failed; skipped while it fails", type(reader).__name__)
@@ -139,7 +139,7 @@ class Sampler:
         while (batch := self._outbox.get()) is not None:
             try:
                 accepted = self._emit(batch)
-            except Exception:  # noqa: BLE001 (the export thread outlives a failed export)
+            except Exception:
                 if not self._emit_failed:
                     self._emit_failed = True
                     log.exception("rankwatch: exporting device samples failed; samples are dropped while it fails")

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import semconv as sc
-from agent.clock import Clock, CpuTimer
+from agent.clock import Clock, CpuTimer, Timer
 from agent.config import UNDELIVERED_ENV
+from agent.export import Attributes, AttributeValue, Exporter, log
 from agent.opendevice import open_device
-from agent.export import Exporter, log
 from agent.rapl import Rapl
 from agent.sampler import Sampler
 from agent.timeline import exposed, serialized, subtract
@@ -62,10 +62,11 @@ class Session:
     """Telemetry of one rank; see agent/__init__.py for the public functions."""
 
     def __init__(self, run_id: str, rank: int, world_size: int, collector: str | None, token: str | None,
-                 resource: dict | None = None, timer=None, heartbeat_s: float = 5.0, sample_s: float = 0.1):
+                 resource: dict | None = None, timer: Timer | None = None, heartbeat_s: float = 5.0,
+                 sample_s: float = 0.1):
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
-        self.timer = timer or CpuTimer()
+        self.timer: Timer = timer or CpuTimer()
         attributes = {sc.RUN_ID: run_id, sc.RANK: rank, sc.WORLD_SIZE: world_size,
                       sc.HOST_NAME: socket.gethostname(), sc.PROCESS_PID: os.getpid(), **(resource or {})}
         self.exporter = Exporter(collector, token, attributes) if collector else None
@@ -92,6 +93,7 @@ class Session:
         self.clock.align()
         if self.exporter:
             self._heartbeat.start()
+        if self.sampler:  # there is one where there is an exporter
             self.sampler.start()
 
     # -- the training loop's side -------------------------------------------------------------------
@@ -193,7 +195,7 @@ class Session:
         wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
         start, end = wall(s.start), wall(s.end)
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
-        seconds = {name: 0.0 for name in ("data", *COMPUTE_PHASES)}
+        seconds = dict.fromkeys(("data", *COMPUTE_PHASES), 0.0)
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
@@ -203,15 +205,15 @@ class Session:
         compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
         if not self.exporter:
             return
-        attributes = {sc.KIND: sc.KIND_STEP, sc.STEP: s.step, sc.DATA_S: seconds["data"], sc.COMPUTE_S: compute,
-                      sc.COMM_WAIT_S: comm_wait}
+        attributes: dict[str, AttributeValue] = {sc.KIND: sc.KIND_STEP, sc.STEP: s.step, sc.DATA_S: seconds["data"],
+                                                 sc.COMPUTE_S: compute, sc.COMM_WAIT_S: comm_wait}
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
             attributes[sc.STEP_ENERGY_J] = energy
         # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
         attributes.update({_VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
                            for k, v in s.values.items() if v is not None})
-        spans = [("step", start, end, attributes)]
+        spans: list[tuple[str, int, int, Attributes]] = [("step", start, end, attributes)]
         spans += [(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}) for name, a, b in phases]
         spans += [(c.op, a, b, {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group,
                                 sc.COMM_GROUP_SIZE: c.group_size, sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes})
@@ -252,7 +254,7 @@ class Session:
         while not self._stop.wait(every_s):
             self._emit_ready()
             current, last = self._current, self._last_collective
-            attributes = {sc.PHASE: self._phase or ""}
+            attributes: dict[str, AttributeValue] = {sc.PHASE: self._phase or ""}
             if last is not None:
                 attributes.update({sc.COMM_OP: last.op, sc.COMM_GROUP: last.group, sc.COMM_SEQ: last.seq,
                                    sc.COMM_DONE: last.end is not None})

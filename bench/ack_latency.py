@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.conftest import Collector, free_port  # noqa: E402
-from tests.otlp_payloads import post, step_spans, trace_body  # noqa: E402
+from tests.conftest import Collector, free_port
+from tests.otlp_payloads import post, step_spans, trace_body
 
 
 def many_runs(runs: int, steps: int = 12) -> bytes:
@@ -66,7 +66,8 @@ def main() -> None:
         for extra in (0, args.runs):
             taken = latencies(extra, args.seconds, Path(directory))
             q = statistics.quantiles(taken, n=100, method="inclusive")
-            table.add_row(f"{1 + extra:,}", str(len(taken)), *(f"{1e3 * v:,.0f} ms" for v in (q[49], q[98], max(taken))))
+            table.add_row(f"{1 + extra:,}", str(len(taken)),
+                          *(f"{1e3 * v:,.0f} ms" for v in (q[49], q[98], max(taken))))
     Console().print(table)
 
 

@@ -28,11 +28,11 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector import findings  # noqa: E402
-from collector.engine import RANK_STEPS, Engine  # noqa: E402
-from collector.store.schema import DDL  # noqa: E402
-from trainer import simulate  # noqa: E402
-from trainer.faults import parse  # noqa: E402
+from collector import findings
+from collector.engine import RANK_STEPS, Engine
+from collector.store.schema import DDL
+from trainer import simulate
+from trainer.faults import parse
 
 HISTORY = 96  # steps before the new ones: what the straggler analyzer reads at most
 
@@ -49,7 +49,7 @@ def _store(path: Path, ranks: int, steps: int) -> duckdb.DuckDBPyConnection:
                            end_ts=pd.to_datetime(frames["end_ns"], unit="ns"), loss=3.0, grad_norm=1.0)
     con.execute("""INSERT INTO steps BY NAME SELECT run_id, rank, step, start_ts, end_ts, duration_s, data_s,
                    compute_s, comm_wait_s, loss, grad_norm FROM frames""")
-    placement = topology.placement().assign(run_id="bench", first_seen=pd.Timestamp.now(tz="UTC"))
+    con.register("placement", topology.placement().assign(run_id="bench", first_seen=pd.Timestamp.now(tz="UTC")))
     con.execute("INSERT INTO ranks BY NAME SELECT * FROM placement")
     con.execute("INSERT INTO runs VALUES ('bench', ?, now())", [ranks])
     return con

@@ -6,9 +6,10 @@ Curves: the first attempt of every step of GPT-2 on an H100 before its injected 
 learning rates and model sizes, sent through a real collector (`rankwatch train`, no rollback) and
 read back from its store, and the fleet simulator's training curve (trainer/curve.py: 8 ranks, the
 loss falling as a power law, natural gradient-norm excursions) over seeds and noise levels (0.5x to
-4x the H100's noise), its spikes and NaNs injected by the simulator's own `spike` and `nan` faults. Each curve is judged as the live collector judges it: after every step,
-the anomaly analyzer over the newest 48 steps, and a rollback for each finding the default policy
-(collector/commands.py's ROLLBACK_ON) answers.
+4x the H100's noise), its spikes and NaNs injected by the simulator's own `spike` and `nan` faults.
+Each curve is judged as the live collector judges it: after every step, the anomaly analyzer over
+the newest 48 steps, and a rollback for each finding the default policy (collector/commands.py's
+ROLLBACK_ON) answers.
 
   false    rollback-worthy findings on the clean curves, per 10,000 steps
   caught   the same curves with one step's loss (and gradient norm) scaled 2x, 5x, 50x, or made NaN,
@@ -31,13 +32,13 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector.analyzers import anomalies  # noqa: E402
-from collector.commands import ROLLBACK_ON  # noqa: E402
-from rankwatch.launch import train  # noqa: E402
-from trainer.curve import Curve, curve  # noqa: E402
-from trainer.faults import parse  # noqa: E402
-from tests.conftest import Collector, free_port  # noqa: E402
-from tests.otlp_payloads import query  # noqa: E402
+from collector.analyzers import anomalies
+from collector.commands import ROLLBACK_ON
+from rankwatch.launch import train
+from tests.conftest import Collector, free_port
+from tests.otlp_payloads import query
+from trainer.curve import Curve, curve
+from trainer.faults import parse
 
 WINDOW = 48  # the live pass's steps per run (4 x the straggler window)
 H100 = Path(__file__).resolve().parents[1] / "tests" / "data" / "h100_gpt2_first_attempts.csv"
@@ -77,7 +78,8 @@ def cpu_curves(steps: int, seeds: int, directory: Path) -> dict[str, pd.DataFram
         finally:
             collector.stop()
     return {f"CPU {run}": pd.DataFrame(query(collector.db, "SELECT step, loss, grad_norm FROM steps WHERE run_id = ? "
-                                                           "ORDER BY step", [run]), columns=["step", "loss", "grad_norm"]).assign(rank=0)
+                                                           "ORDER BY step", [run]),
+                                       columns=["step", "loss", "grad_norm"]).assign(rank=0)
             for run in runs}
 
 
@@ -117,8 +119,8 @@ def main() -> None:
     console = Console()
     table = Table("clean curve", "steps", "false rollbacks", "per 10,000 steps")
     totals: dict[str, list[int]] = {}
-    for name, curve in curves.items():
-        steps, false = curve["step"].nunique(), len(rollbacks(curve))
+    for name, frame in curves.items():
+        steps, false = frame["step"].nunique(), len(rollbacks(frame))
         table.add_row(name, str(steps), str(false), f"{1e4 * false / steps:.0f}")
         for group in ("all", "simulator" if name in sims else "recorded and trainer"):
             totals[group] = [a + b for a, b in zip(totals.get(group, [0, 0]), (steps, false))]

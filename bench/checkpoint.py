@@ -54,7 +54,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint import Checkpointer
 
 METHODS = ("torch.save", "dcp.save", "dcp.async_save", "rankwatch")
 SMALL = (64, 256, 1024, 4096)  # floats: the sizes of the many small tensors, in turn

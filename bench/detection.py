@@ -29,9 +29,9 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector.analyzers import Frames, stragglers  # noqa: E402
-from trainer import simulate  # noqa: E402
-from trainer.faults import parse  # noqa: E402
+from collector.analyzers import Frames, stragglers
+from trainer import simulate
+from trainer.faults import parse
 
 ONSET = 20
 JITTERS = (0.01, 0.02, 0.03, 0.04, 0.05)

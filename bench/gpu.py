@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import agent  # noqa: E402
-from agent.timeline import exposed, length  # noqa: E402
+import agent
+from agent.timeline import exposed, length
 
 TOKEN = "bench-token"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"

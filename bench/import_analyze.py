@@ -72,7 +72,8 @@ def main() -> None:
                       else "", f"{rss:.0f}")
     console.print(table)
     (imp, _), (base, _) = results["import (rankwatch import ops)"], results["baseline: DuckDB loads the Parquet"]
-    (ana, _), (read, _) = results["analyze (rankwatch analyze --json)"], results["baseline: DuckDB reads the rank-steps"]
+    (ana, _) = results["analyze (rankwatch analyze --json)"]
+    (read, _) = results["baseline: DuckDB reads the rank-steps"]
     console.print(f"import takes {imp / base:.1f}x the baseline load; analyze {ana / read:.1f}x reading its input "
                   f"(both include starting Python)")
 

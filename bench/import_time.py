@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--pair", action="append", help="BASELINE_MODULE:THIS_MODULE (repeatable)")
     args = parser.parse_args()
-    print(f"{'baseline module':<18} {'ms':>6} {'modules':>8}   {'this module':<20} {'ms':>6} {'modules':>8}   this/baseline")
+    print(f"{'baseline module':<18} {'ms':>6} {'modules':>8}   "
+          f"{'this module':<20} {'ms':>6} {'modules':>8}   this/baseline")
     for pair in args.pair or PAIRS:
         before, after = pair.split(":")
         baseline, this = [], []

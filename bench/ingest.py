@@ -32,8 +32,8 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent import semconv as sc  # noqa: E402
-from rankwatch.launch import wait_healthy  # noqa: E402
+from agent import semconv as sc
+from rankwatch.launch import wait_healthy
 
 TOKEN = "bench-token"
 BASELINE_APP = '''

@@ -29,12 +29,12 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector import analysis, findings  # noqa: E402
-from collector.alerts.config import AlertConfig  # noqa: E402
-from collector.analyzers import power  # noqa: E402
-from collector.store.db import connect  # noqa: E402
-from rankwatch.launch import wait_healthy  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from collector import analysis, findings
+from collector.alerts.config import AlertConfig
+from collector.analyzers import power
+from collector.store.db import connect
+from rankwatch.launch import wait_healthy
+from tests.conftest import free_port
 
 RUN, TOKEN = "bench-live-power", "bench-token"
 PASS_S = 1.0  # the analysis period (`rankwatch collector --analyze-every`)

@@ -34,9 +34,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector.analyzers import power  # noqa: E402
-from trainer import simulate  # noqa: E402
-from trainer.faults import parse  # noqa: E402
+from collector.analyzers import power
+from trainer import simulate
+from trainer.faults import parse
 
 STRAGGLER = "straggler:rank=200,slowdown=1.2"
 SWEEP_W = np.arange(700.0, 199.0, -25.0)
@@ -93,11 +93,11 @@ def main() -> None:
     limits = simulate.power_limits({str(r): w for r, w in per_rank.caps.items()}, args.ranks)
     got = measured(run(topology, timing, args.eval_steps, [STRAGGLER], seed=2, limits=limits)[0])
     low, high = (100 * x / per_rank.energy_j_per_step for x in per_rank.saving_j_per_step_range)
-    rows.append(("(c) per-rank caps", f"{min(per_rank.caps.values()):.0f}-{max(per_rank.caps.values()):.0f} W on "
-                 f"{len(per_rank.caps)} ranks", got,
-                 f"{100 * per_rank.saving_fraction:.1f}% ({low:.1f}-{high:.1f}) / "
+    rows.append(("(c) per-rank caps", (f"{min(per_rank.caps.values()):.0f}-{max(per_rank.caps.values()):.0f} W on "
+                 f"{len(per_rank.caps)} ranks"), got,
+                 (f"{100 * per_rank.saving_fraction:.1f}% ({low:.1f}-{high:.1f}) / "
                  f"{100 * (per_rank.slowdown - 1):+.2f}% ({100 * (per_rank.slowdown_range[0] - 1):+.1f} to "
-                 f"{100 * (per_rank.slowdown_range[1] - 1):+.1f})"))
+                 f"{100 * (per_rank.slowdown_range[1] - 1):+.1f})")))
 
     console.print(f"{args.ranks} ranks (data-parallel), {STRAGGLER}, pauses {args.pause_rate:g} per rank-step; "
                   f"held-out runs of {args.eval_steps} steps")

@@ -26,10 +26,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent import semconv as sc  # noqa: E402
-from rankwatch.launch import train  # noqa: E402
-from tests.conftest import Collector, free_port  # noqa: E402
-from tests.otlp_payloads import query  # noqa: E402
+from agent import semconv as sc
+from rankwatch.launch import train
+from tests.conftest import Collector, free_port
+from tests.otlp_payloads import query
 
 RUN = "latency"
 # the timeline's marks, in order, each as seconds from the spiked step's end
@@ -80,9 +80,9 @@ def main() -> None:
     table = Table("job", "median step", "→ committed", "→ finding", "→ command", "→ look", "→ restored",
                   "→ job resumed", "tier", "rollbacks",
                   title="rollback latency from the spiked step's end (goal: ≤ 2 s plus the restore, from memory)")
+    pauses = [f"hang:rank=0,at={step},seconds={args.pause:g}" for step in range(args.slow_steps)]
     cases = {"own pace": (args.fast_steps, args.fast_steps // 2, []),
-             "paced to ~1 s a step": (args.slow_steps, args.slow_steps // 2,
-                                      [f"hang:rank=0,at={step},seconds={args.pause:g}" for step in range(args.slow_steps)])}
+             "paced to ~1 s a step": (args.slow_steps, args.slow_steps // 2, pauses)}
     for name, (steps, spike_at, pace) in cases.items():
         with nullcontext(tempfile.mkdtemp(dir=args.keep)) if args.keep else tempfile.TemporaryDirectory() as directory:
             t = job(Path(directory), steps, spike_at, pace)

@@ -5,11 +5,12 @@ judges. The server hands an Analysis to the store's writer as one of its tasks
 (collector/store/writer.py), and its health counters as a HealthCounters request.
 
 Passes are driven by commits: the writer hands over each commit's tables, this takes from them
-the runs the commit brought steps (or `ended` events) for and wakes the thread, and the pass judges those runs' new steps at once, so a
-finding exists within a pass of the commit of the step that shows it, whatever the step rate. A
-timer wakes it too (every `interval_s`), for what time alone changes: a run that stopped sending
-steps (a stall), a job stopped by its rollback budget. A run whose ranks all said their training
-loop ended has its firing findings resolved ("run ended") once its last steps are judged.
+the runs the commit brought steps (or `ended` events) for and wakes the thread, and the pass judges
+those runs' new steps at once, so a finding exists within a pass of the commit of the step that
+shows it, whatever the step rate. A timer wakes it too (every `interval_s`), for what time alone
+changes: a run that stopped sending steps (a stall), a job stopped by its rollback budget. A run
+whose ranks all said their training loop ended has its firing findings resolved ("run ended") once
+its last steps are judged.
 
 The power analyzer, which costs seconds at a thousand ranks, runs on a second thread, so that a
 pass does not wait for it either.
@@ -298,7 +299,7 @@ def _report_health(context: Context, counters: HealthCounters) -> None:
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:
     """A run's live power report; None where its GPUs report no power."""
     try:
-        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchone()[0]:
+        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchall()[0][0]:
             return powercaps.recommend(cursor, run_id, POWER_POLICY, last_steps=POWER_STEPS)
         return None
     finally:

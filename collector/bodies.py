@@ -68,7 +68,7 @@ def _check(value, max_depth: int) -> None:
     without recursion, containers alone on the stack, each with the way to it (a linked list of
     keys, spelled out only on refusal)."""
     _scalar(value, None)
-    stack = [(value, 1, None)] if isinstance(value, (dict, list)) else []
+    stack: list[tuple[dict | list, int, tuple | None]] = [(value, 1, None)] if isinstance(value, (dict, list)) else []
     while stack:
         container, depth, where = stack.pop()
         if depth > max_depth:

@@ -66,7 +66,7 @@ def create(con: duckdb.DuckDBPyConnection, run_id: str, kind: str, args: dict, c
             return existing[0]
     (command_id,) = con.execute("INSERT INTO commands (run_id, kind, args, created_by, finding_id) "
                                 "VALUES (?, ?, ?, ?, ?) RETURNING id",
-                                [run_id, kind, json.dumps(args), created_by, finding_id]).fetchone()
+                                [run_id, kind, json.dumps(args), created_by, finding_id]).fetchall()[0]
     return get(con, command_id)
 
 

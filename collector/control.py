@@ -6,15 +6,11 @@
   POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress
 
 Bodies and answers are JSON; a refused request gets {"error": "..."} with 400,
-401, 404 or 413, and 503 while the store's writer is restarting. The token is checked before anything of the body is read; a
-body is read up to MAX_BODY and parsed strictly (collector/bodies.py); what
-each field may hold is checked by the store's writer process, the one with the
-file open for writing, which carries the operations out (collector/commands.py).
-
-A held poll (`wait`) lets a job learn of a rollback as soon as the collector
-sends it. The commands are created in the writer process, so the held polls
-ask it, all together in one call, every WAIT_TICK_S whether their runs have a
-pending command (`Waiting`); their number and wait are bounded (docs/telemetry.md).
+401, 404 or 413, and 503 while the store's writer is restarting. The token is
+checked before anything of the body is read; a body is read up to MAX_BODY and
+parsed strictly (collector/bodies.py); what each field may hold is checked by the
+store's writer process, the one with the file open for writing, which carries the
+operations out (collector/commands.py).
 """
 
 import asyncio

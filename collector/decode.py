@@ -28,6 +28,7 @@ import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -214,9 +215,7 @@ def _coerce(v, column: pa.Field):
         return None
     t = column.type
     if pa.types.is_integer(t) or pa.types.is_timestamp(t):
-        if type(v) is float and v.is_integer():
-            v = int(v)
-        elif type(v) is str and _INTEGER.fullmatch(v):
+        if (type(v) is float and v.is_integer()) or (type(v) is str and _INTEGER.fullmatch(v)):
             v = int(v)
         if type(v) is not int:
             raise Rejected(f"{column.name} must be an integer, not {v!r}")
@@ -306,8 +305,8 @@ _RANK_ATTRIBUTES = {column: (key, arrow_schema("ranks").field(column)) for colum
 _SPAN_KEYS = {
     sc.RUN_ID: "run_id", sc.RANK: "rank", sc.KIND: "kind", sc.STEP: "step", sc.DATA_S: "data_s",
     sc.COMPUTE_S: "compute_s", sc.COMM_WAIT_S: "comm_wait_s", sc.LOSS: "loss", sc.GRAD_NORM: "grad_norm",
-    sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.STEP_ENERGY_J: "energy_j", sc.MICROBATCH: "microbatch", sc.COMM_GROUP: "comm_group",
-    sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
+    sc.TOKENS: "tokens", sc.LR: "lr", sc.MFU: "mfu", sc.STEP_ENERGY_J: "energy_j", sc.MICROBATCH: "microbatch",
+    sc.COMM_GROUP: "comm_group", sc.COMM_GROUP_SIZE: "group_size", sc.COMM_SEQ: "seq", sc.COMM_BYTES: "bytes",
 }
 _KINDS = frozenset([sc.KIND_STEP, *sc.OP_KINDS])
 _MAX_NS = 2**63 - 1  # TIMESTAMP_NS ends in the year 2262
@@ -532,7 +531,8 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
     return out
 
 
-DECODERS = {
+_Request = ExportTraceServiceRequest | ExportMetricsServiceRequest | ExportLogsServiceRequest
+DECODERS: dict[str, tuple[type[_Request], Callable[[list[bytes]], Decoded]]] = {
     "traces": (ExportTraceServiceRequest, decode_traces),
     "metrics": (ExportMetricsServiceRequest, decode_metrics),
     "logs": (ExportLogsServiceRequest, decode_logs),

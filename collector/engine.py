@@ -70,8 +70,8 @@ class Cursor:
 class Judged:
     """One pass over one run: the steps judged (`first_new` to `last`; none where first > last),
     each analyzer's findings, whether steps are left for another pass (`more`) or wait for some
-    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the step a rollback restored, where one moved
-    the cursor back."""
+    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the
+    step a rollback restored, where one moved the cursor back."""
 
     run_id: str
     first_new: int
@@ -121,7 +121,7 @@ class Engine:
         rolled_back = self._rollbacks(con, run_id, cursor)
         if ended_came or final or new or cursor.ended_ns is not None:
             cursor.ended_ns = self._ended(con, run_id)
-        world = con.execute(_WORLD, [run_id]).fetchone()[0]
+        world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
         self._ranks_came(con, run_id, cursor, world)
         newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step}).fetchall())
         world = max(world, len(newest))
@@ -155,7 +155,7 @@ class Engine:
         not said, its ranks' first exports apart): the cursor moves back to their first step."""
         if world <= cursor.world or cursor.step < 0:
             return
-        (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchone()
+        (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchall()[0]
         if first is not None:
             cursor.step = int(first) - 1
 
@@ -175,11 +175,11 @@ class Engine:
     def _ended(self, con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
         """When every rank said its training loop ended, where all did (a rank that started again
         after its end sends steps after it: the run goes on)."""
-        ranks, at = con.execute(_ENDED, {"run": run_id, "ended": ENDED}).fetchone()
-        if not ranks or ranks < con.execute(_WORLD, [run_id]).fetchone()[0]:
+        ranks, at = con.execute(_ENDED, {"run": run_id, "ended": ENDED}).fetchall()[0]
+        if not ranks or ranks < con.execute(_WORLD, [run_id]).fetchall()[0][0]:
             return None
         later = con.execute("SELECT count(*) FROM (SELECT 1 FROM steps WHERE run_id = ? AND end_ts > "
-                            "make_timestamp_ns(?) LIMIT 1)", [run_id, int(at)]).fetchone()[0]
+                            "make_timestamp_ns(?) LIMIT 1)", [run_id, int(at)]).fetchall()[0][0]
         return None if later else int(at)
 
     def _frames(self, con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, last: int, now_ns: int,
@@ -194,7 +194,7 @@ class Engine:
         # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
         steps = steps.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
         steps = steps.sort_values(["step", "rank"], ignore_index=True)
-        stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
+        stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
         frames = Frames(run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns,
                         stated)
         if any(r.collectives for r in reads):
@@ -245,7 +245,11 @@ def merge(episodes: list[tuple[str, Finding, bool]], found: Mapping[str, list[Fi
                        and (e.kind, e.ranks) == (f.kind, f.ranks)), None)
             if at is not None and rules.continues(episodes[at][1].step_end, f):
                 earlier = episodes[at][1]
-                f = replace(f if f.score >= earlier.score else earlier, step_start=min(earlier.step_start, f.step_start),
+                # an episode that goes on (continues()) is of findings over steps
+                assert f.step_start is not None and f.step_end is not None
+                assert earlier.step_start is not None and earlier.step_end is not None
+                f = replace(f if f.score >= earlier.score else earlier,
+                            step_start=min(earlier.step_start, f.step_start),
                             step_end=max(earlier.step_end, f.step_end))
                 episodes[at] = (analyzer, f, True)
             else:
@@ -263,6 +267,6 @@ def _last_heard(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
     """When a run was last heard from: its newest step or event."""
     steps, events = con.execute(
         "SELECT (SELECT max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run), "
-        "(SELECT max(epoch_ns(ts)) FROM events WHERE run_id = $run)", {"run": run_id}).fetchone()
+        "(SELECT max(epoch_ns(ts)) FROM events WHERE run_id = $run)", {"run": run_id}).fetchall()[0]
     return int(max(v for v in (steps, events, 0) if v is not None))
 

@@ -116,7 +116,7 @@ def _insert(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Findi
     return con.execute("""INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score,
                           summary, evidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id""",
                        [run_id, analyzer, f.kind, f.ranks, f.step_start, f.step_end, f.severity, f.score, f.summary,
-                        json.dumps(f.evidence, default=str)]).fetchone()[0]
+                        json.dumps(f.evidence, default=str)]).fetchall()[0][0]
 
 
 def _update(con: duckdb.DuckDBPyConnection, fid: int, f: Finding) -> int:

@@ -10,6 +10,7 @@ touches the rows, and awaits the writer's acknowledgement of each request.
 """
 
 import asyncio
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 
 from collector import otlp
 from collector.children import die_with_parent
@@ -25,7 +27,7 @@ from collector.store.handle import Store
 from collector.store.schema import TELEMETRY_TABLES
 
 MAX_BATCH = 64  # requests decoded together at most
-_writer_queue = None  # in a decode worker: the store's request queue
+_writer_queue: Queue | None = None  # in a decode worker: the store's request queue
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Request:
     body: bytes
 
 
-def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | otlp.OtlpError]:
+def decode_batch(requests: list[Request], writer_queue: Queue | None = None,
+                 ) -> list[Outcome | otlp.OtlpError]:
     """Decompress and decode requests of one signal, queue their rows for the writer as one
     message, and return each request's outcome (an OtlpError for one that cannot be read or is
     too large; it alone)."""
@@ -75,7 +78,9 @@ def decode_batch(requests: list[Request], writer_queue=None) -> list[Outcome | o
         if decoded.accepted:
             stored = [(request_id, digest, part.rows) for (request_id, digest), part in zip(readable, decoded.parts)
                       if part.accepted]
-            (writer_queue or _writer_queue).put((stored, decoded))
+            queue = writer_queue or _writer_queue
+            assert queue is not None  # the store's, given in the server or set in a decode worker
+            queue.put((stored, decoded))
     return [answers[request.id] for request in requests]
 
 
@@ -83,7 +88,7 @@ def _ready() -> None:
     """A task that returns once a worker has started."""
 
 
-def _init_worker(writer_queue) -> None:
+def _init_worker(writer_queue: Queue) -> None:
     global _writer_queue
     die_with_parent()
     # A worker exits only when the pool is replaced (its writer died: nobody reads the queue) or
@@ -154,7 +159,7 @@ class Ingestor:
             else:
                 task = loop.run_in_executor(self._pool, decode_batch, requests)
             self._busy += 1
-            task.add_done_callback(lambda task, batch=batch, pool=self._pool: self._decoded(task, batch, pool))
+            task.add_done_callback(functools.partial(self._decoded, batch=batch, pool=self._pool))
 
     def _decoded(self, task: asyncio.Future, batch: list[tuple[Request, asyncio.Future]],
                  pool: ProcessPoolExecutor | None) -> None:

@@ -130,7 +130,8 @@ def parse(body: bytes, kind: str, message: type[Message], max_entries: int | Non
     return request
 
 
-_RESPONSES = {
+_Response = ExportTraceServiceResponse | ExportMetricsServiceResponse | ExportLogsServiceResponse
+_RESPONSES: dict[str, tuple[type[_Response], str]] = {
     "traces": (ExportTraceServiceResponse, "rejected_spans"),
     "metrics": (ExportMetricsServiceResponse, "rejected_data_points"),
     "logs": (ExportLogsServiceResponse, "rejected_log_records"),

@@ -10,6 +10,7 @@ attribute key wins, attribute values nested past MAX_DEPTH make the request
 malformed, and a span past max_attributes keeps no attributes.
 """
 
+import contextlib
 import json
 import math
 
@@ -97,7 +98,10 @@ def traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_at
 def _request(body: bytes, wanted, max_attributes: int, first_resource: int, first_row: int):
     """One request's resources, span rows, odd cells and crowded spans."""
     request = ExportTraceServiceRequest.FromString(body)
-    resources, rows, odd, crowded = [], [], [], []
+    resources: list[dict] = []
+    rows: list[tuple] = []
+    odd: list[tuple] = []
+    crowded: list[int] = []
     for resource, rs in enumerate(request.resource_spans, first_resource):
         resources.append({kv.key: value(kv.value, MAX_DEPTH) if kv.HasField("value") else None
                           for kv in rs.resource.attributes})
@@ -137,10 +141,8 @@ def entries(body: bytes, points: bool, limit: int) -> int:
     counted on the wire up to just past `limit`, as collector/_otlpwire.c's entries(); a malformed
     body counts as far as it reads."""
     n = [0]
-    try:
+    with contextlib.suppress(Malformed):
         _count(memoryview(body), 0, len(body), 0, points, limit, n)
-    except Malformed:
-        pass
     return n[0]
 
 

@@ -46,12 +46,12 @@ def recommend(con: duckdb.DuckDBPyConnection, run_id: str, policy: power.Policy,
         *power.POWER_METRICS, sc.GPU_UTIL_PCT, sc.CLOCK_EVENT_REASONS]}).df()
     ranks = con.execute("SELECT rank, host FROM ranks WHERE run_id = ?", [run_id]).df()
     low, high = con.execute(_CONSTRAINTS, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
-                                           "high": sc.POWER_LIMIT_MAX_W}).fetchone()
+                                           "high": sc.POWER_LIMIT_MAX_W}).fetchall()[0]
     model = GpuModel()
     if low is not None and high is not None:
         model = replace(model, limit_min_w=low, limit_max_w=high, max_w=high)
     simulated = con.execute(_SIMULATED, {"run": run_id, "simulated": sc.SOURCE_SIMULATED,
-                                         "metrics": list(power.POWER_METRICS)}).fetchone()[0]
+                                         "metrics": list(power.POWER_METRICS)}).fetchall()[0][0]
     return power.analyze(steps, devices, ranks, policy, facility_w, model, simulated=simulated)
 
 

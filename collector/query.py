@@ -5,6 +5,7 @@ import csv
 import datetime as dt
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -67,7 +68,7 @@ def _cell(value) -> str:
     return "" if value is None else str(_plain(value))
 
 
-def write(columns: list[str], rows: list[tuple], fmt: str, out: TextIO = sys.stdout) -> None:
+def write(columns: list[str], rows: Sequence[Sequence], fmt: str, out: TextIO = sys.stdout) -> None:
     """Print a result in one of FORMATS; a table abbreviates long lists (_cell)."""
     if fmt == "csv":
         writer = csv.writer(out)

@@ -105,7 +105,7 @@ def _parameter(value, depth: int) -> bool:
     """Whether `value` is a JSON scalar, or a list of parameters nested at most `depth` deep."""
     if isinstance(value, list):
         return depth > 0 and all(_parameter(v, depth - 1) for v in value)
-    return value is None or isinstance(value, (int, float)) or isinstance(value, str) and bodies.utf8(value)
+    return value is None or isinstance(value, (int, float)) or (isinstance(value, str) and bodies.utf8(value))
 
 
 def remote_query(client: ApiClient, sql: str, params: list | dict | None = None) -> dict:

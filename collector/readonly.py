@@ -17,6 +17,7 @@ a snapshot while the writer commits on the main connection. The query API hands
 one to the store's writer as a `Query` request, answered on a query thread.
 """
 
+import contextlib
 import datetime as dt
 import decimal
 import json
@@ -65,7 +66,7 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     shares them, which costs it nothing (it reads Arrow batches it was
     handed, and writes only its own file). A file opened again in the same process shares its
     database, already locked down."""
-    if con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+    if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
     con.execute("SET allowed_directories = ?", [[str(files_dir(data_dir).resolve())]])
     con.execute("SET autoinstall_known_extensions = false")
@@ -167,10 +168,8 @@ def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, timeout
     that lands between two DuckDB calls (before the query starts, between two fetches) is lost."""
     wait = timeout_s
     while not finished.wait(wait):
-        try:
+        with contextlib.suppress(duckdb.Error):  # closing meanwhile: the query finished in time after all
             cursor.interrupt()
-        except duckdb.Error:  # closing meanwhile: the query finished in time after all
-            pass
         wait = _INTERRUPT_AGAIN_S
 
 

@@ -207,7 +207,9 @@ def families(snap: Snapshot) -> list:
         key = (receiver, "abandoned" if state in ("expired", "dropped") else state)
         by_state[key] = by_state.get(key, 0) + n
     for receiver in sorted({r for r, _ in by_state}):
-        for family, state in ((pending, "pending"), (delivered, "delivered"), (abandoned, "abandoned")):
-            family.add_metric([receiver], by_state.get((receiver, state), 0))
+        outbox: tuple[tuple[GaugeMetricFamily | CounterMetricFamily, str], ...] = (
+            (pending, "pending"), (delivered, "delivered"), (abandoned, "abandoned"))
+        for counted, state in outbox:
+            counted.add_metric([receiver], by_state.get((receiver, state), 0))
     return [step, tokens, mfu, exposed, last_step, last_end, ranks, firing, suspects, rollbacks, stall, power, energy,
             pending, delivered, abandoned]

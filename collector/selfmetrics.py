@@ -30,11 +30,13 @@ class SelfMetrics:
         """The counters the collector's health is judged on (collector/analyzers/health.py): export
         requests by HTTP status, and group commits by duration bucket, each a total since the start."""
         requests: dict[int, int] = {}
-        for sample in self.requests.collect()[0].samples:
+        (family,) = self.requests.collect()
+        for sample in family.samples:
             if sample.name.endswith("_total"):
                 code = int(sample.labels["code"])
                 requests[code] = requests.get(code, 0) + int(sample.value)
-        commits = {float(sample.labels["le"]): int(sample.value) for sample in self.commit_seconds.collect()[0].samples
+        (family,) = self.commit_seconds.collect()
+        commits = {float(sample.labels["le"]): int(sample.value) for sample in family.samples
                    if sample.name.endswith("_bucket")}
         return {"requests": requests, "commits": commits}
 

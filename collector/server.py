@@ -73,8 +73,8 @@ def create_app(config: Config) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None, alerts=config.alerts,
-                            power_every_s=config.power_every_s)
+                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
+                            alerts=config.alerts, power_every_s=config.power_every_s)
         # the writer's tasks, run between its commits: the analysis, then the alert delivery
         store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
                       tasks=(analysis, Delivery(config.alerts)), on_failure=stop_failed)

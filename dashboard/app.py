@@ -32,11 +32,12 @@ if not runs.empty:
     linked = st.query_params.get("run")
     if "run" not in st.session_state and linked in labels:  # a link to a run's page
         st.session_state["run"] = linked
-    picked = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run",
+    picked = st.sidebar.selectbox("Run", list(labels), format_func=lambda run: labels[run], key="run",
                                   on_change=lambda: st.query_params.update(run=st.session_state["run"]))
     if linked is not None and linked not in labels:  # never another run's pages under this one's link
         st.error(f"Run **{linked}** is unknown: {ui.data_source().label} has no such run. Pick one in the sidebar.")
         st.stop()
+    assert picked is not None  # one of the runs, which are there
     st.query_params["run"] = picked
     ui.show_linked_finding()
 page.run()

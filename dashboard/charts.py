@@ -113,7 +113,8 @@ def tradeoff(curve: pd.DataFrame, picked_w: float) -> alt.LayerChart:
     points = curve.assign(slowdown_pct=100 * (curve["slowdown"] - 1), saving_pct=100 * curve["energy_saving"],
                           picked=curve["cap_w"] == picked_w)
     base = alt.Chart(points).encode(
-        x=alt.X("slowdown_pct:Q", title="step time, % longer"), y=alt.Y("saving_pct:Q", title="energy per step, % less"),
+        x=alt.X("slowdown_pct:Q", title="step time, % longer"),
+        y=alt.Y("saving_pct:Q", title="energy per step, % less"),
         tooltip=[alt.Tooltip("cap_w:Q", title="limit, W"), alt.Tooltip("slowdown_pct:Q", format="+.1f"),
                  alt.Tooltip("saving_pct:Q", format=".1f")])
     return (base.mark_line(point=True) + base.mark_point(size=250, color="#e6550d").transform_filter("datum.picked")

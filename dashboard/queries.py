@@ -40,9 +40,9 @@ WITH per_step AS (
     FROM current_steps WHERE run_id = $run GROUP BY step),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
          FROM per_step)
-SELECT min(step) AS step, max(end_ts) AS end_ts, avg(step_s) AS step_s, avg(compute_s) AS compute_s, avg(comm_wait_s) AS comm_wait_s,
-       avg(data_s) AS data_s, avg(tokens_per_s) AS tokens_per_s, avg(mfu) AS mfu, avg(loss) AS loss,
-       avg(grad_norm) AS grad_norm, sum(non_finite) AS non_finite
+SELECT min(step) AS step, max(end_ts) AS end_ts, avg(step_s) AS step_s, avg(compute_s) AS compute_s,
+       avg(comm_wait_s) AS comm_wait_s, avg(data_s) AS data_s, avg(tokens_per_s) AS tokens_per_s, avg(mfu) AS mfu,
+       avg(loss) AS loss, avg(grad_norm) AS grad_norm, sum(non_finite) AS non_finite
 FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
 """
 

@@ -11,8 +11,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.paths import DB_ENV, DEFAULT_DB
 from trainer.device import DEVICES
@@ -43,7 +44,7 @@ def _whole(low: int, high: int | None = None):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low or high is not None and value > high:
+        if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}" if high is not None
                                              else f"must be {low} or more, got {value}")
         return value
@@ -57,7 +58,7 @@ def _quantity(allow_zero: bool):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < 0 or value == 0 and not allow_zero:
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'more than 0'}, got {text}")
         return value
     return parse
@@ -156,6 +157,7 @@ def cmd_query(args) -> None:
     from collector.query import QueryError, run_remote, run_sql, write
     from collector.store.db import StoreLocked
 
+    rows: Sequence[Sequence]
     try:
         if args.collector:
             from agent.config import token
@@ -257,8 +259,8 @@ def cmd_power_recommend(args) -> None:
     import json
 
     from collector.analyzers.power import Policy
-    from collector.runs import UnknownRun
     from collector.powercaps import document, recommend
+    from collector.runs import UnknownRun
     from collector.store.db import StoreLocked, connect
 
     try:
@@ -332,7 +334,9 @@ def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     ranks, low, high = answer["rows"][0]
     if not ranks:
         raise UsageError(f"the collector at {api.url} knows no run {run_id!r}")
-    caps = body.get("caps") if isinstance(body.get("caps"), dict) else {}
+    caps = body.get("caps")
+    if not isinstance(caps, dict):
+        caps = {}
     targets = [(f"rank {r}", r, w) for r, w in caps.items()] + (
         [("every other rank", None, body["watts"])] if "watts" in body else [])
     for name, rank, watts in targets:
@@ -384,6 +388,8 @@ def cmd_import(args) -> None:
 
     db, path = _db(args), Path(args.path)
     kineto = args.format == "kineto"
+    trace: KinetoTrace | FlightRecorderDumps | OpTrace
+    run: dict[str, Any]
     try:
         if kineto:
             trace = KinetoTrace(path)
@@ -406,7 +412,7 @@ def cmd_import(args) -> None:
         raise UsageError(str(e)) from None
     for notice in getattr(trace, "notices", ()):
         print(f"rankwatch import: {notice}", file=sys.stderr)
-    dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if kineto else ""
+    dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if isinstance(trace, KinetoTrace) else ""
     print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
           f"{counts['ranks']} ranks -> {db}")
 
@@ -681,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id")
     p.add_argument("--caps", metavar="FILE.json",
                    help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document")
-    p.add_argument("--watts", type=_quantity(allow_zero=False), help="the cap of every rank --caps leaves out (of all, without --caps)")
+    p.add_argument("--watts", type=_quantity(allow_zero=False),
+                   help="the cap of every rank --caps leaves out (of all, without --caps)")
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.set_defaults(func=cmd_power_apply)
 

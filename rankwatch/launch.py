@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
@@ -14,8 +15,8 @@ from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
 
 
-def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny", max_restarts: int = 0,
-                  trainer_args: list[str] = ()) -> list[str]:
+def train_command(nproc: int, steps: int, faults: Sequence[str], model: str = "tiny", max_restarts: int = 0,
+                  trainer_args: Sequence[str] = ()) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={max_restarts}", "-m", "trainer.train", "--steps", str(steps), "--model", model,
                *trainer_args]
@@ -24,8 +25,8 @@ def train_command(nproc: int, steps: int, faults: list[str], model: str = "tiny"
     return command
 
 
-def train(nproc: int, steps: int, run_id: str | None = None, faults: list[str] = (), collector: str | None = None,
-          model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: list[str] = (),
+def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[str] = (), collector: str | None = None,
+          model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: Sequence[str] = (),
           store: Path | None = None, device: str = "auto") -> int:
     """Run the trainer to the end; returns torchrun's exit status, or 1 when it was 0 but a rank's
     telemetry never reached the collector (each rank notes what its exporter failed to send in the

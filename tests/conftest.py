@@ -1,5 +1,6 @@
 """Shared fixtures: real collectors started as subprocesses on loopback."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,7 +82,7 @@ def collector_factory(tmp_path):
 
     def start(db: Path | None = None, *extra_args: str) -> Collector:
         port = free_port()
-        log = open(tmp_path / f"collector-{port}.log", "w")
+        log = open(tmp_path / f"collector-{port}.log", "w")  # noqa: SIM115 - the collector's output; closed at teardown
         c = Collector(db or tmp_path / "rankwatch.duckdb", port, "test-token", extra_args=extra_args, log=log)
         started.append(c.start())
         return c
@@ -159,10 +160,8 @@ class Interactive:
 
     def kill(self) -> None:
         """Whatever is left of its process group, killed: a failed test leaves nothing behind."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait()
 
 

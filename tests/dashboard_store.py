@@ -1,7 +1,8 @@
 """The store the dashboard tests look at, filled through real collectors: a simulated fleet with
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
-events and device samples from GPUs (one of them failing); and a bare run (step times only), for the pages' empty states."""
+events and device samples from GPUs (one of them failing); and a bare run (step times only), for the
+pages' empty states."""
 
 import math
 import time

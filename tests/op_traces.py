@@ -6,7 +6,7 @@ import pandas as pd
 OPS = (("batch-generator", "data"), ("forward-compute", "compute"), ("backward-compute", "compute"))
 
 
-def synchronous(steps: list[int], ranks: int, work: dict[str, float], slow: dict[int, float] = {},
+def synchronous(steps: list[int], ranks: int, work: dict[str, float], slow: dict[int, float] | None = None,
                 transfer: float = 0.05, idle: float = 0.0) -> pd.DataFrame:
     """Each step: every rank's data, forward and backward (`work` seconds, times `slow[rank]`), then an
     all-reduce that ends `transfer` after the slowest rank arrives. `idle` seconds of nothing (a
@@ -17,7 +17,7 @@ def synchronous(steps: list[int], ranks: int, work: dict[str, float], slow: dict
         for rank in range(ranks):
             at = t
             for op, kind in OPS:
-                duration = work[op] * slow.get(rank, 1.0)
+                duration = work[op] * (slow or {}).get(rank, 1.0)
                 rows.append((rank, step, op, kind, at, duration))
                 at += duration + (idle if kind == "data" else 0.0)
             arrivals[rank] = at

@@ -212,7 +212,8 @@ def test_a_request_with_too_many_items_is_refused_whole_and_cheaply(collector):
         assert f"more than {MAX_ITEMS}" in response.text and took < 10
 
 
-@pytest.mark.parametrize("lists", [("resourceSpans", "scopeSpans", "spans"), ("resource_spans", "scope_spans", "spans")])
+@pytest.mark.parametrize("lists", [("resourceSpans", "scopeSpans", "spans"),
+                                   ("resource_spans", "scope_spans", "spans")])
 def test_a_json_request_with_too_many_items_is_refused_before_its_conversion(lists):
     """Converting OTLP/JSON to protobuf costs about 5 µs an item (9 s of CPU for 2M empty spans):
     the items are counted on the parsed tree first."""

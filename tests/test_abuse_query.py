@@ -75,8 +75,8 @@ def attacks(data: Path) -> list[str]:
         secret = data / name
         paths += [str(secret), os.path.relpath(secret), f"{files}/../{name}", f"{data}//{name}", f"file://{secret}",
                   f"{files}/link-{name}", f"{files}/up/{name}", f"{files}/./up/../../{name}"]
-    return paths + [f"{data}/*", f"{data}/**", f"{files}/*", f"{files}/**", f"{files}/../*", f"{data}/[at]*",
-                    f"{data}/?oken", f"{files}/up/*", f"{files}/*/*"]
+    return [*paths, f"{data}/*", f"{data}/**", f"{files}/*", f"{files}/**", f"{files}/../*", f"{data}/[at]*",
+            f"{data}/?oken", f"{files}/up/*", f"{files}/*/*"]
 
 
 def probe_all(run, data: Path, leaked: list[str]) -> list[str]:
@@ -238,8 +238,7 @@ def test_ingest_goes_on_while_queries_hit_the_byte_cap(api):
     answers: list[httpx.Response] = []
 
     def wide():
-        for _ in range(3):
-            answers.append(ask(api, WIDE))
+        answers.extend(ask(api, WIDE) for _ in range(3))
 
     worker = threading.Thread(target=wide)
     worker.start()

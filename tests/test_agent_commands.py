@@ -86,7 +86,7 @@ def test_a_command_queued_while_the_poll_is_held_reaches_the_job_at_once(collect
         assert commands.at_step(0) is None
         created = create(collector, before_step=1)
         started = time.monotonic()
-        step, command = first_command(commands, steps=range(1, 1000))
+        _step, command = first_command(commands, steps=range(1, 1000))
         assert command["id"] == created["id"] and time.monotonic() - started < 5
     finally:
         commands.close()

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from collector.analyzers import rollbacks
-from collector.commands import ROLLBACK_ON
 from collector.analyzers.anomalies import Settings, analyze
+from collector.commands import ROLLBACK_ON
 
 
 def frame(steps=120, ranks=4, noise=0.02, seed=0, loss=None, grad=None):
@@ -37,7 +37,8 @@ def test_nan_fires_at_once_on_the_rank():
     df = frame()
     df.loc[(df["rank"] == 2) & (df["step"] >= 70), ["loss", "non_finite"]] = [np.nan, True]
     (finding,) = analyze(df)
-    assert (finding.kind, finding.evidence["ranks"], finding.step_start, finding.severity) == ("nan", [2], 70, "critical")
+    assert (finding.kind, finding.evidence["ranks"], finding.step_start, finding.severity) == \
+        ("nan", [2], 70, "critical")
     assert finding.evidence["steps_affected"] == 50
 
 

@@ -22,12 +22,11 @@ import json
 import logging
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -191,7 +190,7 @@ def test_a_rollback_that_finds_no_checkpoint_spends_none_of_the_budget(tmp_path)
 
     def rollback_to(before_step: int, command_id: int) -> int:
         command = {"id": command_id, "args": {"before_step": before_step, "anomaly": "nan"},
-                   "created_at": datetime.now(timezone.utc).isoformat()}
+                   "created_at": datetime.now(UTC).isoformat()}
         return rollback.apply(command, 4, j.ckpt, j.data, j.schedule, budget, time.time_ns)
 
     assert rollback_to(1, 7) == 4 and budget.applied == []  # nothing that far back: the job trains on
@@ -476,7 +475,8 @@ def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the GPU bench would run")
 def test_the_gpu_bench_without_a_gpu_says_so_in_one_line():
-    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "checkpoint.py"), "--device", "cuda"],
+    bench = Path(__file__).parents[1] / "bench" / "checkpoint.py"
+    out = subprocess.run([sys.executable, str(bench), "--device", "cuda"],
                          capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
     assert "needs a CUDA GPU" in out.stderr

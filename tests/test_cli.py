@@ -101,7 +101,8 @@ def test_query_runs_and_ranks_timestamps(store):
     (run,) = json.loads(r.stdout)
     assert (run["run_id"], run["world_size"]) == (RUN, None)
     assert datetime.fromisoformat(run["first_seen"]).tzinfo is not None
-    r = rankwatch_cli("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store), "--format", "csv")
+    r = rankwatch_cli("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store),
+                      "--format", "csv")
     assert r.returncode == 0, r.stderr
     assert [row[0] for row in csv.reader(io.StringIO(r.stdout))] == ["rank", "0", "1"]
 
@@ -174,7 +175,8 @@ exporter.shutdown()
 from agent.simdevice import SimulatedDevice  # the GPU of a job without one
 gpu = SimulatedDevice(0)
 gpu.set_power_cap(300)
-print(agent.semconv.POWER_W, *[round(value) for metric, value, _ in gpu.read() if metric == agent.semconv.POWER_INSTANT_W])
+print(agent.semconv.POWER_W,
+      *[round(value) for metric, value, _ in gpu.read() if metric == agent.semconv.POWER_INSTANT_W])
 """
 
 

@@ -28,9 +28,9 @@ def numeric_options() -> list[tuple[tuple[str, ...], str]]:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     walk(sub, (*path, name))
-            elif action.option_strings and action.type not in (None, str) and not isinstance(action.type, type):
-                if getattr(action.type, "__qualname__", "").startswith(("_whole", "_quantity")):
-                    found.append((path, action.option_strings[0]))
+            elif (action.option_strings and action.type not in (None, str) and not isinstance(action.type, type)
+                  and getattr(action.type, "__qualname__", "").startswith(("_whole", "_quantity"))):
+                found.append((path, action.option_strings[0]))
 
     walk(cli.build_parser(), ())
     return found
@@ -70,7 +70,8 @@ def test_numeric_options_refuse_non_numbers_and_negatives(path, option, value, c
 @pytest.mark.parametrize("argv", [
     ["train", "--nproc", "0"], ["train", "--steps", "0"], ["simulate", "--ranks", "0", "--steps", "3"],
     ["simulate", "--ranks", "4", "--steps", "0"], ["simulate", "--ranks", "4", "--steps", "3", "--pp", "0"],
-    ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"], ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
+    ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"],
+    ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
     ["demo", "--steps", "0"], ["collector", "--port", "0"], ["collector", "--port", "65536"],
     ["collector", "--analyze-every", "0"], ["collector", "--hang-after", "0"], ["collector", "--max-queue-bytes", "0"],
     ["dashboard", "--port", "70000"], ["power", "recommend", "r", "--facility-watts", "0"],

@@ -28,7 +28,7 @@ RUN, RANKS, MS = "run-control", 4, 1_000_000
 def send_steps(exporter_by_rank, steps, t0, nan_from=None):
     """Step spans of every rank: a falling loss, NaN from step `nan_from` on."""
     for step in steps:
-        for rank, exporter in exporter_by_rank.items():
+        for exporter in exporter_by_rank.values():
             loss = math.nan if nan_from is not None and step >= nan_from else 3 + 5 * math.exp(-step / 10)
             start = t0 + step * 100 * MS
             exporter.trace([("step", start, start + 100 * MS, {
@@ -105,7 +105,8 @@ def test_a_person_creates_a_command(client):
     ("post", "/v1/commands/999", b'{"state": "applied"}', 404, "no command 999"),
     ("post", "/v1/commands/x", b'{"state": "applied"}', 400, "command ids are integers"),
     ("get", "/v1/commands", None, 400, "run_id is required"),
-    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=31", None, 400, "wait must be a number of seconds in [0, 30]"),
+    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=31", None, 400,
+     "wait must be a number of seconds in [0, 30]"),
     ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=1e999", None, 400, "wait must be a number"),
     ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=nan", None, 400, "wait must be a number"),
     ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=-1", None, 400, "wait must be a number"),

@@ -72,7 +72,7 @@ def test_one_gpu_ddp_exposes_almost_no_wait(collector, nccl):
     durations = [duration for _, duration, *_ in rows]
     waits = [wait for _, _, wait, *_ in rows]
     assert statistics.median(waits) < min(0.02 * statistics.median(durations), 1e-3), (waits, durations)
-    for step, duration, wait, backward, comm, buckets in rows:
+    for step, _duration, _wait, backward, comm, buckets in rows:
         assert buckets >= 2 and 0 < comm <= backward, (step, comm, backward)
 
 
@@ -81,12 +81,11 @@ def test_a_blocking_all_reduce_lasts_what_cuda_events_around_it_read(collector, 
     trace_collectives(session)
     x = torch.ones(64 * 2**20, device="cuda")  # 256 MiB
     before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with session.step(0):
-        with session.phase("optimizer"):
-            x.mul_(2)  # work ahead of it on the stream
-            before.record()
-            dist.all_reduce(x)
-            after.record()
+    with session.step(0), session.phase("optimizer"):
+        x.mul_(2)  # work ahead of it on the stream
+        before.record()
+        dist.all_reduce(x)
+        after.record()
     after.synchronize()
     session.shutdown()
     collector.stop()

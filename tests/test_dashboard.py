@@ -141,8 +141,8 @@ def test_a_link_to_an_unknown_run_says_so_instead_of_showing_another(from_store)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.main.error] == [
-        f"Run **no-such-run** is unknown: {at.sidebar.caption[0].value.removeprefix('reading ')} has no such run. "
-        "Pick one in the sidebar."]
+        (f"Run **no-such-run** is unknown: {at.sidebar.caption[0].value.removeprefix('reading ')} has no such run. "
+        "Pick one in the sidebar.")]
     assert not at.title  # no page of another run
     assert at.query_params["run"] == "no-such-run"
     at.run()  # an autorefresh keeps saying so
@@ -269,7 +269,8 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
     (errors_text,) = texts(at.main.error)
     assert errors_text.startswith(f"**GPU errors on rank {NAN['bad_gpu']}**")
     (errors,) = [d.value for d in at.dataframe if "xids" in d.value]
-    assert errors[["rank", "ecc_corrected", "ecc_uncorrected", "xids"]].values.tolist() == [[NAN["bad_gpu"], 3, 1, "48"]]
+    columns = ["rank", "ecc_corrected", "ecc_uncorrected", "xids"]
+    assert errors[columns].values.tolist() == [[NAN["bad_gpu"], 3, 1, "48"]]
     assert {"GPU memory used", "NVLink sent", "Power"} <= set(texts(at.subheader))
     spec, bars = chart(next(c for c in at.get("vega_lite_chart") if "GPU memory used" in c.proto.spec))
     assert spec["mark"]["type"] == "bar"  # 4 ranks: a bar each, no line between rank 0.00 and 1.00
@@ -296,7 +297,7 @@ def test_compare_overlays_two_runs(from_store):
     assert texts(at.subheader) == ["Step time", "Loss", "Tokens/s", "Power"]
     charts = [chart(c) for c in at.get("vega_lite_chart")]
     assert len(charts) == 4  # step time, loss, tokens/s, power
-    for spec, data in charts:
+    for spec, _data in charts:
         assert spec["params"][0]["bind"] == "scales"
     assert [set(data["run"]) for _, data in charts] == [{NAN["run"], FLEET["run"]}] * 4
 

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()
 def dashboard(dashboard_store, tmp_path_factory):
     """`rankwatch dashboard --db` on a free loopback port, until the module ends."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("dashboard-server") / "dashboard.log", "w")
+    log = open(tmp_path_factory.mktemp("dashboard-server") / "dashboard.log", "w")  # noqa: SIM115 - closed at teardown
     process = subprocess.Popen([sys.executable, "-m", "rankwatch", "dashboard", "--db", str(dashboard_store),
                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

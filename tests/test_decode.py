@@ -1,5 +1,7 @@
 """The collector says which trace decoder it uses, and stores the same rows with either."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.otlp_payloads import post, query, step_spans, trace_body
@@ -13,6 +15,6 @@ def test_the_collector_says_which_decoder_it_uses_and_stores_with_it(collector_f
     c = collector_factory()
     assert post(c, "traces", trace_body(step_spans("decoders", 0, range(3), spans_per_step=2))).status_code == 200
     c.stop()
-    assert f"OTLP trace decoder: {says}" in open(c.log.name).read()
+    assert f"OTLP trace decoder: {says}" in Path(c.log.name).read_text()
     assert query(c.db, "SELECT count(*) FROM steps WHERE run_id = 'decoders'") == [(3,)]
     assert query(c.db, "SELECT count(*) FROM ops WHERE run_id = 'decoders'") == [(6,)]

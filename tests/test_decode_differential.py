@@ -131,7 +131,7 @@ def _wire_columns(result: dict) -> dict:
     """The wire decoder's columns as Python values, by name."""
     n = result["spans"]
     if not n:
-        return {name: () for name in result["columns"]}
+        return dict.fromkeys(result["columns"], ())
     schema = {**decode._WIRE_COLUMNS, **{c: decode._span_field(c).type for c in decode._SPAN_KEYS.values()}}
     return {name: _plain(pa.Array.from_buffers(schema[name], n, [b if b is None else pa.py_buffer(b) for b in bufs])
                          .to_pylist()) for name, bufs in result["columns"].items()}

@@ -73,5 +73,5 @@ def test_demo_refuses_ports_it_cannot_listen_on(tmp_path):
     assert (collector.returncode, collector.stderr.strip()) == (
         2, f"rankwatch: error: cannot listen on 127.0.0.1:{port}: Address already in use")
     assert (dashboard.returncode, dashboard.stderr.strip()) == (
-        2, f"rankwatch: error: cannot serve the dashboard on 127.0.0.1:{port}: Address already in use "
-           "(--dashboard-port PORT, or --no-dashboard)")
+        2, (f"rankwatch: error: cannot serve the dashboard on 127.0.0.1:{port}: Address already in use "
+           "(--dashboard-port PORT, or --no-dashboard)"))

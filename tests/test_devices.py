@@ -20,12 +20,12 @@ from otlp_payloads import query
 
 from agent import semconv as sc
 from agent.devices import clock_event_words
-from agent.opendevice import open_device
 from agent.export import Exporter
+from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
 from agent.nvml import MAX_XIDS, NvmlDevice
+from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
 from agent.simdevice import SimulatedDevice
 
 H100 = GpuModel()
@@ -230,7 +230,8 @@ def test_nvlink_rate_is_the_links_counters_rise_over_the_time_between_readings(n
     rates = by_metric(device.read())
     assert rates[sc.NVLINK_TX_BPS][0] == pytest.approx(45_000_000 * 1024 / 0.1)
     assert rates[sc.NVLINK_RX_BPS][0] == pytest.approx(9_000_000 * 1024 / 0.1)
-    nvml.nvlink_kib, nvml.now_us = [0, 0], nvml.now_us + 100_000  # the driver reloaded: counters start over, never a negative rate
+    # the driver reloaded: counters start over, never a negative rate
+    nvml.nvlink_kib, nvml.now_us = [0, 0], nvml.now_us + 100_000
     assert by_metric(device.read())[sc.NVLINK_TX_BPS][0] == 0
 
 

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 from google.rpc.status_pb2 import Status
@@ -23,12 +24,11 @@ from opentelemetry._logs import SeverityNumber
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import (InMemoryLogRecordExporter, LogRecordExportResult,
-                                            SimpleLogRecordProcessor)
+from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, LogRecordExportResult, SimpleLogRecordProcessor
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SpanExportResult
-from prometheus_client.parser import text_string_to_metric_families
 from otlp_payloads import T0, post, query, span_count, step_spans, trace_body, with_rank
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent import semconv as sc
 from agent.export import Exporter
@@ -58,7 +58,7 @@ def _alive(pids: list[int], wait_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + wait_s
     while True:
         alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
-                 open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"]
+                 Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
@@ -155,8 +155,8 @@ def test_sigterm_drains_in_flight_requests(collector_factory):
     assert len(acked) < 6 * 40, "SIGTERM came after every request had finished"
     stored = dict(query(collector.db, "SELECT rank, count(*) FROM steps GROUP BY rank"))
     ops = dict(query(collector.db, "SELECT rank, count(*) FROM ops GROUP BY rank"))
-    assert {rank: stored.get(rank) for rank in acked} == {rank: 50 for rank in acked}
-    assert {rank: ops.get(rank) for rank in acked} == {rank: 450 for rank in acked}
+    assert {rank: stored.get(rank) for rank in acked} == dict.fromkeys(acked, 50)
+    assert {rank: ops.get(rank) for rank in acked} == dict.fromkeys(acked, 450)
     assert set(stored.values()) == {50} and set(ops.values()) == {450}  # no request is half stored
 
 

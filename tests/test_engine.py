@@ -46,7 +46,7 @@ def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data)
     passes and a last one, are each step once, and none before every rank had reported it."""
     con, engine = _store(), Engine(rank_steps=budget)
     con.execute("INSERT INTO runs VALUES ('r', ?, now())", [ranks])
-    sent = {r: 0 for r in range(ranks)}
+    sent = dict.fromkeys(range(ranks), 0)
     judged: list[int] = []
     while any(n < steps for n in sent.values()):
         rank = data.draw(st.sampled_from([r for r, n in sent.items() if n < steps]))
@@ -163,12 +163,12 @@ def test_a_run_that_ended_is_no_hang_and_its_findings_resolve(collector_factory)
         send_steps(sending, range(40), time.time_ns() - 40 * 100 * MS, compute=lambda r, s: 0.12 if r == 1 else 0.08)
         wait_until(lambda: any(f["kind"] == "rank" and f["state"] == "firing" for f in live_findings(collector, run)),
                    f"run {run}: no straggler")
-    for rank, exporter in runs["ends"].items():
+    for exporter in runs["ends"].values():
         exporter.event(sc.EVENT_ENDED, time.time_ns(), {})
     stalled_until = time.monotonic() + 5
     while time.monotonic() < stalled_until:  # heartbeats go on, steps do not
         for sending in runs.values():
-            for rank, exporter in sending.items():
+            for exporter in sending.values():
                 exporter.event(sc.EVENT_HEARTBEAT, time.time_ns(), {sc.STEP: 40, sc.PHASE: "checkpoint"})
                 exporter.flush()
         time.sleep(0.5)

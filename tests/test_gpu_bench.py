@@ -2,8 +2,8 @@
 
 Covered: on real Kineto traces of NCCL jobs (tests/data/kineto/), each
 ProfilerStep's compute (time some compute kernel runs), NCCL kernel time and
-exposed NCCL time (no compute kernel running) match a count on a 1 µs grid, kernels tied to the step that launched them; without CUDA the
-bench exits 2 with one line saying CUDA is required.
+exposed NCCL time (no compute kernel running) match a count on a 1 µs grid, kernels tied to the
+step that launched them; without CUDA the bench exits 2 with one line saying CUDA is required.
 """
 
 import gzip

@@ -36,8 +36,8 @@ def test_a_healthy_collector_has_no_findings():
 def test_refused_exports_by_share_with_401_critical():
     first = snapshot(0, {200: 100})
     found = kinds(health.analyze(first, snapshot(120, {200: 180, 503: 10, 400: 10}), NO_OUTBOX))
-    assert found == {"refused_exports": ("warning", "20% of 100 OTLP exports refused in the last 2 min "
-                                                    "(10 x 400, 10 x 503)")}
+    assert found == {"refused_exports": ("warning", ("20% of 100 OTLP exports refused in the last 2 min "
+                                                    "(10 x 400, 10 x 503)"))}
     severity, summary = kinds(health.analyze(first, snapshot(60, {200: 180, 401: 20}), NO_OUTBOX))["refused_exports"]
     assert severity == "critical" and summary.endswith("a job sends the wrong token and loses its telemetry")
     # too few exports in the window to judge a rate
@@ -51,12 +51,12 @@ def test_queue_filling_slow_commits_and_failing_analysis():
     assert health.analyze(first, too_few, NO_OUTBOX) == []
     found = kinds(health.analyze(first, last, NO_OUTBOX))
     assert found == {
-        "queue_filling": ("warning", "the write queue is 90% full (900 of 1000 MiB): exports will be refused with "
-                                     "503 next"),
-        "slow_commits": ("warning", "99% of group commits took up to 2.5 s in the last 30 s: telemetry and findings "
-                                    "are late"),
-        "analysis_failing": ("warning", "an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the "
-                                        "collector's log says why)")}
+        "queue_filling": ("warning", ("the write queue is 90% full (900 of 1000 MiB): exports will be refused with "
+                                     "503 next")),
+        "slow_commits": ("warning", ("99% of group commits took up to 2.5 s in the last 30 s: telemetry and findings "
+                                    "are late")),
+        "analysis_failing": ("warning", ("an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the "
+                                        "collector's log says why)"))}
 
 
 def test_alerts_waiting_too_long_name_their_receivers():

@@ -231,6 +231,6 @@ def test_no_profiler_step_and_no_rank_are_assumed_with_a_notice(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         f"rankwatch import: {path}: no rank in distributedInfo or in the file name (rank<N>): taken as rank 0",
-        f"rankwatch import: {path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
-        f"the whole trace is taken as one step, step 0"]
+        (f"rankwatch import: {path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
+        f"the whole trace is taken as one step, step 0")]
     assert query(db, "SELECT rank, step, compute_s FROM steps") == [(0, 0, pytest.approx(50e-6))]

@@ -40,7 +40,7 @@ def test_simulator_trace_round_trips_and_is_diagnosed(simulated, tmp_path):
     assert query(db, "SELECT count(*) FROM steps WHERE run_id = 'imp'") == [(32 * 60,)]
     # a rank-step's compute is the sum of its compute ops, as written
     written = trace[trace["kind"] == "compute"].groupby(["rank", "step"])["duration"].sum()
-    stored = dict(((r, s), c) for r, s, c in query(db, "SELECT rank, step, compute_s FROM steps WHERE run_id = 'imp'"))
+    stored = {(r, s): c for r, s, c in query(db, "SELECT rank, step, compute_s FROM steps WHERE run_id = 'imp'")}
     assert max(abs(stored[k] - v) for k, v in written.items()) < 1e-6
     assert query(db, "SELECT rank, pp_stage, dp_rank FROM ranks WHERE run_id = 'imp' AND rank IN (0, 19) "
                      "ORDER BY rank") == [(0, 0, 0), (19, 1, 3)]

@@ -15,8 +15,10 @@ import json
 import httpx
 import pytest
 from conftest import Collector, free_port, wait_until
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from otlp_payloads import T0, post, query
@@ -195,7 +197,8 @@ def _protobuf_request(run_id: str) -> ExportTraceServiceRequest:
                 start_time_unix_nano=T0 + 100 * MS, end_time_unix_nano=T0 + 110 * MS,
                 attributes=[_kv(sc.KIND, string_value="comm"), _kv(sc.STEP, int_value=11),
                             _kv(sc.COMM_BYTES, int_value=50_000_000), _kv(sc.COMM_GROUP_SIZE, int_value=8)])
-    resource = [_kv(sc.RUN_ID, string_value=run_id), _kv(sc.RANK, int_value=2), _kv(sc.HOST_NAME, string_value="node-j")]
+    resource = [_kv(sc.RUN_ID, string_value=run_id), _kv(sc.RANK, int_value=2),
+                _kv(sc.HOST_NAME, string_value="node-j")]
     return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
         resource={"attributes": resource}, scope_spans=[ScopeSpans(spans=[step, comm])])])
 

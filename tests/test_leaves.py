@@ -51,7 +51,7 @@ def test_a_leaf_imports_alone_with_the_standard_library(module):
     outside = [m for m in loaded if m.partition(".")[0] not in sys.stdlib_module_names and m != "agent"
                and not m.startswith("agent.")]
     assert outside == []  # no opentelemetry, torch, duckdb, numpy, httpx, collector...
-    assert set(m for m in loaded if m.startswith("agent")) <= {"agent", "agent.config", "agent.paths",
+    assert {m for m in loaded if m.startswith("agent")} <= {"agent", "agent.config", "agent.paths",
                                                                 "agent.semconv", module}
 
 

@@ -19,8 +19,8 @@ from agent import semconv as sc
 from agent.apiclient import ApiClient
 from agent.gpumodel import THERMAL, GpuModel, operating_points
 from agent.simdevice import SimulatedDevice
-from collector.analyzers import power
 from collector import queryapi
+from collector.analyzers import power
 from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
@@ -238,7 +238,7 @@ def test_recommend_json(store, tmp_path):
                                        "power_w", "slowdown", "energy_saving", "zeus_cost"}
     assert report["curve"][0]["source"] == "model"
     assert "5" not in report["rank_caps"] and len(report["rank_caps"]) == 15
-    assert report["rank_caps"] == {k: v for k, v in report["per_rank"]["caps"].items()}
+    assert report["rank_caps"] == report["per_rank"]["caps"]
     assert report["per_rank"]["ranks"][0]["load"] == 1.0  # the busy samples' utilization
     assert report["headroom"]["nodes"] == 2 and report["headroom"]["facility_w"] == 16 * 700
     assert {f["kind"] for f in report["findings"]} == {"job_cap", "per_rank_caps", "headroom"}
@@ -396,5 +396,5 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
 
 def test_the_collector_refuses_a_negative_power_period():
     result = rankwatch_cli("collector", "--power-every", "-1")
-    assert (result.returncode, result.stderr.strip()) == (2, "rankwatch collector: error: argument --power-every: "
-                                                             "must be 0 or more, got -1")
+    assert (result.returncode, result.stderr.strip()) == (2, ("rankwatch collector: error: argument --power-every: "
+                                                             "must be 0 or more, got -1"))

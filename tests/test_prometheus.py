@@ -3,6 +3,7 @@
 prometheus_client's parser and promtool accept, a real Prometheus server scraping it, and the
 shipped examples (scrape config, alerting rules, Grafana dashboard) in agreement with it."""
 
+import contextlib
 import json
 import re
 import shutil
@@ -27,7 +28,7 @@ NO_PROMETHEUS = "needs Debian's prometheus package (promtool, prometheus): apt-g
 def collector(tmp_path_factory):
     """A collector fed a simulated run with a straggler, device samples and two checkpoints."""
     db = tmp_path_factory.mktemp("prom") / "rankwatch.duckdb"
-    log = open(db.parent / "collector.log", "w")
+    log = open(db.parent / "collector.log", "w")  # noqa: SIM115 - the collector's output; closed at teardown
     collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
     try:
         result = rankwatch_cli("simulate", "--ranks", str(RANKS), "--steps", str(STEPS), "--run", RUN,
@@ -125,12 +126,10 @@ def test_prometheus_scrapes_the_collector(collector, tmp_path):
         deadline, result = time.monotonic() + 60, []
         while not result and time.monotonic() < deadline:
             time.sleep(0.5)
-            try:
+            with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
                 result = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
                                    params={"query": f'rankwatch_run_last_step{{run="{RUN}"}}'}, timeout=5
                                    ).json()["data"]["result"]
-            except (httpx.TransportError, ValueError, KeyError):
-                pass
     finally:
         server.terminate()
         server.wait(timeout=30)

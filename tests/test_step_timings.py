@@ -13,10 +13,10 @@ within the step and the phases adding up. A finished step reaches the collector
 soon, without waiting for the next step to end.
 """
 
+import itertools
 import time
 
 import httpx
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,12 +104,12 @@ def test_one_gpu_exposes_only_the_last_buckets_all_reduce(collector):
 
 def test_slow_links_expose_the_all_reduces_after_backward_and_time_each_on_its_stream(collector):
     ready = [15, 19, 23, 27, 31]  # 6 ms each: they queue behind each other on NCCL's stream
-    (duration, _, compute, wait), ops = stored_step(collector, timeline(ready, 6, 45.02), len(ready))
+    (_duration, _, compute, wait), ops = stored_step(collector, timeline(ready, 6, 45.02), len(ready))
     assert wait == pytest.approx(14e-3, abs=1e-9)  # from the last gradient (31 ms) to the last end (45 ms)
     assert compute == pytest.approx(45.02e-3 + 4e-3 - 1e-3 - 14e-3, abs=1e-9)
     assert [d for _, d, _ in ops] == [pytest.approx(6e-3, abs=1e-9)] * 5  # not 6, 8, 10, 12, 14 ms
     starts = [t for _, _, t in ops]
-    assert [round((b - a) / MS, 3) for a, b in zip(starts, starts[1:])] == [6.0] * 4
+    assert [round((b - a) / MS, 3) for a, b in itertools.pairwise(starts)] == [6.0] * 4
 
 
 @pytest.fixture
@@ -209,9 +209,8 @@ def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(coll
     export's 250 ms, where it waited for the next step's end or the 5 s heartbeat and a 1 s batch:
     what a spike at a slow step rate waited before its rollback could start."""
     session = Session("run-one-step", 0, 1, collector.url, collector.token)
-    with session.step(0):
-        with session.phase("forward"):
-            time.sleep(0.01)
+    with session.step(0), session.phase("forward"):
+        time.sleep(0.01)
     ended = time.monotonic()
 
     def stored() -> bool:

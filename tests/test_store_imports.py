@@ -64,7 +64,8 @@ print(source.to_frame(source.from_environment().query("SELECT run_id FROM runs")
 
 def test_the_store_is_layered():
     modules = _modules()
-    store = {name: _imports(name, path, modules) for name, path in modules.items() if name.startswith("collector.store")}
+    store = {name: _imports(name, path, modules) for name, path in modules.items()
+             if name.startswith("collector.store")}
     assert {"collector.store.db", "collector.store.requests", "collector.store.writer",
             "collector.store.handle"} <= set(store)
     assert store["collector.store.db"] <= {"collector.store.schema"}

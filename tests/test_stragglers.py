@@ -71,13 +71,13 @@ def test_one_slow_step_never_fires():
 
 
 def test_slow_node_is_named_as_a_node():
-    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(8, 16)}), PLACEMENT)
+    (finding,) = analyze(frame(slow=dict.fromkeys(range(8, 16), (1.2, 10))), PLACEMENT)
     assert (finding.kind, finding.ranks) == ("node", list(range(8, 16)))
     assert "node1" in finding.summary
 
 
 def test_slow_stage_is_named_as_a_stage():
-    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(1, RANKS, 4)}), PLACEMENT)
+    (finding,) = analyze(frame(slow=dict.fromkeys(range(1, RANKS, 4), (1.2, 10))), PLACEMENT)
     assert (finding.kind, finding.ranks) == ("stage", list(range(1, RANKS, 4)))
 
 
@@ -92,7 +92,7 @@ def test_too_few_ranks_to_judge():
 
 
 def test_a_slow_node_reads_as_its_rank_range():
-    (finding,) = analyze(frame(slow={r: (1.2, 10) for r in range(8, 16)}), PLACEMENT)
+    (finding,) = analyze(frame(slow=dict.fromkeys(range(8, 16), (1.2, 10))), PLACEMENT)
     assert finding.summary.startswith("node node1 (ranks 8–15) computes ")
 
 
@@ -116,7 +116,7 @@ def test_hardware_evidence_explains_slow_ranks_by_their_gpus():
     gpus = devices(
         samples(sc.CLOCK_EVENT_REASONS, {r: (0x4 | 0x20 | 0x40 if r == 5 else 0x4) for r in ranks}),
         samples(sc.FB_USED_MIB, {r: (81_000 if r == 9 else 60_000) for r in ranks}),
-        samples(sc.FB_TOTAL_MIB, {r: 81_559 for r in ranks}),
+        samples(sc.FB_TOTAL_MIB, dict.fromkeys(ranks, 81_559)),
         samples(sc.ECC_SBE_VOLATILE, {r: ([4] * 5 + [10] * 5 if r == 9 else 0) for r in ranks}),
         samples(sc.ECC_DBE_VOLATILE, {r: ([0] * 5 + [1] * 5 if r == 9 else 0) for r in ranks}),
         [(9, sc.XID_ERRORS, 48.0)])
@@ -134,8 +134,9 @@ def test_hardware_evidence_explains_slow_ranks_by_their_gpus():
 
 def test_no_hardware_evidence_where_every_gpu_is_alike():
     ranks = range(RANKS)
-    gpus = devices(samples(sc.CLOCK_EVENT_REASONS, {r: 0x4 for r in ranks}),  # the whole job capped
-                   samples(sc.FB_USED_MIB, {r: 81_000 for r in ranks}), samples(sc.FB_TOTAL_MIB, {r: 81_559 for r in ranks}))
+    gpus = devices(samples(sc.CLOCK_EVENT_REASONS, dict.fromkeys(ranks, 0x4)),  # the whole job capped
+                   samples(sc.FB_USED_MIB, dict.fromkeys(ranks, 81_000)),
+                   samples(sc.FB_TOTAL_MIB, dict.fromkeys(ranks, 81_559)))
     (finding,) = analyze(frame(slow={5: (1.3, 10)}), PLACEMENT, devices=gpus)
     assert "hardware" not in finding.evidence and "; GPU" not in finding.summary
 

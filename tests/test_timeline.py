@@ -8,6 +8,8 @@ before them ended; and a single-GPU DDP step's timeline, as CUDA events record
 it, whose exposed wait is the last bucket's all-reduce alone.
 """
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +29,7 @@ def covered(spans) -> set[int]:
 @given(intervals)
 def test_union_is_disjoint_sorted_and_covers_the_same_time(spans):
     merged = union(spans)
-    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(merged))
     assert all(s < e for s, e in merged)
     assert covered(merged) == covered(spans)
     assert length(spans) == len(covered(spans))
@@ -68,7 +70,7 @@ def test_serialized_operations_run_one_at_a_time_in_issue_order(steps):
     ran = serialized(launches)
     for (launch, end), (start, finish) in zip(launches, ran):
         assert finish == end and launch <= start <= end
-    assert all(a[1] <= b[0] or b[0] == b[1] for a, b in zip(ran, ran[1:]))
+    assert all(a[1] <= b[0] or b[0] == b[1] for a, b in itertools.pairwise(ran))
 
 
 def test_single_gpu_ddp_step_exposes_only_the_last_bucket():

@@ -19,6 +19,7 @@ definitions (doc/PERFORMANCE.md) for every collective and several group
 sizes, with NCCL kernel names and torch.distributed spellings.
 """
 
+import itertools
 import json
 import math
 import os
@@ -61,14 +62,13 @@ def expected_lr(step: int) -> float:
 def job(tmp_path_factory):
     """Run the job through the CLI against a real collector, stop the collector, return the store."""
     tmp = tmp_path_factory.mktemp("trainer-job")
-    log = open(tmp / "collector.log", "w")
-    collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
-    try:
-        result = rankwatch_cli("train", "--nproc", "2", "--steps", str(STEPS), "--run", RUN, "--inject", FAULT,
-                               "--collector", collector.url, env={"RANKWATCH_TOKEN": "test-token"})
-    finally:
-        collector.stop()
-        log.close()
+    with open(tmp / "collector.log", "w") as log:
+        collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        try:
+            result = rankwatch_cli("train", "--nproc", "2", "--steps", str(STEPS), "--run", RUN, "--inject", FAULT,
+                                   "--collector", collector.url, env={"RANKWATCH_TOKEN": "test-token"})
+        finally:
+            collector.stop()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 ranks, GPT tiny" in result.stdout
     return collector.db
@@ -116,7 +116,7 @@ def test_one_step_row_per_rank_step(job):
         for start, end, duration in rows:
             assert end - start == pytest.approx(duration * 1e9, abs=1)
             assert 0.005 < duration < 5
-        for (_, end, _), (start, _, _) in zip(rows, rows[1:]):
+        for (_, end, _), (start, _, _) in itertools.pairwise(rows):
             assert start >= end
     # both ranks are inside step k at the same time (their gradients are all-reduced together)
     both = query(job, "SELECT a.step FROM steps a JOIN steps b ON a.step = b.step AND a.rank = 0 AND b.rank = 1 "
@@ -128,7 +128,7 @@ def test_step_values(job):
     rows = query(job, "SELECT rank, step, loss, grad_norm, tokens, lr, mfu, duration_s FROM steps "
                       "WHERE run_id = ? ORDER BY rank, step", [RUN])
     assert len(rows) == 2 * STEPS
-    for rank, step, loss, grad_norm, tokens, lr, mfu, duration in rows:
+    for rank, step, loss, grad_norm, tokens, lr, mfu, _duration in rows:
         assert loss is not None and 0 < loss < 10, (rank, step, loss)
         assert grad_norm is not None and grad_norm > 0, (rank, step)
         assert tokens == BATCH * 64  # batch x seq_len of the tiny config
@@ -187,7 +187,7 @@ def test_ddp_all_reduces(job):
         FROM ops o JOIN steps s USING (run_id, rank, step)
         WHERE o.run_id = ? AND o.kind = 'comm' GROUP BY ALL ORDER BY o.rank, o.step""", [RUN])
     assert [(rank, step) for rank, step, *_ in rows] == [(r, s) for r in (0, 1) for s in range(STEPS)]
-    for rank, step, nbytes, count, seqs, children, inside in rows:
+    for rank, step, nbytes, count, _, children, inside in rows:
         assert nbytes == expected, (rank, step, nbytes)
         assert count >= 1 and children and inside, (rank, step)
     for rank in (0, 1):

@@ -38,9 +38,10 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -473,8 +474,10 @@ class Checkpointer:
         for s in list(self._slots):  # the whole ring on the first snapshot; again only if the state grows
             if s.buffer is None or (s is slot and s.buffer.numel() < slot.nbytes):
                 s.buffer, s.refs = _host_buffer(slot.nbytes, pinned=stream is not None), []
+        buffer = slot.buffer
+        assert buffer is not None  # allocated just above
         if slot.refs != refs:  # views made once per slot and layout
-            slot.refs, slot.views = refs, [ref.view(slot.buffer) for ref in refs]
+            slot.refs, slot.views = refs, [ref.view(buffer) for ref in refs]
         if stream is None:
             with torch.no_grad():
                 torch._foreach_copy_(slot.views, tensors)  # one call
@@ -509,6 +512,7 @@ class Checkpointer:
         _fsync_dir(path.parent)
         (path / MANIFEST).unlink(missing_ok=True)  # a rewrite: the old manifest must not vouch for new files
         lo, hi = _share(slot.nbytes, self._own, len(self._replicas))
+        assert slot.buffer is not None  # a snapshot is written once copied into its buffer
         files = {META: _write_durably(path / META, memoryview(pickle.dumps((slot.meta, slot.refs)))),
                  TENSORS: _write_durably(path / TENSORS, _memory(slot.buffer)[lo:hi])}
         _fsync_dir(path)
@@ -555,6 +559,7 @@ class Checkpointer:
         there; its tier, or None (reported) when the disk's copy does not verify."""
         slot = next((s for s in self._slots if s.step == step), None)
         if slot:
+            assert slot.buffer is not None  # a slot holds a step once copied into its buffer
             tier, meta, refs, buffer = sc.TIER_MEMORY, slot.meta, slot.refs, slot.buffer
         else:
             path = self.directory / f"step-{step:08d}"

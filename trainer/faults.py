@@ -17,7 +17,7 @@
 import math
 from dataclasses import dataclass
 
-_KEYS = {  # kind -> {key: (type, required)}
+_KEYS: dict[str, dict[str, tuple[type[int] | type[float], bool]]] = {  # kind -> {key: (type, required)}
     "straggler": {"rank": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "hang": {"rank": (int, True), "at": (int, True), "seconds": (float, False)},
     "spike": {"at": (int, True), "scale": (float, True)},
@@ -67,7 +67,8 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
     kind, _, rest = spec.strip().partition(":")
     if kind not in _KEYS:
         raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(_KEYS)}")
-    allowed, params = _KEYS[kind], {}
+    allowed = _KEYS[kind]
+    params: dict[str, float | int] = {}
     for item in filter(None, rest.split(",")):
         key, eq, raw = item.partition("=")
         key = key.strip()

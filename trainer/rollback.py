@@ -27,7 +27,6 @@ from agent.commands import steps_apart
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 
-
 MARGIN = 5  # steps a rollback lands before its anomaly (the collector's RollbackPolicy.margin)
 # Before a rollback has measured it: the export's batching (0.25 s), the collector's analysis period
 # (--analyze-every, 5 s; commits wake a pass at once, a timer pass is the worst case) and a command
@@ -84,7 +83,7 @@ class Budget:
         recent = [(s, w) for s, w in self.applied if s > step - self.window]
         if len(recent) >= self.rollbacks:
             return False
-        self.applied = recent + [(step, what)]
+        self.applied = [*recent, (step, what)]
         return True
 
     def spent_on(self) -> str:

@@ -42,7 +42,7 @@ spoil one step's loss as the trainer's do.
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +100,11 @@ def _group_max(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
 def first_hang(faults: list[Fault]) -> tuple[int, list[int]] | None:
     """The step no rank finishes (the earliest hang's `at`) and the ranks that never enter its
     all-reduce; None without a hang."""
-    at = min((f.get("at") for f in faults if f.kind == "hang"), default=None)
-    return None if at is None else (at, sorted(f.rank for f in faults if f.kind == "hang" and f.get("at") == at))
+    hangs = [f for f in faults if f.kind == "hang"]
+    if not hangs:
+        return None
+    at = min(int(f.get("at")) for f in hangs)  # `at` and `rank`: a hang's required keys
+    return at, sorted(int(f.get("rank")) for f in hangs if f.get("at") == at)
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         now += int(step_s * 1e9)
 
 
-def to_collector(exporter, run_id: str, topology: Topology, frames: Iterator[pd.DataFrame],
+def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.DataFrame],
                  faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing(),
                  gpu: GpuModel = GpuModel()) -> int:
     """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
@@ -331,7 +334,7 @@ def _heartbeats(exporter, time_ns: int, step: int, phase: np.ndarray) -> None:
         exporter.event(sc.EVENT_HEARTBEAT, time_ns, attributes)
 
 
-def to_parquet(path: Path, topology: Topology, frames: Iterator[pd.DataFrame], faults: list[Fault]) -> int:
+def to_parquet(path: Path, topology: Topology, frames: Iterable[pd.DataFrame], faults: list[Fault]) -> int:
     """Write the generic op trace (rank, step, op, start, duration, kind, placement) and its ground
     truth (`<path>.truth.json`); returns rows written."""
     import pyarrow as pa

@@ -31,6 +31,7 @@ from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
 
+
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
@@ -43,7 +44,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--ckpt-dir", type=Path, metavar="DIR",
                    help=f"checkpoints, DIR/rank-R for rank R (default: "
-                        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, beside ${paths.DB_ENV}'s store when it is set)")
+                        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, "
+                        f"beside ${paths.DB_ENV}'s store when it is set)")
     p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
                    help="copy the training state to host memory every STEPS steps")
     p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",

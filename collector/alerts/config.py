@@ -85,7 +85,7 @@ def _parse(document) -> AlertConfig:
     settings = {f.name for f in fields(AlertConfig)} - {"receivers"}
     unknown = set(document) - settings - {"receivers"}
     if unknown:
-        raise ValueError(f"unknown setting {sorted(unknown)[0]!r}; settings: receivers, {', '.join(sorted(settings))}")
+        raise ValueError(f"unknown setting {min(unknown)!r}; settings: receivers, {', '.join(sorted(settings))}")
     for key in settings & set(document) - {"dashboard_url"}:
         if not isinstance(document[key], (int, float)) or document[key] <= 0:
             raise ValueError(f"{key} must be a positive number of seconds")
@@ -107,7 +107,7 @@ def receiver(entry, where: str) -> Receiver:
         raise ValueError(f"{where} must be a table")
     unknown = set(entry) - {"name", "url", "secret", *_FILTERS}
     if unknown:
-        raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r}; keys: name, url, secret, {', '.join(_FILTERS)}")
+        raise ValueError(f"{where}: unknown key {min(unknown)!r}; keys: name, url, secret, {', '.join(_FILTERS)}")
     url = entry.get("url")
     if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
         raise ValueError(f"{where}: url must be an http:// or https:// URL")

@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import duckdb
 import httpx
@@ -67,30 +67,32 @@ class Delivery:
         return cap * random.uniform(0.5, 1.0)
 
     def _run(self) -> None:
+        con = self._con
+        assert con is not None  # the thread starts only with receivers, and so with a cursor
         with httpx.Client(timeout=self._config.timeout_s) as client:
             while not self._stop.wait(POLL_S):
                 try:
-                    self._deliver_due(client)
+                    self._deliver_due(client, con)
                 except duckdb.Error:
                     log.exception("alert delivery: the outbox could not be read or updated")
 
-    def _deliver_due(self, client: httpx.Client) -> None:
+    def _deliver_due(self, client: httpx.Client, con: duckdb.DuckDBPyConnection) -> None:
         failed: set[str] = set()  # receivers that failed in this pass: their later notifications wait
-        expired_before = datetime.now(timezone.utc) - EXPIRE_AFTER
-        for notification in outbox.due(self._con):
+        expired_before = datetime.now(UTC) - EXPIRE_AFTER
+        for notification in outbox.due(con):
             if self._stop.is_set():
                 return
             receiver = self._receivers.get(notification.receiver)
             if receiver is None:
-                outbox.settle(self._con, notification, "dropped", "receiver no longer configured")
+                outbox.settle(con, notification, "dropped", "receiver no longer configured")
             elif notification.created_at < expired_before:
-                outbox.settle(self._con, notification, "expired", f"undelivered after {EXPIRE_AFTER}")
+                outbox.settle(con, notification, "expired", f"undelivered after {EXPIRE_AFTER}")
             elif notification.receiver not in failed:
                 try:
                     webhook.post(client, receiver.url, receiver.secret, notification.webhook_id, notification.body)
                 except webhook.DeliveryError as e:
                     failed.add(receiver.name)
                     log.warning("alert delivery to %s failed (%s); retrying", receiver.name, e)
-                    outbox.postpone(self._con, notification, self.backoff_s(notification.attempts), str(e))
+                    outbox.postpone(con, notification, self.backoff_s(notification.attempts), str(e))
                 else:
-                    outbox.settle(self._con, notification, "delivered")
+                    outbox.settle(con, notification, "delivered")

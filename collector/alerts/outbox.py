@@ -10,7 +10,7 @@ outbox rows along: the two never write the same row.
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import duckdb
 
@@ -42,7 +42,7 @@ def notify(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, ana
     any of them gets one notification. A finding redrawn unchanged notifies nobody."""
     if not drawn and not resolved:
         return
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     open_alerts = {row[1]: row for row in con.execute(_OPEN, [run_id, analyzer]).fetchall()}
     changed = []
     for finding_id, finding in drawn:

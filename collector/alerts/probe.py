@@ -2,7 +2,7 @@
 signature real alerts have, so a receiver's parsing, verification and routing are checked
 end to end before a real page depends on them."""
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 
@@ -16,7 +16,7 @@ SUMMARY = "A test alert from `rankwatch alerts test`: nothing is wrong."
 
 def send(client: httpx.Client, receiver: Receiver, dashboard_url: str) -> int:
     """POST the test alert to `receiver`; its HTTP status, or webhook.DeliveryError."""
-    alert = webhook.alert("firing", LABELS, rules.annotations(SUMMARY, dashboard_url), datetime.now(timezone.utc),
+    alert = webhook.alert("firing", LABELS, rules.annotations(SUMMARY, dashboard_url), datetime.now(UTC),
                           None, dashboard_url, rules.fingerprint(LABELS))
     body = webhook.message(receiver.name, [alert], rules.group_labels(LABELS), dashboard_url)
     return webhook.post(client, receiver.url, receiver.secret, webhook.new_id(), body)

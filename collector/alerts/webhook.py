@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 
@@ -30,7 +30,7 @@ class DeliveryError(Exception):
 
 
 def rfc3339(t: datetime) -> str:
-    return t.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def alert(status: str, labels: dict[str, str], annotations: dict[str, str], starts_at: datetime,

@@ -52,6 +52,7 @@ class Reads:
 
     def continues(self, episode_end: int, finding: Finding) -> bool:
         """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
+        assert finding.step_start is not None, "an episode goes on only in findings over steps"
         return finding.step_start <= episode_end + self.linger + 1
 
     def holds(self, episode_end: int, last: int, redrawn: bool) -> bool:

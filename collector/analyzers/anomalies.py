@@ -83,7 +83,8 @@ def _spikes(run_id: str, series: pd.Series, first_new: int, kind: str, what: str
         return []
     values, steps = series.to_numpy(), series.index.to_numpy()
     first = max(int(np.searchsorted(steps, s.warmup)), s.baseline)  # warmup counts from the run's first step, 0
-    streak, episodes = 0, []  # episodes: [first index, last index, index found at, z, center, spread]
+    streak = 0
+    episodes: list[list] = []  # [first index, last index, index found at, z, center, spread]
     for i in range(first, len(values)):
         base = values[i - s.baseline:i]
         center = float(np.median(base))

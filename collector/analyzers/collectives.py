@@ -87,7 +87,8 @@ def _judge(run_id: str, group: str, desc: str | None, members: tuple[int, ...], 
                 + (f" (no dump from {ranksets.phrase(no_dump)})" if no_dump else "")] if missing else [])
     reasons += [f"rank {rank} entered it as {_describe(_call(calls[rank]))} instead of {_describe(reference)}"
                 for rank in mismatched]
-    summary = f"{ranksets.phrase(waiting)} {'is' if len(waiting) == 1 else 'are'} blocked in {reference['op']} #{seq} of {where}: " + "; ".join(reasons)
+    summary = (f"{ranksets.phrase(waiting)} {'is' if len(waiting) == 1 else 'are'} blocked in {reference['op']} #{seq} "
+               f"of {where}: " + "; ".join(reasons))
     return Finding(run_id, "hang", culprits, None, None, "critical", len(waiting) / len(members), summary,
                    {"collective": {"op": reference["op"], "group": group, "seq": seq, "waiting_ranks": waiting},
                     "group_desc": desc, "group_size": len(members), "missing_ranks": missing,

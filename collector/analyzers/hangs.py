@@ -20,9 +20,8 @@ than the timeout), judged as it stood when it first passed the timeout.
 
 from dataclasses import dataclass
 
-import pandas as pd
-
 import numpy as np
+import pandas as pd
 
 from collector import ranksets
 from collector.analyzers import Finding, Frames, Reads

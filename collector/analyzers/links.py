@@ -52,8 +52,9 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         ops = frames.collectives[(frames.collectives["step"] > end - settings.window)
                                  & (frames.collectives["step"] <= end)]
         for f in analyze(ops, float(steps["duration_s"].median()), settings):
+            assert f.step_start is not None, "the collectives analyzer judges steps"
             same = next((g for g in found if (g.kind, g.ranks) == (f.kind, f.ranks)
-                         and g.step_end >= f.step_start - stride), None)
+                         and g.step_end is not None and g.step_end >= f.step_start - stride), None)
             if same:
                 found[found.index(same)] = replace(f, step_start=same.step_start)
             else:

@@ -265,11 +265,15 @@ def analyze(steps: pd.DataFrame, devices: pd.DataFrame | None = None, ranks: pd.
                                                np.random.default_rng(s.seed))
     curve, measured = _measured_curve(steps, s), True
     if len(curve) < 2:
-        curve, measured = ([] if draws is None else _modelled_curve(draws, profile.loc[judged.ranks], model, s)), False
+        curve = [] if judged is None or draws is None else _modelled_curve(draws, profile.loc[judged.ranks], model, s)
+        measured = False
     curve.sort(key=lambda p: p.cap_w)
-    _relative(curve, policy.value if policy.kind == "zeus" else 0.5, n_ranks * model.limit_max_w)
+    eta = policy.value if policy.kind == "zeus" else 0.5
+    assert eta is not None  # Policy.parse: zeus comes with its eta
+    _relative(curve, eta, n_ranks * model.limit_max_w)
     choice = _choose(curve, policy, n_ranks)
-    per_rank = None if draws is None else _per_rank(judged, draws, profile.loc[judged.ranks], model, s, n_steps)
+    per_rank = None if judged is None or draws is None else _per_rank(judged, draws, profile.loc[judged.ranks], model,
+                                                                      s, n_steps)
     headroom = _headroom(devices, ranks, n_ranks, facility_w, model, s)
     findings = []
     if choice is not None and choice.cap_w < max(p.cap_w for p in curve):
@@ -391,14 +395,15 @@ def _relative(curve: list[Point], eta: float, max_power_w: float) -> None:
 
 def _choose(curve: list[Point], policy: Policy, n_ranks: int) -> Point | None:
     """The point the policy picks; None when none qualifies (a budget below every limit)."""
+    bound = policy.value if policy.value is not None else math.inf  # read by max-slowdown and budget, which have one
     if policy.kind == "zeus":
         candidates, key = curve, (lambda p: p.zeus_cost)
     elif policy.kind == "max-slowdown":
-        candidates, key = [p for p in curve if p.slowdown <= 1 + policy.value], (lambda p: p.energy_j)
+        candidates, key = [p for p in curve if p.slowdown <= 1 + bound], (lambda p: p.energy_j)
     elif policy.kind == "min-energy":
         candidates, key = curve, (lambda p: p.energy_j)
     else:  # budget: the limits of all GPUs together bound the job's power
-        candidates, key = [p for p in curve if p.cap_w * n_ranks <= policy.value], (lambda p: p.step_s)
+        candidates, key = [p for p in curve if p.cap_w * n_ranks <= bound], (lambda p: p.step_s)
     return min(candidates, key=key, default=None)
 
 
@@ -477,7 +482,8 @@ def _headroom(devices: pd.DataFrame, ranks: pd.DataFrame | None, n_ranks: int, f
     extra = max(math.floor(n * budget / p99) - n, 0)
     while extra > 0 and risk(extra) > s.risk:  # the quantile's interpolation may overshoot by one
         extra -= 1
-    curve, k = {}, 0
+    curve: dict[int, float] = {}
+    k = 0
     while k <= 4 * n + extra and (not curve or curve[k - 1] < 0.5):
         curve[k] = risk(k)
         k += 1

@@ -87,8 +87,8 @@ def analyze(steps: pd.DataFrame, ranks: pd.DataFrame | None = None, settings: Se
     """
     if steps.empty:
         return []
-    return [f for f in _judge(str(steps["run_id"].iloc[0]), steps, int(steps["step"].max()), ranks, settings,
-                              None if devices is None else lambda since, until: devices)]
+    return list(_judge(str(steps["run_id"].iloc[0]), steps, int(steps["step"].max()), ranks, settings,
+                       None if devices is None else lambda since, until: devices))
 
 
 @dataclass
@@ -194,7 +194,7 @@ def _judge(run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame
     for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
         verdict = _verdict(m, i, s, placement) if i + 1 >= s.window else None
         if episode and (verdict is None or verdict[:2] != episode[0]):
-            found.append(_finding(run_id, steps, m, *episode[1:4], s, placement, devices))
+            found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
             episode = None
         if verdict and episode:
             episode[2] = i
@@ -203,7 +203,7 @@ def _judge(run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame
         elif verdict:
             episode = [verdict[:2], i, i, i, verdict[4]]
     if episode:
-        found.append(_finding(run_id, steps, m, *episode[1:4], s, placement, devices))
+        found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
     return found
 
 
@@ -225,17 +225,21 @@ def _finding(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, end: in
 
 def _drawn(run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int, s: Settings,
            placement: list, devices) -> Finding:
-    kind, suspects, where, w, _ = _verdict(m, last, s, placement)
+    drawn = _verdict(m, last, s, placement)
+    assert drawn is not None  # `last` is a row of the episode: it has a verdict
+    kind, suspects, where, w, _ = drawn
     history = steps[(steps["step"] >= m.steps[max(last + 1 - s.max_window, 0)]) & (steps["step"] <= m.steps[last])]
     history = history[history["step"].isin(m.steps)]
     history = history.assign(ratio=history["compute_s"] / history.groupby("step")["compute_s"].transform("median"))
     if kind == "widespread":
         return _widespread(run_id, history[history["step"] >= m.steps[last + 1 - w]], s)
-    onset = _onset(m, first, _verdict(m, first, s, placement)[1], s)
+    began = _verdict(m, first, s, placement)
+    assert began is not None  # as `last`
+    onset = _onset(m, first, began[1], s)
     recent = history[history["step"] >= m.steps[last + 1 - w]]
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
-        ends = recent["end_ts"] if "end_ts" in recent else None
+        ends = recent.get("end_ts")
         samples = devices(None, None) if ends is None else devices(int(ends.min()), int(ends.max()))
         finding.evidence.update(_device_evidence(samples, finding.ranks))
         if found := hardware.causes(samples, finding.ranks):  # what the GPUs say of why
@@ -328,7 +332,7 @@ def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
     if devices is None or devices.empty:
         return {}
     mine = devices["rank"].isin(suspects)
-    evidence = {}
+    evidence: dict[str, dict[str, list[str] | float]] = {}
     for metric, group in devices.groupby("metric"):
         who = {"suspects": group.loc[mine[group.index], "value"], "peers": group.loc[~mine[group.index], "value"]}
         if metric == sc.CLOCK_EVENT_REASONS:
@@ -352,4 +356,4 @@ def _cost(steps: pd.DataFrame, lost: pd.Series) -> dict:
     return {"lost_s_per_step": float(lost.mean()),
             "lost_percent": float(100 * lost.sum() / step_time.sum()) if step_time.sum() else 0.0,
             "gpu_hours_lost": float(lost.sum() * world / 3600),
-            "steps": int(len(lost))}
+            "steps": len(lost)}

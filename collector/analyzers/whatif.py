@@ -29,6 +29,7 @@ claims a slowdown its own attribution cannot explain.
 """
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import pandas as pd
@@ -48,6 +49,15 @@ GROUP BY ALL
 FAMILIES = ("compute", "data", "comm")
 
 
+class Worker(TypedDict):
+    """One rank, and the run's slowdown were it alone at its real speed."""
+
+    rank: int
+    dp_rank: int | None
+    pp_stage: int | None
+    slowdown: float
+
+
 @dataclass
 class WhatIf:
     """The run's slowdown against its ideal, and what each worker, stage and op type explains."""
@@ -59,7 +69,7 @@ class WhatIf:
     ideal_step_s: float  # mean replayed step time, every op at its typical duration
     slowdown: float  # S: simulated / ideal
     idle_slowdown: float | None  # actual / simulated: launch delay and idle, kept out of S (None: nothing ran)
-    workers: list[dict] = field(default_factory=list)  # rank, dp_rank, pp_stage, slowdown (theirs alone real)
+    workers: list[Worker] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # pp_stage, slowdown
     op_types: dict[str, float] = field(default_factory=dict)  # op type -> slowdown (only that type real)
     pattern: str = "none"  # none | worker | stage | widespread | communication
@@ -82,7 +92,7 @@ def _op_type_times(frame: pd.DataFrame, parts: pd.DataFrame | None) -> dict[str,
     for family, total in (("compute", frame["compute_s"]), ("comm", frame["comm_wait_s"])):
         total = total.to_numpy(float)
         kinds = [c for c in split.columns if _family(c) == family] if split is not None else []
-        shares = split[kinds].to_numpy() if kinds else np.zeros((len(frame), 0))
+        shares = split[kinds].to_numpy() if split is not None and kinds else np.zeros((len(frame), 0))
         whole = shares.sum(axis=1)
         unsplit = whole <= 0
         for i, kind in enumerate(kinds):
@@ -131,7 +141,7 @@ def analyze(steps: pd.DataFrame, placement: pd.DataFrame | None = None, parts: p
     simulated = replay(everyone, every_type)
     place = _placement(ranks, placement)
     local_types = [t for t in every_type if t not in transfer]
-    workers = [{"rank": int(r), "dp_rank": _int(p["dp_rank"]), "pp_stage": _int(p["pp_stage"]),
+    workers: list[Worker] = [{"rank": int(r), "dp_rank": _int(p["dp_rank"]), "pp_stage": _int(p["pp_stage"]),
                 "slowdown": ratio(replay(ranks == r, local_types))}
                for r, p in zip(ranks, place.to_dict("records"))]
     workers.sort(key=lambda w: -w["slowdown"])

@@ -63,7 +63,7 @@ def store_run(db: Path, run_id: str, batches: Iterable[pa.Table],
                 ops += table.num_rows
             if not ops:
                 raise TraceError("the trace holds no ops")
-            steps = con.execute(_STEPS_FROM_OPS, [run_id]).fetchone()[0]
+            steps = con.execute(_STEPS_FROM_OPS, [run_id]).fetchall()[0][0]
             if step_columns is not None:
                 measured = step_columns()
                 con.register("measured", measured)

@@ -85,7 +85,7 @@ def load(path: Path) -> dict:
         raise TraceError(f"{path}: {e.strerror or e}") from None
     try:
         dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
-    except Exception as e:  # noqa: BLE001 (malformed bytes raise any of a dozen types; all mean: not a dump)
+    except Exception as e:
         raise TraceError(f"{path}: not a Flight Recorder dump: {(str(e) or type(e).__name__).splitlines()[0]}"
                          ) from None
     if isinstance(dump, dict) and "entries" not in dump and "pg_config" in dump:
@@ -123,8 +123,10 @@ def _world_size(groups: dict[str, dict]) -> int | None:
 
 def _nbytes(sizes: list | None, dtypes: list | None) -> int | None:
     """Bytes of one side's tensors (elements times dtype size, summed); None without tensors or a known dtype."""
+    if not sizes or dtypes is None:
+        return None
     try:
-        return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True)) if sizes else None
+        return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -136,7 +138,7 @@ def _op(entry: dict, groups: dict[str, dict]) -> tuple:
     pg = entry.get("process_group")  # (name, desc): a tuple in pickles, a list in JSON
     group, desc = (str(pg[0]), pg[1]) if isinstance(pg, (list, tuple)) and len(pg) == 2 else (
         str(entry["pg_id"]) if "pg_id" in entry else None, None)
-    known = groups.get(group, {})
+    known = groups.get(group, {}) if group is not None else {}
     p2p = bool(entry.get("is_p2p", name in _P2P))
     seq = entry.get("p2p_seq_id") if p2p else entry.get("collective_seq_id", entry.get("seq_id"))
     # JSON dumps write 0 for a time not (yet) seen, pickles None

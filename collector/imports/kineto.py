@@ -105,7 +105,7 @@ def _spans(path: Path, doc: dict) -> pd.DataFrame:
     base = doc.get("baseTimeNanoseconds")
     events = [e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and (
         e.get("cat") in _GPU_OPS or e.get("cat") in _LAUNCHES
-        or e.get("cat") in _STEP_CATS and str(e.get("name")).startswith("ProfilerStep#"))]
+        or (e.get("cat") in _STEP_CATS and str(e.get("name")).startswith("ProfilerStep#")))]
     spans = pd.DataFrame({
         "name": pd.Series([str(e.get("name")) for e in events], dtype=object),
         "cat": pd.Series([e["cat"] for e in events], dtype=object),

@@ -39,8 +39,11 @@ def _collector_pid(holder: int) -> int:
     """The process to stop: DuckDB names the collector's writer process, a child the user never
     started; its parent, where that is a `collector` command line, is the collector itself."""
     try:
-        parent = int(re.search(r"PPid:\s*(\d+)", Path(f"/proc/{holder}/status").read_text())[1])
+        found = re.search(r"PPid:\s*(\d+)", Path(f"/proc/{holder}/status").read_text())
+        if found is None:  # not the status file Linux writes
+            return holder
+        parent = int(found[1])
         arguments = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-    except (OSError, TypeError):  # no /proc (not Linux), or the process is gone
+    except OSError:  # no /proc (not Linux), or the process is gone
         return holder
     return parent if b"collector" in arguments else holder

@@ -230,13 +230,13 @@ class _Writer:
                 if not all(keep):  # a retried request: its rows are left out
                     table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
                 tables[name].append(table)
-        rows = 0
+        appended = 0
         try:
             self._con.begin()
             for table in TELEMETRY_TABLES:
                 if tables[table]:
                     batch = pa.concat_tables(tables[table], promote_options="default")
-                    rows += batch.num_rows
+                    appended += batch.num_rows
                     if batch.num_rows:
                         self._append(table, batch)
             ranks = self._changed_placements(r for _, d in group for r in d.ranks)
@@ -262,7 +262,7 @@ class _Writer:
         self._forget_old_digests(now)
         written = {request_id for request_id, _, _ in fresh.values()}
         acknowledged = [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored]
-        return Committed(acknowledged, time.perf_counter() - started, rows)
+        return Committed(acknowledged, time.perf_counter() - started, appended)
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
