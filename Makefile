@@ -18,8 +18,11 @@ $(BIN)/rankwatch: pyproject.toml
 demo: $(BIN)/rankwatch
 	$(BIN)/rankwatch demo
 
+# Most tests wait on processes (collectors, torchrun, the browser): three workers keep two cores busy,
+# a module's tests on one worker (tests/conftest.py); the tests that bound a latency run alone after them.
 test: $(BIN)/rankwatch test-tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 3 --dist loadgroup -m "not latency_bounds"
+	$(BIN)/python -m pytest -m latency_bounds
 
 # System packages some tests use (they skip without them): Debian's prometheus brings promtool
 # and the server that tests/test_prometheus.py scrapes the collector with; chromium and its
