@@ -68,8 +68,9 @@ def _cell(value) -> str:
     return "" if value is None else str(_plain(value))
 
 
-def write(columns: list[str], rows: Sequence[Sequence], fmt: str, out: TextIO = sys.stdout) -> None:
-    """Print a result in one of FORMATS; a table abbreviates long lists (_cell)."""
+def write(columns: list[str], rows: Sequence[Sequence], fmt: str, out: TextIO | None = None) -> None:
+    """Print a result in one of FORMATS (to stdout as it is when called); a table abbreviates long lists (_cell)."""
+    out = out or sys.stdout
     if fmt == "csv":
         writer = csv.writer(out)
         writer.writerow(columns)

@@ -1,6 +1,8 @@
 """Shared fixtures: real collectors started as subprocesses on loopback."""
 
 import contextlib
+import gc
+import io
 import os
 import signal
 import socket
@@ -115,6 +117,32 @@ def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) 
     """Run the installed console script, as a user would."""
     return subprocess.run([sys.executable, "-m", "rankwatch", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
+
+
+def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The same command line run by `rankwatch`'s main in this process, its exit status, stdout and stderr
+    as `rankwatch_cli` reports them: for commands that read or import a store, or answer a collector's
+    API, where a fresh interpreter proves nothing more and costs seconds of imports. Commands that start
+    processes, serve, or export through the agent keep `rankwatch_cli`."""
+    from rankwatch.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as e:  # as the interpreter ends on it: a message goes to stderr, status 1
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, int | None):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        gc.collect()  # a store the command left open is closed, as its process's exit would close it
+    return subprocess.CompletedProcess(["rankwatch", *args], code, out.getvalue(), err.getvalue())
 
 
 class Interactive:

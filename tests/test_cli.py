@@ -21,7 +21,7 @@ from datetime import datetime
 
 import httpx
 import pytest
-from conftest import Collector, free_port, rankwatch_cli
+from conftest import Collector, free_port, rankwatch_cli, rankwatch_in_process
 from otlp_payloads import T0, post, query, step_spans, trace_body
 
 from collector.auth import load_or_create_token
@@ -66,7 +66,7 @@ def test_query_csv(store):
 
 
 def test_query_json(store):
-    r = rankwatch_cli("query", SQL, "--db", str(store), "--format", "json")
+    r = rankwatch_in_process("query", SQL, "--db", str(store), "--format", "json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [dict(zip(("rank", "step", "loss", "duration_s"), row)) for row in EXPECTED]
 
@@ -74,7 +74,7 @@ def test_query_json(store):
 def test_query_json_blobs_and_timestamps(store):
     span_ids = [bytes(s).hex() for (s,) in query(store, "SELECT span_id FROM steps WHERE rank = 0 ORDER BY step")]
     assert len(span_ids) == 3 and all(len(s) == 16 for s in span_ids)
-    r = rankwatch_cli("query", "SELECT step, start_ts, span_id FROM steps WHERE rank = 0 ORDER BY step",
+    r = rankwatch_in_process("query", "SELECT step, start_ts, span_id FROM steps WHERE rank = 0 ORDER BY step",
                       "--db", str(store), "--format", "json")
     assert r.returncode == 0, r.stderr
     assert T0 == 1_700_000_000 * 10**9  # 2023-11-14T22:13:20Z; step n starts n x 0.1 s later
@@ -85,7 +85,7 @@ def test_query_json_blobs_and_timestamps(store):
 
 
 def test_query_table(store):
-    r = rankwatch_cli("query", SQL, "--db", str(store))
+    r = rankwatch_in_process("query", SQL, "--db", str(store))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     header = [c.strip() for c in lines[1].strip("┃").split("┃")]
@@ -96,36 +96,36 @@ def test_query_table(store):
 
 def test_query_runs_and_ranks_timestamps(store):
     """`runs` and `ranks` hold TIMESTAMPTZ columns; a post-mortem must be able to read them."""
-    r = rankwatch_cli("query", "SELECT * FROM runs", "--db", str(store), "--format", "json")
+    r = rankwatch_in_process("query", "SELECT * FROM runs", "--db", str(store), "--format", "json")
     assert r.returncode == 0, r.stderr
     (run,) = json.loads(r.stdout)
     assert (run["run_id"], run["world_size"]) == (RUN, None)
     assert datetime.fromisoformat(run["first_seen"]).tzinfo is not None
-    r = rankwatch_cli("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store),
-                      "--format", "csv")
+    r = rankwatch_in_process("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store),
+                             "--format", "csv")
     assert r.returncode == 0, r.stderr
     assert [row[0] for row in csv.reader(io.StringIO(r.stdout))] == ["rank", "0", "1"]
 
 
 def test_bad_sql_one_line_exit_2(store):
-    assert_one_line_error(rankwatch_cli("query", "SELECT nope FRM steps", "--db", str(store)), "syntax error")
+    assert_one_line_error(rankwatch_in_process("query", "SELECT nope FRM steps", "--db", str(store)), "syntax error")
 
 
 def test_query_while_collector_holds_store(collector):
-    assert_one_line_error(rankwatch_cli("query", "SELECT 1", "--db", str(collector.db)), "running collector",
+    assert_one_line_error(rankwatch_in_process("query", "SELECT 1", "--db", str(collector.db)), "running collector",
                           str(collector.db))
     assert httpx.get(f"{collector.url}/healthz").status_code == 200  # the collector is unaffected
 
 
 def test_missing_store_one_line_exit_2(tmp_path):
     missing = tmp_path / "nowhere" / "rankwatch.duckdb"
-    assert_one_line_error(rankwatch_cli("query", "SELECT 1", "--db", str(missing)), "no store", str(missing))
+    assert_one_line_error(rankwatch_in_process("query", "SELECT 1", "--db", str(missing)), "no store", str(missing))
     assert not missing.parent.exists()  # a query never creates a store
 
 
 def test_no_arguments_exit_2():
     assert_one_line_error(rankwatch_cli(), "required")
-    assert_one_line_error(rankwatch_cli("query"), "required")
+    assert_one_line_error(rankwatch_in_process("query"), "required")
 
 
 def _start_without_token(db, port) -> subprocess.Popen:
@@ -200,7 +200,7 @@ def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, 
 
 @pytest.mark.parametrize("kinds", ["foo", "", "nan,grads"])
 def test_collector_refuses_unknown_rollback_kinds_in_one_line(kinds):
-    result = rankwatch_cli("collector", "--rollback-on", kinds)
+    result = rankwatch_in_process("collector", "--rollback-on", kinds)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"rankwatch collector: error: argument --rollback-on: {kinds!r}: a "
                                      "comma-separated list of nan, loss and grad")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from collector.engine import Engine
 from collector.store.schema import DDL
-from tests.conftest import rankwatch_cli, simulated_store, wait_until
+from tests.conftest import rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
 from tests.otlp_payloads import query
 
@@ -140,7 +140,7 @@ def test_live_and_after_the_fact_find_the_same(equal_stores, run):
     db = equal_stores[run]
     live = query(db, "SELECT analyzer, kind, ranks, step_start FROM findings WHERE run_id = ? AND severity <> 'info' "
                      "ORDER BY step_start", [run])
-    result = rankwatch_cli("analyze", run, "--db", str(db), "--json", "--hang-after", "3")
+    result = rankwatch_in_process("analyze", run, "--db", str(db), "--json", "--hang-after", "3")
     assert result.returncode == 0, result.stderr
     after = [(f["analyzer"], f["kind"], f["ranks"], f["step_start"]) for f in json.loads(result.stdout)["findings"]
              if f["severity"] != "info"]
@@ -200,7 +200,7 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
                     AND severity <> 'info'"""
     ((kind, ranks, start),) = query(collector.db, stragglers, ["pair-slow"])
     assert (kind, list(ranks)) == ("rank", [1]) and abs(start - 30) <= WINDOW
-    report = rankwatch_cli("analyze", "alone", "--db", str(collector.db))
+    report = rankwatch_in_process("analyze", "alone", "--db", str(collector.db))
     assert report.returncode == 0, report.stderr
     assert "not judged" in report.stdout and "no peers" in report.stdout.replace("\n", " ")
 

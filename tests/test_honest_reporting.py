@@ -2,7 +2,7 @@
 simulate name the run and its dashboard link before they start; checkpoints go beside the store;
 a held store names the collector to stop, not its writer process."""
 
-from tests.conftest import free_port, rankwatch_cli
+from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process
 
 
 def test_simulate_to_an_unreachable_collector_fails(tmp_path):
@@ -43,6 +43,6 @@ def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(
 
 
 def test_a_held_store_names_the_collector_to_stop(collector):
-    result = rankwatch_cli("analyze", "r", "--db", str(collector.db))
+    result = rankwatch_in_process("analyze", "r", "--db", str(collector.db))
     assert result.returncode == 2
     assert f"held open by a running collector (pid {collector.process.pid}); stop it first" in result.stderr

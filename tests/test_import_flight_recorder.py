@@ -23,7 +23,7 @@ import pytest
 
 from collector.imports import TraceError
 from collector.imports.flight_recorder import load
-from tests.conftest import rankwatch_cli
+from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import query
 
 T0 = 1_724_779_239_000_000_000
@@ -96,13 +96,13 @@ def json_dump(dump: dict) -> dict:
 
 
 def import_run(directory, db, run: str):
-    result = rankwatch_cli("import", "flight-recorder", str(directory), "--run", run, "--db", str(db))
+    result = rankwatch_in_process("import", "flight-recorder", str(directory), "--run", run, "--db", str(db))
     assert result.returncode == 0, result.stderr
     return result
 
 
 def analyze(db, run: str) -> dict:
-    result = rankwatch_cli("analyze", run, "--db", str(db), "--json")
+    result = rankwatch_in_process("analyze", run, "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -157,10 +157,10 @@ def test_analyze_names_the_rank_that_never_entered(hung):
     assert (evidence["missing_ranks"], evidence["mismatched"], evidence["no_dump_ranks"]) == ([2], [], [])
     assert "rank 2 never entered it" in finding["summary"]
 
-    text = rankwatch_cli("analyze", "hung", "--db", str(db), env={"COLUMNS": "250"})
+    text = rankwatch_in_process("analyze", "hung", "--db", str(db), env={"COLUMNS": "250"})
     assert text.returncode == 0, text.stderr
     assert "no what-if analysis" in text.stdout and "never entered it" in text.stdout
-    heatmap = rankwatch_cli("analyze", "hung", "--db", str(db), "--heatmap", str(db.parent / "h.png"))
+    heatmap = rankwatch_in_process("analyze", "hung", "--db", str(db), "--heatmap", str(db.parent / "h.png"))
     assert heatmap.returncode == 2 and heatmap.stderr.count("\n") == 1 and "no steps" in heatmap.stderr
 
 
@@ -215,7 +215,7 @@ def test_bad_dump_fails_the_whole_import_in_one_line(tmp_path, bad):
                "os.system": pickle.dumps({"entries": [Exploit(marker)]}), "not a dict": pickle.dumps([1, 2, 3])}[bad]
     (directory / "nccl_trace_rank_3").write_bytes(content)  # read last, after ranks 0-2 were inserted
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "flight-recorder", str(directory), "--run", "bad", "--db", str(db))
+    result = rankwatch_in_process("import", "flight-recorder", str(directory), "--run", "bad", "--db", str(db))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "nccl_trace_rank_3: not a Flight Recorder dump" in result.stderr
     assert not marker.exists()

@@ -25,7 +25,7 @@ import pytest
 
 from collector.imports import TraceError, store_run
 from collector.imports.kineto import KinetoTrace
-from tests.conftest import rankwatch_cli
+from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import query
 
 DATA = Path(__file__).parent / "data" / "kineto"
@@ -44,7 +44,7 @@ def sampled(tmp_path_factory):
     (root / "traces").mkdir()
     for name in SAMPLED:
         shutil.copy(DATA / name, root / "traces" / name)
-    result = rankwatch_cli("import", "kineto", str(root / "traces"), "--run", "sam", "--db", str(root / "s.duckdb"))
+    result = rankwatch_in_process("import", "kineto", str(root / "traces"), "--run", "sam", "--db", str(root / "s.duckdb"))
     assert result.returncode == 0, result.stderr
     return root / "s.duckdb", result.stdout
 
@@ -56,7 +56,7 @@ def test_ranks_world_size_and_steps(sampled):
     assert query(db, "SELECT rank, pid FROM ranks WHERE run_id = 'sam' ORDER BY rank") == [(0, 4037), (1, 4045)]
     assert query(db, "SELECT rank, step FROM steps WHERE run_id = 'sam' ORDER BY rank, step") == [
         (0, 551), (0, 552), (1, 551), (1, 552)]
-    report = rankwatch_cli("analyze", "sam", "--db", str(db), "--json")
+    report = rankwatch_in_process("analyze", "sam", "--db", str(db), "--json")
     assert report.returncode == 0, report.stderr
     json.loads(report.stdout)
 
@@ -117,7 +117,7 @@ def test_step_times_are_those_of_the_kernels(sampled, rank):
 
 def test_collective_metadata_gives_bytes_and_bus_bandwidth(tmp_path):
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "kineto", str(DATA / "nccl_data.json.gz"), "--run", "nccl", "--db", str(db))
+    result = rankwatch_in_process("import", "kineto", str(DATA / "nccl_data.json.gz"), "--run", "nccl", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert query(db, "SELECT name, count(*) FROM ops WHERE kind = 'comm' GROUP BY name ORDER BY name") == [
         ("all_reduce", 15), ("broadcast", 6)]
@@ -188,7 +188,7 @@ def test_bad_rank_file_fails_the_whole_import(tmp_path, write, why):
     bad = traces / SAMPLED[1]  # read after rank 0's ops are in the transaction
     write(bad)
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "kineto", str(traces), "--run", "bad", "--db", str(db))
+    result = rankwatch_in_process("import", "kineto", str(traces), "--run", "bad", "--db", str(db))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and str(bad) in result.stderr and why in result.stderr, result.stderr
     assert query(db, "SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM ops), (SELECT count(*) FROM steps)"
@@ -227,7 +227,7 @@ def test_no_profiler_step_and_no_rank_are_assumed_with_a_notice(tmp_path):
     path.write_text(json.dumps({"traceEvents": [launch(5, 1), kernel("gemm", 10, 30, 1), launch(50, 2),
                                                 kernel("softmax", 60, 20, 2)]}))
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "kineto", str(path), "--run", "one", "--db", str(db))
+    result = rankwatch_in_process("import", "kineto", str(path), "--run", "one", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         f"rankwatch import: {path}: no rank in distributedInfo or in the file name (rank<N>): taken as rank 0",

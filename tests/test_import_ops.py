@@ -17,14 +17,14 @@ import pytest
 
 from collector.imports import TraceError, store_run
 from collector.imports.ops import OpTrace, infer_kind
-from tests.conftest import rankwatch_cli
+from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import query
 
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory):
     path = tmp_path_factory.mktemp("ops") / "sim.parquet"
-    result = rankwatch_cli("simulate", "--ranks", "32", "--pp", "2", "--steps", "60", "--out", str(path),
+    result = rankwatch_in_process("simulate", "--ranks", "32", "--pp", "2", "--steps", "60", "--out", str(path),
                            "--inject", "straggler:rank=19,slowdown=1.25,from=20")
     assert result.returncode == 0, result.stderr
     return path
@@ -32,7 +32,7 @@ def simulated(tmp_path_factory):
 
 def test_simulator_trace_round_trips_and_is_diagnosed(simulated, tmp_path):
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "ops", str(simulated), "--run", "imp", "--db", str(db))
+    result = rankwatch_in_process("import", "ops", str(simulated), "--run", "imp", "--db", str(db))
     assert result.returncode == 0, result.stderr
     trace = pd.read_parquet(simulated)
     assert query(db, "SELECT count(*), count(DISTINCT rank), count(DISTINCT step) FROM ops WHERE run_id = 'imp'") \
@@ -46,7 +46,7 @@ def test_simulator_trace_round_trips_and_is_diagnosed(simulated, tmp_path):
                      "ORDER BY rank") == [(0, 0, 0), (19, 1, 3)]
     assert query(db, "SELECT world_size FROM runs WHERE run_id = 'imp'") == [(32,)]
 
-    report = rankwatch_cli("analyze", "imp", "--db", str(db), "--json")
+    report = rankwatch_in_process("analyze", "imp", "--db", str(db), "--json")
     assert report.returncode == 0, report.stderr
     (finding,) = json.loads(report.stdout)["findings"]
     assert (finding["kind"], finding["ranks"]) == ("rank", [19])
@@ -74,7 +74,7 @@ def test_csv_without_kind(tmp_path):
                 t += duration
     pd.DataFrame(rows, columns=["rank", "step", "op", "start", "duration"]).to_csv(path, index=False)
     db = tmp_path / "s.duckdb"
-    result = rankwatch_cli("import", "ops", str(path), "--run", "mega", "--db", str(db))
+    result = rankwatch_in_process("import", "ops", str(path), "--run", "mega", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert query(db, "SELECT DISTINCT name, kind FROM ops ORDER BY name") == [
         ("backward-compute", "compute"), ("batch-generator", "data"), ("forward-compute", "compute"),
@@ -94,7 +94,7 @@ def test_csv_without_kind(tmp_path):
 def test_malformed_file_is_a_one_line_error(tmp_path, content, why):
     path = tmp_path / "bad.csv"
     path.write_text(content)
-    result = rankwatch_cli("import", "ops", str(path), "--run", "bad", "--db", str(tmp_path / "s.duckdb"))
+    result = rankwatch_in_process("import", "ops", str(path), "--run", "bad", "--db", str(tmp_path / "s.duckdb"))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and str(path) in result.stderr and why in result.stderr, result.stderr
 
@@ -102,7 +102,7 @@ def test_malformed_file_is_a_one_line_error(tmp_path, content, why):
 def test_unknown_format_is_a_one_line_error(tmp_path):
     path = tmp_path / "trace.txt"
     path.write_text("x")
-    result = rankwatch_cli("import", "ops", str(path), "--run", "r", "--db", str(tmp_path / "s.duckdb"))
+    result = rankwatch_in_process("import", "ops", str(path), "--run", "r", "--db", str(tmp_path / "s.duckdb"))
     assert result.returncode == 2 and ".parquet or .csv" in result.stderr
 
 
@@ -122,7 +122,7 @@ def test_failure_half_way_leaves_nothing(tmp_path):
 
 def test_run_already_in_the_store_is_refused(simulated, tmp_path):
     db = tmp_path / "s.duckdb"
-    assert rankwatch_cli("import", "ops", str(simulated), "--run", "twice", "--db", str(db)).returncode == 0
-    again = rankwatch_cli("import", "ops", str(simulated), "--run", "twice", "--db", str(db))
+    assert rankwatch_in_process("import", "ops", str(simulated), "--run", "twice", "--db", str(db)).returncode == 0
+    again = rankwatch_in_process("import", "ops", str(simulated), "--run", "twice", "--db", str(db))
     assert again.returncode == 2 and "already in" in again.stderr
     assert query(db, "SELECT count(DISTINCT rank) FROM ranks") == [(32,)]

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import rankwatch_cli, simulated_store
+from tests.conftest import rankwatch_in_process, simulated_store
 
 RUNS = {
     "pm-clean": [],
@@ -26,7 +26,7 @@ def store(tmp_path_factory):
 
 
 def analyze(db, run):
-    result = rankwatch_cli("analyze", run, "--db", str(db), "--json")
+    result = rankwatch_in_process("analyze", run, "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["run"] == run
@@ -54,23 +54,23 @@ def test_persistent_straggler_lasts_to_the_last_step(store):
 
 
 def test_table_output_names_the_rank(store):
-    result = rankwatch_cli("analyze", "pm-persistent", "--db", str(store))
+    result = rankwatch_in_process("analyze", "pm-persistent", "--db", str(store))
     assert result.returncode == 0, result.stderr
     assert "1 finding" in result.stdout and "rank 11" in result.stdout
 
 
 def test_unknown_run_is_a_one_line_error(store):
-    result = rankwatch_cli("analyze", "no-such-run", "--db", str(store))
+    result = rankwatch_in_process("analyze", "no-such-run", "--db", str(store))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "no steps for run 'no-such-run'" in result.stderr
     assert "pm-clean" in result.stderr  # the runs it does have
 
 
 def test_missing_store_is_a_one_line_error(tmp_path):
-    result = rankwatch_cli("analyze", "r", "--db", str(tmp_path / "none.duckdb"))
+    result = rankwatch_in_process("analyze", "r", "--db", str(tmp_path / "none.duckdb"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no store at" in result.stderr
 
 
 def test_store_held_by_a_collector_is_a_one_line_error(collector):
-    result = rankwatch_cli("analyze", "r", "--db", str(collector.db))
+    result = rankwatch_in_process("analyze", "r", "--db", str(collector.db))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "running collector" in result.stderr

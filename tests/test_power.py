@@ -21,7 +21,7 @@ from agent.gpumodel import THERMAL, GpuModel, operating_points
 from agent.simdevice import SimulatedDevice
 from collector import queryapi
 from collector.analyzers import power
-from tests.conftest import free_port, rankwatch_cli, simulated_store, wait_until
+from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
 from trainer import simulate
@@ -219,7 +219,7 @@ def store(tmp_path_factory):
 
 
 def recommend(db, run: str, *args: str) -> dict:
-    result = rankwatch_cli("power", "recommend", run, "--db", str(db), "--json", *args)
+    result = rankwatch_in_process("power", "recommend", run, "--db", str(db), "--json", *args)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -246,7 +246,7 @@ def test_recommend_json(store, tmp_path):
     # the document drives the simulator's caps directly
     caps = tmp_path / "caps.json"
     caps.write_text(json.dumps(report))
-    result = rankwatch_cli("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
+    result = rankwatch_in_process("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
                            "--power-caps", str(caps))
     assert result.returncode == 0, result.stderr
 
@@ -263,7 +263,7 @@ def test_recommend_picks_from_a_sweep(store):
 
 
 def test_recommend_table(store):
-    result = rankwatch_cli("power", "recommend", "pw-straggler", "--db", str(store))
+    result = rankwatch_in_process("power", "recommend", "pw-straggler", "--db", str(store))
     assert result.returncode == 0, result.stderr
     assert "time/energy trade-off" in result.stdout and "per-rank caps: 15 of 16 ranks" in result.stdout
     assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in " ".join(result.stdout.split())
@@ -275,17 +275,17 @@ def test_recommend_table(store):
     (["pw-straggler", "--facility-watts", "0"], "--facility-watts: must be more than 0"),
     (["no-such-run"], "no steps for run 'no-such-run'")])
 def test_recommend_errors_are_one_line(store, args, message):
-    result = rankwatch_cli("power", "recommend", *args, "--db", str(store))
+    result = rankwatch_in_process("power", "recommend", *args, "--db", str(store))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
 
 
 def test_recommend_without_a_store_and_bad_caps_files(tmp_path):
-    result = rankwatch_cli("power", "recommend", "r", "--db", str(tmp_path / "none.duckdb"))
+    result = rankwatch_in_process("power", "recommend", "r", "--db", str(tmp_path / "none.duckdb"))
     assert result.returncode == 2 and "no store at" in result.stderr
     caps = tmp_path / "caps.json"
     for text, message in (("{", "--power-caps"), ('{"99": 300}', "ranks are 0..15")):
         caps.write_text(text)
-        result = rankwatch_cli("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
+        result = rankwatch_in_process("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
                                "--power-caps", str(caps))
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
 
@@ -296,7 +296,7 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     env = {"RANKWATCH_TOKEN": collector.token}
 
     def apply(*args: str, run: str = "pw-live"):
-        return rankwatch_cli("power", "apply", run, *args, "--collector", collector.url, env=env)
+        return rankwatch_in_process("power", "apply", run, *args, "--collector", collector.url, env=env)
 
     sent = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url,
                          env=env)
@@ -395,6 +395,6 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
 
 
 def test_the_collector_refuses_a_negative_power_period():
-    result = rankwatch_cli("collector", "--power-every", "-1")
+    result = rankwatch_in_process("collector", "--power-every", "-1")
     assert (result.returncode, result.stderr.strip()) == (2, ("rankwatch collector: error: argument --power-every: "
                                                              "must be 0 or more, got -1"))

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from collector import readonly
-from tests.conftest import rankwatch_cli
+from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import post, query, step_spans, trace_body, with_rank
 
 RUN, RANKS, STEPS = "run-query", 4, 20
@@ -162,14 +162,14 @@ def test_ingest_goes_on_during_a_slow_query(api):
 def test_cli_queries_through_the_collector(api):
     collector = api.collector
     env = {"RANKWATCH_TOKEN": collector.token}
-    result = rankwatch_cli("query", f"SELECT count(*) AS n FROM steps WHERE run_id = '{RUN}'",
+    result = rankwatch_in_process("query", f"SELECT count(*) AS n FROM steps WHERE run_id = '{RUN}'",
                            "--collector", collector.url, "--format", "csv", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["n", str(RANKS * STEPS)]
-    refused = rankwatch_cli("query", "DELETE FROM steps", "--collector", collector.url, env=env)
+    refused = rankwatch_in_process("query", "DELETE FROM steps", "--collector", collector.url, env=env)
     assert refused.returncode == 2
     assert refused.stderr.strip() == "rankwatch: error: only SELECT is allowed, not DELETE"
-    denied = rankwatch_cli("query", "SELECT 1", "--collector", collector.url, env={"RANKWATCH_TOKEN": "wrong"})
+    denied = rankwatch_in_process("query", "SELECT 1", "--collector", collector.url, env={"RANKWATCH_TOKEN": "wrong"})
     assert denied.returncode == 2 and "missing or wrong bearer token" in denied.stderr
 
 

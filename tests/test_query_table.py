@@ -5,7 +5,7 @@ JSON keep every item."""
 import json
 
 import duckdb
-from conftest import rankwatch_cli
+from conftest import rankwatch_in_process
 
 SQL = "SELECT 'hang' AS kind, range(512) AS ranks, [r * 3 % 7 FOR r IN range(40)] AS values"
 
@@ -13,10 +13,10 @@ SQL = "SELECT 'hang' AS kind, range(512) AS ranks, [r * 3 % 7 FOR r IN range(40)
 def test_a_table_abbreviates_long_lists_and_other_formats_keep_them(tmp_path):
     db = tmp_path / "rankwatch.duckdb"
     duckdb.connect(str(db)).close()
-    table = rankwatch_cli("query", SQL, "--db", str(db))
+    table = rankwatch_in_process("query", SQL, "--db", str(db))
     assert table.returncode == 0, table.stderr
     assert len(table.stdout.splitlines()) <= 6  # header, one row, borders: not a 512-line column
     assert "[0–511] (512)" in table.stdout
     assert "[0, 3, 6, 2, 5, 1, 4, 0, … 32 more]" in table.stdout
-    full = rankwatch_cli("query", SQL, "--db", str(db), "--format", "json")
+    full = rankwatch_in_process("query", SQL, "--db", str(db), "--format", "json")
     assert json.loads(full.stdout)[0]["ranks"] == list(range(512))

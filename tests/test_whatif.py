@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from collector.analyzers import whatif
-from tests.conftest import rankwatch_cli
+from tests.conftest import rankwatch_in_process
 from tests.op_traces import synchronous
 from trainer import simulate
 from trainer.faults import parse
@@ -59,10 +59,10 @@ def test_slow_communication_is_the_cause():
 
 def test_cli_json_report_and_heatmap(tmp_path):
     trace, db, png = tmp_path / "sim.parquet", tmp_path / "s.duckdb", tmp_path / "heat.png"
-    assert rankwatch_cli("simulate", "--ranks", "64", "--pp", "4", "--steps", "40", "--out", str(trace),
+    assert rankwatch_in_process("simulate", "--ranks", "64", "--pp", "4", "--steps", "40", "--out", str(trace),
                          "--inject", "straggler:rank=37,slowdown=1.2").returncode == 0
-    assert rankwatch_cli("import", "ops", str(trace), "--run", "wi", "--db", str(db)).returncode == 0
-    result = rankwatch_cli("analyze", "wi", "--db", str(db), "--json", "--heatmap", str(png))
+    assert rankwatch_in_process("import", "ops", str(trace), "--run", "wi", "--db", str(db)).returncode == 0
+    result = rankwatch_in_process("analyze", "wi", "--db", str(db), "--json", "--heatmap", str(png))
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert {"run", "steps", "ranks", "slowdown", "workers", "stages", "op_types", "pattern", "findings"} <= set(doc)
@@ -77,9 +77,9 @@ def analyze_trace(trace: pd.DataFrame, tmp_path) -> dict:
     """`rankwatch import ops` then `rankwatch analyze --json` of an op trace; the JSON report."""
     path, db = tmp_path / "trace.csv", tmp_path / "s.duckdb"
     trace.to_csv(path, index=False)
-    imported = rankwatch_cli("import", "ops", str(path), "--run", "t", "--db", str(db))
+    imported = rankwatch_in_process("import", "ops", str(path), "--run", "t", "--db", str(db))
     assert imported.returncode == 0, imported.stderr
-    result = rankwatch_cli("analyze", "t", "--db", str(db), "--json")
+    result = rankwatch_in_process("analyze", "t", "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
