@@ -41,9 +41,15 @@ _commands: Commands | None = None  # made on the first command() call
 _control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
-def init(run_id: str | None = None, collector: str | None = None, token: str | None = None,
-         rank: int | None = None, world_size: int | None = None, cuda: bool | None = None,
-         resource: dict | None = None) -> Session:
+def init(
+    run_id: str | None = None,
+    collector: str | None = None,
+    token: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    cuda: bool | None = None,
+    resource: dict | None = None,
+) -> Session:
     """Start this rank's session. Everything defaults from the environment: RANK and
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
@@ -67,8 +73,11 @@ def init(run_id: str | None = None, collector: str | None = None, token: str | N
         run_id=config.run_id(run_id),
         rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
         world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
-        collector=_control[0], token=_control[1],
-        resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **(resource or {})}, timer=timer)
+        collector=_control[0],
+        token=_control[1],
+        resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **(resource or {})},
+        timer=timer,
+    )
     atexit.register(shutdown)
     return _session
 

@@ -57,13 +57,17 @@ class ApiClient:
             raise ApiError(_reason(e), e.code) from None
         except (OSError, ValueError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
             cause = e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException) else e
-            raise ApiError(f"cannot reach the collector at {self.url}: {type(cause).__name__}: {cause}",
-                           kind=type(cause).__name__) from None
+            raise ApiError(
+                f"cannot reach the collector at {self.url}: {type(cause).__name__}: {cause}", kind=type(cause).__name__
+            ) from None
         try:
             return json.loads(body)
         except ValueError:
-            raise ApiError(f"the collector at {self.url} answered {method} {path.partition('?')[0]} with "
-                           f"something other than JSON: {body[:80]!r}", kind="not JSON") from None
+            raise ApiError(
+                f"the collector at {self.url} answered {method} {path.partition('?')[0]} with "
+                f"something other than JSON: {body[:80]!r}",
+                kind="not JSON",
+            ) from None
 
 
 def _reason(error: urllib.error.HTTPError) -> str:

@@ -49,6 +49,7 @@ def comm_hook(session: Session, inner=None):
         tensor = bucket.buffer()
         c = session.collective("all_reduce", name, size, _nbytes(tensor), BUCKET)
         if inner is not None:
+
             def done(fut):
                 c.end = mark()
                 return fut.value()
@@ -79,8 +80,11 @@ _SIZES = {
     "all_to_all_single": lambda n, output, input, *a, **k: _nbytes(input),
     "barrier": lambda n, *a, **k: 0,
 }
-_OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-        "all_to_all_single": "all_to_all"}
+_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
 
 
 def trace_collectives(session: Session) -> None:
@@ -100,8 +104,9 @@ def _traced(session: Session, dist, name: str, original, size_of):
         group = kwargs.get("group")
         group_name, size = _group(dist, group)
         launched = kwargs.get("async_op")
-        c = session.collective(_OPS.get(name, name), group_name, size, size_of(size, *args, **kwargs),
-                               ASYNC if launched else SYNC)
+        c = session.collective(
+            _OPS.get(name, name), group_name, size, size_of(size, *args, **kwargs), ASYNC if launched else SYNC
+        )
         work = original(*args, **kwargs)
         if launched and work is not None:
             work.get_future().then(lambda fut: setattr(c, "end", session.timer.mark()))

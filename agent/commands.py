@@ -30,7 +30,7 @@ log = logging.getLogger("rankwatch.agent")
 # waits at most this long for its look, and a fast job pays one small broadcast per LOOK_S.
 LOOK_S = 0.25
 MAX_STEPS_APART = 10_000  # steps between looks at most, however short the steps measured
-# Seconds the collector holds a poll while it has no command (its bound: collector/control.py MAX_WAIT_S).
+# Seconds the collector holds a poll while it has no command (its bound: collector/control/api.py MAX_WAIT_S).
 WAIT_S = 20.0
 
 
@@ -64,8 +64,16 @@ class Looks:
 class Commands:
     """This rank's view of the commands for its run."""
 
-    def __init__(self, collector: str, token: str | None, run_id: str, rank: int, poll_s: float = 2.0,
-                 look_s: float = LOOK_S, wait_s: float = WAIT_S):
+    def __init__(
+        self,
+        collector: str,
+        token: str | None,
+        run_id: str,
+        rank: int,
+        poll_s: float = 2.0,
+        look_s: float = LOOK_S,
+        wait_s: float = WAIT_S,
+    ):
         """`poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
         most training between two looks (each look is a broadcast over the job's ranks); `wait_s`: how
         long the collector may hold a poll."""
@@ -77,8 +85,7 @@ class Commands:
         self._stop = threading.Event()
         self._group: Any = None  # torch.distributed's gloo group, made on first use
         if rank == 0:
-            threading.Thread(target=self._poll, args=(poll_s, wait_s), name="rankwatch-commands",
-                             daemon=True).start()
+            threading.Thread(target=self._poll, args=(poll_s, wait_s), name="rankwatch-commands", daemon=True).start()
 
     def at_step(self, step: int) -> dict | None:
         """The command every rank applies at this step boundary, the same on all ranks; None
@@ -96,13 +103,17 @@ class Commands:
         command, self._until_look = self._shared((command, gap))
         return command
 
-    def report(self, command: dict, state: str, apply_step: int | None = None,
-               result: dict | None = None) -> dict | None:
+    def report(
+        self, command: dict, state: str, apply_step: int | None = None, result: dict | None = None
+    ) -> dict | None:
         """Tell the collector how a command went (rank 0 speaks for the job); the updated command."""
         if self._rank != 0:
             return None
-        body = {"state": state, **({"apply_step": apply_step} if apply_step is not None else {}),
-                **({"result": result} if result is not None else {})}
+        body = {
+            "state": state,
+            **({"apply_step": apply_step} if apply_step is not None else {}),
+            **({"result": result} if result is not None else {}),
+        }
         try:
             return self._api.post(f"/v1/commands/{command['id']}", body)
         except ApiError as e:
@@ -142,8 +153,13 @@ class Commands:
             except ApiError as e:  # the command waits there until a poll gets it
                 if e.kind not in logged:
                     logged.add(e.kind)
-                    log.warning("rankwatch: polling %s for commands failed (%s); retrying every %g s, "
-                                "not logging this failure again", self._api.url, _detail(e), every_s)
+                    log.warning(
+                        "rankwatch: polling %s for commands failed (%s); retrying every %g s, "
+                        "not logging this failure again",
+                        self._api.url,
+                        _detail(e),
+                        every_s,
+                    )
                 continue
             with self._lock:
                 for command in pending:

@@ -25,5 +25,9 @@ def token(explicit: str | None = None) -> str | None:
 def run_id(explicit: str | None = None) -> str:
     """Given, $RANKWATCH_RUN_ID, torchrun's rendezvous id, or one made from the time."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    return (explicit or os.environ.get("RANKWATCH_RUN_ID") or (elastic if elastic not in (None, "", "none") else None)
-            or time.strftime("run-%Y%m%d-%H%M%S"))
+    return (
+        explicit
+        or os.environ.get("RANKWATCH_RUN_ID")
+        or (elastic if elastic not in (None, "", "none") else None)
+        or time.strftime("run-%Y%m%d-%H%M%S")
+    )

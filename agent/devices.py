@@ -46,8 +46,14 @@ class Device(ABC):
         low, high = self.power_limit_constraints()
         applied = min(max(watts, low), high)
         if applied != watts:
-            log.info("rankwatch: GPU %d power cap %.0f W clamped to %.0f W (the GPU accepts %.0f-%.0f W)",
-                     self.index, watts, applied, low, high)
+            log.info(
+                "rankwatch: GPU %d power cap %.0f W clamped to %.0f W (the GPU accepts %.0f-%.0f W)",
+                self.index,
+                watts,
+                applied,
+                low,
+                high,
+            )
         before = self.power_limit() if self._restore_w is None else None
         self._set_power_limit(applied)
         if before is not None:

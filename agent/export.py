@@ -135,7 +135,7 @@ def _any_value(value: object) -> bytes:
     """An AnyValue; a value of another type than str, bool, int (int64) or float goes as its str()."""
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
-    if isinstance(value, int) and -2**63 <= value < 2**63:
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
         return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
     if isinstance(value, float):
         return b"\x21" + struct.pack("<d", value)
@@ -152,11 +152,19 @@ _FLAGS = b"\x85\x01" + struct.pack("<I", 0x101)  # sampled; is_remote known (fal
 
 
 def _span(span: Span) -> bytes:
-    return b"".join((_field(1, span.trace_id.to_bytes(16, "big")), _field(2, span.span_id.to_bytes(8, "big")),
-                     _field(4, span.parent_id.to_bytes(8, "big")) if span.parent_id else b"",
-                     _field(5, span.name.encode()), _KIND_INTERNAL,
-                     b"\x39" + struct.pack("<Q", span.start_ns), b"\x41" + struct.pack("<Q", span.end_ns),
-                     _key_values(9, span.attributes), _FLAGS))
+    return b"".join(
+        (
+            _field(1, span.trace_id.to_bytes(16, "big")),
+            _field(2, span.span_id.to_bytes(8, "big")),
+            _field(4, span.parent_id.to_bytes(8, "big")) if span.parent_id else b"",
+            _field(5, span.name.encode()),
+            _KIND_INTERNAL,
+            b"\x39" + struct.pack("<Q", span.start_ns),
+            b"\x41" + struct.pack("<Q", span.end_ns),
+            _key_values(9, span.attributes),
+            _FLAGS,
+        )
+    )
 
 
 def encode_spans(spans: Sequence[Span]) -> bytes:
@@ -165,9 +173,10 @@ def encode_spans(spans: Sequence[Span]) -> bytes:
     for span in spans:
         by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(_field(2, _span(span)))
     scope_field = _field(1, _field(1, SCOPE.encode()))
-    return b"".join(_field(1, _field(1, _key_values(1, resource.attributes))
-                           + _field(2, scope_field + b"".join(encoded)))
-                    for resource, encoded in by_resource.values())
+    return b"".join(
+        _field(1, _field(1, _key_values(1, resource.attributes)) + _field(2, scope_field + b"".join(encoded)))
+        for resource, encoded in by_resource.values()
+    )
 
 
 class SpanExporter:
@@ -198,8 +207,7 @@ def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
     known in microseconds, where the SDK's exporter would retry it for seconds."""
     url = urlsplit(endpoint)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout_s).close()
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
         return True
     except OSError:
         return False
@@ -211,8 +219,7 @@ class Backlog:
     is away it is tried at most every `retry_s`, and only once it accepts connections again,
     so neither exports nor the end of a job wait out the SDK's retries."""
 
-    def __init__(self, exporter, success, max_items: int, endpoint: str, on_first_failure=None,
-                 retry_s: float = 5.0):
+    def __init__(self, exporter, success, max_items: int, endpoint: str, on_first_failure=None, retry_s: float = 5.0):
         self._exporter = exporter
         self._endpoint = endpoint
         self._success = success
@@ -285,35 +292,61 @@ class Backlog:
 class Exporter:
     """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver)."""
 
-    def __init__(self, endpoint: str, token: str | None, resource: Attributes, timeout_s: float = 10.0,
-                 backlog_items: int = 100_000):
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None,
+        resource: Attributes,
+        timeout_s: float = 10.0,
+        backlog_items: int = 100_000,
+    ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = self._endpoint = endpoint.rstrip("/")
         self.resource = Resource.create(dict(resource))
-        self.spans_backlog = Backlog(SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
-                                     SpanExportResult.SUCCESS, backlog_items, endpoint,
-                                     on_first_failure=lambda: log.warning(
-                                         "rankwatch: collector at %s unreachable; training goes on, telemetry "
-                                         "waits (up to %d spans) and is sent when it is back", endpoint,
-                                         backlog_items))
-        self.logs_backlog = Backlog(OTLPLogExporter(endpoint=f"{endpoint}/v1/logs", headers=headers,
-                                                    timeout=timeout_s, compression=Compression.Gzip),
-                                    LogRecordExportResult.SUCCESS, backlog_items // 10, endpoint)
+        self.spans_backlog = Backlog(
+            SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
+            SpanExportResult.SUCCESS,
+            backlog_items,
+            endpoint,
+            on_first_failure=lambda: log.warning(
+                "rankwatch: collector at %s unreachable; training goes on, telemetry "
+                "waits (up to %d spans) and is sent when it is back",
+                endpoint,
+                backlog_items,
+            ),
+        )
+        self.logs_backlog = Backlog(
+            OTLPLogExporter(
+                endpoint=f"{endpoint}/v1/logs", headers=headers, timeout=timeout_s, compression=Compression.Gzip
+            ),
+            LogRecordExportResult.SUCCESS,
+            backlog_items // 10,
+            endpoint,
+        )
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
         # request stay far below the collector's 20 MiB and 100k entries a request
-        self._processor = BatchSpanProcessor(_Spans(self.spans_backlog),  # type: ignore[arg-type]  # takes Traces
-                                             max_queue_size=8192,
-                                             max_export_batch_size=256, schedule_delay_millis=SPANS_DELAY_MS)
+        self._processor = BatchSpanProcessor(
+            _Spans(self.spans_backlog),  # type: ignore[arg-type]  # takes Traces
+            max_queue_size=8192,
+            max_export_batch_size=256,
+            schedule_delay_millis=SPANS_DELAY_MS,
+        )
         self._scope = InstrumentationScope(SCOPE)
         self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)
         # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
-        self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(
-            self.logs_backlog,  # type: ignore[arg-type]  # a LogRecordExporter by duck typing (export, shutdown)
-            schedule_delay_millis=1000, max_queue_size=65536, max_export_batch_size=2048))
+        self._logger_provider.add_log_record_processor(
+            BatchLogRecordProcessor(
+                self.logs_backlog,  # type: ignore[arg-type]  # a LogRecordExporter by duck typing (export, shutdown)
+                schedule_delay_millis=1000,
+                max_queue_size=65536,
+                max_export_batch_size=2048,
+            )
+        )
         self._logger = self._logger_provider.get_logger(SCOPE)
-        self._metric_exporter = OTLPMetricExporter(endpoint=f"{endpoint}/v1/metrics", headers=headers,
-                                                   timeout=timeout_s, compression=Compression.Gzip)
+        self._metric_exporter = OTLPMetricExporter(
+            endpoint=f"{endpoint}/v1/metrics", headers=headers, timeout=timeout_s, compression=Compression.Gzip
+        )
         self.samples_refused = 0  # device samples the collector never took
 
     def trace(self, spans: Sequence[tuple[str, int, int, Attributes]], resource: Resource | None = None) -> SpanContext:
@@ -329,24 +362,39 @@ class Exporter:
         self._processor.on_end(trace)  # type: ignore[arg-type]  # stands in for a ReadableSpan: see Trace
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
-    def event(self, event: str, time_ns: int, attributes: Attributes, body: str | None = None,
-              severity: SeverityNumber = SeverityNumber.INFO) -> None:
+    def event(
+        self,
+        event: str,
+        time_ns: int,
+        attributes: Attributes,
+        body: str | None = None,
+        severity: SeverityNumber = SeverityNumber.INFO,
+    ) -> None:
         """A log record naming something that happened (checkpoint saved, fault injected...)."""
-        self._logger.emit(timestamp=time_ns, observed_timestamp=time_ns, body=body or event,
-                          severity_number=severity, severity_text=severity.name,
-                          attributes={sc.EVENT: event, **attributes})
+        self._logger.emit(
+            timestamp=time_ns,
+            observed_timestamp=time_ns,
+            body=body or event,
+            severity_number=severity,
+            severity_text=severity.name,
+            attributes={sc.EVENT: event, **attributes},
+        )
 
     def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
         """Export device samples (metric name, time ns, value, attributes) now; True when accepted.
         With the collector away, False at once: the SDK would retry for its whole timeout."""
         by_metric: dict[str, list[NumberDataPoint]] = defaultdict(list)
         for name, time_ns, value, attributes in points:
-            by_metric[name].append(NumberDataPoint(attributes=dict(attributes), start_time_unix_nano=0,
-                                                   time_unix_nano=time_ns, value=value))
+            by_metric[name].append(
+                NumberDataPoint(
+                    attributes=dict(attributes), start_time_unix_nano=0, time_unix_nano=time_ns, value=value
+                )
+            )
         if not by_metric:
             return True
-        metrics = [Metric(name=name, description="", unit="", data=Gauge(data_points=pts))
-                   for name, pts in by_metric.items()]
+        metrics = [
+            Metric(name=name, description="", unit="", data=Gauge(data_points=pts)) for name, pts in by_metric.items()
+        ]
         data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
         if reachable(self._endpoint) and self._metric_exporter.export(data).name == "SUCCESS":
             return True
@@ -364,8 +412,13 @@ class Exporter:
         """What this exporter knows never reached the collector, or has not yet: spans and log
         records dropped or still waiting, device samples refused. After flush() and shutdown(),
         all of it is lost."""
-        return (self.spans_backlog.dropped + self.spans_backlog.waiting + self.logs_backlog.dropped
-                + self.logs_backlog.waiting + self.samples_refused)
+        return (
+            self.spans_backlog.dropped
+            + self.spans_backlog.waiting
+            + self.logs_backlog.dropped
+            + self.logs_backlog.waiting
+            + self.samples_refused
+        )
 
     def shutdown(self) -> None:
         """Stop exporting, without waiting out retries: call flush() first to deliver."""

@@ -1,7 +1,7 @@
 """The GPU power model: how a GPU's power, clock and clock-event reasons answer its load, a power
 limit and thermal throttling. One definition for the simulated GPU (agent/simdevice.py), the fleet
 simulator (trainer/simulate.py) and the power analyzer's prediction for caps
-(collector/analyzers/power.py). A leaf: semconv and the standard library (numpy only inside
+(collector/analysis/analyzers/power.py). A leaf: semconv and the standard library (numpy only inside
 `operating_points`), so every one of them imports it without the others' machinery.
 
 Dynamic power goes as f·V², and voltage roughly with the clock f:
@@ -69,8 +69,9 @@ def operating_point(model: GpuModel, load: float, limit_w: float, thermal: bool 
     return clock, float(m.power(load, clock)), reasons
 
 
-def operating_points(model: GpuModel, load: "float | np.ndarray", limit_w: "float | np.ndarray",
-                     thermal: "bool | np.ndarray" = False) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+def operating_points(
+    model: GpuModel, load: "float | np.ndarray", limit_w: "float | np.ndarray", thermal: "bool | np.ndarray" = False
+) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
     """`operating_point` of numpy arrays, broadcast together (a value per rank): the fleet
     simulator's and the power analyzer's prediction for caps."""
     import numpy as np  # here only: the agent, which runs in every training process, does without it

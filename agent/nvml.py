@@ -24,19 +24,26 @@ from agent.export import log
 
 _UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission)
 _ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId that sums every link
-_NVLINK = ((sc.NVLINK_TX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
-           (sc.NVLINK_RX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX))
-_ECC = ((sc.ECC_SBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
-        (sc.ECC_DBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-        (sc.ECC_SBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
-        (sc.ECC_DBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC))
+_NVLINK = (
+    (sc.NVLINK_TX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
+    (sc.NVLINK_RX_BPS, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX),
+)
+_ECC = (
+    (sc.ECC_SBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    (sc.ECC_DBE_VOLATILE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    (sc.ECC_SBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    (sc.ECC_DBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+)
 _PCIE = ((sc.PCIE_TX_BPS, pynvml.NVML_PCIE_UTIL_TX_BYTES), (sc.PCIE_RX_BPS, pynvml.NVML_PCIE_UTIL_RX_BYTES))
 MAX_XIDS = 16  # XID events sent per reading; a GPU raising more is broken enough, and a reading stays bounded
 MIB = 2**20
 _FIELD_VALUE = {  # nvmlFieldValue_t.valueType -> the member of its value union
-    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
 
@@ -68,10 +75,21 @@ class NvmlDevice(Device):
             raise
         # per metric, the NVML calls that may read it, preferred first
         self._calls: list[list[Callable[[], list[Reading]]]] = [
-            [self._power_instant, self._power_average], [self._energy], [self._sm_clock], [self._memory_clock],
-            [self._temperature], [self._utilization], [self._enforced_limit], [self._limit_constraints],
-            [self._clock_event_reasons, self._clock_throttle_reasons], [self._memory], [self._ecc], [self._xid],
-            [self._nvlink], [self._pcie]]  # PCIe last: its call measures over 20 ms
+            [self._power_instant, self._power_average],
+            [self._energy],
+            [self._sm_clock],
+            [self._memory_clock],
+            [self._temperature],
+            [self._utilization],
+            [self._enforced_limit],
+            [self._limit_constraints],
+            [self._clock_event_reasons, self._clock_throttle_reasons],
+            [self._memory],
+            [self._ecc],
+            [self._xid],
+            [self._nvlink],
+            [self._pcie],
+        ]  # PCIe last: its call measures over 20 ms
         self._warned: set[str] = set()
         self._xid_events = None  # NVML's event set, registered for XID errors at the first reading
         self._nvlink_last: tuple[int, list[int]] | None = None  # (µs, KiB per direction) of the last reading
@@ -85,13 +103,22 @@ class NvmlDevice(Device):
                     break
                 except _UNSUPPORTED as e:
                     calls.remove(call)
-                    log.info("rankwatch: GPU %d: %s: %s; %s", self.index, call.__name__.strip("_"), e,
-                             f"reading {calls[0].__name__.strip('_')} instead" if calls else "not read again")
+                    log.info(
+                        "rankwatch: GPU %d: %s: %s; %s",
+                        self.index,
+                        call.__name__.strip("_"),
+                        e,
+                        f"reading {calls[0].__name__.strip('_')} instead" if calls else "not read again",
+                    )
                 except pynvml.NVMLError as e:
                     if call.__name__ not in self._warned:
                         self._warned.add(call.__name__)
-                        log.warning("rankwatch: GPU %d: %s failed (%s); skipped while it fails", self.index,
-                                    call.__name__.strip("_"), e)
+                        log.warning(
+                            "rankwatch: GPU %d: %s failed (%s); skipped while it fails",
+                            self.index,
+                            call.__name__.strip("_"),
+                            e,
+                        )
         return readings
 
     def _fields(self, ids: list) -> list:
@@ -108,8 +135,9 @@ class NvmlDevice(Device):
         return [(sc.POWER_INSTANT_W, milliwatts / 1e3, {sc.POWER_KIND: sc.POWER_KIND_INSTANT})]
 
     def _power_average(self) -> list[Reading]:
-        return [(sc.POWER_W, pynvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3,
-                 {sc.POWER_KIND: sc.POWER_KIND_AVERAGE})]
+        return [
+            (sc.POWER_W, pynvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3, {sc.POWER_KIND: sc.POWER_KIND_AVERAGE})
+        ]
 
     def _energy(self) -> list[Reading]:
         return [(sc.ENERGY_J, pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3, {})]
@@ -144,8 +172,10 @@ class NvmlDevice(Device):
         return [(sc.FB_USED_MIB, memory.used / MIB, {}), (sc.FB_TOTAL_MIB, memory.total / MIB, {})]
 
     def _ecc(self) -> list[Reading]:
-        return [(metric, pynvml.nvmlDeviceGetTotalEccErrors(self._handle, kind, counter), {})
-                for metric, kind, counter in _ECC]
+        return [
+            (metric, pynvml.nvmlDeviceGetTotalEccErrors(self._handle, kind, counter), {})
+            for metric, kind, counter in _ECC
+        ]
 
     def _xid(self) -> list[Reading]:
         """The XID errors raised since the last reading (at most MAX_XIDS), each its code."""
@@ -174,13 +204,17 @@ class NvmlDevice(Device):
         if last is None or now[0] <= last[0]:
             return []
         seconds = (now[0] - last[0]) / 1e6
-        return [(metric, max(kib - before, 0) * 1024 / seconds, {})
-                for (metric, _), kib, before in zip(_NVLINK, now[1], last[1], strict=True)]
+        return [
+            (metric, max(kib - before, 0) * 1024 / seconds, {})
+            for (metric, _), kib, before in zip(_NVLINK, now[1], last[1], strict=True)
+        ]
 
     def _pcie(self) -> list[Reading]:
         """PCIe data rates, NVML's KB/s over the call's own 20 ms window, as bytes/s."""
-        return [(metric, pynvml.nvmlDeviceGetPcieThroughput(self._handle, counter) * 1024.0, {})
-                for metric, counter in _PCIE]
+        return [
+            (metric, pynvml.nvmlDeviceGetPcieThroughput(self._handle, counter) * 1024.0, {})
+            for metric, counter in _PCIE
+        ]
 
     # -- the power-limit actuator --------------------------------------------------------------------
     def power_limit(self) -> float:
@@ -196,7 +230,8 @@ class NvmlDevice(Device):
         except pynvml.NVMLError_NoPermission as e:
             raise PermissionError(
                 f"rankwatch: setting GPU {self.index}'s power limit to {watts:.0f} W needs root (NVML: {e}); "
-                f"run the job as root, or set it yourself: sudo nvidia-smi -i {self.index} -pl {watts:.0f}") from e
+                f"run the job as root, or set it yourself: sudo nvidia-smi -i {self.index} -pl {watts:.0f}"
+            ) from e
 
     def close(self) -> None:
         """Restore the power limit, then let NVML go (once)."""

@@ -24,6 +24,10 @@ def open_device(local_index: int, utilization: Callable[[], float] | None = None
         log.info("rankwatch: device telemetry from NVML, GPU %d", device.index)
         return device
     except (pynvml.NVMLError, IndexError, ValueError) as e:
-        log.info("rankwatch: no NVML GPU for local rank %d (%s: %s); device telemetry is simulated", local_index,
-                 type(e).__name__, e)
+        log.info(
+            "rankwatch: no NVML GPU for local rank %d (%s: %s); device telemetry is simulated",
+            local_index,
+            type(e).__name__,
+            e,
+        )
         return SimulatedDevice(local_index, utilization=utilization)

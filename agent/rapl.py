@@ -41,9 +41,14 @@ class Rapl:
             if not re.fullmatch(r"intel-rapl:\d+", path.name):
                 continue  # a subzone (core, uncore, dram), inside its package's count
             try:
-                self._zones.append(_Zone((path / "name").read_text().strip(), path / "energy_uj",
-                                         int((path / "max_energy_range_uj").read_text()),
-                                         int((path / "energy_uj").read_text())))
+                self._zones.append(
+                    _Zone(
+                        (path / "name").read_text().strip(),
+                        path / "energy_uj",
+                        int((path / "max_energy_range_uj").read_text()),
+                        int((path / "energy_uj").read_text()),
+                    )
+                )
             except OSError as e:
                 log.info("rankwatch: RAPL zone %s not readable (%s); no host power from it", path.name, e)
         self._last_ns = clock_ns()

@@ -33,9 +33,17 @@ class Sampler:
     """Reads `readers` every `period_s` once started, until stopped. `now_ns` is the time base of
     the samples and of `energy_between` (the agent's clock, so they line up with its spans)."""
 
-    def __init__(self, readers: Sequence[Reader], emit: Callable[[list[Point]], object], period_s: float = 0.1,
-                 flush_s: float = 1.0, now_ns: Callable[[], int] = time.time_ns, keep_s: float = 600.0,
-                 max_batches: int = 60, on_sample: Callable[[], object] = lambda: None):
+    def __init__(
+        self,
+        readers: Sequence[Reader],
+        emit: Callable[[list[Point]], object],
+        period_s: float = 0.1,
+        flush_s: float = 1.0,
+        now_ns: Callable[[], int] = time.time_ns,
+        keep_s: float = 600.0,
+        max_batches: int = 60,
+        on_sample: Callable[[], object] = lambda: None,
+    ):
         """`on_sample`: called after each sample (the agent emits the steps it held for their energy)."""
         self._readers, self._emit, self._now_ns, self._on_sample = list(readers), emit, now_ns, on_sample
         self._period_s, self._flush_s = period_s, flush_s
@@ -78,8 +86,7 @@ class Sampler:
         second late). The agent holds a step's span until then."""
         with self._lock:
             last = self._last_ns
-        return ((last is not None and last >= t_ns) or not self._sampling.is_alive()
-                or self._now_ns() - t_ns > STUCK_NS)
+        return (last is not None and last >= t_ns) or not self._sampling.is_alive() or self._now_ns() - t_ns > STUCK_NS
 
     def _energy_at(self, t_ns: int) -> float:
         i = bisect_left(self._energy, t_ns, key=itemgetter(0))
@@ -106,7 +113,7 @@ class Sampler:
             if energy:
                 self._energy.append((now, energy[0]))
                 if len(self._energy) > 2 * self._keep:
-                    del self._energy[:-self._keep]
+                    del self._energy[: -self._keep]
         return points
 
     def _sample(self) -> None:

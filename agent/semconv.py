@@ -109,14 +109,25 @@ PCIE_TX_BPS = "DCGM_FI_PROF_PCIE_TX_BYTES"  # PCIe data sent, bytes/s
 PCIE_RX_BPS = "DCGM_FI_PROF_PCIE_RX_BYTES"  # and received
 CLOCK_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"  # a bitmask, NVML's nvmlClocksEventReason*
 CLOCK_EVENT_REASON_BITS = {
-    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
 CLOCK_EVENT_REASON_WORDS = {  # each reason as a person reads it (dashboard, findings)
-    "gpu_idle": "idle", "applications_clocks_setting": "application clocks setting", "sw_power_cap": "power cap",
-    "hw_slowdown": "hardware slowdown", "sync_boost": "sync boost", "sw_thermal_slowdown": "thermal slowdown",
-    "hw_thermal_slowdown": "hardware thermal slowdown", "hw_power_brake_slowdown": "power brake",
+    "gpu_idle": "idle",
+    "applications_clocks_setting": "application clocks setting",
+    "sw_power_cap": "power cap",
+    "hw_slowdown": "hardware slowdown",
+    "sync_boost": "sync boost",
+    "sw_thermal_slowdown": "thermal slowdown",
+    "hw_thermal_slowdown": "hardware thermal slowdown",
+    "hw_power_brake_slowdown": "power brake",
     "display_clock_setting": "display clock setting",
 }
 

@@ -61,14 +61,29 @@ class _Step:
 class Session:
     """Telemetry of one rank; see agent/__init__.py for the public functions."""
 
-    def __init__(self, run_id: str, rank: int, world_size: int, collector: str | None, token: str | None,
-                 resource: dict | None = None, timer: Timer | None = None, heartbeat_s: float = 5.0,
-                 sample_s: float = 0.1):
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        collector: str | None,
+        token: str | None,
+        resource: dict | None = None,
+        timer: Timer | None = None,
+        heartbeat_s: float = 5.0,
+        sample_s: float = 0.1,
+    ):
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
         self.timer: Timer = timer or CpuTimer()
-        attributes = {sc.RUN_ID: run_id, sc.RANK: rank, sc.WORLD_SIZE: world_size,
-                      sc.HOST_NAME: socket.gethostname(), sc.PROCESS_PID: os.getpid(), **(resource or {})}
+        attributes = {
+            sc.RUN_ID: run_id,
+            sc.RANK: rank,
+            sc.WORLD_SIZE: world_size,
+            sc.HOST_NAME: socket.gethostname(),
+            sc.PROCESS_PID: os.getpid(),
+            **(resource or {}),
+        }
         self.exporter = Exporter(collector, token, attributes) if collector else None
         self._current: _Step | None = None
         self._phase: str | None = None
@@ -79,8 +94,11 @@ class Session:
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
         # a step held for its energy goes out once sampled past, not only at the next step's end
-        self.sampler = Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns,
-                               on_sample=self._emit_ready) if self.exporter else None
+        self.sampler = (
+            Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns, on_sample=self._emit_ready)
+            if self.exporter
+            else None
+        )
         self._pending: deque[_Step] = deque()
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None
@@ -88,8 +106,9 @@ class Session:
         self._emitting = threading.Lock()
         self._stop = threading.Event()
         self._ended = False
-        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat",
-                                           daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat", daemon=True
+        )
         self.clock.align()
         if self.exporter:
             self._heartbeat.start()
@@ -161,15 +180,18 @@ class Session:
         backlog = self.exporter.spans_backlog
         dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
         if dropped or backlog.delivered_late:
-            self.event(sc.EVENT_TELEMETRY_BACKLOG, **{"rankwatch.spans_dropped": dropped,
-                                                      "rankwatch.spans_delivered_late": backlog.delivered_late})
+            self.event(
+                sc.EVENT_TELEMETRY_BACKLOG,
+                **{"rankwatch.spans_dropped": dropped, "rankwatch.spans_delivered_late": backlog.delivered_late},
+            )
             self.exporter.flush()
         self.exporter.shutdown()
         if (lost := self.exporter.undelivered()) and (notes := os.environ.get(UNDELIVERED_ENV)):
             Path(notes, f"rank-{self.rank}-{os.getpid()}").write_text(str(lost))  # for `rankwatch train`'s status
         if dropped:
-            log.warning("rankwatch: %d spans of rank %d were never delivered (collector unreachable)",
-                        dropped, self.rank)
+            log.warning(
+                "rankwatch: %d spans of rank %d were never delivered (collector unreachable)", dropped, self.rank
+            )
 
     # -- turning marks into spans --------------------------------------------------------------------
     def _emit_ready(self, wait: bool = False) -> None:
@@ -187,9 +209,12 @@ class Session:
 
     def _readable(self, s: _Step) -> bool:
         """Its marks are readable, and the sampler has sampled past its end (for its energy)."""
-        return (self.timer.ready(s.end) and all(self.timer.ready(end) for _, _, end in s.phases)
-                and all(c.end is None or self.timer.ready(c.end) for c in s.collectives)
-                and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end))))
+        return (
+            self.timer.ready(s.end)
+            and all(self.timer.ready(end) for _, _, end in s.phases)
+            and all(c.end is None or self.timer.ready(c.end) for c in s.collectives)
+            and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end)))
+        )
 
     def _emit(self, s: _Step) -> None:
         wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
@@ -200,24 +225,53 @@ class Session:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
         comm_wait = self._exposed_comm_wait((start, end), phases, comm)
-        self.timer.release([s.start, s.end, *(m for _, a, b in s.phases for m in (a, b)),
-                            *(m for c in s.collectives if c.end is not None for m in (c.start, c.end))])
+        self.timer.release(
+            [
+                s.start,
+                s.end,
+                *(m for _, a, b in s.phases for m in (a, b)),
+                *(m for c in s.collectives if c.end is not None for m in (c.start, c.end)),
+            ]
+        )
         compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
         if not self.exporter:
             return
-        attributes: dict[str, AttributeValue] = {sc.KIND: sc.KIND_STEP, sc.STEP: s.step, sc.DATA_S: seconds["data"],
-                                                 sc.COMPUTE_S: compute, sc.COMM_WAIT_S: comm_wait}
+        attributes: dict[str, AttributeValue] = {
+            sc.KIND: sc.KIND_STEP,
+            sc.STEP: s.step,
+            sc.DATA_S: seconds["data"],
+            sc.COMPUTE_S: compute,
+            sc.COMM_WAIT_S: comm_wait,
+        }
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
             attributes[sc.STEP_ENERGY_J] = energy
         # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
-        attributes.update({_VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
-                           for k, v in s.values.items() if v is not None})
+        attributes.update(
+            {
+                _VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
+                for k, v in s.values.items()
+                if v is not None
+            }
+        )
         spans: list[tuple[str, int, int, Attributes]] = [("step", start, end, attributes)]
         spans += [(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}) for name, a, b in phases]
-        spans += [(c.op, a, b, {sc.KIND: sc.KIND_COMM, sc.STEP: s.step, sc.COMM_GROUP: c.group,
-                                sc.COMM_GROUP_SIZE: c.group_size, sc.COMM_SEQ: c.seq, sc.COMM_BYTES: c.nbytes})
-                  for c, _, a, b in comm]
+        spans += [
+            (
+                c.op,
+                a,
+                b,
+                {
+                    sc.KIND: sc.KIND_COMM,
+                    sc.STEP: s.step,
+                    sc.COMM_GROUP: c.group,
+                    sc.COMM_GROUP_SIZE: c.group_size,
+                    sc.COMM_SEQ: c.seq,
+                    sc.COMM_BYTES: c.nbytes,
+                },
+            )
+            for c, _, a, b in comm
+        ]
         self.exporter.trace(spans)
 
     def _comm_intervals(self, s: _Step, wall) -> list[tuple[Collective, int, int, int]]:
@@ -256,8 +310,14 @@ class Session:
             current, last = self._current, self._last_collective
             attributes: dict[str, AttributeValue] = {sc.PHASE: self._phase or ""}
             if last is not None:
-                attributes.update({sc.COMM_OP: last.op, sc.COMM_GROUP: last.group, sc.COMM_SEQ: last.seq,
-                                   sc.COMM_DONE: last.end is not None})
+                attributes.update(
+                    {
+                        sc.COMM_OP: last.op,
+                        sc.COMM_GROUP: last.group,
+                        sc.COMM_SEQ: last.seq,
+                        sc.COMM_DONE: last.end is not None,
+                    }
+                )
             self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **attributes)
 
 

@@ -25,8 +25,13 @@ class SimulatedDevice(Device):
 
     source = sc.SOURCE_SIMULATED
 
-    def __init__(self, index: int, model: GpuModel = GpuModel(), utilization: Callable[[], float] | None = None,
-                 clock_ns: Callable[[], int] = time.monotonic_ns):
+    def __init__(
+        self,
+        index: int,
+        model: GpuModel = GpuModel(),
+        utilization: Callable[[], float] | None = None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ):
         self.index, self.model = index, model
         self._utilization = utilization or (lambda: 1.0)
         self._clock_ns = clock_ns
@@ -44,27 +49,29 @@ class SimulatedDevice(Device):
             self._advance()
             clock, power, reasons = self._operating_point(self._load)
             temperature = m.ambient_c + m.c_per_w * power
-            return [(sc.POWER_INSTANT_W, power, {sc.POWER_KIND: sc.POWER_KIND_INSTANT}),
-                    (sc.ENERGY_J, self._energy_j, {}),
-                    (sc.SM_CLOCK_MHZ, clock, {}),
-                    (sc.MEM_CLOCK_MHZ, m.memory_clock_mhz, {}),
-                    (sc.GPU_TEMP_C, max(temperature, m.thermal_c) if self._thermal else temperature, {}),
-                    (sc.GPU_UTIL_PCT, 100.0 * self._load, {}),
-                    (sc.POWER_LIMIT_W, self._limit_w, {}),
-                    (sc.POWER_LIMIT_MIN_W, m.limit_min_w, {}),
-                    (sc.POWER_LIMIT_MAX_W, m.limit_max_w, {}),
-                    (sc.CLOCK_EVENT_REASONS, reasons, {}),
-                    (sc.FB_USED_MIB, m.memory_used_mib, {}),
-                    (sc.FB_TOTAL_MIB, m.memory_total_mib, {}),
-                    (sc.ECC_SBE_VOLATILE, self._ecc_corrected, {}),
-                    (sc.ECC_DBE_VOLATILE, self._ecc_uncorrected, {}),
-                    (sc.ECC_SBE_AGGREGATE, self._ecc_corrected, {}),
-                    (sc.ECC_DBE_AGGREGATE, self._ecc_uncorrected, {}),
-                    (sc.NVLINK_TX_BPS, m.nvlink_bps * (1 - self._load), {}),
-                    (sc.NVLINK_RX_BPS, m.nvlink_bps * (1 - self._load), {}),
-                    (sc.PCIE_TX_BPS, m.pcie_bps / 4, {}),
-                    (sc.PCIE_RX_BPS, m.pcie_bps, {}),
-                    *[(sc.XID_ERRORS, xid, {}) for xid in self._drain_xids()]]
+            return [
+                (sc.POWER_INSTANT_W, power, {sc.POWER_KIND: sc.POWER_KIND_INSTANT}),
+                (sc.ENERGY_J, self._energy_j, {}),
+                (sc.SM_CLOCK_MHZ, clock, {}),
+                (sc.MEM_CLOCK_MHZ, m.memory_clock_mhz, {}),
+                (sc.GPU_TEMP_C, max(temperature, m.thermal_c) if self._thermal else temperature, {}),
+                (sc.GPU_UTIL_PCT, 100.0 * self._load, {}),
+                (sc.POWER_LIMIT_W, self._limit_w, {}),
+                (sc.POWER_LIMIT_MIN_W, m.limit_min_w, {}),
+                (sc.POWER_LIMIT_MAX_W, m.limit_max_w, {}),
+                (sc.CLOCK_EVENT_REASONS, reasons, {}),
+                (sc.FB_USED_MIB, m.memory_used_mib, {}),
+                (sc.FB_TOTAL_MIB, m.memory_total_mib, {}),
+                (sc.ECC_SBE_VOLATILE, self._ecc_corrected, {}),
+                (sc.ECC_DBE_VOLATILE, self._ecc_uncorrected, {}),
+                (sc.ECC_SBE_AGGREGATE, self._ecc_corrected, {}),
+                (sc.ECC_DBE_AGGREGATE, self._ecc_uncorrected, {}),
+                (sc.NVLINK_TX_BPS, m.nvlink_bps * (1 - self._load), {}),
+                (sc.NVLINK_RX_BPS, m.nvlink_bps * (1 - self._load), {}),
+                (sc.PCIE_TX_BPS, m.pcie_bps / 4, {}),
+                (sc.PCIE_RX_BPS, m.pcie_bps, {}),
+                *[(sc.XID_ERRORS, xid, {}) for xid in self._drain_xids()],
+            ]
 
     def compute_scale(self) -> float:
         """f_max / f at full load: how many times longer compute takes under the cap and throttling."""

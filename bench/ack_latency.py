@@ -36,8 +36,13 @@ def many_runs(runs: int, steps: int = 12) -> bytes:
 
 def latencies(extra_runs: int, seconds: float, directory: Path) -> list[float]:
     with open(directory / f"collector-{extra_runs}.log", "w") as log:
-        collector = Collector(directory / f"store-{extra_runs}.duckdb", free_port(), "bench-token",
-                              extra_args=("--analyze-every", "1"), log=log).start()
+        collector = Collector(
+            directory / f"store-{extra_runs}.duckdb",
+            free_port(),
+            "bench-token",
+            extra_args=("--analyze-every", "1"),
+            log=log,
+        ).start()
         try:
             if extra_runs:
                 assert post(collector, "traces", many_runs(extra_runs), timeout=300).status_code == 200
@@ -66,8 +71,9 @@ def main() -> None:
         for extra in (0, args.runs):
             taken = latencies(extra, args.seconds, Path(directory))
             q = statistics.quantiles(taken, n=100, method="inclusive")
-            table.add_row(f"{1 + extra:,}", str(len(taken)),
-                          *(f"{1e3 * v:,.0f} ms" for v in (q[49], q[98], max(taken))))
+            table.add_row(
+                f"{1 + extra:,}", str(len(taken)), *(f"{1e3 * v:,.0f} ms" for v in (q[49], q[98], max(taken)))
+            )
     Console().print(table)
 
 

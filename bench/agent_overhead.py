@@ -118,8 +118,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--baseline", type=Path, metavar="DIR",
-                        help="a checkout whose agent/ is measured beside this one's (e.g. git archive of a commit)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="a checkout whose agent/ is measured beside this one's (e.g. git archive of a commit)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "none" or the agent's directory
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -143,18 +147,50 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     results: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/a.duckdb",
-                                      "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL)
+        collector = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rankwatch",
+                "collector",
+                "--db",
+                f"{tmp}/a.duckdb",
+                "--port",
+                str(port),
+                "--token",
+                TOKEN,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         try:
             wait_healthy(url, collector)
             names = list(variants)
             for r in range(args.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     out = subprocess.run(
-                        [sys.executable, __file__, "--worker", variants[name], "--url", url, "--run",
-                         f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-')}", "--steps", str(args.steps),
-                         "--warmup", str(args.warmup), "--model", args.model, "--batch", str(args.batch)],
-                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp)
+                        [
+                            sys.executable,
+                            __file__,
+                            "--worker",
+                            variants[name],
+                            "--url",
+                            url,
+                            "--run",
+                            f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-')}",
+                            "--steps",
+                            str(args.steps),
+                            "--warmup",
+                            str(args.warmup),
+                            "--model",
+                            args.model,
+                            "--batch",
+                            str(args.batch),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"},
+                        cwd=tmp,
+                    )
                     if out.returncode:
                         sys.exit(f"{name} run failed:\n{out.stderr}")
                     results[name].append(json.loads(out.stdout.splitlines()[-1]))
@@ -166,17 +202,25 @@ def main() -> None:
     none = results["no agent"]
     table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step", "CPU ratio", "agent CPU µs/step")
     for name, runs in results.items():
+
         def ratio(key: str) -> float:
             return statistics.median(run[key] / base[key] for run, base in zip(runs, none))
 
         own = statistics.median(run["empty"] - base["empty"] for run, base in zip(runs, none))
-        table.add_row(name, f"{statistics.median(r['wall'] for r in runs) * 1e3:.2f}", f"{ratio('wall'):.4f}",
-                      f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}", f"{ratio('cpu'):.4f}",
-                      "" if name == "no agent" else f"{own * 1e6:.0f}")
+        table.add_row(
+            name,
+            f"{statistics.median(r['wall'] for r in runs) * 1e3:.2f}",
+            f"{ratio('wall'):.4f}",
+            f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}",
+            f"{ratio('cpu'):.4f}",
+            "" if name == "no agent" else f"{own * 1e6:.0f}",
+        )
     console.print(table)
-    console.print(f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios "
-                  f"and the agent's CPU per step (a tiny DDP step with 8 buckets, 4 phases, a record, export "
-                  f"included; less the same without the agent) are medians over rounds")
+    console.print(
+        f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios "
+        f"and the agent's CPU per step (a tiny DDP step with 8 buckets, 4 phases, a record, export "
+        f"included; less the same without the agent) are medians over rounds"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector import findings
-from collector.engine import RANK_STEPS, Engine
+from collector.analysis import findings
+from collector.analysis.engine import RANK_STEPS, Engine
 from collector.store.schema import DDL
 from trainer import simulate
 from trainer.faults import parse
@@ -41,12 +41,25 @@ def _store(path: Path, ranks: int, steps: int) -> duckdb.DuckDBPyConnection:
     """A store holding one run of `ranks` ranks x `steps` steps, one rank straggling."""
     pp = 8
     topology = simulate.Topology(dp=ranks // pp, pp=pp)
-    frames = pd.concat(simulate.steps(topology, steps, [parse("straggler:rank=3,slowdown=1.2,from=40")],
-                                      seed=0, start_ns=time.time_ns() - steps * 10**9), ignore_index=True)
+    frames = pd.concat(
+        simulate.steps(
+            topology,
+            steps,
+            [parse("straggler:rank=3,slowdown=1.2,from=40")],
+            seed=0,
+            start_ns=time.time_ns() - steps * 10**9,
+        ),
+        ignore_index=True,
+    )
     con = duckdb.connect(str(path))
     con.execute(DDL)
-    frames = frames.assign(run_id="bench", start_ts=pd.to_datetime(frames["start_ns"], unit="ns"),
-                           end_ts=pd.to_datetime(frames["end_ns"], unit="ns"), loss=3.0, grad_norm=1.0)
+    frames = frames.assign(
+        run_id="bench",
+        start_ts=pd.to_datetime(frames["start_ns"], unit="ns"),
+        end_ts=pd.to_datetime(frames["end_ns"], unit="ns"),
+        loss=3.0,
+        grad_norm=1.0,
+    )
     con.execute("""INSERT INTO steps BY NAME SELECT run_id, rank, step, start_ts, end_ts, duration_s, data_s,
                    compute_s, comm_wait_s, loss, grad_norm FROM frames""")
     con.register("placement", topology.placement().assign(run_id="bench", first_seen=pd.Timestamp.now(tz="UTC")))
@@ -67,8 +80,15 @@ def _pass(con, engine: Engine, after: int) -> tuple[float, float, int]:
 
 
 def pass_costs(ranks_list: list[int]) -> Table:
-    table = Table("ranks", "new steps", "wall, ms", "CPU, ms", "CPU per rank-step, µs", "vs 1,024 ranks (wall)",
-                  title="one pass of the engine (every analyzer, findings recorded)")
+    table = Table(
+        "ranks",
+        "new steps",
+        "wall, ms",
+        "CPU, ms",
+        "CPU per rank-step, µs",
+        "vs 1,024 ranks (wall)",
+        title="one pass of the engine (every analyzer, findings recorded)",
+    )
     base: dict[int, float] = {}
     for ranks in ranks_list:
         full = max(RANK_STEPS // ranks, 1)
@@ -81,8 +101,14 @@ def pass_costs(ranks_list: list[int]) -> Table:
                 wall, cpu, judged = (float(np.median([r[i] for r in runs])) for i in range(3))
                 key = 1 if new == 1 else 0
                 base.setdefault(key, wall)
-                table.add_row(f"{ranks:,}", f"{int(judged)}", f"{wall * 1e3:.0f}", f"{cpu * 1e3:.0f}",
-                              f"{cpu / (judged * ranks) * 1e6:.2f}", f"{wall / base[key]:.1f}x")
+                table.add_row(
+                    f"{ranks:,}",
+                    f"{int(judged)}",
+                    f"{wall * 1e3:.0f}",
+                    f"{cpu * 1e3:.0f}",
+                    f"{cpu / (judged * ranks) * 1e6:.2f}",
+                    f"{wall / base[key]:.1f}x",
+                )
             con.close()
     return table
 
@@ -92,31 +118,53 @@ def commit_latency(spikes: int) -> Table:
     from tests.conftest import Collector, free_port, wait_until
     from tests.engine_jobs import exporters, live_findings, send_steps
 
-    table = Table("steps/s", "spikes", "commit → finding, s (median)", "max", "vs the 1 s goal",
-                  "timer pass of before (5 s): mean wait", title="a spike's finding after the commit that carried it")
+    table = Table(
+        "steps/s",
+        "spikes",
+        "commit → finding, s (median)",
+        "max",
+        "vs the 1 s goal",
+        "timer pass of before (5 s): mean wait",
+        title="a spike's finding after the commit that carried it",
+    )
     for rate in (10, 100):
         with tempfile.TemporaryDirectory() as directory, open(Path(directory) / "collector.log", "w") as log:
-            collector = Collector(Path(directory) / "rw.duckdb", free_port(), "bench", log=log,
-                                  extra_args=("--analyze-every", "3600")).start()
+            collector = Collector(
+                Path(directory) / "rw.duckdb", free_port(), "bench", log=log, extra_args=("--analyze-every", "3600")
+            ).start()
             try:
                 run, step_s = f"latency-{rate}", 1 / rate
                 sending = exporters(collector, run, 4)
                 t0, latencies, batch = time.time_ns(), [], max(rate // 10, 1)  # an export every 0.1 s
                 spike_steps = set(range(60, 60 * (spikes + 1), 60))
                 for start in range(0, 60 * (spikes + 1), batch):
-                    acked = send_steps(sending, range(start, start + batch), t0, step_s,
-                                       compute=lambda r, s: 0.6 * step_s,
-                                       loss=lambda s: 50.0 if s in spike_steps else 3.0)
+                    acked = send_steps(
+                        sending,
+                        range(start, start + batch),
+                        t0,
+                        step_s,
+                        compute=lambda r, s: 0.6 * step_s,
+                        loss=lambda s: 50.0 if s in spike_steps else 3.0,
+                    )
                     if spike_steps & set(range(start, start + batch)):
                         seen = len(latencies) + 1
-                        wait_until(lambda: sum(f["kind"] == "loss_spike" for f in live_findings(collector, run))
-                                   >= seen, "the spike was not found", 60)
+                        wait_until(
+                            lambda: sum(f["kind"] == "loss_spike" for f in live_findings(collector, run)) >= seen,
+                            "the spike was not found",
+                            60,
+                        )
                         latencies.append(time.monotonic() - acked)
                     time.sleep(max(0.0, t0 / 1e9 + (start + batch) * step_s - time.time()))
             finally:
                 collector.stop()
-        table.add_row(str(rate), str(len(latencies)), f"{np.median(latencies):.2f}", f"{max(latencies):.2f}",
-                      f"{np.median(latencies) / 1.0:.2f}x", "2.5 s")
+        table.add_row(
+            str(rate),
+            str(len(latencies)),
+            f"{np.median(latencies):.2f}",
+            f"{max(latencies):.2f}",
+            f"{np.median(latencies) / 1.0:.2f}x",
+            "2.5 s",
+        )
     return table
 
 

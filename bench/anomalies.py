@@ -8,7 +8,7 @@ read back from its store, and the fleet simulator's training curve (trainer/curv
 loss falling as a power law, natural gradient-norm excursions) over seeds and noise levels (0.5x to
 4x the H100's noise), its spikes and NaNs injected by the simulator's own `spike` and `nan` faults.
 Each curve is judged as the live collector judges it: after every step, the anomaly analyzer over
-the newest 48 steps, and a rollback for each finding the default policy (collector/commands.py's
+the newest 48 steps, and a rollback for each finding the default policy (collector/control/commands.py's
 ROLLBACK_ON) answers.
 
   false    rollback-worthy findings on the clean curves, per 10,000 steps
@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector.analyzers import anomalies
-from collector.commands import ROLLBACK_ON
+from collector.analysis.analyzers import anomalies
+from collector.control.commands import ROLLBACK_ON
 from rankwatch.launch import train
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import query
@@ -63,31 +63,45 @@ def cpu_curves(steps: int, seeds: int, directory: Path) -> dict[str, pd.DataFram
     """Clean 1-rank runs of the reference trainer, through a collector that rolls nothing back."""
     runs = []
     with open(directory / "collector.log", "w") as log:
-        collector = Collector(directory / "curves.duckdb", free_port(), "bench-token",
-                              extra_args=("--no-auto-rollback",), log=log).start()
+        collector = Collector(
+            directory / "curves.duckdb", free_port(), "bench-token", extra_args=("--no-auto-rollback",), log=log
+        ).start()
         try:
             for model in ("tiny", "small"):
                 for lr in (1e-3, 3e-3, 1e-2):
                     for seed in range(seeds):
                         runs.append(f"{model}-lr{lr:g}-seed{seed}")
-                        status = train(nproc=1, steps=steps if model == "tiny" else steps // 2, run_id=runs[-1],
-                                       model=model, collector=collector.url, token=collector.token,
-                                       store=collector.db, device="cpu",
-                                       trainer_args=["--seed", str(seed), "--lr", str(lr), "--log-every", "1000"])
+                        status = train(
+                            nproc=1,
+                            steps=steps if model == "tiny" else steps // 2,
+                            run_id=runs[-1],
+                            model=model,
+                            collector=collector.url,
+                            token=collector.token,
+                            store=collector.db,
+                            device="cpu",
+                            trainer_args=["--seed", str(seed), "--lr", str(lr), "--log-every", "1000"],
+                        )
                         assert status == 0, f"{runs[-1]}: exit {status}"
         finally:
             collector.stop()
-    return {f"CPU {run}": pd.DataFrame(query(collector.db, "SELECT step, loss, grad_norm FROM steps WHERE run_id = ? "
-                                                           "ORDER BY step", [run]),
-                                       columns=["step", "loss", "grad_norm"]).assign(rank=0)
-            for run in runs}
+    return {
+        f"CPU {run}": pd.DataFrame(
+            query(collector.db, "SELECT step, loss, grad_norm FROM steps WHERE run_id = ? ORDER BY step", [run]),
+            columns=["step", "loss", "grad_norm"],
+        ).assign(rank=0)
+        for run in runs
+    }
 
 
 def simulated(seed: int, noise: float, steps: int, faults: tuple[str, ...] = ()) -> pd.DataFrame:
     """The fleet simulator's curve (rank, step, loss, grad_norm) at `noise` times the H100's noise."""
     draws = curve(Curve().scaled(noise), SIM_RANKS, [parse(spec) for spec in faults], seed)
-    rows = [(rank, step, loss, grad) for step, (losses, grad) in zip(range(steps), draws)
-            for rank, loss in enumerate(losses)]
+    rows = [
+        (rank, step, loss, grad)
+        for step, (losses, grad) in zip(range(steps), draws)
+        for rank, loss in enumerate(losses)
+    ]
     return pd.DataFrame(rows, columns=["rank", "step", "loss", "grad_norm"])
 
 
@@ -112,8 +126,11 @@ def main() -> None:
     if args.seeds:
         with tempfile.TemporaryDirectory() as directory:
             curves |= cpu_curves(args.steps, args.seeds, Path(directory))
-    sims = {f"simulator, noise x{noise:g}, seed {seed}": (seed, noise) for noise in SIM_NOISE
-            for seed in range(args.sim_seeds)}
+    sims = {
+        f"simulator, noise x{noise:g}, seed {seed}": (seed, noise)
+        for noise in SIM_NOISE
+        for seed in range(args.sim_seeds)
+    }
     curves |= {name: simulated(seed, noise, args.sim_steps) for name, (seed, noise) in sims.items()}
 
     console = Console()
@@ -145,8 +162,13 @@ def main() -> None:
                     found = rollbacks(hit[hit["step"] > at - WINDOW], last=at + 5)
                     if at in found:
                         delays.append(found[at] - at)
-            table.add_row(label, source, str(cases), f"{len(delays) / cases:.0%}",
-                          f"{np.median(delays):.0f}, {max(delays)}" if delays else "-")
+            table.add_row(
+                label,
+                source,
+                str(cases),
+                f"{len(delays) / cases:.0%}",
+                f"{np.median(delays):.0f}, {max(delays)}" if delays else "-",
+            )
     console.print(table)
 
 

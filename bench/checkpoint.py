@@ -159,8 +159,9 @@ class DcpAsyncSave(DcpSave):
         if self.pending:
             self.pending.result()
         started = time.perf_counter()
-        self.pending = dcp.async_save(state_dict(self.model, self.optimizer),
-                                      checkpoint_id=self.directory / f"step-{step}")
+        self.pending = dcp.async_save(
+            state_dict(self.model, self.optimizer), checkpoint_id=self.directory / f"step-{step}"
+        )
         self.staging.append(time.perf_counter() - started)
         self.pending.add_done_callback(lambda _: self.durable.append(time.perf_counter() - started))
 
@@ -192,8 +193,9 @@ class Ours(TorchSave):
         self.ckpt = self.checkpointer()
 
     def checkpointer(self) -> Checkpointer:
-        return Checkpointer(self.directory, {"model": self.model, "optimizer": self.optimizer},
-                            memory=2, disk_every=1, keep=2)
+        return Checkpointer(
+            self.directory, {"model": self.model, "optimizer": self.optimizer}, memory=2, disk_every=1, keep=2
+        )
 
     def before_update(self) -> None:
         self.ckpt.wait_until_safe()
@@ -256,13 +258,23 @@ def run(method: str, mb: float, steps: int, every: int, work: int, directory: Pa
     dist.destroy_process_group()
     q = statistics.quantiles(step_s, n=100)
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
-    return {"method": method, "state_mb": nbytes / 1e6, "blocked_s": statistics.median(blocked),
-            "first_blocked_s": blocked[0],
-            "staging_s": statistics.median(saver.staging) if saver.staging else None,
-            "durable_s": statistics.median(saver.durable), "checkpoints": len(blocked),
-            "step_p50_s": q[49], "step_p99_s": q[98], "peak_rss_mb": peak_rss, "state_rss_mb": state_rss,
-            "restore_memory_s": restores.get("memory"), "restore_disk_s": restores["disk"]}
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+    )
+    return {
+        "method": method,
+        "state_mb": nbytes / 1e6,
+        "blocked_s": statistics.median(blocked),
+        "first_blocked_s": blocked[0],
+        "staging_s": statistics.median(saver.staging) if saver.staging else None,
+        "durable_s": statistics.median(saver.durable),
+        "checkpoints": len(blocked),
+        "step_p50_s": q[49],
+        "step_p99_s": q[98],
+        "peak_rss_mb": peak_rss,
+        "state_rss_mb": state_rss,
+        "restore_memory_s": restores.get("memory"),
+        "restore_disk_s": restores["disk"],
+    }
 
 
 GPU_METHODS = ("none", "torch.save", "dcp.async_save", "dcp.async_save pinned", "rankwatch")
@@ -277,11 +289,15 @@ class GpuSaver:
         if method == "dcp.async_save pinned":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True
+                )
+            )
         if method == "rankwatch":
-            self.ckpt = Checkpointer(directory, {"model": model, "optimizer": optimizer}, memory=4, disk_every=10,
-                                     keep=2)  # the trainer's default ring
+            self.ckpt = Checkpointer(
+                directory, {"model": model, "optimizer": optimizer}, memory=4, disk_every=10, keep=2
+            )  # the trainer's default ring
 
     def before_update(self) -> None:
         if self.staging is not None:  # DCP's staging must be done before the tensors change
@@ -302,11 +318,14 @@ class GpuSaver:
                 self.pending.result()
             pinned = self.stager is not None
             response = dcp.async_save(
-                state_dict(self.model, self.optimizer), checkpoint_id=self.directory / f"step-{step}",
+                state_dict(self.model, self.optimizer),
+                checkpoint_id=self.directory / f"step-{step}",
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
-                async_stager=self.stager)
-            self.pending, self.staging = ((response.upload_completion, response.staging_completion) if pinned
-                                          else (response, None))
+                async_stager=self.stager,
+            )
+            self.pending, self.staging = (
+                (response.upload_completion, response.staging_completion) if pinned else (response, None)
+            )
         elif self.ckpt:
             self.ckpt.snapshot(step)
 
@@ -320,8 +339,9 @@ class GpuSaver:
             self.ckpt.close()
 
 
-def run_gpu(method: str, every: int, steps: int, warmup: int, model_name: str, batch: int, device: str,
-            directory: Path) -> dict:
+def run_gpu(
+    method: str, every: int, steps: int, warmup: int, model_name: str, batch: int, device: str, directory: Path
+) -> dict:
     """One method's training time on the GPU (or any device), in its own process."""
     import torch.distributed as dist
 
@@ -356,10 +376,17 @@ def run_gpu(method: str, every: int, steps: int, warmup: int, model_name: str, b
     saver.close()
     dist.destroy_process_group()
     nbytes = sum(t.nbytes for t in model.parameters()) + sum(
-        t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-    return {"method": method, "every": every, "state_mb": nbytes / 1e6, "train_s": train_s,
-            "step_ms": train_s / steps * 1e3, "host_ms_per_step": statistics.mean(blocked) * 1e3,
-            "device": torch.cuda.get_device_name() if device == "cuda" else device}
+        t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    return {
+        "method": method,
+        "every": every,
+        "state_mb": nbytes / 1e6,
+        "train_s": train_s,
+        "step_ms": train_s / steps * 1e3,
+        "host_ms_per_step": statistics.mean(blocked) * 1e3,
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+    }
 
 
 def child(what: str, *argv: str, env: dict | None = None) -> dict:
@@ -379,20 +406,43 @@ def gpu_main(args: argparse.Namespace) -> None:
     for method, every in [("none", 0)] + [(m, e) for e in (10, 1) for m in GPU_METHODS[1:]]:
         directory = base / f"{method.replace(' ', '-')}-{every}"
         directory.mkdir(parents=True)
-        rows.append(child(f"{method} every {every}", "--device", args.device, "--gpu-child", method, str(every),
-                          "--steps", str(args.steps), "--model", args.model, "--batch", str(args.batch),
-                          "--dir", str(directory)))
+        rows.append(
+            child(
+                f"{method} every {every}",
+                "--device",
+                args.device,
+                "--gpu-child",
+                method,
+                str(every),
+                "--steps",
+                str(args.steps),
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--dir",
+                str(directory),
+            )
+        )
         shutil.rmtree(directory)
     if not args.dir:
         base.rmdir()
     none = rows[0]["train_s"]
-    t = Table(title=f"Training time with checkpoints, {rows[0]['device']}, {rows[0]['state_mb']:.0f} MB of "
-                    f"state, {args.steps} steps")
+    t = Table(
+        title=f"Training time with checkpoints, {rows[0]['device']}, {rows[0]['state_mb']:.0f} MB of "
+        f"state, {args.steps} steps"
+    )
     for column in ("method", "snapshot every", "training time", "vs none", "step", "host time before/after update"):
         t.add_column(column, justify="left" if column == "method" else "right")
     for r in rows:
-        t.add_row(r["method"], f"{r['every']} steps" if r["every"] else "—", f"{r['train_s']:.2f} s",
-                  f"{r['train_s'] / none:.3f}x", f"{r['step_ms']:.1f} ms", f"{r['host_ms_per_step']:.1f} ms")
+        t.add_row(
+            r["method"],
+            f"{r['every']} steps" if r["every"] else "—",
+            f"{r['train_s']:.2f} s",
+            f"{r['train_s'] / none:.3f}x",
+            f"{r['step_ms']:.1f} ms",
+            f"{r['host_ms_per_step']:.1f} ms",
+        )
     Console(width=200).print(t)
 
 
@@ -402,15 +452,36 @@ def ms(seconds: float | None) -> str:
 
 def table(rows: list[dict]) -> Table:
     t = Table(title="Checkpoints: time the training loop is blocked, time to durable, restore")
-    for column in ("state", "method", "blocked / ckpt", "first ckpt", "staging", "durable", "step p50",
-                   "step p99", "peak RSS", "RSS over state", "restore memory", "restore disk"):
+    for column in (
+        "state",
+        "method",
+        "blocked / ckpt",
+        "first ckpt",
+        "staging",
+        "durable",
+        "step p50",
+        "step p99",
+        "peak RSS",
+        "RSS over state",
+        "restore memory",
+        "restore disk",
+    ):
         t.add_column(column, justify="left" if column == "method" else "right")
     for r in rows:
-        t.add_row(f"{r['state_mb']:.0f} MB", r["method"], ms(r["blocked_s"]), ms(r["first_blocked_s"]),
-                  ms(r["staging_s"]),
-                  f"{r['durable_s']:.2f} s", f"{r['step_p50_s'] * 1e3:.0f} ms", f"{r['step_p99_s'] * 1e3:.0f} ms",
-                  f"{r['peak_rss_mb']:.0f} MB", f"{r['peak_rss_mb'] - r['state_rss_mb']:.0f} MB",
-                  ms(r["restore_memory_s"]), ms(r["restore_disk_s"]))
+        t.add_row(
+            f"{r['state_mb']:.0f} MB",
+            r["method"],
+            ms(r["blocked_s"]),
+            ms(r["first_blocked_s"]),
+            ms(r["staging_s"]),
+            f"{r['durable_s']:.2f} s",
+            f"{r['step_p50_s'] * 1e3:.0f} ms",
+            f"{r['step_p99_s'] * 1e3:.0f} ms",
+            f"{r['peak_rss_mb']:.0f} MB",
+            f"{r['peak_rss_mb'] - r['state_rss_mb']:.0f} MB",
+            ms(r["restore_memory_s"]),
+            ms(r["restore_disk_s"]),
+        )
     return t
 
 
@@ -419,13 +490,18 @@ def main() -> None:
     p.add_argument("--sizes", type=float, nargs="+", default=[100, 1000], metavar="MB")
     p.add_argument("--steps", type=int, default=36)
     p.add_argument("--every", type=int, default=6, help="steps between checkpoints")
-    p.add_argument("--compute-ms-per-mb", type=float, default=4.0,
-                   help="forward + backward stand-in per step, per MB of state")
+    p.add_argument(
+        "--compute-ms-per-mb", type=float, default=4.0, help="forward + backward stand-in per step, per MB of state"
+    )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--dir", type=Path, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # METHOD MB WORK: one run, JSON out
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: a real GPT training loop on the GPU instead of the simulated CPU one")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: a real GPT training loop on the GPU instead of the simulated CPU one",
+    )
     p.add_argument("--model", default="gpt2", help="with --device cuda: the trainer's model config")
     p.add_argument("--batch", type=int, default=8, help="with --device cuda: sequences per step")
     p.add_argument("--warmup", type=int, default=12, help="with --device cuda: untimed steps first")
@@ -437,8 +513,11 @@ def main() -> None:
             sys.exit(2)
         if args.gpu_child:
             method, every = args.gpu_child
-            print(json.dumps(run_gpu(method, int(every), args.steps, args.warmup, args.model, args.batch, "cuda",
-                                     args.dir)))
+            print(
+                json.dumps(
+                    run_gpu(method, int(every), args.steps, args.warmup, args.model, args.batch, "cuda", args.dir)
+                )
+            )
         else:
             gpu_main(args)
         return
@@ -454,9 +533,22 @@ def main() -> None:
         for method in args.methods:
             directory = base / f"{mb:g}MB-{method}"
             directory.mkdir(parents=True)
-            rows.append(child(f"{method} at {mb:g} MB", "--child", method, str(mb), str(work), "--steps",
-                              str(args.steps), "--every", str(args.every), "--dir", str(directory),
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            rows.append(
+                child(
+                    f"{method} at {mb:g} MB",
+                    "--child",
+                    method,
+                    str(mb),
+                    str(work),
+                    "--steps",
+                    str(args.steps),
+                    "--every",
+                    str(args.every),
+                    "--dir",
+                    str(directory),
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+            )
             shutil.rmtree(directory)
     if not args.dir:
         base.rmdir()  # each run's directory went as soon as its figures came back

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent import semconv as sc  # noqa: E402
-from collector.postmortem import analyze_run  # noqa: E402
+from collector.reports.postmortem import analyze_run  # noqa: E402
 from collector.store.schema import DDL  # noqa: E402
 from dashboard import queries, source, ui  # noqa: E402
 from trainer import simulate  # noqa: E402
@@ -53,42 +53,101 @@ def fill(db: Path, ranks: int, steps: int, tp: int) -> float:
     """The store of one simulated run; returns the seconds it took."""
     started = time.perf_counter()
     topology = simulate.Topology(ranks // tp, 1, tp)
-    faults = [parse(spec, simulate.SIMULATOR_KINDS) for spec in
-              (f"straggler:rank={ranks // 3},slowdown=1.3,from={steps // 4}", f"thermal:rank={ranks // 2},from=0")]
+    faults = [
+        parse(spec, simulate.SIMULATOR_KINDS)
+        for spec in (f"straggler:rank={ranks // 3},slowdown=1.3,from={steps // 4}", f"thermal:rank={ranks // 2},from=0")
+    ]
     con = duckdb.connect(str(db))
     con.execute(DDL)
     place = topology.placement()
     con.execute("INSERT INTO runs VALUES (?, ?, now())", [RUN, ranks])
-    _insert(con, "ranks", place.assign(run_id=RUN, host=place["host"].map("sim-node-{:04d}".format),
-                                       first_seen=pd.Timestamp.now(tz="UTC")))
+    _insert(
+        con,
+        "ranks",
+        place.assign(
+            run_id=RUN, host=place["host"].map("sim-node-{:04d}".format), first_seen=pd.Timestamp.now(tz="UTC")
+        ),
+    )
     dp_group, tp_group = topology.dp_groups(), topology.tp_groups()
     t = simulate.Timing()
     for frames in _chunks(simulate.steps(topology, steps, faults), max(1, 2_000_000 // ranks)):
         f = pd.concat(frames, ignore_index=True)
         start = pd.to_datetime(f["start_ns"], unit="ns")
-        _insert(con, "steps", pd.DataFrame({
-            "run_id": RUN, "rank": f["rank"], "step": f["step"], "start_ts": start,
-            "end_ts": pd.to_datetime(f["end_ns"], unit="ns"), "duration_s": f["duration_s"], "data_s": f["data_s"],
-            "compute_s": f["compute_s"], "comm_wait_s": f["comm_wait_s"], "tokens": 4096}))
+        _insert(
+            con,
+            "steps",
+            pd.DataFrame(
+                {
+                    "run_id": RUN,
+                    "rank": f["rank"],
+                    "step": f["step"],
+                    "start_ts": start,
+                    "end_ts": pd.to_datetime(f["end_ns"], unit="ns"),
+                    "duration_s": f["duration_s"],
+                    "data_s": f["data_s"],
+                    "compute_s": f["compute_s"],
+                    "comm_wait_s": f["comm_wait_s"],
+                    "tokens": 4096,
+                }
+            ),
+        )
         entered = f["start_ns"] + ((f["data_s"] + f["compute_s"]) * 1e9).astype("int64")
         tp_done = entered + (f["tp_allreduce_s"] * 1e9).astype("int64")
         dp_done = f["start_ns"] + (f["allreduce_done_s"] * 1e9).astype("int64")
         tp_names = "tp" + pd.Series(tp_group[f["rank"]]).astype(str)
         dp_names = "dp" + pd.Series(dp_group[f["rank"]]).astype(str)
-        _insert(con, "ops", pd.concat([_collective(f, tp_names, tp, t.tp_allreduce_bytes, entered, tp_done),
-                                       _collective(f, dp_names, ranks // tp, t.allreduce_bytes, tp_done, dp_done)]))
+        _insert(
+            con,
+            "ops",
+            pd.concat(
+                [
+                    _collective(f, tp_names, tp, t.tp_allreduce_bytes, entered, tp_done),
+                    _collective(f, dp_names, ranks // tp, t.allreduce_bytes, tp_done, dp_done),
+                ]
+            ),
+        )
         end = pd.to_datetime(f["end_ns"], unit="ns")
-        _insert(con, "device_samples", pd.concat([
-            pd.DataFrame({"run_id": RUN, "rank": f["rank"], "ts": end, "metric": metric, "value": f[column],
-                          "source": "simulated"})
-            for metric, column in ((sc.SM_CLOCK_MHZ, "sm_clock_mhz"), (sc.GPU_TEMP_C, "temp_c"),
-                                   (sc.CLOCK_EVENT_REASONS, "clock_event_reasons"))]))
+        _insert(
+            con,
+            "device_samples",
+            pd.concat(
+                [
+                    pd.DataFrame(
+                        {
+                            "run_id": RUN,
+                            "rank": f["rank"],
+                            "ts": end,
+                            "metric": metric,
+                            "value": f[column],
+                            "source": "simulated",
+                        }
+                    )
+                    for metric, column in (
+                        (sc.SM_CLOCK_MHZ, "sm_clock_mhz"),
+                        (sc.GPU_TEMP_C, "temp_c"),
+                        (sc.CLOCK_EVENT_REASONS, "clock_event_reasons"),
+                    )
+                ]
+            ),
+        )
     found = analyze_run(con, RUN).findings
     for finding in found:
-        con.execute("INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score, "
-                    "summary, evidence, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'firing')",
-                    [RUN, finding.analyzer, finding.kind, finding.ranks, finding.step_start, finding.step_end,
-                     finding.severity, finding.score, finding.summary, _json(finding.evidence)])
+        con.execute(
+            "INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score, "
+            "summary, evidence, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'firing')",
+            [
+                RUN,
+                finding.analyzer,
+                finding.kind,
+                finding.ranks,
+                finding.step_start,
+                finding.step_end,
+                finding.severity,
+                finding.score,
+                finding.summary,
+                _json(finding.evidence),
+            ],
+        )
     con.execute("CHECKPOINT")
     con.close()
     return time.perf_counter() - started
@@ -111,15 +170,30 @@ def _chunks(frames, size: int):
         yield batch
 
 
-def _collective(f: pd.DataFrame, groups: pd.Series, size: int, nbytes: int, start: pd.Series,
-                end: pd.Series) -> pd.DataFrame:
+def _collective(
+    f: pd.DataFrame, groups: pd.Series, size: int, nbytes: int, start: pd.Series, end: pd.Series
+) -> pd.DataFrame:
     duration = (end - start) / 1e9
     algbw = nbytes / duration.clip(lower=1e-9) / 1e9
     factor = 2 * (size - 1) / size
-    return pd.DataFrame({"run_id": RUN, "rank": f["rank"], "step": f["step"], "kind": "comm", "name": "all_reduce",
-                         "start_ts": pd.to_datetime(start, unit="ns"), "end_ts": pd.to_datetime(end, unit="ns"),
-                         "duration_s": duration, "comm_group": groups.to_numpy(), "group_size": size,
-                         "seq": f["step"], "bytes": nbytes, "algbw_gbps": algbw, "busbw_gbps": algbw * factor})
+    return pd.DataFrame(
+        {
+            "run_id": RUN,
+            "rank": f["rank"],
+            "step": f["step"],
+            "kind": "comm",
+            "name": "all_reduce",
+            "start_ts": pd.to_datetime(start, unit="ns"),
+            "end_ts": pd.to_datetime(end, unit="ns"),
+            "duration_s": duration,
+            "comm_group": groups.to_numpy(),
+            "group_size": size,
+            "seq": f["step"],
+            "bytes": nbytes,
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * factor,
+        }
+    )
 
 
 def _json(value) -> str:
@@ -131,11 +205,19 @@ def _json(value) -> str:
 def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
     """Each named query's parameters, as the pages pass them."""
     (last,) = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [RUN]).fetchone()
-    extra = {"recent_steps": {"window": 21}, "step_series": {"points": ui.POINTS},
-             "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS}, "slowest_ranks": {"limit": 10},
-             "timeline": {"step": last, "slowest": 8, "typical": 4}, "slowest_groups": {"limit": 8},
-             "exposed_comm": {"rank_bins": ui.RANK_BINS}, "device_by_rank": {"rank_bins": ui.RANK_BINS},
-             "throttled": {"limit": 50}, "gpu_errors": {"limit": 50}, "power_series": {"points": ui.POINTS}}
+    extra = {
+        "recent_steps": {"window": 21},
+        "step_series": {"points": ui.POINTS},
+        "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS},
+        "slowest_ranks": {"limit": 10},
+        "timeline": {"step": last, "slowest": 8, "typical": 4},
+        "slowest_groups": {"limit": 8},
+        "exposed_comm": {"rank_bins": ui.RANK_BINS},
+        "device_by_rank": {"rank_bins": ui.RANK_BINS},
+        "throttled": {"limit": 50},
+        "gpu_errors": {"limit": 50},
+        "power_series": {"points": ui.POINTS},
+    }
     return {name: ({} if name == "runs" else {"run": RUN}) | extra.get(name, {}) for name in queries.QUERIES}
 
 
@@ -183,24 +265,39 @@ def main() -> None:
         db = Path(tmp) / "rankwatch.duckdb"
         seconds = fill(db, args.ranks, args.steps, args.tp)
         raw = duckdb.connect(str(db), read_only=True)
-        rows = raw.execute("SELECT (SELECT count(*) FROM steps), (SELECT count(*) FROM ops), "
-                           "(SELECT count(*) FROM device_samples)").fetchone()
-        console.print(f"{args.ranks} ranks x {args.steps} steps: {rows[0]:,} rank-steps, {rows[1]:,} ops, "
-                      f"{rows[2]:,} device samples, filled in {seconds:.1f} s")
+        rows = raw.execute(
+            "SELECT (SELECT count(*) FROM steps), (SELECT count(*) FROM ops), (SELECT count(*) FROM device_samples)"
+        ).fetchone()
+        console.print(
+            f"{args.ranks} ranks x {args.steps} steps: {rows[0]:,} rank-steps, {rows[1]:,} ops, "
+            f"{rows[2]:,} device samples, filled in {seconds:.1f} s"
+        )
         params = parameters(raw)
-        baseline = {name: timed(lambda: raw.execute(sql, params[name]).fetchall())
-                    for name, sql in queries.QUERIES.items()}
+        baseline = {
+            name: timed(lambda: raw.execute(sql, params[name]).fetchall()) for name, sql in queries.QUERIES.items()
+        }
         raw.close()
         through_api = {} if args.no_api else api_times(db, params)  # first: the collector opens the file to write
         files = source.FileSource(db)
-        through_file = {name: timed(lambda: source.to_frame(files.query(sql, params[name])))
-                        for name, sql in queries.QUERIES.items()}
+        through_file = {
+            name: timed(lambda: source.to_frame(files.query(sql, params[name])))
+            for name, sql in queries.QUERIES.items()
+        }
         pages = page_times(db)
-    table = Table("named query", "baseline (DuckDB) ms", "file source ms", "query API ms",
-                  title=f"{args.ranks} ranks x {args.steps} steps: query time (median of {REPEATS})")
+    table = Table(
+        "named query",
+        "baseline (DuckDB) ms",
+        "file source ms",
+        "query API ms",
+        title=f"{args.ranks} ranks x {args.steps} steps: query time (median of {REPEATS})",
+    )
     for name in queries.QUERIES:
-        table.add_row(name, f"{1000 * baseline[name]:.1f}", f"{1000 * through_file[name]:.1f}",
-                      f"{1000 * through_api[name]:.1f}" if name in through_api else "-")
+        table.add_row(
+            name,
+            f"{1000 * baseline[name]:.1f}",
+            f"{1000 * through_file[name]:.1f}",
+            f"{1000 * through_api[name]:.1f}" if name in through_api else "-",
+        )
     console.print(table)
     table = Table("page", "render s (AppTest, cold cache)", title="page render time")
     for page, s in pages.items():
@@ -211,18 +308,23 @@ def main() -> None:
 def api_times(db: Path, params: dict[str, dict]) -> dict[str, float]:
     """Each named query's time through a collector's query API, the collector holding the store."""
     from agent.apiclient import ApiClient
-    from collector import queryapi
+    from collector.reports import queryapi
     from rankwatch.launch import wait_healthy
 
     port, token = 4400 + os.getpid() % 1000, "bench-token"
     with open(db.parent / "collector.log", "w") as log:
-        collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port",
-                                      str(port), "--token", token], stdout=log, stderr=subprocess.STDOUT)
+        collector = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port), "--token", token],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_healthy(f"http://127.0.0.1:{port}", collector)
             api = ApiClient(f"http://127.0.0.1:{port}", token)
-            return {name: timed(lambda: source.to_frame(queryapi.remote_query(api, sql, params[name])))
-                    for name, sql in queries.QUERIES.items()}
+            return {
+                name: timed(lambda: source.to_frame(queryapi.remote_query(api, sql, params[name])))
+                for name, sql in queries.QUERIES.items()
+            }
         finally:
             collector.terminate()
             collector.wait(timeout=60)

@@ -3,7 +3,7 @@ on clean runs and steps to detection of slowdowns, at 1% to 5% step-time jitter,
 analyzer's CPU time per step judged.
 
 Scenarios are drawn by the fleet simulator (trainer/simulate.py) and judged by the straggler
-analyzer (collector/analyzers/stragglers.py) as the engine judges them (each step once, on the
+analyzer (collector/analysis/analyzers/stragglers.py) as the engine judges them (each step once, on the
 steps before it), offline: no collector in the loop, so the analyzer's own cost is what is timed.
 
 - clean runs at 1%, 2%, 3%, 4%, 5% jitter: findings per 10,000 steps (the goal: 0), against a
@@ -29,7 +29,7 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector.analyzers import Frames, stragglers
+from collector.analysis.analyzers import Frames, stragglers
 from trainer import simulate
 from trainer.faults import parse
 
@@ -44,8 +44,7 @@ def frames(topology, n_steps, faults, jitter, seed) -> pd.DataFrame:
     return steps.assign(run_id="bench", end_ts=steps["end_ns"])
 
 
-def judge(steps: pd.DataFrame, placement: pd.DataFrame, first: int, last: int,
-          settings: stragglers.Settings) -> list:
+def judge(steps: pd.DataFrame, placement: pd.DataFrame, first: int, last: int, settings: stragglers.Settings) -> list:
     """The analyzer over steps first..last, with the history before them it reads."""
     history = steps[(steps["step"] > first - 1 - stragglers.READS.history) & (steps["step"] <= last)]
     return stragglers.judge(Frames("bench", history, first, last, placement, 0), settings)
@@ -59,27 +58,42 @@ def baseline(steps: pd.DataFrame, placement: pd.DataFrame, end: int) -> list:
 
 
 def clean_rates(topology, placement, n_steps: int, settings) -> Table:
-    table = Table("jitter", "steps judged", "findings", "per 10,000 steps", "baseline: steps flagged per 10,000",
-                  title="clean runs: false findings (baseline: the fixed floor of before, every step judged)")
+    table = Table(
+        "jitter",
+        "steps judged",
+        "findings",
+        "per 10,000 steps",
+        "baseline: steps flagged per 10,000",
+        title="clean runs: false findings (baseline: the fixed floor of before, every step judged)",
+    )
     for jitter in track(JITTERS, description="clean runs", transient=True):
         steps = frames(topology, n_steps, [], jitter, seed=7)
-        found = sum(len(judge(steps, placement, start, min(start + CHUNK, n_steps) - 1, settings))
-                    for start in range(12, n_steps, CHUNK))
+        found = sum(
+            len(judge(steps, placement, start, min(start + CHUNK, n_steps) - 1, settings))
+            for start in range(12, n_steps, CHUNK)
+        )
         flagged = sum(bool(baseline(steps, placement, end)) for end in range(12, n_steps))
         judged = n_steps - 12
-        table.add_row(f"{jitter:.0%}", str(judged), str(found), f"{found / judged * 1e4:.1f}",
-                      f"{flagged / judged * 1e4:.0f}")
+        table.add_row(
+            f"{jitter:.0%}", str(judged), str(found), f"{found / judged * 1e4:.1f}", f"{flagged / judged * 1e4:.0f}"
+        )
     return table
 
 
 def detection(topology, placement, n_steps: int, seeds: int, settings) -> tuple[Table, float, int]:
     node_ranks = list(range(64, 72))
     stage_ranks = placement.loc[placement["pp_stage"] == 3, "rank"].tolist()
-    patterns = {"rank": ("straggler:rank=37,slowdown={s},from=20", "rank", [37]),
-                "node": ("slow-node:node=8,slowdown={s},from=20", "node", node_ranks),
-                "stage": ("slow-stage:stage=3,slowdown={s},from=20", "stage", stage_ranks)}
-    table = Table("pattern", "slowdown", *[f"{j:.0%} jitter" for j in JITTERS],
-                  title=f"steps from onset to detection (median, max over {seeds} seeds; found/seeds)")
+    patterns = {
+        "rank": ("straggler:rank=37,slowdown={s},from=20", "rank", [37]),
+        "node": ("slow-node:node=8,slowdown={s},from=20", "node", node_ranks),
+        "stage": ("slow-stage:stage=3,slowdown={s},from=20", "stage", stage_ranks),
+    }
+    table = Table(
+        "pattern",
+        "slowdown",
+        *[f"{j:.0%} jitter" for j in JITTERS],
+        title=f"steps from onset to detection (median, max over {seeds} seeds; found/seeds)",
+    )
     cpu, calls = 0.0, 0
     cases = [(p, s) for p in patterns for s in (1.05, 1.10)]
     for pattern, slowdown in track(cases, description="slowdowns", transient=True):
@@ -96,8 +110,9 @@ def detection(topology, placement, n_steps: int, seeds: int, settings) -> tuple[
                     if any(f.kind == kind and f.ranks == ranks for f in found):
                         delays.append(end - ONSET)
                         break
-            cells.append(f"{int(np.median(delays))}, {max(delays)} ({len(delays)}/{seeds})" if delays
-                         else f"- (0/{seeds})")
+            cells.append(
+                f"{int(np.median(delays))}, {max(delays)} ({len(delays)}/{seeds})" if delays else f"- (0/{seeds})"
+            )
         table.add_row(pattern, f"{(slowdown - 1) * 100:.0f}%", *cells)
     return table, cpu, calls
 

@@ -49,8 +49,8 @@ def profiler_split(trace: Path) -> dict[int, dict[str, float]]:
     """Per ProfilerStep of a Kineto trace (one rank), in seconds: `compute`, the time some compute
     kernel runs; `comm`, the NCCL kernels' durations summed; `exposed`, the NCCL kernel time no
     compute kernel covers, within the step's GPU ops. Kernels belong to the step that launched
-    them (collector/imports/kineto.py)."""
-    from collector.imports.kineto import KinetoTrace
+    them (collector/receive/imports/kineto.py)."""
+    from collector.receive.imports.kineto import KinetoTrace
 
     ops = next(iter(KinetoTrace(trace).batches())).to_pandas()
     for column in ("start_ts", "end_ts"):
@@ -59,8 +59,11 @@ def profiler_split(trace: Path) -> dict[int, dict[str, float]]:
     for step, g in ops.groupby("step"):
         compute = list(zip(g.start_ts[g.kind == "compute"], g.end_ts[g.kind == "compute"]))
         comm = list(zip(g.start_ts[g.kind == "comm"], g.end_ts[g.kind == "comm"]))
-        split[int(step)] = {"compute": length(compute) / 1e9, "comm": sum(e - s for s, e in comm) / 1e9,
-                            "exposed": exposed(comm, compute, (g.start_ts.min(), g.end_ts.max())) / 1e9}
+        split[int(step)] = {
+            "compute": length(compute) / 1e9,
+            "comm": sum(e - s for s, e in comm) / 1e9,
+            "exposed": exposed(comm, compute, (g.start_ts.min(), g.end_ts.max())) / 1e9,
+        }
     return split
 
 
@@ -121,10 +124,13 @@ def agent_split(db: Path, run_id: str) -> dict[int, dict[str, float]]:
     import duckdb
 
     with duckdb.connect(str(db), read_only=True) as con:
-        rows = con.execute("""SELECT s.step, s.compute_s, coalesce(sum(o.duration_s), 0), s.comm_wait_s
+        rows = con.execute(
+            """SELECT s.step, s.compute_s, coalesce(sum(o.duration_s), 0), s.comm_wait_s
                               FROM steps s LEFT JOIN ops o ON o.run_id = s.run_id AND o.rank = s.rank
                                    AND o.step = s.step AND o.kind = 'comm'
-                              WHERE s.run_id = ? GROUP BY ALL""", [run_id]).fetchall()
+                              WHERE s.run_id = ? GROUP BY ALL""",
+            [run_id],
+        ).fetchall()
     return {step: {"compute": compute, "comm": comm, "exposed": wait} for step, compute, comm, wait in rows}
 
 
@@ -153,27 +159,33 @@ def main() -> None:
 
     console = Console()
     nccl = torch.cuda.nccl.version()  # a tuple; an int in older releases
-    console.print(f"GPU: [bold]{torch.cuda.get_device_name(0)}[/bold], torch {torch.__version__}, "
-                  f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
+    console.print(
+        f"GPU: [bold]{torch.cuda.get_device_name(0)}[/bold], torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}"
+    )
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         db, trace = Path(tmp) / "bench.duckdb", Path(tmp) / "trace_rank0.json"
-        collector = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db),
-                                      "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL)
+        collector = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port), "--token", TOKEN],
+            stdout=subprocess.DEVNULL,
+        )
         try:
             wait_healthy(url, collector)
             bench = Bench(args, url)
             variants = [NO_AGENT, HOOK, AGENT, AGENT_DDP]
             times: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(args.rounds):
-                for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
                     times[v].append(bench.run(v, args.steps, f"gpu-{r}-{variants.index(v)}"))
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                         schedule=schedule(wait=WARMUP, warmup=2, active=args.profile_steps),
-                         on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+            with profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                schedule=schedule(wait=WARMUP, warmup=2, active=args.profile_steps),
+                on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
+            ) as prof:
                 bench.run(AGENT_DDP, args.profile_steps + 2, "gpu-profiled", profiler=prof)
         finally:
             collector.terminate()
@@ -192,8 +204,10 @@ def main() -> None:
         a, p = (statistics.median(d[s][key] for s in steps) for d in (ours, theirs))
         split.add_row(what, f"{a * 1e3:.3f} ms", f"{p * 1e3:.3f} ms", percent(a, p))
     console.print(split)
-    console.print(f"GPT {args.model}, batch {args.batch}, bf16 autocast, DDP over NCCL on 1 GPU; {args.rounds} "
-                  f"rounds of {args.steps} steps; the split over {len(steps)} profiled steps (agent + DDP timing)")
+    console.print(
+        f"GPT {args.model}, batch {args.batch}, bf16 autocast, DDP over NCCL on 1 GPU; {args.rounds} "
+        f"rounds of {args.steps} steps; the split over {len(steps)} profiled steps (agent + DDP timing)"
+    )
 
 
 if __name__ == "__main__":

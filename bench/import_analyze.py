@@ -46,36 +46,70 @@ def main() -> None:
     python, console = sys.executable, Console()
     with tempfile.TemporaryDirectory() as tmp:
         trace, db, raw = Path(tmp) / "trace.parquet", Path(tmp) / "store.duckdb", Path(tmp) / "raw.duckdb"
-        subprocess.run([python, "-m", "rankwatch", "simulate", "--ranks", str(args.ranks), "--pp", "8", "--steps",
-                        str(args.steps), "--out", str(trace), "--inject", "straggler:rank=300,slowdown=1.2,from=30"],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [
+                python,
+                "-m",
+                "rankwatch",
+                "simulate",
+                "--ranks",
+                str(args.ranks),
+                "--pp",
+                "8",
+                "--steps",
+                str(args.steps),
+                "--out",
+                str(trace),
+                "--inject",
+                "straggler:rank=300,slowdown=1.2,from=30",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         import pyarrow.parquet as pq
 
         rows = pq.ParquetFile(trace).metadata.num_rows
-        console.print(f"{args.ranks} ranks x {args.steps} steps: {rows:,} ops, {trace.stat().st_size / 2**20:.1f} MiB "
-                      f"Parquet, {os.cpu_count()} cores")
+        console.print(
+            f"{args.ranks} ranks x {args.steps} steps: {rows:,} ops, {trace.stat().st_size / 2**20:.1f} MiB "
+            f"Parquet, {os.cpu_count()} cores"
+        )
         results = {
-            "import (rankwatch import ops)": measured(python, "-m", "rankwatch", "import", "ops", str(trace),
-                                                      "--run", RUN, "--db", str(db)),
+            "import (rankwatch import ops)": measured(
+                python, "-m", "rankwatch", "import", "ops", str(trace), "--run", RUN, "--db", str(db)
+            ),
             "baseline: DuckDB loads the Parquet": measured(
-                python, "-c", f"import duckdb; duckdb.connect({str(raw)!r}).execute("
-                              f"\"CREATE TABLE t AS SELECT * FROM read_parquet('{trace}')\")"),
-            "analyze (rankwatch analyze --json)": measured(python, "-m", "rankwatch", "analyze", RUN, "--db", str(db),
-                                                           "--json"),
+                python,
+                "-c",
+                f"import duckdb; duckdb.connect({str(raw)!r}).execute("
+                f"\"CREATE TABLE t AS SELECT * FROM read_parquet('{trace}')\")",
+            ),
+            "analyze (rankwatch analyze --json)": measured(
+                python, "-m", "rankwatch", "analyze", RUN, "--db", str(db), "--json"
+            ),
             "baseline: DuckDB reads the rank-steps": measured(
-                python, "-c", f"import duckdb; duckdb.connect({str(db)!r}, read_only=True).execute("
-                              f"\"SELECT * FROM steps WHERE run_id = '{RUN}'\").df()"),
+                python,
+                "-c",
+                f"import duckdb; duckdb.connect({str(db)!r}, read_only=True).execute("
+                f"\"SELECT * FROM steps WHERE run_id = '{RUN}'\").df()",
+            ),
         }
     table = Table("job", "seconds", "ops/s", "peak memory MiB")
     for name, (wall, rss) in results.items():
-        table.add_row(name, f"{wall:.2f}", f"{rows / wall:,.0f}" if "analyze" not in name and "steps" not in name
-                      else "", f"{rss:.0f}")
+        table.add_row(
+            name,
+            f"{wall:.2f}",
+            f"{rows / wall:,.0f}" if "analyze" not in name and "steps" not in name else "",
+            f"{rss:.0f}",
+        )
     console.print(table)
     (imp, _), (base, _) = results["import (rankwatch import ops)"], results["baseline: DuckDB loads the Parquet"]
     (ana, _) = results["analyze (rankwatch analyze --json)"]
     (read, _) = results["baseline: DuckDB reads the rank-steps"]
-    console.print(f"import takes {imp / base:.1f}x the baseline load; analyze {ana / read:.1f}x reading its input "
-                  f"(both include starting Python)")
+    console.print(
+        f"import takes {imp / base:.1f}x the baseline load; analyze {ana / read:.1f}x reading its input "
+        f"(both include starting Python)"
+    )
 
 
 if __name__ == "__main__":

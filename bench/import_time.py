@@ -9,7 +9,7 @@ Each pair prints the median cumulative import time of its module over the runs, 
 sys.modules, and the ratio this/baseline.
 
 Usage: python bench/import_time.py --baseline DIR [--runs 9] [--pair BASELINE_MODULE:THIS_MODULE ...]
-  (default pairs: collector.store:collector.store.db, dashboard.source, collector.query)
+  (default pairs: collector.store:collector.store.db, dashboard.source, collector.reports.query)
 """
 
 import argparse
@@ -20,13 +20,23 @@ import sys
 from pathlib import Path
 
 THIS = Path(__file__).resolve().parent.parent
-PAIRS = ("collector.store:collector.store.db", "dashboard.source:dashboard.source", "collector.query:collector.query")
+PAIRS = (
+    "collector.store:collector.store.db",
+    "dashboard.source:dashboard.source",
+    "collector.query:collector.reports.query",
+)
 _COUNT = "import sys; import {module}; print(len(sys.modules))"
 
 
 def _run(tree: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stderr if "-X" in args else done.stdout
 
 
@@ -49,8 +59,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--pair", action="append", help="BASELINE_MODULE:THIS_MODULE (repeatable)")
     args = parser.parse_args()
-    print(f"{'baseline module':<18} {'ms':>6} {'modules':>8}   "
-          f"{'this module':<20} {'ms':>6} {'modules':>8}   this/baseline")
+    print(
+        f"{'baseline module':<18} {'ms':>6} {'modules':>8}   "
+        f"{'this module':<20} {'ms':>6} {'modules':>8}   this/baseline"
+    )
     for pair in args.pair or PAIRS:
         before, after = pair.split(":")
         baseline, this = [], []
@@ -58,8 +70,10 @@ def main() -> None:
             baseline.append(import_ms(args.baseline, before))
             this.append(import_ms(THIS, after))
         a, b = statistics.median(baseline), statistics.median(this)
-        print(f"{before:<18} {a:>6.0f} {modules(args.baseline, before):>8}   {after:<20} {b:>6.0f} "
-              f"{modules(THIS, after):>8}   {b / a:.2f}")
+        print(
+            f"{before:<18} {a:>6.0f} {modules(args.baseline, before):>8}   {after:<20} {b:>6.0f} "
+            f"{modules(THIS, after):>8}   {b / a:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from agent import semconv as sc
 from rankwatch.launch import wait_healthy
 
 TOKEN = "bench-token"
-BASELINE_APP = '''
+BASELINE_APP = """
 import gzip, uvicorn
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -54,7 +54,7 @@ async def healthz(request):
 
 app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]), Route("/healthz", healthz)])
 uvicorn.run(app, host="127.0.0.1", port=int(__import__("sys").argv[1]), log_level="warning")
-'''
+"""
 
 
 def free_port() -> int:
@@ -83,29 +83,58 @@ def build_bodies(ranks: int, steps: int, per_request: int, seed: int = 0) -> tup
         for first in range(0, steps, per_request):
             request = ExportTraceServiceRequest()
             rs = request.resource_spans.add()
-            for key, value in ((sc.RUN_ID, "bench"), (sc.RANK, rank), (sc.WORLD_SIZE, ranks),
-                               (sc.HOST_NAME, f"node{rank // 8}")):
+            for key, value in (
+                (sc.RUN_ID, "bench"),
+                (sc.RANK, rank),
+                (sc.WORLD_SIZE, ranks),
+                (sc.HOST_NAME, f"node{rank // 8}"),
+            ):
                 _kv(rs.resource.attributes, key, value)
             scope = rs.scope_spans.add()
             for step in range(first, min(first + per_request, steps)):
                 start = t0 + step * 200_000_000
                 trace_id, step_id = rng.randbytes(16), rng.randbytes(8)
-                s = scope.spans.add(trace_id=trace_id, span_id=step_id, name="step",
-                                    start_time_unix_nano=start, end_time_unix_nano=start + 190_000_000)
-                for key, value in ((sc.KIND, sc.KIND_STEP), (sc.STEP, step), (sc.LOSS, 2.5), (sc.GRAD_NORM, 1.1),
-                                   (sc.TOKENS, 8192), (sc.LR, 3e-4), (sc.COMM_WAIT_S, 0.012)):
+                s = scope.spans.add(
+                    trace_id=trace_id,
+                    span_id=step_id,
+                    name="step",
+                    start_time_unix_nano=start,
+                    end_time_unix_nano=start + 190_000_000,
+                )
+                for key, value in (
+                    (sc.KIND, sc.KIND_STEP),
+                    (sc.STEP, step),
+                    (sc.LOSS, 2.5),
+                    (sc.GRAD_NORM, 1.1),
+                    (sc.TOKENS, 8192),
+                    (sc.LR, 3e-4),
+                    (sc.COMM_WAIT_S, 0.012),
+                ):
                     _kv(s.attributes, key, value)
-                children = [("data", sc.KIND_PHASE), ("forward", sc.KIND_PHASE), ("backward", sc.KIND_PHASE),
-                            ("optimizer", sc.KIND_PHASE)] + [("all_reduce", sc.KIND_COMM)] * 6
+                children = [
+                    ("data", sc.KIND_PHASE),
+                    ("forward", sc.KIND_PHASE),
+                    ("backward", sc.KIND_PHASE),
+                    ("optimizer", sc.KIND_PHASE),
+                ] + [("all_reduce", sc.KIND_COMM)] * 6
                 for i, (name, kind) in enumerate(children):
-                    c = scope.spans.add(trace_id=trace_id, span_id=rng.randbytes(8), parent_span_id=step_id,
-                                        name=name, start_time_unix_nano=start + i * 15_000_000,
-                                        end_time_unix_nano=start + (i + 1) * 15_000_000)
+                    c = scope.spans.add(
+                        trace_id=trace_id,
+                        span_id=rng.randbytes(8),
+                        parent_span_id=step_id,
+                        name=name,
+                        start_time_unix_nano=start + i * 15_000_000,
+                        end_time_unix_nano=start + (i + 1) * 15_000_000,
+                    )
                     _kv(c.attributes, sc.KIND, kind)
                     _kv(c.attributes, sc.STEP, step)
                     if kind == sc.KIND_COMM:
-                        for key, value in ((sc.COMM_GROUP, "dp"), (sc.COMM_GROUP_SIZE, ranks),
-                                           (sc.COMM_SEQ, step * 6 + i), (sc.COMM_BYTES, 25 << 20)):
+                        for key, value in (
+                            (sc.COMM_GROUP, "dp"),
+                            (sc.COMM_GROUP_SIZE, ranks),
+                            (sc.COMM_SEQ, step * 6 + i),
+                            (sc.COMM_BYTES, 25 << 20),
+                        ):
                             _kv(c.attributes, key, value)
                 spans += 1 + len(children)
             bodies.append(gzip.compress(request.SerializeToString(), compresslevel=1))
@@ -122,10 +151,12 @@ async def send_all(port: int, bodies: list[bytes], concurrency: int) -> tuple[fl
     """
     queue: asyncio.Queue = asyncio.Queue()
     for body in bodies:
-        queue.put_nowait(b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                         b"Content-Type: application/x-protobuf\r\nContent-Encoding: gzip\r\n"
-                         b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        queue.put_nowait(
+            b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-protobuf\r\nContent-Encoding: gzip\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
     latencies: list[float] = []
 
     async def connection():
@@ -152,8 +183,16 @@ async def send_all(port: int, bodies: list[bytes], concurrency: int) -> tuple[fl
     return time.perf_counter() - started, latencies
 
 
-def measure(name: str, command: list[str], port: int, warm_up: list[bytes], bodies: list[bytes], spans: int,
-            concurrency: int, env: dict | None = None) -> dict:
+def measure(
+    name: str,
+    command: list[str],
+    port: int,
+    warm_up: list[bytes],
+    bodies: list[bytes],
+    spans: int,
+    concurrency: int,
+    env: dict | None = None,
+) -> dict:
     """Steady-state figures: every rank has announced itself before the clock starts."""
     server = subprocess.Popen(command, env={**os.environ, "RANKWATCH_TOKEN": TOKEN, **(env or {})})
     try:
@@ -179,25 +218,60 @@ def main() -> None:
     warm_up, _ = build_bodies(args.ranks, 1, 1, seed=1)
     bodies, spans = build_bodies(args.ranks, args.steps, args.steps_per_request)
     console = Console()
-    console.print(f"{args.ranks} ranks x {args.steps} steps x 11 spans = {spans:,} spans in {len(bodies):,} "
-                  f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores")
+    console.print(
+        f"{args.ranks} ranks x {args.steps} steps x 11 spans = {spans:,} spans in {len(bodies):,} "
+        f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores"
+    )
     results = []
     for decoder, env in (("C decoder", {}), ("Python decoder", {"RANKWATCH_DECODER": "python"})):
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()
-            collector = [sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/bench.duckdb",
-                         "--port", str(port)]
+            collector = [
+                sys.executable,
+                "-m",
+                "rankwatch",
+                "collector",
+                "--db",
+                f"{tmp}/bench.duckdb",
+                "--port",
+                str(port),
+            ]
             if args.workers is not None:
                 collector += ["--workers", str(args.workers)]
-            results.append(measure(f"rankwatch, {decoder} (decode + DuckDB commit)", collector, port, warm_up,
-                                   bodies, spans, args.concurrency, env))
+            results.append(
+                measure(
+                    f"rankwatch, {decoder} (decode + DuckDB commit)",
+                    collector,
+                    port,
+                    warm_up,
+                    bodies,
+                    spans,
+                    args.concurrency,
+                    env,
+                )
+            )
     port = free_port()
-    results.append(measure("baseline (protobuf parse only)", [sys.executable, "-c", BASELINE_APP, str(port)],
-                           port, warm_up, bodies, spans, args.concurrency))
+    results.append(
+        measure(
+            "baseline (protobuf parse only)",
+            [sys.executable, "-c", BASELINE_APP, str(port)],
+            port,
+            warm_up,
+            bodies,
+            spans,
+            args.concurrency,
+        )
+    )
     table = Table("server", "spans/s", "p50 ack ms", "p99 ack ms", "wall s", "vs baseline")
     for r in results:
-        table.add_row(r["name"], f"{r['spans_s']:,.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                      f"{r['wall_s']:.2f}", f"{r['spans_s'] / results[-1]['spans_s']:.2f}x")
+        table.add_row(
+            r["name"],
+            f"{r['spans_s']:,.0f}",
+            f"{r['p50_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            f"{r['wall_s']:.2f}",
+            f"{r['spans_s'] / results[-1]['spans_s']:.2f}x",
+        )
     console.print(table)
 
 

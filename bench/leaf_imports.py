@@ -22,8 +22,9 @@ BASELINE = "agent.session"
 
 def _self_times(code: str) -> dict[str, int]:
     """Each module `code` imported, with its self time (µs)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       check=True)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     times = {}
     for line in r.stderr.splitlines():
         if line.startswith("import time:") and "|" in line and "self [us]" not in line:

@@ -29,9 +29,10 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from collector import analysis, findings
 from collector.alerts.config import AlertConfig
-from collector.analyzers import power
+from collector.analysis import findings
+from collector.analysis import live as analysis
+from collector.analysis.analyzers import power
 from collector.store.db import connect
 from rankwatch.launch import wait_healthy
 from tests.conftest import free_port
@@ -45,12 +46,31 @@ def fill(db: Path, ranks: int, steps: int) -> None:
     port = free_port()
     env = {**os.environ, "RANKWATCH_TOKEN": TOKEN}
     rankwatch = [sys.executable, "-m", "rankwatch"]
-    collector = subprocess.Popen([*rankwatch, "collector", "--db", str(db), "--port", str(port), "--power-every", "0"],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    collector = subprocess.Popen(
+        [*rankwatch, "collector", "--db", str(db), "--port", str(port), "--power-every", "0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", collector)
-        subprocess.run([*rankwatch, "simulate", "--ranks", str(ranks), "--steps", str(steps), "--run", RUN,
-                        "--collector", f"http://127.0.0.1:{port}"], env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *rankwatch,
+                "simulate",
+                "--ranks",
+                str(ranks),
+                "--steps",
+                str(steps),
+                "--run",
+                RUN,
+                "--collector",
+                f"http://127.0.0.1:{port}",
+            ],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     finally:
         collector.terminate()
         collector.wait()
@@ -121,15 +141,28 @@ def main() -> None:
         return f"{1e3 * value:,.0f} ms" if abs(value) >= 0.01 else f"{1e3 * value:.2f} ms"
 
     console.print(f"{args.ranks} ranks x {args.steps} steps, {args.repeat} reports each way (medians)")
-    table = Table("the writer's analysis pass", "writer blocked", "findings recorded after", "commit p50",
-                  "commit p99", "commit max")
+    table = Table(
+        "the writer's analysis pass",
+        "writer blocked",
+        "findings recorded after",
+        "commit p50",
+        "commit p99",
+        "commit max",
+    )
     table.add_row("without power", ms(others), "", "", "", "")
     table.add_row("+ the power report inline (before the power thread)", f"+ {ms(inline)}", ms(inline), "", "", "")
-    table.add_row("+ the power report started on the power thread", f"+ {ms([b - o for b, o in zip(blocked, others)])}",
-                  ms(drawn), "", "", "")
+    table.add_row(
+        "+ the power report started on the power thread",
+        f"+ {ms([b - o for b, o in zip(blocked, others)])}",
+        ms(drawn),
+        "",
+        "",
+        "",
+    )
     table.add_row("commits, nothing drawing", "", "", ms(quiet), ms(quiet, 0.99), ms(quiet, 1.0))
     table.add_row("commits while the power thread draws", "", "", ms(during), ms(during, 0.99), ms(during, 1.0))
     console.print(table)
+
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,18 @@ from agent import semconv as sc
 from agent.sampler import Sampler
 from agent.simdevice import SimulatedDevice
 
-BEFORE = {sc.POWER_INSTANT_W, sc.ENERGY_J, sc.SM_CLOCK_MHZ, sc.MEM_CLOCK_MHZ, sc.GPU_TEMP_C, sc.GPU_UTIL_PCT,
-          sc.POWER_LIMIT_W, sc.POWER_LIMIT_MIN_W, sc.POWER_LIMIT_MAX_W, sc.CLOCK_EVENT_REASONS}
+BEFORE = {
+    sc.POWER_INSTANT_W,
+    sc.ENERGY_J,
+    sc.SM_CLOCK_MHZ,
+    sc.MEM_CLOCK_MHZ,
+    sc.GPU_TEMP_C,
+    sc.GPU_UTIL_PCT,
+    sc.POWER_LIMIT_W,
+    sc.POWER_LIMIT_MIN_W,
+    sc.POWER_LIMIT_MAX_W,
+    sc.CLOCK_EVENT_REASONS,
+}
 
 
 class Before(SimulatedDevice):
@@ -39,16 +49,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--samples", type=int, default=20000)
     args = parser.parse_args()
-    samplers = {name: Sampler([cls(0, utilization=lambda: 0.7)], lambda batch: True)
-                for name, cls in (("A: before", Before), ("B: all metrics", SimulatedDevice))}
+    samplers = {
+        name: Sampler([cls(0, utilization=lambda: 0.7)], lambda batch: True)
+        for name, cls in (("A: before", Before), ("B: all metrics", SimulatedDevice))
+    }
     times: dict[str, list[float]] = {name: [] for name in samplers}
     for i in range(args.rounds):
-        for name in (list(samplers) if i % 2 == 0 else list(samplers)[::-1]):
+        for name in list(samplers) if i % 2 == 0 else list(samplers)[::-1]:
             times[name].append(per_sample_us(samplers[name], args.samples))
     for name, sampler in samplers.items():
         median = statistics.median(times[name])
-        print(f"{name:16} {len(sampler._read_all()):3d} points/sample  {median:6.1f} us CPU/sample  "
-              f"{median * 10 / 1e4:.4f}% of a core at 10 Hz")
+        print(
+            f"{name:16} {len(sampler._read_all()):3d} points/sample  {median:6.1f} us CPU/sample  "
+            f"{median * 10 / 1e4:.4f}% of a core at 10 Hz"
+        )
     a, b = (statistics.median(t) for t in times.values())
     print(f"B / A: {b / a:.2f}x CPU per sample")
 

@@ -27,10 +27,31 @@ _BUS_FACTORS = {
 }
 
 # bytes per element of the dtypes PyTorch names in its traces and dumps (c10::ScalarType's names)
-DTYPE_BYTES = {"Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
-               "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "UInt16": 2, "Half": 2, "BFloat16": 2,
-               "Int": 4, "UInt32": 4, "QInt32": 4, "Float": 4, "ComplexHalf": 4, "Long": 8, "UInt64": 8,
-               "Double": 8, "ComplexFloat": 8, "ComplexDouble": 16}
+DTYPE_BYTES = {
+    "Bool": 1,
+    "Byte": 1,
+    "Char": 1,
+    "QInt8": 1,
+    "QUInt8": 1,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
+    "Float8_e4m3fnuz": 1,
+    "Float8_e5m2fnuz": 1,
+    "Short": 2,
+    "UInt16": 2,
+    "Half": 2,
+    "BFloat16": 2,
+    "Int": 4,
+    "UInt32": 4,
+    "QInt32": 4,
+    "Float": 4,
+    "ComplexHalf": 4,
+    "Long": 8,
+    "UInt64": 8,
+    "Double": 8,
+    "ComplexFloat": 8,
+    "ComplexDouble": 16,
+}
 
 _ALIASES = {
     "allreduce": "all_reduce",
@@ -52,9 +73,11 @@ _ALIASES = {
     "recv": "recv",
     "irecv": "recv",
 }
-_DECORATION = re.compile(r"^(nccl|c10d|gloo)[:_]*|^(nccl)?(dev)?kernel_?|[_:](sum|prod|max|min|avg|premulsum|ring|"
-                         r"tree|ll|ll128|simple|collnet\w*|nvls\w*|[fiu](8|16|32|64)|u?int\d+(_t)?|half|float|"
-                         r"double|bf16|e4m3|e5m2)(?=[_:]|$).*$")
+_DECORATION = re.compile(
+    r"^(nccl|c10d|gloo)[:_]*|^(nccl)?(dev)?kernel_?|[_:](sum|prod|max|min|avg|premulsum|ring|"
+    r"tree|ll|ll128|simple|collnet\w*|nvls\w*|[fiu](8|16|32|64)|u?int\d+(_t)?|half|float|"
+    r"double|bf16|e4m3|e5m2)(?=[_:]|$).*$"
+)
 
 
 @cache
@@ -75,15 +98,19 @@ def bus_factor(name: str, group_size: int) -> float | None:
     return _BUS_FACTORS[op](group_size) if op and group_size >= 1 else None
 
 
-def bandwidths(names: pa.Array, group_sizes: pa.Array, nbytes: pa.Array, seconds: np.ndarray
-               ) -> tuple[pa.Array, pa.Array]:
+def bandwidths(
+    names: pa.Array, group_sizes: pa.Array, nbytes: pa.Array, seconds: np.ndarray
+) -> tuple[pa.Array, pa.Array]:
     """(algbw, busbw) in GB/s per op; null where the op moves no known bytes or is no known collective."""
     if nbytes.null_count == len(nbytes):
         return pa.nulls(len(nbytes), pa.float64()), pa.nulls(len(nbytes), pa.float64())
     with np.errstate(divide="ignore", invalid="ignore"):
-        algbw = np.where(seconds > 0, nbytes.to_numpy(zero_copy_only=False).astype(np.float64) / seconds / 1e9,
-                         np.nan)
-    factors = np.array([np.nan if b is None or n is None or (f := bus_factor(name, n)) is None else f
-                        for name, n, b in zip(names.to_pylist(), group_sizes.to_pylist(), nbytes.to_pylist())])
+        algbw = np.where(seconds > 0, nbytes.to_numpy(zero_copy_only=False).astype(np.float64) / seconds / 1e9, np.nan)
+    factors = np.array(
+        [
+            np.nan if b is None or n is None or (f := bus_factor(name, n)) is None else f
+            for name, n, b in zip(names.to_pylist(), group_sizes.to_pylist(), nbytes.to_pylist())
+        ]
+    )
     # NaN (no bytes, no time, unknown collective) is stored as null
     return pa.array(algbw, from_pandas=True), pa.array(algbw * factors, from_pandas=True)

@@ -22,16 +22,17 @@ def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def compact(ranks: Iterable[int], max_ranges: int = MAX_RANGES, dash: str = "–", sep: str = ", ") -> str:
-    """"0–7, 12": the ranks as ranges, the first `max_ranges` spelled out and the rest counted
+    """ "0–7, 12": the ranks as ranges, the first `max_ranges` spelled out and the rest counted
     ("0, 2, 4, 6, 8, 10 and 250 more"); "" for none."""
     runs = ranges(ranks)
-    text = sep.join(f"{a}" if a == b else f"{a}{dash}{b}" if b > a + 1 else f"{a}{sep}{b}"
-                    for a, b in runs[:max_ranges])
+    text = sep.join(
+        f"{a}" if a == b else f"{a}{dash}{b}" if b > a + 1 else f"{a}{sep}{b}" for a, b in runs[:max_ranges]
+    )
     rest = sum(b - a + 1 for a, b in runs[max_ranges:])
     return text + (f" and {rest} more" if rest else "")
 
 
 def phrase(ranks: Iterable[int], max_ranges: int = MAX_RANGES) -> str:
-    """"rank 5", "ranks 0–7, 12": the set with its noun, for a sentence."""
+    """ "rank 5", "ranks 0–7, 12": the set with its noun, for a sentence."""
     ranks = sorted({int(r) for r in ranks})
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {compact(ranks, max_ranges)}"

@@ -21,17 +21,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agent.paths import DEFAULT_DB
-from collector import bodies, control, otlp, queryapi
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
-from collector.analysis import Analysis, HealthCounters
-from collector.analyzers import hangs
-from collector.auth import CHALLENGE, load_or_create_token, refusal
-from collector.commands import ROLLBACK_ON, RollbackPolicy
-from collector.decode import describe_decoder
-from collector.ingest import Ingestor
-from collector.runmetrics import RunMetrics
-from collector.selfmetrics import SelfMetrics
+from collector.analysis.analyzers import hangs
+from collector.analysis.live import Analysis, HealthCounters
+from collector.control import api as control
+from collector.control.commands import ROLLBACK_ON, RollbackPolicy
+from collector.metrics.collector import SelfMetrics
+from collector.metrics.runs import RunMetrics
+from collector.receive import bodies, otlp
+from collector.receive.auth import CHALLENGE, load_or_create_token, refusal
+from collector.receive.decode import describe_decoder
+from collector.receive.ingest import Ingestor
+from collector.reports import queryapi
 from collector.store.db import connect
 from collector.store.handle import Overloaded, Store
 
@@ -72,12 +74,21 @@ def create_app(config: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        analysis = Analysis(config.analyze_every_s, hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-                            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
-                            alerts=config.alerts, power_every_s=config.power_every_s)
+        analysis = Analysis(
+            config.analyze_every_s,
+            hang_settings=hangs.Settings(floor_s=config.hang_after_s),
+            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
+            alerts=config.alerts,
+            power_every_s=config.power_every_s,
+        )
         # the writer's tasks, run between its commits: the analysis, then the alert delivery
-        store = Store(config.db, config.max_queue_bytes, on_commit=metrics.observe_commit,
-                      tasks=(analysis, Delivery(config.alerts)), on_failure=stop_failed)
+        store = Store(
+            config.db,
+            config.max_queue_bytes,
+            on_commit=metrics.observe_commit,
+            tasks=(analysis, Delivery(config.alerts)),
+            on_failure=stop_failed,
+        )
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
         reporting = asyncio.create_task(report_health(store))
@@ -100,8 +111,13 @@ def create_app(config: Config) -> Starlette:
         while True:
             await asyncio.sleep(config.analyze_every_s)
             try:
-                await asyncio.wrap_future(store.call(HealthCounters(
-                    queue_bytes=store.queued_bytes, max_queue_bytes=store.max_queue_bytes, **metrics.health())))
+                await asyncio.wrap_future(
+                    store.call(
+                        HealthCounters(
+                            queue_bytes=store.queued_bytes, max_queue_bytes=store.max_queue_bytes, **metrics.health()
+                        )
+                    )
+                )
             except Exception:
                 log.exception("judging the collector's health failed")
 
@@ -112,8 +128,9 @@ def create_app(config: Config) -> Starlette:
                 if (reason := refusal(request, token)) is not None:
                     raise otlp.OtlpError(401, reason)
                 kind = otlp.media_type(request.headers.get("content-type"))
-                outcome = await state["ingestor"].export(signal, kind, otlp.encoding(request.headers.get(
-                    "content-encoding")), await _read_body(request))
+                outcome = await state["ingestor"].export(
+                    signal, kind, otlp.encoding(request.headers.get("content-encoding")), await _read_body(request)
+                )
             except otlp.OtlpError as e:
                 metrics.requests.labels(signal, e.status).inc()
                 headers = CHALLENGE if e.status == 401 else None
@@ -149,8 +166,9 @@ def create_app(config: Config) -> Starlette:
 
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
-    routes += control.routes(lambda: state["ingestor"].store, token,
-                             lambda: app.state.server is not None and app.state.server.should_exit)
+    routes += control.routes(
+        lambda: state["ingestor"].store, token, lambda: app.state.server is not None and app.state.server.should_exit
+    )
     routes += queryapi.routes(lambda: state["ingestor"].store, token)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.failed, app.state.server = False, None  # serve() sets the server, which stop_failed stops
@@ -178,8 +196,9 @@ def serve(config: Config) -> None:
     app = create_app(config)
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
     print(describe_decoder(), flush=True)
-    app.state.server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                     timeout_graceful_shutdown=30))
+    app.state.server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=30)
+    )
     app.state.server.run()
     if app.state.failed:
         raise SystemExit(1)

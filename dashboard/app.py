@@ -4,7 +4,7 @@ alert's link also names its finding, `&finding=ID`, shown first)."""
 
 import streamlit as st
 
-from collector.analyzers import health
+from collector.analysis.analyzers import health
 from dashboard import ui
 
 st.set_page_config(page_title="rankwatch", page_icon=":material/monitoring:", layout="wide")
@@ -32,8 +32,13 @@ if not runs.empty:
     linked = st.query_params.get("run")
     if "run" not in st.session_state and linked in labels:  # a link to a run's page
         st.session_state["run"] = linked
-    picked = st.sidebar.selectbox("Run", list(labels), format_func=lambda run: labels[run], key="run",
-                                  on_change=lambda: st.query_params.update(run=st.session_state["run"]))
+    picked = st.sidebar.selectbox(
+        "Run",
+        list(labels),
+        format_func=lambda run: labels[run],
+        key="run",
+        on_change=lambda: st.query_params.update(run=st.session_state["run"]),
+    )
     if linked is not None and linked not in labels:  # never another run's pages under this one's link
         st.error(f"Run **{linked}** is unknown: {ui.data_source().label} has no such run. Pick one in the sidebar.")
         st.stop()

@@ -1,6 +1,6 @@
 """Every query the dashboard runs, by name: the one place its SQL lives.
 
-They go through the same read-only path as anyone's SQL (collector/readonly.py)
+They go through the same read-only path as anyone's SQL (collector/store/readonly.py)
 and aggregate in DuckDB, so what crosses to the page is small whatever the
 job's size: steps are downsampled to about $points points, ranks binned into
 about $rank_bins rows, and a heatmap cell keeps its worst rank. Parameters are

@@ -13,9 +13,25 @@ HOST = "127.0.0.1"
 
 def command(port: int) -> list[str]:
     """The `streamlit run` command line of the app."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", HOST, "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-            "--client.toolbarMode", "viewer"]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        HOST,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--client.toolbarMode",
+        "viewer",
+    ]
 
 
 def serve(port: int, db: Path | None = None, collector: str | None = None) -> None:

@@ -1,5 +1,5 @@
 """Where the dashboard reads: a running collector's query API, or a store file opened
-read-only. Both run the same checked, read-only SQL (collector/readonly.py) and answer in
+read-only. Both run the same checked, read-only SQL (collector/store/readonly.py) and answer in
 the same shape, so every page works on either."""
 
 import json
@@ -10,8 +10,9 @@ from typing import Protocol
 import pandas as pd
 
 from agent.apiclient import ApiClient
-from collector import queryapi, readonly
-from collector.queryapi import QueryFailed
+from collector.reports import queryapi
+from collector.reports.queryapi import QueryFailed
+from collector.store import readonly
 from collector.store.db import StoreLocked, connect
 
 COLLECTOR_ENV = "RANKWATCH_DASHBOARD_COLLECTOR"  # set by `rankwatch dashboard --collector URL`

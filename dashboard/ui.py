@@ -54,8 +54,10 @@ def finding_cost(row: pd.Series) -> str | None:
     if evidence.get("lost_s_per_step") is None:
         return None
     hours = evidence.get("gpu_hours_lost")
-    return (f"Costs **{evidence['lost_s_per_step']:.3f} s per step** ({evidence.get('lost_percent', 0):.1f}% of the "
-            f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else "."))
+    return (
+        f"Costs **{evidence['lost_s_per_step']:.3f} s per step** ({evidence.get('lost_percent', 0):.1f}% of the "
+        f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else ".")
+    )
 
 
 def show_finding(row: pd.Series, expanded: bool = False) -> None:
@@ -79,8 +81,10 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
     with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
         steps = "" if pd.isna(row["step_start"]) else f"steps {int(row['step_start'])}-{int(row['step_end'])}, "
-        st.caption(f"{steps}score {score}, first seen "
-                   f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC")
+        st.caption(
+            f"{steps}score {score}, first seen "
+            f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC"
+        )
         st.json(row["evidence"] or {}, expanded=True)
 
 

@@ -39,20 +39,24 @@ class _Parser(argparse.ArgumentParser):
 
 def _whole(low: int, high: int | None = None):
     """argparse type: a whole number in [low, high]; anything else is a one-line usage error."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}" if high is not None
-                                             else f"must be {low} or more, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"{value} is outside {low}..{high}" if high is not None else f"must be {low} or more, got {value}"
+            )
         return value
+
     return parse
 
 
 def _quantity(allow_zero: bool):
     """argparse type: a finite number of seconds (or watts), positive, or also 0 with `allow_zero`."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -61,6 +65,7 @@ def _quantity(allow_zero: bool):
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'more than 0'}, got {text}")
         return value
+
     return parse
 
 
@@ -87,7 +92,7 @@ def _preflight(config) -> None:
 
 
 def _rollback_kinds(text: str) -> frozenset[str]:
-    """--rollback-on's anomaly kinds (collector/analyzers/anomalies.py's names) from nan, loss, grad."""
+    """--rollback-on's anomaly kinds (collector/analysis/analyzers/anomalies.py's names) from nan, loss, grad."""
     names = {"nan": "nan", "loss": "loss_spike", "grad": "grad_spike"}
     chosen = [k.strip() for k in text.split(",") if k.strip()]
     if not chosen or not set(chosen) <= set(names):
@@ -98,12 +103,19 @@ def _rollback_kinds(text: str) -> frozenset[str]:
 def cmd_collector(args) -> None:
     from collector.server import Config, serve
 
-    config = Config(db=_db(args), host=args.host, port=args.port,
-                    token=args.token or os.environ.get("RANKWATCH_TOKEN"), workers=args.workers,
-                    max_queue_bytes=args.max_queue_bytes, analyze_every_s=args.analyze_every,
-                    hang_after_s=args.hang_after,
-                    rollback_on=frozenset() if args.no_auto_rollback else args.rollback_on,
-                    power_every_s=args.power_every or None, alerts=_alert_config(args))
+    config = Config(
+        db=_db(args),
+        host=args.host,
+        port=args.port,
+        token=args.token or os.environ.get("RANKWATCH_TOKEN"),
+        workers=args.workers,
+        max_queue_bytes=args.max_queue_bytes,
+        analyze_every_s=args.analyze_every,
+        hang_after_s=args.hang_after,
+        rollback_on=frozenset() if args.no_auto_rollback else args.rollback_on,
+        power_every_s=args.power_every or None,
+        alerts=_alert_config(args),
+    )
     _preflight(config)
     serve(config)
 
@@ -132,8 +144,11 @@ def cmd_alerts_test(args) -> None:
         raise UsageError("--secret goes with --url")
     config = _alert_config(args)
     try:
-        receivers = [receiver({"url": args.url} | ({"secret": args.secret} if args.secret else {}), "--url")] \
-            if args.url else list(config.receivers)
+        receivers = (
+            [receiver({"url": args.url} | ({"secret": args.secret} if args.secret else {}), "--url")]
+            if args.url
+            else list(config.receivers)
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not receivers:
@@ -149,12 +164,13 @@ def cmd_alerts_test(args) -> None:
             else:
                 print(f"{r.name}: delivered (HTTP {status})")
     if failed:
-        raise UsageError(f"the test alert did not reach {len(failed)} of {len(receivers)} receivers: "
-                         f"{', '.join(failed)}")
+        raise UsageError(
+            f"the test alert did not reach {len(failed)} of {len(receivers)} receivers: {', '.join(failed)}"
+        )
 
 
 def cmd_query(args) -> None:
-    from collector.query import QueryError, run_remote, run_sql, write
+    from collector.reports.query import QueryError, run_remote, run_sql, write
     from collector.store.db import StoreLocked
 
     rows: Sequence[Sequence]
@@ -176,10 +192,10 @@ def cmd_analyze(args) -> None:
     import json
     from dataclasses import asdict
 
-    from collector.analyzers import hangs
-    from collector.postmortem import analyze_run
-    from collector.runs import UnknownRun
+    from collector.analysis.analyzers import hangs
+    from collector.reports.postmortem import analyze_run
     from collector.store.db import StoreLocked, connect
+    from collector.store.runs import UnknownRun
 
     db = _db(args)
     if not db.exists():
@@ -192,7 +208,7 @@ def cmd_analyze(args) -> None:
     if args.heatmap and report.whatif is None:
         raise UsageError(f"run {args.run} has no steps (Flight Recorder dumps): no heatmap to draw")
     if args.heatmap:
-        from collector.heatmap import write_heatmap
+        from collector.reports.heatmap import write_heatmap
 
         write_heatmap(report.steps, Path(args.heatmap), f"run {args.run}: compute against the step median")
     if args.json:
@@ -211,14 +227,22 @@ def _print_report(report) -> None:
         console.print(f"[bold]run {report.run_id}[/]: Flight Recorder dumps, no steps: no what-if analysis")
         _print_findings(report.findings, console)
         return
-    idle = "" if w.idle_slowdown is None else (
-        f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, {w.idle_slowdown:.2f}x the ops "
-        f"back to back")
-    console.print(f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
-                  f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
-                  f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
-                  + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
-                  + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it" + idle)
+    idle = (
+        ""
+        if w.idle_slowdown is None
+        else (
+            f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, {w.idle_slowdown:.2f}x the ops "
+            f"back to back"
+        )
+    )
+    console.print(
+        f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
+        f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
+        f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
+        + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
+        + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it"
+        + idle
+    )
     explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
     for t, slowdown in w.op_types.items():
         explained.add_row(f"op type {t}", f"{slowdown:.3f}x")
@@ -227,8 +251,10 @@ def _print_report(report) -> None:
     for s in w.stages[:4]:
         explained.add_row(f"stage {s['pp_stage']}", f"{s['slowdown']:.3f}x")
     for worker in w.workers[:8]:
-        explained.add_row(f"rank {worker['rank']} (stage {worker['pp_stage']}, replica {worker['dp_rank']})",
-                          f"{worker['slowdown']:.3f}x")
+        explained.add_row(
+            f"rank {worker['rank']} (stage {worker['pp_stage']}, replica {worker['dp_rank']})",
+            f"{worker['slowdown']:.3f}x",
+        )
     console.print(explained)
     _print_findings(report.findings, console)
 
@@ -236,10 +262,18 @@ def _print_report(report) -> None:
 def _print_findings(found: list, console) -> None:
     from rich.table import Table
 
-    from collector.analyzers import NOT_JUDGED
+    from collector.analysis.analyzers import NOT_JUDGED
 
-    findings = Table("analyzer", "kind", "ranks", "steps", "severity", "summary",
-                     title=f"{len(found)} finding{'s' * (len(found) != 1)}", show_lines=True)
+    findings = Table(
+        "analyzer",
+        "kind",
+        "ranks",
+        "steps",
+        "severity",
+        "summary",
+        title=f"{len(found)} finding{'s' * (len(found) != 1)}",
+        show_lines=True,
+    )
     for f in found:
         steps = "-" if f.step_start is None else f"{f.step_start}-{f.step_end}"
         findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)
@@ -258,10 +292,10 @@ def _ranks(ranks: list[int]) -> str:
 def cmd_power_recommend(args) -> None:
     import json
 
-    from collector.analyzers.power import Policy
-    from collector.powercaps import document, recommend
-    from collector.runs import UnknownRun
+    from collector.analysis.analyzers.power import Policy
+    from collector.reports.powercaps import document, recommend
     from collector.store.db import StoreLocked, connect
+    from collector.store.runs import UnknownRun
 
     try:
         policy = Policy.parse(args.policy)
@@ -275,7 +309,7 @@ def cmd_power_recommend(args) -> None:
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
     if args.plot:
-        from collector.powerplot import write_curve
+        from collector.reports.powerplot import write_curve
 
         write_curve(report, Path(args.plot))
     if args.json:
@@ -308,11 +342,14 @@ def cmd_power_apply(args) -> None:
     try:
         command = api.post("/v1/commands", {"run_id": args.run, "kind": "power_cap", "args": body})
     except ApiError as e:
-        raise UsageError(f"the collector refused the power cap (HTTP {e.status}): {e}" if e.status
-                         else str(e)) from None
-    print(f"rankwatch power apply: command {command['id']} (power_cap: {len(command['args']['caps'])} ranks capped"
-          + (f", the others at {command['args']['watts']:g} W" if "watts" in command["args"] else "")
-          + f") is pending for run {args.run}; the job applies it at a step boundary")
+        raise UsageError(
+            f"the collector refused the power cap (HTTP {e.status}): {e}" if e.status else str(e)
+        ) from None
+    print(
+        f"rankwatch power apply: command {command['id']} (power_cap: {len(command['args']['caps'])} ranks capped"
+        + (f", the others at {command['args']['watts']:g} W" if "watts" in command["args"] else "")
+        + f") is pending for run {args.run}; the job applies it at a step boundary"
+    )
 
 
 _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run),
@@ -324,11 +361,12 @@ def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     """Before a power cap is sent: the run is one the collector knows, every capped rank is one of
     its ranks, and every cap is within the limits its GPUs accept (the tightest range they share)."""
     from agent import semconv as sc
-    from collector import queryapi
+    from collector.reports import queryapi
 
     try:
-        answer = queryapi.remote_query(api, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W,
-                                                   "high": sc.POWER_LIMIT_MAX_W})
+        answer = queryapi.remote_query(
+            api, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W, "high": sc.POWER_LIMIT_MAX_W}
+        )
     except queryapi.QueryFailed as e:
         raise UsageError(str(e)) from None
     ranks, low, high = answer["rows"][0]
@@ -338,7 +376,8 @@ def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     if not isinstance(caps, dict):
         caps = {}
     targets = [(f"rank {r}", r, w) for r, w in caps.items()] + (
-        [("every other rank", None, body["watts"])] if "watts" in body else [])
+        [("every other rank", None, body["watts"])] if "watts" in body else []
+    )
     for name, rank, watts in targets:
         if rank is not None and str(rank).isdigit() and int(rank) not in ranks:
             raise UsageError(f"run {run_id} has no rank {rank} (its ranks: {_ranks(ranks)})")
@@ -350,29 +389,54 @@ def _print_power(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from collector.analyzers.power import SIMULATED
+    from collector.analysis.analyzers.power import SIMULATED
 
     console = Console()
-    console.print(f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}"
-                  + (f"; [bold]{SIMULATED}[/]" if report.simulated else ""))
+    console.print(
+        f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}"
+        + (f"; [bold]{SIMULATED}[/]" if report.simulated else "")
+    )
     source = report.curve[0].source if report.curve else "measured"
-    curve = Table("limit", "step time", "slowdown", "energy per step", "saving", "ZeusCost",
-                  title=f"time/energy trade-off ({'measured' if source == 'measured' else 'power model'}, ±95%)")
+    curve = Table(
+        "limit",
+        "step time",
+        "slowdown",
+        "energy per step",
+        "saving",
+        "ZeusCost",
+        title=f"time/energy trade-off ({'measured' if source == 'measured' else 'power model'}, ±95%)",
+    )
     for p in sorted(report.curve, key=lambda p: -p.cap_w):
         picked = report.job_cap is not None and p.cap_w == report.job_cap.cap_w
-        curve.add_row(f"{'[bold red]> ' if picked else ''}{p.cap_w:.0f} W",
-                      f"{p.step_s:.3f} ± {1.96 * p.step_s_se:.3f} s", f"{100 * (p.slowdown - 1):+.1f}%",
-                      f"{p.energy_j / 1e3:.2f} ± {1.96 * p.energy_j_se / 1e3:.2f} kJ", f"{100 * p.energy_saving:.1f}%",
-                      f"{p.zeus_cost / 1e3:.1f}k")
+        curve.add_row(
+            f"{'[bold red]> ' if picked else ''}{p.cap_w:.0f} W",
+            f"{p.step_s:.3f} ± {1.96 * p.step_s_se:.3f} s",
+            f"{100 * (p.slowdown - 1):+.1f}%",
+            f"{p.energy_j / 1e3:.2f} ± {1.96 * p.energy_j_se / 1e3:.2f} kJ",
+            f"{100 * p.energy_saving:.1f}%",
+            f"{p.zeus_cost / 1e3:.1f}k",
+        )
     console.print(curve)
     r = report.per_rank
     if r and r.caps:
-        caps = Table("rank", "limit now", "cap", "slack", "clock", "saves per step",
-                     title=f"per-rank caps: {len(r.caps)} of {len(r.ranks)} ranks (steps {r.step_start}-{r.step_end})")
+        caps = Table(
+            "rank",
+            "limit now",
+            "cap",
+            "slack",
+            "clock",
+            "saves per step",
+            title=f"per-rank caps: {len(r.caps)} of {len(r.ranks)} ranks (steps {r.step_start}-{r.step_end})",
+        )
         for c in sorted(r.ranks, key=lambda c: c.cap_w or c.limit_w)[:8]:
-            caps.add_row(str(c.rank), f"{c.limit_w:.0f} W", "-" if c.cap_w is None else f"{c.cap_w:.0f} W",
-                         f"{1e3 * c.slack_s:.0f} ms", f"{c.clock_mhz:.0f} -> {c.new_clock_mhz:.0f} MHz",
-                         f"{c.saving_j_per_step:.1f} J")
+            caps.add_row(
+                str(c.rank),
+                f"{c.limit_w:.0f} W",
+                "-" if c.cap_w is None else f"{c.cap_w:.0f} W",
+                f"{1e3 * c.slack_s:.0f} ms",
+                f"{c.clock_mhz:.0f} -> {c.new_clock_mhz:.0f} MHz",
+                f"{c.saving_j_per_step:.1f} J",
+            )
         console.print(caps)
     _print_findings(report.findings, console)
 
@@ -380,10 +444,10 @@ def _print_power(report) -> None:
 def cmd_import(args) -> None:
     from rich.progress import Progress
 
-    from collector.imports import TraceError, store_run
-    from collector.imports.flight_recorder import FlightRecorderDumps
-    from collector.imports.kineto import KinetoTrace
-    from collector.imports.ops import OpTrace
+    from collector.receive.imports import TraceError, store_run
+    from collector.receive.imports.flight_recorder import FlightRecorderDumps
+    from collector.receive.imports.kineto import KinetoTrace
+    from collector.receive.imports.ops import OpTrace
     from collector.store.db import StoreLocked
 
     db, path = _db(args), Path(args.path)
@@ -413,8 +477,10 @@ def cmd_import(args) -> None:
     for notice in getattr(trace, "notices", ()):
         print(f"rankwatch import: {notice}", file=sys.stderr)
     dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if isinstance(trace, KinetoTrace) else ""
-    print(f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
-          f"{counts['ranks']} ranks -> {db}")
+    print(
+        f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
+        f"{counts['ranks']} ranks -> {db}"
+    )
 
 
 def _stop_on_sigterm() -> None:
@@ -449,9 +515,19 @@ def cmd_train(args) -> None:
     _check_targets(faults, args.nproc, args.steps)
     _stop_on_sigterm()
     try:
-        sys.exit(train(nproc=args.nproc, steps=args.steps, run_id=args.run, faults=args.inject,
-                       collector=args.collector, model=args.model, max_restarts=args.max_restarts, device=args.device,
-                       store=_db(args)))
+        sys.exit(
+            train(
+                nproc=args.nproc,
+                steps=args.steps,
+                run_id=args.run,
+                faults=args.inject,
+                collector=args.collector,
+                model=args.model,
+                max_restarts=args.max_restarts,
+                device=args.device,
+                store=_db(args),
+            )
+        )
     except DeviceError as e:
         raise UsageError(str(e)) from None
 
@@ -472,27 +548,42 @@ def cmd_simulate(args) -> None:
     try:
         faults = [parse(spec, simulate.SIMULATOR_KINDS) for spec in args.inject]
     except ValueError as e:
-        raise UsageError(str(e).replace("the trainer injects", "the simulator injects")
-                         .replace("for `rankwatch simulate`", "for `rankwatch train`")) from None
+        raise UsageError(
+            str(e)
+            .replace("the trainer injects", "the simulator injects")
+            .replace("for `rankwatch simulate`", "for `rankwatch train`")
+        ) from None
     _check_targets(faults, args.ranks, args.steps, pp, -(-args.ranks // topology.ranks_per_host))
     for f in faults:
         if f.kind == "hang" and not 1 <= f.get("at") < args.steps:
-            raise UsageError(f"{f.spec!r}: at must be within 1..{args.steps - 1} (a step must finish before "
-                             "the hang, and the hang fall within the run)")
+            raise UsageError(
+                f"{f.spec!r}: at must be within 1..{args.steps - 1} (a step must finish before "
+                "the hang, and the hang fall within the run)"
+            )
         if f.kind == "hang" and f.get("seconds") is not None:
-            raise UsageError(f"{f.spec!r}: a simulated hang lasts until the simulator stops (--hang-for); "
-                             "seconds= is for `rankwatch train`")
+            raise UsageError(
+                f"{f.spec!r}: a simulated hang lasts until the simulator stops (--hang-for); "
+                "seconds= is for `rankwatch train`"
+            )
     limits = _power_caps(args.power_caps, args.ranks) if args.power_caps else None
     hang = simulate.first_hang(faults)
     if hang and args.collector:
-        print(f"rankwatch simulate: ranks {hang[1]} hang at step {hang[0]}; heartbeats go on for "
-              f"{args.hang_for:g} s after it, then the simulator stops")
-    frames = track(simulate.steps(topology, args.steps, faults, seed=args.seed, power_limits=limits), total=args.steps,
-                   description=f"simulating {args.ranks} ranks", transient=True)
+        print(
+            f"rankwatch simulate: ranks {hang[1]} hang at step {hang[0]}; heartbeats go on for "
+            f"{args.hang_for:g} s after it, then the simulator stops"
+        )
+    frames = track(
+        simulate.steps(topology, args.steps, faults, seed=args.seed, power_limits=limits),
+        total=args.steps,
+        description=f"simulating {args.ranks} ranks",
+        transient=True,
+    )
     if args.out:
         rows = simulate.to_parquet(Path(args.out), topology, frames, faults)
-        print(f"rankwatch simulate: {rows} ops of {args.ranks} ranks x {args.steps} steps -> {args.out} "
-              f"(ground truth: {args.out}.truth.json)")
+        print(
+            f"rankwatch simulate: {rows} ops of {args.ranks} ranks x {args.steps} steps -> {args.out} "
+            f"(ground truth: {args.out}.truth.json)"
+        )
         return
     from agent import config
     from agent import semconv as sc
@@ -507,8 +598,10 @@ def cmd_simulate(args) -> None:
     exporter.flush()
     exporter.shutdown()
     if lost := exporter.undelivered():
-        sys.exit(f"rankwatch simulate: error: run {run_id}: {lost} spans, log records and device samples never "
-                 f"reached {exporter_url} (of {spans} step spans and their samples)")
+        sys.exit(
+            f"rankwatch simulate: error: run {run_id}: {lost} spans, log records and device samples never "
+            f"reached {exporter_url} (of {spans} step spans and their samples)"
+        )
     print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {exporter_url}")
 
 
@@ -578,24 +671,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--port", type=PORT, default=4318, help="collector port")
     p.add_argument("--dashboard-port", type=PORT, default=8501)
-    p.add_argument("--no-dashboard", action="store_true",
-                   help="end with the job, without the dashboard (by default it shows the run live and stays up)")
+    p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="end with the job, without the dashboard (by default it shows the run live and stays up)",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", help="the reference GPT trainer under torchrun, instrumented")
     p.add_argument("--nproc", type=POSITIVE, default=2, help="ranks on this machine")
     p.add_argument("--steps", type=POSITIVE, default=200)
     p.add_argument("--run", help="run id (default: made from the time)")
-    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                   help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault, e.g. straggler:rank=2,slowdown=1.3,from=40 (repeatable)",
+    )
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
-    p.add_argument("--db", help="the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints "
-                                f"({_DEFAULT_DB})")
+    p.add_argument(
+        "--db",
+        help=f"the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints ({_DEFAULT_DB})",
+    )
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
-    p.add_argument("--max-restarts", type=NON_NEGATIVE, default=0,
-                   help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint")
-    p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="auto: a GPU per rank where this machine has enough, else the CPU")
+    p.add_argument(
+        "--max-restarts",
+        type=NON_NEGATIVE,
+        default=0,
+        help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: a GPU per rank where this machine has enough, else the CPU",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
@@ -605,16 +716,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel ranks")
     p.add_argument("--steps", type=POSITIVE, required=True)
     p.add_argument("--run", help="run id (default: made from the time)")
-    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                   help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)",
+    )
     p.add_argument("--collector", help="send OTLP to this collector")
     p.add_argument("--out", help="write a Parquet op trace instead (with a hang, it ends before the hang's step)")
-    p.add_argument("--hang-for", type=_quantity(allow_zero=True), default=60.0, metavar="SECONDS",
-                   help="with a hang and --collector: how long the stuck ranks keep sending heartbeats "
-                        "(default 60, past the collector's default --hang-after of 30)")
+    p.add_argument(
+        "--hang-for",
+        type=_quantity(allow_zero=True),
+        default=60.0,
+        metavar="SECONDS",
+        help="with a hang and --collector: how long the stuck ranks keep sending heartbeats "
+        "(default 60, past the collector's default --hang-after of 30)",
+    )
     p.add_argument("--seed", type=NON_NEGATIVE, default=0)
-    p.add_argument("--power-caps", metavar="FILE.json",
-                   help="per-rank power limits, {rank: watts} or a `rankwatch power recommend --json` document")
+    p.add_argument(
+        "--power-caps",
+        metavar="FILE.json",
+        help="per-rank power limits, {rank: watts} or a `rankwatch power recommend --json` document",
+    )
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
@@ -623,22 +747,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=PORT, default=4318)
     p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
     p.add_argument("--workers", type=NON_NEGATIVE, help="decode processes (default: one per core; 0: none)")
-    p.add_argument("--max-queue-bytes", type=POSITIVE, default=256 * 2**20,
-                   help="request bytes waiting for commit before exports get 503 + Retry-After")
-    p.add_argument("--analyze-every", type=_quantity(allow_zero=False), default=5.0, metavar="SECONDS",
-                   help="how often the analyzers look at the runs that are sending (default 5)")
-    p.add_argument("--hang-after", type=_quantity(allow_zero=False), default=30.0, metavar="SECONDS",
-                   help="the shortest stall reported as a hang; slower steps stretch it (default 30)")
-    p.add_argument("--power-every", type=_quantity(allow_zero=True), default=60.0, metavar="SECONDS",
-                   help="how often power-cap recommendations are redrawn for the runs whose GPUs report power "
-                        "(default 60; 0: never)")
-    p.add_argument("--no-auto-rollback", action="store_true",
-                   help="report anomalies (NaN, loss spikes) without sending the job a rollback")
-    p.add_argument("--rollback-on", type=_rollback_kinds, default="nan,loss", metavar="KINDS",
-                   help="the anomalies rolled back, of nan, loss and grad (default nan,loss: a gradient-norm spike "
-                        "alone is reported as a warning)")
-    p.add_argument("--alerts", metavar="FILE",
-                   help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)")
+    p.add_argument(
+        "--max-queue-bytes",
+        type=POSITIVE,
+        default=256 * 2**20,
+        help="request bytes waiting for commit before exports get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--analyze-every",
+        type=_quantity(allow_zero=False),
+        default=5.0,
+        metavar="SECONDS",
+        help="how often the analyzers look at the runs that are sending (default 5)",
+    )
+    p.add_argument(
+        "--hang-after",
+        type=_quantity(allow_zero=False),
+        default=30.0,
+        metavar="SECONDS",
+        help="the shortest stall reported as a hang; slower steps stretch it (default 30)",
+    )
+    p.add_argument(
+        "--power-every",
+        type=_quantity(allow_zero=True),
+        default=60.0,
+        metavar="SECONDS",
+        help="how often power-cap recommendations are redrawn for the runs whose GPUs report power "
+        "(default 60; 0: never)",
+    )
+    p.add_argument(
+        "--no-auto-rollback",
+        action="store_true",
+        help="report anomalies (NaN, loss spikes) without sending the job a rollback",
+    )
+    p.add_argument(
+        "--rollback-on",
+        type=_rollback_kinds,
+        default="nan,loss",
+        metavar="KINDS",
+        help="the anomalies rolled back, of nan, loss and grad (default nan,loss: a gradient-norm spike "
+        "alone is reported as a warning)",
+    )
+    p.add_argument(
+        "--alerts",
+        metavar="FILE",
+        help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)",
+    )
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("alerts", help="alert webhooks")
@@ -651,10 +805,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_alerts_test)
 
     p = sub.add_parser("import", help="a trace recorded elsewhere, into a store file (one run, all or nothing)")
-    p.add_argument("format", choices=("ops", "kineto", "flight-recorder"),
-                   help="ops: the generic op trace (Parquet or CSV); kineto: PyTorch profiler traces "
-                        "(.json or .json.gz, a file per rank, or a directory of them); flight-recorder: "
-                        "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank, or a directory)")
+    p.add_argument(
+        "format",
+        choices=("ops", "kineto", "flight-recorder"),
+        help="ops: the generic op trace (Parquet or CSV); kineto: PyTorch profiler traces "
+        "(.json or .json.gz, a file per rank, or a directory of them); flight-recorder: "
+        "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank, or a directory)",
+    )
     p.add_argument("path")
     p.add_argument("--run", required=True, help="run id to import under")
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
@@ -665,30 +822,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
-    p.add_argument("--hang-after", type=float, default=30.0, metavar="SECONDS",
-                   help="least stall judged a hang, as the collector's --hang-after (default 30)")
+    p.add_argument(
+        "--hang-after",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="least stall judged a hang, as the collector's --hang-after (default 30)",
+    )
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("power", help="power-cap recommendations")
     power = p.add_subparsers(dest="power_command", required=True, parser_class=_Parser)
-    p = power.add_parser("recommend", help="power limits for the job and for each rank, and facility headroom, "
-                                           "from a store file (read-only)")
+    p = power.add_parser(
+        "recommend",
+        help="power limits for the job and for each rank, and facility headroom, from a store file (read-only)",
+    )
     p.add_argument("run", help="run id")
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
-    p.add_argument("--policy", default="max-slowdown:0.02",
-                   help="how the job's limit is picked: zeus:ETA, max-slowdown:FRACTION, min-energy or "
-                        "budget:WATTS (default max-slowdown:0.02)")
-    p.add_argument("--facility-watts", type=_quantity(allow_zero=False), metavar="WATTS",
-                   help="the power the job's nodes may draw, for the headroom (default: their GPUs' nameplate)")
+    p.add_argument(
+        "--policy",
+        default="max-slowdown:0.02",
+        help="how the job's limit is picked: zeus:ETA, max-slowdown:FRACTION, min-energy or "
+        "budget:WATTS (default max-slowdown:0.02)",
+    )
+    p.add_argument(
+        "--facility-watts",
+        type=_quantity(allow_zero=False),
+        metavar="WATTS",
+        help="the power the job's nodes may draw, for the headroom (default: their GPUs' nameplate)",
+    )
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the time/energy trade-off")
     p.set_defaults(func=cmd_power_recommend)
     p = power.add_parser("apply", help="send a running job power caps through the collector's control API")
     p.add_argument("run", help="run id")
-    p.add_argument("--caps", metavar="FILE.json",
-                   help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document")
-    p.add_argument("--watts", type=_quantity(allow_zero=False),
-                   help="the cap of every rank --caps leaves out (of all, without --caps)")
+    p.add_argument(
+        "--caps",
+        metavar="FILE.json",
+        help="per-rank caps: {rank: watts} or a `rankwatch power recommend --json` document",
+    )
+    p.add_argument(
+        "--watts",
+        type=_quantity(allow_zero=False),
+        help="the cap of every rank --caps leaves out (of all, without --caps)",
+    )
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.set_defaults(func=cmd_power_apply)
 
@@ -696,19 +873,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sql")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
-    where.add_argument("--collector", metavar="URL",
-                       help="ask a running collector's query API instead (token: $RANKWATCH_TOKEN, else the "
-                            "token file beside the store)")
+    where.add_argument(
+        "--collector",
+        metavar="URL",
+        help="ask a running collector's query API instead (token: $RANKWATCH_TOKEN, else the "
+        "token file beside the store)",
+    )
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", help=f"a store file no collector holds, read-only ({_DEFAULT_DB}; through its "
-                                     "collector when one holds it)")
-    where.add_argument("--collector", metavar="URL",
-                       help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
-                            "file beside the store)")
+    where.add_argument(
+        "--db",
+        help=f"a store file no collector holds, read-only ({_DEFAULT_DB}; through its collector when one holds it)",
+    )
+    where.add_argument(
+        "--collector",
+        metavar="URL",
+        help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
+        "file beside the store)",
+    )
     p.add_argument("--port", type=PORT, default=8501)
     p.set_defaults(func=cmd_dashboard)
     return parser

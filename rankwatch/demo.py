@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from collector.analyzers import stragglers
-from collector.auth import load_or_create_token
-from collector.query import write
+from collector.analysis.analyzers import stragglers
+from collector.receive.auth import load_or_create_token
+from collector.reports.query import write
 from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
 from rankwatch.launch import train, wait_healthy
@@ -49,26 +49,61 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     try:
         with ExitStack() as processes:
-            collector = processes.enter_context(_stopping(subprocess.Popen(
-                [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
-                 "--analyze-every", "1"], env=env)))
+            collector = processes.enter_context(
+                _stopping(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "rankwatch",
+                            "collector",
+                            "--db",
+                            str(db),
+                            "--port",
+                            str(port),
+                            "--analyze-every",
+                            "1",
+                        ],
+                        env=env,
+                    )
+                )
+            )
             wait_healthy(url, collector)
             if dashboard_port is not None:
-                processes.enter_context(_stopping(subprocess.Popen(
-                    [sys.executable, "-m", "rankwatch", "dashboard", "--collector", url, "--port",
-                     str(dashboard_port)], env=env)))
+                processes.enter_context(
+                    _stopping(
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "rankwatch",
+                                "dashboard",
+                                "--collector",
+                                url,
+                                "--port",
+                                str(dashboard_port),
+                            ],
+                            env=env,
+                        )
+                    )
+                )
                 _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
-            print(f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}",
-                  flush=True)
-            status = train(nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url,
-                           token=token, store=db)
+            print(
+                f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}", flush=True
+            )
+            status = train(
+                nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url, token=token, store=db
+            )
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
             time.sleep(2)  # an analysis pass (every 1 s) over the final steps, before the summary reads them
             _summarize(CollectorSource(url, token), run_id)
             if dashboard_port is not None:
-                print(f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
-                      "the collector; Ctrl-C stops both.", flush=True)
+                print(
+                    f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
+                    "the collector; Ctrl-C stops both.",
+                    flush=True,
+                )
                 collector.wait()
     except KeyboardInterrupt:  # the collector and the dashboard are stopped on the way out
         print()
@@ -77,14 +112,18 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
 
 def _summarize(collector: CollectorSource, run_id: str) -> None:
     """The per-rank table, the straggler analyzer's verdict and the rollback, read through the collector."""
+
     def table(sql: str) -> pd.DataFrame:
         return to_frame(collector.query(sql, [run_id]))
 
     print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
     _write(table(SUMMARY))
     print("\nWhat the straggler analyzer finds over the last 50 steps:")
-    found = stragglers.analyze(table("SELECT * FROM current_steps WHERE run_id = ?"),
-                               table("SELECT * FROM ranks WHERE run_id = ?"), stragglers.Settings(window=50))
+    found = stragglers.analyze(
+        table("SELECT * FROM current_steps WHERE run_id = ?"),
+        table("SELECT * FROM ranks WHERE run_id = ?"),
+        stragglers.Settings(window=50),
+    )
     for finding in found:
         print(f"  [{finding.severity}] {finding.summary}")
     if not found:

@@ -15,19 +15,47 @@ from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
 
 
-def train_command(nproc: int, steps: int, faults: Sequence[str], model: str = "tiny", max_restarts: int = 0,
-                  trainer_args: Sequence[str] = ()) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "-m", "trainer.train", "--steps", str(steps), "--model", model,
-               *trainer_args]
+def train_command(
+    nproc: int,
+    steps: int,
+    faults: Sequence[str],
+    model: str = "tiny",
+    max_restarts: int = 0,
+    trainer_args: Sequence[str] = (),
+) -> list[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "trainer.train",
+        "--steps",
+        str(steps),
+        "--model",
+        model,
+        *trainer_args,
+    ]
     for spec in faults:
         command += ["--inject", spec]
     return command
 
 
-def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[str] = (), collector: str | None = None,
-          model: str = "tiny", token: str | None = None, max_restarts: int = 0, trainer_args: Sequence[str] = (),
-          store: Path | None = None, device: str = "auto") -> int:
+def train(
+    nproc: int,
+    steps: int,
+    run_id: str | None = None,
+    faults: Sequence[str] = (),
+    collector: str | None = None,
+    model: str = "tiny",
+    token: str | None = None,
+    max_restarts: int = 0,
+    trainer_args: Sequence[str] = (),
+    store: Path | None = None,
+    device: str = "auto",
+) -> int:
     """Run the trainer to the end; returns torchrun's exit status, or 1 when it was 0 but a rank's
     telemetry never reached the collector (each rank notes what its exporter failed to send in the
     UNDELIVERED_ENV directory). After a failure torchrun starts the job again, up to `max_restarts`
@@ -47,17 +75,22 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[st
     announce("train", run_id, collector)
     print(f"rankwatch train: checkpoints in {paths.checkpoint_dir(store, run_id)}", flush=True)
     undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
-    env = {**os.environ, "RANKWATCH_RUN_ID": run_id, "RANKWATCH_COLLECTOR": collector, "OMP_NUM_THREADS": "1",
-           UNDELIVERED_ENV: str(undelivered),
-           # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
-           # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {
+        **os.environ,
+        "RANKWATCH_RUN_ID": run_id,
+        "RANKWATCH_COLLECTOR": collector,
+        "OMP_NUM_THREADS": "1",
+        UNDELIVERED_ENV: str(undelivered),
+        # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
+        # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     if token := config.token(token):
         env["RANKWATCH_TOKEN"] = token
     env[paths.DB_ENV] = str(store)
-    with subprocess.Popen(train_command(nproc, steps, list(faults), model, max_restarts,
-                                        ["--device", device, *trainer_args]),
-                          env=env) as job:
+    with subprocess.Popen(
+        train_command(nproc, steps, list(faults), model, max_restarts, ["--device", device, *trainer_args]), env=env
+    ) as job:
         try:
             status = job.wait()
         except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (a SIGKILL would orphan them)
@@ -67,8 +100,12 @@ def train(nproc: int, steps: int, run_id: str | None = None, faults: Sequence[st
     lost = {int(f.name.split("-")[1]): int(f.read_text()) for f in undelivered.iterdir()}
     shutil.rmtree(undelivered, ignore_errors=True)
     if lost:
-        print(f"rankwatch train: error: run {run_id}: {sum(lost.values())} spans, log records and device samples "
-              f"of ranks {', '.join(map(str, sorted(lost)))} never reached {collector}", file=sys.stderr, flush=True)
+        print(
+            f"rankwatch train: error: run {run_id}: {sum(lost.values())} spans, log records and device samples "
+            f"of ranks {', '.join(map(str, sorted(lost)))} never reached {collector}",
+            file=sys.stderr,
+            flush=True,
+        )
         return status or 1
     return status
 
@@ -77,8 +114,11 @@ def announce(program: str, run_id: str, collector: str) -> None:
     """Say, before a job starts, which run it is, where its telemetry goes and where to watch it."""
     from collector.alerts.config import DEFAULT_DASHBOARD_URL
 
-    print(f"rankwatch {program}: run {run_id}, telemetry to {collector}; watch it at "
-          f"{DEFAULT_DASHBOARD_URL}/?run={quote(run_id)} (rankwatch dashboard)", flush=True)
+    print(
+        f"rankwatch {program}: run {run_id}, telemetry to {collector}; watch it at "
+        f"{DEFAULT_DASHBOARD_URL}/?run={quote(run_id)} (rankwatch dashboard)",
+        flush=True,
+    )
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -65,9 +65,22 @@ class Collector:
 
     def start(self) -> "Collector":
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rankwatch", "collector", "--db", str(self.db), "--port", str(self.port),
-             "--token", self.token, *self.extra_args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "rankwatch",
+                "collector",
+                "--db",
+                str(self.db),
+                "--port",
+                str(self.port),
+                "--token",
+                self.token,
+                *self.extra_args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         wait_healthy(self.url, self.process)
         return self
 
@@ -115,8 +128,14 @@ def module_collector(tmp_path_factory) -> Collector:
 
 def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the installed console script, as a user would."""
-    return subprocess.run([sys.executable, "-m", "rankwatch", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "rankwatch", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -151,8 +170,14 @@ class Interactive:
 
     def __init__(self, *args: str, env: dict | None = None):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rankwatch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            [sys.executable, "-m", "rankwatch", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         self.lines: list[str] = []
 
     def read_until(self, text: str, timeout_s: float) -> str:
@@ -183,8 +208,12 @@ class Interactive:
             except ProcessLookupError:
                 return ""
             time.sleep(0.5)
-        return subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-g", str(self.process.pid)],
-                              capture_output=True, text=True).stdout or "(gone while listing)"
+        return (
+            subprocess.run(
+                ["ps", "-o", "pid,args", "--no-headers", "-g", str(self.process.pid)], capture_output=True, text=True
+            ).stdout
+            or "(gone while listing)"
+        )
 
     def kill(self) -> None:
         """Whatever is left of its process group, killed: a failed test leaves nothing behind."""
@@ -193,8 +222,13 @@ class Interactive:
         self.process.wait()
 
 
-def simulated_store(directory: Path, runs: dict[str, list[str]], simulate_args: list[str],
-                    collector_args: tuple[str, ...] = (), until: Callable[[], object] | None = None) -> Path:
+def simulated_store(
+    directory: Path,
+    runs: dict[str, list[str]],
+    simulate_args: list[str],
+    collector_args: tuple[str, ...] = (),
+    until: Callable[[], object] | None = None,
+) -> Path:
     """A store filled by `rankwatch simulate` through a real collector, one run per entry of `runs`
     (run id -> fault specs), then stopped (its last analysis pass covers every step sent); `until`:
     what to wait for while it still runs (an alert's delivery)."""

@@ -17,8 +17,16 @@ from tests.conftest import Collector, free_port, simulated_store, wait_until
 ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
 FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
 HANG = {"run": "sim-hang", "ranks": 8, "rank": 3, "at": 15}
-NAN = {"run": "run-nan", "ranks": 4, "steps": 40, "nan_from": 30, "restored": 24, "watts": 300.0,
-       "bad_gpu": 2, "xid_at": 35}  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
+NAN = {
+    "run": "run-nan",
+    "ranks": 4,
+    "steps": 40,
+    "nan_from": 30,
+    "restored": 24,
+    "watts": 300.0,
+    "bad_gpu": 2,
+    "xid_at": 35,
+}  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
 BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
 MS = 1_000_000
 
@@ -26,10 +34,18 @@ MS = 1_000_000
 def build(directory: Path) -> Path:
     """The four runs in one store, its collector stopped (the store is free to open read-only)."""
     fleet = [f"straggler:rank={FLEET['straggler']},slowdown=1.3,from=10", f"thermal:rank={FLEET['thermal']},from=10"]
-    db = simulated_store(directory, {FLEET["run"]: fleet},
-                         ["--ranks", str(FLEET["ranks"]), "--tp", "2", "--steps", str(FLEET["steps"])], ANALYSIS)
-    simulated_store(directory, {HANG["run"]: [f"hang:rank={HANG['rank']},at={HANG['at']}"]},
-                    ["--ranks", str(HANG["ranks"]), "--steps", "20", "--hang-for", "8"], ANALYSIS)
+    db = simulated_store(
+        directory,
+        {FLEET["run"]: fleet},
+        ["--ranks", str(FLEET["ranks"]), "--tp", "2", "--steps", str(FLEET["steps"])],
+        ANALYSIS,
+    )
+    simulated_store(
+        directory,
+        {HANG["run"]: [f"hang:rank={HANG['rank']},at={HANG['at']}"]},
+        ["--ranks", str(HANG["ranks"]), "--steps", "20", "--hang-for", "8"],
+        ANALYSIS,
+    )
     with open(directory / "collector-nan.log", "w") as log:
         collector = Collector(db, free_port(), "test-token", extra_args=ANALYSIS, log=log).start()
         try:
@@ -43,8 +59,9 @@ def build(directory: Path) -> Path:
 def _nan_run(collector: Collector) -> None:
     """A falling loss that turns NaN at step nan_from; the job applies the rollback the analyzer
     sends (restoring step `restored`) and replays the steps after it with a sane loss."""
-    exporters = {r: Exporter(collector.url, collector.token, {sc.RUN_ID: NAN["run"], sc.RANK: r})
-                 for r in range(NAN["ranks"])}
+    exporters = {
+        r: Exporter(collector.url, collector.token, {sc.RUN_ID: NAN["run"], sc.RANK: r}) for r in range(NAN["ranks"])
+    }
     t0 = time.time_ns() - 60_000 * MS
 
     def steps(numbers, start_ns, nan_from=None):
@@ -52,16 +69,39 @@ def _nan_run(collector: Collector) -> None:
             start = start_ns + step * 100 * MS
             for rank, exporter in exporters.items():
                 loss = math.nan if nan_from is not None and step >= nan_from else 3 + 5 * math.exp(-step / 10)
-                exporter.trace([("step", start, start + 100 * MS, {
-                    sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: loss, sc.GRAD_NORM: 1.0 + rank / 10,
-                    sc.COMPUTE_S: 0.08, sc.COMM_WAIT_S: 0.01, sc.TOKENS: 1024, sc.MFU: 0.4})])
+                exporter.trace(
+                    [
+                        (
+                            "step",
+                            start,
+                            start + 100 * MS,
+                            {
+                                sc.KIND: sc.KIND_STEP,
+                                sc.STEP: step,
+                                sc.LOSS: loss,
+                                sc.GRAD_NORM: 1.0 + rank / 10,
+                                sc.COMPUTE_S: 0.08,
+                                sc.COMM_WAIT_S: 0.01,
+                                sc.TOKENS: 1024,
+                                sc.MFU: 0.4,
+                            },
+                        )
+                    ]
+                )
                 bad = rank == NAN["bad_gpu"] and step >= NAN["xid_at"]
                 at, gpu = start + 100 * MS, {sc.GPU: rank, sc.SOURCE: sc.SOURCE_NVML}
-                exporter.samples([(sc.POWER_W, at, NAN["watts"] + 10 * rank, gpu), (sc.SM_CLOCK_MHZ, at, 1980.0, gpu),
-                                  (sc.FB_USED_MIB, at, 81_000.0 if rank == NAN["bad_gpu"] else 60_000.0, gpu),
-                                  (sc.FB_TOTAL_MIB, at, 81_559.0, gpu), (sc.NVLINK_TX_BPS, at, 2e11 + 1e10 * rank, gpu),
-                                  (sc.ECC_SBE_VOLATILE, at, 3.0 * bad, gpu), (sc.ECC_DBE_VOLATILE, at, 1.0 * bad, gpu),
-                                  *([(sc.XID_ERRORS, at, 48.0, gpu)] if bad and step == NAN["xid_at"] else [])])
+                exporter.samples(
+                    [
+                        (sc.POWER_W, at, NAN["watts"] + 10 * rank, gpu),
+                        (sc.SM_CLOCK_MHZ, at, 1980.0, gpu),
+                        (sc.FB_USED_MIB, at, 81_000.0 if rank == NAN["bad_gpu"] else 60_000.0, gpu),
+                        (sc.FB_TOTAL_MIB, at, 81_559.0, gpu),
+                        (sc.NVLINK_TX_BPS, at, 2e11 + 1e10 * rank, gpu),
+                        (sc.ECC_SBE_VOLATILE, at, 3.0 * bad, gpu),
+                        (sc.ECC_DBE_VOLATILE, at, 1.0 * bad, gpu),
+                        *([(sc.XID_ERRORS, at, 48.0, gpu)] if bad and step == NAN["xid_at"] else []),
+                    ]
+                )
             if step % 10 == 0:
                 exporters[0].event("checkpoint_saved", start + 100 * MS, {sc.STEP: step})
         for exporter in exporters.values():
@@ -73,8 +113,10 @@ def _nan_run(collector: Collector) -> None:
         command = http.get("/v1/commands", params={"run_id": NAN["run"]}).json()[0]["id"]
         resumed = t0 + (NAN["steps"] + 5) * 100 * MS
         http.post(f"/v1/commands/{command}", json={"state": "acked", "apply_step": NAN["steps"] + 1})
-        http.post(f"/v1/commands/{command}", json={
-            "state": "applied", "result": {"restored_step": NAN["restored"], "resumed_ns": resumed}})
+        http.post(
+            f"/v1/commands/{command}",
+            json={"state": "applied", "result": {"restored_step": NAN["restored"], "resumed_ns": resumed}},
+        )
     exporters[0].event("checkpoint_restored", resumed, {sc.STEP: NAN["restored"]})
     steps(range(NAN["restored"] + 1, NAN["steps"]), resumed - (NAN["restored"] + 1) * 100 * MS)
     for exporter in exporters.values():

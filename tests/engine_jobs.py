@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from agent import semconv as sc
 from agent.export import Exporter
-from collector.query import run_remote
+from collector.reports.query import run_remote
 
 MS = 1_000_000
 
@@ -18,9 +18,15 @@ def exporters(collector, run: str, ranks: int, world_size: int | None = None) ->
     return {r: Exporter(collector.url, collector.token, {sc.RUN_ID: run, sc.RANK: r, **size}) for r in range(ranks)}
 
 
-def send_steps(sending: dict[int, Exporter], steps, t0_ns: int, step_s: float = 0.1,
-               compute: Callable[[int, int], float] = lambda rank, step: 0.08,
-               loss: Callable[[int], float] = lambda step: 3.0, flush: bool = True) -> float:
+def send_steps(
+    sending: dict[int, Exporter],
+    steps,
+    t0_ns: int,
+    step_s: float = 0.1,
+    compute: Callable[[int, int], float] = lambda rank, step: 0.08,
+    loss: Callable[[int], float] = lambda step: 3.0,
+    flush: bool = True,
+) -> float:
     """Each step's span from every rank: rank r computes `compute(r, step)` and waits out the slowest
     rank's compute (a synchronous all-reduce), the step's loss is `loss(step)`; the spans are timed
     from `t0_ns`, `step_s` apart (longer where the slowest rank computes longer). Flushed (committed)
@@ -31,9 +37,24 @@ def send_steps(sending: dict[int, Exporter], steps, t0_ns: int, step_s: float = 
         for rank, exporter in sending.items():
             start = t0_ns + int(step * step_s * 1e9)
             wait = slowest - computes[rank] + 0.005
-            exporter.trace([("step", start, start + int((computes[rank] + wait) * 1e9), {
-                sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: loss(step), sc.GRAD_NORM: 1.0, sc.TOKENS: 1024,
-                sc.COMPUTE_S: computes[rank], sc.COMM_WAIT_S: wait})])
+            exporter.trace(
+                [
+                    (
+                        "step",
+                        start,
+                        start + int((computes[rank] + wait) * 1e9),
+                        {
+                            sc.KIND: sc.KIND_STEP,
+                            sc.STEP: step,
+                            sc.LOSS: loss(step),
+                            sc.GRAD_NORM: 1.0,
+                            sc.TOKENS: 1024,
+                            sc.COMPUTE_S: computes[rank],
+                            sc.COMM_WAIT_S: wait,
+                        },
+                    )
+                ]
+            )
     if flush:
         for exporter in sending.values():
             assert exporter.flush(), "steps not delivered"
@@ -42,8 +63,11 @@ def send_steps(sending: dict[int, Exporter], steps, t0_ns: int, step_s: float = 
 
 def live_findings(collector, run: str) -> list[dict]:
     """The findings the collector holds for `run` now, through its query API."""
-    columns, rows, _ = run_remote(collector.url, collector.token,
-                                  "SELECT id, analyzer, kind, ranks, state, step_start, step_end, severity, "
-                                  f"epoch_ms(created_at) AS created_ms, evidence FROM findings WHERE run_id = '{run}' "
-                                  "ORDER BY id")
+    columns, rows, _ = run_remote(
+        collector.url,
+        collector.token,
+        "SELECT id, analyzer, kind, ranks, state, step_start, step_end, severity, "
+        f"epoch_ms(created_at) AS created_ms, evidence FROM findings WHERE run_id = '{run}' "
+        "ORDER BY id",
+    )
     return [dict(zip(columns, row)) for row in rows]

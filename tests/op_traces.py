@@ -6,8 +6,14 @@ import pandas as pd
 OPS = (("batch-generator", "data"), ("forward-compute", "compute"), ("backward-compute", "compute"))
 
 
-def synchronous(steps: list[int], ranks: int, work: dict[str, float], slow: dict[int, float] | None = None,
-                transfer: float = 0.05, idle: float = 0.0) -> pd.DataFrame:
+def synchronous(
+    steps: list[int],
+    ranks: int,
+    work: dict[str, float],
+    slow: dict[int, float] | None = None,
+    transfer: float = 0.05,
+    idle: float = 0.0,
+) -> pd.DataFrame:
     """Each step: every rank's data, forward and backward (`work` seconds, times `slow[rank]`), then an
     all-reduce that ends `transfer` after the slowest rank arrives. `idle` seconds of nothing (a
     launch delay, a host that lags its GPU) come between data and forward. Float seconds from 0."""

@@ -30,12 +30,23 @@ def step_spans(run_id: str, rank: int, steps, spans_per_step: int = 0, step_s: f
     dur = int(step_s * 1e9)
     for step in steps:
         start = T0 + step * dur
-        parent = tracer.start_span("step", start_time=start, attributes={
-            sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: step / 100})
+        parent = tracer.start_span(
+            "step", start_time=start, attributes={sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: step / 100}
+        )
         ctx = trace.set_span_in_context(parent)
         for i in range(spans_per_step):
-            child = tracer.start_span("all_reduce", context=ctx, start_time=start + i, attributes={
-                sc.KIND: sc.KIND_COMM, sc.STEP: step, sc.COMM_SEQ: i, sc.COMM_BYTES: 1024, sc.COMM_GROUP_SIZE: 2})
+            child = tracer.start_span(
+                "all_reduce",
+                context=ctx,
+                start_time=start + i,
+                attributes={
+                    sc.KIND: sc.KIND_COMM,
+                    sc.STEP: step,
+                    sc.COMM_SEQ: i,
+                    sc.COMM_BYTES: 1024,
+                    sc.COMM_GROUP_SIZE: 2,
+                },
+            )
             child.end(end_time=start + i + 1000)
         parent.end(end_time=start + dur)
     provider.shutdown()
@@ -52,8 +63,15 @@ def span_count(body: bytes) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
-def post(collector, signal: str, body: bytes, headers: dict | None = None, gzip_body: bool = False,
-         client: httpx.Client | None = None, timeout: float = 30) -> httpx.Response:
+def post(
+    collector,
+    signal: str,
+    body: bytes,
+    headers: dict | None = None,
+    gzip_body: bool = False,
+    client: httpx.Client | None = None,
+    timeout: float = 30,
+) -> httpx.Response:
     """POST an OTLP body with the collector's token (unless headers override it)."""
     h = {**collector.headers, **PROTOBUF, **(headers or {})}
     if gzip_body:

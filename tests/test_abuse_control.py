@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agent.commands import Commands
-from collector.control import MAX_BODY, MAX_DEPTH
+from collector.control.api import MAX_BODY, MAX_DEPTH
 from tests.conftest import Collector, free_port, wait_until
 
 RUN = "run-abuse-control"
@@ -100,8 +100,10 @@ def refused(response: httpx.Response, status: int = 400) -> str:
 def test_a_wrong_token_is_answered_before_the_body_arrives(collector):
     """401 while the body is still being sent: nothing of it was read, let alone parsed."""
     with socket.create_connection(("127.0.0.1", collector.port), timeout=ANSWER_S) as s:
-        s.sendall(b"POST /v1/commands HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{\"run_id\": ")
+        s.sendall(
+            b"POST /v1/commands HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"run_id": '
+        )
         answer = s.recv(4096)
     assert answer.startswith(b"HTTP/1.1 401"), answer
 
@@ -133,12 +135,15 @@ def test_a_huge_body_is_refused_as_too_large_without_being_held(collector, clien
 # --- every field checked
 
 
-@pytest.mark.parametrize("body", [
-    b'{"run_id": "r", "kind": "power_cap", "args": {"watts": 1e999}}',
-    b'{"run_id": "r", "kind": "power_cap", "args": {"watts": Infinity}}',
-    b'{"run_id": "r", "kind": "power_cap", "args": {"caps": {"0": NaN}}}',
-    b'{"run_id": "r", "kind": "rollback", "args": {"before_step": 5, "lr_scale": -Infinity}}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"run_id": "r", "kind": "power_cap", "args": {"watts": 1e999}}',
+        b'{"run_id": "r", "kind": "power_cap", "args": {"watts": Infinity}}',
+        b'{"run_id": "r", "kind": "power_cap", "args": {"caps": {"0": NaN}}}',
+        b'{"run_id": "r", "kind": "rollback", "args": {"before_step": 5, "lr_scale": -Infinity}}',
+    ],
+)
 def test_non_finite_numbers_are_refused(client, body):
     assert "finite" in refused(client.post("/v1/commands", content=body))
 
@@ -171,41 +176,47 @@ def test_a_bad_apply_step_is_refused(client, apply_step):
     assert client.get("/v1/commands", params={"run_id": RUN, "state": "pending"}).status_code == 200
 
 
-@pytest.mark.parametrize("fields, why", [
-    ({"run_id": 7}, "run_id"),
-    ({"run_id": ""}, "run_id"),
-    ({"run_id": "r" * 1000}, "run_id"),
-    ({"run_id": "\ud800"}, "UTF-8"),
-    ({"kind": ["rollback"]}, "kind"),
-    ({"kind": "reboot"}, "unknown command kind"),
-    ({"args": [1, 2]}, "args"),
-    ({"args": "before_step=5"}, "args"),
-    ({"args": {}}, "before_step"),
-    ({"args": {"before_step": "5"}}, "before_step"),
-    ({"args": {"before_step": 2**70}}, "before_step"),
-    ({"args": {"before_step": 5, "skip_batches": -1}}, "skip_batches"),
-    ({"args": {"before_step": 5, "lr_scale": 0}}, "lr_scale"),
-    ({"args": {"before_step": 5, "reboot": True}}, "reboot"),
-    ({"args": {"before_step": 5, "anomaly": "x" * 1000}}, "anomaly"),
-    ({"kind": "power_cap", "args": {"watts": 2**70}}, "watts"),
-    ({"kind": "power_cap", "args": {"watts": 20_000}}, "power_cap"),
-    ({"kind": "power_cap", "args": {"caps": {"-1": 300}}}, "power_cap"),
-    ({"kind": "power_cap", "args": {"caps": {"x": 300}}}, "power_cap"),
-    ({"kind": "power_cap", "args": {"caps": {"1" * 5000: 300}}}, "power_cap"),
-    ({"kind": "power_cap", "args": {"watts": True}}, "power_cap"),
-])
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"run_id": 7}, "run_id"),
+        ({"run_id": ""}, "run_id"),
+        ({"run_id": "r" * 1000}, "run_id"),
+        ({"run_id": "\ud800"}, "UTF-8"),
+        ({"kind": ["rollback"]}, "kind"),
+        ({"kind": "reboot"}, "unknown command kind"),
+        ({"args": [1, 2]}, "args"),
+        ({"args": "before_step=5"}, "args"),
+        ({"args": {}}, "before_step"),
+        ({"args": {"before_step": "5"}}, "before_step"),
+        ({"args": {"before_step": 2**70}}, "before_step"),
+        ({"args": {"before_step": 5, "skip_batches": -1}}, "skip_batches"),
+        ({"args": {"before_step": 5, "lr_scale": 0}}, "lr_scale"),
+        ({"args": {"before_step": 5, "reboot": True}}, "reboot"),
+        ({"args": {"before_step": 5, "anomaly": "x" * 1000}}, "anomaly"),
+        ({"kind": "power_cap", "args": {"watts": 2**70}}, "watts"),
+        ({"kind": "power_cap", "args": {"watts": 20_000}}, "power_cap"),
+        ({"kind": "power_cap", "args": {"caps": {"-1": 300}}}, "power_cap"),
+        ({"kind": "power_cap", "args": {"caps": {"x": 300}}}, "power_cap"),
+        ({"kind": "power_cap", "args": {"caps": {"1" * 5000: 300}}}, "power_cap"),
+        ({"kind": "power_cap", "args": {"watts": True}}, "power_cap"),
+    ],
+)
 def test_a_bad_create_field_is_refused(client, fields, why):
     assert why in refused(create(client, **fields))
 
 
-@pytest.mark.parametrize("body, why", [
-    ({"state": 3}, "state"),
-    ({"state": "done"}, "unknown state"),
-    ({"state": "failed", "result": [1]}, "result"),
-    ({"state": "failed", "result": "oops"}, "result"),
-    ({"state": "failed", "result": {"why": "\udfff"}}, "UTF-8"),
-    ({"state": "failed", "extra": 1}, "extra"),
-])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ({"state": 3}, "state"),
+        ({"state": "done"}, "unknown state"),
+        ({"state": "failed", "result": [1]}, "result"),
+        ({"state": "failed", "result": "oops"}, "result"),
+        ({"state": "failed", "result": {"why": "\udfff"}}, "UTF-8"),
+        ({"state": "failed", "extra": 1}, "extra"),
+    ],
+)
 def test_a_bad_update_field_is_refused(client, body, why):
     command = create(client).json()
     assert why in refused(client.post(f"/v1/commands/{command['id']}", content=json.dumps(body).encode()))
@@ -232,9 +243,11 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
         first = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
         first.stop()
         with duckdb.connect(str(first.db)) as con:
-            con.execute("INSERT INTO commands (run_id, kind, args, created_by) VALUES (?, 'power_cap', "
-                        "'{\"watts\": Infinity}', 'api'), (?, 'power_cap', '{\"caps\": {\"0\": 1e999}}', 'api')",
-                        [RUN, RUN])
+            con.execute(
+                "INSERT INTO commands (run_id, kind, args, created_by) VALUES (?, 'power_cap', "
+                "'{\"watts\": Infinity}', 'api'), (?, 'power_cap', '{\"caps\": {\"0\": 1e999}}', 'api')",
+                [RUN, RUN],
+            )
         again = Collector(first.db, free_port(), "test-token", log=log).start()
         try:
             with httpx.Client(base_url=again.url, headers=again.headers, timeout=ANSWER_S) as client:
@@ -264,56 +277,116 @@ def test_the_agent_logs_a_failing_poll_once(collector, caplog):
 # --- fuzzing
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20))
-json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                           max_leaves=20)
-field_names = st.sampled_from(["run_id", "kind", "args", "state", "apply_step", "result", "caps", "watts",
-                               "before_step", "skip_batches", "lr_scale", "anomaly"])
-fields = st.dictionaries(field_names, st.one_of(json_values, st.sampled_from(
-    ["rollback", "power_cap", "pending", "acked", "applied", "failed", "cancelled", RUN, 2**40, 2**70, -1])),
-    max_size=5)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=20,
+)
+field_names = st.sampled_from(
+    [
+        "run_id",
+        "kind",
+        "args",
+        "state",
+        "apply_step",
+        "result",
+        "caps",
+        "watts",
+        "before_step",
+        "skip_batches",
+        "lr_scale",
+        "anomaly",
+    ]
+)
+fields = st.dictionaries(
+    field_names,
+    st.one_of(
+        json_values,
+        st.sampled_from(
+            ["rollback", "power_cap", "pending", "acked", "applied", "failed", "cancelled", RUN, 2**40, 2**70, -1]
+        ),
+    ),
+    max_size=5,
+)
 raw_bodies = st.one_of(
     st.binary(max_size=200),
-    st.builds(lambda n, o, c: (o * n + c * n).encode(), st.integers(0, 5000), st.sampled_from(["[", '{"a":']),
-              st.sampled_from(["]", "}"])),
-    st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b'{"args": {"watts": NaN}}', b"1e999", b"[1e999]",
-                     b'{"run_id": "r", "kind": "rollback", "args": {"before_step": -Infinity}}', b"", b"\xff\xfe",
-                     b'{"run_id": "\\ud800", "kind": "rollback", "args": {"before_step": 1}}',
-                     b'{"state": "\\udfff"}']))
-creates = st.sampled_from([  # bodies the API takes: as they are, or with one field swapped for anything
-    {"run_id": RUN, "kind": "rollback",
-     "args": {"before_step": 5, "skip_batches": 2, "lr_scale": 0.5, "anomaly": "nan"}},
-    {"run_id": RUN, "kind": "power_cap", "args": {"caps": {"0": 300.0, "3": 250}, "watts": 400}}])
-updates = st.sampled_from([{"state": "acked", "apply_step": 3},
-                           {"state": "failed", "result": {"why": "no checkpoint"}}])
+    st.builds(
+        lambda n, o, c: (o * n + c * n).encode(),
+        st.integers(0, 5000),
+        st.sampled_from(["[", '{"a":']),
+        st.sampled_from(["]", "}"]),
+    ),
+    st.sampled_from(
+        [
+            b"NaN",
+            b"Infinity",
+            b"-Infinity",
+            b'{"args": {"watts": NaN}}',
+            b"1e999",
+            b"[1e999]",
+            b'{"run_id": "r", "kind": "rollback", "args": {"before_step": -Infinity}}',
+            b"",
+            b"\xff\xfe",
+            b'{"run_id": "\\ud800", "kind": "rollback", "args": {"before_step": 1}}',
+            b'{"state": "\\udfff"}',
+        ]
+    ),
+)
+creates = st.sampled_from(
+    [  # bodies the API takes: as they are, or with one field swapped for anything
+        {
+            "run_id": RUN,
+            "kind": "rollback",
+            "args": {"before_step": 5, "skip_batches": 2, "lr_scale": 0.5, "anomaly": "nan"},
+        },
+        {"run_id": RUN, "kind": "power_cap", "args": {"caps": {"0": 300.0, "3": 250}, "watts": 400}},
+    ]
+)
+updates = st.sampled_from(
+    [{"state": "acked", "apply_step": 3}, {"state": "failed", "result": {"why": "no checkpoint"}}]
+)
 
 
 def swapped(valid: st.SearchStrategy) -> st.SearchStrategy:
     """`valid` bodies, or those with one field, at the top or in args, swapped for any JSON value; as bytes."""
     return st.one_of(
-        valid, st.builds(lambda body, name, value: body | {name: value}, valid, field_names, json_values),
-        st.builds(lambda body, name, value: body | {"args": body.get("args", {}) | {name: value}},
-                  valid, field_names, json_values)).map(lambda body: json.dumps(body).encode())
+        valid,
+        st.builds(lambda body, name, value: body | {name: value}, valid, field_names, json_values),
+        st.builds(
+            lambda body, name, value: body | {"args": body.get("args", {}) | {name: value}},
+            valid,
+            field_names,
+            json_values,
+        ),
+    ).map(lambda body: json.dumps(body).encode())
 
 
-bodies = st.one_of(raw_bodies, fields.map(lambda value: json.dumps(value).encode()),
-                   json_values.map(lambda value: json.dumps(value).encode()))
+bodies = st.one_of(
+    raw_bodies,
+    fields.map(lambda value: json.dumps(value).encode()),
+    json_values.map(lambda value: json.dumps(value).encode()),
+)
 ids = st.integers(1, 30).map(lambda i: f"/v1/commands/{i}")  # commands that exist, most of them
-paths = st.one_of(st.just("/v1/commands"), ids, st.integers(-5, 2**70).map(lambda i: f"/v1/commands/{i}"),
-                  st.text("0123456789x-", min_size=1, max_size=30).map(lambda i: f"/v1/commands/{i}"))
-requests = st.one_of(st.tuples(paths, bodies), st.tuples(st.just("/v1/commands"), swapped(creates)),
-                     st.tuples(ids, swapped(updates)))
+paths = st.one_of(
+    st.just("/v1/commands"),
+    ids,
+    st.integers(-5, 2**70).map(lambda i: f"/v1/commands/{i}"),
+    st.text("0123456789x-", min_size=1, max_size=30).map(lambda i: f"/v1/commands/{i}"),
+)
+requests = st.one_of(
+    st.tuples(paths, bodies), st.tuples(st.just("/v1/commands"), swapped(creates)), st.tuples(ids, swapped(updates))
+)
 VALID = ("Bearer test-token", "bearer test-token")
 headers = st.sampled_from([*VALID, *VALID, "Bearer wrong", "Bearer", "Bearer test-token-2", "Basic dGVzdA==", None])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(request=requests, header=headers)
 def test_fuzzed_posts_are_never_a_server_error(anonymous, request, header):
     path, body = request
-    response = anonymous.post(path, content=body,
-                              headers=authorization(header) | {"Content-Type": "application/json"})
+    response = anonymous.post(path, content=body, headers=authorization(header) | {"Content-Type": "application/json"})
     event(f"HTTP {response.status_code}")  # --hypothesis-show-statistics: how many got past the checks
     if header not in VALID:
         assert response.status_code == 401, response.text
@@ -323,8 +396,9 @@ def test_fuzzed_posts_are_never_a_server_error(anonymous, request, header):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(params=st.dictionaries(st.sampled_from(["run_id", "state", "x"]), st.text(max_size=300), max_size=3),
-       header=headers)
+@given(
+    params=st.dictionaries(st.sampled_from(["run_id", "state", "x"]), st.text(max_size=300), max_size=3), header=headers
+)
 def test_fuzzed_listings_are_never_a_server_error(anonymous, params, header):
     response = anonymous.get("/v1/commands", params=params, headers=authorization(header))
     if header not in VALID:

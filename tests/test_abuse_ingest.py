@@ -24,9 +24,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent import semconv as sc
-from collector import decode, otlp
-from collector.decode import MAX_ATTRIBUTES, MAX_ITEMS, RANGES
-from collector.ingest import Outcome, Request, decode_batch
+from collector.receive import decode, otlp
+from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, RANGES
+from collector.receive.ingest import Outcome, Request, decode_batch
 from tests.otlp_payloads import T0, post, query
 
 RUN = "abuse"
@@ -64,8 +64,13 @@ def spans_body(*spans: dict | list, resource: dict | None = None) -> bytes:
     _attrs(rs.resource.attributes, {sc.RUN_ID: RUN, sc.RANK: 0} if resource is None else resource)
     scope = rs.scope_spans.add()
     for i, attrs in enumerate(spans):
-        span = scope.spans.add(trace_id=bytes(16), span_id=i.to_bytes(8, "big"), name="step",
-                               start_time_unix_nano=T0 + i * 10**9, end_time_unix_nano=T0 + i * 10**9 + 10**8)
+        span = scope.spans.add(
+            trace_id=bytes(16),
+            span_id=i.to_bytes(8, "big"),
+            name="step",
+            start_time_unix_nano=T0 + i * 10**9,
+            end_time_unix_nano=T0 + i * 10**9 + 10**8,
+        )
         _attrs(span.attributes, [(sc.KIND, sc.KIND_STEP), (sc.STEP, i)])
         _attrs(span.attributes, attrs)
     return request.SerializeToString()
@@ -116,10 +121,17 @@ UNREADABLE = ["²", "①", "9" * 5000]
 
 
 @pytest.mark.parametrize("value", UNREADABLE, ids=["superscript", "circled", "5000-digits"])
-@pytest.mark.parametrize("signal,attrs", [
-    ("traces", {sc.STEP: None}), ("traces", {sc.RANK: None}), ("traces", {sc.TOKENS: None}),
-    ("metrics", {sc.GPU: None}), ("logs", {sc.STEP: None}),
-], ids=["span-step", "span-rank", "span-tokens", "point-gpu", "log-step"])
+@pytest.mark.parametrize(
+    "signal,attrs",
+    [
+        ("traces", {sc.STEP: None}),
+        ("traces", {sc.RANK: None}),
+        ("traces", {sc.TOKENS: None}),
+        ("metrics", {sc.GPU: None}),
+        ("logs", {sc.STEP: None}),
+    ],
+    ids=["span-step", "span-rank", "span-tokens", "point-gpu", "log-step"],
+)
 def test_an_unreadable_number_refuses_its_item_alone(signal, attrs, value):
     body = BODIES[signal]
     mixed, good = body({}, dict.fromkeys(attrs, value)), body({})  # a span's step: the last one sent wins
@@ -212,8 +224,9 @@ def test_a_request_with_too_many_items_is_refused_whole_and_cheaply(collector):
         assert f"more than {MAX_ITEMS}" in response.text and took < 10
 
 
-@pytest.mark.parametrize("lists", [("resourceSpans", "scopeSpans", "spans"),
-                                   ("resource_spans", "scope_spans", "spans")])
+@pytest.mark.parametrize(
+    "lists", [("resourceSpans", "scopeSpans", "spans"), ("resource_spans", "scope_spans", "spans")]
+)
 def test_a_json_request_with_too_many_items_is_refused_before_its_conversion(lists):
     """Converting OTLP/JSON to protobuf costs about 5 µs an item (9 s of CPU for 2M empty spans):
     the items are counted on the parsed tree first."""
@@ -230,8 +243,15 @@ def test_a_json_request_with_too_many_items_is_refused_before_its_conversion(lis
 
 def test_steps_ranks_and_tokens_out_of_range_refuse_their_item(collector, tmp_path):
     top = {column: bound - 1 for column, bound in RANGES.items()}
-    spans = [{}, {sc.STEP: -(2**63)}, {sc.STEP: RANGES["step"]}, {sc.RANK: RANGES["rank"]}, {sc.RANK: -1},
-             {sc.TOKENS: -1}, {sc.TOKENS: RANGES["tokens"]}]
+    spans = [
+        {},
+        {sc.STEP: -(2**63)},
+        {sc.STEP: RANGES["step"]},
+        {sc.RANK: RANGES["rank"]},
+        {sc.RANK: -1},
+        {sc.TOKENS: -1},
+        {sc.TOKENS: RANGES["tokens"]},
+    ]
     request = ExportTraceServiceRequest.FromString(spans_body(*spans))
     for rank in (0, 1):  # two ranks whose steps are as large as they may be
         rs = request.resource_spans.add()
@@ -239,25 +259,46 @@ def test_steps_ranks_and_tokens_out_of_range_refuse_their_item(collector, tmp_pa
         scope = rs.scope_spans.add()
         for i in range(30):
             step = top["step"] - 29 + i
-            span = scope.spans.add(trace_id=bytes(16), span_id=bytes(8), name="step",
-                                   start_time_unix_nano=T0 + step, end_time_unix_nano=T0 + step + 10**8)
-            _attrs(span.attributes, {sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.TOKENS: top["tokens"],
-                                     sc.COMPUTE_S: 0.05, sc.DATA_S: 0.01, sc.COMM_WAIT_S: 0.02})
+            span = scope.spans.add(
+                trace_id=bytes(16),
+                span_id=bytes(8),
+                name="step",
+                start_time_unix_nano=T0 + step,
+                end_time_unix_nano=T0 + step + 10**8,
+            )
+            _attrs(
+                span.attributes,
+                {
+                    sc.KIND: sc.KIND_STEP,
+                    sc.STEP: step,
+                    sc.TOKENS: top["tokens"],
+                    sc.COMPUTE_S: 0.05,
+                    sc.DATA_S: 0.01,
+                    sc.COMM_WAIT_S: 0.02,
+                },
+            )
     response = post(collector, "traces", request.SerializeToString())
     answer = ExportTraceServiceResponse.FromString(response.content).partial_success
     assert answer.rejected_spans == len(spans) - 1, answer
     assert "outside [0, " in answer.error_message
 
-    points = decode_together("metrics", metrics_body({}, resource={sc.RUN_ID: RUN, sc.RANK: RANGES["rank"]}),
-                             metrics_body({sc.RANK: top["rank"]}))
+    points = decode_together(
+        "metrics",
+        metrics_body({}, resource={sc.RUN_ID: RUN, sc.RANK: RANGES["rank"]}),
+        metrics_body({sc.RANK: top["rank"]}),
+    )
     records = decode_together("logs", logs_body({sc.STEP: -1}, {sc.STEP: "12"}, {sc.STEP: top["step"]}))
     assert (points[0].accepted, points[0].rejected, points[1].accepted) == (0, 1, 1), points
     assert (records[0].accepted, records[0].rejected) == (2, 1), records
 
     collector.stop()
     assert query(collector.db, "SELECT count(*), max(step) FROM steps")[0] == (61, top["step"])
-    result = subprocess.run([sys.executable, "-m", "rankwatch", "analyze", RUN, "--db", str(collector.db), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "rankwatch", "analyze", RUN, "--db", str(collector.db), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -266,12 +307,14 @@ def test_steps_ranks_and_tokens_out_of_range_refuse_their_item(collector, tmp_pa
 
 def test_a_gzip_body_of_several_members_is_read_whole(collector):
     body = spans_body(*[{} for _ in range(10)])
-    members = gzip.compress(body[:len(body) // 2]) + gzip.compress(body[len(body) // 2:])
+    members = gzip.compress(body[: len(body) // 2]) + gzip.compress(body[len(body) // 2 :])
     response = post(collector, "traces", members, headers={"Content-Encoding": "gzip"})
     assert response.status_code == 200, response.text
     assert not ExportTraceServiceResponse.FromString(response.content).HasField("partial_success")
-    for refused in (gzip.compress(body) + b"\0garbage", gzip.compress(b"") * (otlp.MAX_GZIP_MEMBERS + 1) +
-                    gzip.compress(body)):
+    for refused in (
+        gzip.compress(body) + b"\0garbage",
+        gzip.compress(b"") * (otlp.MAX_GZIP_MEMBERS + 1) + gzip.compress(body),
+    ):
         response = post(collector, "traces", refused, headers={"Content-Encoding": "gzip"})
         assert response.status_code == 400, response.text
     collector.stop()
@@ -285,24 +328,47 @@ def test_nan_attributes_of_metrics_and_logs_are_stored_as_json_null(collector):
         assert response.status_code == 200, response.text
     collector.stop()
     for table in ("device_samples", "events"):
-        assert [json.loads(a) for a, in query(collector.db, f"SELECT attrs FROM {table}")] == [
-            {"f": None, "g": [1.0, None]}], table
+        assert [json.loads(a) for (a,) in query(collector.db, f"SELECT attrs FROM {table}")] == [
+            {"f": None, "g": [1.0, None]}
+        ], table
 
 
 # -- anything at all ----------------------------------------------------------------------------------
 
-KEYS = [sc.STEP, sc.RANK, sc.TOKENS, sc.RUN_ID, sc.KIND, sc.LOSS, sc.COMM_BYTES, sc.COMM_GROUP, sc.GPU,
-        sc.SOURCE, sc.EVENT, "other"]
+KEYS = [
+    sc.STEP,
+    sc.RANK,
+    sc.TOKENS,
+    sc.RUN_ID,
+    sc.KIND,
+    sc.LOSS,
+    sc.COMM_BYTES,
+    sc.COMM_GROUP,
+    sc.GPU,
+    sc.SOURCE,
+    sc.EVENT,
+    "other",
+]
 VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(), st.binary(max_size=8),
-    st.text(max_size=12), st.text(alphabet="0123456789-+ _.e²①٣", max_size=25), st.just("9" * 5000),
-    st.lists(st.integers(-5, 5) | st.floats(), max_size=3))
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.binary(max_size=8),
+    st.text(max_size=12),
+    st.text(alphabet="0123456789-+ _.e²①٣", max_size=25),
+    st.just("9" * 5000),
+    st.lists(st.integers(-5, 5) | st.floats(), max_size=3),
+)
 ATTRIBUTES = st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=6)
 
 
 @settings(max_examples=150, deadline=None)
-@given(signal=st.sampled_from(sorted(BODIES)), items=st.lists(ATTRIBUTES, min_size=1, max_size=4),
-       resource=st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=4))
+@given(
+    signal=st.sampled_from(sorted(BODIES)),
+    items=st.lists(ATTRIBUTES, min_size=1, max_size=4),
+    resource=st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=4),
+)
 def test_any_attribute_values_cost_their_items_alone(signal, items, resource):
     """Whatever values the attributes hold, the good item of the same request and the good request
     of the same batch are stored."""
@@ -332,8 +398,11 @@ def _mutated(body: bytes, edits: list[tuple[int, int, int]]) -> bytes:
 
 
 EDITS = st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 3), st.integers(0, 255)), min_size=1, max_size=6)
-SAMPLES = {"traces": spans_body({sc.LOSS: 0.5, "nested": [1, 2.5, "x"]}, {sc.TOKENS: "12"}),
-           "metrics": metrics_body({sc.GPU: 0}, {"x": "y"}), "logs": logs_body({sc.STEP: 3}, {"x": b"\0"})}
+SAMPLES = {
+    "traces": spans_body({sc.LOSS: 0.5, "nested": [1, 2.5, "x"]}, {sc.TOKENS: "12"}),
+    "metrics": metrics_body({sc.GPU: 0}, {"x": "y"}),
+    "logs": logs_body({sc.STEP: 3}, {"x": b"\0"}),
+}
 
 
 @settings(max_examples=200, deadline=None)
@@ -345,32 +414,80 @@ def test_a_mangled_protobuf_body_is_refused_alone(signal, edits, junk, use_junk)
     assert isinstance(answers[0], Outcome) or answers[0].status in (400, 413), answers
 
 
-JSON_TREES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-                              st.sampled_from(["resourceSpans", "scopeSpans", "spans", "attributes", "key", "value",
-                                               "intValue", "stringValue", "traceId", "name", "resource",
-                                               "startTimeUnixNano", "x"]), inner, max_size=3),
-                          max_leaves=20)
+JSON_TREES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "resourceSpans",
+                    "scopeSpans",
+                    "spans",
+                    "attributes",
+                    "key",
+                    "value",
+                    "intValue",
+                    "stringValue",
+                    "traceId",
+                    "name",
+                    "resource",
+                    "startTimeUnixNano",
+                    "x",
+                ]
+            ),
+            inner,
+            max_size=3,
+        )
+    ),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(tree=JSON_TREES, text=st.text(max_size=40), use_text=st.booleans())
 def test_a_mangled_json_body_is_refused_alone(tree, text, use_text):
     fuzzed = text.encode() if use_text else json.dumps(tree).encode()
-    good = json.dumps({"resourceSpans": [{
-        "resource": {"attributes": [{"key": sc.RUN_ID, "value": {"stringValue": RUN}},
-                                    {"key": sc.RANK, "value": {"intValue": "0"}}]},
-        "scopeSpans": [{"spans": [{"traceId": "00" * 16, "spanId": "01" * 8, "name": "step",
-                                   "startTimeUnixNano": str(T0), "endTimeUnixNano": str(T0 + 10**8),
-                                   "attributes": [{"key": sc.STEP, "value": {"intValue": "1"}}]}]}]}]}).encode()
+    good = json.dumps(
+        {
+            "resourceSpans": [
+                {
+                    "resource": {
+                        "attributes": [
+                            {"key": sc.RUN_ID, "value": {"stringValue": RUN}},
+                            {"key": sc.RANK, "value": {"intValue": "0"}},
+                        ]
+                    },
+                    "scopeSpans": [
+                        {
+                            "spans": [
+                                {
+                                    "traceId": "00" * 16,
+                                    "spanId": "01" * 8,
+                                    "name": "step",
+                                    "startTimeUnixNano": str(T0),
+                                    "endTimeUnixNano": str(T0 + 10**8),
+                                    "attributes": [{"key": sc.STEP, "value": {"intValue": "1"}}],
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        }
+    ).encode()
     answers = decode_together("traces", fuzzed, good, kind=otlp.JSON)
     assert accepted(answers[1], 1), answers
     assert isinstance(answers[0], Outcome) or answers[0].status in (400, 413), answers
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(signal=st.sampled_from(sorted(SAMPLES)), edits=EDITS, kind=st.sampled_from([otlp.PROTOBUF, otlp.JSON]),
-       zipped=st.booleans())
+@given(
+    signal=st.sampled_from(sorted(SAMPLES)),
+    edits=EDITS,
+    kind=st.sampled_from([otlp.PROTOBUF, otlp.JSON]),
+    zipped=st.booleans(),
+)
 def test_a_collector_answers_any_body_without_5xx(module_collector, signal, edits, kind, zipped):
     body = _mutated(SAMPLES[signal], edits)
     if kind == otlp.JSON:

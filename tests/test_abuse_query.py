@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector import readonly
-from collector.auth import load_or_create_token
+from collector.receive.auth import load_or_create_token
+from collector.store import readonly
 from collector.store.schema import DDL
 from dashboard.source import FileSource, QueryFailed
 from tests.conftest import Collector, free_port
@@ -52,17 +52,32 @@ def plant(data: Path) -> list[str]:
 def fragments(secret_values: list[str]) -> list[str]:
     """Pieces of each secret, as text and as hex (read_blob's bytes come back in hex): a reader that
     splits a file into fields still shows one of them."""
-    pieces = [s[i:i + 8] for s in secret_values for i in range(0, len(s) - 7, 8)]
+    pieces = [s[i : i + 8] for s in secret_values for i in range(0, len(s) - 7, 8)]
     return pieces + [p.encode().hex() for p in pieces]
 
 
 def file_functions(run) -> list[str]:
     """Every table function of this DuckDB that takes a path (a string, a list or any value first)."""
-    answer = run("SELECT DISTINCT function_name FROM duckdb_functions() WHERE function_type = 'table' "
-                 "AND (parameter_types[1] IN ('VARCHAR', 'ANY', 'ANY[]', 'VARCHAR[]', 'VARIANT')) ORDER BY 1")
+    answer = run(
+        "SELECT DISTINCT function_name FROM duckdb_functions() WHERE function_type = 'table' "
+        "AND (parameter_types[1] IN ('VARCHAR', 'ANY', 'ANY[]', 'VARCHAR[]', 'VARIANT')) ORDER BY 1"
+    )
     names = [row[0] for row in answer["rows"]]
-    assert {"read_text", "read_blob", "read_csv", "read_csv_auto", "read_json", "read_json_auto", "read_json_objects",
-            "read_parquet", "parquet_scan", "parquet_metadata", "parquet_schema", "glob", "sniff_csv"} <= set(names)
+    assert {
+        "read_text",
+        "read_blob",
+        "read_csv",
+        "read_csv_auto",
+        "read_json",
+        "read_json_auto",
+        "read_json_objects",
+        "read_parquet",
+        "parquet_scan",
+        "parquet_metadata",
+        "parquet_schema",
+        "glob",
+        "sniff_csv",
+    } <= set(names)
     return names
 
 
@@ -73,10 +88,28 @@ def attacks(data: Path) -> list[str]:
     paths = []
     for name in ("token", "alerts.toml"):
         secret = data / name
-        paths += [str(secret), os.path.relpath(secret), f"{files}/../{name}", f"{data}//{name}", f"file://{secret}",
-                  f"{files}/link-{name}", f"{files}/up/{name}", f"{files}/./up/../../{name}"]
-    return [*paths, f"{data}/*", f"{data}/**", f"{files}/*", f"{files}/**", f"{files}/../*", f"{data}/[at]*",
-            f"{data}/?oken", f"{files}/up/*", f"{files}/*/*"]
+        paths += [
+            str(secret),
+            os.path.relpath(secret),
+            f"{files}/../{name}",
+            f"{data}//{name}",
+            f"file://{secret}",
+            f"{files}/link-{name}",
+            f"{files}/up/{name}",
+            f"{files}/./up/../../{name}",
+        ]
+    return [
+        *paths,
+        f"{data}/*",
+        f"{data}/**",
+        f"{files}/*",
+        f"{files}/**",
+        f"{files}/../*",
+        f"{data}/[at]*",
+        f"{data}/?oken",
+        f"{files}/up/*",
+        f"{files}/*/*",
+    ]
 
 
 def probe_all(run, data: Path, leaked: list[str]) -> list[str]:
@@ -127,6 +160,7 @@ def one_line_400(response: httpx.Response) -> str:
 
 # 1. Secrets readable through SQL
 
+
 def test_the_api_reads_no_secret(api):
     data = api.collector.db.parent
 
@@ -170,6 +204,7 @@ def test_secrets_are_outside_the_directory_queries_read(tmp_path):
 
 # 7. timeout_s must not lift the time limit
 
+
 @pytest.mark.parametrize("raw", [b"0", b"-1", b"NaN", b"Infinity", b"-Infinity", b'"5"', b"true", b"[1]", b"{}"])
 def test_a_bad_timeout_is_refused(api, raw):
     response = api.post("/api/v1/query", content=b'{"sql": "SELECT 1", "timeout_s": ' + raw + b"}")
@@ -208,6 +243,7 @@ def test_an_interrupt_before_the_query_starts_is_not_lost(tmp_path):
 
 
 # 8. Results capped in bytes, without stalling ingest
+
 
 def test_results_are_capped_in_bytes(api):
     response = ask(api, WIDE)
@@ -257,30 +293,34 @@ def test_ingest_goes_on_while_queries_hit_the_byte_cap(api):
 
 # Every field of the request
 
+
 def nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
-@pytest.mark.parametrize("body, field", [
-    (b'{"sql": "SELECT ?", "params": [' + nested(500) + b"]}", "params"),
-    (b'{"sql": "SELECT ?", "params": ' + nested(100_000) + b"}", ""),
-    (b'{"sql": "SELECT ?", "params": [[[[[[1]]]]]]}', "params"),
-    (b'{"sql": "SELECT ?", "params": [{"a": 1}]}', "params"),
-    (b'{"sql": "SELECT $a", "params": {"a": {"b": 1}}}', "params"),
-    (b'{"sql": "SELECT 1", "params": "x"}', "params"),
-    (b'{"params": []}', "sql"),
-    (b'{"sql": null}', "sql"),
-    (b'{"sql": "SELECT \\ud800"}', "sql"),
-    (b'{"sql": "SELECT ?", "params": ["\\udfff"]}', "params"),
-    (b'{"sql": ["SELECT 1"]}', "sql"),
-    (b'{"sql": "SELECT 1", "max_rows": -1}', "max_rows"),
-    (b'{"sql": "SELECT 1", "max_rows": 1.5}', "max_rows"),
-    (b'{"sql": "SELECT 1", "max_rows": "10"}', "max_rows"),
-    (b'{"sql": "SELECT 1", "max_rows": true}', "max_rows"),
-    (b'{"sql": "SELECT 1", "timeout": 5}', "timeout"),
-    (b'\xff\xfe not utf-8', ""),
-    (b"[]", ""),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (b'{"sql": "SELECT ?", "params": [' + nested(500) + b"]}", "params"),
+        (b'{"sql": "SELECT ?", "params": ' + nested(100_000) + b"}", ""),
+        (b'{"sql": "SELECT ?", "params": [[[[[[1]]]]]]}', "params"),
+        (b'{"sql": "SELECT ?", "params": [{"a": 1}]}', "params"),
+        (b'{"sql": "SELECT $a", "params": {"a": {"b": 1}}}', "params"),
+        (b'{"sql": "SELECT 1", "params": "x"}', "params"),
+        (b'{"params": []}', "sql"),
+        (b'{"sql": null}', "sql"),
+        (b'{"sql": "SELECT \\ud800"}', "sql"),
+        (b'{"sql": "SELECT ?", "params": ["\\udfff"]}', "params"),
+        (b'{"sql": ["SELECT 1"]}', "sql"),
+        (b'{"sql": "SELECT 1", "max_rows": -1}', "max_rows"),
+        (b'{"sql": "SELECT 1", "max_rows": 1.5}', "max_rows"),
+        (b'{"sql": "SELECT 1", "max_rows": "10"}', "max_rows"),
+        (b'{"sql": "SELECT 1", "max_rows": true}', "max_rows"),
+        (b'{"sql": "SELECT 1", "timeout": 5}', "timeout"),
+        (b"\xff\xfe not utf-8", ""),
+        (b"[]", ""),
+    ],
+)
 def test_a_bad_request_is_one_line_400(api, body, field):
     started = time.monotonic()
     response = api.post("/api/v1/query", content=body)
@@ -299,14 +339,19 @@ def test_an_oversized_request_is_413(api):
     assert response.status_code == 413 and "\n" not in response.json()["error"]
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                    max_leaves=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=st.fixed_dictionaries({}, optional={"sql": JSON | st.just("SELECT ?"), "params": JSON,
-                                                  "timeout_s": JSON, "max_rows": JSON}))
+@given(
+    fields=st.fixed_dictionaries(
+        {}, optional={"sql": JSON | st.just("SELECT ?"), "params": JSON, "timeout_s": JSON, "max_rows": JSON}
+    )
+)
 def test_any_json_request_is_answered_in_time(api, fields):
     started = time.monotonic()
     response = api.post("/api/v1/query", content=json.dumps(fields).encode())

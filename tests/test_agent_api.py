@@ -12,4 +12,3 @@ def test_watching_collectives_before_init_says_so(monkeypatch):
     with pytest.raises(RuntimeError, match=r"agent\.init\(\)"):
         agent.watch_collectives()
     assert dist.all_reduce is all_reduce  # nothing wrapped
-

@@ -17,8 +17,11 @@ RUN = "run-agent-commands"
 
 
 def create(collector, **args) -> dict:
-    response = httpx.post(f"{collector.url}/v1/commands", json={"run_id": RUN, "kind": "rollback", "args": args},
-                          headers={"Authorization": f"Bearer {collector.token}"})
+    response = httpx.post(
+        f"{collector.url}/v1/commands",
+        json={"run_id": RUN, "kind": "rollback", "args": args},
+        headers={"Authorization": f"Bearer {collector.token}"},
+    )
     assert response.status_code == 201, response.text
     return response.json()
 

@@ -53,14 +53,21 @@ class Job:
         script = tmp_path / "loop.py"
         script.write_text(LOOP)
         self.started = time.monotonic()
-        self.process = subprocess.Popen([sys.executable, str(script), collector_url, run_id, str(steps), str(pace)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), collector_url, run_id, str(steps), str(pace)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self._changed = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -73,9 +80,11 @@ class Job:
     def wait_for(self, lines: list[str], text: str, timeout_s: float) -> None:
         with self._changed:
             found = self._changed.wait_for(
-                lambda: any(text in line for line in lines) or self.process.poll() is not None, timeout=timeout_s)
+                lambda: any(text in line for line in lines) or self.process.poll() is not None, timeout=timeout_s
+            )
         assert found and any(text in line for line in lines), (
-            f"no {text!r} after {timeout_s}s; stdout {self.stdout[-5:]}, stderr {self.stderr[-10:]}")
+            f"no {text!r} after {timeout_s}s; stdout {self.stdout[-5:]}, stderr {self.stderr[-10:]}"
+        )
 
     def finish(self, timeout_s: float) -> tuple[int, float]:
         """(exit status, wall seconds since start)."""
@@ -109,18 +118,26 @@ def test_collector_outage_and_restart(collector, tmp_path):
     assert not any("never delivered" in line for line in job.stderr), job.stderr
     collector.stop()
 
-    rows = query(collector.db, "SELECT step, count(*), any_value(loss), any_value(tokens), max(duration_s) "
-                               "FROM steps WHERE run_id = ? GROUP BY step ORDER BY step", [run_id])
+    rows = query(
+        collector.db,
+        "SELECT step, count(*), any_value(loss), any_value(tokens), max(duration_s) "
+        "FROM steps WHERE run_id = ? GROUP BY step ORDER BY step",
+        [run_id],
+    )
     assert [(step, count) for step, count, *_ in rows] == [(i, 1) for i in range(STEPS)]
     for step, _, loss, tokens, duration in rows:
         assert loss == 1.0 / (step + 1) and tokens == 100
         assert duration < PACE + 1.0, (step, duration)  # training never waited for the network (~3 s a try)
-    phases = query(collector.db, "SELECT count(*), count(DISTINCT step) FROM ops WHERE run_id = ? AND kind = 'phase' "
-                                 "AND name = 'forward'", [run_id])
+    phases = query(
+        collector.db,
+        "SELECT count(*), count(DISTINCT step) FROM ops WHERE run_id = ? AND kind = 'phase' AND name = 'forward'",
+        [run_id],
+    )
     assert phases == [(STEPS, STEPS)]
 
-    backlog = query(collector.db, "SELECT rank, attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'",
-                    [run_id])
+    backlog = query(
+        collector.db, "SELECT rank, attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'", [run_id]
+    )
     assert len(backlog) == 1, backlog
     rank, attrs = backlog[0][0], json.loads(backlog[0][1])
     assert rank == 0
@@ -155,8 +172,13 @@ def test_backlog_event_when_the_collector_returns_just_before_the_end(collector,
     run_id, stop_file = "run-outage-late", tmp_path / "stop"
     script = tmp_path / "until.py"
     script.write_text(UNTIL)
-    job = subprocess.Popen([sys.executable, str(script), collector.url, run_id, str(stop_file)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    job = subprocess.Popen(
+        [sys.executable, str(script), collector.url, run_id, str(stop_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         for line in job.stdout:
             if line.startswith("step 3"):
@@ -175,16 +197,20 @@ def test_backlog_event_when_the_collector_returns_just_before_the_end(collector,
     steps = int(out.splitlines()[-1].split()[1])
     collector.stop()
     # the data made it: every step, once (the collector was back before the job ended)
-    stored = query(collector.db, "SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps "
-                                 "WHERE run_id = ?", [run_id])
+    stored = query(
+        collector.db,
+        "SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps WHERE run_id = ?",
+        [run_id],
+    )
     assert stored == [(steps, steps, 0, steps - 1)], (
         f"{steps} steps ran, stored (rows, distinct steps, first, last) = {stored}; the collector was back "
-        f"before agent.shutdown(), which must try it once more. Agent stderr: {err.strip()}")
-    backlog = query(collector.db, "SELECT attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'",
-                    [run_id])
+        f"before agent.shutdown(), which must try it once more. Agent stderr: {err.strip()}"
+    )
+    backlog = query(collector.db, "SELECT attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'", [run_id])
     assert len(backlog) == 1, (
         "spans of the outage were delivered late by the shutdown's last try, but no telemetry_backlog event "
-        "reports it (agent/session.py Session.shutdown reads the backlog counters before exporter.shutdown())")
+        "reports it (agent/session.py Session.shutdown reads the backlog counters before exporter.shutdown())"
+    )
     attrs = json.loads(backlog[0][0])
     assert attrs["rankwatch.spans_dropped"] == 0 and attrs["rankwatch.spans_delivered_late"] > 0
 
@@ -211,7 +237,8 @@ def test_no_collector_at_all(nowhere):
     assert "http://127.0.0.1:" in unreachable[0] and "training goes on" in unreachable[0]
     # all that was recorded is reported lost, once: 20 step spans and 20 phase spans
     assert [line for line in stderr if "never delivered" in line] == [
-        "rankwatch: 40 spans of rank 0 were never delivered (collector unreachable)"]
+        "rankwatch: 40 spans of rank 0 were never delivered (collector unreachable)"
+    ]
 
 
 def test_shutdown_without_collector_does_not_wait_out_retries(nowhere):

@@ -23,11 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent import semconv as sc
 from agent.export import Exporter
-from collector import findings
 from collector.alerts import outbox, rules, webhook
 from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, load
 from collector.alerts.delivery import Delivery
-from collector.analyzers import Finding
+from collector.analysis import findings
+from collector.analysis.analyzers import Finding
 from collector.store.schema import DDL
 from tests.conftest import free_port, rankwatch_cli, wait_until
 from tests.otlp_payloads import query
@@ -38,13 +38,16 @@ MS = 1_000_000
 
 
 def straggler(ranks: list[int], severity: str = "warning") -> Finding:
-    return Finding("run-a", "rank", ranks, 10, 20, severity, 1.3, f"rank {ranks} computes 30% slower",
-                   analyzer="stragglers")
+    return Finding(
+        "run-a", "rank", ranks, 10, 20, severity, 1.3, f"rank {ranks} computes 30% slower", analyzer="stragglers"
+    )
 
 
 def notifications(con) -> list[tuple[str, dict]]:
-    return [(receiver, json.loads(body)) for receiver, body in
-            con.execute("SELECT receiver, body FROM outbox ORDER BY id").fetchall()]
+    return [
+        (receiver, json.loads(body))
+        for receiver, body in con.execute("SELECT receiver, body FROM outbox ORDER BY id").fetchall()
+    ]
 
 
 @pytest.fixture
@@ -57,23 +60,41 @@ def con():
 def test_a_new_finding_sends_one_v4_notification_per_receiver_and_group(con):
     config = AlertConfig(receivers=(Receiver("all", "http://a/"),), dashboard_url="http://dash:8501")
     findings.record(con, "run-a", "stragglers", [straggler([3]), straggler(list(range(24, 32)))], config)
-    (receiver, body), = notifications(con)
+    ((receiver, body),) = notifications(con)
     assert receiver == "all"
-    assert set(body) == {"version", "groupKey", "truncatedAlerts", "status", "receiver", "groupLabels",
-                         "commonLabels", "commonAnnotations", "externalURL", "alerts"}
+    assert set(body) == {
+        "version",
+        "groupKey",
+        "truncatedAlerts",
+        "status",
+        "receiver",
+        "groupLabels",
+        "commonLabels",
+        "commonAnnotations",
+        "externalURL",
+        "alerts",
+    }
     assert (body["version"], body["status"], body["receiver"], body["truncatedAlerts"]) == ("4", "firing", "all", 0)
     assert body["groupKey"] == '{}:{alertname="RankwatchStraggler", run="run-a"}'
     assert body["groupLabels"] == {"alertname": "RankwatchStraggler", "run": "run-a"}
-    assert body["commonLabels"] == {"alertname": "RankwatchStraggler", "run": "run-a", "analyzer": "stragglers",
-                                    "kind": "rank", "severity": "warning"}
+    assert body["commonLabels"] == {
+        "alertname": "RankwatchStraggler",
+        "run": "run-a",
+        "analyzer": "stragglers",
+        "kind": "rank",
+        "severity": "warning",
+    }
     assert body["externalURL"] == "http://dash:8501"
     first, second = body["alerts"]
     assert set(first) == {"status", "labels", "annotations", "startsAt", "endsAt", "generatorURL", "fingerprint"}
     assert (first["labels"]["ranks"], second["labels"]["ranks"]) == ("3", "24-31")
     assert first["annotations"]["summary"] == "rank [3] computes 30% slower"
     finding_id = con.execute("SELECT id FROM findings WHERE ranks = [3]").fetchone()[0]
-    assert first["annotations"]["dashboard"] == first["generatorURL"] == \
-        f"http://dash:8501/stragglers?run=run-a&finding={finding_id}"
+    assert (
+        first["annotations"]["dashboard"]
+        == first["generatorURL"]
+        == f"http://dash:8501/stragglers?run=run-a&finding={finding_id}"
+    )
     assert first["endsAt"] == "0001-01-01T00:00:00Z"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["startsAt"])
     assert first["fingerprint"] == rules.fingerprint(first["labels"]) != second["fingerprint"]
@@ -97,16 +118,18 @@ def test_a_finding_redrawn_notifies_nobody_and_its_resolution_once(con):
 def test_a_finding_redrawn_keeps_its_row_and_takes_the_latest_span_and_words(con):
     """The straggler analyzer's onset sharpens as slow steps accumulate; the row follows it."""
     findings.record(con, "run-a", "stragglers", [straggler([3])])
-    (first_id,), = con.execute("SELECT id FROM findings").fetchall()
+    ((first_id,),) = con.execute("SELECT id FROM findings").fetchall()
     sharper = replace(straggler([3]), step_start=15, step_end=40, summary="rank [3] slower since step 15")
     findings.record(con, "run-a", "stragglers", [sharper])
     assert con.execute("SELECT id, step_start, step_end, summary, state FROM findings").fetchall() == [
-        (first_id, 15, 40, "rank [3] slower since step 15", "firing")]
+        (first_id, 15, 40, "rank [3] slower since step 15", "firing")
+    ]
 
 
 def test_escalation_to_critical_sends_again_and_never_back(con):
-    config = AlertConfig(receivers=(Receiver("all", "http://a/"), Receiver("pager", "http://p/",
-                                                                           severities=frozenset({"critical"}))))
+    config = AlertConfig(
+        receivers=(Receiver("all", "http://a/"), Receiver("pager", "http://p/", severities=frozenset({"critical"})))
+    )
     findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], config)
     findings.record(con, "run-a", "stragglers", [straggler([3], "critical")], config)
     findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], config)  # no flapping back
@@ -114,20 +137,26 @@ def test_escalation_to_critical_sends_again_and_never_back(con):
     assert [(r, [(a["status"], a["labels"]["severity"]) for a in b["alerts"]]) for r, b in sent] == [
         ("all", [("firing", "warning")]),
         ("all", [("resolved", "warning"), ("firing", "critical")]),
-        ("pager", [("firing", "critical")])]
+        ("pager", [("firing", "critical")]),
+    ]
 
 
 def test_receivers_filter_by_analyzer_kind_and_severity(con):
-    config = AlertConfig(receivers=(
-        Receiver("hangs", "http://h/", analyzers=frozenset({"hangs"})),
-        Receiver("nodes", "http://n/", kinds=frozenset({"node"})),
-        Receiver("critical", "http://c/", severities=frozenset({"critical"}))))
+    config = AlertConfig(
+        receivers=(
+            Receiver("hangs", "http://h/", analyzers=frozenset({"hangs"})),
+            Receiver("nodes", "http://n/", kinds=frozenset({"node"})),
+            Receiver("critical", "http://c/", severities=frozenset({"critical"})),
+        )
+    )
     findings.record(con, "run-a", "stragglers", [straggler([3])], config)
     assert notifications(con) == []
     hang = Finding("run-a", "hang", [1], 4, 4, "critical", 2.0, "rank 1 is stuck", analyzer="hangs")
     findings.record(con, "run-a", "hangs", [hang], config)
     assert [(r, b["alerts"][0]["labels"]["alertname"]) for r, b in notifications(con)] == [
-        ("hangs", "RankwatchHang"), ("critical", "RankwatchHang")]
+        ("hangs", "RankwatchHang"),
+        ("critical", "RankwatchHang"),
+    ]
 
 
 def test_alerts_are_kept_without_receivers(con):
@@ -152,24 +181,28 @@ def test_short_ranks_and_fingerprint():
     assert rules.short_ranks([7, 3, 4, 5, 9]) == "3-5,7,9"
     assert rules.short_ranks(list(range(0, 40, 2))) == "0,2,4,6... +16"
     # prometheus/common model's own signature test: Alertmanager computes fingerprints the same way
-    assert int(rules.fingerprint({"name": "garland, briggs", "fear": "love is not enough"}), 16) == \
-        5799056148416392346
+    assert int(rules.fingerprint({"name": "garland, briggs", "fear": "love is not enough"}), 16) == 5799056148416392346
 
 
 def test_signature_matches_the_standard_webhooks_test_vector():
-    assert webhook.sign(SECRET, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}') == \
-        "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    assert (
+        webhook.sign(SECRET, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}')
+        == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    )
 
 
-@pytest.mark.parametrize("text, error", [
-    ('[[receivers]]\nurl = "ftp://x"', "receiver 1: url must be an http:// or https:// URL"),
-    ('[[receivers]]\nurl = "http://x"\nsecret = "abc"', "receiver 1: a webhook secret starts with 'whsec_'"),
-    ('[[receivers]]\nurl = "http://x"\nsecret = "whsec_!!"', "must be base64"),
-    ('[[receivers]]\nurl = "http://x"\nseverity = ["critical"]', "receiver 1: unknown key 'severity'"),
-    ('backoff_max_s = 0', "backoff_max_s must be a positive number of seconds"),
-    ('[[receivers]]\nurl = "http://x"\n[[receivers]]\nurl = "http://x"', "two receivers are named 'http://x'"),
-    ('receivers = [', ""),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('[[receivers]]\nurl = "ftp://x"', "receiver 1: url must be an http:// or https:// URL"),
+        ('[[receivers]]\nurl = "http://x"\nsecret = "abc"', "receiver 1: a webhook secret starts with 'whsec_'"),
+        ('[[receivers]]\nurl = "http://x"\nsecret = "whsec_!!"', "must be base64"),
+        ('[[receivers]]\nurl = "http://x"\nseverity = ["critical"]', "receiver 1: unknown key 'severity'"),
+        ("backoff_max_s = 0", "backoff_max_s must be a positive number of seconds"),
+        ('[[receivers]]\nurl = "http://x"\n[[receivers]]\nurl = "http://x"', "two receivers are named 'http://x'"),
+        ("receivers = [", ""),
+    ],
+)
 def test_receivers_file_mistakes_are_one_line_errors(tmp_path, text, error):
     path = tmp_path / "alerts.toml"
     path.write_text(text)
@@ -180,31 +213,42 @@ def test_receivers_file_mistakes_are_one_line_errors(tmp_path, text, error):
 
 def test_receivers_file_in_json(tmp_path):
     path = tmp_path / "alerts.json"
-    path.write_text(json.dumps({"dashboard_url": "http://d", "receivers": [
-        {"name": "a", "url": "https://x/y", "secret": SECRET, "kinds": ["hang"]}]}))
-    assert load(path) == AlertConfig(receivers=(Receiver("a", "https://x/y", SECRET, kinds=frozenset({"hang"})),),
-                                     dashboard_url="http://d")
+    path.write_text(
+        json.dumps(
+            {
+                "dashboard_url": "http://d",
+                "receivers": [{"name": "a", "url": "https://x/y", "secret": SECRET, "kinds": ["hang"]}],
+            }
+        )
+    )
+    assert load(path) == AlertConfig(
+        receivers=(Receiver("a", "https://x/y", SECRET, kinds=frozenset({"hang"})),), dashboard_url="http://d"
+    )
 
 
 def test_the_example_receivers_file_loads():
     config = load(Path(__file__).resolve().parents[1] / "examples" / "alerts.toml")
     assert [r.name for r in config.receivers] == ["team-chat", "oncall-hangs", "oncall-critical", "platform"]
     assert config.receivers[-1].wants({"analyzer": "collector"}) and not config.receivers[-1].wants(
-        {"analyzer": "stragglers"})
+        {"analyzer": "stragglers"}
+    )
 
 
 def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):
     port = free_port()
-    config = AlertConfig(receivers=(Receiver("hook", f"http://127.0.0.1:{port}/hook", SECRET),),
-                         backoff_initial_s=0.1, backoff_max_s=0.4)
+    config = AlertConfig(
+        receivers=(Receiver("hook", f"http://127.0.0.1:{port}/hook", SECRET),), backoff_initial_s=0.1, backoff_max_s=0.4
+    )
     con = duckdb.connect(str(tmp_path / "store.duckdb"))
     con.execute(DDL)
     findings.record(con, "run-a", "stragglers", [straggler([3])], config)
     delivery = Delivery(config)
     delivery.start(con)
     try:
-        wait_until(lambda: con.execute("SELECT attempts FROM outbox").fetchone()[0] >= 3,  # refused, retried
-                   "the receiver that is down was not retried")
+        wait_until(
+            lambda: con.execute("SELECT attempts FROM outbox").fetchone()[0] >= 3,  # refused, retried
+            "the receiver that is down was not retried",
+        )
         findings.record(con, "run-a", "stragglers", [straggler([5])], config)  # queued while it is down
         receiver = WebhookReceiver(port, SECRET).start()
         try:
@@ -226,7 +270,7 @@ def test_backoff_grows_to_its_cap_with_jitter():
     delivery = Delivery(AlertConfig(backoff_initial_s=1.0, backoff_max_s=8.0))
     waits = [[delivery.backoff_s(attempts) for _ in range(50)] for attempts in range(6)]
     for attempts, samples in enumerate(waits):
-        cap = min(8.0, 2.0 ** attempts)
+        cap = min(8.0, 2.0**attempts)
         assert all(cap / 2 <= w <= cap for w in samples) and len(set(samples)) > 1
 
 
@@ -236,24 +280,45 @@ def _send_steps(exporters: dict, steps, t0: int, slow_rank: int | None) -> None:
         for rank, exporter in exporters.items():
             slow = rank == slow_rank
             start = t0 + step * 150 * MS
-            exporter.trace([("step", start, start + 150 * MS, {
-                sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: 3.0, sc.GRAD_NORM: 1.0, sc.TOKENS: 1024,
-                sc.COMPUTE_S: 0.12 if slow else 0.08, sc.COMM_WAIT_S: 0.01 if slow else 0.05})])
+            exporter.trace(
+                [
+                    (
+                        "step",
+                        start,
+                        start + 150 * MS,
+                        {
+                            sc.KIND: sc.KIND_STEP,
+                            sc.STEP: step,
+                            sc.LOSS: 3.0,
+                            sc.GRAD_NORM: 1.0,
+                            sc.TOKENS: 1024,
+                            sc.COMPUTE_S: 0.12 if slow else 0.08,
+                            sc.COMM_WAIT_S: 0.01 if slow else 0.05,
+                        },
+                    )
+                ]
+            )
     for exporter in exporters.values():
         wait_until(exporter.flush, "steps not delivered", 120)  # a loaded machine may time an export out: retry
 
 
 def _pending(collector) -> float:
     page = httpx.get(f"{collector.url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples
-               if s.name == "rankwatch_collector_alerts_pending")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(page)
+        for s in f.samples
+        if s.name == "rankwatch_collector_alerts_pending"
+    )
 
 
 def test_kill_9_while_the_receiver_is_down_loses_no_alert(collector_factory, tmp_path):
     port = free_port()
     alerts = tmp_path / "alerts.toml"
-    alerts.write_text(f'backoff_initial_s = 0.2\nbackoff_max_s = 1\n[[receivers]]\nname = "oncall"\n'
-                      f'url = "http://127.0.0.1:{port}/hook"\nsecret = "{SECRET}"\n')
+    alerts.write_text(
+        f'backoff_initial_s = 0.2\nbackoff_max_s = 1\n[[receivers]]\nname = "oncall"\n'
+        f'url = "http://127.0.0.1:{port}/hook"\nsecret = "{SECRET}"\n'
+    )
     args = ("--analyze-every", "0.5", "--alerts", str(alerts))
     collector = collector_factory(None, *args)
     exporters = {r: Exporter(collector.url, collector.token, {sc.RUN_ID: "run-alerts", sc.RANK: r}) for r in range(6)}
@@ -277,8 +342,9 @@ def test_kill_9_while_the_receiver_is_down_loses_no_alert(collector_factory, tmp
     ids = [d.webhook_id for d in receiver.deliveries]
     assert len(ids) == len(set(ids)) == 2 and all(d.verified for d in receiver.deliveries)
     fired, resolved = (d.body["alerts"] for d in receiver.deliveries)
-    assert [(a["status"], a["labels"]["ranks"]) for a in fired + resolved] == [("firing", "2"), ("resolved", "2")], \
-        [d.body for d in receiver.deliveries]
+    assert [(a["status"], a["labels"]["ranks"]) for a in fired + resolved] == [("firing", "2"), ("resolved", "2")], [
+        d.body for d in receiver.deliveries
+    ]
     assert fired[0]["fingerprint"] == resolved[0]["fingerprint"]
     assert query(collector.db, "SELECT webhook_id, state FROM outbox ORDER BY id") == [(i, "delivered") for i in ids]
     assert query(collector.db, "SELECT state FROM findings WHERE run_id = 'run-alerts'") == [("resolved",)]
@@ -287,8 +353,9 @@ def test_kill_9_while_the_receiver_is_down_loses_no_alert(collector_factory, tmp
 def test_alerts_test_command_sends_a_signed_v4_alert(tmp_path):
     receiver = WebhookReceiver(free_port(), SECRET).start()
     try:
-        result = rankwatch_cli("alerts", "test", "--url", receiver.url, "--secret", SECRET,
-                               "--db", str(tmp_path / "rw.duckdb"))
+        result = rankwatch_cli(
+            "alerts", "test", "--url", receiver.url, "--secret", SECRET, "--db", str(tmp_path / "rw.duckdb")
+        )
     finally:
         receiver.stop()
     assert (result.returncode, result.stdout, result.stderr) == (0, f"{receiver.url}: delivered (HTTP 200)\n", "")
@@ -299,8 +366,10 @@ def test_alerts_test_command_sends_a_signed_v4_alert(tmp_path):
 
 def test_alerts_test_command_reports_each_configured_receiver(tmp_path):
     good, bad = WebhookReceiver(free_port(), SECRET).start(), WebhookReceiver(free_port(), status=500).start()
-    (tmp_path / "alerts.toml").write_text(f'[[receivers]]\nname = "good"\nurl = "{good.url}"\nsecret = "{SECRET}"\n'
-                                          f'[[receivers]]\nname = "bad"\nurl = "{bad.url}"\n')
+    (tmp_path / "alerts.toml").write_text(
+        f'[[receivers]]\nname = "good"\nurl = "{good.url}"\nsecret = "{SECRET}"\n'
+        f'[[receivers]]\nname = "bad"\nurl = "{bad.url}"\n'
+    )
     try:
         result = rankwatch_cli("alerts", "test", "--db", str(tmp_path / "rw.duckdb"))
     finally:

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from collector.analyzers import rollbacks
-from collector.analyzers.anomalies import Settings, analyze
-from collector.commands import ROLLBACK_ON
+from collector.analysis.analyzers import rollbacks
+from collector.analysis.analyzers.anomalies import Settings, analyze
+from collector.control.commands import ROLLBACK_ON
 
 
 def frame(steps=120, ranks=4, noise=0.02, seed=0, loss=None, grad=None):
@@ -37,8 +37,12 @@ def test_nan_fires_at_once_on_the_rank():
     df = frame()
     df.loc[(df["rank"] == 2) & (df["step"] >= 70), ["loss", "non_finite"]] = [np.nan, True]
     (finding,) = analyze(df)
-    assert (finding.kind, finding.evidence["ranks"], finding.step_start, finding.severity) == \
-        ("nan", [2], 70, "critical")
+    assert (finding.kind, finding.evidence["ranks"], finding.step_start, finding.severity) == (
+        "nan",
+        [2],
+        70,
+        "critical",
+    )
     assert finding.evidence["steps_affected"] == 50
 
 
@@ -58,8 +62,10 @@ def test_loss_spike_is_found_with_its_evidence():
 def test_grad_norm_spike_is_found_as_a_warning_and_a_loss_spike_as_critical():
     (finding,) = analyze(frame(grad={100: 40.0}))
     assert (finding.kind, finding.step_start, finding.severity) == ("grad_spike", 100, "warning")
-    assert {f.kind: f.severity for f in analyze(frame(loss={90: 25.0}, grad={90: 40.0}))} == \
-        {"loss_spike": "critical", "grad_spike": "warning"}
+    assert {f.kind: f.severity for f in analyze(frame(loss={90: 25.0}, grad={90: 40.0}))} == {
+        "loss_spike": "critical",
+        "grad_spike": "warning",
+    }
 
 
 def test_a_real_gpu_curve_is_rolled_back_for_its_injected_spike_alone():
@@ -98,14 +104,28 @@ def test_a_rise_under_the_floor_is_not_a_spike():
 
 
 def test_a_job_stopped_by_its_rollback_budget_is_a_critical_finding_until_it_steps_again():
-    failed = pd.DataFrame({"run_id": ["r", "r"], "id": [3, 5], "finding_id": [7, 9], "result": [
-        {"why": "no snapshot of step 40 or before"},  # no checkpoint: the job trained on
-        {"why": "1 rollbacks within 1000 steps: stopping", "from_step": 130, "restored_step": 110}]})
+    failed = pd.DataFrame(
+        {
+            "run_id": ["r", "r"],
+            "id": [3, 5],
+            "finding_id": [7, 9],
+            "result": [
+                {"why": "no snapshot of step 40 or before"},  # no checkpoint: the job trained on
+                {"why": "1 rollbacks within 1000 steps: stopping", "from_step": 130, "restored_step": 110},
+            ],
+        }
+    )
     (finding,) = rollbacks.analyze(failed, last_step=129)
     assert (finding.analyzer, finding.kind, finding.severity, finding.step_start, finding.step_end) == (
-        "rollbacks", "stopped", "critical", 110, 130)
-    assert finding.summary == ("the job stopped at step 130 instead of another rollback: 1 rollbacks within 1000 "
-                               "steps: stopping")
+        "rollbacks",
+        "stopped",
+        "critical",
+        110,
+        130,
+    )
+    assert finding.summary == (
+        "the job stopped at step 130 instead of another rollback: 1 rollbacks within 1000 steps: stopping"
+    )
     assert finding.evidence["command"] == 5 and finding.evidence["anomaly_finding"] == 9
     assert rollbacks.analyze(failed, last_step=131) == []  # resumed by a person
     assert rollbacks.analyze(failed.iloc[:1], last_step=10) == []

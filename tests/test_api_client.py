@@ -1,5 +1,5 @@
 """The client of the collector's JSON APIs (agent/apiclient.py), against a real collector on loopback,
-and the one token check every guarded endpoint shares (collector/auth.py).
+and the one token check every guarded endpoint shares (collector/receive/auth.py).
 
 Covered: JSON goes out and comes back as it was (text any Unicode, a query string that carries `&`
 and `=`); a wrong or missing token is ApiError 401 with the API's reason; any other refusal
@@ -35,7 +35,10 @@ def test_a_wrong_or_missing_token_is_a_clear_error(module_collector, token):
     with pytest.raises(ApiError) as refused:
         ApiClient(module_collector.url, token).get("/v1/commands", {"run_id": RUN})
     assert (refused.value.status, refused.value.kind, str(refused.value)) == (
-        401, "HTTP 401", "missing or wrong bearer token")
+        401,
+        "HTTP 401",
+        "missing or wrong bearer token",
+    )
 
 
 def test_a_refusal_carries_the_apis_reason(module_collector):
@@ -84,8 +87,12 @@ def test_a_collector_that_never_answers_is_given_up_on_at_the_time_limit():
         assert sooner.value.kind == "TimeoutError"
 
 
-GUARDED = [("post", "/v1/traces", "application/x-protobuf", b""), ("get", "/v1/commands?run_id=r", None, None),
-           ("post", "/v1/commands", "application/json", b"{}"), ("post", "/api/v1/query", "application/json", b"{}")]
+GUARDED = [
+    ("post", "/v1/traces", "application/x-protobuf", b""),
+    ("get", "/v1/commands?run_id=r", None, None),
+    ("post", "/v1/commands", "application/json", b"{}"),
+    ("post", "/api/v1/query", "application/json", b"{}"),
+]
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Basic test-token", "test-token", "Bearer"])

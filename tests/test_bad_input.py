@@ -90,8 +90,7 @@ def test_text_plain_415(live):
 
 
 def test_invalid_gzip_400(live):
-    r = post(live, "traces", b"\x1f\x8b\x08\x00not really deflate data",
-             headers={"Content-Encoding": "gzip"})
+    r = post(live, "traces", b"\x1f\x8b\x08\x00not really deflate data", headers={"Content-Encoding": "gzip"})
     assert_refused(r, 400, 3, "invalid gzip", live)
 
 
@@ -123,14 +122,19 @@ def test_wrong_token_401(live):
 
 def test_metrics_counts_refusals_and_commits(live):
     body = trace_body(step_spans(RUN, 3, range(2)))
-    codes = {400: post(live, "traces", b"\xff\xff\xff"),
-             401: post(live, "traces", body, headers={"Authorization": "Bearer nope"}),
-             413: post(live, "traces", gzip_bomb(64 * 2**20), headers={"Content-Encoding": "gzip"}),
-             415: post(live, "traces", body, headers={"Content-Type": "text/plain"})}
+    codes = {
+        400: post(live, "traces", b"\xff\xff\xff"),
+        401: post(live, "traces", body, headers={"Authorization": "Bearer nope"}),
+        413: post(live, "traces", gzip_bomb(64 * 2**20), headers={"Content-Encoding": "gzip"}),
+        415: post(live, "traces", body, headers={"Content-Type": "text/plain"}),
+    }
     assert {code: r.status_code for code, r in codes.items()} == {c: c for c in codes}
     text = httpx.get(f"{live.url}/metrics", timeout=30).text
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     for code in ("200", "400", "401", "413", "415"):
         assert samples[("rankwatch_collector_requests_total", (("code", code), ("signal", "traces")))] >= 1
     assert samples[("rankwatch_collector_commit_seconds_count", ())] >= 1
@@ -144,9 +148,14 @@ def test_valid_data_before_and_after_is_kept(live):
     assert span_count(after) == 15
     assert post(live, "traces", after).status_code == 200
     live.stop()
-    assert query(live.db, "SELECT rank, count(*), min(step), max(step) FROM steps WHERE run_id = ? "
-                          "GROUP BY rank ORDER BY rank", [RUN]) == [(0, 10, 0, 9), (4, 5, 100, 104)]
-    assert query(live.db, "SELECT rank, count(*) FROM ops WHERE run_id = ? GROUP BY rank ORDER BY rank",
-                 [RUN]) == [(0, 30), (4, 10)]
+    assert query(
+        live.db,
+        "SELECT rank, count(*), min(step), max(step) FROM steps WHERE run_id = ? GROUP BY rank ORDER BY rank",
+        [RUN],
+    ) == [(0, 10, 0, 9), (4, 5, 100, 104)]
+    assert query(live.db, "SELECT rank, count(*) FROM ops WHERE run_id = ? GROUP BY rank ORDER BY rank", [RUN]) == [
+        (0, 30),
+        (4, 10),
+    ]
     assert query(live.db, "SELECT count(*) FROM device_samples") == [(0,)]
     assert query(live.db, "SELECT count(*) FROM events") == [(0,)]

@@ -176,8 +176,9 @@ def test_rollback_past_the_memory_tier_loads_from_disk_and_says_so(tmp_path, det
         j.ckpt.wait_until_safe()
         assert j.ckpt.restore(5) == 4  # memory holds steps 6 and 7: from disk
     [warning] = [r.getMessage() for r in caplog.records]
-    assert warning == ("checkpoint: all 2 snapshots in memory are newer than step 5: keep more (--ckpt-memory) "
-                       "for an instant rollback")
+    assert warning == (
+        "checkpoint: all 2 snapshots in memory are newer than step 5: keep more (--ckpt-memory) for an instant rollback"
+    )
     j.ckpt.close()
 
 
@@ -189,17 +190,22 @@ def test_a_rollback_that_finds_no_checkpoint_spends_none_of_the_budget(tmp_path)
     budget = rollback.Budget(rollbacks=1, window=1000)
 
     def rollback_to(before_step: int, command_id: int) -> int:
-        command = {"id": command_id, "args": {"before_step": before_step, "anomaly": "nan"},
-                   "created_at": datetime.now(UTC).isoformat()}
+        command = {
+            "id": command_id,
+            "args": {"before_step": before_step, "anomaly": "nan"},
+            "created_at": datetime.now(UTC).isoformat(),
+        }
         return rollback.apply(command, 4, j.ckpt, j.data, j.schedule, budget, time.time_ns)
 
     assert rollback_to(1, 7) == 4 and budget.applied == []  # nothing that far back: the job trains on
     assert rollback_to(3, 8) == 3 and budget.applied == [(4, "command 8, for nan, back to step 3")]  # the one
     with pytest.raises(rollback.Stop) as stop:
         rollback_to(3, 9)
-    assert str(stop.value) == (f"1 rollbacks within 1000 steps: stopping instead of another, with step 3 durable in "
-                               f"{tmp_path} (the rollbacks: at step 4: command 8, for nan, back to step 3; this one "
-                               "command 9, for nan, back to step 3)")
+    assert str(stop.value) == (
+        f"1 rollbacks within 1000 steps: stopping instead of another, with step 3 durable in "
+        f"{tmp_path} (the rollbacks: at step 4: command 8, for nan, back to step 3; this one "
+        "command 9, for nan, back to step 3)"
+    )
     assert j.ckpt.durable_steps() == [3]
     j.ckpt.close()
 
@@ -218,7 +224,8 @@ DAMAGE = {  # how -> (damage, the reason reported)
     "garbled manifest": (lambda p: (p / MANIFEST).write_text('{"step": 4, "fi'), "unreadable manifest"),
     "manifest of another step": (
         lambda p: (p / MANIFEST).write_text(json.dumps({**json.loads((p / MANIFEST).read_text()), "step": 3})),
-        "the manifest is of step 3"),
+        "the manifest is of step 3",
+    ),
 }
 
 
@@ -294,10 +301,13 @@ def test_sigkill_leaves_only_loadable_checkpoints(tmp_path):
     assert partial_seen  # some kills did land in the middle of a flush
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--snapshot-every", "3", "--ckpt-every", "10"], "--ckpt-every 10 is not a multiple of --snapshot-every 3"),
-    (["--ckpt-memory", "0"], "must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--snapshot-every", "3", "--ckpt-every", "10"], "--ckpt-every 10 is not a multiple of --snapshot-every 3"),
+        (["--ckpt-memory", "0"], "must be at least 1"),
+    ],
+)
 def test_trainer_refuses_checkpoint_settings_it_cannot_keep(argv, words, capsys):
     from trainer.train import arguments
 
@@ -310,32 +320,59 @@ RUN = "run-checkpoint-restart"
 
 
 def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path):
-    result = rankwatch_cli("train", "--nproc", "2", "--steps", "120", "--max-restarts", "1", "--run", RUN,
-                           "--inject", "crash:rank=1,at=115", "--collector", collector.url,
-                           env={"RANKWATCH_TOKEN": collector.token}, cwd=tmp_path)
+    result = rankwatch_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "120",
+        "--max-restarts",
+        "1",
+        "--run",
+        RUN,
+        "--inject",
+        "crash:rank=1,at=115",
+        "--collector",
+        collector.url,
+        env={"RANKWATCH_TOKEN": collector.token},
+        cwd=tmp_path,
+    )
     collector.stop()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 100" in result.stdout
 
     def events(name: str) -> list[tuple]:
-        return query(collector.db, "SELECT rank, step, attrs FROM events WHERE run_id = ? AND event = ? "
-                                   "ORDER BY rank, step", [RUN, name])
+        return query(
+            collector.db,
+            "SELECT rank, step, attrs FROM events WHERE run_id = ? AND event = ? ORDER BY rank, step",
+            [RUN, name],
+        )
 
     # The first attempt's only durable checkpoint. Rank 0's event may not have left before torchrun
     # stopped it; rank 1, the one that crashed, sent everything first.
-    disk = [(rank, step) for rank, step, attrs in events("checkpoint_saved")
-            if json.loads(attrs)["rankwatch.checkpoint.tier"] == "disk"]
+    disk = [
+        (rank, step)
+        for rank, step, attrs in events("checkpoint_saved")
+        if json.loads(attrs)["rankwatch.checkpoint.tier"] == "disk"
+    ]
     assert (1, 100) in disk and {step for _, step in disk} == {100}, disk
-    restored = [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in events(
-        "checkpoint_restored")]
+    restored = [
+        (rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"])
+        for rank, step, attrs in events("checkpoint_restored")
+    ]
     assert restored == [(0, 100, "disk"), (1, 100, "disk")]
     assert [(rank, step) for rank, step, _ in events("fault_injected")] == [(1, 115)]  # the restart does not crash
     for rank in (0, 1):
-        assert (tmp_path / "rankwatch-data" / "runs" / RUN / "checkpoints" / f"rank-{rank}" / "step-00000100" /
-                MANIFEST).exists()
+        assert (
+            tmp_path / "rankwatch-data" / "runs" / RUN / "checkpoints" / f"rank-{rank}" / "step-00000100" / MANIFEST
+        ).exists()
 
-    losses = query(collector.db, "SELECT step, list(loss ORDER BY start_ts) FROM steps WHERE run_id = ? AND rank = 1 "
-                                 "GROUP BY step ORDER BY step", [RUN])
+    losses = query(
+        collector.db,
+        "SELECT step, list(loss ORDER BY start_ts) FROM steps WHERE run_id = ? AND rank = 1 "
+        "GROUP BY step ORDER BY step",
+        [RUN],
+    )
     assert [step for step, _ in losses] == list(range(120))
     for step, attempts in losses:  # steps 100..114 ran twice, and the resumed attempt repeated them exactly
         assert len(attempts) == (2 if 100 <= step < 115 else 1), (step, attempts)
@@ -403,11 +440,15 @@ def test_replicas_write_their_tensors_once_and_each_restores_them_all(tmp_path):
     one, two = size(tmp_path / "one"), size(tmp_path / "two")
     assert one < two < 1.3 * one, (one, two)
     shares = [(tmp_path / "two" / f"rank-{r}" / "step-00000004" / TENSORS).stat().st_size for r in range(2)]
-    assert abs(shares[0] - shares[1]) <= 64 and sum(shares) < 1.01 * (tmp_path / "one" / "rank-0" / "step-00000004" /
-                                                                      TENSORS).stat().st_size
+    assert (
+        abs(shares[0] - shares[1]) <= 64
+        and sum(shares) < 1.01 * (tmp_path / "one" / "rank-0" / "step-00000004" / TENSORS).stat().st_size
+    )
 
-    fresh = [job(tmp_path / "two" / f"rank-{r}", seed=7, rank=r,
-                 replicas=[tmp_path / "two" / f"rank-{i}" for i in range(2)]) for r in range(2)]
+    fresh = [
+        job(tmp_path / "two" / f"rank-{r}", seed=7, rank=r, replicas=[tmp_path / "two" / f"rank-{i}" for i in range(2)])
+        for r in range(2)
+    ]
     for r, j in enumerate(fresh):
         assert j.ckpt.restore(100) == 4
         assert_same(parameters(j.model), expected[r])
@@ -451,9 +492,16 @@ def test_measured_detection_latency_grows_the_reach():
 def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
     """A 2-rank DDP job's checkpoints take under 1.3x the bytes of a 1-rank job's (each rank writes half
     the tensors), and a start under the same run id resumes on every rank from the shares of both."""
+
     def run(nproc: int, name: str, steps: int) -> int:
-        return train(nproc=nproc, steps=steps, run_id=name, collector=collector.url, token=collector.token,
-                     trainer_args=["--ckpt-every", "10", "--ckpt-dir", str(tmp_path / name)])
+        return train(
+            nproc=nproc,
+            steps=steps,
+            run_id=name,
+            collector=collector.url,
+            token=collector.token,
+            trainer_args=["--ckpt-every", "10", "--ckpt-dir", str(tmp_path / name)],
+        )
 
     def size(directory: Path) -> int:
         return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
@@ -467,17 +515,22 @@ def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
     assert run(2, "run-replicas-2", 30) == 0  # started again: both ranks load step 20 from the two shares
     assert "resumed at step 20" in capfd.readouterr().out
     collector.stop()
-    restored = query(collector.db, "SELECT rank, step, attrs FROM events WHERE run_id = 'run-replicas-2' "
-                                   "AND event = 'checkpoint_restored' ORDER BY rank", [])
+    restored = query(
+        collector.db,
+        "SELECT rank, step, attrs FROM events WHERE run_id = 'run-replicas-2' "
+        "AND event = 'checkpoint_restored' ORDER BY rank",
+        [],
+    )
     assert [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in restored] == [
-        (0, 20, "disk"), (1, 20, "disk")]
+        (0, 20, "disk"),
+        (1, 20, "disk"),
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the GPU bench would run")
 def test_the_gpu_bench_without_a_gpu_says_so_in_one_line():
     bench = Path(__file__).parents[1] / "bench" / "checkpoint.py"
-    out = subprocess.run([sys.executable, str(bench), "--device", "cuda"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(bench), "--device", "cuda"], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
     assert "needs a CUDA GPU" in out.stderr
 

@@ -24,20 +24,27 @@ import pytest
 from conftest import Collector, free_port, rankwatch_cli, rankwatch_in_process
 from otlp_payloads import T0, post, query, step_spans, trace_body
 
-from collector.auth import load_or_create_token
+from collector.receive.auth import load_or_create_token
 from rankwatch.launch import wait_healthy
 
 RUN = "run-cli"
 SQL = "SELECT rank, step, loss, duration_s FROM steps ORDER BY rank, step"
-EXPECTED = [(0, 1, 0.01, 0.1), (0, 2, 0.02, 0.1), (0, 3, 0.03, 0.1), (1, 1, 0.01, 0.1), (1, 2, 0.02, 0.1),
-            (1, 3, 0.03, 0.1)]
+EXPECTED = [
+    (0, 1, 0.01, 0.1),
+    (0, 2, 0.02, 0.1),
+    (0, 3, 0.03, 0.1),
+    (1, 1, 0.01, 0.1),
+    (1, 2, 0.02, 0.1),
+    (1, 3, 0.03, 0.1),
+]
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A store file with 2 ranks x 3 steps (loss = step / 100, 0.1 s each), its collector stopped."""
-    collector = Collector(tmp_path_factory.mktemp("cli") / "rankwatch.duckdb", free_port(), "test-token",
-                          extra_args=("--workers", "0")).start()  # decode in a thread: ingest is not under test here
+    collector = Collector(
+        tmp_path_factory.mktemp("cli") / "rankwatch.duckdb", free_port(), "test-token", extra_args=("--workers", "0")
+    ).start()  # decode in a thread: ingest is not under test here
     try:
         for rank in (0, 1):
             assert post(collector, "traces", trace_body(step_spans(RUN, rank, range(1, 4)))).status_code == 200
@@ -74,14 +81,21 @@ def test_query_json(store):
 def test_query_json_blobs_and_timestamps(store):
     span_ids = [bytes(s).hex() for (s,) in query(store, "SELECT span_id FROM steps WHERE rank = 0 ORDER BY step")]
     assert len(span_ids) == 3 and all(len(s) == 16 for s in span_ids)
-    r = rankwatch_in_process("query", "SELECT step, start_ts, span_id FROM steps WHERE rank = 0 ORDER BY step",
-                      "--db", str(store), "--format", "json")
+    r = rankwatch_in_process(
+        "query",
+        "SELECT step, start_ts, span_id FROM steps WHERE rank = 0 ORDER BY step",
+        "--db",
+        str(store),
+        "--format",
+        "json",
+    )
     assert r.returncode == 0, r.stderr
     assert T0 == 1_700_000_000 * 10**9  # 2023-11-14T22:13:20Z; step n starts n x 0.1 s later
     assert json.loads(r.stdout) == [
         {"step": 1, "start_ts": "2023-11-14T22:13:20.100000", "span_id": span_ids[0]},
         {"step": 2, "start_ts": "2023-11-14T22:13:20.200000", "span_id": span_ids[1]},
-        {"step": 3, "start_ts": "2023-11-14T22:13:20.300000", "span_id": span_ids[2]}]
+        {"step": 3, "start_ts": "2023-11-14T22:13:20.300000", "span_id": span_ids[2]},
+    ]
 
 
 def test_query_table(store):
@@ -101,8 +115,9 @@ def test_query_runs_and_ranks_timestamps(store):
     (run,) = json.loads(r.stdout)
     assert (run["run_id"], run["world_size"]) == (RUN, None)
     assert datetime.fromisoformat(run["first_seen"]).tzinfo is not None
-    r = rankwatch_in_process("query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store),
-                             "--format", "csv")
+    r = rankwatch_in_process(
+        "query", "SELECT rank, first_seen FROM ranks ORDER BY rank", "--db", str(store), "--format", "csv"
+    )
     assert r.returncode == 0, r.stderr
     assert [row[0] for row in csv.reader(io.StringIO(r.stdout))] == ["rank", "0", "1"]
 
@@ -112,8 +127,9 @@ def test_bad_sql_one_line_exit_2(store):
 
 
 def test_query_while_collector_holds_store(collector):
-    assert_one_line_error(rankwatch_in_process("query", "SELECT 1", "--db", str(collector.db)), "running collector",
-                          str(collector.db))
+    assert_one_line_error(
+        rankwatch_in_process("query", "SELECT 1", "--db", str(collector.db)), "running collector", str(collector.db)
+    )
     assert httpx.get(f"{collector.url}/healthz").status_code == 200  # the collector is unaffected
 
 
@@ -130,9 +146,12 @@ def test_no_arguments_exit_2():
 
 def _start_without_token(db, port) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_TOKEN"}
-    process = subprocess.Popen([sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port),
-                                "--workers", "0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port), "--workers", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     wait_healthy(f"http://127.0.0.1:{port}", process)
     return process
 
@@ -192,8 +211,9 @@ def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, 
     held = rankwatch_cli("collector", "--db", str(collector.db), "--port", str(free_port()), "--token", "t")
     assert held.returncode == 2
     assert held.stderr.count("\n") == 1 and "held open by a running collector" in held.stderr
-    taken = rankwatch_cli("collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port),
-                          "--token", "t")
+    taken = rankwatch_cli(
+        "collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port), "--token", "t"
+    )
     assert taken.returncode == 2
     assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{collector.port}" in taken.stderr
 
@@ -202,5 +222,6 @@ def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, 
 def test_collector_refuses_unknown_rollback_kinds_in_one_line(kinds):
     result = rankwatch_in_process("collector", "--rollback-on", kinds)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"rankwatch collector: error: argument --rollback-on: {kinds!r}: a "
-                                     "comma-separated list of nan, loss and grad")
+    assert result.stderr.strip() == (
+        f"rankwatch collector: error: argument --rollback-on: {kinds!r}: a comma-separated list of nan, loss and grad"
+    )

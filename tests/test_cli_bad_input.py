@@ -28,8 +28,12 @@ def numeric_options() -> list[tuple[tuple[str, ...], str]]:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     walk(sub, (*path, name))
-            elif (action.option_strings and action.type not in (None, str) and not isinstance(action.type, type)
-                  and getattr(action.type, "__qualname__", "").startswith(("_whole", "_quantity"))):
+            elif (
+                action.option_strings
+                and action.type not in (None, str)
+                and not isinstance(action.type, type)
+                and getattr(action.type, "__qualname__", "").startswith(("_whole", "_quantity"))
+            ):
                 found.append((path, action.option_strings[0]))
 
     walk(cli.build_parser(), ())
@@ -37,8 +41,11 @@ def numeric_options() -> list[tuple[tuple[str, ...], str]]:
 
 
 NUMERIC = numeric_options()
-REQUIRED = {("simulate",): ["--ranks", "4", "--steps", "4", "--out", "x.parquet"], ("power", "apply"): ["r"],
-            ("power", "recommend"): ["r"]}
+REQUIRED = {
+    ("simulate",): ["--ranks", "4", "--steps", "4", "--out", "x.parquet"],
+    ("power", "apply"): ["r"],
+    ("power", "recommend"): ["r"],
+}
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -54,9 +61,16 @@ def refused(argv: list[str], capsys) -> str:
 
 def test_every_numeric_option_is_found():
     options = {(path, option) for path, option in NUMERIC}
-    assert {(("train",), "--nproc"), (("train",), "--steps"), (("simulate",), "--ranks"),
-            (("simulate",), "--steps"), (("collector",), "--port"), (("dashboard",), "--port"),
-            (("power", "apply"), "--watts"), (("collector",), "--hang-after")} <= options
+    assert {
+        (("train",), "--nproc"),
+        (("train",), "--steps"),
+        (("simulate",), "--ranks"),
+        (("simulate",), "--steps"),
+        (("collector",), "--port"),
+        (("dashboard",), "--port"),
+        (("power", "apply"), "--watts"),
+        (("collector",), "--hang-after"),
+    } <= options
     assert len(options) >= 20
 
 
@@ -67,16 +81,28 @@ def test_numeric_options_refuse_non_numbers_and_negatives(path, option, value, c
     assert option in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--nproc", "0"], ["train", "--steps", "0"], ["simulate", "--ranks", "0", "--steps", "3"],
-    ["simulate", "--ranks", "4", "--steps", "0"], ["simulate", "--ranks", "4", "--steps", "3", "--pp", "0"],
-    ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"],
-    ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
-    ["demo", "--steps", "0"], ["collector", "--port", "0"], ["collector", "--port", "65536"],
-    ["collector", "--analyze-every", "0"], ["collector", "--hang-after", "0"], ["collector", "--max-queue-bytes", "0"],
-    ["dashboard", "--port", "70000"], ["power", "recommend", "r", "--facility-watts", "0"],
-    ["power", "apply", "r", "--watts", "0"], ["demo", "--dashboard-port", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--nproc", "0"],
+        ["train", "--steps", "0"],
+        ["simulate", "--ranks", "0", "--steps", "3"],
+        ["simulate", "--ranks", "4", "--steps", "0"],
+        ["simulate", "--ranks", "4", "--steps", "3", "--pp", "0"],
+        ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"],
+        ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
+        ["demo", "--steps", "0"],
+        ["collector", "--port", "0"],
+        ["collector", "--port", "65536"],
+        ["collector", "--analyze-every", "0"],
+        ["collector", "--hang-after", "0"],
+        ["collector", "--max-queue-bytes", "0"],
+        ["dashboard", "--port", "70000"],
+        ["power", "recommend", "r", "--facility-watts", "0"],
+        ["power", "apply", "r", "--watts", "0"],
+        ["demo", "--dashboard-port", "0"],
+    ],
+)
 def test_counts_and_ports_refuse_zero_and_out_of_range(argv, capsys):
     refused(argv, capsys)
 
@@ -98,19 +124,23 @@ def test_train_refuses_faults_the_job_cannot_have(spec, message, capsys):
     assert message in refused(["train", "--nproc", "4", "--steps", "10", "--inject", spec], capsys)
 
 
-@pytest.mark.parametrize("spec, message", [
-    *FAULTS,
-    ("hang:rank=1,at=99", "at=99 is not in the job, whose steps are 0..9"),
-    ("crash:rank=1,at=3", "crash is for `rankwatch train`"),
-    ("slow-stage:stage=2,slowdown=1.2", "stage=2 is not in the job, whose stages are 0..1"),
-    ("slow-node:node=1,slowdown=1.2", "node=1 is not in the job, whose nodes are 0..0"),
-    ("data-skew:cv=-0.1", "cv must be at least 0"),
-    ("power-cap:watts=0", "watts must be more than 0"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        *FAULTS,
+        ("hang:rank=1,at=99", "at=99 is not in the job, whose steps are 0..9"),
+        ("crash:rank=1,at=3", "crash is for `rankwatch train`"),
+        ("slow-stage:stage=2,slowdown=1.2", "stage=2 is not in the job, whose stages are 0..1"),
+        ("slow-node:node=1,slowdown=1.2", "node=1 is not in the job, whose nodes are 0..0"),
+        ("data-skew:cv=-0.1", "cv must be at least 0"),
+        ("power-cap:watts=0", "watts must be more than 0"),
+    ],
+)
 def test_simulate_refuses_faults_the_job_cannot_have(spec, message, capsys, tmp_path):
     out = tmp_path / "t.parquet"
-    assert message in refused(["simulate", "--ranks", "4", "--pp", "2", "--steps", "10", "--out", str(out),
-                               "--inject", spec], capsys)
+    assert message in refused(
+        ["simulate", "--ranks", "4", "--pp", "2", "--steps", "10", "--out", str(out), "--inject", spec], capsys
+    )
     assert not out.exists()
 
 
@@ -135,9 +165,11 @@ def test_a_reader_that_stops_early_gets_silence(tmp_path):
     """`rankwatch query ... | head -1`: the pipe closes while rows are still being written."""
     db = tmp_path / "s.duckdb"
     duckdb.connect(str(db)).close()
-    writer = subprocess.Popen([sys.executable, "-m", "rankwatch", "query", "SELECT * FROM range(200000)",
-                               "--format", "csv", "--db", str(db)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch", "query", "SELECT * FROM range(200000)", "--format", "csv", "--db", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     writer.stdout.readline()
     writer.stdout.close()  # as `head -1` does once it has its line
     stderr = writer.stderr.read().decode()

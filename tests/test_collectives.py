@@ -6,21 +6,39 @@ import json
 import pandas as pd
 import pytest
 
-from collector.analyzers.collectives import analyze
+from collector.analysis.analyzers.collectives import analyze
 
 MB4 = [[1024, 1024]]
 
 
-def e(rank: int, seq: int, state: str = "completed", op: str = "all_reduce", sizes: list = MB4,
-      output: list | None = None, group: str = "0") -> tuple:
+def e(
+    rank: int,
+    seq: int,
+    state: str = "completed",
+    op: str = "all_reduce",
+    sizes: list = MB4,
+    output: list | None = None,
+    group: str = "0",
+) -> tuple:
     """One entry as the store gives it: sizes and dtypes as JSON text."""
-    return (rank, group, seq, op, state, json.dumps(sizes), json.dumps(sizes if output is None else output),
-            '["Float"]', '["Float"]')
+    return (
+        rank,
+        group,
+        seq,
+        op,
+        state,
+        json.dumps(sizes),
+        json.dumps(sizes if output is None else output),
+        '["Float"]',
+        '["Float"]',
+    )
 
 
 def rows(*entries: tuple) -> pd.DataFrame:
-    return pd.DataFrame(entries, columns=["rank", "group", "seq", "op", "state", "input_sizes", "output_sizes",
-                                          "input_dtypes", "output_dtypes"])
+    return pd.DataFrame(
+        entries,
+        columns=["rank", "group", "seq", "op", "state", "input_sizes", "output_sizes", "input_dtypes", "output_dtypes"],
+    )
 
 
 def history(ranks, upto: int) -> list[tuple]:
@@ -30,8 +48,10 @@ def history(ranks, upto: int) -> list[tuple]:
 
 def groups(*members: tuple[str, list[int]], ranks=range(4), desc: str = "default_pg") -> pd.DataFrame:
     """Each of `ranks` lists the groups it belongs to, with their members."""
-    return pd.DataFrame([(r, name, desc, m) for r in ranks for name, m in members if r in m],
-                        columns=["rank", "group", "desc", "members"])
+    return pd.DataFrame(
+        [(r, name, desc, m) for r in ranks for name, m in members if r in m],
+        columns=["rank", "group", "desc", "members"],
+    )
 
 
 WORLD = groups(("0", [0, 1, 2, 3]))
@@ -49,8 +69,11 @@ def test_rank_that_never_entered_is_named_and_the_others_wait():
 
 def test_the_earliest_open_collective_is_judged_not_the_latest_enqueued():
     # rank 0 enqueued #8 and #9 behind #7, ranks 1 and 3 #8: a later one cannot run before #7
-    entries = rows(*history(range(4), 6), *[e(0, s, "scheduled") for s in (7, 8, 9)],
-                   *[e(r, s, "scheduled") for r in (1, 3) for s in (7, 8)])
+    entries = rows(
+        *history(range(4), 6),
+        *[e(0, s, "scheduled") for s in (7, 8, 9)],
+        *[e(r, s, "scheduled") for r in (1, 3) for s in (7, 8)],
+    )
     (finding,) = analyze("r", entries, WORLD, range(4))
     assert finding.ranks == [2]
     assert finding.evidence["collective"]["seq"] == 7
@@ -58,14 +81,22 @@ def test_the_earliest_open_collective_is_judged_not_the_latest_enqueued():
 
 
 def test_rank_that_entered_with_other_sizes_is_mismatched():
-    entries = rows(*history(range(4), 6), *[e(r, 7, "started") for r in (0, 2, 3)],
-                   e(1, 7, "started", sizes=[[1024, 512]]))
+    entries = rows(
+        *history(range(4), 6), *[e(r, 7, "started") for r in (0, 2, 3)], e(1, 7, "started", sizes=[[1024, 512]])
+    )
     (finding,) = analyze("r", entries, WORLD, range(4))
     assert finding.ranks == [1]
     assert finding.evidence["missing_ranks"] == []
-    assert finding.evidence["mismatched"] == [{"rank": 1, "op": "all_reduce", "input_sizes": [[1024, 512]],
-                                               "output_sizes": [[1024, 512]], "input_dtypes": ["Float"],
-                                               "output_dtypes": ["Float"]}]
+    assert finding.evidence["mismatched"] == [
+        {
+            "rank": 1,
+            "op": "all_reduce",
+            "input_sizes": [[1024, 512]],
+            "output_sizes": [[1024, 512]],
+            "input_dtypes": ["Float"],
+            "output_dtypes": ["Float"],
+        }
+    ]
     assert finding.evidence["expected"]["input_sizes"] == MB4
     assert finding.evidence["collective"]["waiting_ranks"] == [0, 2, 3]
 
@@ -93,9 +124,11 @@ def test_member_without_a_dump_is_missing_and_said_so():
 def test_groups_that_share_a_name_are_told_apart_by_their_members():
     # two tp groups both named "5": {0, 1} did 2 collectives, {2, 3} is inside its 4th
     tp = groups(("5", [0, 1]), ("5", [2, 3]), desc="tp")
-    entries = rows(*[e(r, s, group="5") for r in (0, 1) for s in (1, 2)],
-                   *[e(r, s, group="5") for r in (2, 3) for s in (1, 2, 3)],
-                   *[e(r, 4, "started", group="5") for r in (2, 3)])
+    entries = rows(
+        *[e(r, s, group="5") for r in (0, 1) for s in (1, 2)],
+        *[e(r, s, group="5") for r in (2, 3) for s in (1, 2, 3)],
+        *[e(r, 4, "started", group="5") for r in (2, 3)],
+    )
     assert analyze("r", entries, tp, range(4)) == []
     # rank 3 falls behind: only {2, 3} is blocked, on rank 3
     (finding,) = analyze("r", entries[~((entries["rank"] == 3) & (entries["seq"] == 4))], tp, range(4))

@@ -18,7 +18,7 @@ import pytest
 
 from agent import semconv as sc
 from agent.export import Exporter
-from collector.control import MAX_WAITING
+from collector.control.api import MAX_WAITING
 from tests.conftest import wait_until
 from tests.otlp_payloads import query
 
@@ -31,9 +31,23 @@ def send_steps(exporter_by_rank, steps, t0, nan_from=None):
         for exporter in exporter_by_rank.values():
             loss = math.nan if nan_from is not None and step >= nan_from else 3 + 5 * math.exp(-step / 10)
             start = t0 + step * 100 * MS
-            exporter.trace([("step", start, start + 100 * MS, {
-                sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.LOSS: loss, sc.GRAD_NORM: 1.0, sc.COMPUTE_S: 0.08,
-                sc.COMM_WAIT_S: 0.01})])
+            exporter.trace(
+                [
+                    (
+                        "step",
+                        start,
+                        start + 100 * MS,
+                        {
+                            sc.KIND: sc.KIND_STEP,
+                            sc.STEP: step,
+                            sc.LOSS: loss,
+                            sc.GRAD_NORM: 1.0,
+                            sc.COMPUTE_S: 0.08,
+                            sc.COMM_WAIT_S: 0.01,
+                        },
+                    )
+                ]
+            )
     for exporter in exporter_by_rank.values():
         wait_until(exporter.flush, "steps not delivered", 120)  # a loaded machine may time an export out
 
@@ -47,8 +61,9 @@ def commands(client, **params):
 @pytest.fixture
 def client(collector_factory):
     collector = collector_factory(None, "--analyze-every", "0.5")
-    with httpx.Client(base_url=collector.url, headers={"Authorization": f"Bearer {collector.token}"},
-                      timeout=10) as http:
+    with httpx.Client(
+        base_url=collector.url, headers={"Authorization": f"Bearer {collector.token}"}, timeout=10
+    ) as http:
         http.collector = collector
         yield http
 
@@ -69,8 +84,10 @@ def test_nan_gets_one_rollback_that_the_job_applies(client):
     acked = client.post(f"/v1/commands/{command['id']}", json={"state": "acked", "apply_step": 41})
     assert acked.status_code == 200 and acked.json()["apply_step"] == 41
     resumed_ns = t0 + 45 * 100 * MS
-    applied = client.post(f"/v1/commands/{command['id']}", json={
-        "state": "applied", "result": {"restored_step": 24, "resumed_ns": resumed_ns, "skipped_batches": 20}})
+    applied = client.post(
+        f"/v1/commands/{command['id']}",
+        json={"state": "applied", "result": {"restored_step": 24, "resumed_ns": resumed_ns, "skipped_batches": 20}},
+    )
     assert applied.json()["state"] == "applied" and applied.json()["result"]["restored_step"] == 24
     # restored to step 24 (24 steps done), the job replays steps 24..39 after resuming, with a sane loss
     send_steps(exporters, range(24, 40), t0 + 21 * 100 * MS)
@@ -81,12 +98,14 @@ def test_nan_gets_one_rollback_that_the_job_applies(client):
         exporter.shutdown()
     collector.stop()
 
-    assert query(collector.db, "SELECT count(*), count(DISTINCT (rank, step)) FROM current_steps WHERE run_id = ?",
-                 [RUN]) == [(40 * RANKS, 40 * RANKS)]
+    assert query(
+        collector.db, "SELECT count(*), count(DISTINCT (rank, step)) FROM current_steps WHERE run_id = ?", [RUN]
+    ) == [(40 * RANKS, 40 * RANKS)]
     assert query(collector.db, "SELECT count(*) FROM current_steps WHERE run_id = ? AND isnan(loss)", [RUN]) == [(0,)]
     assert query(collector.db, "SELECT count(*) FROM steps WHERE run_id = ?", [RUN]) == [(56 * RANKS,)]
-    assert query(collector.db, "SELECT kind, state FROM findings WHERE run_id = ? AND analyzer = 'anomalies'",
-                 [RUN]) == [("nan", "resolved")]
+    assert query(
+        collector.db, "SELECT kind, state FROM findings WHERE run_id = ? AND analyzer = 'anomalies'", [RUN]
+    ) == [("nan", "resolved")]
     assert query(collector.db, "SELECT count(*) FROM commands") == [(1,)]
 
 
@@ -98,20 +117,28 @@ def test_a_person_creates_a_command(client):
     assert commands(client, state="applied") == []
 
 
-@pytest.mark.parametrize("method, path, body, status, why", [
-    ("post", "/v1/commands", b"not json", 400, "not JSON"),
-    ("post", "/v1/commands", b'{"run_id": "r"}', 400, "with run_id, kind"),
-    ("post", "/v1/commands", b'{"run_id": "r", "kind": "reboot"}', 400, "unknown command kind 'reboot'"),
-    ("post", "/v1/commands/999", b'{"state": "applied"}', 404, "no command 999"),
-    ("post", "/v1/commands/x", b'{"state": "applied"}', 400, "command ids are integers"),
-    ("get", "/v1/commands", None, 400, "run_id is required"),
-    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=31", None, 400,
-     "wait must be a number of seconds in [0, 30]"),
-    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=1e999", None, 400, "wait must be a number"),
-    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=nan", None, 400, "wait must be a number"),
-    ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=-1", None, 400, "wait must be a number"),
-    ("get", f"/v1/commands?run_id={RUN}&wait=1", None, 400, "it takes state=pending"),
-])
+@pytest.mark.parametrize(
+    "method, path, body, status, why",
+    [
+        ("post", "/v1/commands", b"not json", 400, "not JSON"),
+        ("post", "/v1/commands", b'{"run_id": "r"}', 400, "with run_id, kind"),
+        ("post", "/v1/commands", b'{"run_id": "r", "kind": "reboot"}', 400, "unknown command kind 'reboot'"),
+        ("post", "/v1/commands/999", b'{"state": "applied"}', 404, "no command 999"),
+        ("post", "/v1/commands/x", b'{"state": "applied"}', 400, "command ids are integers"),
+        ("get", "/v1/commands", None, 400, "run_id is required"),
+        (
+            "get",
+            f"/v1/commands?run_id={RUN}&state=pending&wait=31",
+            None,
+            400,
+            "wait must be a number of seconds in [0, 30]",
+        ),
+        ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=1e999", None, 400, "wait must be a number"),
+        ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=nan", None, 400, "wait must be a number"),
+        ("get", f"/v1/commands?run_id={RUN}&state=pending&wait=-1", None, 400, "wait must be a number"),
+        ("get", f"/v1/commands?run_id={RUN}&wait=1", None, 400, "it takes state=pending"),
+    ],
+)
 def test_bad_requests_are_refused(client, method, path, body, status, why):
     response = client.request(method.upper(), path, content=body)
     assert response.status_code == status and why in response.json()["error"], response.text
@@ -124,9 +151,10 @@ def test_bad_state_is_refused(client):
 
 
 def test_the_token_is_required(client):
-    for request in (httpx.Request("GET", f"{client.collector.url}/v1/commands", params={"run_id": RUN}),
-                    httpx.Request("POST", f"{client.collector.url}/v1/commands", json={"run_id": RUN,
-                                                                                        "kind": "rollback"})):
+    for request in (
+        httpx.Request("GET", f"{client.collector.url}/v1/commands", params={"run_id": RUN}),
+        httpx.Request("POST", f"{client.collector.url}/v1/commands", json={"run_id": RUN, "kind": "rollback"}),
+    ):
         assert httpx.Client().send(request).status_code == 401
 
 
@@ -134,8 +162,11 @@ def test_a_held_poll_answers_as_soon_as_a_command_is_queued(client):
     """A poll held for 20 s answers with the command created meanwhile well within the agent's
     plain poll interval (2 s), the held polls being asked about every 50 ms."""
     held: list = []
-    poll = threading.Thread(target=lambda: held.append(client.get(
-        "/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=30)))
+    poll = threading.Thread(
+        target=lambda: held.append(
+            client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=30)
+        )
+    )
     poll.start()
     time.sleep(0.5)  # the poll is held by now (were it not, it would be answered at once, empty: the test fails)
     created = client.post("/v1/commands", json={"run_id": RUN, "kind": "rollback", "args": {"before_step": 7}})
@@ -150,8 +181,9 @@ def test_an_idle_held_poll_ends_at_its_wait_and_needs_the_token(client):
     started = time.monotonic()
     idle = client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 1.5})
     assert idle.status_code == 200 and idle.json() == [] and time.monotonic() - started >= 1.5
-    unauthorized = httpx.get(f"{client.collector.url}/v1/commands",
-                             params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=10)
+    unauthorized = httpx.get(
+        f"{client.collector.url}/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=10
+    )
     assert unauthorized.status_code == 401  # at once, never held
 
 
@@ -159,8 +191,10 @@ def test_held_polls_are_bounded_in_number(client):
     """MAX_WAITING polls held at once: a poll beyond them is answered at once, empty, as without
     `wait`, while those held stay held."""
     url = httpx.URL(client.collector.url)
-    request = (f"GET /v1/commands?run_id={RUN}&state=pending&wait=30 HTTP/1.1\r\nHost: {url.host}\r\n"
-               f"Authorization: Bearer {client.collector.token}\r\n\r\n").encode()
+    request = (
+        f"GET /v1/commands?run_id={RUN}&state=pending&wait=30 HTTP/1.1\r\nHost: {url.host}\r\n"
+        f"Authorization: Bearer {client.collector.token}\r\n\r\n"
+    ).encode()
     held = []
     try:
         for _ in range(MAX_WAITING):
@@ -169,8 +203,10 @@ def test_held_polls_are_bounded_in_number(client):
 
         def answered_at_once() -> bool:  # a probe that is held counts too: it stays held once it times out
             try:
-                return client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 30},
-                                  timeout=3).json() == []
+                return (
+                    client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 30}, timeout=3).json()
+                    == []
+                )
             except httpx.TimeoutException:
                 return False
 
@@ -198,8 +234,9 @@ def test_a_spike_seen_with_its_clean_steps_after_it_is_still_rolled_back():
     rollback (a spike at 200 seen with steps up to 245: none was sent)."""
     import duckdb
 
-    from collector import commands, findings
-    from collector.analyzers import Finding, anomalies
+    from collector.analysis import findings
+    from collector.analysis.analyzers import Finding, anomalies
+    from collector.control import commands
     from collector.store.schema import DDL
 
     con = duckdb.connect()
@@ -219,8 +256,9 @@ def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():
     failure (the job stopped) does not send another; the anomaly coming back later does."""
     import duckdb
 
-    from collector import commands, findings
-    from collector.analyzers import Finding
+    from collector.analysis import findings
+    from collector.analysis.analyzers import Finding
+    from collector.control import commands
     from collector.store.schema import DDL
 
     con = duckdb.connect()
@@ -243,14 +281,19 @@ def test_one_anomaly_seen_twice_gets_one_rollback_even_when_it_fails():
 def test_a_gradient_norm_spike_alone_is_rolled_back_only_when_asked():
     import duckdb
 
-    from collector import commands, findings
-    from collector.analyzers import Finding
+    from collector.analysis import findings
+    from collector.analysis.analyzers import Finding
+    from collector.control import commands
     from collector.store.schema import DDL
 
     con = duckdb.connect()
     con.execute(DDL)
-    findings.record(con, "r", "anomalies", [Finding("r", "grad_spike", [], 77, 77, "warning", 10.3, "grad at 77",
-                                                    analyzer="anomalies")])
+    findings.record(
+        con,
+        "r",
+        "anomalies",
+        [Finding("r", "grad_spike", [], 77, 77, "warning", 10.3, "grad at 77", analyzer="anomalies")],
+    )
     assert commands.rollbacks_for_anomalies(con, "r", commands.RollbackPolicy()) == []
     asked = commands.RollbackPolicy(on=commands.ROLLBACK_ON | {"grad_spike"})
     (sent,) = commands.rollbacks_for_anomalies(con, "r", asked)

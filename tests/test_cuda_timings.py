@@ -63,11 +63,14 @@ def test_one_gpu_ddp_exposes_almost_no_wait(collector, nccl):
                 optimizer.zero_grad(set_to_none=True)
     session.shutdown()
     collector.stop()
-    rows = query(collector.db, """
+    rows = query(
+        collector.db,
+        """
         SELECT s.step, s.duration_s, s.comm_wait_s, b.duration_s, sum(o.duration_s), count(*)
         FROM steps s JOIN ops o USING (run_id, rank, step) JOIN ops b USING (run_id, rank, step)
         WHERE o.kind = 'comm' AND b.kind = 'phase' AND b.name = 'backward' AND s.step >= 5
-        GROUP BY ALL ORDER BY s.step""")
+        GROUP BY ALL ORDER BY s.step""",
+    )
     assert len(rows) == 25
     durations = [duration for _, duration, *_ in rows]
     waits = [wait for _, _, wait, *_ in rows]
@@ -99,8 +102,21 @@ def test_cpu_ranks_on_a_gpu_machine_time_their_steps_on_the_cpu(collector, tmp_p
     marks are CPU readings; CUDA events on an idle GPU would time every phase at a few µs."""
     from conftest import rankwatch_cli
 
-    result = rankwatch_cli("train", "--nproc", "2", "--steps", "6", "--run", "run-cpu-ranks", "--device", "cpu",
-                           "--collector", collector.url, env={"RANKWATCH_TOKEN": collector.token}, cwd=tmp_path)
+    result = rankwatch_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "6",
+        "--run",
+        "run-cpu-ranks",
+        "--device",
+        "cpu",
+        "--collector",
+        collector.url,
+        env={"RANKWATCH_TOKEN": collector.token},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     collector.stop()
     rows = query(collector.db, "SELECT rank, step, compute_s FROM steps WHERE run_id = 'run-cpu-ranks'")

@@ -15,9 +15,9 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from collector import findings
 from collector.alerts import rules
-from collector.analyzers import Finding, health
+from collector.analysis import findings
+from collector.analysis.analyzers import Finding, health
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
@@ -81,14 +81,19 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
     at = from_store("overview", NAN["run"])
     metrics = {m.label: m.value for m in at.metric}
     ranks = NAN["ranks"]
-    assert metrics == {"Last step": str(NAN["steps"] - 1), "Step time": "0.100 s",
-                       "Tokens/s": f"{ranks * 1024 / 0.1:,.0f}", "MFU": "40.0%",
-                       "Power": f"{sum(NAN['watts'] + 10 * r for r in range(ranks)) / 1000:.2f} kW"}
+    assert metrics == {
+        "Last step": str(NAN["steps"] - 1),
+        "Step time": "0.100 s",
+        "Tokens/s": f"{ranks * 1024 / 0.1:,.0f}",
+        "MFU": "40.0%",
+        "Power": f"{sum(NAN['watts'] + 10 * r for r in range(ranks)) / 1000:.2f} kW",
+    }
     assert texts(at.main.success)[0].startswith("**Healthy.**")
     assert any("resolved: **anomalies / nan**" in t for t in texts(at.main.info))
     (commands,) = at.dataframe
-    assert commands.value[["kind", "state", "apply_step"]].values.tolist() == [["rollback", "applied",
-                                                                                  NAN["steps"] + 1]]
+    assert commands.value[["kind", "state", "apply_step"]].values.tolist() == [
+        ["rollback", "applied", NAN["steps"] + 1]
+    ]
 
 
 def test_overview_of_a_hung_run(from_store):
@@ -115,8 +120,9 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
 
 def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboard_store):
     with duckdb.connect(str(dashboard_store), read_only=True) as con:
-        (finding_id,) = con.execute("SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'",
-                                    [FLEET["run"]]).fetchone()
+        (finding_id,) = con.execute(
+            "SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'", [FLEET["run"]]
+        ).fetchone()
     link = urlsplit(rules.dashboard_link("http://127.0.0.1:8501", FLEET["run"], "stragglers", finding_id))
     at = AppTest.from_file(str(APP), default_timeout=60)
     for name, value in parse_qsl(link.query):
@@ -141,8 +147,11 @@ def test_a_link_to_an_unknown_run_says_so_instead_of_showing_another(from_store)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.main.error] == [
-        (f"Run **no-such-run** is unknown: {at.sidebar.caption[0].value.removeprefix('reading ')} has no such run. "
-        "Pick one in the sidebar.")]
+        (
+            f"Run **no-such-run** is unknown: {at.sidebar.caption[0].value.removeprefix('reading ')} has no such run. "
+            "Pick one in the sidebar."
+        )
+    ]
     assert not at.title  # no page of another run
     assert at.query_params["run"] == "no-such-run"
     at.run()  # an autorefresh keeps saying so
@@ -156,9 +165,24 @@ def test_the_sidebar_shows_the_collectors_own_findings(dashboard_store, tmp_path
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)
     with duckdb.connect(str(db)) as con:
-        findings.record(con, health.RUN_ID, health.ANALYZER, [Finding(
-            health.RUN_ID, "refused_exports", [], None, None, "critical", 0.5, "50% of 40 OTLP exports refused",
-            analyzer=health.ANALYZER)])
+        findings.record(
+            con,
+            health.RUN_ID,
+            health.ANALYZER,
+            [
+                Finding(
+                    health.RUN_ID,
+                    "refused_exports",
+                    [],
+                    None,
+                    None,
+                    "critical",
+                    0.5,
+                    "50% of 40 OTLP exports refused",
+                    analyzer=health.ANALYZER,
+                )
+            ],
+        )
     monkeypatch.setenv(DB_ENV, str(db))
     monkeypatch.delenv(COLLECTOR_ENV, raising=False)
     st.cache_resource.clear()
@@ -176,8 +200,10 @@ def test_collectives_shows_busbw_per_op_and_size(from_store):
     at = from_store("collectives", FLEET["run"])
     busbw, groups = at.dataframe
     # the simulator's tensor-parallel (32 MiB, 2 ranks) and data-parallel (512 MiB, 16 ranks) all-reduces
-    assert busbw.value[["op", "bytes", "group_size"]].values.tolist() == [["all_reduce", 32 * 2**20, 2],
-                                                                        ["all_reduce", 512 * 2**20, 16]]
+    assert busbw.value[["op", "bytes", "group_size"]].values.tolist() == [
+        ["all_reduce", 32 * 2**20, 2],
+        ["all_reduce", 512 * 2**20, 16],
+    ]
     assert (busbw.value["busbw_gbps"] > 0).all()
     assert len(groups.value) == 8
     assert texts(at.main.success) == ["No slow link: every process group moves at its peers' pace."]
@@ -194,9 +220,15 @@ def test_checkpoints_marks_anomaly_rollback_and_checkpoints(from_store):
     assert verdict == f"**1 rollback.** The latest (nan) is applied: the job restored step {NAN['restored']}."
     markers, rollbacks = at.dataframe
     marks = {(row.step, row.marker) for row in markers.value.itertuples()}
-    assert {(NAN["nan_from"], "anomaly: nan"), (NAN["restored"], "rollback restored"),
-            (NAN["nan_from"] - 5, "rollback target"), (NAN["restored"], "checkpoint_restored"),
-            (0, "checkpoint_saved"), (10, "checkpoint_saved"), (20, "checkpoint_saved")} <= marks
+    assert {
+        (NAN["nan_from"], "anomaly: nan"),
+        (NAN["restored"], "rollback restored"),
+        (NAN["nan_from"] - 5, "rollback target"),
+        (NAN["restored"], "checkpoint_restored"),
+        (0, "checkpoint_saved"),
+        (10, "checkpoint_saved"),
+        (20, "checkpoint_saved"),
+    } <= marks
     assert len(rollbacks.value) == 1
     assert len(at.get("vega_lite_chart")) == 2  # loss and gradient norm
 
@@ -212,8 +244,10 @@ def test_hangs_names_the_culprit_and_the_collective(from_store):
     (verdict,) = texts(at.main.error)  # the headline; the hang finding is not repeated under it
     assert verdict.startswith("**Hung for ") and f"Culprits: **rank {HANG['rank']}**" in verdict
     waiting = HANG["ranks"] - 1
-    assert (f"{waiting} ranks (0–2, 4–7) are blocked in **all_reduce #{HANG['at']}** of group **world**, which "
-            f"rank {HANG['rank']} never entered.") in texts(at.markdown)
+    assert (
+        f"{waiting} ranks (0–2, 4–7) are blocked in **all_reduce #{HANG['at']}** of group **world**, which "
+        f"rank {HANG['rank']} never entered."
+    ) in texts(at.markdown)
     (beats,) = at.dataframe
     by_size = {row.ranks: row for row in beats.value.itertuples()}
     assert by_size[waiting].first_ranks == "0–2, 4–7"
@@ -235,9 +269,14 @@ def test_power_names_the_throttled_rank(from_store):
 def test_power_leads_with_the_recommendation_and_the_command_that_applies_it(from_store, dashboard_store):
     at = from_store("power", FLEET["run"])
     with duckdb.connect(str(dashboard_store), read_only=True) as con:
-        advice = {kind: (summary, json.loads(evidence)) for kind, summary, evidence in con.execute(
-            """SELECT kind, summary, evidence FROM findings
-               WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""", [FLEET["run"]]).fetchall()}
+        advice = {
+            kind: (summary, json.loads(evidence))
+            for kind, summary, evidence in con.execute(
+                """SELECT kind, summary, evidence FROM findings
+               WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""",
+                [FLEET["run"]],
+            ).fetchall()
+        }
     assert {"job_cap", "per_rank_caps", "headroom"} <= set(advice)
     cap = advice["job_cap"][1]["cap_w"]
     first = at.main.children[1]  # right under the title
@@ -258,8 +297,11 @@ def test_power_and_energy_per_step(from_store):
     at = from_store("power", NAN["run"])
     watts = sum(NAN["watts"] + 10 * r for r in range(NAN["ranks"]))
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics == {"Power now": f"{watts / 1000:.2f} kW", "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
-                       "Ranks sampled": str(NAN["ranks"])}
+    assert metrics == {
+        "Power now": f"{watts / 1000:.2f} kW",
+        "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
+        "Ranks sampled": str(NAN["ranks"]),
+    }
     assert "No GPU's clocks were held back (NVML's clock-event reasons)." in texts(at.main.caption)
     assert not any("Simulated" in t for t in texts(at.main.info))  # NVML's samples
 
@@ -277,7 +319,8 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
     assert spec["encoding"]["x"]["type"] == "ordinal" and spec["encoding"]["x"]["field"] == "rank_lo"
     assert spec["encoding"]["y"]["axis"]["format"] == ",.4~g"
     assert bars.set_index("rank_lo")["mean"].round(1).to_dict() == {
-        r: round(100 * (81_000 if r == NAN["bad_gpu"] else 60_000) / 81_559, 1) for r in range(NAN["ranks"])}
+        r: round(100 * (81_000 if r == NAN["bad_gpu"] else 60_000) / 81_559, 1) for r in range(NAN["ranks"])
+    }
 
 
 def test_overview_step_time_by_wall_clock_with_zoom(from_store):

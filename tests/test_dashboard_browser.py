@@ -16,9 +16,18 @@ from tests.conftest import free_port
 from tests.dashboard_store import FLEET, HANG, NAN
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,2200")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,2200",
+)
 # page path, run, text the page must show, charts it must draw
 PAGES = [
     ("", FLEET["run"], f"on ranks {FLEET['straggler']}, {FLEET['thermal']}", 1),
@@ -31,8 +40,10 @@ PAGES = [
     ("sql", FLEET["run"], "Download CSV", 0),
 ]
 
-pytestmark = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                                reason="needs Debian's chromium and chromium-driver (make test installs them as root)")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (make test installs them as root)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +51,11 @@ def dashboard(dashboard_store, tmp_path_factory):
     """`rankwatch dashboard --db` on a free loopback port, until the module ends."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("dashboard-server") / "dashboard.log", "w")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen([sys.executable, "-m", "rankwatch", "dashboard", "--db", str(dashboard_store),
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch", "dashboard", "--db", str(dashboard_store), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -94,8 +108,16 @@ def test_page_loads_in_a_browser(dashboard, browser, screenshots, path, run, tex
     page = WebDriverWait(browser, 60, poll_frequency=0.5)
     page.until(lambda b: text in b.find_element(By.TAG_NAME, "body").text)
     # charts drawn: Vega-Lite puts a canvas (or svg) in each chart's container
-    page.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "[data-testid='stVegaLiteChart'] canvas, "
-                                                              "[data-testid='stVegaLiteChart'] svg.marks")) >= charts)
+    page.until(
+        lambda b: (
+            len(
+                b.find_elements(
+                    By.CSS_SELECTOR, "[data-testid='stVegaLiteChart'] canvas, [data-testid='stVegaLiteChart'] svg.marks"
+                )
+            )
+            >= charts
+        )
+    )
     assert not browser.find_elements(By.CSS_SELECTOR, "[data-testid='stException']")
     assert "reading store" in browser.find_element(By.CSS_SELECTOR, "[data-testid='stSidebar']").text
     shot = screenshots / f"{path or 'overview'}.png"
@@ -112,8 +134,9 @@ def test_an_alert_link_lands_on_its_finding(dashboard, browser, dashboard_store,
     from collector.alerts import rules
 
     with duckdb.connect(str(dashboard_store), read_only=True) as con:
-        (finding_id,) = con.execute("SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'",
-                                    [FLEET["run"]]).fetchone()
+        (finding_id,) = con.execute(
+            "SELECT id FROM findings WHERE run_id = ? AND analyzer = 'stragglers'", [FLEET["run"]]
+        ).fetchone()
     browser.get(rules.dashboard_link(dashboard, FLEET["run"], "stragglers", finding_id))
     page = WebDriverWait(browser, 60, poll_frequency=0.5)
     # the finding, its evidence (rendered only while its expander is open) and the page under it;
@@ -133,10 +156,16 @@ def test_power_page_leads_with_the_recommendation(dashboard, browser, screenshot
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{dashboard}/power?run={FLEET['run']}")
-    drawn = ("Recommendation: cap every GPU at", f"rankwatch power apply {FLEET['run']} --watts", "Simulated GPUs",
-             "p99 against now", "Clocks held back on rank")
+    drawn = (
+        "Recommendation: cap every GPU at",
+        f"rankwatch power apply {FLEET['run']} --watts",
+        "Simulated GPUs",
+        "p99 against now",
+        "Clocks held back on rank",
+    )
     WebDriverWait(browser, 60, poll_frequency=0.5).until(
-        lambda b: all(text in b.find_element(By.TAG_NAME, "body").text for text in drawn))
+        lambda b: all(text in b.find_element(By.TAG_NAME, "body").text for text in drawn)
+    )
     body = browser.find_element(By.TAG_NAME, "body").text
     order = [body.index(text) for text in drawn]
     assert order[:2] == sorted(order[:2]) and order[1] < min(order[2:])

@@ -7,8 +7,10 @@ import pytest
 from tests.otlp_payloads import post, query, step_spans, trace_body
 
 
-@pytest.mark.parametrize("forced, says", [(None, "C (collector/_otlpwire.c)"),
-                                          ("python", "the protobuf runtime's (collector/otlpwire.py)")])
+@pytest.mark.parametrize(
+    "forced, says",
+    [(None, "C (collector/receive/_otlpwire.c)"), ("python", "the protobuf runtime's (collector/receive/otlpwire.py)")],
+)
 def test_the_collector_says_which_decoder_it_uses_and_stores_with_it(collector_factory, monkeypatch, forced, says):
     if forced:
         monkeypatch.setenv("RANKWATCH_DECODER", forced)

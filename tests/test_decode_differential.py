@@ -1,5 +1,5 @@
-"""The two trace decoders, the C one (collector/_otlpwire.c) and its twin on the protobuf runtime
-(collector/otlpwire.py), give the same result for any body: random valid OTLP built with the proto
+"""The two trace decoders, the C one (collector/receive/_otlpwire.c) and its twin on the protobuf runtime
+(collector/receive/otlpwire.py), give the same result for any body: random valid OTLP built with the proto
 messages (every attribute value type, odd and missing fields, repeated keys), and the same made
 corrupt (bit flips, truncation, concatenation, random bytes). Same columns from the wire, same
 rows and rejections after decoding, and the same requests refused (400) or counted too large (413)."""
@@ -14,18 +14,45 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent import semconv as sc
-from collector import _otlpwire, decode, otlpwire
-from collector.decode import MAX_ATTRIBUTES, MAX_ITEMS
+from collector.receive import _otlpwire, decode, otlpwire
+from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS
 
 T0 = 1_700_000_000_000_000_000
 # Keys: the typed columns' own (so values of every type meet them), and a few others that repeat.
-KEYS = st.sampled_from([sc.RUN_ID, sc.RANK, sc.KIND, sc.STEP, sc.LOSS, sc.TOKENS, sc.COMM_GROUP,
-                        sc.COMM_GROUP_SIZE, sc.COMM_BYTES, sc.MFU, "a", "b", "", "é", "x\ny\"z\\"])
+KEYS = st.sampled_from(
+    [
+        sc.RUN_ID,
+        sc.RANK,
+        sc.KIND,
+        sc.STEP,
+        sc.LOSS,
+        sc.TOKENS,
+        sc.COMM_GROUP,
+        sc.COMM_GROUP_SIZE,
+        sc.COMM_BYTES,
+        sc.MFU,
+        "a",
+        "b",
+        "",
+        "é",
+        'x\ny"z\\',
+    ]
+)
 TEXT = st.text(max_size=8)
-SCALARS = st.one_of(st.none(), TEXT, st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(),
-                    st.binary(max_size=6), st.sampled_from([sc.KIND_STEP, sc.KIND_COMM, "7", "-3", "1.5"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.lists(st.tuples(KEYS, inner), max_size=3)), max_leaves=8)
+SCALARS = st.one_of(
+    st.none(),
+    TEXT,
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.binary(max_size=6),
+    st.sampled_from([sc.KIND_STEP, sc.KIND_COMM, "7", "-3", "1.5"]),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.lists(st.tuples(KEYS, inner), max_size=3)),
+    max_leaves=8,
+)
 ATTRIBUTES = st.lists(st.tuples(KEYS, VALUES | st.just(...)), max_size=6)  # ...: a KeyValue without a value
 
 
@@ -59,13 +86,17 @@ def _attrs(repeated, pairs) -> None:
 
 @st.composite
 def spans(draw):
-    return {"name": draw(st.sampled_from(["step", "all_reduce", "forward", ""]) | TEXT),
-            "trace_id": draw(st.binary(max_size=16)), "span_id": draw(st.binary(max_size=8)),
-            "parent": draw(st.binary(max_size=8)),
-            "start": draw(st.sampled_from([0, T0, T0 + 10**9, 2**63, 2**64 - 1])),
-            "length": draw(st.sampled_from([0, 1000, 10**9])),
-            "attributes": draw(ATTRIBUTES),
-            "status": draw(st.none() | TEXT), "events": draw(st.lists(st.tuples(TEXT, ATTRIBUTES), max_size=2))}
+    return {
+        "name": draw(st.sampled_from(["step", "all_reduce", "forward", ""]) | TEXT),
+        "trace_id": draw(st.binary(max_size=16)),
+        "span_id": draw(st.binary(max_size=8)),
+        "parent": draw(st.binary(max_size=8)),
+        "start": draw(st.sampled_from([0, T0, T0 + 10**9, 2**63, 2**64 - 1])),
+        "length": draw(st.sampled_from([0, 1000, 10**9])),
+        "attributes": draw(ATTRIBUTES),
+        "status": draw(st.none() | TEXT),
+        "events": draw(st.lists(st.tuples(TEXT, ATTRIBUTES), max_size=2)),
+    }
 
 
 @st.composite
@@ -75,9 +106,18 @@ def requests(draw) -> bytes:
         rs = request.resource_spans.add()
         if draw(st.booleans()):
             rs.resource.SetInParent()
-            _attrs(rs.resource.attributes, draw(st.lists(st.tuples(
-                st.sampled_from([sc.RUN_ID, sc.RANK, sc.HOST_NAME, sc.LOCAL_RANK, "a"]),
-                st.sampled_from(["run", 0, 3, "5", -1, 2**40, None, 1.0]) | VALUES), max_size=5)))
+            _attrs(
+                rs.resource.attributes,
+                draw(
+                    st.lists(
+                        st.tuples(
+                            st.sampled_from([sc.RUN_ID, sc.RANK, sc.HOST_NAME, sc.LOCAL_RANK, "a"]),
+                            st.sampled_from(["run", 0, 3, "5", -1, 2**40, None, 1.0]) | VALUES,
+                        ),
+                        max_size=5,
+                    )
+                ),
+            )
         rs.schema_url = draw(TEXT)
         for _ in range(draw(st.integers(0, 2))):
             ss = rs.scope_spans.add()
@@ -85,9 +125,14 @@ def requests(draw) -> bytes:
                 ss.scope.name, ss.scope.version = draw(TEXT), draw(TEXT)
                 _attrs(ss.scope.attributes, draw(ATTRIBUTES))
             for s in draw(st.lists(spans(), max_size=4)):
-                span = ss.spans.add(name=s["name"], trace_id=s["trace_id"], span_id=s["span_id"],
-                                    parent_span_id=s["parent"], start_time_unix_nano=s["start"],
-                                    end_time_unix_nano=min(s["start"] + s["length"], 2**64 - 1))
+                span = ss.spans.add(
+                    name=s["name"],
+                    trace_id=s["trace_id"],
+                    span_id=s["span_id"],
+                    parent_span_id=s["parent"],
+                    start_time_unix_nano=s["start"],
+                    end_time_unix_nano=min(s["start"] + s["length"], 2**64 - 1),
+                )
                 _attrs(span.attributes, s["attributes"])
                 if draw(st.integers(0, 20)) == 0:  # past MAX_ATTRIBUTES: refused alone
                     _attrs(span.attributes, [(f"k{i}", i) for i in range(MAX_ATTRIBUTES)])
@@ -106,7 +151,7 @@ def corrupted(draw) -> bytes:
     if how == "random" or not body:
         return draw(st.binary(max_size=64))
     if how == "truncate":
-        return body[:draw(st.integers(0, len(body) - 1))]
+        return body[: draw(st.integers(0, len(body) - 1))]
     if how == "concatenate":  # protobuf merges: a second copy of each field, or of another request's
         return body + draw(st.sampled_from([body, draw(requests())]))
     flipped = bytearray(body)
@@ -133,8 +178,12 @@ def _wire_columns(result: dict) -> dict:
     if not n:
         return dict.fromkeys(result["columns"], ())
     schema = {**decode._WIRE_COLUMNS, **{c: decode._span_field(c).type for c in decode._SPAN_KEYS.values()}}
-    return {name: _plain(pa.Array.from_buffers(schema[name], n, [b if b is None else pa.py_buffer(b) for b in bufs])
-                         .to_pylist()) for name, bufs in result["columns"].items()}
+    return {
+        name: _plain(
+            pa.Array.from_buffers(schema[name], n, [b if b is None else pa.py_buffer(b) for b in bufs]).to_pylist()
+        )
+        for name, bufs in result["columns"].items()
+    }
 
 
 def assert_same(bodies: list[bytes], monkeypatch) -> None:
@@ -149,10 +198,12 @@ def assert_same(bodies: list[bytes], monkeypatch) -> None:
         monkeypatch.setattr(decode, "WIRE", wire)
         decoded[name] = decode.decode("traces", bodies)
     a, b = decoded["c"], decoded["python"]
-    assert [(bool(p.malformed), p.rows, p.rejected, p.error) for p in a.parts] == \
-           [(bool(p.malformed), p.rows, p.rejected, p.error) for p in b.parts]
-    assert {k: _plain(t.to_pylist()) for k, t in a.tables.items()} == \
-           {k: _plain(t.to_pylist()) for k, t in b.tables.items()}
+    assert [(bool(p.malformed), p.rows, p.rejected, p.error) for p in a.parts] == [
+        (bool(p.malformed), p.rows, p.rejected, p.error) for p in b.parts
+    ]
+    assert {k: _plain(t.to_pylist()) for k, t in a.tables.items()} == {
+        k: _plain(t.to_pylist()) for k, t in b.tables.items()
+    }
     assert _plain(a.ranks) == _plain(b.ranks)
 
     for body in bodies:  # the 413 check before decoding, for traces and (counting points) metrics
@@ -161,8 +212,9 @@ def assert_same(bodies: list[bytes], monkeypatch) -> None:
                 assert _otlpwire.entries(body, points, limit) == otlpwire.entries(body, points, limit)
 
 
-SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                            HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @SETTINGS
@@ -196,30 +248,42 @@ def _field(number: int, payload: bytes) -> bytes:
 
 
 def _span_body(*attributes: bytes, name: bytes = b"op") -> bytes:
-    resource = _field(1, _kv(_field(2, AnyValue(string_value="r").SerializeToString()), sc.RUN_ID.encode())
-                      ) + _field(1, _kv(_field(2, AnyValue(int_value=0).SerializeToString()), sc.RANK.encode()))
-    span = (_field(5, name) + b"\x39" + T0.to_bytes(8, "little") + b"\x41" + (T0 + 5).to_bytes(8, "little")
-            + b"".join(_field(9, a) for a in attributes))
+    resource = _field(1, _kv(_field(2, AnyValue(string_value="r").SerializeToString()), sc.RUN_ID.encode())) + _field(
+        1, _kv(_field(2, AnyValue(int_value=0).SerializeToString()), sc.RANK.encode())
+    )
+    span = (
+        _field(5, name)
+        + b"\x39"
+        + T0.to_bytes(8, "little")
+        + b"\x41"
+        + (T0 + 5).to_bytes(8, "little")
+        + b"".join(_field(9, a) for a in attributes)
+    )
     return _field(1, _field(1, resource) + _field(2, _field(2, span)))
 
 
-@pytest.mark.parametrize("body", [
-    # values nested to the bound, and past it (refused by both, at any depth)
-    _span_body(_kv(_field(2, _nested(16).SerializeToString()))),
-    _span_body(_kv(_field(2, _nested(17).SerializeToString()))),
-    # a value sent twice: protobuf merges the two (their arrays concatenate)
-    _span_body(_kv(_field(2, _nested(1).SerializeToString()) + _field(2, _nested(1).SerializeToString()))),
-    _span_body(_kv(_field(2, _nested(1).SerializeToString() + _nested(1).SerializeToString()))),
-    # a kvlist repeating a key, a KeyValue without a key, one without a value
-    _span_body(_kv(_field(2, _field(6, _field(1, _kv(b"\x12\x02\x18\x01")) + _field(1, _kv(b"\x12\x02\x18\x02")))))),
-    _span_body(_field(2, AnyValue(int_value=3).SerializeToString()), _kv(b"")),
-    # not UTF-8 where the decoder does not look: a scope's name, an event's
-    _field(1, _field(2, _field(1, _field(1, b"\xff")))),
-    _span_body(name=b"\xc3"),
-    # a tag past 32 bits, groups nested to the protobuf runtime's bound and past it
-    b"\x80\x80\x80\x80\x10\x00",
-    b"\x7b" * 100 + b"\x7c" * 100,
-    b"\x7b" * 101 + b"\x7c" * 101,
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        # values nested to the bound, and past it (refused by both, at any depth)
+        _span_body(_kv(_field(2, _nested(16).SerializeToString()))),
+        _span_body(_kv(_field(2, _nested(17).SerializeToString()))),
+        # a value sent twice: protobuf merges the two (their arrays concatenate)
+        _span_body(_kv(_field(2, _nested(1).SerializeToString()) + _field(2, _nested(1).SerializeToString()))),
+        _span_body(_kv(_field(2, _nested(1).SerializeToString() + _nested(1).SerializeToString()))),
+        # a kvlist repeating a key, a KeyValue without a key, one without a value
+        _span_body(
+            _kv(_field(2, _field(6, _field(1, _kv(b"\x12\x02\x18\x01")) + _field(1, _kv(b"\x12\x02\x18\x02")))))
+        ),
+        _span_body(_field(2, AnyValue(int_value=3).SerializeToString()), _kv(b"")),
+        # not UTF-8 where the decoder does not look: a scope's name, an event's
+        _field(1, _field(2, _field(1, _field(1, b"\xff")))),
+        _span_body(name=b"\xc3"),
+        # a tag past 32 bits, groups nested to the protobuf runtime's bound and past it
+        b"\x80\x80\x80\x80\x10\x00",
+        b"\x7b" * 100 + b"\x7c" * 100,
+        b"\x7b" * 101 + b"\x7c" * 101,
+    ],
+)
 def test_edge_cases_decode_the_same(body, monkeypatch):
     assert_same([body, _span_body()], monkeypatch)

@@ -18,8 +18,18 @@ class Demo(Interactive):
     def __init__(self, tmp_path):
         self.port, self.dashboard_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "RANKWATCH_TOKEN")}
-        super().__init__("demo", "--steps", "200", "--db", str(tmp_path / "rankwatch.duckdb"), "--port", str(self.port),
-                         "--dashboard-port", str(self.dashboard_port), env=env)
+        super().__init__(
+            "demo",
+            "--steps",
+            "200",
+            "--db",
+            str(tmp_path / "rankwatch.duckdb"),
+            "--port",
+            str(self.port),
+            "--dashboard-port",
+            str(self.dashboard_port),
+            env=env,
+        )
 
     def assert_stops_cleanly_on(self, sig: signal.Signals) -> None:
         """Exit 0 with its closing line, nothing it started left running, both ports closed."""
@@ -71,7 +81,13 @@ def test_demo_refuses_ports_it_cannot_listen_on(tmp_path):
         collector = rankwatch_cli("demo", *db, "--port", str(port))
         dashboard = rankwatch_cli("demo", *db, "--port", str(free_port()), "--dashboard-port", str(port))
     assert (collector.returncode, collector.stderr.strip()) == (
-        2, f"rankwatch: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+        2,
+        f"rankwatch: error: cannot listen on 127.0.0.1:{port}: Address already in use",
+    )
     assert (dashboard.returncode, dashboard.stderr.strip()) == (
-        2, (f"rankwatch: error: cannot serve the dashboard on 127.0.0.1:{port}: Address already in use "
-           "(--dashboard-port PORT, or --no-dashboard)"))
+        2,
+        (
+            f"rankwatch: error: cannot serve the dashboard on 127.0.0.1:{port}: Address already in use "
+            "(--dashboard-port PORT, or --no-dashboard)"
+        ),
+    )

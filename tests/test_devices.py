@@ -61,6 +61,7 @@ class FakeNvml:
             if name in self.errors:
                 raise pynvml.NVMLError(self.errors[name])
             return fn(*args)
+
         return call
 
     def nvmlInit(self):
@@ -99,10 +100,12 @@ class FakeNvml:
         return pynvml.c_nvmlMemory_t(total=81_559 * 2**20, free=21_559 * 2**20, used=60_000 * 2**20)
 
     def nvmlDeviceGetTotalEccErrors(self, handle, error_type, counter_type):
-        return {(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 3,
-                (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC): 0,
-                (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC): 12,
-                (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC): 1}[error_type, counter_type]
+        return {
+            (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 3,
+            (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC): 0,
+            (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC): 12,
+            (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC): 1,
+        }[error_type, counter_type]
 
     def nvmlDeviceGetPcieThroughput(self, handle, counter):
         return {pynvml.NVML_PCIE_UTIL_TX_BYTES: 1_000, pynvml.NVML_PCIE_UTIL_RX_BYTES: 250_000}[counter]  # KB/s
@@ -182,16 +185,30 @@ def test_nvml_reader_gives_dcgm_metrics_in_watts_and_joules_preferring_instant_p
     readings = by_metric(NvmlDevice(3).read())
     values = {metric: value for metric, (value, _) in readings.items()}
     assert values == {
-        sc.POWER_INSTANT_W: pytest.approx(612.345), sc.ENERGY_J: pytest.approx(123_456.789),
-        sc.SM_CLOCK_MHZ: 1755, sc.MEM_CLOCK_MHZ: 2619, sc.GPU_TEMP_C: 64, sc.GPU_UTIL_PCT: 97,
-        sc.POWER_LIMIT_W: 650.0, sc.POWER_LIMIT_MIN_W: 200.0, sc.POWER_LIMIT_MAX_W: 700.0,
-        sc.CLOCK_EVENT_REASONS: 0x24, sc.FB_USED_MIB: 60_000, sc.FB_TOTAL_MIB: 81_559,
-        sc.ECC_SBE_VOLATILE: 3, sc.ECC_DBE_VOLATILE: 0, sc.ECC_SBE_AGGREGATE: 12, sc.ECC_DBE_AGGREGATE: 1,
-        sc.PCIE_TX_BPS: 1_000 * 1024, sc.PCIE_RX_BPS: 250_000 * 1024}  # NVLink: a rate, from the second reading
+        sc.POWER_INSTANT_W: pytest.approx(612.345),
+        sc.ENERGY_J: pytest.approx(123_456.789),
+        sc.SM_CLOCK_MHZ: 1755,
+        sc.MEM_CLOCK_MHZ: 2619,
+        sc.GPU_TEMP_C: 64,
+        sc.GPU_UTIL_PCT: 97,
+        sc.POWER_LIMIT_W: 650.0,
+        sc.POWER_LIMIT_MIN_W: 200.0,
+        sc.POWER_LIMIT_MAX_W: 700.0,
+        sc.CLOCK_EVENT_REASONS: 0x24,
+        sc.FB_USED_MIB: 60_000,
+        sc.FB_TOTAL_MIB: 81_559,
+        sc.ECC_SBE_VOLATILE: 3,
+        sc.ECC_DBE_VOLATILE: 0,
+        sc.ECC_SBE_AGGREGATE: 12,
+        sc.ECC_DBE_AGGREGATE: 1,
+        sc.PCIE_TX_BPS: 1_000 * 1024,
+        sc.PCIE_RX_BPS: 250_000 * 1024,
+    }  # NVLink: a rate, from the second reading
     assert reason_names(values[sc.CLOCK_EVENT_REASONS]) == {"sw_power_cap", "sw_thermal_slowdown"}
     assert readings[sc.POWER_INSTANT_W][1][sc.POWER_KIND] == sc.POWER_KIND_INSTANT
-    assert all(attributes[sc.GPU] == 3 and attributes[sc.SOURCE] == sc.SOURCE_NVML
-               for _, attributes in readings.values())
+    assert all(
+        attributes[sc.GPU] == 3 and attributes[sc.SOURCE] == sc.SOURCE_NVML for _, attributes in readings.values()
+    )
     assert nvml.calls["nvmlDeviceGetPowerUsage"] == 0
 
 
@@ -200,16 +217,20 @@ def test_nvml_power_falls_back_to_the_average_and_says_so(nvml):
     device = NvmlDevice(0)
     for _ in range(3):
         readings = by_metric(device.read())
-        assert readings[sc.POWER_W] == (598.0, {sc.GPU: 0, sc.SOURCE: sc.SOURCE_NVML,
-                                                 sc.POWER_KIND: sc.POWER_KIND_AVERAGE})
+        assert readings[sc.POWER_W] == (
+            598.0,
+            {sc.GPU: 0, sc.SOURCE: sc.SOURCE_NVML, sc.POWER_KIND: sc.POWER_KIND_AVERAGE},
+        )
         assert sc.POWER_INSTANT_W not in readings
     assert nvml.fields_asked[pynvml.NVML_FI_DEV_POWER_INSTANT] == 1  # not supported: not asked again
 
 
 def test_nvml_calls_not_supported_are_skipped_from_then_on_other_errors_once(nvml):
-    nvml.errors = {"nvmlDeviceGetTotalEnergyConsumption": pynvml.NVML_ERROR_NOT_SUPPORTED,
-                   "nvmlDeviceGetCurrentClocksEventReasons": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an older driver
-                   "nvmlDeviceGetTemperature": pynvml.NVML_ERROR_UNKNOWN}
+    nvml.errors = {
+        "nvmlDeviceGetTotalEnergyConsumption": pynvml.NVML_ERROR_NOT_SUPPORTED,
+        "nvmlDeviceGetCurrentClocksEventReasons": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an older driver
+        "nvmlDeviceGetTemperature": pynvml.NVML_ERROR_UNKNOWN,
+    }
     device = NvmlDevice(0)
     first = by_metric(device.read())
     assert sc.ENERGY_J not in first and sc.GPU_TEMP_C not in first
@@ -248,11 +269,19 @@ def test_xid_errors_are_sent_once_each_as_they_happen_and_the_event_set_freed(nv
     assert nvml.event_sets == 0 and nvml.initialised == 0
 
 
-@pytest.mark.parametrize("failing", ["nvmlDeviceRegisterEvents", "nvmlDeviceGetMemoryInfo",
-                                     "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetPcieThroughput"])
+@pytest.mark.parametrize(
+    "failing",
+    [
+        "nvmlDeviceRegisterEvents",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetPcieThroughput",
+    ],
+)
 def test_device_metrics_a_gpu_lacks_or_forbids_are_not_asked_again(nvml, failing):
-    nvml.errors = {failing: pynvml.NVML_ERROR_NO_PERMISSION if failing.endswith("Events")
-                   else pynvml.NVML_ERROR_NOT_SUPPORTED}  # ECC off, no NVML events in a container...
+    nvml.errors = {
+        failing: pynvml.NVML_ERROR_NO_PERMISSION if failing.endswith("Events") else pynvml.NVML_ERROR_NOT_SUPPORTED
+    }  # ECC off, no NVML events in a container...
     device = NvmlDevice(0)
     for _ in range(3):
         assert sc.POWER_INSTANT_W in by_metric(device.read())  # the rest is read
@@ -302,8 +331,13 @@ def test_open_device_is_nvml_when_the_driver_answers(nvml):
     device.close()
 
 
-@pytest.mark.parametrize("failing, error", [("nvmlInit", pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
-                                            ("nvmlDeviceGetHandleByIndex", pynvml.NVML_ERROR_INVALID_ARGUMENT)])
+@pytest.mark.parametrize(
+    "failing, error",
+    [
+        ("nvmlInit", pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+        ("nvmlDeviceGetHandleByIndex", pynvml.NVML_ERROR_INVALID_ARGUMENT),
+    ],
+)
 def test_open_device_is_simulated_without_nvml_and_says_why(nvml, caplog, failing, error):
     nvml.errors = {failing: error}
     with caplog.at_level(logging.INFO, logger="rankwatch.agent"):
@@ -336,7 +370,8 @@ def test_simulated_power_rises_with_utilization_and_clock():
     throttled = by_metric(device.read())
     assert throttled[sc.SM_CLOCK_MHZ][0] == H100.thermal_clock_mhz
     assert throttled[sc.POWER_INSTANT_W][0] == pytest.approx(
-        H100.idle_w + (H100.max_w - H100.idle_w) * (H100.thermal_clock_mhz / H100.clock_max_mhz) ** 3)
+        H100.idle_w + (H100.max_w - H100.idle_w) * (H100.thermal_clock_mhz / H100.clock_max_mhz) ** 3
+    )
     assert all(attributes[sc.SOURCE] == sc.SOURCE_SIMULATED for _, attributes in throttled.values())
 
 
@@ -502,8 +537,9 @@ def test_sampler_samples_at_its_rate_in_batches_and_stops_cleanly():
 def test_sampler_energy_between_is_the_counter_delta_interpolated_at_the_ends():
     batches = []
     utilization = [1.0]
-    sampler = Sampler([SimulatedDevice(0, utilization=lambda: utilization[0])], batches.append,
-                      period_s=0.02, flush_s=0.1).start()
+    sampler = Sampler(
+        [SimulatedDevice(0, utilization=lambda: utilization[0])], batches.append, period_s=0.02, flush_s=0.1
+    ).start()
     wait_until(lambda: len(sample_times(batches, sc.ENERGY_J)) >= 5, "too few energy readings")
     utilization[0] = 0.1  # the power, and the counter's slope, change
     wait_until(lambda: len(sample_times(batches, sc.ENERGY_J)) >= 10, "too few energy readings")
@@ -566,15 +602,37 @@ def test_samples_reach_the_collector_with_their_labels(collector, tmp_path):
     sampler.stop()
     exporter.shutdown()
     collector.stop()
-    rows = query(collector.db, """SELECT metric, gpu, source, attrs->>'$."rankwatch.power.kind"',
+    rows = query(
+        collector.db,
+        """SELECT metric, gpu, source, attrs->>'$."rankwatch.power.kind"',
                                          attrs->>'$."rankwatch.rapl.zone"', count(*)
-                                  FROM device_samples WHERE run_id = 'run-power' AND rank = 5 GROUP BY ALL""")
+                                  FROM device_samples WHERE run_id = 'run-power' AND rank = 5 GROUP BY ALL""",
+    )
     by_name = {metric: labels for metric, *labels in rows}
     assert by_name[sc.POWER_INSTANT_W][:3] == [1, sc.SOURCE_SIMULATED, sc.POWER_KIND_INSTANT]
     assert by_name[sc.HOST_POWER_W][:4] == [None, sc.SOURCE_RAPL, None, "package-0"]
-    assert set(by_name) == {sc.POWER_INSTANT_W, sc.ENERGY_J, sc.SM_CLOCK_MHZ, sc.MEM_CLOCK_MHZ, sc.GPU_TEMP_C,
-                            sc.GPU_UTIL_PCT, sc.POWER_LIMIT_W, sc.POWER_LIMIT_MIN_W, sc.POWER_LIMIT_MAX_W,
-                            sc.CLOCK_EVENT_REASONS, sc.FB_USED_MIB, sc.FB_TOTAL_MIB, sc.ECC_SBE_VOLATILE,
-                            sc.ECC_DBE_VOLATILE, sc.ECC_SBE_AGGREGATE, sc.ECC_DBE_AGGREGATE, sc.NVLINK_TX_BPS,
-                            sc.NVLINK_RX_BPS, sc.PCIE_TX_BPS, sc.PCIE_RX_BPS, sc.HOST_ENERGY_J, sc.HOST_POWER_W}
+    assert set(by_name) == {
+        sc.POWER_INSTANT_W,
+        sc.ENERGY_J,
+        sc.SM_CLOCK_MHZ,
+        sc.MEM_CLOCK_MHZ,
+        sc.GPU_TEMP_C,
+        sc.GPU_UTIL_PCT,
+        sc.POWER_LIMIT_W,
+        sc.POWER_LIMIT_MIN_W,
+        sc.POWER_LIMIT_MAX_W,
+        sc.CLOCK_EVENT_REASONS,
+        sc.FB_USED_MIB,
+        sc.FB_TOTAL_MIB,
+        sc.ECC_SBE_VOLATILE,
+        sc.ECC_DBE_VOLATILE,
+        sc.ECC_SBE_AGGREGATE,
+        sc.ECC_DBE_AGGREGATE,
+        sc.NVLINK_TX_BPS,
+        sc.NVLINK_RX_BPS,
+        sc.PCIE_TX_BPS,
+        sc.PCIE_RX_BPS,
+        sc.HOST_ENERGY_J,
+        sc.HOST_POWER_W,
+    }
     assert sampler.dropped == 0 and by_name[sc.ENERGY_J][-1] >= 3

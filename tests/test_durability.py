@@ -40,8 +40,12 @@ def _log_records(run_id: str, rank: int, n: int):
     provider.add_log_record_processor(SimpleLogRecordProcessor(memory))
     logger = provider.get_logger("rankwatch.tests")
     for i in range(n):
-        logger.emit(timestamp=T0 + i, body="checkpoint_saved", severity_number=SeverityNumber.INFO,
-                    attributes={sc.EVENT: "checkpoint_saved", sc.STEP: i})
+        logger.emit(
+            timestamp=T0 + i,
+            body="checkpoint_saved",
+            severity_number=SeverityNumber.INFO,
+            attributes={sc.EVENT: "checkpoint_saved", sc.STEP: i},
+        )
     provider.shutdown()
     return memory.get_finished_logs()
 
@@ -57,8 +61,11 @@ def _alive(pids: list[int], wait_s: float = 10.0) -> list[int]:
     """The pids still running after up to `wait_s` seconds."""
     deadline = time.monotonic() + wait_s
     while True:
-        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
-                 Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"]
+        alive = [
+            pid
+            for pid in pids
+            if os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        ]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
@@ -79,8 +86,9 @@ def test_acknowledged_rows_survive_kill_9(collector_factory):
     assert collector.stop(signal.SIGKILL) == -signal.SIGKILL
     assert _alive(children) == []  # none outlives the collector to keep the store locked
     collector_factory(collector.db).stop()  # recovers the write-ahead log, then checkpoints
-    assert query(collector.db, "SELECT rank, count(*), count(DISTINCT step) FROM steps GROUP BY rank ORDER BY rank") \
-        == [(r, 25, 25) for r in range(4)]
+    assert query(
+        collector.db, "SELECT rank, count(*), count(DISTINCT step) FROM steps GROUP BY rank ORDER BY rank"
+    ) == [(r, 25, 25) for r in range(4)]
     assert query(collector.db, "SELECT count(*), sum(bytes) FROM ops") == [(4 * 25 * 3, 4 * 25 * 3 * 1024)]
     assert query(collector.db, "SELECT count(*), min(step), max(step) FROM events") == [(5, 0, 4)]
     assert query(collector.db, "SELECT count(*), sum(value) FROM device_samples") == [(7, 7 * 300.0 + 21)]
@@ -90,10 +98,16 @@ def test_acknowledged_rows_survive_kill_9(collector_factory):
 def _counters(collector) -> dict[str, float]:
     """The collector's own count of duplicate trace exports and of spans it stored."""
     page = httpx.get(f"{collector.url}/metrics", timeout=30).text
-    samples = {s.name: s.value for family in text_string_to_metric_families(page)
-               for s in family.samples if s.labels.get("signal") == "traces"}
-    return {"duplicates": samples.get("rankwatch_collector_duplicate_requests_total"),
-            "received": samples.get("rankwatch_collector_items_received_total")}
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.labels.get("signal") == "traces"
+    }
+    return {
+        "duplicates": samples.get("rankwatch_collector_duplicate_requests_total"),
+        "received": samples.get("rankwatch_collector_items_received_total"),
+    }
 
 
 def test_retried_export_is_stored_once(collector_factory):
@@ -112,8 +126,9 @@ def test_retried_export_is_stored_once(collector_factory):
     assert post(restarted, "traces", with_rank(body, 1)).status_code == 200  # a different export is stored
     assert _counters(restarted) == {"duplicates": 1, "received": 60}
     restarted.stop()
-    assert query(collector.db, "SELECT rank, count(*), count(DISTINCT step) FROM steps GROUP BY rank ORDER BY rank") \
-        == [(0, 20, 20), (1, 20, 20)]
+    assert query(
+        collector.db, "SELECT rank, count(*), count(DISTINCT step) FROM steps GROUP BY rank ORDER BY rank"
+    ) == [(0, 20, 20), (1, 20, 20)]
     assert query(collector.db, "SELECT rank, count(*) FROM ops GROUP BY rank ORDER BY rank") == [(0, 40), (1, 40)]
 
 
@@ -204,9 +219,11 @@ def test_overload_503_retry_after_then_all_stored_once(collector_factory):
     assert all(r.headers.get("retry-after", "").isdigit() and int(r.headers["retry-after"]) >= 1 for r in refusals)
     assert {Status.FromString(r.content).code for r in refusals} == {14}  # UNAVAILABLE
     assert len(accepted) == len(set(accepted)) >= threads
-    assert query(collector.db, "SELECT count(*), count(DISTINCT rank) FROM steps") == [(len(accepted) * 25,
-                                                                                         len(accepted))]
+    assert query(collector.db, "SELECT count(*), count(DISTINCT rank) FROM steps") == [
+        (len(accepted) * 25, len(accepted))
+    ]
     assert query(collector.db, "SELECT count(*) FROM ops") == [(len(accepted) * 25 * 7,)]
-    assert query(collector.db, "SELECT count(*) FROM (SELECT rank, step FROM steps GROUP BY ALL HAVING count(*) > 1)") \
-        == [(0,)]
+    assert query(
+        collector.db, "SELECT count(*) FROM (SELECT rank, step FROM steps GROUP BY ALL HAVING count(*) > 1)"
+    ) == [(0,)]
     assert sorted(r for (r,) in query(collector.db, "SELECT DISTINCT rank FROM steps")) == sorted(accepted)

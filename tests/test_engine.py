@@ -1,4 +1,4 @@
-"""The analysis engine (collector/engine.py): every committed step judged exactly once, whatever
+"""The analysis engine (collector/analysis/engine.py): every committed step judged exactly once, whatever
 the order and pace the ranks' steps arrive in; passes driven by commits, so a fast job's anomaly
 is found while it runs; the live collector and `rankwatch analyze` find the same things in the
 same stores; a run's end is no stall, and resolves its findings."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.engine import Engine
+from collector.analysis.engine import Engine
 from collector.store.schema import DDL
 from tests.conftest import rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
@@ -33,8 +33,9 @@ def _commit(con, run: str, rows: list[tuple[int, int]]) -> None:
     frame["start_ts"] = pd.to_datetime(10**18 + frame["step"] * 10**8, unit="ns")
     frame["end_ts"] = frame["start_ts"] + pd.Timedelta(100, "ms")
     frame = frame.assign(duration_s=0.1, compute_s=0.08, comm_wait_s=0.02, loss=3.0)
-    con.execute("INSERT INTO ranks BY NAME SELECT DISTINCT run_id, rank, now() AS first_seen FROM frame "
-                "ON CONFLICT DO NOTHING")
+    con.execute(
+        "INSERT INTO ranks BY NAME SELECT DISTINCT run_id, rank, now() AS first_seen FROM frame ON CONFLICT DO NOTHING"
+    )
     con.execute("INSERT INTO steps BY NAME SELECT * FROM frame")
 
 
@@ -79,12 +80,19 @@ def test_a_fast_jobs_spike_is_found_while_it_runs_by_the_commit_that_shows_it(co
     t0 = time.time_ns()
     step_s = 1 / rate
     for start in range(0, 300, 10):  # a commit every 10 steps, in real time
-        acked = send_steps(sending, range(start, start + 10), t0, step_s, compute=lambda r, s: 0.6 * step_s,
-                           loss=lambda s: 50.0 if s == spike_at else 3.0 - s / 1000)
+        acked = send_steps(
+            sending,
+            range(start, start + 10),
+            t0,
+            step_s,
+            compute=lambda r, s: 0.6 * step_s,
+            loss=lambda s: 50.0 if s == spike_at else 3.0 - s / 1000,
+        )
         if start <= spike_at < start + 10:
             spike_acked = acked
-            wait_until(lambda: any(f["kind"] == "loss_spike" for f in live_findings(collector, run)),
-                       "the spike was not found")
+            wait_until(
+                lambda: any(f["kind"] == "loss_spike" for f in live_findings(collector, run)), "the spike was not found"
+            )
             found_after = time.monotonic() - spike_acked
         time.sleep(max(0.0, t0 / 1e9 + (start + 10) * step_s - time.time()))
     (spike,) = [f for f in live_findings(collector, run) if f["kind"] == "loss_spike"]
@@ -94,8 +102,11 @@ def test_a_fast_jobs_spike_is_found_while_it_runs_by_the_commit_that_shows_it(co
 
 SCENARIOS = {  # run -> how it is made; every analyzer's findings but info (power advice, verdicts not drawn)
     "eq-straggler": ("simulate", ["--ranks", "16", "--steps", "70"], ["straggler:rank=5,slowdown=1.15,from=25"]),
-    "eq-stage": ("simulate", ["--ranks", "32", "--pp", "4", "--steps", "60"],
-                 ["slow-stage:stage=2,slowdown=1.2,from=20"]),
+    "eq-stage": (
+        "simulate",
+        ["--ranks", "32", "--pp", "4", "--steps", "60"],
+        ["slow-stage:stage=2,slowdown=1.2,from=20"],
+    ),
     "eq-hang": ("simulate", ["--ranks", "8", "--steps", "40", "--hang-for", "8"], ["hang:rank=3,at=18"]),
     "eq-spike": ("exporter", None, None),
 }
@@ -106,9 +117,13 @@ def _spiky_run(collector) -> None:
     import random
 
     noise = random.Random(3)
-    send_steps(exporters(collector, "eq-spike", 4), range(90), time.time_ns() - 90 * 100 * MS,
-               compute=lambda r, s: 0.08 * (1.3 if r == 2 and s >= 30 else 1.0) * noise.lognormvariate(0, 0.02),
-               loss=lambda s: 20.0 if s == 45 else 4.0 - s / 100 + noise.gauss(0, 0.02))
+    send_steps(
+        exporters(collector, "eq-spike", 4),
+        range(90),
+        time.time_ns() - 90 * 100 * MS,
+        compute=lambda r, s: 0.08 * (1.3 if r == 2 and s >= 30 else 1.0) * noise.lognormvariate(0, 0.02),
+        loss=lambda s: 20.0 if s == 45 else 4.0 - s / 100 + noise.gauss(0, 0.02),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +153,19 @@ def test_live_and_after_the_fact_find_the_same(equal_stores, run):
     """The collector's findings, drawn pass by pass as the steps came, and `rankwatch analyze`'s over
     the store it left: the same analyzers, kinds and ranks, onsets within half a window."""
     db = equal_stores[run]
-    live = query(db, "SELECT analyzer, kind, ranks, step_start FROM findings WHERE run_id = ? AND severity <> 'info' "
-                     "ORDER BY step_start", [run])
+    live = query(
+        db,
+        "SELECT analyzer, kind, ranks, step_start FROM findings WHERE run_id = ? AND severity <> 'info' "
+        "ORDER BY step_start",
+        [run],
+    )
     result = rankwatch_in_process("analyze", run, "--db", str(db), "--json", "--hang-after", "3")
     assert result.returncode == 0, result.stderr
-    after = [(f["analyzer"], f["kind"], f["ranks"], f["step_start"]) for f in json.loads(result.stdout)["findings"]
-             if f["severity"] != "info"]
+    after = [
+        (f["analyzer"], f["kind"], f["ranks"], f["step_start"])
+        for f in json.loads(result.stdout)["findings"]
+        if f["severity"] != "info"
+    ]
     assert live, "the scenario drew no finding"
     assert sorted((a, k, list(r)) for a, k, r, _ in live) == sorted((a, k, r) for a, k, r, _ in after), (live, after)
     for a, k, r, start in live:
@@ -161,8 +183,10 @@ def test_a_run_that_ended_is_no_hang_and_its_findings_resolve(collector_factory)
     runs = {"ends": exporters(collector, "ends", 3), "stalls": exporters(collector, "stalls", 3)}
     for run, sending in runs.items():
         send_steps(sending, range(40), time.time_ns() - 40 * 100 * MS, compute=lambda r, s: 0.12 if r == 1 else 0.08)
-        wait_until(lambda: any(f["kind"] == "rank" and f["state"] == "firing" for f in live_findings(collector, run)),
-                   f"run {run}: no straggler")
+        wait_until(
+            lambda: any(f["kind"] == "rank" and f["state"] == "firing" for f in live_findings(collector, run)),
+            f"run {run}: no straggler",
+        )
     for exporter in runs["ends"].values():
         exporter.event(sc.EVENT_ENDED, time.time_ns(), {})
     stalled_until = time.monotonic() + 5
@@ -191,8 +215,18 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     from rankwatch.launch import train
 
     collector = collector_factory(None, "--analyze-every", "1")
-    assert train(nproc=2, steps=120, run_id="pair-slow", faults=["straggler:rank=1,slowdown=2,from=30"],
-                 collector=collector.url, token=collector.token, store=collector.db) == 0
+    assert (
+        train(
+            nproc=2,
+            steps=120,
+            run_id="pair-slow",
+            faults=["straggler:rank=1,slowdown=2,from=30"],
+            collector=collector.url,
+            token=collector.token,
+            store=collector.db,
+        )
+        == 0
+    )
     send_steps(exporters(collector, "alone", 1), range(30), time.time_ns() - 30 * 100 * MS)
     wait_until(lambda: any(f["kind"] == "not_judged" for f in live_findings(collector, "alone")), "no verdict")
     collector.stop()

@@ -19,9 +19,19 @@ from trainer.faults import Fault, parse
 # spec -> (kind, params, rank, steps where active, steps where not)
 GRAMMAR = {
     "straggler:rank=2,slowdown=1.3,from=40": (
-        "straggler", {"rank": 2, "slowdown": 1.3, "from": 40}, 2, [40, 41, 1000, 10**9], [0, 39]),
+        "straggler",
+        {"rank": 2, "slowdown": 1.3, "from": 40},
+        2,
+        [40, 41, 1000, 10**9],
+        [0, 39],
+    ),
     "straggler:rank=2,slowdown=1.3,from=40,to=90": (
-        "straggler", {"rank": 2, "slowdown": 1.3, "from": 40, "to": 90}, 2, [40, 89], [39, 90, 200]),
+        "straggler",
+        {"rank": 2, "slowdown": 1.3, "from": 40, "to": 90},
+        2,
+        [40, 89],
+        [39, 90, 200],
+    ),
     "hang:rank=1,at=200": ("hang", {"rank": 1, "at": 200}, 1, [200], [0, 199, 201]),
     "hang:rank=1,at=200,seconds=30": ("hang", {"rank": 1, "at": 200, "seconds": 30.0}, 1, [200], [199, 201]),
     "spike:at=120,scale=8": ("spike", {"at": 120, "scale": 8.0}, None, [120], [0, 119, 121]),
@@ -57,24 +67,27 @@ def test_parse_details():
     assert type(parse("spike:at=3,scale=8").get("scale")) is float  # "8" read as the declared float
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("bogus:x=1", ["unknown fault", "'bogus'", "straggler", "data-skew"]),
-    ("stragler:rank=1,slowdown=2", ["unknown fault", "'stragler'"]),
-    ("", ["unknown fault"]),
-    ("straggler:rank=2", ["straggler needs slowdown"]),
-    ("straggler:slowdown=2", ["straggler needs rank"]),
-    ("hang:rank=1", ["hang needs at"]),
-    ("spike:", ["spike needs at, scale"]),
-    ("nan", ["nan needs at"]),
-    ("data-skew:from=3", ["data-skew needs cv"]),
-    ("straggler:rank=two,slowdown=1.3", ["rank must be int", "'two'"]),
-    ("hang:rank=1,at=1.5", ["at must be int", "'1.5'"]),
-    ("spike:at=120,scale=big", ["scale must be float", "'big'"]),
-    ("thermal:rank=3,from=", ["from must be int", "''"]),
-    ("nan:at=150,rank=2", ["nan takes at", "'rank=2'"]),
-    ("straggler:rank=2,slowdown=1.3,form=40", ["straggler takes rank, slowdown, from, to", "'form=40'"]),
-    ("slow-link:rank=5,factor", ["slow-link takes", "'factor'"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("bogus:x=1", ["unknown fault", "'bogus'", "straggler", "data-skew"]),
+        ("stragler:rank=1,slowdown=2", ["unknown fault", "'stragler'"]),
+        ("", ["unknown fault"]),
+        ("straggler:rank=2", ["straggler needs slowdown"]),
+        ("straggler:slowdown=2", ["straggler needs rank"]),
+        ("hang:rank=1", ["hang needs at"]),
+        ("spike:", ["spike needs at, scale"]),
+        ("nan", ["nan needs at"]),
+        ("data-skew:from=3", ["data-skew needs cv"]),
+        ("straggler:rank=two,slowdown=1.3", ["rank must be int", "'two'"]),
+        ("hang:rank=1,at=1.5", ["at must be int", "'1.5'"]),
+        ("spike:at=120,scale=big", ["scale must be float", "'big'"]),
+        ("thermal:rank=3,from=", ["from must be int", "''"]),
+        ("nan:at=150,rank=2", ["nan takes at", "'rank=2'"]),
+        ("straggler:rank=2,slowdown=1.3,form=40", ["straggler takes rank, slowdown, from, to", "'form=40'"]),
+        ("slow-link:rank=5,factor", ["slow-link takes", "'factor'"]),
+    ],
+)
 def test_malformed_specs(spec, words):
     with pytest.raises(ValueError) as e:
         parse(spec)
@@ -89,9 +102,22 @@ def test_malformed_specs(spec, words):
 def test_trainer_arguments_accept_what_it_injects():
     from trainer.train import arguments
 
-    args = arguments(["--steps", "5", "--inject", "straggler:rank=1,slowdown=2,from=4", "--inject", "nan:at=3",
-                      "--inject", "hang:rank=0,at=2,seconds=1", "--inject", "spike:at=1,scale=8",
-                      "--inject", "slow-link:rank=1,factor=2"])
+    args = arguments(
+        [
+            "--steps",
+            "5",
+            "--inject",
+            "straggler:rank=1,slowdown=2,from=4",
+            "--inject",
+            "nan:at=3",
+            "--inject",
+            "hang:rank=0,at=2,seconds=1",
+            "--inject",
+            "spike:at=1,scale=8",
+            "--inject",
+            "slow-link:rank=1,factor=2",
+        ]
+    )
     assert [f.kind for f in args.faults] == ["straggler", "nan", "hang", "spike", "slow-link"]
 
 
@@ -114,15 +140,28 @@ def test_trainer_arguments_refuse_simulator_faults(spec, capsys):
     assert spec.split(":")[0] in err and "`rankwatch simulate`" in err, err
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("bogus:x=1", ["unknown fault 'bogus'"]),
-    ("straggler:rank=2", ["straggler needs slowdown"]),
-    ("nan:at=soon", ["at must be int"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("bogus:x=1", ["unknown fault 'bogus'"]),
+        ("straggler:rank=2", ["straggler needs slowdown"]),
+        ("nan:at=soon", ["at must be int"]),
+    ],
+)
 def test_train_cli_bad_spec(spec, words):
     """Refused by `rankwatch train` itself, before any rank starts."""
-    r = rankwatch_cli("train", "--nproc", "2", "--steps", "3", "--inject", spec,
-                      "--collector", f"http://127.0.0.1:{free_port()}", env={"RANKWATCH_TOKEN": "test-token"})
+    r = rankwatch_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "3",
+        "--inject",
+        spec,
+        "--collector",
+        f"http://127.0.0.1:{free_port()}",
+        env={"RANKWATCH_TOKEN": "test-token"},
+    )
     assert r.returncode == 2, r
     assert r.stdout == ""
     lines = r.stderr.splitlines()
@@ -135,8 +174,18 @@ def test_train_cli_bad_spec(spec, words):
 @pytest.fixture(scope="module")
 def thermal_through_torchrun() -> subprocess.CompletedProcess:
     """`rankwatch train --inject thermal:rank=0`: a valid spec that only the simulator injects."""
-    return rankwatch_cli("train", "--nproc", "2", "--steps", "3", "--inject", "thermal:rank=0",
-                         "--collector", f"http://127.0.0.1:{free_port()}", env={"RANKWATCH_TOKEN": "test-token"})
+    return rankwatch_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "3",
+        "--inject",
+        "thermal:rank=0",
+        "--collector",
+        f"http://127.0.0.1:{free_port()}",
+        env={"RANKWATCH_TOKEN": "test-token"},
+    )
 
 
 def test_train_cli_refuses_simulator_fault(thermal_through_torchrun):
@@ -152,5 +201,6 @@ def test_train_cli_simulator_fault_is_a_one_line_usage_error(thermal_through_tor
     (two argparse usage blocks and torchrun's ChildFailedError traceback, exit status 1)."""
     r = thermal_through_torchrun
     assert (r.returncode, len(r.stderr.splitlines())) == (2, 1), (
-        f"exit {r.returncode}, {len(r.stderr.splitlines())} lines of stderr:\n{r.stderr[-1500:]}")
+        f"exit {r.returncode}, {len(r.stderr.splitlines())} lines of stderr:\n{r.stderr[-1500:]}"
+    )
     assert r.stderr.startswith("rankwatch: error: ") and "rankwatch simulate" in r.stderr

@@ -39,16 +39,22 @@ def grid_split(doc: dict) -> dict[int, dict[str, float]]:
         mine = [e for e in kernels if start <= launched[e["args"]["correlation"]] <= end]
         busy, comm = np.zeros(size, bool), np.zeros(size, bool)
         for e in mine:
-            (comm if e["name"].startswith("ncclKernel") else busy)[int(e["ts"]) - origin:
-                                                                  int(e["ts"] + e["dur"]) - origin] = True
-        split[step] = {"compute": busy.sum() / 1e6, "exposed": (comm & ~busy).sum() / 1e6,
-                       "comm": sum(e["dur"] for e in mine if e["name"].startswith("ncclKernel")) / 1e6}
+            (comm if e["name"].startswith("ncclKernel") else busy)[
+                int(e["ts"]) - origin : int(e["ts"] + e["dur"]) - origin
+            ] = True
+        split[step] = {
+            "compute": busy.sum() / 1e6,
+            "exposed": (comm & ~busy).sum() / 1e6,
+            "comm": sum(e["dur"] for e in mine if e["name"].startswith("ncclKernel")) / 1e6,
+        }
     return split
 
 
 # the sampled traces' times are whole µs; nccl_data's have fractions the grid rounds off (a µs a few kernels)
-@pytest.mark.parametrize("name, tolerance", [("sampled_rank-0.json.gz", 1e-9), ("sampled_rank-1.json.gz", 1e-9),
-                                             ("nccl_data.json.gz", 20e-6)])
+@pytest.mark.parametrize(
+    "name, tolerance",
+    [("sampled_rank-0.json.gz", 1e-9), ("sampled_rank-1.json.gz", 1e-9), ("nccl_data.json.gz", 20e-6)],
+)
 def test_profiler_split_matches_the_kernels_on_a_grid(name, tolerance):
     with gzip.open(DATA / name) as f:
         expected = grid_split(json.load(f))
@@ -61,7 +67,8 @@ def test_profiler_split_matches_the_kernels_on_a_grid(name, tolerance):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_it_exits_2_in_one_line():
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "bench/gpu.py: CUDA is required: torch sees no GPU on this machine"

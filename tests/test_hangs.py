@@ -3,15 +3,17 @@
 import pandas as pd
 import pytest
 
-from collector.analyzers.hangs import Settings, analyze
+from collector.analysis.analyzers.hangs import Settings, analyze
 
 S = 1_000_000_000  # ns
 RANKS = range(4)
 
 
 def steps(n=10, step_s=2.0):
-    return pd.DataFrame([("r", rank, step, (step + 1) * step_s * S, step_s) for step in range(n) for rank in RANKS],
-                        columns=["run_id", "rank", "step", "end_ts", "duration_s"])
+    return pd.DataFrame(
+        [("r", rank, step, (step + 1) * step_s * S, step_s) for step in range(n) for rank in RANKS],
+        columns=["run_id", "rank", "step", "end_ts", "duration_s"],
+    )
 
 
 def beats(rows):
@@ -37,22 +39,32 @@ def test_timeout_follows_the_step_time():
 
 def test_rank_that_never_entered_the_collective_is_the_culprit():
     now = 20 * S + 45 * S
-    hb = beats([(0, now - S, 10, "backward", "all_reduce", "world", 10, False),
-                (1, now - S, 10, "forward", "all_reduce", "world", 9, True),  # stuck before collective #10
-                (2, now - S, 10, "backward", "all_reduce", "world", 10, False),
-                (3, now - S, 10, "backward", "all_reduce", "world", 10, False)])
+    hb = beats(
+        [
+            (0, now - S, 10, "backward", "all_reduce", "world", 10, False),
+            (1, now - S, 10, "forward", "all_reduce", "world", 9, True),  # stuck before collective #10
+            (2, now - S, 10, "backward", "all_reduce", "world", 10, False),
+            (3, now - S, 10, "backward", "all_reduce", "world", 10, False),
+        ]
+    )
     (finding,) = analyze(steps(), hb, now_ns=now)
     assert (finding.kind, finding.ranks, finding.severity) == ("hang", [1], "critical")
-    assert finding.evidence["collective"] == {"op": "all_reduce", "group": "world", "seq": 10,
-                                              "waiting_ranks": [0, 2, 3]}
+    assert finding.evidence["collective"] == {
+        "op": "all_reduce",
+        "group": "world",
+        "seq": 10,
+        "waiting_ranks": [0, 2, 3],
+    }
     assert finding.evidence["culprit_last_seen"] == {1: {"step": 10, "phase": "forward"}}
     assert finding.step_start == 10 and "never entered" in finding.summary
 
 
 def test_rank_whose_heartbeats_stopped_is_the_culprit():
     now = 20 * S + 60 * S
-    hb = beats([(r, now - S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 1, 2)]
-               + [(3, 20 * S + 5 * S, 10, "forward", "all_reduce", "world", 9, True)])  # silent for 55 s
+    hb = beats(
+        [(r, now - S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 1, 2)]
+        + [(3, 20 * S + 5 * S, 10, "forward", "all_reduce", "world", 9, True)]
+    )  # silent for 55 s
     (finding,) = analyze(steps(), hb, now_ns=now)
     assert finding.ranks == [3] and finding.evidence["silent_ranks"] == [3]
 
@@ -78,18 +90,33 @@ def test_real_torchrun_hang_is_blamed_on_the_hung_rank(collector):
     from rankwatch.launch import train
     from tests.otlp_payloads import query
 
-    status = train(nproc=3, steps=8, run_id="run-hang", faults=["hang:rank=1,at=4,seconds=25"],
-                   collector=collector.url, token=collector.token, store=collector.db)
+    status = train(
+        nproc=3,
+        steps=8,
+        run_id="run-hang",
+        faults=["hang:rank=1,at=4,seconds=25"],
+        collector=collector.url,
+        token=collector.token,
+        store=collector.db,
+    )
     assert status == 0
     collector.stop()
-    st = pd.DataFrame(query(collector.db, "SELECT run_id, rank, step, epoch_ns(end_ts), duration_s FROM steps "
-                                          "WHERE run_id = 'run-hang'"),
-                      columns=["run_id", "rank", "step", "end_ts", "duration_s"])
-    hb = beats(query(collector.db, """
+    st = pd.DataFrame(
+        query(
+            collector.db, "SELECT run_id, rank, step, epoch_ns(end_ts), duration_s FROM steps WHERE run_id = 'run-hang'"
+        ),
+        columns=["run_id", "rank", "step", "end_ts", "duration_s"],
+    )
+    hb = beats(
+        query(
+            collector.db,
+            """
         SELECT rank, epoch_ns(ts), step, attrs->>'$."rankwatch.phase"', attrs->>'$."rankwatch.comm.op"',
                attrs->>'$."rankwatch.comm.group"', (attrs->>'$."rankwatch.comm.seq"')::BIGINT,
                (attrs->>'$."rankwatch.comm.done"')::BOOLEAN
-        FROM events WHERE run_id = 'run-hang' AND event = 'heartbeat'"""))
+        FROM events WHERE run_id = 'run-hang' AND event = 'heartbeat'""",
+        )
+    )
     stall_end = int(st.loc[st["step"] == 4, "end_ts"].min())  # when the hung rank came back
     during = hb[(hb["step"] == 4) & (hb["ts"] < stall_end)]
     assert not during.empty, "no heartbeat arrived during the stall"

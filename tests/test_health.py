@@ -7,7 +7,7 @@ import math
 import httpx
 import pandas as pd
 
-from collector.analyzers import health
+from collector.analysis.analyzers import health
 from tests.conftest import free_port
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
@@ -18,8 +18,9 @@ BUCKETS = (0.01, 0.1, 1.0, 2.5, math.inf)
 MIB = 2**20
 
 
-def snapshot(at: float = 0.0, requests: dict | None = None, queue_bytes: int = 0, commits: tuple = (0,) * 5,
-             failures: int = 0) -> health.Snapshot:
+def snapshot(
+    at: float = 0.0, requests: dict | None = None, queue_bytes: int = 0, commits: tuple = (0,) * 5, failures: int = 0
+) -> health.Snapshot:
     return health.Snapshot(at, requests or {}, queue_bytes, 1000 * MIB, dict(zip(BUCKETS, commits)), failures)
 
 
@@ -36,8 +37,9 @@ def test_a_healthy_collector_has_no_findings():
 def test_refused_exports_by_share_with_401_critical():
     first = snapshot(0, {200: 100})
     found = kinds(health.analyze(first, snapshot(120, {200: 180, 503: 10, 400: 10}), NO_OUTBOX))
-    assert found == {"refused_exports": ("warning", ("20% of 100 OTLP exports refused in the last 2 min "
-                                                    "(10 x 400, 10 x 503)"))}
+    assert found == {
+        "refused_exports": ("warning", ("20% of 100 OTLP exports refused in the last 2 min (10 x 400, 10 x 503)"))
+    }
     severity, summary = kinds(health.analyze(first, snapshot(60, {200: 180, 401: 20}), NO_OUTBOX))["refused_exports"]
     assert severity == "critical" and summary.endswith("a job sends the wrong token and loses its telemetry")
     # too few exports in the window to judge a rate
@@ -51,33 +53,47 @@ def test_queue_filling_slow_commits_and_failing_analysis():
     assert health.analyze(first, too_few, NO_OUTBOX) == []
     found = kinds(health.analyze(first, last, NO_OUTBOX))
     assert found == {
-        "queue_filling": ("warning", ("the write queue is 90% full (900 of 1000 MiB): exports will be refused with "
-                                     "503 next")),
-        "slow_commits": ("warning", ("99% of group commits took up to 2.5 s in the last 30 s: telemetry and findings "
-                                    "are late")),
-        "analysis_failing": ("warning", ("an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the "
-                                        "collector's log says why)"))}
+        "queue_filling": (
+            "warning",
+            ("the write queue is 90% full (900 of 1000 MiB): exports will be refused with 503 next"),
+        ),
+        "slow_commits": (
+            "warning",
+            ("99% of group commits took up to 2.5 s in the last 30 s: telemetry and findings are late"),
+        ),
+        "analysis_failing": (
+            "warning",
+            ("an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the collector's log says why)"),
+        ),
+    }
 
 
 def test_alerts_waiting_too_long_name_their_receivers():
-    outbox = pd.DataFrame({"receiver": ["slack", "oncall", "fresh"], "pending": [3, 1, 4],
-                           "waiting_s": [1200.0, 3600.0, 30.0]})
+    outbox = pd.DataFrame(
+        {"receiver": ["slack", "oncall", "fresh"], "pending": [3, 1, 4], "waiting_s": [1200.0, 3600.0, 30.0]}
+    )
     (finding,) = health.analyze(snapshot(0), snapshot(60), outbox)
     assert (finding.kind, finding.run_id, finding.ranks) == ("alerts_undelivered", "", [])
-    assert finding.summary == ("alert notifications wait for receiver oncall (1, the oldest for 60 min), "
-                               "receiver slack (3, the oldest for 20 min)")
+    assert finding.summary == (
+        "alert notifications wait for receiver oncall (1, the oldest for 60 min), "
+        "receiver slack (3, the oldest for 20 min)"
+    )
 
 
 def test_a_collector_refusing_a_job_pages_the_receiver(collector_factory, tmp_path):
     receiver = Receiver(free_port(), SECRET).start()
     alerts = tmp_path / "alerts.toml"
-    alerts.write_text(f'[[receivers]]\nname = "oncall"\nurl = "{receiver.url}"\nsecret = "{SECRET}"\n'
-                      'severities = ["critical"]\n')
+    alerts.write_text(
+        f'[[receivers]]\nname = "oncall"\nurl = "{receiver.url}"\nsecret = "{SECRET}"\nseverities = ["critical"]\n'
+    )
     try:
         collector = collector_factory(None, "--analyze-every", "0.5", "--alerts", str(alerts))
         for _ in range(health.Settings().min_requests):
-            response = httpx.post(f"{collector.url}/v1/traces", content=b"", headers={
-                "Authorization": "Bearer wrong-token", "Content-Type": "application/x-protobuf"})
+            response = httpx.post(
+                f"{collector.url}/v1/traces",
+                content=b"",
+                headers={"Authorization": "Bearer wrong-token", "Content-Type": "application/x-protobuf"},
+            )
             assert response.status_code == 401
         (delivery,) = receiver.wait_for(1)
     finally:
@@ -86,8 +102,13 @@ def test_a_collector_refusing_a_job_pages_the_receiver(collector_factory, tmp_pa
     assert delivery.verified
     (alert,) = delivery.body["alerts"]
     assert alert["status"] == "firing"
-    assert alert["labels"] == {"alertname": "RankwatchCollector", "analyzer": "collector", "kind": "refused_exports",
-                               "severity": "critical", "ranks": "none"}  # no run: it is the collector's own
+    assert alert["labels"] == {
+        "alertname": "RankwatchCollector",
+        "analyzer": "collector",
+        "kind": "refused_exports",
+        "severity": "critical",
+        "ranks": "none",
+    }  # no run: it is the collector's own
     assert alert["annotations"]["summary"].startswith("100% of 20 OTLP exports refused in the last ")
     assert alert["annotations"]["dashboard"] == "http://127.0.0.1:8501/"
     ((run_id, state, evidence),) = query(collector.db, "SELECT run_id, state, evidence FROM findings")

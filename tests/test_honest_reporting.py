@@ -11,13 +11,25 @@ def test_simulate_to_an_unreachable_collector_fails(tmp_path):
     assert result.returncode == 1, result.stdout
     assert "sent to" not in result.stdout
     assert "rankwatch simulate: error: run lost: " in result.stderr and f"never reached {url}" in result.stderr
-    assert result.stdout.splitlines()[0] == (f"rankwatch simulate: run lost, telemetry to {url}; watch it at "
-                                             "http://127.0.0.1:8501/?run=lost (rankwatch dashboard)")
+    assert result.stdout.splitlines()[0] == (
+        f"rankwatch simulate: run lost, telemetry to {url}; watch it at "
+        "http://127.0.0.1:8501/?run=lost (rankwatch dashboard)"
+    )
 
 
 def test_simulate_names_the_run_and_its_dashboard_link_first(collector):
-    result = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "a b", "--collector", collector.url,
-                           env={"RANKWATCH_TOKEN": collector.token})
+    result = rankwatch_cli(
+        "simulate",
+        "--ranks",
+        "4",
+        "--steps",
+        "3",
+        "--run",
+        "a b",
+        "--collector",
+        collector.url,
+        env={"RANKWATCH_TOKEN": collector.token},
+    )
     assert result.returncode == 0, result.stderr
     first, *_, last = result.stdout.splitlines()
     assert first.startswith("rankwatch simulate: run a b, telemetry to") and "/?run=a%20b " in first
@@ -28,12 +40,26 @@ def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(
     work, store = tmp_path / "work", tmp_path / "data" / "rw.duckdb"
     work.mkdir()
     url = f"http://127.0.0.1:{free_port()}"
-    result = rankwatch_cli("train", "--nproc", "1", "--steps", "100", "--run", "lost-train", "--collector", url,
-                           "--db", str(store), cwd=work)
+    result = rankwatch_cli(
+        "train",
+        "--nproc",
+        "1",
+        "--steps",
+        "100",
+        "--run",
+        "lost-train",
+        "--collector",
+        url,
+        "--db",
+        str(store),
+        cwd=work,
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    assert lines[0] == (f"rankwatch train: run lost-train, telemetry to {url}; watch it at "
-                        "http://127.0.0.1:8501/?run=lost-train (rankwatch dashboard)")
+    assert lines[0] == (
+        f"rankwatch train: run lost-train, telemetry to {url}; watch it at "
+        "http://127.0.0.1:8501/?run=lost-train (rankwatch dashboard)"
+    )
     checkpoints = store.parent / "runs" / "lost-train" / "checkpoints"
     assert lines[1] == f"rankwatch train: checkpoints in {checkpoints}"
     assert "rankwatch train: error: run lost-train: " in result.stderr

@@ -21,8 +21,8 @@ import random
 
 import pytest
 
-from collector.imports import TraceError
-from collector.imports.flight_recorder import load
+from collector.receive.imports import TraceError
+from collector.receive.imports.flight_recorder import load
 from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import query
 
@@ -32,20 +32,42 @@ WORLD = {"0": ("default_pg", [0, 1, 2, 3])}
 TP = {0: {"1": ("tp", [0, 1])}, 1: {"1": ("tp", [0, 1])}, 2: {"2": ("tp", [2, 3])}, 3: {"2": ("tp", [2, 3])}}
 
 
-def entry(record_id: int, seq: int, op: str = "all_reduce", state: str = "completed", pg: tuple = ("0", "default_pg"),
-          input_sizes: list = MB4, output_sizes: list | None = None, dtype: str = "Float", p2p_seq: int = 0) -> dict:
+def entry(
+    record_id: int,
+    seq: int,
+    op: str = "all_reduce",
+    state: str = "completed",
+    pg: tuple = ("0", "default_pg"),
+    input_sizes: list = MB4,
+    output_sizes: list | None = None,
+    dtype: str = "Float",
+    p2p_seq: int = 0,
+) -> dict:
     """One Flight Recorder entry, with the keys (and None for times not seen) of a PyTorch 2.5 pickle."""
     created = T0 + record_id * 10_000_000
     p2p = op.startswith(("send", "recv"))
     output_sizes = input_sizes if output_sizes is None else output_sizes
-    return {"frames": [{"name": "train_step", "filename": "train.py", "line": 42}], "record_id": record_id,
-            "pg_id": int(pg[0]), "process_group": pg, "collective_seq_id": seq, "p2p_seq_id": p2p_seq,
-            "op_id": record_id + 1, "profiling_name": f"nccl:{op}", "time_created_ns": created,
-            "input_sizes": input_sizes, "input_dtypes": [dtype] * len(input_sizes), "output_sizes": output_sizes,
-            "output_dtypes": [dtype] * len(output_sizes), "state": state,
-            "time_discovered_started_ns": None if state == "scheduled" else created + 1_000_000,
-            "time_discovered_completed_ns": created + 4_000_000 if state == "completed" else None,
-            "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": p2p}
+    return {
+        "frames": [{"name": "train_step", "filename": "train.py", "line": 42}],
+        "record_id": record_id,
+        "pg_id": int(pg[0]),
+        "process_group": pg,
+        "collective_seq_id": seq,
+        "p2p_seq_id": p2p_seq,
+        "op_id": record_id + 1,
+        "profiling_name": f"nccl:{op}",
+        "time_created_ns": created,
+        "input_sizes": input_sizes,
+        "input_dtypes": [dtype] * len(input_sizes),
+        "output_sizes": output_sizes,
+        "output_dtypes": [dtype] * len(output_sizes),
+        "state": state,
+        "time_discovered_started_ns": None if state == "scheduled" else created + 1_000_000,
+        "time_discovered_completed_ns": created + 4_000_000 if state == "completed" else None,
+        "retired": state == "completed",
+        "timeout_ms": 600_000,
+        "is_p2p": p2p,
+    }
 
 
 def job(last: dict[int, dict | None]) -> dict[int, dict]:
@@ -54,20 +76,42 @@ def job(last: dict[int, dict | None]) -> dict[int, dict]:
     dumps = {}
     for rank in range(4):
         tp_group, (tp_desc, _) = next(iter(TP[rank].items()))
-        entries = [entry(0, 1, "all_gather", pg=(tp_group, tp_desc), input_sizes=[[256]], output_sizes=[[512]],
-                         dtype="BFloat16")]
+        entries = [
+            entry(
+                0, 1, "all_gather", pg=(tp_group, tp_desc), input_sizes=[[256]], output_sizes=[[512]], dtype="BFloat16"
+            )
+        ]
         entries += [entry(i, i, pg=("0", "default_pg")) for i in range(1, 7)]
         if rank in (0, 1):
             # PyTorch leaves the group's last collective number on a point-to-point entry
-            entries.append(entry(7, 6, "send 0->1" if rank == 0 else "recv 1<-0", pg=(tp_group, tp_desc),
-                                 input_sizes=[[128]], p2p_seq=1))
+            entries.append(
+                entry(
+                    7,
+                    6,
+                    "send 0->1" if rank == 0 else "recv 1<-0",
+                    pg=(tp_group, tp_desc),
+                    input_sizes=[[128]],
+                    p2p_seq=1,
+                )
+            )
         if last[rank] is not None:
             entries.append(entry(8, 7, **last[rank]))
-        config = {name: {"name": name, "desc": desc, "ranks": json.dumps(ranks)}
-                  for name, (desc, ranks) in (WORLD | TP[rank]).items()}
-        dumps[rank] = {"version": "2.5", "pg_config": config, "entries": entries, "pg_status": {
-            "0": {"last_enqueued_collective": 7 if last[rank] else 6, "last_started_collective": -1,
-                  "last_completed_collective": 6}}}
+        config = {
+            name: {"name": name, "desc": desc, "ranks": json.dumps(ranks)}
+            for name, (desc, ranks) in (WORLD | TP[rank]).items()
+        }
+        dumps[rank] = {
+            "version": "2.5",
+            "pg_config": config,
+            "entries": entries,
+            "pg_status": {
+                "0": {
+                    "last_enqueued_collective": 7 if last[rank] else 6,
+                    "last_started_collective": -1,
+                    "last_completed_collective": 6,
+                }
+            },
+        }
     return dumps
 
 
@@ -88,11 +132,18 @@ def write(directory, dumps: dict[int, dict], as_json: bool = False):
 
 def json_dump(dump: dict) -> dict:
     """What TORCH_FR_DUMP_JSON writes instead: no frames, 0 for a time not seen, pg_status as strings."""
-    return {**dump, "pg_status": {pg: {k: str(v) for k, v in s.items()} for pg, s in dump["pg_status"].items()},
-            "entries": [{**{k: v for k, v in e.items() if k != "frames"},
-                         "time_discovered_started_ns": e["time_discovered_started_ns"] or 0,
-                         "time_discovered_completed_ns": e["time_discovered_completed_ns"] or 0}
-                        for e in dump["entries"]]}
+    return {
+        **dump,
+        "pg_status": {pg: {k: str(v) for k, v in s.items()} for pg, s in dump["pg_status"].items()},
+        "entries": [
+            {
+                **{k: v for k, v in e.items() if k != "frames"},
+                "time_discovered_started_ns": e["time_discovered_started_ns"] or 0,
+                "time_discovered_completed_ns": e["time_discovered_completed_ns"] or 0,
+            }
+            for e in dump["entries"]
+        ],
+    }
 
 
 def import_run(directory, db, run: str):
@@ -121,28 +172,44 @@ def test_entries_become_ops(hung):
     assert query(db, "SELECT world_size FROM runs") == [(4,)]
     assert query(db, "SELECT count(*) FROM steps") == [(0,)]
     assert query(db, "SELECT rank, max(seq) FROM ops WHERE comm_group = '0' GROUP BY rank ORDER BY rank") == [
-        (0, 7), (1, 7), (2, 6), (3, 7)]
+        (0, 7),
+        (1, 7),
+        (2, 6),
+        (3, 7),
+    ]
     # all_reduce #7: inside it on ranks 0, 1 and 3; 4 MiB in the 4-rank default group; not finished
-    assert query(db, "SELECT rank, name, group_size, bytes, attrs->>'$.state', attrs->>'$.group_desc', "
-                     "step, duration_s FROM ops WHERE comm_group = '0' AND seq = 7 ORDER BY rank") == [
-        (r, "all_reduce", 4, 4 << 20, "started", "default_pg", None, 0.0) for r in (0, 1, 3)]
+    assert query(
+        db,
+        "SELECT rank, name, group_size, bytes, attrs->>'$.state', attrs->>'$.group_desc', "
+        "step, duration_s FROM ops WHERE comm_group = '0' AND seq = 7 ORDER BY rank",
+    ) == [(r, "all_reduce", 4, 4 << 20, "started", "default_pg", None, 0.0) for r in (0, 1, 3)]
     # a completed one lasts from when it was seen starting to when it was seen completed
-    ((start, end, duration),) = query(db, "SELECT epoch_ns(start_ts), epoch_ns(end_ts), duration_s FROM ops "
-                                          "WHERE rank = 2 AND comm_group = '0' AND seq = 6")
+    ((start, end, duration),) = query(
+        db,
+        "SELECT epoch_ns(start_ts), epoch_ns(end_ts), duration_s FROM ops "
+        "WHERE rank = 2 AND comm_group = '0' AND seq = 6",
+    )
     assert (start, end, duration) == (T0 + 60_000_000 + 1_000_000, T0 + 60_000_000 + 4_000_000, 0.003)
     # all_gather in a 2-rank tp group: nccl-tests bytes are the gathered output, 512 BFloat16
-    assert query(db, "SELECT DISTINCT comm_group, name, group_size, bytes FROM ops WHERE seq = 1 AND "
-                     "attrs->>'$.group_desc' = 'tp' AND NOT (attrs->>'$.is_p2p')::BOOLEAN ORDER BY 1") == [
-        ("1", "all_gather", 2, 1024), ("2", "all_gather", 2, 1024)]
+    assert query(
+        db,
+        "SELECT DISTINCT comm_group, name, group_size, bytes FROM ops WHERE seq = 1 AND "
+        "attrs->>'$.group_desc' = 'tp' AND NOT (attrs->>'$.is_p2p')::BOOLEAN ORDER BY 1",
+    ) == [("1", "all_gather", 2, 1024), ("2", "all_gather", 2, 1024)]
     # point-to-point: numbered by the pair's transfers, named without the peers (kept in attrs)
-    assert query(db, "SELECT rank, name, seq, bytes, attrs->>'$.profiling_name' FROM ops "
-                     "WHERE (attrs->>'$.is_p2p')::BOOLEAN ORDER BY rank") == [
-        (0, "send", 1, 512, "nccl:send 0->1"), (1, "recv", 1, 512, "nccl:recv 1<-0")]
+    assert query(
+        db,
+        "SELECT rank, name, seq, bytes, attrs->>'$.profiling_name' FROM ops "
+        "WHERE (attrs->>'$.is_p2p')::BOOLEAN ORDER BY rank",
+    ) == [(0, "send", 1, 512, "nccl:send 0->1"), (1, "recv", 1, 512, "nccl:recv 1<-0")]
     # each dump's header, with the members of the groups it knows
-    ((config,),) = query(db, "SELECT attrs->'$.pg_config' FROM events WHERE event = 'flight_recorder_dump' "
-                             "AND rank = 3")
-    assert json.loads(config) == {"0": {"desc": "default_pg", "ranks": [0, 1, 2, 3]},
-                                  "2": {"desc": "tp", "ranks": [2, 3]}}
+    ((config,),) = query(
+        db, "SELECT attrs->'$.pg_config' FROM events WHERE event = 'flight_recorder_dump' AND rank = 3"
+    )
+    assert json.loads(config) == {
+        "0": {"desc": "default_pg", "ranks": [0, 1, 2, 3]},
+        "2": {"desc": "tp", "ranks": [2, 3]},
+    }
 
 
 def test_analyze_names_the_rank_that_never_entered(hung):
@@ -168,8 +235,10 @@ def test_json_dumps_import_the_same_rows(hung, tmp_path):
     db, _ = hung
     json_db = tmp_path / "j.duckdb"
     import_run(write(tmp_path / "dumps", job(HUNG), as_json=True), json_db, "hung")
-    rows = ("SELECT rank, step, kind, name, start_ts, end_ts, duration_s, comm_group, group_size, seq, bytes, "
-            "attrs FROM ops ORDER BY ALL")
+    rows = (
+        "SELECT rank, step, kind, name, start_ts, end_ts, duration_s, comm_group, group_size, seq, bytes, "
+        "attrs FROM ops ORDER BY ALL"
+    )
     assert query(json_db, rows) == query(db, rows)
     (finding,) = analyze(json_db, "hung")["findings"]
     assert finding["ranks"] == [2]
@@ -184,9 +253,16 @@ def test_rank_that_entered_another_collective_is_mismatched(tmp_path):
     evidence = finding["evidence"]
     assert evidence["collective"] == {"op": "all_reduce", "group": "0", "seq": 7, "waiting_ranks": [0, 1, 2]}
     assert evidence["missing_ranks"] == []
-    assert evidence["mismatched"] == [{"rank": 3, "op": "all_gather", "input_sizes": MB4,
-                                       "output_sizes": [[4096, 1024]], "input_dtypes": ["Float"],
-                                       "output_dtypes": ["Float"]}]
+    assert evidence["mismatched"] == [
+        {
+            "rank": 3,
+            "op": "all_gather",
+            "input_sizes": MB4,
+            "output_sizes": [[4096, 1024]],
+            "input_dtypes": ["Float"],
+            "output_dtypes": ["Float"],
+        }
+    ]
     assert "rank 3 entered it as all_gather" in finding["summary"]
 
 
@@ -211,16 +287,20 @@ class Exploit:
 def test_bad_dump_fails_the_whole_import_in_one_line(tmp_path, bad):
     marker = tmp_path / "pwned"
     directory = write(tmp_path / "dumps", job(HUNG))
-    content = {"random bytes": random.Random(0).randbytes(4096),
-               "os.system": pickle.dumps({"entries": [Exploit(marker)]}), "not a dict": pickle.dumps([1, 2, 3])}[bad]
+    content = {
+        "random bytes": random.Random(0).randbytes(4096),
+        "os.system": pickle.dumps({"entries": [Exploit(marker)]}),
+        "not a dict": pickle.dumps([1, 2, 3]),
+    }[bad]
     (directory / "nccl_trace_rank_3").write_bytes(content)  # read last, after ranks 0-2 were inserted
     db = tmp_path / "s.duckdb"
     result = rankwatch_in_process("import", "flight-recorder", str(directory), "--run", "bad", "--db", str(db))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "nccl_trace_rank_3: not a Flight Recorder dump" in result.stderr
     assert not marker.exists()
-    assert query(db, "SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM ops) + "
-                     "(SELECT count(*) FROM events)") == [(0,)]
+    assert query(
+        db, "SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM ops) + (SELECT count(*) FROM events)"
+    ) == [(0,)]
 
 
 @pytest.mark.parametrize("global_", [os.system, datetime.date(2024, 1, 1)])

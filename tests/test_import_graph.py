@@ -30,9 +30,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
-            named.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                         for alias in node.names)
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            named.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
     found = set()
     for module in named:
         while module and module not in modules:
@@ -59,8 +58,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             elif w in stack:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            component = stack[stack.index(v):]
-            del stack[stack.index(v):]
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
             if len(component) > 1:
                 cycles.append(sorted(component))
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collector.imports import TraceError, store_run
-from collector.imports.kineto import KinetoTrace
+from collector.receive.imports import TraceError, store_run
+from collector.receive.imports.kineto import KinetoTrace
 from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import query
 
@@ -44,7 +44,9 @@ def sampled(tmp_path_factory):
     (root / "traces").mkdir()
     for name in SAMPLED:
         shutil.copy(DATA / name, root / "traces" / name)
-    result = rankwatch_in_process("import", "kineto", str(root / "traces"), "--run", "sam", "--db", str(root / "s.duckdb"))
+    result = rankwatch_in_process(
+        "import", "kineto", str(root / "traces"), "--run", "sam", "--db", str(root / "s.duckdb")
+    )
     assert result.returncode == 0, result.stderr
     return root / "s.duckdb", result.stdout
 
@@ -55,7 +57,11 @@ def test_ranks_world_size_and_steps(sampled):
     assert query(db, "SELECT world_size FROM runs WHERE run_id = 'sam'") == [(128,)]
     assert query(db, "SELECT rank, pid FROM ranks WHERE run_id = 'sam' ORDER BY rank") == [(0, 4037), (1, 4045)]
     assert query(db, "SELECT rank, step FROM steps WHERE run_id = 'sam' ORDER BY rank, step") == [
-        (0, 551), (0, 552), (1, 551), (1, 552)]
+        (0, 551),
+        (0, 552),
+        (1, 551),
+        (1, 552),
+    ]
     report = rankwatch_in_process("analyze", "sam", "--db", str(db), "--json")
     assert report.returncode == 0, report.stderr
     json.loads(report.stdout)
@@ -65,8 +71,11 @@ def kernels_by_step(doc: dict) -> tuple[list, dict, list, int, int]:
     """A trace's ProfilerStep windows (step, start, end), each launch's time by correlation id, its
     kernels, and the 1 µs grid they lie on (origin, size)."""
     events = doc["traceEvents"]
-    windows = [(int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"]) for e in events
-               if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    windows = [
+        (int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")
+    ]
     launched = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
     kernels = [e for e in events if e.get("cat") == "kernel"]
     origin = int(min(e["ts"] for e in kernels))
@@ -80,7 +89,7 @@ def expected_steps(doc: dict) -> dict[int, dict[str, float]]:
     busy = np.zeros(size, bool)
     for e in kernels:
         if not e["name"].startswith("ncclKernel"):
-            busy[int(e["ts"]) - origin:int(e["ts"] + e["dur"]) - origin] = True
+            busy[int(e["ts"]) - origin : int(e["ts"] + e["dur"]) - origin] = True
     sums = {step: {"compute": 0.0, "comm": 0.0, "exposed": 0.0} for step, _, _ in windows}
     for e in kernels:
         t = launched[e["args"]["correlation"]]
@@ -98,16 +107,26 @@ def expected_steps(doc: dict) -> dict[int, dict[str, float]]:
 def test_step_times_are_those_of_the_kernels(sampled, rank):
     db, _ = sampled
     doc = trace(SAMPLED[rank])
-    nccl = sorted(e["dur"] for e in doc["traceEvents"] if e.get("cat") == "kernel"
-                  and e["name"].startswith("ncclKernel_SendRecv"))
-    comm = query(db, "SELECT name, duration_s FROM ops WHERE run_id = 'sam' AND rank = ? AND kind = 'comm' "
-                     "ORDER BY duration_s", [rank])
+    nccl = sorted(
+        e["dur"] for e in doc["traceEvents"] if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel_SendRecv")
+    )
+    comm = query(
+        db,
+        "SELECT name, duration_s FROM ops WHERE run_id = 'sam' AND rank = ? AND kind = 'comm' ORDER BY duration_s",
+        [rank],
+    )
     assert len(nccl) == 10 and {name for name, _ in comm} == {"send"}  # NCCL's P2P kernel
     assert [d for _, d in comm] == pytest.approx([d / 1e6 for d in nccl])
-    stored = {step: (compute, comm_ops, wait) for step, compute, comm_ops, wait in query(
-        db, "SELECT s.step, s.compute_s, sum(o.duration_s) FILTER (o.kind = 'comm'), s.comm_wait_s "
+    stored = {
+        step: (compute, comm_ops, wait)
+        for step, compute, comm_ops, wait in query(
+            db,
+            "SELECT s.step, s.compute_s, sum(o.duration_s) FILTER (o.kind = 'comm'), s.comm_wait_s "
             "FROM steps s JOIN ops o USING (run_id, rank, step) WHERE run_id = 'sam' AND rank = ? "
-            "GROUP BY ALL", [rank])}
+            "GROUP BY ALL",
+            [rank],
+        )
+    }
     expected = expected_steps(doc)
     assert set(stored) == set(expected) == {551, 552}
     for step, e in expected.items():
@@ -120,21 +139,29 @@ def test_collective_metadata_gives_bytes_and_bus_bandwidth(tmp_path):
     result = rankwatch_in_process("import", "kineto", str(DATA / "nccl_data.json.gz"), "--run", "nccl", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert query(db, "SELECT name, count(*) FROM ops WHERE kind = 'comm' GROUP BY name ORDER BY name") == [
-        ("all_reduce", 15), ("broadcast", 6)]
+        ("all_reduce", 15),
+        ("broadcast", 6),
+    ]
     # the first all_reduce kernel of ProfilerStep#6: "In msg nelems": 6637568, "dtype": "Float",
     # "Group size": 2, "Process Group Name": "0", "dur": 2636.669 µs
     ((nbytes, group_size, group, algbw, busbw),) = query(
-        db, "SELECT bytes, group_size, comm_group, algbw_gbps, busbw_gbps FROM ops "
-            "WHERE name = 'all_reduce' AND round(duration_s * 1e9) = 2636669")
+        db,
+        "SELECT bytes, group_size, comm_group, algbw_gbps, busbw_gbps FROM ops "
+        "WHERE name = 'all_reduce' AND round(duration_s * 1e9) = 2636669",
+    )
     assert (nbytes, group_size, group) == (6637568 * 4, 2, "0")
     assert algbw == pytest.approx(6637568 * 4 / 2636.669e-6 / 1e9)
     assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
     # a broadcast of 53120 floats: busbw = algbw
-    assert query(db, "SELECT DISTINCT bytes, busbw_gbps = algbw_gbps FROM ops WHERE name = 'broadcast' "
-                     "AND bytes = 53120 * 4") == [(212480, True)]
+    assert query(
+        db, "SELECT DISTINCT bytes, busbw_gbps = algbw_gbps FROM ops WHERE name = 'broadcast' AND bytes = 53120 * 4"
+    ) == [(212480, True)]
     # ts counts microseconds from the file's baseTimeNanoseconds, 1711964646000000000
-    first = min(e["ts"] for e in trace("nccl_data.json.gz")["traceEvents"]
-                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    first = min(
+        e["ts"]
+        for e in trace("nccl_data.json.gz")["traceEvents"]
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
     ((start,),) = query(db, "SELECT epoch_ns(min(start_ts)) FROM ops")
     assert abs(start - (1711964646000000000 + first * 1000)) <= 1
     assert query(db, "SELECT world_size FROM runs") == [(2,)]
@@ -142,45 +169,111 @@ def test_collective_metadata_gives_bytes_and_bus_bandwidth(tmp_path):
 
 
 def kernel(name: str, ts: float, dur: float, correlation: int) -> dict:
-    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
-            "args": {"correlation": correlation, "device": 0}}
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": name,
+        "pid": 0,
+        "tid": 7,
+        "ts": ts,
+        "dur": dur,
+        "args": {"correlation": correlation, "device": 0},
+    }
 
 
 def launch(ts: float, correlation: int) -> dict:
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 9, "tid": 9, "ts": ts, "dur": 2,
-            "args": {"correlation": correlation}}
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "pid": 9,
+        "tid": 9,
+        "ts": ts,
+        "dur": 2,
+        "args": {"correlation": correlation},
+    }
 
 
 def test_steps_by_launch_or_start_and_rank_from_file_name(tmp_path):
     path = tmp_path / "worker_rank3.pt.trace.json"
-    path.write_text(json.dumps({"traceEvents": [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 9, "tid": 9, "ts": 100, "dur": 100},
-        launch(105, 1), kernel("gemm", 110, 30, 1),
-        launch(120, 2), kernel("ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", 130, 40, 2),  # 10 µs beside gemm
-        kernel("relu", 190, 20, 3),  # no launch: its start is in step 7
-        launch(210, 4), kernel("late", 215, 5, 4),  # launched after the step: dropped
-        kernel("stray", 300, 5, 5),  # no launch, starts outside: dropped
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    {
+                        "ph": "X",
+                        "cat": "user_annotation",
+                        "name": "ProfilerStep#7",
+                        "pid": 9,
+                        "tid": 9,
+                        "ts": 100,
+                        "dur": 100,
+                    },
+                    launch(105, 1),
+                    kernel("gemm", 110, 30, 1),
+                    launch(120, 2),
+                    kernel("ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", 130, 40, 2),  # 10 µs beside gemm
+                    kernel("relu", 190, 20, 3),  # no launch: its start is in step 7
+                    launch(210, 4),
+                    kernel("late", 215, 5, 4),  # launched after the step: dropped
+                    kernel("stray", 300, 5, 5),  # no launch, starts outside: dropped
+                ]
+            }
+        )
+    )
     imported = KinetoTrace(path)
-    store_run(tmp_path / "s.duckdb", "r", imported.batches(), imported.placement_frame, imported.world_size,
-              imported.step_columns)
+    store_run(
+        tmp_path / "s.duckdb",
+        "r",
+        imported.batches(),
+        imported.placement_frame,
+        imported.world_size,
+        imported.step_columns,
+    )
     assert imported.dropped == 2
     db = tmp_path / "s.duckdb"
     assert query(db, "SELECT rank, step, kind, name FROM ops ORDER BY start_ts") == [
-        (3, 7, "compute", "gemm"), (3, 7, "comm", "all_gather"), (3, 7, "compute", "relu")]
+        (3, 7, "compute", "gemm"),
+        (3, 7, "comm", "all_gather"),
+        (3, 7, "compute", "relu"),
+    ]
     assert query(db, "SELECT compute_s, comm_wait_s FROM steps") == [(pytest.approx(50e-6), pytest.approx(30e-6))]
     assert query(db, "SELECT world_size FROM runs") == [(1,)]
 
 
-@pytest.mark.parametrize("write, why", [
-    (lambda p: p.write_bytes((DATA / SAMPLED[1]).read_bytes()[:50_000]), "not readable as JSON"),
-    (lambda p: p.write_text(json.dumps({"schemaVersion": 1, "distributedInfo": {"rank": 1, "world_size": 128}})),
-     "no traceEvents"),
-    (lambda p: p.write_text(json.dumps({"distributedInfo": {"rank": 1, "world_size": 128}, "traceEvents": [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 9, "tid": 9, "ts": 1, "dur": 9},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 2, "dur": 5}]})),
-     "no GPU kernels, copies or memsets: a CPU-only trace"),
-], ids=["truncated gzip", "no traceEvents", "CPU only"])
+@pytest.mark.parametrize(
+    "write, why",
+    [
+        (lambda p: p.write_bytes((DATA / SAMPLED[1]).read_bytes()[:50_000]), "not readable as JSON"),
+        (
+            lambda p: p.write_text(json.dumps({"schemaVersion": 1, "distributedInfo": {"rank": 1, "world_size": 128}})),
+            "no traceEvents",
+        ),
+        (
+            lambda p: p.write_text(
+                json.dumps(
+                    {
+                        "distributedInfo": {"rank": 1, "world_size": 128},
+                        "traceEvents": [
+                            {
+                                "ph": "X",
+                                "cat": "user_annotation",
+                                "name": "ProfilerStep#7",
+                                "pid": 9,
+                                "tid": 9,
+                                "ts": 1,
+                                "dur": 9,
+                            },
+                            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 2, "dur": 5},
+                        ],
+                    }
+                )
+            ),
+            "no GPU kernels, copies or memsets: a CPU-only trace",
+        ),
+    ],
+    ids=["truncated gzip", "no traceEvents", "CPU only"],
+)
 def test_bad_rank_file_fails_the_whole_import(tmp_path, write, why):
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -191,8 +284,9 @@ def test_bad_rank_file_fails_the_whole_import(tmp_path, write, why):
     result = rankwatch_in_process("import", "kineto", str(traces), "--run", "bad", "--db", str(db))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and str(bad) in result.stderr and why in result.stderr, result.stderr
-    assert query(db, "SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM ops), (SELECT count(*) FROM steps)"
-                 ) == [(0, 0, 0)]
+    assert query(
+        db, "SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM ops), (SELECT count(*) FROM steps)"
+    ) == [(0, 0, 0)]
 
 
 def test_unreadable_single_file_is_a_trace_error(tmp_path):
@@ -209,28 +303,51 @@ def test_kernels_without_a_launch_follow_the_launched_kernel_before_them(tmp_pat
     events = []
     for step in range(3):
         t = 100 * step
-        events += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 9, "tid": 9,
-                    "ts": t, "dur": 100},
-                   launch(t + 10, 10 * step + 1), kernel("gemm", t + 60, 30, 10 * step + 1),
-                   kernel("relu_no_launch", t + 100, 10, 10 * step + 2)]  # at the next window's start
+        events += [
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{step}",
+                "pid": 9,
+                "tid": 9,
+                "ts": t,
+                "dur": 100,
+            },
+            launch(t + 10, 10 * step + 1),
+            kernel("gemm", t + 60, 30, 10 * step + 1),
+            kernel("relu_no_launch", t + 100, 10, 10 * step + 2),
+        ]  # at the next window's start
     path.write_text(json.dumps({"traceEvents": events}))
     imported = KinetoTrace(path)
-    store_run(tmp_path / "s.duckdb", "r", imported.batches(), imported.placement_frame, imported.world_size,
-              imported.step_columns)
-    assert query(tmp_path / "s.duckdb", "SELECT step, count(*), sum(duration_s) FROM ops GROUP BY step ORDER BY step"
-                 ) == [(s, 2, pytest.approx(40e-6)) for s in range(3)]
+    store_run(
+        tmp_path / "s.duckdb",
+        "r",
+        imported.batches(),
+        imported.placement_frame,
+        imported.world_size,
+        imported.step_columns,
+    )
+    assert query(
+        tmp_path / "s.duckdb", "SELECT step, count(*), sum(duration_s) FROM ops GROUP BY step ORDER BY step"
+    ) == [(s, 2, pytest.approx(40e-6)) for s in range(3)]
     assert imported.notices == []
 
 
 def test_no_profiler_step_and_no_rank_are_assumed_with_a_notice(tmp_path):
     path = tmp_path / "trace.json"  # no rank in its name, no distributedInfo, no ProfilerStep
-    path.write_text(json.dumps({"traceEvents": [launch(5, 1), kernel("gemm", 10, 30, 1), launch(50, 2),
-                                                kernel("softmax", 60, 20, 2)]}))
+    path.write_text(
+        json.dumps(
+            {"traceEvents": [launch(5, 1), kernel("gemm", 10, 30, 1), launch(50, 2), kernel("softmax", 60, 20, 2)]}
+        )
+    )
     db = tmp_path / "s.duckdb"
     result = rankwatch_in_process("import", "kineto", str(path), "--run", "one", "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         f"rankwatch import: {path}: no rank in distributedInfo or in the file name (rank<N>): taken as rank 0",
-        (f"rankwatch import: {path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
-        f"the whole trace is taken as one step, step 0")]
+        (
+            f"rankwatch import: {path}: no ProfilerStep#N annotations (prof.step() once per iteration makes them): "
+            f"the whole trace is taken as one step, step 0"
+        ),
+    ]
     assert query(db, "SELECT rank, step, compute_s FROM steps") == [(0, 0, pytest.approx(50e-6))]

@@ -14,9 +14,9 @@ import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.imports import store_run
-from collector.imports.ops import OpTrace
-from collector.postmortem import analyze_run
+from collector.receive.imports import store_run
+from collector.receive.imports.ops import OpTrace
+from collector.reports.postmortem import analyze_run
 from collector.store.db import connect
 
 OPS = ("batch-generator", "forward-compute", "backward-compute", "optimizer", "grads-all-reduce", "forward-recv")
@@ -57,8 +57,14 @@ def test_import_then_analyze_explains_its_slowdown(trace, fmt):
             con.close()
     w = report.whatif
     assert w.ranks == trace["rank"].nunique() and w.steps == trace["step"].nunique()
-    numbers = [w.slowdown, w.ideal_step_s, w.simulated_step_s, w.actual_step_s, *w.op_types.values(),
-               *(x["slowdown"] for x in w.workers + w.stages)]
+    numbers = [
+        w.slowdown,
+        w.ideal_step_s,
+        w.simulated_step_s,
+        w.actual_step_s,
+        *w.op_types.values(),
+        *(x["slowdown"] for x in w.workers + w.stages),
+    ]
     assert all(math.isfinite(x) for x in numbers)
     assert w.idle_slowdown is None or math.isfinite(w.idle_slowdown)
     # every op type's excess, added up, covers the run's: max over ranks of a sum <= sum of the maxima

@@ -38,8 +38,9 @@ print(json.dumps([sorted(set(sys.modules) - before), time.perf_counter() - start
 
 
 def _loads(module: str) -> list[str]:
-    r = subprocess.run([sys.executable, "-c", _LOADS.format(module=module)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _LOADS.format(module=module)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)[0]
 
@@ -48,11 +49,19 @@ def _loads(module: str) -> list[str]:
 def test_a_leaf_imports_alone_with_the_standard_library(module):
     loaded = _loads(module)
     assert module in loaded
-    outside = [m for m in loaded if m.partition(".")[0] not in sys.stdlib_module_names and m != "agent"
-               and not m.startswith("agent.")]
+    outside = [
+        m
+        for m in loaded
+        if m.partition(".")[0] not in sys.stdlib_module_names and m != "agent" and not m.startswith("agent.")
+    ]
     assert outside == []  # no opentelemetry, torch, duckdb, numpy, httpx, collector...
-    assert {m for m in loaded if m.startswith("agent")} <= {"agent", "agent.config", "agent.paths",
-                                                                "agent.semconv", module}
+    assert {m for m in loaded if m.startswith("agent")} <= {
+        "agent",
+        "agent.config",
+        "agent.paths",
+        "agent.semconv",
+        module,
+    }
 
 
 def test_the_agent_package_imports_lazily_and_init_still_works():
@@ -94,8 +103,9 @@ def test_a_json_path_is_refused_for_a_name_it_cannot_quote():
 
 def _compute(gpu: GpuModel, faults: list[str] = ()) -> np.ndarray:
     frames = simulate.steps(simulate.Topology(dp=4), 3, [parse(f) for f in faults], seed=5, start_ns=0, gpu=gpu)
-    return np.concatenate([f[["compute_s", "sm_clock_mhz", "temp_c", "clock_event_reasons"]].to_numpy()
-                           for f in frames])
+    return np.concatenate(
+        [f[["compute_s", "sm_clock_mhz", "temp_c", "clock_event_reasons"]].to_numpy() for f in frames]
+    )
 
 
 def test_the_simulator_plays_the_gpu_models_figures():
@@ -114,13 +124,16 @@ def test_the_simulators_samples_carry_the_gpu_models_limits():
     samples = simulate.device_samples(frame, gpu=gpu)
     limits = samples[samples["metric"].isin([sc.POWER_LIMIT_MIN_W, sc.POWER_LIMIT_MAX_W, sc.POWER_LIMIT_W])]
     assert sorted(limits.groupby("metric")["value"].unique().map(list).items()) == [
-        (sc.POWER_LIMIT_W, [400.0]), (sc.POWER_LIMIT_MAX_W, [400.0]), (sc.POWER_LIMIT_MIN_W, [100.0])]
+        (sc.POWER_LIMIT_W, [400.0]),
+        (sc.POWER_LIMIT_MAX_W, [400.0]),
+        (sc.POWER_LIMIT_MIN_W, [100.0]),
+    ]
 
 
 def test_the_store_and_what_lives_beside_it(tmp_path, monkeypatch):
     from collector.alerts.config import default_path
-    from collector.readonly import files_dir
     from collector.server import Config
+    from collector.store.readonly import files_dir
 
     monkeypatch.delenv(paths.DB_ENV, raising=False)
     monkeypatch.delenv("RANKWATCH_TOKEN", raising=False)

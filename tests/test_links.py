@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from collector.analyzers.links import analyze
+from collector.analysis.analyzers.links import analyze
 
 
 def frame(pp=4, dp=8, tp=2, steps=20, slow=None, jitter=0.03, seed=0):
@@ -24,8 +24,9 @@ def frame(pp=4, dp=8, tp=2, steps=20, slow=None, jitter=0.03, seed=0):
             for step in range(steps):
                 bw = busbw * rng.lognormal(0, jitter) / factor
                 rows.append(("r", rank, step, "all_reduce", group, size, 0.05 * 100.0 / bw, bw))
-    return pd.DataFrame(rows, columns=["run_id", "rank", "step", "name", "comm_group", "group_size", "duration_s",
-                                       "busbw_gbps"])
+    return pd.DataFrame(
+        rows, columns=["run_id", "rank", "step", "name", "comm_group", "group_size", "duration_s", "busbw_gbps"]
+    )
 
 
 def _group_of(rank, dp, tp, group):

@@ -12,13 +12,23 @@ def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collect
     """The straggler fires while the job runs; the job's end (every rank's `ended` event) resolves it,
     and says so."""
     collector = collector_factory(None, "--analyze-every", "1")
-    status = train(nproc=4, steps=60, run_id="run-live", faults=["straggler:rank=2,slowdown=2.5,from=15"],
-                   collector=collector.url, token=collector.token, store=collector.db)
+    status = train(
+        nproc=4,
+        steps=60,
+        run_id="run-live",
+        faults=["straggler:rank=2,slowdown=2.5,from=15"],
+        collector=collector.url,
+        token=collector.token,
+        store=collector.db,
+    )
     assert status == 0
     collector.stop()
     # (on a loaded machine, a window of 4 CPU ranks may also vary widely enough to be `widespread`)
-    rows = query(collector.db, """SELECT kind, ranks, state, score, step_start, evidence FROM findings
-                                  WHERE run_id = 'run-live' AND analyzer = 'stragglers' AND kind <> 'widespread'""")
+    rows = query(
+        collector.db,
+        """SELECT kind, ranks, state, score, step_start, evidence FROM findings
+                                  WHERE run_id = 'run-live' AND analyzer = 'stragglers' AND kind <> 'widespread'""",
+    )
     assert len(rows) == 1, query(collector.db, "SELECT analyzer, kind, ranks, state, summary FROM findings")
     kind, ranks, state, score, step_start, evidence = rows[0]
     assert (kind, list(ranks), state) == ("rank", [2], "resolved")
@@ -27,11 +37,11 @@ def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collect
     # resolved by the run's end ("resolved": "run ended"), or earlier where a loaded machine's last steps no
     # longer showed it; either way nothing of an ended run stays firing (tests/test_engine.py checks the reason)
     assert json.loads(evidence).get("resolved", "run ended") == "run ended"
-    assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND state = 'firing'") \
-        == [(0,)]
+    assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND state = 'firing'") == [(0,)]
     # no hang was reported for a job that kept stepping
-    assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") \
-        == [(0,)]
+    assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") == [
+        (0,)
+    ]
 
 
 def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
@@ -39,12 +49,22 @@ def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
     blocked, and resolves the finding once the job moves again (the floor is above what the job's
     teardown, checkpoint flush and exports, may take on a loaded machine: that is no hang)."""
     collector = collector_factory(None, "--analyze-every", "1", "--hang-after", "12")
-    status = train(nproc=3, steps=8, run_id="run-live-hang", faults=["hang:rank=1,at=4,seconds=30"],
-                   collector=collector.url, token=collector.token, store=collector.db)
+    status = train(
+        nproc=3,
+        steps=8,
+        run_id="run-live-hang",
+        faults=["hang:rank=1,at=4,seconds=30"],
+        collector=collector.url,
+        token=collector.token,
+        store=collector.db,
+    )
     assert status == 0
     collector.stop()
-    rows = query(collector.db, """SELECT kind, ranks, state, step_start, evidence FROM findings
-                                  WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""")
+    rows = query(
+        collector.db,
+        """SELECT kind, ranks, state, step_start, evidence FROM findings
+                                  WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""",
+    )
     assert len(rows) == 1, rows
     kind, ranks, state, step_start, evidence = rows[0]
     assert (kind, list(ranks), state, step_start) == ("hang", [1], "resolved", 4)
@@ -55,7 +75,12 @@ def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
 def test_the_collectors_last_pass_covers_what_came_just_before_it_stopped(tmp_path):
     """A pass due only in an hour: the findings in the store it leaves come from its last pass, on
     shutdown, over everything it committed."""
-    db = simulated_store(tmp_path, {"run-last-pass": ["straggler:rank=3,slowdown=1.3,from=5"]},
-                         ["--ranks", "16", "--steps", "30"], ("--analyze-every", "3600"))
-    assert query(db, "SELECT analyzer, kind, ranks, state FROM findings WHERE run_id = 'run-last-pass' "
-                     "AND severity <> 'info'") == [("stragglers", "rank", [3], "firing")]
+    db = simulated_store(
+        tmp_path,
+        {"run-last-pass": ["straggler:rank=3,slowdown=1.3,from=5"]},
+        ["--ranks", "16", "--steps", "30"],
+        ("--analyze-every", "3600"),
+    )
+    assert query(
+        db, "SELECT analyzer, kind, ranks, state FROM findings WHERE run_id = 'run-last-pass' AND severity <> 'info'"
+    ) == [("stragglers", "rank", [3], "firing")]

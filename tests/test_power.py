@@ -19,8 +19,8 @@ from agent import semconv as sc
 from agent.apiclient import ApiClient
 from agent.gpumodel import THERMAL, GpuModel, operating_points
 from agent.simdevice import SimulatedDevice
-from collector import queryapi
-from collector.analyzers import power
+from collector.analysis.analyzers import power
+from collector.reports import queryapi
 from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver
@@ -30,8 +30,9 @@ from trainer.faults import parse
 GPU = GpuModel()
 
 
-def built(compute: np.ndarray, limits: np.ndarray | None = None, data_s: float = 0.02,
-          transfer_s: float = 0.1) -> pd.DataFrame:
+def built(
+    compute: np.ndarray, limits: np.ndarray | None = None, data_s: float = 0.02, transfer_s: float = 0.1
+) -> pd.DataFrame:
     """Rank-steps of a synchronous job from its compute (steps x ranks, at full clock): each
     rank's compute stretched by its limit as the power model says, every rank waiting for the
     slowest, energy busy at full load and idle while waiting."""
@@ -39,11 +40,21 @@ def built(compute: np.ndarray, limits: np.ndarray | None = None, data_s: float =
     clock, busy_w, _ = operating_points(GPU, 1.0, limits)
     compute = compute * GPU.clock_max_mhz / clock
     step = (data_s + compute).max(axis=1, keepdims=True) + transfer_s
-    rows = [{"run_id": "built", "rank": r, "step": t, "duration_s": step[t, 0], "data_s": data_s,
-             "compute_s": compute[t, r], "comm_wait_s": step[t, 0] - data_s - compute[t, r],
-             "energy_j": busy_w[t, r] * compute[t, r] + GPU.idle_w * (step[t, 0] - compute[t, r]),
-             "power_limit_w": limits[t, r]}
-            for t in range(compute.shape[0]) for r in range(compute.shape[1])]
+    rows = [
+        {
+            "run_id": "built",
+            "rank": r,
+            "step": t,
+            "duration_s": step[t, 0],
+            "data_s": data_s,
+            "compute_s": compute[t, r],
+            "comm_wait_s": step[t, 0] - data_s - compute[t, r],
+            "energy_j": busy_w[t, r] * compute[t, r] + GPU.idle_w * (step[t, 0] - compute[t, r]),
+            "power_limit_w": limits[t, r],
+        }
+        for t in range(compute.shape[0])
+        for r in range(compute.shape[1])
+    ]
     return pd.DataFrame(rows)
 
 
@@ -77,8 +88,9 @@ def test_ranks_waiting_for_a_straggler_get_lower_caps_and_the_straggler_none():
 def test_a_rank_throttled_by_heat_keeps_its_limit_whatever_its_slack():
     """Rank 4 throttles for heat in most samples: a cap at its throttled draw would bind once it
     cooled, so it keeps its limit, like the straggler, while the others get theirs."""
-    devices = pd.DataFrame({"rank": 4, "ts": np.arange(10) * 10**9, "metric": sc.CLOCK_EVENT_REASONS,
-                            "value": float(THERMAL)})
+    devices = pd.DataFrame(
+        {"rank": 4, "ts": np.arange(10) * 10**9, "metric": sc.CLOCK_EVENT_REASONS, "value": float(THERMAL)}
+    )
     per_rank = power.analyze(built(straggler_compute()), devices).per_rank
     assert sorted(per_rank.caps) == [0, 1, 3, 5]
     assert {c.rank for c in per_rank.ranks if c.cap_w is None} == {2, 4}
@@ -97,9 +109,17 @@ def sweep(caps=(700, 600, 500, 400), steps_each: int = 10, ranks: int = 4) -> pd
     return built(compute, limits)
 
 
-@pytest.mark.parametrize(("policy", "cap"), [
-    ("min-energy", 400), ("zeus:1", 400), ("zeus:0", 700), ("max-slowdown:0.02", 700), ("max-slowdown:0.15", 500),
-    ("budget:2000", 500)])
+@pytest.mark.parametrize(
+    ("policy", "cap"),
+    [
+        ("min-energy", 400),
+        ("zeus:1", 400),
+        ("zeus:0", 700),
+        ("max-slowdown:0.02", 700),
+        ("max-slowdown:0.15", 500),
+        ("budget:2000", 500),
+    ],
+)
 def test_policy_picks_from_the_measured_limits(policy, cap):
     report = power.analyze(sweep(), policy=power.Policy.parse(policy))
     assert [p.cap_w for p in report.curve] == [400, 500, 600, 700]
@@ -135,9 +155,14 @@ def test_one_limit_only_gives_the_curve_the_power_model_predicts():
 def power_samples(watts: np.ndarray, hosts: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Device samples, one per rank per second (watts: seconds x ranks), and the ranks' hosts."""
     seconds, ranks = watts.shape
-    devices = pd.DataFrame({"rank": np.tile(np.arange(ranks), seconds),
-                            "ts": np.repeat(np.arange(seconds) * 10**9 + 5 * 10**8, ranks),
-                            "metric": sc.POWER_INSTANT_W, "value": watts.ravel()})
+    devices = pd.DataFrame(
+        {
+            "rank": np.tile(np.arange(ranks), seconds),
+            "ts": np.repeat(np.arange(seconds) * 10**9 + 5 * 10**8, ranks),
+            "metric": sc.POWER_INSTANT_W,
+            "value": watts.ravel(),
+        }
+    )
     return devices, pd.DataFrame({"rank": range(ranks), "host": hosts})
 
 
@@ -171,8 +196,10 @@ STRAGGLER = [parse("straggler:rank=9,slowdown=1.2")]
 
 def simulated(seed: int, limits: np.ndarray | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     frames = list(simulate.steps(TOPOLOGY, 50, STRAGGLER, seed=seed, start_ns=0, power_limits=limits))
-    return (pd.concat(frames, ignore_index=True).assign(run_id="sim"),
-            pd.concat([simulate.device_samples(f) for f in frames], ignore_index=True))
+    return (
+        pd.concat(frames, ignore_index=True).assign(run_id="sim"),
+        pd.concat([simulate.device_samples(f) for f in frames], ignore_index=True),
+    )
 
 
 def test_closed_loop_on_the_fleet_simulator():
@@ -200,8 +227,15 @@ def test_closed_loop_on_the_fleet_simulator():
 
 
 def test_power_limit_faults_and_files():
-    frame = next(simulate.steps(simulate.Topology(4), 1, [parse("power-cap:watts=450,rank=1")], start_ns=0,
-                                power_limits=simulate.power_limits({"rank_caps": {"2": 100}}, 4)))
+    frame = next(
+        simulate.steps(
+            simulate.Topology(4),
+            1,
+            [parse("power-cap:watts=450,rank=1")],
+            start_ns=0,
+            power_limits=simulate.power_limits({"rank_caps": {"2": 100}}, 4),
+        )
+    )
     assert list(frame["power_limit_w"]) == [700, 450, 200, 700]  # 100 W clamped to the lowest limit, 200 W
     assert frame.loc[0, "compute_s"] * 1.2 < frame.loc[2, "compute_s"]
     for bad, message in (([1, 2], "JSON object"), ({"9": 300}, "ranks are 0..3"), ({"x": 300}, "not rank: watts")):
@@ -212,10 +246,14 @@ def test_power_limit_faults_and_files():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     sweep_specs = [f"power-cap:watts={w},from={10 * i},to={10 * (i + 1)}" for i, w in enumerate((700, 550, 400))]
-    return simulated_store(tmp_path_factory.mktemp("power"),
-                           {"pw-straggler": ["straggler:rank=5,slowdown=1.2"],
-                            "pw-sweep": ["straggler:rank=5,slowdown=1.2", *sweep_specs]},
-                           ["--ranks", "16", "--steps", "30"])
+    return simulated_store(
+        tmp_path_factory.mktemp("power"),
+        {
+            "pw-straggler": ["straggler:rank=5,slowdown=1.2"],
+            "pw-sweep": ["straggler:rank=5,slowdown=1.2", *sweep_specs],
+        },
+        ["--ranks", "16", "--steps", "30"],
+    )
 
 
 def recommend(db, run: str, *args: str) -> dict:
@@ -227,15 +265,43 @@ def recommend(db, run: str, *args: str) -> dict:
 def test_recommend_json(store, tmp_path):
     plot = tmp_path / "curve.png"
     report = recommend(store, "pw-straggler", "--plot", str(plot))
-    assert list(report) == ["run", "policy", "ranks", "steps", "curve", "job_cap", "per_rank", "headroom", "findings",
-                            "simulated", "rank_caps"]
+    assert list(report) == [
+        "run",
+        "policy",
+        "ranks",
+        "steps",
+        "curve",
+        "job_cap",
+        "per_rank",
+        "headroom",
+        "findings",
+        "simulated",
+        "rank_caps",
+    ]
     assert report["simulated"] is True  # the fleet simulator's GPUs: every piece of advice says so
-    assert all(f["summary"].startswith("simulated GPUs, not measured hardware: ") and f["evidence"]["simulated"]
-               for f in report["findings"])
-    assert (report["run"], report["policy"], report["ranks"], report["steps"]) == ("pw-straggler",
-                                                                                   "max-slowdown:0.02", 16, 30)
-    assert set(report["curve"][0]) == {"cap_w", "source", "steps", "step_s", "step_s_se", "energy_j", "energy_j_se",
-                                       "power_w", "slowdown", "energy_saving", "zeus_cost"}
+    assert all(
+        f["summary"].startswith("simulated GPUs, not measured hardware: ") and f["evidence"]["simulated"]
+        for f in report["findings"]
+    )
+    assert (report["run"], report["policy"], report["ranks"], report["steps"]) == (
+        "pw-straggler",
+        "max-slowdown:0.02",
+        16,
+        30,
+    )
+    assert set(report["curve"][0]) == {
+        "cap_w",
+        "source",
+        "steps",
+        "step_s",
+        "step_s_se",
+        "energy_j",
+        "energy_j_se",
+        "power_w",
+        "slowdown",
+        "energy_saving",
+        "zeus_cost",
+    }
     assert report["curve"][0]["source"] == "model"
     assert "5" not in report["rank_caps"] and len(report["rank_caps"]) == 15
     assert report["rank_caps"] == report["per_rank"]["caps"]
@@ -246,16 +312,19 @@ def test_recommend_json(store, tmp_path):
     # the document drives the simulator's caps directly
     caps = tmp_path / "caps.json"
     caps.write_text(json.dumps(report))
-    result = rankwatch_in_process("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
-                           "--power-caps", str(caps))
+    result = rankwatch_in_process(
+        "simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"), "--power-caps", str(caps)
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_recommend_picks_from_a_sweep(store):
     report = recommend(store, "pw-sweep", "--policy", "budget:9000")
-    assert [(p["cap_w"], p["source"], p["steps"]) for p in report["curve"]] == [(400, "measured", 8),
-                                                                                 (550, "measured", 8),
-                                                                                 (700, "measured", 8)]
+    assert [(p["cap_w"], p["source"], p["steps"]) for p in report["curve"]] == [
+        (400, "measured", 8),
+        (550, "measured", 8),
+        (700, "measured", 8),
+    ]
     assert report["job_cap"]["cap_w"] == 550  # 16 x 550 W within 9 kW, the fastest that is
     assert report["curve"][0]["slowdown"] > report["curve"][1]["slowdown"] > 1
     (finding,) = [f for f in report["findings"] if f["kind"] == "job_cap"]
@@ -269,11 +338,15 @@ def test_recommend_table(store):
     assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in " ".join(result.stdout.split())
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["pw-straggler", "--policy", "fastest"], "unknown policy 'fastest'"),
-    (["pw-straggler", "--policy", "zeus:2"], "eta is within 0..1"),
-    (["pw-straggler", "--facility-watts", "0"], "--facility-watts: must be more than 0"),
-    (["no-such-run"], "no steps for run 'no-such-run'")])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pw-straggler", "--policy", "fastest"], "unknown policy 'fastest'"),
+        (["pw-straggler", "--policy", "zeus:2"], "eta is within 0..1"),
+        (["pw-straggler", "--facility-watts", "0"], "--facility-watts: must be more than 0"),
+        (["no-such-run"], "no steps for run 'no-such-run'"),
+    ],
+)
 def test_recommend_errors_are_one_line(store, args, message):
     result = rankwatch_in_process("power", "recommend", *args, "--db", str(store))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
@@ -285,8 +358,9 @@ def test_recommend_without_a_store_and_bad_caps_files(tmp_path):
     caps = tmp_path / "caps.json"
     for text, message in (("{", "--power-caps"), ('{"99": 300}', "ranks are 0..15")):
         caps.write_text(text)
-        result = rankwatch_in_process("simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"),
-                               "--power-caps", str(caps))
+        result = rankwatch_in_process(
+            "simulate", "--ranks", "16", "--steps", "2", "--out", str(tmp_path / "t.parquet"), "--power-caps", str(caps)
+        )
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
 
 
@@ -298,27 +372,39 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     def apply(*args: str, run: str = "pw-live"):
         return rankwatch_in_process("power", "apply", run, *args, "--collector", collector.url, env=env)
 
-    sent = rankwatch_cli("simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url,
-                         env=env)
+    sent = rankwatch_cli(
+        "simulate", "--ranks", "4", "--steps", "3", "--run", "pw-live", "--collector", collector.url, env=env
+    )
     assert sent.returncode == 0, sent.stderr
     api = ApiClient(collector.url, collector.token)
-    wait_until(lambda: queryapi.remote_query(api, "SELECT count(DISTINCT rank) FROM device_samples WHERE "
-                                                  "run_id = 'pw-live' AND metric = ?",
-                                             [sc.POWER_LIMIT_MAX_W])["rows"] == [[4]],
-               "the run's power-limit range in the store")
+    wait_until(
+        lambda: (
+            queryapi.remote_query(
+                api,
+                "SELECT count(DISTINCT rank) FROM device_samples WHERE run_id = 'pw-live' AND metric = ?",
+                [sc.POWER_LIMIT_MAX_W],
+            )["rows"]
+            == [[4]]
+        ),
+        "the run's power-limit range in the store",
+    )
 
     result = apply("--caps", str(caps), "--watts", "650")
     assert result.returncode == 0, result.stderr
     assert "2 ranks capped, the others at 650 W" in result.stdout
-    (command,) = httpx.get(f"{collector.url}/v1/commands", params={"run_id": "pw-live"}, headers=collector.headers,
-                           timeout=10).json()
+    (command,) = httpx.get(
+        f"{collector.url}/v1/commands", params={"run_id": "pw-live"}, headers=collector.headers, timeout=10
+    ).json()
     assert (command["kind"], command["state"], command["created_by"]) == ("power_cap", "pending", "api")
     assert command["args"] == {"caps": {"1": 512.0, "2": 498.0}, "watts": 650.0}
     caps.write_text('{"x": 300}')
-    for args, message in ((("--caps", str(caps)), "a power_cap takes caps"), ((), "give --caps FILE.json, --watts W"),
-                          (("--watts", "-5"), "--watts: must be more than 0"),
-                          (("--watts", "5000"), "5000 W for every other rank is outside the 200-700 W"),
-                          (("--watts", "100"), "100 W for every other rank is outside")):
+    for args, message in (
+        (("--caps", str(caps)), "a power_cap takes caps"),
+        ((), "give --caps FILE.json, --watts W"),
+        (("--watts", "-5"), "--watts: must be more than 0"),
+        (("--watts", "5000"), "5000 W for every other rank is outside the 200-700 W"),
+        (("--watts", "100"), "100 W for every other rank is outside"),
+    ):
         result = apply(*args)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
     caps.write_text('{"7": 300}')
@@ -338,15 +424,23 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
     alerts.write_text(f'[[receivers]]\nurl = "{receiver.url}"\nanalyzers = ["power"]\n')
     deliveries = []
     try:
-        db = simulated_store(tmp_path, {"pw-live": ["straggler:rank=5,slowdown=1.2"]},
-                             ["--ranks", "16", "--steps", "80"],
-                             ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)),
-                             until=lambda: deliveries.extend(receiver.wait_for(1, 60)))
+        db = simulated_store(
+            tmp_path,
+            {"pw-live": ["straggler:rank=5,slowdown=1.2"]},
+            ["--ranks", "16", "--steps", "80"],
+            ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)),
+            until=lambda: deliveries.extend(receiver.wait_for(1, 60)),
+        )
         (delivery, *_) = deliveries
     finally:
         receiver.stop()
-    firing = dict(query(db, """SELECT kind, ranks FROM findings
-                               WHERE run_id = 'pw-live' AND analyzer = 'power' AND state = 'firing'"""))
+    firing = dict(
+        query(
+            db,
+            """SELECT kind, ranks FROM findings
+                               WHERE run_id = 'pw-live' AND analyzer = 'power' AND state = 'firing'""",
+        )
+    )
     assert sorted(firing["per_rank_caps"]) == [r for r in range(16) if r != 5]
     assert "headroom" in firing
     alert = delivery.body["alerts"][0]
@@ -358,7 +452,8 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
 def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, monkeypatch):
     """The writer's analysis pass only starts the power report (a bootstrap over the ranks, seconds
     at a thousand ranks) on the power thread; a later pass records its findings."""
-    from collector import analysis, powercaps
+    from collector.analysis import live as analysis
+    from collector.reports import powercaps
     from collector.store.db import connect
 
     db = tmp_path / "copy.duckdb"
@@ -387,8 +482,12 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
     finally:
         live.close()
     assert drawn_on == ["rankwatch-power_0"]  # once: a report is not redrawn before power_every_s
-    kinds = {k for (k,) in con.execute("SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' "
-                                       "AND state = 'firing'").fetchall()}
+    kinds = {
+        k
+        for (k,) in con.execute(
+            "SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' AND state = 'firing'"
+        ).fetchall()
+    }
     assert kinds == {"job_cap", "per_rank_caps", "headroom"}
     assert live.failures == 0
     con.close()
@@ -396,5 +495,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
 
 def test_the_collector_refuses_a_negative_power_period():
     result = rankwatch_in_process("collector", "--power-every", "-1")
-    assert (result.returncode, result.stderr.strip()) == (2, ("rankwatch collector: error: argument --power-every: "
-                                                             "must be 0 or more, got -1"))
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        ("rankwatch collector: error: argument --power-every: must be 0 or more, got -1"),
+    )

@@ -31,26 +31,44 @@ def collector(tmp_path_factory):
     log = open(db.parent / "collector.log", "w")  # noqa: SIM115 - the collector's output; closed at teardown
     collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
     try:
-        result = rankwatch_cli("simulate", "--ranks", str(RANKS), "--steps", str(STEPS), "--run", RUN,
-                               "--inject", "straggler:rank=3,slowdown=1.3,from=5", "--collector", collector.url,
-                               env={"RANKWATCH_TOKEN": collector.token})
+        result = rankwatch_cli(
+            "simulate",
+            "--ranks",
+            str(RANKS),
+            "--steps",
+            str(STEPS),
+            "--run",
+            RUN,
+            "--inject",
+            "straggler:rank=3,slowdown=1.3,from=5",
+            "--collector",
+            collector.url,
+            env={"RANKWATCH_TOKEN": collector.token},
+        )
         assert result.returncode == 0, result.stderr
         exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: RUN})
         now = time.time_ns()
-        assert exporter.samples((metric, now - age, value + rank, {sc.RANK: rank, sc.GPU: 0})
-                                for rank in range(RANKS) for age, scale in ((10**9, 0.5), (0, 1.0))
-                                for metric, value in ((sc.POWER_W, 300 * scale), (sc.ENERGY_J, 1e6 * scale)))
+        assert exporter.samples(
+            (metric, now - age, value + rank, {sc.RANK: rank, sc.GPU: 0})
+            for rank in range(RANKS)
+            for age, scale in ((10**9, 0.5), (0, 1.0))
+            for metric, value in ((sc.POWER_W, 300 * scale), (sc.ENERGY_J, 1e6 * scale))
+        )
         for step, blocked in ((10, (2.0, 2.0)), (20, (0.5, 0.8))):  # only the newest checkpoint counts
             for rank, blocked_s in enumerate(blocked):
-                exporter.event("checkpoint_saved", now, {sc.RANK: rank, sc.STEP: step,
-                                                         "rankwatch.checkpoint.blocked_s": blocked_s})
+                exporter.event(
+                    "checkpoint_saved", now, {sc.RANK: rank, sc.STEP: step, "rankwatch.checkpoint.blocked_s": blocked_s}
+                )
         wait_until(exporter.flush, "telemetry not delivered", 120)
         exporter.shutdown()
 
         def straggler_live() -> bool:  # an analysis pass went over the last steps
             page = httpx.get(f"{collector.url}/metrics", timeout=30).text
-            return any(s.name == "rankwatch_run_suspect_rank_findings_firing" and s.labels == {"run": RUN, "rank": "3"}
-                       for family in text_string_to_metric_families(page) for s in family.samples)
+            return any(
+                s.name == "rankwatch_run_suspect_rank_findings_firing" and s.labels == {"run": RUN, "rank": "3"}
+                for family in text_string_to_metric_families(page)
+                for s in family.samples
+            )
 
         wait_until(straggler_live, "the straggler's finding is not in /metrics", 60)
         yield collector
@@ -69,9 +87,12 @@ def page(collector) -> str:
 @pytest.fixture(scope="module")
 def samples(page) -> dict:
     """(sample name, frozenset of labels other than run) -> value, for the simulated run's series."""
-    return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "run")): s.value
-            for family in text_string_to_metric_families(page) for s in family.samples
-            if s.labels.get("run") == RUN}
+    return {
+        (s.name, frozenset((k, v) for k, v in s.labels.items() if k != "run")): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.labels.get("run") == RUN
+    }
 
 
 def test_run_aggregates(samples):
@@ -95,9 +116,11 @@ def test_run_aggregates(samples):
 
 
 def test_labels_are_bounded(page):
-    allowed = {"rankwatch_run_step_duration_seconds": {"run", "quantile"},
-               "rankwatch_run_findings_firing": {"run", "kind"},
-               "rankwatch_run_suspect_rank_findings_firing": {"run", "rank"}}
+    allowed = {
+        "rankwatch_run_step_duration_seconds": {"run", "quantile"},
+        "rankwatch_run_findings_firing": {"run", "kind"},
+        "rankwatch_run_suspect_rank_findings_firing": {"run", "rank"},
+    }
     families = [f for f in text_string_to_metric_families(page) if f.name.startswith("rankwatch_run_")]
     assert len(families) >= 10
     for family in families:
@@ -117,19 +140,30 @@ def test_prometheus_scrapes_the_collector(collector, tmp_path):
         pytest.skip(NO_PROMETHEUS)
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: rankwatch\n"
-                      f"    static_configs: [{{targets: ['127.0.0.1:{collector.port}']}}]\n")
-    server = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                               f"--web.listen-address=127.0.0.1:{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config.write_text(
+        f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: rankwatch\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{collector.port}']}}]\n"
+    )
+    server = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline, result = time.monotonic() + 60, []
         while not result and time.monotonic() < deadline:
             time.sleep(0.5)
             with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
-                result = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
-                                   params={"query": f'rankwatch_run_last_step{{run="{RUN}"}}'}, timeout=5
-                                   ).json()["data"]["result"]
+                result = httpx.get(
+                    f"http://127.0.0.1:{port}/api/v1/query",
+                    params={"query": f'rankwatch_run_last_step{{run="{RUN}"}}'},
+                    timeout=5,
+                ).json()["data"]["result"]
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -150,7 +184,8 @@ def test_examples_use_only_served_metrics(page):
 def test_promtool_accepts_the_example_config_and_rules():
     if not shutil.which("promtool"):
         pytest.skip(NO_PROMETHEUS)
-    result = subprocess.run(["promtool", "check", "config", str(EXAMPLES / "prometheus" / "prometheus.yml")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(EXAMPLES / "prometheus" / "prometheus.yml")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rankwatch-rules.yml" in result.stdout and "SUCCESS" in result.stdout

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from collector import readonly
+from collector.store import readonly
 from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import post, query, step_spans, trace_body, with_rank
 
@@ -46,18 +46,30 @@ def ask(api: httpx.Client, sql: str, **fields) -> httpx.Response:
 
 
 def test_results_are_correct(api):
-    answer = ask(api, "SELECT rank, count(*) AS steps, round(max(loss), 2) AS last_loss FROM steps "
-                      "WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank", params=[RUN, 5]).json()
-    assert answer == {"columns": ["rank", "steps", "last_loss"], "types": ["INTEGER", "BIGINT", "DOUBLE"],
-                      "rows": [[r, STEPS - 5, 0.19] for r in range(RANKS)], "truncated": False}
-    named = ask(api, "SELECT count(DISTINCT rank) AS n FROM current_steps WHERE run_id = $run",
-                params={"run": RUN}).json()
+    answer = ask(
+        api,
+        "SELECT rank, count(*) AS steps, round(max(loss), 2) AS last_loss FROM steps "
+        "WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank",
+        params=[RUN, 5],
+    ).json()
+    assert answer == {
+        "columns": ["rank", "steps", "last_loss"],
+        "types": ["INTEGER", "BIGINT", "DOUBLE"],
+        "rows": [[r, STEPS - 5, 0.19] for r in range(RANKS)],
+        "truncated": False,
+    }
+    named = ask(
+        api, "SELECT count(DISTINCT rank) AS n FROM current_steps WHERE run_id = $run", params={"run": RUN}
+    ).json()
     assert named["rows"] == [[RANKS]]
 
 
 def test_values_are_json_ready(api):
-    answer = ask(api, "SELECT 'nan'::DOUBLE AS x, TIMESTAMP '2024-01-02 03:04:05' AS t, "
-                      "INTERVAL 90 SECOND AS i, '\\xAB'::BLOB AS b, [1.5, 'inf'::DOUBLE] AS l").json()
+    answer = ask(
+        api,
+        "SELECT 'nan'::DOUBLE AS x, TIMESTAMP '2024-01-02 03:04:05' AS t, "
+        "INTERVAL 90 SECOND AS i, '\\xAB'::BLOB AS b, [1.5, 'inf'::DOUBLE] AS l",
+    ).json()
     assert answer["rows"] == [[None, "2024-01-02T03:04:05", 90.0, "ab", [1.5, None]]]
 
 
@@ -68,28 +80,31 @@ def test_rows_are_capped(api):
     assert answer["rows"] == [[0], [1], [2], [3]] and answer["truncated"] is True
 
 
-@pytest.mark.parametrize("sql, reason", [
-    ("INSERT INTO runs VALUES ('x', 1, now())", "only SELECT is allowed, not INSERT"),
-    ("UPDATE steps SET loss = 0", "not UPDATE"),
-    ("DELETE FROM steps", "not DELETE"),
-    ("CREATE TABLE t AS SELECT 1", "not CREATE"),
-    ("DROP TABLE steps", "not DROP"),
-    ("COPY steps TO '{data}/out.csv'", "not COPY"),
-    ("ATTACH '{data}/other.duckdb' AS other", "not ATTACH"),
-    ("DETACH rankwatch", "not DETACH"),
-    ("SET threads = 8", "not SET"),
-    ("PRAGMA version", "not PRAGMA"),
-    ("CALL checkpoint()", "not CALL"),
-    ("INSTALL httpfs", "not LOAD"),
-    ("LOAD httpfs", "not LOAD"),
-    ("EXPORT DATABASE '{data}/dump'", "not EXPORT"),
-    ("SELECT 1; DELETE FROM steps", "one statement per query, not 2"),
-    ("SELECT nextval('findings_id')", "read-only mode"),
-    ("SELECT * FROM read_csv('/etc/passwd')", "Permission Error"),
-    ("SELECT * FROM read_text('{data}/../../../etc/passwd')", "Permission Error"),
-    ("SELECT * FROM glob('/*')", "Permission Error"),
-    ("SELEC 1", "syntax error"),
-])
+@pytest.mark.parametrize(
+    "sql, reason",
+    [
+        ("INSERT INTO runs VALUES ('x', 1, now())", "only SELECT is allowed, not INSERT"),
+        ("UPDATE steps SET loss = 0", "not UPDATE"),
+        ("DELETE FROM steps", "not DELETE"),
+        ("CREATE TABLE t AS SELECT 1", "not CREATE"),
+        ("DROP TABLE steps", "not DROP"),
+        ("COPY steps TO '{data}/out.csv'", "not COPY"),
+        ("ATTACH '{data}/other.duckdb' AS other", "not ATTACH"),
+        ("DETACH rankwatch", "not DETACH"),
+        ("SET threads = 8", "not SET"),
+        ("PRAGMA version", "not PRAGMA"),
+        ("CALL checkpoint()", "not CALL"),
+        ("INSTALL httpfs", "not LOAD"),
+        ("LOAD httpfs", "not LOAD"),
+        ("EXPORT DATABASE '{data}/dump'", "not EXPORT"),
+        ("SELECT 1; DELETE FROM steps", "one statement per query, not 2"),
+        ("SELECT nextval('findings_id')", "read-only mode"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "Permission Error"),
+        ("SELECT * FROM read_text('{data}/../../../etc/passwd')", "Permission Error"),
+        ("SELECT * FROM glob('/*')", "Permission Error"),
+        ("SELEC 1", "syntax error"),
+    ],
+)
 def test_refused(api, sql, reason):
     data = api.collector.db.parent
     response = ask(api, sql.format(data=data))
@@ -162,8 +177,15 @@ def test_ingest_goes_on_during_a_slow_query(api):
 def test_cli_queries_through_the_collector(api):
     collector = api.collector
     env = {"RANKWATCH_TOKEN": collector.token}
-    result = rankwatch_in_process("query", f"SELECT count(*) AS n FROM steps WHERE run_id = '{RUN}'",
-                           "--collector", collector.url, "--format", "csv", env=env)
+    result = rankwatch_in_process(
+        "query",
+        f"SELECT count(*) AS n FROM steps WHERE run_id = '{RUN}'",
+        "--collector",
+        collector.url,
+        "--format",
+        "csv",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["n", str(RANKS * STEPS)]
     refused = rankwatch_in_process("query", "DELETE FROM steps", "--collector", collector.url, env=env)

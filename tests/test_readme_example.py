@@ -24,9 +24,9 @@ def instrumentation_example() -> str:
     text = README.read_text()
     heading = re.search(r"^#+ .*Instrument.*$", text, re.MULTILINE)
     assert heading, "README.md has no heading mentioning 'Instrument'"
-    section = text[heading.end():]
+    section = text[heading.end() :]
     following = re.search(r"^#+ ", section, re.MULTILINE)
-    section = section[:following.start()] if following else section
+    section = section[: following.start()] if following else section
     block = re.search(r"^```python\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
     assert block, "no ```python block in README.md's instrumentation section"
     return block.group(1)
@@ -43,24 +43,33 @@ def test_readme_instrumentation_example(collector, tmp_path):
     script = tmp_path / "readme_example.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(RANKWATCH_COLLECTOR=collector.url, RANKWATCH_TOKEN=collector.token, RANKWATCH_RUN_ID=RUN,
-               OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=120)
+    env.update(
+        RANKWATCH_COLLECTOR=collector.url, RANKWATCH_TOKEN=collector.token, RANKWATCH_RUN_ID=RUN, OMP_NUM_THREADS="1"
+    )
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "unreachable" not in r.stderr and "never delivered" not in r.stderr, r.stderr
     collector.stop()
 
-    rows = query(collector.db, "SELECT rank, step, count(*), any_value(loss) FROM steps WHERE run_id = ? "
-                               "GROUP BY ALL ORDER BY step", [RUN])
+    rows = query(
+        collector.db,
+        "SELECT rank, step, count(*), any_value(loss) FROM steps WHERE run_id = ? GROUP BY ALL ORDER BY step",
+        [RUN],
+    )
     assert [(rank, step, count) for rank, step, count, _ in rows] == [(0, i, 1) for i in range(steps)]
     for _, step, _, loss in rows:
         assert loss is not None and loss > 0, (step, loss)
     assert query(collector.db, "SELECT count(*) FROM steps") == [(steps,)]
     assert query(collector.db, "SELECT run_id, world_size FROM runs") == [(RUN, 1)]
 
-    ops = query(collector.db, "SELECT name, count(*), count(DISTINCT step) FROM ops WHERE run_id = ? "
-                              "AND kind = 'phase' GROUP BY name ORDER BY name", [RUN])
+    ops = query(
+        collector.db,
+        "SELECT name, count(*), count(DISTINCT step) FROM ops WHERE run_id = ? "
+        "AND kind = 'phase' GROUP BY name ORDER BY name",
+        [RUN],
+    )
     assert ops == [(name, steps, steps) for name in phases]
     if "tokens=" in code:
         tokens = int(re.search(r"tokens=(\d+)", code).group(1))
@@ -73,4 +82,3 @@ def test_readme_example_is_found():
     for call in ("agent.init(", "agent.step(", "agent.record(", "agent.shutdown("):
         assert call in code, call
     compile(code, "README.md", "exec")
-

@@ -16,16 +16,23 @@ from trainer.checkpoint import Checkpointer
 PACE = "straggler:rank=0,slowdown=3,from=0"
 
 
-@pytest.mark.parametrize("nproc, fault", [(2, "nan:at=50"), (2, "spike:at=50,scale=50"), (1, "spike:at=50,scale=50"),
-                                          (1, None)])
+@pytest.mark.parametrize(
+    "nproc, fault", [(2, "nan:at=50"), (2, "spike:at=50,scale=50"), (1, "spike:at=50,scale=50"), (1, None)]
+)
 def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp_path, nproc, fault):
     """A NaN or a 50x loss spike: exactly one rollback, served from memory on every rank; a clean run: none.
     Either way every step is kept once per rank and none after the anomaly is bad."""
     collector = collector_factory(None, "--analyze-every", "0.5")
     run = f"run-rollback-{nproc}-" + (fault or "clean").split(":")[0]
-    status = train(nproc=nproc, steps=160, run_id=run, faults=[fault, PACE] if fault else [PACE],
-                   collector=collector.url, token=collector.token,
-                   trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")])
+    status = train(
+        nproc=nproc,
+        steps=160,
+        run_id=run,
+        faults=[fault, PACE] if fault else [PACE],
+        collector=collector.url,
+        token=collector.token,
+        trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")],
+    )
     assert status == 0
     collector.stop()
     commands = query(collector.db, "SELECT kind, state, args, result FROM commands WHERE run_id = ?", [run])
@@ -37,17 +44,26 @@ def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp
         args, result = json.loads(args), json.loads(result)
         assert (kind, state, args["before_step"]) == ("rollback", "applied", 45)
         assert result["restored_step"] <= 45 and result["from_step"] > 50 and result["skipped_batches"] == 20
-        events = query(collector.db, "SELECT rank, step FROM events WHERE run_id = ? AND event = 'rollback' "
-                                     "ORDER BY rank", [run])
+        events = query(
+            collector.db, "SELECT rank, step FROM events WHERE run_id = ? AND event = 'rollback' ORDER BY rank", [run]
+        )
         assert [r for r, _ in events] == list(range(nproc)) and {s for _, s in events} == {result["restored_step"]}
-        restored = query(collector.db, "SELECT rank, step, attrs FROM events WHERE run_id = ? AND "
-                                       "event = 'checkpoint_restored' ORDER BY rank", [run])
+        restored = query(
+            collector.db,
+            "SELECT rank, step, attrs FROM events WHERE run_id = ? AND event = 'checkpoint_restored' ORDER BY rank",
+            [run],
+        )
         assert [(r, s, json.loads(a)["rankwatch.checkpoint.tier"]) for r, s, a in restored] == [
-            (r, result["restored_step"], "memory") for r in range(nproc)]
+            (r, result["restored_step"], "memory") for r in range(nproc)
+        ]
     # the trajectory the job kept: every step once per rank, none after the anomaly bad
-    ((rows, distinct, bad, last_loss),) = query(collector.db, """
+    ((rows, distinct, bad, last_loss),) = query(
+        collector.db,
+        """
         SELECT count(*), count(DISTINCT (rank, step)), count(*) FILTER (NOT isfinite(loss) OR loss > 20),
-               max_by(loss, step) FROM current_steps WHERE run_id = ?""", [run])
+               max_by(loss, step) FROM current_steps WHERE run_id = ?""",
+        [run],
+    )
     assert rows == distinct == nproc * 160 and bad == 0 and last_loss < 10
 
 
@@ -58,16 +74,25 @@ def test_at_about_a_second_a_step_a_spike_is_rolled_back_from_memory_within_two_
     sent); looks every 5 steps and polls every 2 s applied it at step 25 at the earliest."""
     collector = collector_factory(None, "--analyze-every", "3600")  # only commits drive passes
     run = "run-rollback-slow-steps"
-    status = train(nproc=1, steps=26, run_id=run, faults=["spike:at=21,scale=50",
-                                                          *(f"hang:rank=0,at={s},seconds=1" for s in range(14, 25))],
-                   collector=collector.url, token=collector.token,
-                   trainer_args=["--snapshot-every", "5", "--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")])
+    status = train(
+        nproc=1,
+        steps=26,
+        run_id=run,
+        faults=["spike:at=21,scale=50", *(f"hang:rank=0,at={s},seconds=1" for s in range(14, 25))],
+        collector=collector.url,
+        token=collector.token,
+        trainer_args=["--snapshot-every", "5", "--ckpt-memory", "16", "--ckpt-dir", str(tmp_path / "ckpt")],
+    )
     assert status == 0
     collector.stop()
     ((result,),) = query(collector.db, "SELECT result FROM commands WHERE run_id = ? AND state = 'applied'", [run])
     result = json.loads(result)
-    ((tier,),) = query(collector.db, """SELECT attrs->>'$."rankwatch.checkpoint.tier"' FROM events
-                                       WHERE run_id = ? AND event = 'checkpoint_restored'""", [run])
+    ((tier,),) = query(
+        collector.db,
+        """SELECT attrs->>'$."rankwatch.checkpoint.tier"' FROM events
+                                       WHERE run_id = ? AND event = 'checkpoint_restored'""",
+        [run],
+    )
     assert result["from_step"] <= 24 and tier == "memory", result
 
 
@@ -76,17 +101,24 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
     last good snapshot and with that snapshot on disk; the collector names the stop, critical."""
     collector = collector_factory(None, "--analyze-every", "0.5")
     run, ckpt = "run-rollback-budget", tmp_path / "ckpt"
-    status = train(nproc=2, steps=200, run_id=run, faults=["spike:at=50,scale=50", "spike:at=120,scale=50", PACE],
-                   collector=collector.url, token=collector.token,
-                   trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(ckpt), "--max-rollbacks", "1"])
+    status = train(
+        nproc=2,
+        steps=200,
+        run_id=run,
+        faults=["spike:at=50,scale=50", "spike:at=120,scale=50", PACE],
+        collector=collector.url,
+        token=collector.token,
+        trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(ckpt), "--max-rollbacks", "1"],
+    )
     assert status == 0  # a clean stop
     collector.stop()
     commands = query(collector.db, "SELECT id, state, args, result FROM commands WHERE run_id = ? ORDER BY id", [run])
     assert [state for _, state, _, _ in commands] == ["applied", "failed"], commands
     result = json.loads(commands[1][3])
     assert result["restored_step"] <= json.loads(commands[1][2])["before_step"] < 120 < result["from_step"]
-    assert result["why"].startswith("1 rollbacks within 1000 steps: stopping instead of another, with step "
-                                    f"{result['restored_step']} durable in ")
+    assert result["why"].startswith(
+        f"1 rollbacks within 1000 steps: stopping instead of another, with step {result['restored_step']} durable in "
+    )
     for rank in (0, 1):  # the good state, on disk and verified, to resume from
         disk = Checkpointer(ckpt / f"rank-{rank}", {})
         assert result["restored_step"] in disk.durable_steps()
@@ -94,14 +126,18 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
     ((last_step,),) = query(collector.db, "SELECT max(step) FROM steps WHERE run_id = ?", [run])
     assert last_step < result["from_step"]  # no step after the stop
     ((kind, state, severity, summary),) = query(
-        collector.db, "SELECT kind, state, severity, summary FROM findings WHERE run_id = ? AND analyzer = 'rollbacks'",
-        [run])
+        collector.db,
+        "SELECT kind, state, severity, summary FROM findings WHERE run_id = ? AND analyzer = 'rollbacks'",
+        [run],
+    )
     assert (kind, state, severity) == ("stopped", "firing", "critical")
     assert summary.startswith(f"the job stopped at step {result['from_step']} instead of another rollback: 1 rollbacks")
     first = json.loads(commands[0][3])  # the stop names each rollback and what it answered
-    assert (f"(the rollbacks: at step {first['from_step']}: command {commands[0][0]}, for loss_spike, back to step "
-            f"{first['restored_step']}; this one command {commands[1][0]}, for loss_spike, back to step "
-            f"{result['restored_step']})") in summary
+    assert (
+        f"(the rollbacks: at step {first['from_step']}: command {commands[0][0]}, for loss_spike, back to step "
+        f"{first['restored_step']}; this one command {commands[1][0]}, for loss_spike, back to step "
+        f"{result['restored_step']})"
+    ) in summary
 
 
 def test_anomalies_of_the_abandoned_steps_send_no_second_rollback():
@@ -110,8 +146,9 @@ def test_anomalies_of_the_abandoned_steps_send_no_second_rollback():
     the budget on a healthy run); a NaN drawn after the rollback is a new anomaly, and gets one."""
     import duckdb
 
-    from collector import commands, findings
-    from collector.analyzers import Finding
+    from collector.analysis import findings
+    from collector.analysis.analyzers import Finding
+    from collector.control import commands
     from collector.store.schema import DDL
 
     con = duckdb.connect()

@@ -22,8 +22,12 @@ def test_clean_simulated_curves_draw_no_rollback(seed, noise):
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=SEEDS, noise=st.sampled_from(SIM_NOISE), at=st.integers(FIRST, 400),
-       spec=st.sampled_from(["spike:at={},scale=5", "spike:at={},scale=50", "nan:at={}"]))
+@given(
+    seed=SEEDS,
+    noise=st.sampled_from(SIM_NOISE),
+    at=st.integers(FIRST, 400),
+    spec=st.sampled_from(["spike:at={},scale=5", "spike:at={},scale=50", "nan:at={}"]),
+)
 def test_injected_spikes_and_nans_are_rolled_back_within_two_steps(seed, noise, at, spec):
     hit = simulated(seed, noise, at + 3, (spec.format(at),))
     found = rollbacks(hit[hit["step"] > at - WINDOW], last=at + 2)

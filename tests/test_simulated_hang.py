@@ -24,15 +24,22 @@ def store(tmp_path_factory):
     however long the hung one takes on a loaded machine.)"""
     directory = tmp_path_factory.mktemp("sim-hang")
     for run, faults in RUNS.items():
-        db = simulated_store(directory, {run: faults},
-                             ["--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--hang-for", "10"],
-                             ("--analyze-every", "1", "--hang-after", "3"))
+        db = simulated_store(
+            directory,
+            {run: faults},
+            ["--ranks", str(RANKS), "--pp", "4", "--steps", "40", "--hang-for", "10"],
+            ("--analyze-every", "1", "--hang-after", "3"),
+        )
     return db
 
 
 def hang_findings(store, run: str) -> list[tuple]:
-    return query(store, """SELECT kind, ranks, state, step_start, evidence FROM findings
-                           WHERE run_id = ? AND analyzer = 'hangs' ORDER BY id""", [run])
+    return query(
+        store,
+        """SELECT kind, ranks, state, step_start, evidence FROM findings
+                           WHERE run_id = ? AND analyzer = 'hangs' ORDER BY id""",
+        [run],
+    )
 
 
 def test_hung_rank_is_named_with_the_collective_the_others_wait_in(store):
@@ -40,24 +47,32 @@ def test_hung_rank_is_named_with_the_collective_the_others_wait_in(store):
     kind, ranks, state, step_start, evidence = finding
     assert (kind, list(ranks), state, step_start) == ("hang", [HUNG], "firing", AT)
     evidence = json.loads(evidence)
-    assert evidence["collective"] == {"op": "all_reduce", "group": "world", "seq": AT,
-                                      "waiting_ranks": [r for r in range(RANKS) if r != HUNG]}
+    assert evidence["collective"] == {
+        "op": "all_reduce",
+        "group": "world",
+        "seq": AT,
+        "waiting_ranks": [r for r in range(RANKS) if r != HUNG],
+    }
     assert evidence["culprit_last_seen"] == {str(HUNG): {"step": AT, "phase": "compute"}}
     assert evidence["silent_ranks"] == []
 
 
 def test_hang_run_stops_before_the_hung_step_and_logs_the_fault(store):
-    assert query(store, "SELECT max(step), count(DISTINCT rank) FROM steps WHERE run_id = 'sim-hang'") \
-        == [(AT - 1, RANKS)]
-    assert query(store, """SELECT step, rank, attrs->>'$."rankwatch.fault"' FROM events
-                           WHERE run_id = 'sim-hang' AND event = 'fault_injected'""") \
-        == [(AT, HUNG, f"hang:rank={HUNG},at={AT}")]
+    assert query(store, "SELECT max(step), count(DISTINCT rank) FROM steps WHERE run_id = 'sim-hang'") == [
+        (AT - 1, RANKS)
+    ]
+    assert query(
+        store,
+        """SELECT step, rank, attrs->>'$."rankwatch.fault"' FROM events
+                           WHERE run_id = 'sim-hang' AND event = 'fault_injected'""",
+    ) == [(AT, HUNG, f"hang:rank={HUNG},at={AT}")]
 
 
 def test_clean_run_has_no_hang_and_heartbeats_from_every_rank(store):
     assert hang_findings(store, "sim-clean") == []
-    assert query(store, "SELECT count(DISTINCT rank) FROM events WHERE run_id = 'sim-clean' AND event = 'heartbeat'") \
-        == [(RANKS,)]
+    assert query(
+        store, "SELECT count(DISTINCT rank) FROM events WHERE run_id = 'sim-clean' AND event = 'heartbeat'"
+    ) == [(RANKS,)]
 
 
 def test_parquet_trace_ends_before_the_hung_step(tmp_path):
@@ -69,11 +84,14 @@ def test_parquet_trace_ends_before_the_hung_step(tmp_path):
     assert truth["faults"] == [{"spec": "hang:rank=3,at=4", "kind": "hang", "at": 4, "rank": 3}]
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("hang:rank=3,at=0", ["at must be within 1..9"]),
-    ("hang:rank=3,at=10", ["at=10 is not in the job", "0..9"]),
-    ("hang:rank=3,at=4,seconds=5", ["--hang-for", "`rankwatch train`"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("hang:rank=3,at=0", ["at must be within 1..9"]),
+        ("hang:rank=3,at=10", ["at=10 is not in the job", "0..9"]),
+        ("hang:rank=3,at=4,seconds=5", ["--hang-for", "`rankwatch train`"]),
+    ],
+)
 def test_hangs_the_simulator_cannot_run_are_refused(tmp_path, capsys, spec, words):
     out = tmp_path / "refused.parquet"
     with pytest.raises(SystemExit) as e:

@@ -26,25 +26,37 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return simulated_store(tmp_path_factory.mktemp("sim"), {f"sim-{name}": faults for name, (faults, _) in
-                                                           SCENARIOS.items()},
-                           ["--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30"], ("--analyze-every", "1"))
+    return simulated_store(
+        tmp_path_factory.mktemp("sim"),
+        {f"sim-{name}": faults for name, (faults, _) in SCENARIOS.items()},
+        ["--ranks", "64", "--pp", "4", "--tp", "2", "--steps", "30"],
+        ("--analyze-every", "1"),
+    )
 
 
 @pytest.fixture(scope="module")
 def findings(store):
     # the problems found: power recommendations (severity info) are advice, drawn for every fleet
-    return {name: query(store, """SELECT analyzer, kind, ranks, state FROM findings
-                                  WHERE run_id = ? AND severity != 'info' ORDER BY id""", [f"sim-{name}"])
-            for name in SCENARIOS}
+    return {
+        name: query(
+            store,
+            """SELECT analyzer, kind, ranks, state FROM findings
+                                  WHERE run_id = ? AND severity != 'info' ORDER BY id""",
+            [f"sim-{name}"],
+        )
+        for name in SCENARIOS
+    }
 
 
 @pytest.fixture(scope="module")
 def findings_evidence(store):
     import json
 
-    (evidence,) = query(store, """SELECT evidence FROM findings WHERE run_id = 'sim-thermal'
-                                  AND analyzer = 'stragglers' AND state = 'firing'""")[0]
+    (evidence,) = query(
+        store,
+        """SELECT evidence FROM findings WHERE run_id = 'sim-thermal'
+                                  AND analyzer = 'stragglers' AND state = 'firing'""",
+    )[0]
     return json.loads(evidence)
 
 
@@ -54,7 +66,8 @@ def test_scenario(findings, name):
     firing = [(analyzer, kind, list(ranks)) for analyzer, kind, ranks, state in findings[name] if state == "firing"]
     # expected ranks None: whichever ranks (a widespread slowdown names none in particular)
     assert len(firing) == len(expected) and all(
-        (a, k) == (ea, ek) and er in (None, r) for (a, k, r), (ea, ek, er) in zip(firing, expected)), firing
+        (a, k) == (ea, ek) and er in (None, r) for (a, k, r), (ea, ek, er) in zip(firing, expected)
+    ), firing
 
 
 def test_thermal_finding_carries_clock_and_temperature_evidence(findings_evidence):
@@ -62,7 +75,9 @@ def test_thermal_finding_carries_clock_and_temperature_evidence(findings_evidenc
     assert devices["DCGM_FI_DEV_SM_CLOCK"]["suspects"] < devices["DCGM_FI_DEV_SM_CLOCK"]["peers"]
     assert devices["DCGM_FI_DEV_GPU_TEMP"]["suspects"] > devices["DCGM_FI_DEV_GPU_TEMP"]["peers"] + 15
     assert devices["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] == {
-        "suspects": ["sw_thermal_slowdown", "hw_thermal_slowdown"], "peers": []}
+        "suspects": ["sw_thermal_slowdown", "hw_thermal_slowdown"],
+        "peers": [],
+    }
 
 
 def test_slow_link_finding_names_both_groups_of_the_rank(store):

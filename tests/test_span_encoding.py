@@ -20,35 +20,70 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from agent.export import SCOPE, Span, encode_spans
 
-value = st.one_of(st.text(max_size=20), st.booleans(), st.integers(-2**63, 2**63 - 1),
-                  st.floats(allow_nan=False), st.just(math.nan))
+value = st.one_of(
+    st.text(max_size=20), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.just(math.nan)
+)
 attributes = st.dictionaries(st.text(min_size=1, max_size=12), value, max_size=6)
 u64 = st.integers(1, 2**64 - 1)
-span = st.builds(lambda tid, sid, parent, name, start, dur, attrs, res: Span(
-    tid, sid, parent, name, start, start + dur, attrs, res),
-    st.integers(1, 2**128 - 1), u64, st.one_of(st.just(0), u64), st.text(max_size=16),
-    st.integers(0, 2**63), st.integers(0, 2**40), attributes,
-    st.sampled_from([Resource.create({"rankwatch.rank": 0, "rankwatch.run_id": "r"}),
-                     Resource.create({"rankwatch.rank": 1, "rankwatch.run_id": "r", "host.name": "h"})]))
+span = st.builds(
+    lambda tid, sid, parent, name, start, dur, attrs, res: Span(tid, sid, parent, name, start, start + dur, attrs, res),
+    st.integers(1, 2**128 - 1),
+    u64,
+    st.one_of(st.just(0), u64),
+    st.text(max_size=16),
+    st.integers(0, 2**63),
+    st.integers(0, 2**40),
+    attributes,
+    st.sampled_from(
+        [
+            Resource.create({"rankwatch.rank": 0, "rankwatch.run_id": "r"}),
+            Resource.create({"rankwatch.rank": 1, "rankwatch.run_id": "r", "host.name": "h"}),
+        ]
+    ),
+)
 
 
 def sdk_span(s: Span) -> ReadableSpan:
     flags = TraceFlags(TraceFlags.SAMPLED)
     context = SpanContext(s.trace_id, s.span_id, is_remote=False, trace_flags=flags)
     parent = SpanContext(s.trace_id, s.parent_id, is_remote=False, trace_flags=flags) if s.parent_id else None
-    return ReadableSpan(s.name, context, parent=parent, resource=s.resource, attributes=s.attributes,
-                        start_time=s.start_ns, end_time=s.end_ns, instrumentation_scope=InstrumentationScope(SCOPE))
+    return ReadableSpan(
+        s.name,
+        context,
+        parent=parent,
+        resource=s.resource,
+        attributes=s.attributes,
+        start_time=s.start_ns,
+        end_time=s.end_ns,
+        instrumentation_scope=InstrumentationScope(SCOPE),
+    )
 
 
 def normalized(request: ExportTraceServiceRequest) -> list:
     """What the collector reads of a request, in a comparable form (NaN as a string)."""
-    def kv(pairs):
-        return sorted((p.key, p.value.WhichOneof("value"), repr(getattr(p.value, p.value.WhichOneof("value"))))
-                      for p in pairs)
 
-    return sorted((kv(rs.resource.attributes), ss.scope.name, sp.trace_id, sp.span_id, sp.parent_span_id, sp.name,
-                   sp.kind, sp.start_time_unix_nano, sp.end_time_unix_nano, kv(sp.attributes))
-                  for rs in request.resource_spans for ss in rs.scope_spans for sp in ss.spans)
+    def kv(pairs):
+        return sorted(
+            (p.key, p.value.WhichOneof("value"), repr(getattr(p.value, p.value.WhichOneof("value")))) for p in pairs
+        )
+
+    return sorted(
+        (
+            kv(rs.resource.attributes),
+            ss.scope.name,
+            sp.trace_id,
+            sp.span_id,
+            sp.parent_span_id,
+            sp.name,
+            sp.kind,
+            sp.start_time_unix_nano,
+            sp.end_time_unix_nano,
+            kv(sp.attributes),
+        )
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for sp in ss.spans
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -61,8 +96,8 @@ def test_encoding_matches_the_sdk(spans):
 
 def test_values_of_other_types_go_as_text():
     resource = Resource.create({"rankwatch.rank": 0})
-    request = ExportTraceServiceRequest.FromString(encode_spans(
-        [Span(1, 2, 0, "step", 10, 20, {"big": 2**70, "list": [1, 2], "none": None}, resource)]))
+    request = ExportTraceServiceRequest.FromString(
+        encode_spans([Span(1, 2, 0, "step", 10, 20, {"big": 2**70, "list": [1, 2], "none": None}, resource)])
+    )
     (sp,) = request.resource_spans[0].scope_spans[0].spans
-    assert {p.key: p.value.string_value for p in sp.attributes} == {"big": str(2**70), "list": "[1, 2]",
-                                                                    "none": "None"}
+    assert {p.key: p.value.string_value for p in sp.attributes} == {"big": str(2**70), "list": "[1, 2]", "none": "None"}

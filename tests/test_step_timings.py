@@ -139,9 +139,12 @@ def test_gloo_ddp_buckets_on_cpu(collector, gloo):
     session.shutdown()
     collector.stop()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows = query(collector.db, """
+    rows = query(
+        collector.db,
+        """
         SELECT s.step, s.duration_s, s.compute_s, s.comm_wait_s, count(*), sum(o.bytes), min(o.duration_s)
-        FROM steps s JOIN ops o USING (run_id, rank, step) WHERE o.kind = 'comm' GROUP BY ALL ORDER BY s.step""")
+        FROM steps s JOIN ops o USING (run_id, rank, step) WHERE o.kind = 'comm' GROUP BY ALL ORDER BY s.step""",
+    )
     assert [r[0] for r in rows] == list(range(steps))
     for step, duration, compute, wait, buckets, total, shortest in rows:
         assert buckets >= (3 if step else 1) and total == nbytes, (step, buckets, total)  # rebuilt after step 0
@@ -214,8 +217,12 @@ def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(coll
     ended = time.monotonic()
 
     def stored() -> bool:
-        answer = httpx.post(f"{collector.url}/api/v1/query", headers=collector.headers, timeout=10,
-                            json={"sql": "SELECT count(*) FROM steps WHERE run_id = 'run-one-step'"})
+        answer = httpx.post(
+            f"{collector.url}/api/v1/query",
+            headers=collector.headers,
+            timeout=10,
+            json={"sql": "SELECT count(*) FROM steps WHERE run_id = 'run-one-step'"},
+        )
         return answer.json()["rows"] == [[1]]
 
     try:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from collector import commands, readonly, runmetrics
-from collector.analysis import Analysis, HealthCounters
-from collector.store import requests
+from collector.analysis.live import Analysis, HealthCounters
+from collector.control import commands
+from collector.metrics import runs as runmetrics
+from collector.store import readonly, requests
 from collector.store.db import connect, create_tables
 
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent import semconv as sc
-from collector.analyzers import Frames
-from collector.analyzers.stragglers import analyze, judge
+from collector.analysis.analyzers import Frames
+from collector.analysis.analyzers.stragglers import analyze, judge
 
 RANKS = 32  # four hosts of 8 ranks; four pipeline stages of 8 ranks, spread over the hosts
 
@@ -30,8 +30,9 @@ def frame(steps=40, jitter=0.02, slow=None, seed=0, compute=0.100, comm=0.020):
     return pd.DataFrame(rows, columns=["run_id", "rank", "step", "duration_s", "compute_s", "comm_wait_s"])
 
 
-PLACEMENT = pd.DataFrame({"rank": range(RANKS), "host": [f"node{r // 8}" for r in range(RANKS)],
-                          "pp_stage": [r % 4 for r in range(RANKS)]})
+PLACEMENT = pd.DataFrame(
+    {"rank": range(RANKS), "host": [f"node{r // 8}" for r in range(RANKS)], "pp_stage": [r % 4 for r in range(RANKS)]}
+)
 
 
 def test_clean_run_with_2_percent_jitter_has_no_finding():
@@ -119,24 +120,29 @@ def test_hardware_evidence_explains_slow_ranks_by_their_gpus():
         samples(sc.FB_TOTAL_MIB, dict.fromkeys(ranks, 81_559)),
         samples(sc.ECC_SBE_VOLATILE, {r: ([4] * 5 + [10] * 5 if r == 9 else 0) for r in ranks}),
         samples(sc.ECC_DBE_VOLATILE, {r: ([0] * 5 + [1] * 5 if r == 9 else 0) for r in ranks}),
-        [(9, sc.XID_ERRORS, 48.0)])
+        [(9, sc.XID_ERRORS, 48.0)],
+    )
     (finding,) = analyze(frame(slow={5: (1.3, 10), 9: (1.3, 10)}), PLACEMENT, devices=gpus)
     assert finding.ranks == [5, 9]
     assert finding.evidence["hardware"] == [
         {"cause": "clocks_held_back", "ranks": [5], "detail": "thermal slowdown, hardware thermal slowdown"},
         {"cause": "memory_full", "ranks": [9], "detail": "99% full"},
         {"cause": "ecc_errors", "ranks": [9], "detail": "6 corrected, 1 uncorrected ECC errors"},
-        {"cause": "xid", "ranks": [9], "detail": "XID 48"}]
+        {"cause": "xid", "ranks": [9], "detail": "XID 48"},
+    ]
     assert finding.summary.endswith(
         "; GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank 5; GPU memory 99% full on "
-        "rank 9; 6 corrected, 1 uncorrected ECC errors on rank 9; XID 48 on rank 9")
+        "rank 9; 6 corrected, 1 uncorrected ECC errors on rank 9; XID 48 on rank 9"
+    )
 
 
 def test_no_hardware_evidence_where_every_gpu_is_alike():
     ranks = range(RANKS)
-    gpus = devices(samples(sc.CLOCK_EVENT_REASONS, dict.fromkeys(ranks, 0x4)),  # the whole job capped
-                   samples(sc.FB_USED_MIB, dict.fromkeys(ranks, 81_000)),
-                   samples(sc.FB_TOTAL_MIB, dict.fromkeys(ranks, 81_559)))
+    gpus = devices(
+        samples(sc.CLOCK_EVENT_REASONS, dict.fromkeys(ranks, 0x4)),  # the whole job capped
+        samples(sc.FB_USED_MIB, dict.fromkeys(ranks, 81_000)),
+        samples(sc.FB_TOTAL_MIB, dict.fromkeys(ranks, 81_559)),
+    )
     (finding,) = analyze(frame(slow={5: (1.3, 10)}), PLACEMENT, devices=gpus)
     assert "hardware" not in finding.evidence and "; GPU" not in finding.summary
 

@@ -81,6 +81,7 @@ def test_single_gpu_ddp_step_exposes_only_the_last_bucket():
     forward, backward_start, backward_end = (0, 10_000 * us), 10_000 * us, 30_030 * us
     ready = [backward_start + k * 4_000 * us for k in range(1, 6)]  # the last at 30 ms
     buckets = serialized([(r, r + 30 * us) for r in ready])
-    compute = subtract([forward, (backward_start, backward_end), (backward_end, 35_000 * us)],
-                       [(ready[-1], backward_end)])
+    compute = subtract(
+        [forward, (backward_start, backward_end), (backward_end, 35_000 * us)], [(ready[-1], backward_end)]
+    )
     assert exposed(buckets, compute, (0, 35_000 * us)) == 30 * us

@@ -9,10 +9,18 @@ from tests.conftest import rankwatch_cli
 from trainer.device import DeviceError, choose
 
 
-@pytest.mark.parametrize("requested, ranks, gpus, device", [
-    ("auto", 4, 0, "cpu"), ("auto", 4, 4, "cuda"), ("auto", 2, 8, "cuda"), ("auto", 4, 1, "cpu"),
-    ("cpu", 2, 8, "cpu"), ("cuda", 1, 1, "cuda"), ("cuda", 8, 8, "cuda"),
-])
+@pytest.mark.parametrize(
+    "requested, ranks, gpus, device",
+    [
+        ("auto", 4, 0, "cpu"),
+        ("auto", 4, 4, "cuda"),
+        ("auto", 2, 8, "cuda"),
+        ("auto", 4, 1, "cpu"),
+        ("cpu", 2, 8, "cpu"),
+        ("cuda", 1, 1, "cuda"),
+        ("cuda", 8, 8, "cuda"),
+    ],
+)
 def test_ranks_get_a_gpu_each_or_the_cpu(requested, ranks, gpus, device):
     assert choose(requested, ranks, gpus)[0] == device
 
@@ -33,6 +41,8 @@ def test_cuda_without_a_gpu_per_rank_is_refused(ranks, gpus):
 def test_train_refuses_cuda_without_a_gpu_per_rank_in_one_line():
     result = rankwatch_cli("train", "--nproc", "2", "--steps", "1", "--device", "cuda")
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"rankwatch: error: --device cuda needs a GPU for every rank: 2 ranks on this "
-                                     f"machine, {torch.cuda.device_count()} GPU"
-                                     f"{'s' if torch.cuda.device_count() != 1 else ''}")
+    assert result.stderr.strip() == (
+        f"rankwatch: error: --device cuda needs a GPU for every rank: 2 ranks on this "
+        f"machine, {torch.cuda.device_count()} GPU"
+        f"{'s' if torch.cuda.device_count() != 1 else ''}"
+    )

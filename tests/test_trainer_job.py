@@ -65,8 +65,20 @@ def job(tmp_path_factory):
     with open(tmp / "collector.log", "w") as log:
         collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
         try:
-            result = rankwatch_cli("train", "--nproc", "2", "--steps", str(STEPS), "--run", RUN, "--inject", FAULT,
-                                   "--collector", collector.url, env={"RANKWATCH_TOKEN": "test-token"})
+            result = rankwatch_cli(
+                "train",
+                "--nproc",
+                "2",
+                "--steps",
+                str(STEPS),
+                "--run",
+                RUN,
+                "--inject",
+                FAULT,
+                "--collector",
+                collector.url,
+                env={"RANKWATCH_TOKEN": "test-token"},
+            )
         finally:
             collector.stop()
     assert result.returncode == 0, result.stderr[-3000:]
@@ -79,9 +91,18 @@ def test_sigterm_to_the_command_stops_torchrun_and_every_rank(collector_factory)
     and each rank, stopped by torchrun with SIGTERM in turn, first sends the steps it had not sent yet
     (the agent exports every second: killed outright, a rank loses its last ones)."""
     collector = collector_factory()
-    train = Interactive("train", "--nproc", "2", "--steps", "100000", "--run", "run-stopped", "--collector",
-                        collector.url, env={**os.environ, "RANKWATCH_TOKEN": collector.token,
-                                            "RANKWATCH_DB": str(collector.db)})  # its checkpoints, beside it
+    train = Interactive(
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "100000",
+        "--run",
+        "run-stopped",
+        "--collector",
+        collector.url,
+        env={**os.environ, "RANKWATCH_TOKEN": collector.token, "RANKWATCH_DB": str(collector.db)},
+    )  # its checkpoints, beside it
     try:
         train.read_until("step    20 ", 240)
         train.stop(signal.SIGTERM)
@@ -90,8 +111,11 @@ def test_sigterm_to_the_command_stops_torchrun_and_every_rank(collector_factory)
     finally:
         train.kill()
     collector.stop()
-    stored = query(collector.db, "SELECT rank, count(DISTINCT step), min(step), max(step) FROM steps "
-                                 "WHERE run_id = 'run-stopped' GROUP BY rank ORDER BY rank")
+    stored = query(
+        collector.db,
+        "SELECT rank, count(DISTINCT step), min(step), max(step) FROM steps "
+        "WHERE run_id = 'run-stopped' GROUP BY rank ORDER BY rank",
+    )
     assert [rank for rank, *_ in stored] == [0, 1], stored
     for rank, count, first, last in stored:
         assert first == 0 and count == last + 1 and last >= 20, (rank, count, last)  # up to the printed step
@@ -111,22 +135,33 @@ def test_one_step_row_per_rank_step(job):
     assert query(job, "SELECT count(*) FROM steps") == [(2 * STEPS,)]  # nothing from any other run
     # start/end agree with the duration, and a rank's steps follow one another
     for rank in (0, 1):
-        rows = query(job, "SELECT epoch_ns(start_ts), epoch_ns(end_ts), duration_s FROM steps "
-                          "WHERE run_id = ? AND rank = ? ORDER BY step", [RUN, rank])
+        rows = query(
+            job,
+            "SELECT epoch_ns(start_ts), epoch_ns(end_ts), duration_s FROM steps "
+            "WHERE run_id = ? AND rank = ? ORDER BY step",
+            [RUN, rank],
+        )
         for start, end, duration in rows:
             assert end - start == pytest.approx(duration * 1e9, abs=1)
             assert 0.005 < duration < 5
         for (_, end, _), (start, _, _) in itertools.pairwise(rows):
             assert start >= end
     # both ranks are inside step k at the same time (their gradients are all-reduced together)
-    both = query(job, "SELECT a.step FROM steps a JOIN steps b ON a.step = b.step AND a.rank = 0 AND b.rank = 1 "
-                      "WHERE a.start_ts < b.end_ts AND b.start_ts < a.end_ts ORDER BY 1")
+    both = query(
+        job,
+        "SELECT a.step FROM steps a JOIN steps b ON a.step = b.step AND a.rank = 0 AND b.rank = 1 "
+        "WHERE a.start_ts < b.end_ts AND b.start_ts < a.end_ts ORDER BY 1",
+    )
     assert both == [(step,) for step in range(STEPS)]
 
 
 def test_step_values(job):
-    rows = query(job, "SELECT rank, step, loss, grad_norm, tokens, lr, mfu, duration_s FROM steps "
-                      "WHERE run_id = ? ORDER BY rank, step", [RUN])
+    rows = query(
+        job,
+        "SELECT rank, step, loss, grad_norm, tokens, lr, mfu, duration_s FROM steps "
+        "WHERE run_id = ? ORDER BY rank, step",
+        [RUN],
+    )
     assert len(rows) == 2 * STEPS
     for rank, step, loss, grad_norm, tokens, lr, mfu, _duration in rows:
         assert loss is not None and 0 < loss < 10, (rank, step, loss)
@@ -152,7 +187,9 @@ def test_step_values(job):
 
 
 def test_phases_add_up_to_the_step(job):
-    phases = query(job, """
+    phases = query(
+        job,
+        """
         SELECT o.rank, o.step, list(o.name ORDER BY o.start_ts), sum(o.duration_s), s.duration_s, s.data_s,
                bool_and(o.parent_span_id = s.span_id AND o.trace_id = s.trace_id),
                bool_and(o.start_ts >= s.start_ts AND o.end_ts <= s.end_ts),
@@ -160,7 +197,9 @@ def test_phases_add_up_to_the_step(job):
                sum(o.duration_s) FILTER (WHERE o.name IN ('forward', 'backward', 'optimizer')),
                s.compute_s + s.comm_wait_s
         FROM ops o JOIN steps s USING (run_id, rank, step)
-        WHERE o.run_id = ? AND o.kind = 'phase' GROUP BY ALL ORDER BY o.rank, o.step""", [RUN])
+        WHERE o.run_id = ? AND o.kind = 'phase' GROUP BY ALL ORDER BY o.rank, o.step""",
+        [RUN],
+    )
     assert [(rank, step) for rank, step, *_ in phases] == [(r, s) for r in (0, 1) for s in range(STEPS)]
     outside_5pct = []
     for rank, step, names, total, duration, data_s, children, inside, data, compute, compute_and_wait in phases:
@@ -181,11 +220,15 @@ def test_phases_add_up_to_the_step(job):
 def test_ddp_all_reduces(job):
     expected = gradient_bytes()
     assert expected == 1_882_112  # 470,528 float32 parameters
-    rows = query(job, """
+    rows = query(
+        job,
+        """
         SELECT o.rank, o.step, sum(o.bytes), count(*), list(o.seq ORDER BY o.start_ts),
                bool_and(o.parent_span_id = s.span_id), bool_and(o.start_ts >= s.start_ts AND o.end_ts <= s.end_ts)
         FROM ops o JOIN steps s USING (run_id, rank, step)
-        WHERE o.run_id = ? AND o.kind = 'comm' GROUP BY ALL ORDER BY o.rank, o.step""", [RUN])
+        WHERE o.run_id = ? AND o.kind = 'comm' GROUP BY ALL ORDER BY o.rank, o.step""",
+        [RUN],
+    )
     assert [(rank, step) for rank, step, *_ in rows] == [(r, s) for r in (0, 1) for s in range(STEPS)]
     for rank, step, nbytes, count, _, children, inside in rows:
         assert nbytes == expected, (rank, step, nbytes)
@@ -197,8 +240,12 @@ def test_ddp_all_reduces(job):
     per_step = {(r, step): step_seqs for r, step, _, _, step_seqs, _, _ in rows}
     assert all(per_step[0, step] == per_step[1, step] for step in range(STEPS))
 
-    ops = query(job, "SELECT name, comm_group, group_size, bytes, duration_s, algbw_gbps, busbw_gbps FROM ops "
-                     "WHERE run_id = ? AND kind = 'comm'", [RUN])
+    ops = query(
+        job,
+        "SELECT name, comm_group, group_size, bytes, duration_s, algbw_gbps, busbw_gbps FROM ops "
+        "WHERE run_id = ? AND kind = 'comm'",
+        [RUN],
+    )
     assert len(ops) >= 2 * STEPS
     for name, group, size, nbytes, duration, algbw, busbw in ops:
         assert (name, group, size) == ("all_reduce", "world", 2)
@@ -208,8 +255,9 @@ def test_ddp_all_reduces(job):
 
 
 def test_ranks_and_run(job):
-    rows = query(job, "SELECT rank, device, dp_rank, local_rank, host, pid FROM ranks WHERE run_id = ? ORDER BY rank",
-                 [RUN])
+    rows = query(
+        job, "SELECT rank, device, dp_rank, local_rank, host, pid FROM ranks WHERE run_id = ? ORDER BY rank", [RUN]
+    )
     assert [(r, device, dp, local) for r, device, dp, local, _, _ in rows] == [(0, "cpu", 0, 0), (1, "cpu", 1, 1)]
     assert all(host for *_, host, _ in rows)
     assert rows[0][5] != rows[1][5] and all(pid > 0 for *_, pid in rows)  # one process per rank
@@ -260,34 +308,37 @@ def test_bus_factor_examples():
     assert bus_factor("all_reduce", 0) is None
 
 
-@pytest.mark.parametrize("name, op", [
-    ("all_reduce", "all_reduce"),
-    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
-    ("ncclKernel_AllReduce_RING_LL_Sum_float", "all_reduce"),
-    ("ncclDevKernel_AllReduce_Sum_bf16_TREE_LL128", "all_reduce"),
-    ("nccl:all_reduce", "all_reduce"),
-    ("c10d::allreduce_", "all_reduce"),
-    ("AllReduce", "all_reduce"),
-    ("nccl:all_gather", "all_gather"),
-    ("all_gather_into_tensor", "all_gather"),
-    ("_allgather_base", "all_gather"),
-    ("ncclDevKernel_AllGather_RING_LL", "all_gather"),
-    ("reduce_scatter_tensor", "reduce_scatter"),
-    ("nccl:reduce_scatter", "reduce_scatter"),
-    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"),
-    ("all_to_all_single", "all_to_all"),
-    ("nccl:all_to_all", "all_to_all"),
-    ("ncclDevKernel_Broadcast_RING_LL", "broadcast"),
-    ("nccl:broadcast", "broadcast"),
-    ("ncclDevKernel_Reduce_Sum_f32_RING_LL", "reduce"),
-    ("nccl:send", "send"),
-    ("isend", "send"),
-    ("ncclDevKernel_SendRecv", "send"),
-    ("nccl:recv", "recv"),
-    ("irecv", "recv"),
-    ("forward", None),
-    ("aten::mm", None),
-    ("optimizer", None),
-])
+@pytest.mark.parametrize(
+    "name, op",
+    [
+        ("all_reduce", "all_reduce"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
+        ("ncclKernel_AllReduce_RING_LL_Sum_float", "all_reduce"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_TREE_LL128", "all_reduce"),
+        ("nccl:all_reduce", "all_reduce"),
+        ("c10d::allreduce_", "all_reduce"),
+        ("AllReduce", "all_reduce"),
+        ("nccl:all_gather", "all_gather"),
+        ("all_gather_into_tensor", "all_gather"),
+        ("_allgather_base", "all_gather"),
+        ("ncclDevKernel_AllGather_RING_LL", "all_gather"),
+        ("reduce_scatter_tensor", "reduce_scatter"),
+        ("nccl:reduce_scatter", "reduce_scatter"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"),
+        ("all_to_all_single", "all_to_all"),
+        ("nccl:all_to_all", "all_to_all"),
+        ("ncclDevKernel_Broadcast_RING_LL", "broadcast"),
+        ("nccl:broadcast", "broadcast"),
+        ("ncclDevKernel_Reduce_Sum_f32_RING_LL", "reduce"),
+        ("nccl:send", "send"),
+        ("isend", "send"),
+        ("ncclDevKernel_SendRecv", "send"),
+        ("nccl:recv", "recv"),
+        ("irecv", "recv"),
+        ("forward", None),
+        ("aten::mm", None),
+        ("optimizer", None),
+    ],
+)
 def test_canonical_op(name, op):
     assert canonical_op(name) == op

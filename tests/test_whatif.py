@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from collector.analyzers import whatif
+from collector.analysis.analyzers import whatif
 from tests.conftest import rankwatch_in_process
 from tests.op_traces import synchronous
 from trainer import simulate
@@ -59,8 +59,22 @@ def test_slow_communication_is_the_cause():
 
 def test_cli_json_report_and_heatmap(tmp_path):
     trace, db, png = tmp_path / "sim.parquet", tmp_path / "s.duckdb", tmp_path / "heat.png"
-    assert rankwatch_in_process("simulate", "--ranks", "64", "--pp", "4", "--steps", "40", "--out", str(trace),
-                         "--inject", "straggler:rank=37,slowdown=1.2").returncode == 0
+    assert (
+        rankwatch_in_process(
+            "simulate",
+            "--ranks",
+            "64",
+            "--pp",
+            "4",
+            "--steps",
+            "40",
+            "--out",
+            str(trace),
+            "--inject",
+            "straggler:rank=37,slowdown=1.2",
+        ).returncode
+        == 0
+    )
     assert rankwatch_in_process("import", "ops", str(trace), "--run", "wi", "--db", str(db)).returncode == 0
     result = rankwatch_in_process("analyze", "wi", "--db", str(db), "--json", "--heatmap", str(png))
     assert result.returncode == 0, result.stderr
@@ -111,7 +125,6 @@ def test_attribution_splits_op_types_as_the_paper_does(tmp_path):
     trace = synchronous(list(range(30)), 8, WORK, slow={5: 1.5})
     trace.loc[(trace["rank"] == 5) & (trace["op"] != "backward-compute"), "duration"] /= 1.5
     doc = analyze_trace(trace, tmp_path)
-    assert set(doc["op_types"]) == {"data", "forward-compute", "backward-compute",
-                                    "comm:grads-all-reduce"}
+    assert set(doc["op_types"]) == {"data", "forward-compute", "backward-compute", "comm:grads-all-reduce"}
     assert doc["op_types"]["backward-compute"] == pytest.approx(doc["slowdown"], rel=1e-3)
     assert doc["op_types"]["forward-compute"] < 1.01 and doc["op_types"]["comm:grads-all-reduce"] < 1.01

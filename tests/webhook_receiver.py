@@ -20,14 +20,17 @@ def verify(secret: str, headers, body: bytes) -> bool:
     """The Standard Webhooks check: HMAC-SHA256 keyed with the base64 key after "whsec_", over
     "{webhook-id}.{webhook-timestamp}.{body}", one of the space-separated "v1,<base64>" signatures,
     and a timestamp within TOLERANCE_S of now."""
-    key = base64.b64decode(secret[len("whsec_"):])
+    key = base64.b64decode(secret[len("whsec_") :])
     msg_id, timestamp = headers["webhook-id"], headers["webhook-timestamp"]
     if abs(time.time() - int(timestamp)) > TOLERANCE_S:
         return False
-    expected = base64.b64encode(hmac.new(key, msg_id.encode() + b"." + timestamp.encode() + b"." + body,
-                                         hashlib.sha256).digest())
-    return any(version == "v1" and hmac.compare_digest(signature.encode(), expected)
-               for version, _, signature in (s.partition(",") for s in headers["webhook-signature"].split(" ")))
+    expected = base64.b64encode(
+        hmac.new(key, msg_id.encode() + b"." + timestamp.encode() + b"." + body, hashlib.sha256).digest()
+    )
+    return any(
+        version == "v1" and hmac.compare_digest(signature.encode(), expected)
+        for version, _, signature in (s.partition(",") for s in headers["webhook-signature"].split(" "))
+    )
 
 
 @dataclass
@@ -56,9 +59,13 @@ class Receiver:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["content-length"]))
                 signed = "webhook-signature" in self.headers
-                receiver.deliveries.append(Delivery(
-                    self.headers["webhook-id"], verify(receiver.secret, self.headers, body) if signed else None,
-                    json.loads(body)))
+                receiver.deliveries.append(
+                    Delivery(
+                        self.headers["webhook-id"],
+                        verify(receiver.secret, self.headers, body) if signed else None,
+                        json.loads(body),
+                    )
+                )
                 self.send_response(receiver.status)
                 self.end_headers()
 

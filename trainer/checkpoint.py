@@ -80,7 +80,7 @@ class _Ref(NamedTuple):
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         size = self.dtype.itemsize * torch.Size(self.shape).numel()
-        return buffer[self.offset:self.offset + size].view(self.dtype).view(self.shape)
+        return buffer[self.offset : self.offset + size].view(self.dtype).view(self.shape)
 
 
 class _Tensor:
@@ -178,8 +178,8 @@ def _write_durably(path: Path, data: memoryview) -> dict:
     digest, tmp = hashlib.blake2b(), path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         for i in range(0, len(data), _CHUNK):
-            digest.update(data[i:i + _CHUNK])
-            f.write(data[i:i + _CHUNK])
+            digest.update(data[i : i + _CHUNK])
+            f.write(data[i : i + _CHUNK])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -190,8 +190,10 @@ def _manifest(path: Path, step: int) -> dict:
     """A checkpoint directory's manifest, checked against the sizes of its files: metadata only, no data read."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files = {name: (int(manifest["files"][name]["bytes"]), str(manifest["files"][name]["blake2b"]))
-                 for name in (META, TENSORS)}
+        files = {
+            name: (int(manifest["files"][name]["bytes"]), str(manifest["files"][name]["blake2b"]))
+            for name in (META, TENSORS)
+        }
         share, nbytes = (int(manifest["share"][0]), int(manifest["share"][1])), int(manifest["tensor_bytes"])
         if manifest["step"] != step:
             raise _Corrupt(f"the manifest is of step {manifest['step']}")
@@ -212,7 +214,7 @@ def _read_verified(path: Path, into: memoryview, expected_digest: str) -> None:
     digest = hashlib.blake2b()
     with open(path, "rb") as f:
         for i in range(0, len(into), _CHUNK):
-            chunk = into[i:i + _CHUNK]
+            chunk = into[i : i + _CHUNK]
             if f.readinto(chunk) != len(chunk):
                 raise _Corrupt(f"{path.name} ended early")
             digest.update(chunk)
@@ -290,8 +292,16 @@ class Checkpointer:
     shares. `agree` is a collective over the group returning the lowest of the values passed (a
     replica alone: itself), so that every replica restores the same step."""
 
-    def __init__(self, directory: Path, state: dict[str, Stateful], memory: int = 4, disk_every: int = 100,
-                 keep: int = 2, replicas: list[Path] | None = None, agree: Callable[[int], int] = _alone):
+    def __init__(
+        self,
+        directory: Path,
+        state: dict[str, Stateful],
+        memory: int = 4,
+        disk_every: int = 100,
+        keep: int = 2,
+        replicas: list[Path] | None = None,
+        agree: Callable[[int], int] = _alone,
+    ):
         if min(memory, disk_every, keep) < 1:
             raise ValueError("memory, disk_every and keep must be at least 1")
         self.directory, self.state = Path(directory), state
@@ -304,8 +314,10 @@ class Checkpointer:
         self._unreported: list[_Snapshot] = []  # copies started whose end the loop has not acted on yet
         self._copies: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._copy_loop, name="checkpoint-copier", daemon=True),
-                         threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._copy_loop, name="checkpoint-copier", daemon=True),
+            threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -366,8 +378,12 @@ class Checkpointer:
                 break
             target = step - 1  # one replica's copy of it does not verify: every replica goes further back
         if all(s.step > step_at_most for s in self._slots):
-            log.warning("checkpoint: all %d snapshots in memory are newer than step %d: keep more (--ckpt-memory) "
-                        "for an instant rollback", self.memory, step_at_most)
+            log.warning(
+                "checkpoint: all %d snapshots in memory are newer than step %d: keep more (--ckpt-memory) "
+                "for an instant rollback",
+                self.memory,
+                step_at_most,
+            )
         for s in self._slots:
             if s.step > step:
                 s.step = -1
@@ -428,9 +444,16 @@ class Checkpointer:
             if slot.error:
                 step, slot.step = slot.step, -1
                 raise RuntimeError(f"snapshot of step {step} failed") from slot.error
-            agent.event(sc.EVENT_CHECKPOINT_SAVED, slot.step, **{
-                sc.CKPT_TIER: sc.TIER_MEMORY, sc.CKPT_BYTES: slot.nbytes + len(slot.meta),
-                sc.CKPT_BLOCKED_S: slot.blocked_s, sc.CKPT_DURABLE_S: slot.copied_at - slot.started})
+            agent.event(
+                sc.EVENT_CHECKPOINT_SAVED,
+                slot.step,
+                **{
+                    sc.CKPT_TIER: sc.TIER_MEMORY,
+                    sc.CKPT_BYTES: slot.nbytes + len(slot.meta),
+                    sc.CKPT_BLOCKED_S: slot.blocked_s,
+                    sc.CKPT_DURABLE_S: slot.copied_at - slot.started,
+                },
+            )
             if slot.step % self.disk_every == 0:
                 slot.flushing = True
                 self._writes.put(slot)
@@ -513,19 +536,32 @@ class Checkpointer:
         (path / MANIFEST).unlink(missing_ok=True)  # a rewrite: the old manifest must not vouch for new files
         lo, hi = _share(slot.nbytes, self._own, len(self._replicas))
         assert slot.buffer is not None  # a snapshot is written once copied into its buffer
-        files = {META: _write_durably(path / META, memoryview(pickle.dumps((slot.meta, slot.refs)))),
-                 TENSORS: _write_durably(path / TENSORS, _memory(slot.buffer)[lo:hi])}
+        files = {
+            META: _write_durably(path / META, memoryview(pickle.dumps((slot.meta, slot.refs)))),
+            TENSORS: _write_durably(path / TENSORS, _memory(slot.buffer)[lo:hi]),
+        }
         _fsync_dir(path)
-        _write_durably(path / MANIFEST, memoryview(json.dumps(
-            {"step": slot.step, "files": files, "share": [lo, hi], "tensor_bytes": slot.nbytes}).encode()))
+        _write_durably(
+            path / MANIFEST,
+            memoryview(
+                json.dumps({"step": slot.step, "files": files, "share": [lo, hi], "tensor_bytes": slot.nbytes}).encode()
+            ),
+        )
         _fsync_dir(path)
         durable_s = time.perf_counter() - slot.started
         log.info("checkpoint: step %d durable in %s, %.3f s after its snapshot", slot.step, path, durable_s)
-        agent.event(sc.EVENT_CHECKPOINT_SAVED, slot.step, **{
-            sc.CKPT_TIER: sc.TIER_DISK, sc.CKPT_BYTES: hi - lo + files[META]["bytes"],
-            sc.CKPT_BLOCKED_S: slot.blocked_s, sc.CKPT_DURABLE_S: durable_s})
+        agent.event(
+            sc.EVENT_CHECKPOINT_SAVED,
+            slot.step,
+            **{
+                sc.CKPT_TIER: sc.TIER_DISK,
+                sc.CKPT_BYTES: hi - lo + files[META]["bytes"],
+                sc.CKPT_BLOCKED_S: slot.blocked_s,
+                sc.CKPT_DURABLE_S: durable_s,
+            },
+        )
         complete = [p for _, p in sorted(self._on_disk().items()) if (p / MANIFEST).exists()]
-        for old in set(self._on_disk().values()) - set(complete[-self.keep:]):
+        for old in set(self._on_disk().values()) - set(complete[-self.keep :]):
             _remove(old)
 
     def _on_disk(self) -> dict[int, Path]:
@@ -564,8 +600,10 @@ class Checkpointer:
         else:
             path = self.directory / f"step-{step:08d}"
             try:
-                tier, (meta, refs, buffer) = sc.TIER_DISK, _read_checkpoint(
-                    [r / path.name for r in self._replicas], self._own, step)
+                tier, (meta, refs, buffer) = (
+                    sc.TIER_DISK,
+                    _read_checkpoint([r / path.name for r in self._replicas], self._own, step),
+                )
             except _Corrupt as e:
                 self._report(path, step, str(e))
                 return None

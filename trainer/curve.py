@@ -48,9 +48,14 @@ class Curve:
 
     def scaled(self, noise: float) -> "Curve":
         """This curve with its noise (loss, ranks, gradient norm) and excursion rates `noise` times."""
-        return replace(self, loss_noise=self.loss_noise * noise, rank_noise=self.rank_noise * noise,
-                       grad_noise=self.grad_noise * noise, excursion_rate=self.excursion_rate * noise,
-                       early_rate=self.early_rate * noise)
+        return replace(
+            self,
+            loss_noise=self.loss_noise * noise,
+            rank_noise=self.rank_noise * noise,
+            grad_noise=self.grad_noise * noise,
+            excursion_rate=self.excursion_rate * noise,
+            early_rate=self.early_rate * noise,
+        )
 
 
 def curve(c: Curve, ranks: int, faults: list[Fault], seed: int = 0) -> Iterator[tuple[np.ndarray, float]]:
@@ -67,10 +72,12 @@ def curve(c: Curve, ranks: int, faults: list[Fault], seed: int = 0) -> Iterator[
         if rng.random() < c.excursion_rate + c.early_rate * early:  # rises over this step and the next
             size = rng.uniform(low, high) + early * math.log(8.0 / c.excursion_size[1]) * rng.random()
             level, pending = level + size / 2, size / 2
-        loss = (c.floor + (c.start - c.floor) * (1 + step / c.tau) ** -c.power) \
-            * math.exp(rng.normal(0.0, c.loss_noise) + c.loss_coupling * level)
-        grad = (c.grad_base * (1 + step / c.grad_drift) + (c.grad_start - c.grad_base) * math.exp(-step / 3)) \
-            * math.exp(rng.normal(0.0, c.grad_noise) + level)
+        loss = (c.floor + (c.start - c.floor) * (1 + step / c.tau) ** -c.power) * math.exp(
+            rng.normal(0.0, c.loss_noise) + c.loss_coupling * level
+        )
+        grad = (
+            c.grad_base * (1 + step / c.grad_drift) + (c.grad_start - c.grad_base) * math.exp(-step / 3)
+        ) * math.exp(rng.normal(0.0, c.grad_noise) + level)
         losses = loss * np.exp(rng.normal(0.0, c.rank_noise, ranks))
         for f in faults:
             if f.kind in CURVE_KINDS and f.active(step):

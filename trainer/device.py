@@ -17,9 +17,13 @@ def choose(requested: str, ranks: int, gpus: int) -> tuple[str, str | None]:
     if gpus >= ranks:
         return "cuda", None
     if requested == "cuda":
-        raise DeviceError(f"--device cuda needs a GPU for every rank: {ranks} ranks on this machine, "
-                          f"{gpus} GPU{'s' if gpus != 1 else ''}")
+        raise DeviceError(
+            f"--device cuda needs a GPU for every rank: {ranks} ranks on this machine, "
+            f"{gpus} GPU{'s' if gpus != 1 else ''}"
+        )
     if gpus:
-        return "cpu", (f"{ranks} ranks on {gpus} GPU{'s' if gpus != 1 else ''}: training on the CPU (gloo); "
-                       f"--nproc {gpus} trains on the GPUs")
+        return "cpu", (
+            f"{ranks} ranks on {gpus} GPU{'s' if gpus != 1 else ''}: training on the CPU (gloo); "
+            f"--nproc {gpus} trains on the GPUs"
+        )
     return "cpu", None

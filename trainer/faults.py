@@ -1,17 +1,17 @@
 """Fault injection: one grammar for the trainer and the fleet simulator.
 
-    straggler:rank=2,slowdown=1.3,from=40[,to=90]   a rank's compute runs `slowdown` times longer
-    slow-node:node=3,slowdown=1.2,from=40           the ranks of a host (simulator)
-    hang:rank=1,at=200[,seconds=S]                   a rank stops (forever, or for S seconds)
-    spike:at=120,scale=8                             the loss of one step is scaled (a loss spike)
-    nan:at=150                                       the loss of one step is NaN
-    crash:rank=1,at=50                               a rank's process exits with an error (torchrun's first
-                                                     attempt only: a restart resumes from a checkpoint)
-    thermal:rank=3,from=60                           a GPU throttles (clocks down, slower)
-    slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
-    slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
-    data-skew:cv=0.3                                 per-step work varies (sequence lengths)
-    power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
+straggler:rank=2,slowdown=1.3,from=40[,to=90]   a rank's compute runs `slowdown` times longer
+slow-node:node=3,slowdown=1.2,from=40           the ranks of a host (simulator)
+hang:rank=1,at=200[,seconds=S]                   a rank stops (forever, or for S seconds)
+spike:at=120,scale=8                             the loss of one step is scaled (a loss spike)
+nan:at=150                                       the loss of one step is NaN
+crash:rank=1,at=50                               a rank's process exits with an error (torchrun's first
+                                                 attempt only: a restart resumes from a checkpoint)
+thermal:rank=3,from=60                           a GPU throttles (clocks down, slower)
+slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
+slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
+data-skew:cv=0.3                                 per-step work varies (sequence lengths)
+power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
 """
 
 import math
@@ -33,9 +33,20 @@ _KEYS: dict[str, dict[str, tuple[type[int] | type[float], bool]]] = {  # kind ->
 
 
 # the least each value may be, and whether it may equal it: a slowdown below 1 would be a speed-up
-_LEAST = {"rank": (0, True), "node": (0, True), "stage": (0, True), "at": (0, True), "from": (0, True),
-          "to": (0, False), "slowdown": (1.0, True), "factor": (1.0, True), "scale": (0.0, False),
-          "cv": (0.0, True), "seconds": (0.0, False), "watts": (0.0, False)}
+_LEAST = {
+    "rank": (0, True),
+    "node": (0, True),
+    "stage": (0, True),
+    "at": (0, True),
+    "from": (0, True),
+    "to": (0, False),
+    "slowdown": (1.0, True),
+    "factor": (1.0, True),
+    "scale": (0.0, False),
+    "cv": (0.0, True),
+    "seconds": (0.0, False),
+    "watts": (0.0, False),
+}
 
 TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash")  # the rest need the fleet simulator
 
@@ -83,8 +94,9 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
     for key, value in params.items():
         least, inclusive = _LEAST[key]
         if not math.isfinite(value) or not (value >= least if inclusive else value > least):
-            raise ValueError(f"{spec!r}: {key} must be {'at least' if inclusive else 'more than'} {least:g}, "
-                             f"got {value:g}")
+            raise ValueError(
+                f"{spec!r}: {key} must be {'at least' if inclusive else 'more than'} {least:g}, got {value:g}"
+            )
     if params.get("to") is not None and params["to"] <= params.get("from", 0):
         raise ValueError(f"{spec!r}: to must come after from")
     missing = [k for k, (_, required) in allowed.items() if required and k not in params]

@@ -95,8 +95,15 @@ class Stop(Exception):
     """The job must stop: the rollback budget is spent."""
 
 
-def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
-          schedule: torch.optim.lr_scheduler.LRScheduler, budget: Budget, now_ns) -> int:
+def apply(
+    command: dict,
+    step: int,
+    ckpt: Checkpointer,
+    data: TokenStream,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    budget: Budget,
+    now_ns,
+) -> int:
     """The step training goes on at after the rollback (`step` itself when no checkpoint is far
     enough back); raises Stop when the budget is spent, once the good state is durable. `now_ns`: the job's
     clock, the one its spans use."""
@@ -109,9 +116,11 @@ def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
     what = f"command {command.get('id', '?')}, for {args.get('anomaly') or 'a request'}, back to step {restored}"
     if not budget.spend(step, what):
         ckpt.make_durable(restored)
-        why = (f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another, "
-               f"with step {restored} durable in {ckpt.directory} (the rollbacks: {budget.spent_on()}; this one "
-               f"{what})")
+        why = (
+            f"{budget.rollbacks} rollbacks within {budget.window} steps: stopping instead of another, "
+            f"with step {restored} durable in {ckpt.directory} (the rollbacks: {budget.spent_on()}; this one "
+            f"{what})"
+        )
         agent.report(command, "failed", why=why, restored_step=restored, from_step=step)
         agent.event(sc.EVENT_STOPPED, restored, **{sc.STOP_WHY: why})
         raise Stop(why)
@@ -120,9 +129,25 @@ def apply(command: dict, step: int, ckpt: Checkpointer, data: TokenStream,
     if scale != 1.0:
         schedule.base_lrs = [lr * scale for lr in schedule.base_lrs]
     latency = time.time() - datetime.fromisoformat(command["created_at"]).timestamp()
-    agent.event(sc.EVENT_ROLLBACK, restored, **{
-        sc.ROLLBACK_RESTORED_STEP: restored, sc.ROLLBACK_SKIPPED_BATCHES: skipped, sc.ROLLBACK_LR_SCALE: scale,
-        sc.ROLLBACK_ANOMALY: str(args.get("anomaly", "")), sc.ROLLBACK_LATENCY_S: latency})
-    agent.report(command, "applied", restored_step=restored, resumed_ns=now_ns(), skipped_batches=skipped,
-                 lr_scale=scale, from_step=step, latency_s=latency)
+    agent.event(
+        sc.EVENT_ROLLBACK,
+        restored,
+        **{
+            sc.ROLLBACK_RESTORED_STEP: restored,
+            sc.ROLLBACK_SKIPPED_BATCHES: skipped,
+            sc.ROLLBACK_LR_SCALE: scale,
+            sc.ROLLBACK_ANOMALY: str(args.get("anomaly", "")),
+            sc.ROLLBACK_LATENCY_S: latency,
+        },
+    )
+    agent.report(
+        command,
+        "applied",
+        restored_step=restored,
+        resumed_ns=now_ns(),
+        skipped_batches=skipped,
+        lr_scale=scale,
+        from_step=step,
+        latency_s=latency,
+    )
     return restored

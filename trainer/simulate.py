@@ -53,8 +53,17 @@ from agent.gpumodel import THERMAL, GpuModel, operating_points
 from trainer.curve import CURVE_KINDS, Curve, curve
 from trainer.faults import Fault
 
-SIMULATOR_KINDS = ("straggler", "slow-node", "slow-stage", "data-skew", "slow-link", "thermal", "hang", "power-cap",
-                   *CURVE_KINDS)
+SIMULATOR_KINDS = (
+    "straggler",
+    "slow-node",
+    "slow-stage",
+    "data-skew",
+    "slow-link",
+    "thermal",
+    "hang",
+    "power-cap",
+    *CURVE_KINDS,
+)
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
@@ -86,8 +95,15 @@ class Topology:
 
     def placement(self) -> pd.DataFrame:
         rank = np.arange(self.ranks)
-        return pd.DataFrame({"rank": rank, "tp_rank": rank % self.tp, "dp_rank": (rank // self.tp) % self.dp,
-                             "pp_stage": rank // (self.tp * self.dp), "host": rank // self.ranks_per_host})
+        return pd.DataFrame(
+            {
+                "rank": rank,
+                "tp_rank": rank % self.tp,
+                "dp_rank": (rank // self.tp) % self.dp,
+                "pp_stage": rank // (self.tp * self.dp),
+                "host": rank // self.ranks_per_host,
+            }
+        )
 
 
 def _group_max(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -140,9 +156,17 @@ def power_limits(caps, ranks: int, gpu: GpuModel = GpuModel()) -> np.ndarray:
     return limits
 
 
-def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing = Timing(),
-          seed: int = 0, start_ns: int | None = None, power_limits: np.ndarray | None = None,
-          gpu: GpuModel = GpuModel(), training: Curve = Curve()) -> Iterator[pd.DataFrame]:
+def steps(
+    topology: Topology,
+    n_steps: int,
+    faults: list[Fault],
+    timing: Timing = Timing(),
+    seed: int = 0,
+    start_ns: int | None = None,
+    power_limits: np.ndarray | None = None,
+    gpu: GpuModel = GpuModel(),
+    training: Curve = Curve(),
+) -> Iterator[pd.DataFrame]:
     """One frame per step: rank, step, start_ns, end_ns, duration_s, data_s, compute_s, comm_wait_s,
     tp_allreduce_s (the tensor-parallel transfer), allreduce_done_s (when, from the step's start, its
     data-parallel group's all-reduce completes), sm_clock_mhz (under load), temp_c, clock_event_reasons,
@@ -204,18 +228,42 @@ def steps(topology: Topology, n_steps: int, faults: list[Fault], timing: Timing 
         # a group's all-reduce starts when its last rank enters and lasts its transfer time
         allreduce_done = _group_max(data + compute + tp_s, topology.dp_groups()) + dp_s
         loss, grad_norm = next(losses)
-        yield pd.DataFrame({"rank": place["rank"], "step": step, "start_ns": now,
-                            "end_ns": now + int(step_s * 1e9), "duration_s": step_s, "data_s": data,
-                            "compute_s": compute, "comm_wait_s": comm_wait, "tp_allreduce_s": tp_s,
-                            "allreduce_done_s": allreduce_done, "sm_clock_mhz": clock, "temp_c": temp,
-                            "clock_event_reasons": reasons, "power_limit_w": limit, "busy_power_w": busy_w,
-                            "wait_power_w": wait_w, "energy_j": energy, "loss": loss, "grad_norm": grad_norm})
+        yield pd.DataFrame(
+            {
+                "rank": place["rank"],
+                "step": step,
+                "start_ns": now,
+                "end_ns": now + int(step_s * 1e9),
+                "duration_s": step_s,
+                "data_s": data,
+                "compute_s": compute,
+                "comm_wait_s": comm_wait,
+                "tp_allreduce_s": tp_s,
+                "allreduce_done_s": allreduce_done,
+                "sm_clock_mhz": clock,
+                "temp_c": temp,
+                "clock_event_reasons": reasons,
+                "power_limit_w": limit,
+                "busy_power_w": busy_w,
+                "wait_power_w": wait_w,
+                "energy_j": energy,
+                "loss": loss,
+                "grad_norm": grad_norm,
+            }
+        )
         now += int(step_s * 1e9)
 
 
-def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.DataFrame],
-                 faults: list[Fault], hang_for_s: float = 60.0, timing: Timing = Timing(),
-                 gpu: GpuModel = GpuModel()) -> int:
+def to_collector(
+    exporter,
+    run_id: str,
+    topology: Topology,
+    frames: Iterable[pd.DataFrame],
+    faults: list[Fault],
+    hang_for_s: float = 60.0,
+    timing: Timing = Timing(),
+    gpu: GpuModel = GpuModel(),
+) -> int:
     """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
     ranks' heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
     clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
@@ -226,11 +274,22 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.
     from agent import semconv as sc
 
     place = topology.placement()
-    resources = [Resource.create({sc.RUN_ID: run_id, sc.RANK: int(r.rank), sc.WORLD_SIZE: topology.ranks,
-                                  sc.DP_RANK: int(r.dp_rank), sc.PP_STAGE: int(r.pp_stage),
-                                  sc.TP_RANK: int(r.tp_rank), sc.HOST_NAME: f"sim-node-{r.host:04d}",
-                                  sc.DEVICE: "simulated", sc.SOURCE: sc.SOURCE_SIMULATED})
-                 for r in place.itertuples()]
+    resources = [
+        Resource.create(
+            {
+                sc.RUN_ID: run_id,
+                sc.RANK: int(r.rank),
+                sc.WORLD_SIZE: topology.ranks,
+                sc.DP_RANK: int(r.dp_rank),
+                sc.PP_STAGE: int(r.pp_stage),
+                sc.TP_RANK: int(r.tp_rank),
+                sc.HOST_NAME: f"sim-node-{r.host:04d}",
+                sc.DEVICE: "simulated",
+                sc.SOURCE: sc.SOURCE_SIMULATED,
+            }
+        )
+        for r in place.itertuples()
+    ]
     announced: set[str] = set()
     dp_group, tp_group = topology.dp_groups(), topology.tp_groups()
 
@@ -238,8 +297,11 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.
         for f in candidates:
             if f.active(step) and f.spec not in announced:
                 announced.add(f.spec)
-                exporter.event(sc.EVENT_FAULT, time_ns,
-                               {sc.STEP: step, sc.FAULT_SPEC: f.spec, sc.RANK: f.rank if f.rank is not None else 0})
+                exporter.event(
+                    sc.EVENT_FAULT,
+                    time_ns,
+                    {sc.STEP: step, sc.FAULT_SPEC: f.spec, sc.RANK: f.rank if f.rank is not None else 0},
+                )
 
     sent, step, last_end, next_beat = 0, -1, time.time_ns(), None
     for frame in frames:
@@ -249,30 +311,64 @@ def to_collector(exporter, run_id: str, topology: Topology, frames: Iterable[pd.
         data, compute = frame["data_s"].to_numpy(), frame["compute_s"].to_numpy()
         while next_beat < last_end:  # where each rank is in this step at that moment
             offset = (next_beat - start) / 1e9
-            _heartbeats(exporter, next_beat, step,
-                        np.select([offset < data, offset < data + compute], ["data", "compute"], ""))
+            _heartbeats(
+                exporter, next_beat, step, np.select([offset < data, offset < data + compute], ["data", "compute"], "")
+            )
             next_beat += HEARTBEAT_NS
         for row in frame.itertuples():
-            spans = [("step", row.start_ns, row.end_ns, {
-                sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: row.data_s, sc.COMPUTE_S: row.compute_s,
-                sc.COMM_WAIT_S: row.comm_wait_s, sc.TOKENS: 4096, sc.STEP_ENERGY_J: row.energy_j,
-                sc.LOSS: row.loss, sc.GRAD_NORM: row.grad_norm})]
+            spans = [
+                (
+                    "step",
+                    row.start_ns,
+                    row.end_ns,
+                    {
+                        sc.KIND: sc.KIND_STEP,
+                        sc.STEP: step,
+                        sc.DATA_S: row.data_s,
+                        sc.COMPUTE_S: row.compute_s,
+                        sc.COMM_WAIT_S: row.comm_wait_s,
+                        sc.TOKENS: 4096,
+                        sc.STEP_ENERGY_J: row.energy_j,
+                        sc.LOSS: row.loss,
+                        sc.GRAD_NORM: row.grad_norm,
+                    },
+                )
+            ]
             # each collective as the agent times it: from the rank's entry to its completion
             entered = row.start_ns + int((row.data_s + row.compute_s) * 1e9)
             if topology.tp > 1:
                 done = entered + int(row.tp_allreduce_s * 1e9)
-                spans.append(_collective(step, f"tp{tp_group[row.rank]}", topology.tp, timing.tp_allreduce_bytes,
-                                         entered, done))
+                spans.append(
+                    _collective(step, f"tp{tp_group[row.rank]}", topology.tp, timing.tp_allreduce_bytes, entered, done)
+                )
                 entered = done
-            spans.append(_collective(step, f"dp{dp_group[row.rank]}", topology.dp, timing.allreduce_bytes, entered,
-                                     row.start_ns + int(row.allreduce_done_s * 1e9)))
+            spans.append(
+                _collective(
+                    step,
+                    f"dp{dp_group[row.rank]}",
+                    topology.dp,
+                    timing.allreduce_bytes,
+                    entered,
+                    row.start_ns + int(row.allreduce_done_s * 1e9),
+                )
+            )
             exporter.trace(spans, resource=resources[row.rank])
             sent += len(spans)
         instant = {sc.POWER_KIND: sc.POWER_KIND_INSTANT}
-        exporter.samples((metric, int(time_ns), float(value), {
-            sc.RANK: int(rank), sc.GPU: int(rank) % topology.ranks_per_host, sc.SOURCE: sc.SOURCE_SIMULATED,
-            **(instant if metric == sc.POWER_INSTANT_W else {})})
-            for rank, time_ns, metric, value in device_samples(frame, timing, gpu).itertuples(index=False))
+        exporter.samples(
+            (
+                metric,
+                int(time_ns),
+                float(value),
+                {
+                    sc.RANK: int(rank),
+                    sc.GPU: int(rank) % topology.ranks_per_host,
+                    sc.SOURCE: sc.SOURCE_SIMULATED,
+                    **(instant if metric == sc.POWER_INSTANT_W else {}),
+                },
+            )
+            for rank, time_ns, metric, value in device_samples(frame, timing, gpu).itertuples(index=False)
+        )
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
@@ -290,22 +386,44 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel
 
     end = frame["end_ns"]
     busy = frame["start_ns"] + ((frame["data_s"] + frame["compute_s"] / 2) * 1e9).astype("int64")
-    samples = [(sc.SM_CLOCK_MHZ, end, frame["sm_clock_mhz"]), (sc.GPU_TEMP_C, end, frame["temp_c"]),
-               (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
-               (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]), (sc.GPU_UTIL_PCT, busy, 100.0),
-               (sc.POWER_INSTANT_W, end, frame["wait_power_w"]), (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
-               (sc.POWER_LIMIT_W, end, frame["power_limit_w"]), (sc.POWER_LIMIT_MIN_W, end, gpu.limit_min_w),
-               (sc.POWER_LIMIT_MAX_W, end, gpu.limit_max_w)]
-    return pd.concat([pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
-                      for metric, ts, value in samples], ignore_index=True)
+    samples = [
+        (sc.SM_CLOCK_MHZ, end, frame["sm_clock_mhz"]),
+        (sc.GPU_TEMP_C, end, frame["temp_c"]),
+        (sc.CLOCK_EVENT_REASONS, end, frame["clock_event_reasons"]),
+        (sc.POWER_INSTANT_W, busy, frame["busy_power_w"]),
+        (sc.GPU_UTIL_PCT, busy, 100.0),
+        (sc.POWER_INSTANT_W, end, frame["wait_power_w"]),
+        (sc.GPU_UTIL_PCT, end, 100.0 * timing.wait_load),
+        (sc.POWER_LIMIT_W, end, frame["power_limit_w"]),
+        (sc.POWER_LIMIT_MIN_W, end, gpu.limit_min_w),
+        (sc.POWER_LIMIT_MAX_W, end, gpu.limit_max_w),
+    ]
+    return pd.concat(
+        [
+            pd.DataFrame({"rank": frame["rank"], "ts": ts, "metric": metric, "value": value})
+            for metric, ts, value in samples
+        ],
+        ignore_index=True,
+    )
 
 
 def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:
     """A gradient all-reduce span, with the attributes the agent's collective wrappers record."""
     from agent import semconv as sc
 
-    return ("all_reduce", start_ns, end_ns, {sc.KIND: sc.KIND_COMM, sc.STEP: step, sc.COMM_GROUP: group,
-                                             sc.COMM_GROUP_SIZE: size, sc.COMM_SEQ: step, sc.COMM_BYTES: nbytes})
+    return (
+        "all_reduce",
+        start_ns,
+        end_ns,
+        {
+            sc.KIND: sc.KIND_COMM,
+            sc.STEP: step,
+            sc.COMM_GROUP: group,
+            sc.COMM_GROUP_SIZE: size,
+            sc.COMM_SEQ: step,
+            sc.COMM_BYTES: nbytes,
+        },
+    )
 
 
 def _stuck(exporter, n_ranks: int, step: int, stuck: list[int], seconds: float) -> None:
@@ -329,8 +447,12 @@ def _heartbeats(exporter, time_ns: int, step: int, phase: np.ndarray) -> None:
         seq = step - 1 + in_allreduce
         attributes = {sc.RANK: rank, sc.STEP: step, sc.PHASE: p}
         if seq >= 0:
-            attributes |= {sc.COMM_OP: ALLREDUCE_OP, sc.COMM_GROUP: ALLREDUCE_GROUP, sc.COMM_SEQ: seq,
-                           sc.COMM_DONE: not in_allreduce}
+            attributes |= {
+                sc.COMM_OP: ALLREDUCE_OP,
+                sc.COMM_GROUP: ALLREDUCE_GROUP,
+                sc.COMM_SEQ: seq,
+                sc.COMM_DONE: not in_allreduce,
+            }
         exporter.event(sc.EVENT_HEARTBEAT, time_ns, attributes)
 
 
@@ -344,14 +466,40 @@ def to_parquet(path: Path, topology: Topology, frames: Iterable[pd.DataFrame], f
     writer, rows = None, 0
     for frame in frames:
         start = frame["start_ns"] / 1e9
-        ops = pd.concat([
-            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "data", "kind": "data",
-                          "start": start, "duration": frame["data_s"]}),
-            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "forward-backward-compute",
-                          "kind": "compute", "start": start + frame["data_s"], "duration": frame["compute_s"]}),
-            pd.DataFrame({"rank": frame["rank"], "step": frame["step"], "op": "grads-all-reduce", "kind": "comm",
-                          "start": start + frame["data_s"] + frame["compute_s"], "duration": frame["comm_wait_s"]}),
-        ]).join(place[["dp_rank", "pp_stage", "tp_rank"]], on="rank")
+        ops = pd.concat(
+            [
+                pd.DataFrame(
+                    {
+                        "rank": frame["rank"],
+                        "step": frame["step"],
+                        "op": "data",
+                        "kind": "data",
+                        "start": start,
+                        "duration": frame["data_s"],
+                    }
+                ),
+                pd.DataFrame(
+                    {
+                        "rank": frame["rank"],
+                        "step": frame["step"],
+                        "op": "forward-backward-compute",
+                        "kind": "compute",
+                        "start": start + frame["data_s"],
+                        "duration": frame["compute_s"],
+                    }
+                ),
+                pd.DataFrame(
+                    {
+                        "rank": frame["rank"],
+                        "step": frame["step"],
+                        "op": "grads-all-reduce",
+                        "kind": "comm",
+                        "start": start + frame["data_s"] + frame["compute_s"],
+                        "duration": frame["comm_wait_s"],
+                    }
+                ),
+            ]
+        ).join(place[["dp_rank", "pp_stage", "tp_rank"]], on="rank")
         table = pa.Table.from_pandas(ops, preserve_index=False)
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)

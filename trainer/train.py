@@ -42,26 +42,54 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
     p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--ckpt-dir", type=Path, metavar="DIR",
-                   help=f"checkpoints, DIR/rank-R for rank R (default: "
-                        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, "
-                        f"beside ${paths.DB_ENV}'s store when it is set)")
-    p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
-                   help="copy the training state to host memory every STEPS steps")
-    p.add_argument("--ckpt-every", type=int, default=100, metavar="STEPS",
-                   help="write one of those snapshots to disk every STEPS steps (a multiple of --snapshot-every)")
+    p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"checkpoints, DIR/rank-R for rank R (default: "
+        f"{paths.checkpoint_dir(paths.DEFAULT_DB, 'RUN')}, "
+        f"beside ${paths.DB_ENV}'s store when it is set)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=10,
+        metavar="STEPS",
+        help="copy the training state to host memory every STEPS steps",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=100,
+        metavar="STEPS",
+        help="write one of those snapshots to disk every STEPS steps (a multiple of --snapshot-every)",
+    )
     # the least kept: the ring grows to the measured step time x detection latency (trainer/rollback.py
     # ring_size; docs/benchmarks.md, Checkpoints)
-    p.add_argument("--ckpt-memory", type=int, default=4, metavar="K",
-                   help="snapshots kept in host memory at least; more as the measured step time and detection "
-                        "latency ask, within half the free memory")
+    p.add_argument(
+        "--ckpt-memory",
+        type=int,
+        default=4,
+        metavar="K",
+        help="snapshots kept in host memory at least; more as the measured step time and detection "
+        "latency ask, within half the free memory",
+    )
     p.add_argument("--ckpt-keep", type=int, default=2, metavar="D", help="checkpoints kept on disk")
-    p.add_argument("--max-rollbacks", type=int, default=3, metavar="N",
-                   help="rollbacks allowed within --rollback-window steps; the next one stops the job, its last "
-                        "good state on disk")
+    p.add_argument(
+        "--max-rollbacks",
+        type=int,
+        default=3,
+        metavar="N",
+        help="rollbacks allowed within --rollback-window steps; the next one stops the job, its last "
+        "good state on disk",
+    )
     p.add_argument("--rollback-window", type=int, default=1000, metavar="STEPS")
-    p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="auto: a GPU per rank where the machine has enough, else the CPU")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: a GPU per rank where the machine has enough, else the CPU",
+    )
     args = p.parse_args(argv)
     try:
         args.device, _ = choose(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
@@ -89,8 +117,10 @@ def slow_link_hook(faults: list[Fault], rank: int, step_of):
     def hook(process_group, bucket):
         started = time.monotonic()
         fut = default_hooks.allreduce_hook(process_group, bucket)
-        factor = max((f.get("factor") for f in faults if f.kind == "slow-link" and f.rank == rank
-                      and f.active(step_of())), default=1.0)
+        factor = max(
+            (f.get("factor") for f in faults if f.kind == "slow-link" and f.rank == rank and f.active(step_of())),
+            default=1.0,
+        )
 
         def stretch(done):
             time.sleep((factor - 1) * (time.monotonic() - started))
@@ -128,8 +158,12 @@ def grow_ring(ckpt: Checkpointer, reach: rollback.Reach, every: int) -> None:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     fits = ckpt.memory + free // ckpt.snapshot_bytes
     if wanted > fits and fits > ckpt.memory:
-        print(f"rankwatch train: {fits} snapshots in memory where {wanted} would reach back "
-              f"{reach.latency_s:.0f} s: an older rollback target loads from disk", file=sys.stderr, flush=True)
+        print(
+            f"rankwatch train: {fits} snapshots in memory where {wanted} would reach back "
+            f"{reach.latency_s:.0f} s: an older rollback target loads from disk",
+            file=sys.stderr,
+            flush=True,
+        )
     ckpt.grow(min(wanted, fits))
 
 
@@ -152,8 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(CONFIGS[args.model]).to(device)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / max(args.steps, 1), 1.0)))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            min(1.0, (s + 1) / args.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / max(args.steps, 1), 1.0))))
+        ),
+    )
     c = model.config
     data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -161,17 +200,26 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
     # DDP replicas: the same tensors, each rank writing its share of them
     replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]
-    ckpt = Checkpointer(replicas[rank], {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
-                        memory=args.ckpt_memory, disk_every=args.ckpt_every, keep=args.ckpt_keep, replicas=replicas,
-                        agree=lowest)
+    ckpt = Checkpointer(
+        replicas[rank],
+        {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
+        memory=args.ckpt_memory,
+        disk_every=args.ckpt_every,
+        keep=args.ckpt_keep,
+        replicas=replicas,
+        agree=lowest,
+    )
     start = resume(ckpt)
     current = {"step": 0}
     agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"]))
     peak, params = peak_flops(device), model.num_params()
     announced: set[str] = set()
     if rank == 0:
-        print(f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
-              f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""), flush=True)
+        print(
+            f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
+            f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""),
+            flush=True,
+        )
 
     budget, reach, step = rollback.Budget(args.max_rollbacks, args.rollback_window), rollback.Reach(), start
     while step < args.steps:
@@ -189,8 +237,11 @@ def main(argv: list[str] | None = None) -> None:
             apply_power_cap(command, session.device, rank)
         current["step"] = step
         # a fault at one step fires once: the step replayed after a rollback runs clean
-        faults = [f for f in args.faults if f.active(step) and f.rank in (None, rank)
-                  and not ("at" in dict(f.params) and f.spec in announced)]
+        faults = [
+            f
+            for f in args.faults
+            if f.active(step) and f.rank in (None, rank) and not ("at" in dict(f.params) and f.spec in announced)
+        ]
         for f in faults:
             if f.spec not in announced:
                 announced.add(f.spec)
@@ -229,11 +280,17 @@ def main(argv: list[str] | None = None) -> None:
                 # a capped or throttled simulated GPU computes slower (a real one: scale 1)
                 time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
             tokens = inputs.numel()
-            agent.record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=tokens,
-                         lr=schedule.get_last_lr()[0], mfu=mfu(params, tokens, time.perf_counter() - started, peak))
+            agent.record(
+                loss=loss.detach(),
+                grad_norm=grad_norm.detach(),
+                tokens=tokens,
+                lr=schedule.get_last_lr()[0],
+                mfu=mfu(params, tokens, time.perf_counter() - started, peak),
+            )
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step:5d}  loss {loss.item():7.4f}  {(time.perf_counter() - started) * 1e3:7.1f} ms",
-                  flush=True)
+            print(
+                f"step {step:5d}  loss {loss.item():7.4f}  {(time.perf_counter() - started) * 1e3:7.1f} ms", flush=True
+            )
         step += 1
     agent.end()  # before the last checkpoint's write, which may outlast the collector's stall timeout
     ckpt.close()

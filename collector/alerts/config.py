@@ -45,8 +45,10 @@ class Receiver:
     severities: frozenset[str] | None = None
 
     def wants(self, labels: dict[str, str]) -> bool:
-        return all(allowed is None or labels.get(_LABEL[key]) in allowed
-                   for key, allowed in ((key, getattr(self, key)) for key in _FILTERS))
+        return all(
+            allowed is None or labels.get(_LABEL[key]) in allowed
+            for key, allowed in ((key, getattr(self, key)) for key in _FILTERS)
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import duckdb
 
 from collector.alerts import rules, webhook
 from collector.alerts.config import AlertConfig
-from collector.analyzers import Finding
+from collector.analysis.analyzers import Finding
 
 _OPEN = """SELECT id, finding_id, labels, annotations, starts_at, fingerprint FROM alerts
            WHERE run_id = ? AND analyzer = ? AND ends_at IS NULL"""
@@ -34,8 +34,14 @@ class Notification:
     created_at: datetime
 
 
-def notify(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, analyzer: str,
-           drawn: list[tuple[int, Finding]], resolved: list[int]) -> None:
+def notify(
+    con: duckdb.DuckDBPyConnection,
+    config: AlertConfig,
+    run_id: str,
+    analyzer: str,
+    drawn: list[tuple[int, Finding]],
+    resolved: list[int],
+) -> None:
     """Alerts for one analysis of (run, analyzer), inside the caller's transaction: a drawn
     finding without an open alert starts one, one whose severity rose ends its alert and starts
     another, a resolved one ends its alert. The changes are one group: each receiver that wants
@@ -59,19 +65,29 @@ def notify(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, ana
     for receiver in config.receivers:
         wanted = [a for a in changed if receiver.wants(a["labels"])]
         if wanted:
-            con.execute("INSERT INTO outbox (receiver, webhook_id, body) VALUES (?, ?, ?)",
-                        [receiver.name, webhook.new_id(),
-                         webhook.message(receiver.name, wanted, group, config.dashboard_url)])
+            con.execute(
+                "INSERT INTO outbox (receiver, webhook_id, body) VALUES (?, ?, ?)",
+                [receiver.name, webhook.new_id(), webhook.message(receiver.name, wanted, group, config.dashboard_url)],
+            )
 
 
-def _start(con: duckdb.DuckDBPyConnection, config: AlertConfig, run_id: str, analyzer: str, finding_id: int,
-           finding: Finding, now: datetime) -> dict:
+def _start(
+    con: duckdb.DuckDBPyConnection,
+    config: AlertConfig,
+    run_id: str,
+    analyzer: str,
+    finding_id: int,
+    finding: Finding,
+    now: datetime,
+) -> dict:
     labels = rules.labels(run_id, analyzer, finding.kind, finding.ranks, finding.severity)
     link = rules.dashboard_link(config.dashboard_url, run_id, analyzer, finding_id)
     annotations, fingerprint = rules.annotations(finding.summary, link), rules.fingerprint(labels)
-    con.execute("""INSERT INTO alerts (finding_id, run_id, analyzer, fingerprint, labels, annotations, starts_at)
+    con.execute(
+        """INSERT INTO alerts (finding_id, run_id, analyzer, fingerprint, labels, annotations, starts_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                [finding_id, run_id, analyzer, fingerprint, json.dumps(labels), json.dumps(annotations), now])
+        [finding_id, run_id, analyzer, fingerprint, json.dumps(labels), json.dumps(annotations), now],
+    )
     return webhook.alert("firing", labels, annotations, now, None, link, fingerprint)
 
 
@@ -79,36 +95,47 @@ def _end(con: duckdb.DuckDBPyConnection, row: tuple, now: datetime) -> dict:
     alert_id, _, labels, annotations, starts_at, fingerprint = row
     con.execute("UPDATE alerts SET ends_at = ? WHERE id = ?", [now, alert_id])
     annotations = json.loads(annotations)
-    return webhook.alert("resolved", json.loads(labels), annotations, starts_at, now, annotations["dashboard"],
-                         fingerprint)
+    return webhook.alert(
+        "resolved", json.loads(labels), annotations, starts_at, now, annotations["dashboard"], fingerprint
+    )
 
 
 def due(con: duckdb.DuckDBPyConnection, limit: int = 100) -> list[Notification]:
     """Pending notifications whose time has come, oldest first; one waits while an older one for
     its receiver still does (written after a failure's postponement, it would otherwise overtake
     it: a resolution before its firing)."""
-    return [Notification(*row) for row in con.execute(
-        """SELECT id, receiver, webhook_id, body, attempts, created_at FROM outbox o
+    return [
+        Notification(*row)
+        for row in con.execute(
+            """SELECT id, receiver, webhook_id, body, attempts, created_at FROM outbox o
            WHERE state = 'pending' AND next_attempt_at <= now()
              AND NOT EXISTS (SELECT 1 FROM outbox w WHERE w.receiver = o.receiver AND w.state = 'pending'
                                                        AND w.id < o.id AND w.next_attempt_at > now())
-           ORDER BY id LIMIT ?""", [limit]).fetchall()]
+           ORDER BY id LIMIT ?""",
+            [limit],
+        ).fetchall()
+    ]
 
 
 def settle(con: duckdb.DuckDBPyConnection, notification: Notification, state: str, error: str | None = None) -> None:
     """Move a notification out of pending: delivered (this attempt worked), expired or dropped."""
-    con.execute("""UPDATE outbox SET state = ?, attempts = attempts + ?, last_error = ?, settled_at = now()
-                   WHERE id = ?""", [state, int(state == "delivered"), error, notification.id])
+    con.execute(
+        """UPDATE outbox SET state = ?, attempts = attempts + ?, last_error = ?, settled_at = now()
+                   WHERE id = ?""",
+        [state, int(state == "delivered"), error, notification.id],
+    )
 
 
 def postpone(con: duckdb.DuckDBPyConnection, notification: Notification, delay_s: float, error: str) -> None:
     """A failed attempt: this notification and every other one pending for its receiver wait at
     least `delay_s`, so a receiver that is down gets one try per interval, not one per alert."""
-    con.execute("""UPDATE outbox SET next_attempt_at = greatest(next_attempt_at, now() + to_microseconds(?)),
+    con.execute(
+        """UPDATE outbox SET next_attempt_at = greatest(next_attempt_at, now() + to_microseconds(?)),
                           attempts = attempts + CAST(id = ? AS INTEGER),
                           last_error = CASE WHEN id = ? THEN ? ELSE last_error END
                    WHERE receiver = ? AND state = 'pending'""",
-                [int(delay_s * 1e6), notification.id, notification.id, error, notification.receiver])
+        [int(delay_s * 1e6), notification.id, notification.id, error, notification.receiver],
+    )
 
 
 def counts(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, int]]:

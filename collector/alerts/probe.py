@@ -9,14 +9,27 @@ import httpx
 from collector.alerts import rules, webhook
 from collector.alerts.config import Receiver
 
-LABELS = {"alertname": "RankwatchTest", "run": "test", "analyzer": "test", "kind": "test", "severity": "warning",
-          "ranks": "none"}
+LABELS = {
+    "alertname": "RankwatchTest",
+    "run": "test",
+    "analyzer": "test",
+    "kind": "test",
+    "severity": "warning",
+    "ranks": "none",
+}
 SUMMARY = "A test alert from `rankwatch alerts test`: nothing is wrong."
 
 
 def send(client: httpx.Client, receiver: Receiver, dashboard_url: str) -> int:
     """POST the test alert to `receiver`; its HTTP status, or webhook.DeliveryError."""
-    alert = webhook.alert("firing", LABELS, rules.annotations(SUMMARY, dashboard_url), datetime.now(UTC),
-                          None, dashboard_url, rules.fingerprint(LABELS))
+    alert = webhook.alert(
+        "firing",
+        LABELS,
+        rules.annotations(SUMMARY, dashboard_url),
+        datetime.now(UTC),
+        None,
+        dashboard_url,
+        rules.fingerprint(LABELS),
+    )
     body = webhook.message(receiver.name, [alert], rules.group_labels(LABELS), dashboard_url)
     return webhook.post(client, receiver.url, receiver.secret, webhook.new_id(), body)

@@ -10,15 +10,27 @@ from urllib.parse import quote, urlencode
 
 from collector import ranksets
 
-ALERTNAMES = {"stragglers": "RankwatchStraggler", "links": "RankwatchSlowLink", "hangs": "RankwatchHang",
-              "anomalies": "RankwatchTrainingAnomaly", "power": "RankwatchPowerRecommendation",
-              "rollbacks": "RankwatchJobStopped", "collector": "RankwatchCollector"}
+ALERTNAMES = {
+    "stragglers": "RankwatchStraggler",
+    "links": "RankwatchSlowLink",
+    "hangs": "RankwatchHang",
+    "anomalies": "RankwatchTrainingAnomaly",
+    "power": "RankwatchPowerRecommendation",
+    "rollbacks": "RankwatchJobStopped",
+    "collector": "RankwatchCollector",
+}
 FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
 GROUP_BY = ("alertname", "run")  # the labels one notification's alerts share
 # The dashboard page (rankwatch dashboard, dashboard/app.py) that shows each analyzer's findings;
 # others link to the overview.
-PAGES = {"stragglers": "stragglers", "links": "collectives", "hangs": "hangs", "anomalies": "checkpoints",
-         "rollbacks": "checkpoints", "power": "power"}
+PAGES = {
+    "stragglers": "stragglers",
+    "links": "collectives",
+    "hangs": "hangs",
+    "anomalies": "checkpoints",
+    "rollbacks": "checkpoints",
+    "power": "power",
+}
 _SEVERITY_RANK = {"warning": 0, "critical": 1}
 _RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
 
@@ -34,8 +46,14 @@ def alertname(analyzer: str) -> str:
 def labels(run_id: str, analyzer: str, kind: str, ranks: list[int], severity: str) -> dict[str, str]:
     """An alert's labels; no `run` for the collector's own findings (run "": Alertmanager, like
     Prometheus, treats an empty label as none)."""
-    return {"alertname": alertname(analyzer), **({"run": run_id} if run_id else {}), "analyzer": analyzer,
-            "kind": kind, "severity": severity, "ranks": short_ranks(ranks)}
+    return {
+        "alertname": alertname(analyzer),
+        **({"run": run_id} if run_id else {}),
+        "analyzer": analyzer,
+        "kind": kind,
+        "severity": severity,
+        "ranks": short_ranks(ranks),
+    }
 
 
 def group_labels(alert_labels: dict[str, str]) -> dict[str, str]:

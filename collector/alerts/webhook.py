@@ -33,26 +33,49 @@ def rfc3339(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def alert(status: str, labels: dict[str, str], annotations: dict[str, str], starts_at: datetime,
-          ends_at: datetime | None, generator_url: str, fingerprint: str) -> dict:
+def alert(
+    status: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    starts_at: datetime,
+    ends_at: datetime | None,
+    generator_url: str,
+    fingerprint: str,
+) -> dict:
     """One entry of a notification's `alerts`."""
-    return {"status": status, "labels": labels, "annotations": annotations, "startsAt": rfc3339(starts_at),
-            "endsAt": rfc3339(ends_at) if ends_at else ZERO_TIME, "generatorURL": generator_url,
-            "fingerprint": fingerprint}
+    return {
+        "status": status,
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": rfc3339(starts_at),
+        "endsAt": rfc3339(ends_at) if ends_at else ZERO_TIME,
+        "generatorURL": generator_url,
+        "fingerprint": fingerprint,
+    }
 
 
 def message(receiver: str, alerts: list[dict], group_labels: dict[str, str], external_url: str) -> str:
     """The JSON body of one notification: a group's alerts, firing if any of them is."""
+
     def common(key: str) -> dict[str, str]:
         first, *rest = (a[key] for a in alerts)
         return {k: v for k, v in first.items() if all(other.get(k) == v for other in rest)}
 
     group = ", ".join(f'{k}="{v}"' for k, v in sorted(group_labels.items()))
-    return json.dumps({
-        "version": VERSION, "groupKey": f"{ROUTE_KEY}:{{{group}}}", "truncatedAlerts": 0,
-        "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
-        "receiver": receiver, "groupLabels": group_labels, "commonLabels": common("labels"),
-        "commonAnnotations": common("annotations"), "externalURL": external_url, "alerts": alerts})
+    return json.dumps(
+        {
+            "version": VERSION,
+            "groupKey": f"{ROUTE_KEY}:{{{group}}}",
+            "truncatedAlerts": 0,
+            "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
+            "receiver": receiver,
+            "groupLabels": group_labels,
+            "commonLabels": common("labels"),
+            "commonAnnotations": common("annotations"),
+            "externalURL": external_url,
+            "alerts": alerts,
+        }
+    )
 
 
 def new_id() -> str:

@@ -24,9 +24,10 @@ def connect(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     except duckdb.IOException as e:
         if "lock" in str(e).lower():
             holder = re.search(r"PID (\d+)", str(e))
-            raise StoreLocked(f"{path} is held open by a running collector"
-                              f"{f' (pid {_collector_pid(int(holder[1]))})' if holder else ''}; stop it first"
-                              ) from None
+            raise StoreLocked(
+                f"{path} is held open by a running collector"
+                f"{f' (pid {_collector_pid(int(holder[1]))})' if holder else ''}; stop it first"
+            ) from None
         raise
 
 

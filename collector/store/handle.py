@@ -43,9 +43,14 @@ class Store:
     MAX_RESTARTS = 3
     RESTART_WINDOW_S = 60.0
 
-    def __init__(self, path: Path, max_queue_bytes: int = 256 * 2**20,
-                 on_commit: Callable[[float, int], None] | None = None, tasks: Sequence[writer.Task] = (),
-                 on_failure: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        max_queue_bytes: int = 256 * 2**20,
+        on_commit: Callable[[float, int], None] | None = None,
+        tasks: Sequence[writer.Task] = (),
+        on_failure: Callable[[], None] | None = None,
+    ):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`.
         `tasks`: what the writer runs beside its commits (writer.Task), handed to each writer started.
         `on_failure`: called once the store has given up on its writer."""
@@ -78,9 +83,12 @@ class Store:
                 dead.close()
         self.requests = self._context.Queue()
         self._acks = self._context.Queue()
-        self._process = self._context.Process(target=writer.main, args=(self.path, self._tasks, self.requests,
-                                                                        self._acks),
-                                              name="rankwatch-writer", daemon=True)
+        self._process = self._context.Process(
+            target=writer.main,
+            args=(self.path, self._tasks, self.requests, self._acks),
+            name="rankwatch-writer",
+            daemon=True,
+        )
         self._process.start()
         while True:
             try:
@@ -88,8 +96,9 @@ class Store:
                 break
             except queue.Empty:
                 if not self._process.is_alive():
-                    first = writer.StartFailed(f"the writer process exited with status {self._process.exitcode}",
-                                               locked=False)
+                    first = writer.StartFailed(
+                        f"the writer process exited with status {self._process.exitcode}", locked=False
+                    )
                     break
         if isinstance(first, writer.StartFailed):
             self._process.join()
@@ -209,8 +218,10 @@ class Store:
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < self.RESTART_WINDOW_S] + [now]
             if len(self._restarts) > self.MAX_RESTARTS:
-                self.failure = (f"the store's writer process died {len(self._restarts)} times in "
-                                f"{self.RESTART_WINDOW_S:.0f} s (last status {status}); not restarted")
+                self.failure = (
+                    f"the store's writer process died {len(self._restarts)} times in "
+                    f"{self.RESTART_WINDOW_S:.0f} s (last status {status}); not restarted"
+                )
                 break
             log.error("the store's writer process died (status %s); starting another", status)
             try:

@@ -57,8 +57,9 @@ class Handler:
 _HANDLERS: dict[type, Handler] = {}
 
 
-def handles(kind: type[Request[Reply]], beside: bool = False, passes: tuple[type[Exception], ...] = ()
-            ) -> Callable[[Callable[[Context, Any], Reply]], Callable[[Context, Any], Reply]]:
+def handles(
+    kind: type[Request[Reply]], beside: bool = False, passes: tuple[type[Exception], ...] = ()
+) -> Callable[[Callable[[Context, Any], Reply]], Callable[[Context, Any], Reply]]:
     """Register the decorated function as the answer to requests of type `kind` (see Handler)."""
 
     def register(function: Callable[[Context, Any], Reply]) -> Callable[[Context, Any], Reply]:

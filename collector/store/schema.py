@@ -174,7 +174,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     settled_at       TIMESTAMPTZ
 );
 
--- Where the analysis engine stands on each run (collector/engine.py): the newest step it judged,
+-- Where the analysis engine stands on each run (collector/analysis/engine.py): the newest step it judged,
 -- the newest applied rollback it saw and the ranks it knew, written in the transaction of the
 -- pass's findings, so that a collector started again (after a crash too) judges each step once still.
 CREATE TABLE IF NOT EXISTS analysis_cursors (

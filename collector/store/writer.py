@@ -40,10 +40,9 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from collector import readonly
 from collector.children import die_with_parent
-from collector.decode import Decoded
-from collector.store import requests
+from collector.receive.decode import Decoded
+from collector.store import readonly, requests
 from collector.store.db import StoreLocked, connect, create_tables
 from collector.store.schema import TELEMETRY_TABLES
 
@@ -157,9 +156,13 @@ class _Writer:
         self._con.execute("SET threads TO 1")
         create_tables(self._con)
         self._digests: OrderedDict[bytes, float] = OrderedDict(
-            (d, t) for d, t in self._con.execute(
+            (d, t)
+            for d, t in self._con.execute(
                 "SELECT digest, epoch(received_at) FROM exports WHERE received_at > now() - ?::INTERVAL "
-                "ORDER BY received_at", [DIGEST_RETENTION]).fetchall())
+                "ORDER BY received_at",
+                [DIGEST_RETENTION],
+            ).fetchall()
+        )
         cursor = self._con.execute("SELECT ranks.*, world_size FROM ranks JOIN runs USING (run_id)")
         columns = [d[0] for d in cursor.description]
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
@@ -213,8 +216,7 @@ class _Writer:
         finally:
             cursor.close()
 
-    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]
-                ) -> Committed | CommitFailed:
+    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> Committed | CommitFailed:
         """Append a group of decoded batches in one transaction, leaving out requests already
         stored, and tell the tasks what was appended."""
         started = time.perf_counter()
@@ -246,8 +248,10 @@ class _Writer:
                 self._con.execute(_UPSERT_RUNS)
                 self._con.unregister("new_ranks")
             if fresh:
-                self._con.execute("INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
-                                  [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)])
+                self._con.execute(
+                    "INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
+                    [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)],
+                )
             self._con.commit()
         except Exception as e:  # the whole group fails; each client retries
             self._con.rollback()
@@ -293,5 +297,3 @@ def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
         return
     acks.put(Ready())
     writer.run(queued, acks)
-
-

@@ -17,8 +17,10 @@ else:
     last = rollbacks.iloc[-1]
     result = last["result"] if isinstance(last["result"], dict) else {}
     restored = result.get("restored_step")
-    headline = (f"**{len(rollbacks)} rollback{'s' * (len(rollbacks) > 1)}.** The latest ({last['args']['anomaly']}) "
-                f"is {last['state']}")
+    headline = (
+        f"**{len(rollbacks)} rollback{'s' * (len(rollbacks) > 1)}.** The latest ({last['args']['anomaly']}) "
+        f"is {last['state']}"
+    )
     if last["state"] == "failed":
         st.error(f"{headline}: {result.get('why', 'the job did not say why')}.")
     else:

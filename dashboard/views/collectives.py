@@ -8,23 +8,31 @@ from dashboard import charts, ui
 run = ui.current_run()
 st.title("Collectives")
 findings = ui.frame("findings", run=run)
-ui.show_findings(findings[findings["analyzer"] == "links"],
-                 "No slow link: every process group moves at its peers' pace.")
+ui.show_findings(
+    findings[findings["analyzer"] == "links"], "No slow link: every process group moves at its peers' pace."
+)
 
 table = ui.frame("busbw", run=run)
 st.subheader("Bus bandwidth by collective and size")
 if table.empty:
-    st.caption("No collectives with a size: the job's agent times them with `agent.watch_ddp` or "
-               "`agent.watch_collectives`.")
+    st.caption(
+        "No collectives with a size: the job's agent times them with `agent.watch_ddp` or `agent.watch_collectives`."
+    )
 else:
     st.altair_chart(charts.busbw(table), width="stretch")
     with st.expander("the numbers"):
         st.dataframe(table, hide_index=True, width="stretch")
     groups = ui.frame("slowest_groups", run=run, limit=8)
     st.subheader("Slowest process groups")
-    st.dataframe(groups, hide_index=True, width="stretch",
-                 column_config={"of_median": st.column_config.NumberColumn("of the op's median", format="%.2f"),
-                                "busbw_gbps": st.column_config.NumberColumn("mean busbw, GB/s", format="%.1f")})
+    st.dataframe(
+        groups,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "of_median": st.column_config.NumberColumn("of the op's median", format="%.2f"),
+            "busbw_gbps": st.column_config.NumberColumn("mean busbw, GB/s", format="%.1f"),
+        },
+    )
 
 exposed = ui.frame("exposed_comm", run=run, rank_bins=ui.RANK_BINS)
 st.subheader("Exposed communication per rank")
@@ -32,5 +40,7 @@ if exposed.empty:
     st.caption("No step reports its exposed communication wait.")
 else:
     st.altair_chart(charts.by_rank(exposed, "comm_wait_s", "exposed comm wait, s (mean)"), width="stretch")
-    st.caption("Time a rank's step waited on communication not hidden behind compute. A straggler waits least: "
-               "its peers wait for it.")
+    st.caption(
+        "Time a rank's step waited on communication not hidden behind compute. A straggler waits least: "
+        "its peers wait for it."
+    )

@@ -33,6 +33,14 @@ st.subheader("Power")
 if power.empty:
     st.caption("Neither run has power samples.")
 else:
-    st.altair_chart(charts.compare(power.assign(kw=power["watts"] / 1000), "elapsed_s", "kw", "power, kW (all GPUs)",
-                                   "seconds since the run's first sample"), width="stretch")
+    st.altair_chart(
+        charts.compare(
+            power.assign(kw=power["watts"] / 1000),
+            "elapsed_s",
+            "kw",
+            "power, kW (all GPUs)",
+            "seconds since the run's first sample",
+        ),
+        width="stretch",
+    )
 st.caption("Drag to zoom along the x axis, double-click to zoom out.")

@@ -47,15 +47,25 @@ def live() -> None:
     power = ui.frame("power_now", run=run)
     watts = power["watts"].iloc[0] if not power.empty else None
     cols = st.columns(5)
-    cols[0].metric("Last step", f"{int(complete['step'].iloc[-1])}", help=f"of {int(complete['ranks'].iloc[-1])} "
-                   f"ranks, ended {complete['end_ts'].iloc[-1]:%Y-%m-%d %H:%M:%S} UTC")
-    cols[1].metric("Step time", f"{step_s:.3f} s",
-                   f"{100 * (step_s / earlier - 1):+.1f}%" if step_s is not None and earlier else None,
-                   delta_color="inverse", help=f"median rank, mean of the last {RECENT} steps")
+    cols[0].metric(
+        "Last step",
+        f"{int(complete['step'].iloc[-1])}",
+        help=f"of {int(complete['ranks'].iloc[-1])} ranks, ended {complete['end_ts'].iloc[-1]:%Y-%m-%d %H:%M:%S} UTC",
+    )
+    cols[1].metric(
+        "Step time",
+        f"{step_s:.3f} s",
+        f"{100 * (step_s / earlier - 1):+.1f}%" if step_s is not None and earlier else None,
+        delta_color="inverse",
+        help=f"median rank, mean of the last {RECENT} steps",
+    )
     cols[2].metric("Tokens/s", "—" if tokens is None else f"{tokens:,.0f}")
     cols[3].metric("MFU", "—" if mfu is None else f"{100 * mfu:.1f}%")
-    cols[4].metric("Power", "—" if watts is None or pd.isna(watts) else f"{watts / 1000:.2f} kW",
-                   help="sum over ranks of each one's mean over the newest minute of samples")
+    cols[4].metric(
+        "Power",
+        "—" if watts is None or pd.isna(watts) else f"{watts / 1000:.2f} kW",
+        help="sum over ranks of each one's mean over the newest minute of samples",
+    )
     if len(firing) > len(shown):
         ui.show_findings(firing, "No finding fires.", shown)
     if not advice.empty:

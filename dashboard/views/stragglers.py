@@ -30,10 +30,16 @@ else:
 
 slowest = ui.frame("slowest_ranks", run=run, limit=10)
 st.subheader("Slowest ranks over the run")
-st.dataframe(slowest, hide_index=True, width="stretch",
-             column_config={"compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
-                            "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
-                            "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f")})
+st.dataframe(
+    slowest,
+    hide_index=True,
+    width="stretch",
+    column_config={
+        "compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
+        "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
+        "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f"),
+    },
+)
 
 st.subheader("Compute against the step median, rank x step")
 cells = ui.frame("heatmap", run=run, rank_bins=ui.RANK_BINS, step_bins=ui.STEP_BINS)
@@ -41,8 +47,10 @@ if cells.empty:
     st.caption("No steps.")
 else:
     st.altair_chart(charts.heatmap(cells), width="stretch")
-    st.caption("Each cell shows its worst rank-step (hover for which), so a single slow rank stays visible when "
-               "ranks and steps are binned.")
+    st.caption(
+        "Each cell shows its worst rank-step (hover for which), so a single slow rank stays visible when "
+        "ranks and steps are binned."
+    )
 
 st.subheader("One step, laid out in time")
 steps = ui.frame("step_range", run=run)
@@ -51,5 +59,7 @@ if not steps.empty and steps["last"].notna().all():
     step = st.number_input("Step", first, last, last, key="timeline_step") if first < last else first
     spans = ui.frame("timeline", run=run, step=int(step), slowest=8, typical=4)
     st.altair_chart(charts.timeline(spans), width="stretch")
-    st.caption("The 8 slowest ranks of the step and 4 typical ones: data, compute, then communication "
-               "(exposed wait, or the collectives as the agent timed them).")
+    st.caption(
+        "The 8 slowest ranks of the step and 4 typical ones: data, compute, then communication "
+        "(exposed wait, or the collectives as the agent timed them)."
+    )

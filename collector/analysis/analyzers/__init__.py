@@ -1,0 +1,92 @@
+"""Analyzers: pure functions from telemetry tables to findings.
+
+The contract the analysis engine (collector/analysis/engine.py) runs them under: an analyzer module
+names itself (`ANALYZER`), declares what it reads (`READS`) and judges a run's `Frames`
+(`judge(frames, settings)`), returning the findings its judgement of the new steps draws, one
+per episode (a conclusion held over consecutive steps), each spanning the steps it held at.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge; its summary says why
+
+
+@dataclass
+class Finding:
+    """One conclusion, in the shape of the `findings` table."""
+
+    run_id: str
+    kind: str  # stragglers: rank | node | stage | widespread | not_judged; hangs: hang
+    ranks: list[int]
+    step_start: int | None  # None where the data knows no steps (Flight Recorder dumps)
+    step_end: int | None
+    severity: str
+    score: float  # how strong: the analyzer's own measure (docs/telemetry.md)
+    summary: str
+    evidence: dict = field(default_factory=dict)
+    analyzer: str = field(kw_only=True)
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What an analyzer reads of a run, so the engine reads nothing more.
+
+    `history`: steps before the first new one its baseline needs (each new step is judged on
+    those before it, as if it were the newest). `linger`: steps an episode stays firing after
+    the last step that showed it (what merges two episodes into one, too); 0: only while it
+    holds at the newest step. `every_pass`: judged on every pass, new steps or not (what the
+    passing of time alone changes: a stall). `ends_with_run`: its findings resolve when the run
+    ends (not those that say how it ended). The rest: frames it needs beside the steps."""
+
+    history: int
+    linger: int
+    every_pass: bool = False
+    ends_with_run: bool = True
+    collectives: bool = False
+    devices: bool = False
+    heartbeats: bool = False
+    failed_rollbacks: bool = False
+
+    def continues(self, episode_end: int, finding: Finding) -> bool:
+        """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
+        assert finding.step_start is not None, "an episode goes on only in findings over steps"
+        return finding.step_start <= episode_end + self.linger + 1
+
+    def holds(self, episode_end: int, last: int, redrawn: bool) -> bool:
+        """Whether an episode is still firing once the steps up to `last` are judged."""
+        return (redrawn or self.linger > 0) and episode_end + self.linger > last
+
+
+@dataclass
+class Frames:
+    """What one pass hands an analyzer about one run.
+
+    `steps`: run_id, rank, step, end_ts (ns), duration_s, data_s, compute_s, comm_wait_s, loss,
+    grad_norm, non_finite; one row per rank-step of the current trajectory, sorted by step and
+    rank, from `history` steps before `first_new` to `last`. `first_new` ... `last`: the steps
+    this pass judges, each once (none where `first_new > last`: only time has passed).
+    `ranks`: rank, host, pp_stage (placement). `devices(since_ns, until_ns)`: rank, metric,
+    value of the device samples then (read only when asked: evidence). `now_ns`: the moment
+    judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
+    when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
+    says it has (None: unsaid; the ranks that reported so far may be only the first to)."""
+
+    run_id: str
+    steps: pd.DataFrame
+    first_new: int
+    last: int
+    ranks: pd.DataFrame
+    now_ns: int
+    ended_ns: int | None = None
+    world_size: int | None = None
+    collectives: pd.DataFrame | None = None
+    heartbeats: pd.DataFrame | None = None
+    failed_rollbacks: pd.DataFrame | None = None
+    devices: Callable[[int, int], pd.DataFrame] | None = None
+
+    @property
+    def new_steps(self) -> pd.DataFrame:
+        return self.steps[self.steps["step"] >= self.first_new]

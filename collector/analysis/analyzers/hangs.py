@@ -1,0 +1,170 @@
+"""Hang analysis: the job stopped making progress; which ranks are to blame.
+
+A pure function of the run's rank-steps and heartbeats at a moment `now`. A
+stall is no rank-step finishing for longer than a timeout derived from recent
+step times (a multiple of the median, never below a floor). The culprits are
+found as PyTorch's Flight Recorder analysis finds them: each rank's heartbeat
+says the last collective it entered (group and sequence number) and whether
+it completed; the ranks blocked in a collective are waiting for the ranks of
+the same group that have not entered it (their last sequence number is
+lower). Ranks whose heartbeats stopped are culprits too (a dead process),
+while the others still send theirs: when every rank has gone quiet, the job
+has ended (or was killed), and nobody is waiting on anybody. So has a run
+whose ranks all said their training loop ended: what follows (a last
+checkpoint written to a slow disk, the teardown) is no stall.
+
+Each stall is judged once: the one under way at the moment judged, and each
+stall the new steps closed (a gap between one step's end and the next longer
+than the timeout), judged as it stood when it first passed the timeout.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from collector import ranksets
+from collector.analysis.analyzers import Finding, Frames, Reads
+
+ANALYZER = "hangs"
+RECENT = 20  # steps whose typical duration sets the timeout
+READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True)
+
+
+@dataclass(frozen=True)
+class Settings:
+    factor: float = 5.0  # a stall lasts this many typical steps...
+    floor_s: float = 30.0  # ...and at least this long
+    heartbeat_s: float = 5.0  # the agent's heartbeat period
+    silent_after: float = 3.0  # heartbeats missed before a rank counts as gone
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The stalls the new steps closed, and the one under way at `frames.now_ns` (or, for a run
+    that ended, at its end)."""
+    steps = frames.steps
+    if steps.empty:
+        return []
+    found = []
+    ends = np.sort(steps["end_ts"].to_numpy())
+    gaps = np.flatnonzero(np.diff(ends) > settings.floor_s * 1e9)  # a stall lasts the floor at least
+    for g in gaps:
+        if int(steps.loc[steps["end_ts"] == ends[g + 1], "step"].max()) < frames.first_new:
+            continue  # closed by a step judged before
+        before = steps[steps["end_ts"] <= ends[g]]
+        timeout = _timeout(before, settings)
+        if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
+            found += analyze(
+                before, frames.heartbeats, int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)), settings
+            )
+    now = frames.now_ns if frames.ended_ns is None else min(frames.now_ns, frames.ended_ns)
+    return found + analyze(steps, frames.heartbeats, now, settings)
+
+
+def _timeout(steps: pd.DataFrame, s: Settings) -> float:
+    """A multiple of the recent steps' typical duration, never below the floor."""
+    recent = steps[steps["step"] >= steps["step"].max() - RECENT]
+    return max(s.floor_s, s.factor * float(recent.groupby("step")["duration_s"].max().median()))
+
+
+def analyze(
+    steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int, settings: Settings = Settings()
+) -> list[Finding]:
+    """At most one finding: the stall, and the ranks the others wait for.
+
+    `steps`: run_id, rank, step, end_ts (ns), duration_s.
+    `heartbeats`: rank, ts (ns), step, phase, op, group, seq, done (the last four may be null).
+    """
+    if steps.empty:
+        return []
+    s = settings
+    last_end = int(steps["end_ts"].max())
+    if (now_ns - last_end) / 1e9 <= s.floor_s:  # under the floor no stall is one, whatever the steps' pace
+        return []
+    recent = steps[steps["step"] >= steps["step"].max() - RECENT]
+    typical = float(recent.groupby("step")["duration_s"].max().median())
+    timeout = _timeout(steps, s)
+    stalled_s = (now_ns - last_end) / 1e9
+    if stalled_s <= timeout:
+        return []
+    run_id = str(steps["run_id"].iloc[0])
+    ranks = sorted(int(r) for r in steps["rank"].unique())
+    beats = heartbeats[heartbeats["ts"] <= now_ns].sort_values("ts").groupby("rank").tail(1).set_index("rank")
+    silent = sorted(
+        r for r in ranks if r not in beats.index or (now_ns - beats.at[r, "ts"]) / 1e9 > s.silent_after * s.heartbeat_s
+    )
+    if len(silent) == len(ranks):  # every rank went quiet: the job ended or was killed; nobody waits
+        return []
+    alive = beats.drop(index=[r for r in silent if r in beats.index])
+    blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
+    culprits, collective = list(silent), None
+    if not blocked.empty:
+        group, seq = blocked.sort_values("seq").iloc[-1][["group", "seq"]]
+        op = blocked[(blocked["group"] == group) & (blocked["seq"] == seq)]["op"].iloc[0]
+        waiting = sorted(int(r) for r in blocked.index[(blocked["group"] == group) & (blocked["seq"] == seq)])
+        behind = sorted(
+            int(r)
+            for r in alive.index
+            if int(r) not in waiting
+            and (alive.at[r, "group"] != group or pd.isna(alive.at[r, "seq"]) or alive.at[r, "seq"] < seq)
+        )
+        culprits = sorted(set(culprits) | set(behind))
+        collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
+    elif not culprits and not alive.empty:  # no collective information: the ranks at the lowest step
+        lowest = alive["step"].min()
+        culprits = sorted(int(r) for r in alive.index[alive["step"] == lowest]) if alive["step"].nunique() > 1 else []
+    stalled_step = int(steps["step"].max()) + 1
+    where = {
+        int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}
+        for r in culprits
+        if r in beats.index
+    }
+    if collective and culprits:
+        summary = (
+            f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(collective['waiting_ranks'])} "
+            f"{'is' if len(collective['waiting_ranks']) == 1 else 'are'} blocked in {collective['op']} "
+            f"#{collective['seq']} of group {collective['group']}, which {ranksets.phrase(culprits)} never "
+            f"entered"
+        )
+    elif culprits:
+        summary = (
+            f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(culprits)} stopped "
+            f"({_describe(where, silent)})"
+        )
+    else:
+        summary = f"no step has finished for {stalled_s:.0f} s; no rank stands out (all blocked alike)"
+    return [
+        Finding(
+            run_id,
+            "hang",
+            culprits,
+            stalled_step,
+            stalled_step,
+            "critical",
+            stalled_s / timeout,
+            summary,
+            {
+                "stalled_s": stalled_s,
+                "timeout_s": timeout,
+                "typical_step_s": typical,
+                "last_step_end_ns": last_end,
+                "collective": collective,
+                "silent_ranks": silent,
+                "culprit_last_seen": where,
+            },
+            analyzer=ANALYZER,
+        )
+    ]
+
+
+def _int(v) -> int | None:
+    return None if pd.isna(v) else int(v)
+
+
+def _describe(where: dict, silent: list[int]) -> str:
+    parts = [
+        f"rank {r}: no heartbeat" if r in silent else f"rank {r}: in {w['phase'] or 'no phase'} of step {w['step']}"
+        for r, w in where.items()
+    ]
+    parts += [f"rank {r}: never seen" for r in silent if r not in where]
+    return "; ".join(parts)

@@ -1,0 +1,149 @@
+"""Slow communication links: which process group's collectives lost bandwidth, and whose link.
+
+A pure function from recent collective ops (one row per rank and collective)
+to findings. Every rank of a group waits out the same slow collective, so a
+link is judged per group: its bus bandwidth (nccl-tests busbw, comparable
+across group sizes; of each collective, the best its members saw, since the
+others also waited for late entrants) against peer groups running the same collective on the
+same number of ranks, such as the data-parallel groups of the other pipeline
+stages, by robust statistics (median and MAD, the MAD floored at a relative
+jitter). A rank's link serves every group the rank is in, so when slow groups
+share ranks (its data-parallel and its tensor-parallel group, say) those
+ranks are named; otherwise each slow group is a finding of its own, naming
+its members. Compute is untouched by a slow link, which is how this differs
+from a straggler. The cost is the collective time beyond the peers', per step.
+"""
+
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from collector import ranksets
+from collector.analysis.analyzers import Finding, Frames, Reads
+
+ANALYZER = "links"
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = 12  # recent steps a group is judged over
+    z: float = 4.0  # robust z-score of a group's busbw below its peers'
+    min_drop: float = 0.2  # and at least this much below the peers' median
+    jitter_floor: float = 0.02  # the MAD is floored at this fraction of the median
+    min_peers: int = 3  # groups of one shape needed to judge any of them
+
+
+# judged every half window (windows overlap by half, so each step is in one): a link's bandwidth moves slowly
+READS = Reads(history=Settings().window, linger=Settings().window // 2, collectives=True)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The window ending at each new step on a multiple of half a window (and at the newest step of
+    a run that ended), over the collectives of its steps; one finding per run of windows alike."""
+    if frames.collectives is None or frames.collectives.empty:
+        return []
+    stride = max(settings.window // 2, 1)
+    ends = [e for e in frames.new_steps["step"].unique() if e % stride == 0]
+    if frames.ended_ns is not None and frames.last >= frames.first_new:
+        ends.append(frames.last)
+    found: list[Finding] = []
+    for end in sorted(set(ends)):
+        steps = frames.steps[(frames.steps["step"] > end - settings.window) & (frames.steps["step"] <= end)]
+        ops = frames.collectives[
+            (frames.collectives["step"] > end - settings.window) & (frames.collectives["step"] <= end)
+        ]
+        for f in analyze(ops, float(steps["duration_s"].median()), settings):
+            assert f.step_start is not None, "the collectives analyzer judges steps"
+            same = next(
+                (
+                    g
+                    for g in found
+                    if (g.kind, g.ranks) == (f.kind, f.ranks)
+                    and g.step_end is not None
+                    and g.step_end >= f.step_start - stride
+                ),
+                None,
+            )
+            if same:
+                found[found.index(same)] = replace(f, step_start=same.step_start)
+            else:
+                found.append(f)
+    return found
+
+
+def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings = Settings()) -> list[Finding]:
+    """Findings for one run from its collectives over the last `settings.window` steps.
+
+    `ops`: run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps (rows
+    without a group or a bandwidth are ignored). `step_s`: the typical step time, for the cost
+    as a share of it."""
+    ops = ops.dropna(subset=["comm_group", "group_size", "busbw_gbps"])
+    if ops.empty:
+        return []
+    s = settings
+    last_steps = sorted(ops["step"].unique())[-s.window :]
+    recent = ops[ops["step"].isin(last_steps)]
+    # A rank's collective lasts from its entry to the end: the ranks that came early also waited
+    # for the last one. The rank that entered last saw the transfer alone, so each collective's
+    # bandwidth is its members' best, and its time their shortest.
+    each = recent.groupby(["comm_group", "step", "name"]).agg(
+        size=("group_size", "first"), busbw=("busbw_gbps", "max"), seconds=("duration_s", "min")
+    )
+    each = each.reset_index()
+    groups = each.groupby("comm_group").agg(
+        name=("name", "first"), size=("size", "first"), busbw=("busbw", "median"), seconds=("seconds", "sum")
+    )
+    groups["per_step_s"] = groups["seconds"] / len(last_steps)
+    groups["members"] = recent.groupby("comm_group")["rank"].agg(lambda r: frozenset(int(x) for x in r))
+    slow = []
+    for _, peers in groups.groupby(["name", "size"]):
+        if len(peers) < s.min_peers:
+            continue
+        center = peers["busbw"].median()
+        spread = max(1.4826 * (peers["busbw"] - center).abs().median(), s.jitter_floor * center)
+        low = peers[((center - peers["busbw"]) / spread > s.z) & (peers["busbw"] < (1 - s.min_drop) * center)]
+        slow += [(group, row, center, peers["per_step_s"].median()) for group, row in low.iterrows()]
+    if not slow:
+        return []
+    run_id, first, end = str(ops["run_id"].iloc[0]), int(last_steps[0]), int(last_steps[-1])
+    shared = frozenset.intersection(*(row["members"] for _, row, _, _ in slow))
+    if len(slow) > 1 and shared:
+        return [_finding(run_id, first, end, sorted(shared), slow, step_s)]
+    return [_finding(run_id, first, end, sorted(entry[1]["members"]), [entry], step_s) for entry in slow]
+
+
+def _finding(run_id: str, first: int, end: int, ranks: list[int], slow: list, step_s: float | None) -> Finding:
+    lost = sum(max(row["per_step_s"] - peer_s, 0.0) for _, row, _, peer_s in slow)
+    factor = max(center / row["busbw"] for _, row, center, _ in slow)
+    where = f"rank {ranks[0]}'s link" if len(ranks) == 1 else f"a link among {ranksets.phrase(ranks)}"
+    groups = "; ".join(
+        f"{row['name']} in group {group} runs at {row['busbw']:.1f} GB/s busbw against {center:.1f} for its peers"
+        for group, row, center, _ in slow
+    )
+    cost = f"{lost * 1e3:.1f} ms of collective time per step"
+    if step_s:
+        cost += f" ({100 * lost / step_s:.1f}% of step time)"
+    return Finding(
+        run_id,
+        "link",
+        ranks,
+        first,
+        end,
+        "critical" if factor >= 2 else "warning",
+        float(factor),
+        f"{where} is slow: {groups}; {cost}",
+        {
+            "groups": {
+                str(group): {
+                    "op": row["name"],
+                    "busbw_gbps": float(row["busbw"]),
+                    "peer_busbw_gbps": float(center),
+                    "members": sorted(row["members"]),
+                }
+                for group, row, center, _ in slow
+            },
+            "lost_s_per_step": float(lost),
+            **({"lost_percent": float(100 * lost / step_s)} if step_s else {}),
+        },
+        analyzer=ANALYZER,
+    )

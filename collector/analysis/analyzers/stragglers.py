@@ -1,0 +1,427 @@
+"""Straggler analysis: which ranks are slow, in what pattern, and what it costs.
+
+A pure function from a frame of rank-steps (and the ranks' placement) to
+findings, judging each step as if it were the newest. Each rank-step's
+compute time is taken relative to that step's median over ranks; each rank's
+typical ratio over a window of steps up to the one judged (its median there,
+so one noisy step never counts) is then compared across ranks by robust
+statistics: median and MAD. In synchronous training the culprit computes long
+and waits little while its victims wait long, so a suspect must also wait
+less than its peers.
+
+The threshold follows the run's own noise. The noise is measured on the
+steps before (the median over steps of the cross-rank spread of one step's
+ratios; with two ranks, the spread of one rank's ratio from step to step,
+which neither a persistent slowdown nor its onset inflates), and the spread a rank's typical ratio
+is compared with is at least what that noise leaves in a median of `w`
+steps. The z-score to pass grows with the number of ranks (a Bonferroni
+bound: a clean window flags any rank with a chance of `false_rate`), and the
+window grows, up to `max_window`, until a slowdown of `resolution` stands out
+of the noise: a noisy run is judged more slowly, never more loosely.
+
+With two ranks there is no majority to compare with: the rank that computes
+longer is the straggler when its peer waits for it (its exposed
+communication wait exceeds the suspect's by a good part of the compute gap)
+and the gap passes both the noise and a floor. One rank has no peers: the
+finding says so (kind `not_judged`, severity info), so nobody reads "no
+straggler" into silence.
+
+Suspects are grouped into a pattern: a single rank, a node (all ranks of a
+host), a pipeline stage (all ranks of a stage), or widespread (time lost to
+a different slow rank at each step, as uneven sequence lengths make it). The
+cost is the step time lost to the slow ranks: per step, the slowest rank's
+compute minus the median compute, which every other rank waits out.
+"""
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+import pandas as pd
+
+from agent import semconv as sc
+from collector import ranksets
+from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, hardware
+
+ANALYZER = "stragglers"
+MEDIAN_NOISE = 1.2533  # the standard error of a median of Gaussian samples, in standard errors of their mean
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = 12  # fewest steps a rank is judged over (8 let 2%-jitter noise through, bench/detection.py)
+    max_window: int = 96  # most: a noisier run is judged over more steps, up to this many
+    resolution: float = 0.04  # the window grows until a slowdown this large stands out of the run's noise
+    false_rate: float = 1e-5  # chance that a window of a clean run flags any of its ranks
+    z: float = 4.0  # the least robust z-score across ranks of a slow rank's typical compute ratio
+    min_slowdown: float = 0.03  # and at least this much slower than the median rank
+    # with two ranks and no majority, a few percent between them is as often the host (rank 0's logging, a
+    # shared core) as a fault: the gap must be this large
+    pair_min_slowdown: float = 0.10
+    pair_wait_share: float = 0.25  # the peer waits at least this share of the compute gap longer
+    jitter_floor: float = 0.005  # the spread is floored at this fraction (0.5%): a quiet job divides by no zero
+    widespread_cv: float = 0.10  # cross-rank spread of compute (robust CV) that makes random slowness a finding
+
+
+READS = Reads(history=Settings().max_window, linger=Settings().window // 2, devices=True)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The findings of the steps from `frames.first_new` on, each judged on the steps before it."""
+    if frames.steps["rank"].nunique() < 2:  # a run of one rank says so; one whose peers have yet to report waits
+        alone = frames.world_size == 1 and frames.last >= frames.first_new
+        return [_alone(frames.run_id, frames.new_steps)] if alone else []
+    return _judge(frames.run_id, frames.steps, frames.first_new, frames.ranks, settings, frames.devices)
+
+
+def analyze(
+    steps: pd.DataFrame,
+    ranks: pd.DataFrame | None = None,
+    settings: Settings = Settings(),
+    devices: pd.DataFrame | None = None,
+) -> list[Finding]:
+    """The findings at the newest step of `steps` (the verdict a pass ending there draws).
+
+    `steps`: run_id, rank, step, duration_s, compute_s, comm_wait_s (data_s optional); where
+    compute_s is null it is taken as duration_s less comm_wait_s and data_s.
+    `ranks`: rank, and host and pp_stage where known: placement, for node and stage patterns.
+    `devices`: rank, metric, value: recent device samples, attached as evidence (clocks,
+    temperature, throttle reasons of the suspects against their peers).
+    """
+    if steps.empty:
+        return []
+    return list(
+        _judge(
+            str(steps["run_id"].iloc[0]),
+            steps,
+            int(steps["step"].max()),
+            ranks,
+            settings,
+            None if devices is None else lambda since, until: devices,
+        )
+    )
+
+
+@dataclass
+class _Matrices:
+    """Complete steps as step x rank matrices: compute, exposed wait, compute over the step median."""
+
+    steps: np.ndarray
+    ranks: np.ndarray
+    compute: np.ndarray
+    wait: np.ndarray
+    ratio: np.ndarray
+    noise: np.ndarray  # per step: the spread of one step's ratios (with two ranks: rank 0's deviation)
+
+
+def _filled(steps: pd.DataFrame) -> pd.DataFrame:
+    """compute_s where null as duration less wait and data (a loop that times no phases); wait null as 0."""
+    wait = steps["comm_wait_s"].fillna(0.0)
+    data = steps["data_s"].fillna(0.0) if "data_s" in steps else 0.0
+    return steps.assign(comm_wait_s=wait, compute_s=steps["compute_s"].fillna(steps["duration_s"] - wait - data))
+
+
+def _matrices(steps: pd.DataFrame) -> _Matrices:
+    ranks, step_ids = np.unique(steps["rank"].to_numpy()), np.unique(steps["step"].to_numpy())
+    compute = np.full((len(step_ids), len(ranks)), np.nan)
+    wait = compute.copy()
+    at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
+    compute[at], wait[at] = steps["compute_s"].to_numpy(), steps["comm_wait_s"].to_numpy()
+    with np.errstate(invalid="ignore"):
+        median = np.median(compute, axis=1)
+        keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0)  # complete steps only
+    compute, wait = compute[keep], wait[keep]
+    ratio = compute / median[keep, None]
+    if len(ranks) == 2:
+        noise = ratio[:, 0] - 1.0
+    else:
+        noise = 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
+    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise)
+
+
+def _noise(m: _Matrices, i: int, s: Settings) -> float:
+    """The run's jitter of one rank-step's ratio, measured on the steps up to row i."""
+    recent = m.noise[max(i + 1 - s.max_window, 0) : i + 1]
+    if len(m.ranks) == 2:  # from one rank's deviation step to step: neither a steady gap nor its onset widens it
+        return float(1.4826 * np.median(np.abs(np.diff(recent))) / math.sqrt(2)) if len(recent) > 1 else 0.0
+    return float(np.median(recent))
+
+
+def _z(n: int, s: Settings) -> float:
+    return max(s.z, NormalDist().inv_cdf(1 - s.false_rate / n))
+
+
+def _window(noise: float, z: float, s: Settings) -> int:
+    """Steps over which a slowdown of `resolution` stands out of `noise` at `z`."""
+    needed = math.ceil((z * MEDIAN_NOISE * noise / s.resolution) ** 2)
+    return min(max(needed, s.window), s.max_window)
+
+
+def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None:
+    """At row i: (kind, ranks, where, window, strength) of the slow ranks, ("widespread", (), "", window,
+    cv) or None; strength: the suspects' typical compute ratio."""
+    n, z = len(m.ranks), _z(len(m.ranks), s)
+    noise = _noise(m, i, s)
+    w = min(_window(noise, z, s), i + 1)
+    rows = slice(i + 1 - w, i + 1)
+    typical, wait = np.median(m.ratio[rows], axis=0), np.median(m.wait[rows], axis=0)
+    center = float(np.median(typical))
+    noise_of_typical = MEDIAN_NOISE * noise / math.sqrt(w)
+    if n == 2:
+        a, b = (1, 0) if typical[1] > typical[0] else (0, 1)
+        compute = np.median(m.compute[rows], axis=0)
+        if (
+            (typical[a] - center) / max(noise_of_typical, s.jitter_floor * center) > z
+            and typical[a] > typical[b] * (1 + s.pair_min_slowdown)
+            and wait[b] - wait[a] >= s.pair_wait_share * (compute[a] - compute[b])
+        ):
+            return ("rank", (int(m.ranks[a]),), f"rank {int(m.ranks[a])}", w, float(typical[a] / center))
+        return None
+    spread = max(1.4826 * float(np.median(np.abs(typical - center))), noise_of_typical, s.jitter_floor * center)
+    slow = ((typical - center) / spread > z) & (typical > center * (1 + s.min_slowdown)) & (wait <= np.median(wait))
+    if slow.any():
+        elevated = frozenset(int(r) for r in m.ranks[typical > center * (1 + s.min_slowdown / 2)])
+        return (
+            *_pattern(tuple(int(r) for r in m.ranks[slow]), elevated, placement),
+            w,
+            float(np.median(typical[slow]) / center),
+        )
+    last = slice(max(i + 1 - s.window, 0), i + 1)
+    cv = 1.4826 * float(np.median(np.abs(m.ratio[last] - 1)))
+    slowest = np.unique(np.argmax(m.compute[last], axis=1))
+    if cv >= s.widespread_cv and len(slowest) >= min(3, last.stop - last.start):
+        return ("widespread", (), "", s.window, cv)
+    return None
+
+
+def _judge(
+    run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame | None, s: Settings, devices
+) -> list[Finding]:
+    """Each complete step from `first_new` on judged on the steps before it; consecutive steps with the same
+    verdict are one finding, drawn at the strongest of them, its onset estimated at the first."""
+    new = steps[steps["step"] >= first_new]
+    if new.empty:
+        return []
+    if steps["rank"].nunique() < 2:
+        return []
+    steps = _filled(steps)
+    m, placement = _matrices(steps), _placement(ranks)
+    found: list[Finding] = []
+    episode: list | None = None  # [(kind, ranks), first row, last row, strongest row, its strength]
+    for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
+        verdict = _verdict(m, i, s, placement) if i + 1 >= s.window else None
+        if episode and (verdict is None or verdict[:2] != episode[0]):
+            found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
+            episode = None
+        if verdict and episode:
+            episode[2] = i
+            if verdict[4] > episode[4]:
+                episode[3:] = [i, verdict[4]]
+        elif verdict:
+            episode = [verdict[:2], i, i, i, verdict[4]]
+    if episode:
+        found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
+    return found
+
+
+def _alone(run_id: str, new: pd.DataFrame) -> Finding:
+    rank = int(new["rank"].iloc[0])
+    return Finding(
+        run_id,
+        NOT_JUDGED,
+        [],
+        int(new["step"].min()),
+        int(new["step"].max()),
+        "info",
+        0.0,
+        f"not judged: rank {rank} is the run's only rank, with no peers to compare its compute with",
+        {"ranks": [rank], "why": "no peers"},
+        analyzer=ANALYZER,
+    )
+
+
+def _finding(
+    run_id: str,
+    steps: pd.DataFrame,
+    m: _Matrices,
+    first: int,
+    end: int,
+    last: int,
+    s: Settings,
+    placement: list,
+    devices,
+) -> Finding:
+    """The finding of an episode from row `first` to row `end`: drawn at row `last` (its strongest),
+    since its onset at `first`."""
+    finding = _drawn(run_id, steps, m, first, last, s, placement, devices)
+    finding.step_end = int(m.steps[end])
+    return finding
+
+
+def _drawn(
+    run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int, s: Settings, placement: list, devices
+) -> Finding:
+    drawn = _verdict(m, last, s, placement)
+    assert drawn is not None  # `last` is a row of the episode: it has a verdict
+    kind, suspects, where, w, _ = drawn
+    history = steps[(steps["step"] >= m.steps[max(last + 1 - s.max_window, 0)]) & (steps["step"] <= m.steps[last])]
+    history = history[history["step"].isin(m.steps)]
+    history = history.assign(ratio=history["compute_s"] / history.groupby("step")["compute_s"].transform("median"))
+    if kind == "widespread":
+        return _widespread(run_id, history[history["step"] >= m.steps[last + 1 - w]], s)
+    began = _verdict(m, first, s, placement)
+    assert began is not None  # as `last`
+    onset = _onset(m, first, began[1], s)
+    recent = history[history["step"] >= m.steps[last + 1 - w]]
+    finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
+    if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
+        ends = recent.get("end_ts")
+        samples = devices(None, None) if ends is None else devices(int(ends.min()), int(ends.max()))
+        finding.evidence.update(_device_evidence(samples, finding.ranks))
+        if found := hardware.causes(samples, finding.ranks):  # what the GPUs say of why
+            finding.evidence["hardware"] = found
+            finding.summary += "; " + hardware.describe(found)
+    if "data_s" in recent:
+        finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
+        finding.evidence["peer_data_s"] = float(recent.loc[~recent["rank"].isin(finding.ranks), "data_s"].median())
+    return finding
+
+
+def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
+    """Since when the suspects found at row i are slow: the last step their rolling median ratio
+    (over the shortest window) was under halfway to its level at i, plus half that window of lag (a
+    median crosses halfway that late); looked for over the `max_window` steps up to i."""
+    columns = np.searchsorted(m.ranks, suspects)
+    rows = slice(max(i + 1 - s.max_window, 0), i + 1)
+    mine = pd.Series(np.median(m.ratio[rows][:, columns], axis=1), index=m.steps[rows])
+    rolling = mine.rolling(s.window, min_periods=1).median()
+    slowdown = float(rolling.iloc[-1])
+    under = rolling.index[rolling <= 1 + (slowdown - 1) / 2]
+    first = int(under[-1]) + 1 - s.window // 2 if len(under) else int(mine.index[0])
+    return min(max(first, int(mine.index[0])), int(m.steps[i]))
+
+
+def _widespread(run_id: str, recent: pd.DataFrame, s: Settings) -> Finding:
+    last_steps = np.sort(recent["step"].unique())
+    lost = _lost_seconds(recent)
+    slowest = recent.loc[recent.groupby("step")["compute_s"].idxmax(), "rank"]
+    cv = 1.4826 * (recent["ratio"] - 1).abs().median()
+    return Finding(
+        run_id,
+        "widespread",
+        [],
+        int(last_steps[0]),
+        int(last_steps[-1]),  # the job's pattern, no rank's
+        "warning",
+        float(recent.groupby("step")["ratio"].max().median()),
+        f"compute varies {100 * cv:.0f}% across ranks and a different rank is slowest at each step "
+        f"({slowest.nunique()} ranks in {len(last_steps)} steps), none persistently, as with uneven "
+        f"sequence lengths: {lost.mean() * 1e3:.1f} ms lost per step",
+        {
+            "cross_rank_cv": float(cv),
+            "slowest_ranks": sorted(int(r) for r in slowest.unique()),
+            "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.loc[slowest.index, "step"], slowest)},
+            **_cost(recent, lost),
+        },
+        analyzer=ANALYZER,
+    )
+
+
+def _placement(ranks: pd.DataFrame | None) -> list[tuple[str, pd.Series]]:
+    """(pattern, group of each rank) for the placements that split the ranks: node by host, stage."""
+    if ranks is None or ranks.empty:
+        return []
+    placed = ranks.set_index("rank")
+    return [
+        (label, placed[column])
+        for column, label in (("host", "node"), ("pp_stage", "stage"))
+        if column in placed and placed[column].notna().all() and placed[column].nunique() > 1
+    ]
+
+
+def _pattern(suspects: tuple[int, ...], elevated: frozenset[int], placement: list) -> tuple[str, tuple, str]:
+    """(kind, ranks, where): the suspects are a node (or a stage) when they all share one host (stage)
+    and that group's ranks are nearly all slow too (`elevated`: above the median by half the
+    threshold): a slightly slow node shows first as a few of its ranks crossing the threshold."""
+    for label, group in placement:
+        groups = group[group.index.isin(suspects)].unique()
+        members = tuple(sorted(int(r) for r in group.index[group.isin(groups)]))
+        if len(groups) == 1 and len(members) > 1 and len(elevated & set(members)) >= 0.75 * len(members):
+            return label, members, f"{label} {groups[0]} ({ranksets.phrase(members)})"
+    return "rank", suspects, ranksets.phrase(suspects)
+
+
+def _suspect_finding(
+    run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, kind: str, suspects: list[int], where: str, first: int
+) -> Finding:
+    """The finding for persistently slow ranks, slow since step `first`: their evidence and cost."""
+    peers = recent[~recent["rank"].isin(suspects)]
+    slowdown = float(recent.loc[recent["rank"].isin(suspects), "ratio"].median())
+    lost = _lost_seconds(steps[steps["step"] >= first])
+    cost = _cost(steps[steps["step"] >= first], lost)
+    severity = "critical" if slowdown >= 1.2 else "warning"
+    plural = kind == "rank" and len(suspects) > 1
+    computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
+    return Finding(
+        run_id,
+        kind,
+        suspects,
+        first,
+        int(steps["step"].max()),
+        severity,
+        slowdown,
+        f"{where} {computes} {100 * (slowdown - 1):.0f}% slower than {its} peers since step {first}; "
+        f"the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
+        f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
+        {
+            "compute_s": float(recent.loc[recent["rank"].isin(suspects), "compute_s"].median()),
+            "peer_compute_s": float(peers["compute_s"].median()),
+            "comm_wait_s": float(recent.loc[recent["rank"].isin(suspects), "comm_wait_s"].median()),
+            "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
+            "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
+            **cost,
+        },
+        analyzer=ANALYZER,
+    )
+
+
+def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
+    """Median of each device metric for the suspects and for their peers, e.g. a throttled GPU's
+    lower SM clock and higher temperature; clock-event reasons by name, those set in at least
+    half of the samples."""
+    if devices is None or devices.empty:
+        return {}
+    mine = devices["rank"].isin(suspects)
+    evidence: dict[str, dict[str, list[str] | float]] = {}
+    for metric, group in devices.groupby("metric"):
+        who = {"suspects": group.loc[mine[group.index], "value"], "peers": group.loc[~mine[group.index], "value"]}
+        if metric == sc.CLOCK_EVENT_REASONS:
+            evidence[metric] = {
+                k: [
+                    name
+                    for bit, name in sc.CLOCK_EVENT_REASON_BITS.items()
+                    if len(v) and ((v.astype("int64") & bit) > 0).mean() >= 0.5
+                ]
+                for k, v in who.items()
+            }
+        else:
+            evidence[metric] = {k: float(v.median()) for k, v in who.items()}
+    return {"devices": evidence}
+
+
+def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
+    """Per step: the slowest rank's compute minus the median compute (what the others wait out)."""
+    grouped = steps.groupby("step")["compute_s"]
+    return grouped.max() - grouped.median()
+
+
+def _cost(steps: pd.DataFrame, lost: pd.Series) -> dict:
+    step_time = steps.groupby("step")["duration_s"].median()
+    world = steps["rank"].nunique()
+    return {
+        "lost_s_per_step": float(lost.mean()),
+        "lost_percent": float(100 * lost.sum() / step_time.sum()) if step_time.sum() else 0.0,
+        "gpu_hours_lost": float(lost.sum() * world / 3600),
+        "steps": len(lost),
+    }

@@ -1,0 +1,305 @@
+"""The analysis engine: each committed step of a run judged once by every analyzer of the
+registry (collector/analysis/analyzers/registry.py), whatever the step rate, the same way live and after
+the fact.
+
+A cursor per run says the newest step judged. A pass takes the steps after it that every rank
+has reported (a run's ranks export apart; a step half-arrived would compare a rank with some of
+its peers only), at most `rank_steps` rank-steps of them (so one pass costs the same at 16,384
+ranks as at 8, and a backlog is judged over several), and hands each analyzer those steps with
+the history its baseline needs (`Reads.history` steps before), each new step judged as if it
+were the newest. Analyzers that read only steps are not called where none came; those that
+judge the passing of time (`Reads.every_pass`: a stall) are called on every pass.
+
+A rollback applied to the run moves its cursor back to the restored step: the steps trained
+again are judged again, as the new trajectory they are (`current_steps`).
+"""
+
+import importlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import duckdb
+
+from agent import semconv as sc
+from collector.analysis.analyzers import Finding, Frames
+from collector.analysis.analyzers.registry import ANALYZERS
+
+ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
+RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
+
+_NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after GROUP BY rank"""
+_NTH_STEP = """SELECT DISTINCT step FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
+               ORDER BY step LIMIT 1 OFFSET $n"""
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
+                   grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
+                   AS non_finite
+            FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
+_COLLECTIVES = """SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps FROM ops
+                  WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
+                    AND step > $after AND step <= $upto"""
+_DEVICES = """SELECT rank, metric, value FROM device_samples
+              WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
+_HEARTBEATS = f"""SELECT rank, epoch_ns(ts) AS ts, step, attrs->>{sc.json_path(sc.PHASE)} AS phase,
+                         attrs->>{sc.json_path(sc.COMM_OP)} AS op, attrs->>{sc.json_path(sc.COMM_GROUP)} AS "group",
+                         TRY_CAST(attrs->>{sc.json_path(sc.COMM_SEQ)} AS BIGINT) AS seq,
+                         TRY_CAST(attrs->>{sc.json_path(sc.COMM_DONE)} AS BOOLEAN) AS done
+                  FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > make_timestamp_ns($since)"""
+_FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
+                       WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
+_APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
+                        WHERE run_id = $run AND kind = 'rollback' AND state = 'applied' AND id > $seen ORDER BY id"""
+_ENDED = """SELECT count(DISTINCT rank), max(epoch_ns(ts)) FROM events WHERE run_id = $run AND event = $ended"""
+_WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
+                            (SELECT coalesce(max(world_size), 0) FROM runs WHERE run_id = $1))"""
+_FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
+                         (SELECT rank FROM ranks WHERE run_id = ? ORDER BY first_seen DESC LIMIT ?)"""
+_PLACEMENT = "SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?"
+HEARTBEATS_S = 120  # heartbeats read back from the moment judged: a stall's culprits are in the last few
+
+
+@dataclass
+class Cursor:
+    step: int = -1  # the newest step judged (steps are never negative)
+    rollback: int = 0  # the newest applied rollback command seen
+    world: int = 0  # the ranks known when it last judged
+    ended_ns: int | None = None  # when every rank said it ended, once known
+
+
+@dataclass
+class Judged:
+    """One pass over one run: the steps judged (`first_new` to `last`; none where first > last),
+    each analyzer's findings, whether steps are left for another pass (`more`) or wait for some
+    rank (`behind`), and whether the run has ended with all its steps judged. `rolled_back`: the
+    step a rollback restored, where one moved the cursor back."""
+
+    run_id: str
+    first_new: int
+    last: int
+    found: dict[str, list[Finding]] = field(default_factory=dict)
+    more: bool = False
+    ended: bool = False
+    rolled_back: int | None = None
+    behind: bool = False  # steps were reported after `last` that not every rank has yet
+
+
+class Engine:
+    """The runner: cursors and passes. `settings`: an analyzer's settings by its name (its defaults
+    where none is given)."""
+
+    def __init__(
+        self,
+        settings: Mapping[str, object] | None = None,
+        analyzers=ANALYZERS,
+        rank_steps: int = RANK_STEPS,
+        stored: bool = False,
+    ):
+        """`stored`: a run's cursor starts where the store's `analysis_cursors` says (the live
+        collector, which records it with each pass's findings); else from the run's first step."""
+        self.stored = stored
+        self.settings = dict(settings or {})
+        self._modules = tuple(a.__name__ for a in analyzers)  # by name: an Engine is pickled to the writer
+        self.reads = {a.ANALYZER: a.READS for a in analyzers}
+        self.rank_steps = rank_steps
+        self.cursors: dict[str, Cursor] = {}
+
+    def forget(self, run_id: str) -> None:
+        """Drop a run's cursor (a pass that failed to record: the next starts from the stored one)."""
+        self.cursors.pop(run_id, None)
+
+    @property
+    def analyzers(self) -> tuple:
+        return tuple(importlib.import_module(name) for name in self._modules)
+
+    def judge(
+        self, con: duckdb.DuckDBPyConnection, run_id: str, now_ns: int, final: bool = False, ended_came: bool = True
+    ) -> Judged:
+        """The next pass over `run_id`, its cursor moved past what it judged. `final`: the steps not
+        every rank has reported are judged too (nothing more will come). `ended_came`: `ended`
+        events may have come since the last pass (the live collector knows when any did); they are
+        looked for then, on a run's first pass, and while it is ended (steps after its end undo it)."""
+        new = run_id not in self.cursors
+        if new and self.stored:
+            row = con.execute(
+                "SELECT step, rollback, world FROM analysis_cursors WHERE run_id = ?", [run_id]
+            ).fetchone()
+            self.cursors[run_id] = Cursor(*row) if row else Cursor()
+        cursor = self.cursors.setdefault(run_id, Cursor())
+        rolled_back = self._rollbacks(con, run_id, cursor)
+        if ended_came or final or new or cursor.ended_ns is not None:
+            cursor.ended_ns = self._ended(con, run_id)
+        world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
+        self._ranks_came(con, run_id, cursor, world)
+        newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step}).fetchall())
+        world = max(world, len(newest))
+        if final or cursor.ended_ns is not None:
+            upto = max(newest.values(), default=cursor.step)
+        else:
+            upto = min(newest.values()) if newest and len(newest) >= world else cursor.step
+        last, more = upto, False
+        budget = max(self.rank_steps // max(world, 1), 1)
+        if upto - cursor.step > budget:
+            nth = con.execute(
+                _NTH_STEP, {"run": run_id, "after": cursor.step, "upto": upto, "n": budget - 1}
+            ).fetchone()
+            if nth is not None and nth[0] < upto:
+                last, more = int(nth[0]), True
+        first_new = cursor.step + 1
+        frames = self._frames(con, run_id, first_new, last, now_ns, cursor.ended_ns)
+        judged = Judged(
+            run_id,
+            first_new,
+            last,
+            more=more,
+            rolled_back=rolled_back,
+            behind=max(newest.values(), default=last) > last,
+        )
+        if frames is not None:
+            for analyzer in self.analyzers:
+                reads = analyzer.READS
+                if last >= first_new or reads.every_pass:
+                    settings = self.settings.get(analyzer.ANALYZER)
+                    judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
+        cursor.step, cursor.world = last, world
+        judged.ended = cursor.ended_ns is not None and not more
+        return judged
+
+    def _ranks_came(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
+        """Ranks first heard from after steps were judged without them (a job whose world size is
+        not said, its ranks' first exports apart): the cursor moves back to their first step."""
+        if world <= cursor.world or cursor.step < 0:
+            return
+        (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchall()[0]
+        if first is not None:
+            cursor.step = int(first) - 1
+
+    def _rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
+        """The cursor moved back to before the earliest step a rollback applied since the last pass
+        restored (the steps from there are trained again); that step, or None."""
+        applied = con.execute(_APPLIED_ROLLBACKS, {"run": run_id, "seen": cursor.rollback}).fetchall()
+        if not applied:
+            return None
+        cursor.rollback = int(applied[-1][0])
+        restored = min((int(step) for _, step in applied if step is not None), default=None)
+        if restored is None or restored > cursor.step:
+            return None
+        cursor.step = restored - 1
+        return restored
+
+    def _ended(self, con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
+        """When every rank said its training loop ended, where all did (a rank that started again
+        after its end sends steps after it: the run goes on)."""
+        ranks, at = con.execute(_ENDED, {"run": run_id, "ended": ENDED}).fetchall()[0]
+        if not ranks or ranks < con.execute(_WORLD, [run_id]).fetchall()[0][0]:
+            return None
+        later = con.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM steps WHERE run_id = ? AND end_ts > make_timestamp_ns(?) LIMIT 1)",
+            [run_id, int(at)],
+        ).fetchall()[0][0]
+        return None if later else int(at)
+
+    def _frames(
+        self, con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, last: int, now_ns: int, ended_ns: int | None
+    ) -> Frames | None:
+        """What the analyzers read, once for all of them; None for a run without steps."""
+        upto = max(last, first_new - 1)
+        reads = [a.READS for a in self.analyzers if a.READS.every_pass or last >= first_new]  # those called
+        history = max((r.history for r in reads), default=0)
+        steps = con.execute(_STEPS, {"run": run_id, "after": first_new - 1 - max(history, 1), "upto": upto}).df()
+        if steps.empty:
+            return None
+        # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
+        steps = steps.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
+        steps = steps.sort_values(["step", "rank"], ignore_index=True)
+        stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
+        frames = Frames(
+            run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns, stated
+        )
+        if any(r.collectives for r in reads):
+            history = max(r.history for r in reads if r.collectives)
+            frames.collectives = con.execute(
+                _COLLECTIVES, {"run": run_id, "after": first_new - 1 - history, "upto": upto}
+            ).df()
+        if any(r.heartbeats for r in reads):
+            since = min(now_ns, int(steps["end_ts"].min())) - HEARTBEATS_S * 10**9
+            frames.heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": since}).df()
+        if any(r.failed_rollbacks for r in reads):
+            failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
+            failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
+            frames.failed_rollbacks = failed
+        if any(r.devices for r in reads):
+            frames.devices = lambda since, until: con.execute(
+                _DEVICES, {"run": run_id, "since": since, "until": until}
+            ).df()
+        return frames
+
+
+def replay(
+    con: duckdb.DuckDBPyConnection, run_id: str, settings: Mapping[str, object] | None = None, now_ns: int | None = None
+) -> list[Finding]:
+    """Every finding of a run's history, as the live collector draws them pass by pass: the same
+    engine from the first step to the last, its episodes kept in memory; each finding's span is
+    its episode's. `now_ns`: the moment judged (default: when the run was last heard from)."""
+    engine = Engine(settings)
+    if now_ns is None:
+        now_ns = _last_heard(con, run_id)
+    episodes: list[tuple[str, Finding, bool]] = []  # (analyzer, finding, still firing)
+    while True:
+        judged = engine.judge(con, run_id, now_ns, final=True)
+        episodes = merge(episodes, judged.found, engine.reads, judged.last)
+        if not judged.more:
+            return [f for _, f, _ in episodes]
+
+
+def merge(
+    episodes: list[tuple[str, Finding, bool]], found: Mapping[str, list[Finding]], reads: Mapping, last: int
+) -> list[tuple[str, Finding, bool]]:
+    """The episodes after a pass: a finding going on a firing episode of its analyzer, kind and
+    ranks extends it (the strongest finding speaks for it, since the earliest onset); others start
+    episodes; episodes of analyzers that judged stop firing where `Reads.holds` says so. The live
+    store does the same with rows (collector/analysis/findings.py)."""
+    episodes = list(episodes)
+    for analyzer, drawn in found.items():
+        rules = reads[analyzer]
+        redrawn = set()
+        for f in sorted(drawn, key=lambda f: (f.step_start is None, f.step_start or 0)):
+            at = next(
+                (
+                    i
+                    for i, (a, e, firing) in enumerate(episodes)
+                    if firing and a == analyzer and (e.kind, e.ranks) == (f.kind, f.ranks)
+                ),
+                None,
+            )
+            if at is not None and rules.continues(episodes[at][1].step_end, f):
+                earlier = episodes[at][1]
+                # an episode that goes on (continues()) is of findings over steps
+                assert f.step_start is not None and f.step_end is not None
+                assert earlier.step_start is not None and earlier.step_end is not None
+                f = replace(
+                    f if f.score >= earlier.score else earlier,
+                    step_start=min(earlier.step_start, f.step_start),
+                    step_end=max(earlier.step_end, f.step_end),
+                )
+                episodes[at] = (analyzer, f, True)
+            else:
+                if at is not None:
+                    episodes[at] = (analyzer, episodes[at][1], False)
+                at = len(episodes)
+                episodes.append((analyzer, f, True))
+            redrawn.add(at)
+        episodes = [
+            (a, e, firing and (a != analyzer or rules.holds(e.step_end, last, i in redrawn)))
+            for i, (a, e, firing) in enumerate(episodes)
+        ]
+    return episodes
+
+
+def _last_heard(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """When a run was last heard from: its newest step or event."""
+    steps, events = con.execute(
+        "SELECT (SELECT max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run), "
+        "(SELECT max(epoch_ns(ts)) FROM events WHERE run_id = $run)",
+        {"run": run_id},
+    ).fetchall()[0]
+    return int(max(v for v in (steps, events, 0) if v is not None))

@@ -1,0 +1,188 @@
+"""Findings in the store: an analyzer's conclusions for a run become rows that stay `firing`
+while they hold and turn `resolved` when they stop, with the alerts they raise or end written in
+the same transaction (collector/alerts/outbox.py)."""
+
+import json
+from collections.abc import Mapping
+
+import duckdb
+
+from collector.alerts import outbox
+from collector.alerts.config import AlertConfig
+from collector.analysis.analyzers import NOT_JUDGED, Finding, Reads
+
+_FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
+             WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""
+_FIRING_OF_RUN = """SELECT id, analyzer, kind, ranks, step_start, step_end, score FROM findings
+                    WHERE run_id = ? AND state = 'firing'"""
+
+
+def record(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    analyzer: str,
+    findings: list[Finding],
+    alerts: AlertConfig | None = None,
+) -> None:
+    """Make the firing rows of (run, analyzer) match `findings`, an analyzer's latest conclusions
+    drawn afresh (the collector's health, power recommendations): same kind and ranks update the
+    row (its span too: an onset estimated from a few slow steps sharpens as more come, and the row
+    must say what its summary says), new ones insert, the rest resolve."""
+    with _transaction(con):
+        firing = {
+            (kind, tuple(ranks)): row[0]
+            for row in con.execute(_FIRING, [run_id, analyzer]).fetchall()
+            for kind, ranks in [row[1:3]]
+        }
+        drawn = []
+        for f in findings:
+            fid = firing.pop((f.kind, tuple(f.ranks)), None)
+            drawn.append((_update(con, fid, f) if fid is not None else _insert(con, run_id, analyzer, f), f))
+        _resolve(con, list(firing.values()))
+        if alerts is not None:
+            outbox.notify(con, alerts, run_id, analyzer, drawn, list(firing.values()))
+
+
+def record_pass(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    found: Mapping[str, list[Finding]],
+    reads: Mapping[str, Reads],
+    last: int,
+    alerts: AlertConfig | None = None,
+    cursor: tuple[int, int, int] | None = None,
+) -> None:
+    """One pass of the engine over a run, in one transaction: each finding goes on the firing row
+    of its episode (same analyzer, kind and ranks, and `Reads.continues`; its span widened to both,
+    the strongest finding speaking for it) or starts one, and the episodes of the analyzers that
+    judged resolve where `Reads.holds` says they no longer fire once the steps up to `last` are
+    judged (collector/analysis/engine.py's `merge`, on rows). `cursor`: (step, rollback, world) the engine stands at
+    after the pass, recorded with its findings (a step is judged once, across restarts too)."""
+    with _transaction(con):
+        if cursor is not None:
+            con.execute("INSERT OR REPLACE INTO analysis_cursors VALUES (?, ?, ?, ?)", [run_id, *cursor])
+        rows = con.execute(_FIRING_OF_RUN, [run_id]).fetchall() if found else []
+        for analyzer, drawn in found.items():
+            rules = reads[analyzer]
+            firing = {
+                (kind, tuple(ranks)): [fid, start, end, False, score]
+                for fid, of, kind, ranks, start, end, score in rows
+                if of == analyzer
+            }
+            changed, ended = [], []
+            for f in sorted(drawn, key=lambda f: (f.step_start is None, f.step_start or 0)):
+                key = (f.kind, tuple(f.ranks))
+                row = firing.get(key)
+                if row is not None and row[2] is not None and rules.continues(row[2], f):
+                    f.step_start, f.step_end = min(row[1], f.step_start), max(row[2], f.step_end)
+                    if (row[4] or 0.0) > f.score:  # the strongest finding of an episode speaks for it
+                        con.execute(
+                            "UPDATE findings SET step_start = ?, step_end = ?, updated_at = now() WHERE id = ?",
+                            [f.step_start, f.step_end, row[0]],
+                        )
+                    else:
+                        changed.append((_update(con, row[0], f), f))
+                else:
+                    if row is not None:
+                        ended.append(row[0])
+                    row = [_insert(con, run_id, analyzer, f), f.step_start, f.step_end, False, f.score]
+                    changed.append((row[0], f))
+                row[1:4] = [f.step_start, f.step_end, True]
+                row[4] = max(row[4] or 0.0, f.score)
+                firing[key] = row
+            ended += [
+                fid for fid, _, end, redrawn, _ in firing.values() if end is None or not rules.holds(end, last, redrawn)
+            ]
+            _resolve(con, ended)
+            if alerts is not None:  # a verdict an analyzer could not draw pages nobody
+                outbox.notify(
+                    con,
+                    alerts,
+                    run_id,
+                    analyzer,
+                    [(fid, f) for fid, f in changed if fid not in ended and f.kind != NOT_JUDGED],
+                    ended,
+                )
+
+
+def end_run(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    reason: str,
+    alerts: AlertConfig | None = None,
+    since_step: int | None = None,
+    keep: tuple[str, ...] = (),
+) -> None:
+    """Resolve a run's firing findings, saying why in their evidence (`resolved`: "run ended", say),
+    and end their alerts; `since_step`: only those that began at it or after (the steps a rollback
+    abandoned); `keep`: analyzers whose findings stay."""
+    rows = [
+        (fid, analyzer)
+        for fid, analyzer, start in con.execute(
+            "SELECT id, analyzer, step_start FROM findings WHERE run_id = ? AND state = 'firing'", [run_id]
+        ).fetchall()
+        if analyzer not in keep and (since_step is None or (start is not None and start >= since_step))
+    ]
+    if not rows:
+        return
+    with _transaction(con):
+        _resolve(con, [fid for fid, _ in rows], reason)
+        if alerts is not None:
+            for analyzer in {a for _, a in rows}:
+                outbox.notify(con, alerts, run_id, analyzer, [], [fid for fid, a in rows if a == analyzer])
+
+
+class _transaction:
+    """One transaction, rolled back on any error."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+
+    def __enter__(self):
+        self.con.begin()
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None:
+            self.con.commit()
+        else:
+            self.con.rollback()
+
+
+def _insert(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Finding) -> int:
+    return con.execute(
+        """INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score,
+                          summary, evidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id""",
+        [
+            run_id,
+            analyzer,
+            f.kind,
+            f.ranks,
+            f.step_start,
+            f.step_end,
+            f.severity,
+            f.score,
+            f.summary,
+            json.dumps(f.evidence, default=str),
+        ],
+    ).fetchall()[0][0]
+
+
+def _update(con: duckdb.DuckDBPyConnection, fid: int, f: Finding) -> int:
+    con.execute(
+        """UPDATE findings SET step_start = ?, step_end = ?, severity = ?, score = ?, summary = ?,
+                   evidence = ?, updated_at = now() WHERE id = ?""",
+        [f.step_start, f.step_end, f.severity, f.score, f.summary, json.dumps(f.evidence, default=str), fid],
+    )
+    return fid
+
+
+def _resolve(con: duckdb.DuckDBPyConnection, ids: list[int], reason: str | None = None) -> None:
+    for fid in ids:
+        if reason is None:
+            con.execute("UPDATE findings SET state = 'resolved', updated_at = now() WHERE id = ?", [fid])
+        else:
+            con.execute(
+                """UPDATE findings SET state = 'resolved', updated_at = now(),
+                           evidence = json_merge_patch(coalesce(evidence, '{}'), ?) WHERE id = ?""",
+                [json.dumps({"resolved": reason}), fid],
+            )

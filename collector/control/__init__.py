@@ -1,0 +1,1 @@
+"""Control: commands for a running job (rollbacks, power caps) and the API that serves them."""

@@ -1,0 +1,1 @@
+"""Prometheus metrics at /metrics: per-run fleet aggregates and the collector's own health."""

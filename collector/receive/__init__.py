@@ -1,0 +1,2 @@
+"""Receiving telemetry: HTTP bodies and the bearer token, OTLP/HTTP, decoding, ingest, and traces
+imported from files."""

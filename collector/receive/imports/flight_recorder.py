@@ -1,0 +1,245 @@
+"""PyTorch NCCL Flight Recorder dumps: a file per rank, each collective it recorded as an op.
+
+When a job times out (TORCH_NCCL_DUMP_ON_TIMEOUT=1) or on demand, each rank
+writes its Flight Recorder ring buffer: the last collectives and
+point-to-point ops it enqueued, each with its process group, sequence number,
+sizes and state (scheduled, started, completed). Those say which rank never
+entered the collective the others are blocked in, even for a job that sent
+no telemetry (collector/analysis/analyzers/collectives.py reads them).
+
+A dump is named `<prefix><rank>` (by default /tmp/nccl_trace_rank_<rank>):
+the rank is the number that ends the file name, as for PyTorch's fr_trace.
+PATH is one dump or a directory of them. A dump is a pickle, or JSON where the
+job set TORCH_FR_DUMP_JSON. Versions differ in their keys; the ones an entry
+cannot do without are profiling_name and time_created_ns.
+
+Security: loading a pickle can run any code its author chose. A dump holds
+only plain data (dicts, lists, tuples, strings, numbers, booleans, None), so
+it is read by an Unpickler whose find_class refuses every global: a file that
+names one (os.system, any class) is rejected before anything runs, never
+passed to plain pickle.load.
+
+Every entry becomes one `comm` op without a step (a dump knows no training
+steps, so the run has no `steps` rows); each dump's header (version, the
+process groups the rank knows with their member ranks, pg_status) becomes a
+`flight_recorder_dump` event, from which the analysis learns who belongs to a
+group. docs/telemetry.md has the mapping. Dumps are read one at a time.
+"""
+
+import io
+import json
+import math
+import pickle
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+
+from agent import semconv as sc
+from collector.nccl import DTYPE_BYTES, canonical_op
+from collector.receive.imports import TraceError
+
+EVENT = "flight_recorder_dump"
+_RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")
+_P2P = ("send", "recv")
+_DEFAULT_GROUP = "default_pg"  # the description PyTorch gives the world's process group
+
+
+class _PlainData(pickle.Unpickler):
+    """Rebuilds builtin containers and scalars only: no global is ever looked up, so no code runs."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(
+            f"it refers to {module}.{name}, and a dump holds plain data only: refused without running anything"
+        )
+
+
+def dump_files(path: Path) -> list[tuple[int, Path]]:
+    """(rank, file) of the dump, or of every file in the directory (dot files aside), in rank order."""
+    if path.is_dir():
+        files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+        if not files:
+            raise TraceError(f"{path}: no dump in this directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise TraceError(f"{path}: no such file or directory")
+    ranked: dict[int, Path] = {}
+    for file in files:
+        m = _RANK_AT_END.search(file.name)
+        if not m:
+            raise TraceError(
+                f"{file}: no rank at the end of the file name (dumps are <prefix><rank>, e.g. nccl_trace_rank_3)"
+            )
+        if int(m.group(1)) in ranked:
+            raise TraceError(f"{file}: rank {int(m.group(1))} again (also {ranked[int(m.group(1))]})")
+        ranked[int(m.group(1))] = file
+    return sorted(ranked.items())
+
+
+def load(path: Path) -> dict:
+    """A dump (JSON, else pickle of plain data) as a dict, checked to hold a list of entries."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: {e.strerror or e}") from None
+    try:
+        dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
+    except Exception as e:
+        raise TraceError(
+            f"{path}: not a Flight Recorder dump: {(str(e) or type(e).__name__).splitlines()[0]}"
+        ) from None
+    if isinstance(dump, dict) and "entries" not in dump and "pg_config" in dump:
+        dump["entries"] = []  # a JSON dump leaves the key out when the rank recorded nothing
+    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
+        raise TraceError(f"{path}: not a Flight Recorder dump: no dict with a list of entries")
+    return dump
+
+
+def _groups(path: Path, dump: dict) -> dict[str, dict]:
+    """The process groups a dump lists (pg_config): name -> {"desc", "ranks": member global ranks}."""
+    config = dump.get("pg_config") or {}
+    groups = {}
+    try:
+        for name, pg in config.items():
+            ranks = json.loads(pg["ranks"]) if isinstance(pg["ranks"], str) else pg["ranks"]
+            groups[str(name)] = {"desc": pg.get("desc"), "ranks": [int(r) for r in ranks]}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise TraceError(f"{path}: pg_config is not a map of process groups with their ranks") from None
+    return groups
+
+
+def _status(path: Path, dump: dict) -> dict[str, dict[str, int]]:
+    """pg_status as numbers (JSON dumps write them as strings): pg id -> last enqueued, started, completed seq."""
+    try:
+        return {str(pg): {k: int(v) for k, v in status.items()} for pg, status in (dump.get("pg_status") or {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise TraceError(f"{path}: pg_status is not a map of sequence numbers") from None
+
+
+def _world_size(groups: dict[str, dict]) -> int | None:
+    """The size of the default process group, where the dump lists it."""
+    return next((len(g["ranks"]) for g in groups.values() if g["desc"] == _DEFAULT_GROUP), None)
+
+
+def _nbytes(sizes: list | None, dtypes: list | None) -> int | None:
+    """Bytes of one side's tensors (elements times dtype size, summed); None without tensors or a known dtype."""
+    if not sizes or dtypes is None:
+        return None
+    try:
+        return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _op(entry: dict, groups: dict[str, dict]) -> tuple:
+    """One entry as (name, comm_group, group_size, seq, bytes, start_ns, end_ns, attrs JSON)."""
+    profiling = entry["profiling_name"]
+    name = canonical_op(profiling) or profiling.removeprefix("nccl:")
+    pg = entry.get("process_group")  # (name, desc): a tuple in pickles, a list in JSON
+    group, desc = (
+        (str(pg[0]), pg[1])
+        if isinstance(pg, (list, tuple)) and len(pg) == 2
+        else (str(entry["pg_id"]) if "pg_id" in entry else None, None)
+    )
+    known = groups.get(group, {}) if group is not None else {}
+    p2p = bool(entry.get("is_p2p", name in _P2P))
+    seq = entry.get("p2p_seq_id") if p2p else entry.get("collective_seq_id", entry.get("seq_id"))
+    # JSON dumps write 0 for a time not (yet) seen, pickles None
+    start = int(entry.get("time_discovered_started_ns") or entry["time_created_ns"])
+    duration_ms = entry.get("duration_ms")
+    end = int(entry.get("time_discovered_completed_ns") or (start + round(duration_ms * 1e6) if duration_ms else start))
+    sides = [_nbytes(entry.get(f"{side}_sizes"), entry.get(f"{side}_dtypes")) for side in ("input", "output")]
+    # nccl-tests bytes: the full buffer, the larger side (all_gather's output, reduce_scatter's input)
+    nbytes = max((b for b in sides if b is not None), default=None)
+    attrs = {
+        "state": entry.get("state"),
+        "group_desc": desc if desc is not None else known.get("desc"),
+        "profiling_name": profiling,
+        "record_id": entry.get("record_id"),
+        "is_p2p": p2p,
+        **{k: entry.get(k) for k in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes")},
+    }
+    return (
+        name,
+        group,
+        len(known["ranks"]) if known else None,
+        None if seq is None else int(seq),
+        nbytes,
+        start,
+        end,
+        json.dumps(attrs, default=str),
+    )
+
+
+class FlightRecorderDumps:
+    """Per-rank Flight Recorder dumps (a file or a directory), the first opened and checked up front
+    (so the world size is known before anything is written); iterate `batches()` once to read them all."""
+
+    rows = None  # not known before the files are read
+
+    def __init__(self, path: Path):
+        self.files = dump_files(path)
+        self._first: dict | None = load(self.files[0][1])
+        self.world_size = _world_size(_groups(self.files[0][1], self._first))
+        self._events: list[dict] = []
+
+    def batches(self) -> Iterator[pa.Table]:
+        """Each rank's entries in the shape of the `ops` table, a dump at a time."""
+        for rank, path in self.files:
+            dump = self._first if self._first is not None else load(path)
+            self._first = None
+            groups = _groups(path, dump)
+            world_size = _world_size(groups)
+            if None not in (world_size, self.world_size) and world_size != self.world_size:
+                raise TraceError(f"{path}: world size {world_size}, but {self.files[0][1]} says {self.world_size}")
+            rows = []
+            for i, entry in enumerate(dump["entries"]):
+                try:
+                    rows.append(_op(entry, groups))
+                except (AttributeError, KeyError, TypeError, ValueError) as e:
+                    raise TraceError(
+                        f"{path}: entry {i} is not a Flight Recorder entry ({type(e).__name__}: {e})"
+                    ) from None
+            self._events.append(
+                {
+                    "rank": rank,
+                    "ts": pd.Timestamp(path.stat().st_mtime_ns, unit="ns"),
+                    "event": EVENT,
+                    "body": path.name,
+                    "attrs": json.dumps(
+                        {"version": dump.get("version"), "pg_config": groups, "pg_status": _status(path, dump)},
+                        default=str,
+                    ),
+                }
+            )
+            yield _table(rank, rows)
+
+    def placement_frame(self) -> pd.DataFrame:
+        """One row per dump: its rank (a dump names no host or process)."""
+        return pd.DataFrame({"rank": [rank for rank, _ in self.files]})
+
+    def events(self) -> pd.DataFrame:
+        """One `flight_recorder_dump` event per dump read (see store_run)."""
+        return pd.DataFrame(self._events)
+
+
+def _table(rank: int, rows: list[tuple]) -> pa.Table:
+    names, groups, sizes, seqs, nbytes, starts, ends, attrs = zip(*rows) if rows else ([],) * 8
+    return pa.table(
+        {
+            "rank": pa.array([rank] * len(rows), pa.int32()),
+            "kind": pa.array([sc.KIND_COMM] * len(rows), pa.string()),
+            "name": pa.array(names, pa.string()),
+            "comm_group": pa.array(groups, pa.string()),
+            "group_size": pa.array(sizes, pa.int32()),
+            "seq": pa.array(seqs, pa.int64()),
+            "bytes": pa.array(nbytes, pa.int64()),
+            "start_ts": pa.array(starts, pa.timestamp("ns")),
+            "end_ts": pa.array(ends, pa.timestamp("ns")),
+            "duration_s": pa.array([(e - s) / 1e9 for s, e in zip(starts, ends)], pa.float64()),
+            "attrs": pa.array(attrs, pa.string()),
+        }
+    )

@@ -1,0 +1,2 @@
+"""Reports from a store: post-mortems, power recommendations and plots, heatmaps, SQL queries and the
+query API."""

@@ -1,0 +1,75 @@
+"""A whole run, after the fact (`rankwatch analyze`): what-if analysis and findings.
+
+The what-if analysis (analyzers/whatif.py) says how much faster the run would
+have been without its stragglers and who explains the difference. The
+findings are the live collector's: the same engine (collector/analysis/engine.py)
+walks the run's history from its first step to its last, each step judged
+once by every analyzer with the history it needs, and the episodes it draws
+(a straggler that came and went, with the steps it lasted; a stall, whether
+the run moved on or ended in it) are the findings. A run imported from
+Flight Recorder dumps has no steps, so no what-if analysis: its findings are
+those of the collective matching (analyzers/collectives.py).
+"""
+
+import json
+from dataclasses import dataclass
+
+import duckdb
+import pandas as pd
+
+from collector.analysis.analyzers import Finding, hangs, stragglers, whatif
+from collector.analysis.analyzers.collectives import analyze as match_collectives
+from collector.analysis.engine import replay
+from collector.receive.imports.flight_recorder import EVENT as DUMP_EVENT
+from collector.store.runs import unknown_run
+
+_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
+                   grad_norm FROM current_steps WHERE run_id = ? ORDER BY step, rank"""
+_RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.state' AS state,
+                      attrs->'$.input_sizes' AS input_sizes, attrs->'$.output_sizes' AS output_sizes,
+                      attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes
+               FROM ops WHERE run_id = ? AND kind = 'comm' AND attrs->>'$.is_p2p' = 'false' AND seq IS NOT NULL
+               ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
+_DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
+
+
+@dataclass
+class Report:
+    """What `rankwatch analyze` says of a run."""
+
+    run_id: str
+    whatif: whatif.WhatIf | None  # None for a run without steps (Flight Recorder dumps)
+    findings: list[Finding]
+    steps: pd.DataFrame  # the rank-steps it was drawn from
+
+
+def analyze_run(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    straggler_settings: stragglers.Settings = stragglers.Settings(),
+    hang_settings: hangs.Settings = hangs.Settings(),
+) -> Report:
+    """The what-if analysis of the run and every finding of its history, in step order; for a run
+    without steps, the findings from its Flight Recorder dumps alone."""
+    steps = con.execute(_STEPS, [run_id]).df()
+    ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
+    if steps.empty:
+        recorded = con.execute(_RECORDED, [run_id]).df()
+        if not recorded.empty:
+            return Report(
+                run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id), ranks["rank"]), steps
+            )
+        raise unknown_run(con, run_id)
+    found = replay(con, run_id, {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings})
+    found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
+    parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
+    return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps)
+
+
+def _process_groups(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    """rank, group, desc, members: the process groups each rank's Flight Recorder dump lists."""
+    dumps = con.execute(_DUMPS, [run_id, DUMP_EVENT]).fetchall()
+    return pd.DataFrame(
+        [(rank, name, pg["desc"], pg["ranks"]) for rank, config in dumps for name, pg in json.loads(config).items()],
+        columns=["rank", "group", "desc", "members"],
+    )

@@ -1,0 +1,126 @@
+"""The query API, both ends: `POST /api/v1/query` on the collector, and the call that
+`rankwatch query --collector` and the dashboard make to it (through agent/apiclient.py).
+
+  POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
+    200 {"columns", "types", "rows", "truncated"}
+    400 {"error"}  not JSON, a field missing or of the wrong type, not one SELECT, or DuckDB refused it
+                   (its message's first line)
+    401 {"error"}  missing or wrong bearer token
+    408 {"error"}  ran past its time limit and was interrupted
+    413 {"error"}  a body over MAX_BODY
+    503 {"error"}  the store's writer is restarting (Retry-After)
+
+Every field is checked here, before the request reaches the store's writer process, which runs the
+query (collector/store/readonly.py): the one process that can read the file while the collector holds it.
+"""
+
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from agent.apiclient import ApiClient, ApiError
+from collector.receive import bodies
+from collector.receive.auth import refused
+from collector.store import readonly
+
+if TYPE_CHECKING:
+    from collector.store.handle import Store
+
+PATH = "/api/v1/query"
+MAX_BODY = 2**20  # a request carries SQL and a few parameters, never data
+MAX_PARAM_DEPTH = 4  # lists in lists a parameter may nest: DuckDB's binding time grows with the depth cubed
+_FIELDS = ("sql", "params", "timeout_s", "max_rows")
+
+
+class QueryFailed(Exception):
+    """The API refused a query or could not be reached; a one-line reason."""
+
+
+def routes(store: Callable[[], "Store"], token: str) -> list[Route]:
+    """The query route; `store` gives the open store (it opens after the routes exist)."""
+
+    async def query(request: Request) -> JSONResponse:
+        if (refusal := refused(request, token)) is not None:
+            return refusal
+        try:
+            return JSONResponse(await asyncio.wrap_future(store().call(parse(await bodies.read(request, MAX_BODY)))))
+        except bodies.Refused as e:
+            return JSONResponse({"error": str(e)}, e.status)
+        except readonly.QueryRefused as e:
+            return JSONResponse({"error": str(e)}, 400)
+        except readonly.QueryTimeout as e:
+            return JSONResponse({"error": str(e)}, 408)
+        except RuntimeError as e:  # the store's writer is restarting, or the query failed unforeseen
+            return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
+
+    return [Route(PATH, query, methods=["POST"])]
+
+
+def parse(body: bytes) -> readonly.Query:
+    """The query of a request body, each field checked, the limits clamped to the server's;
+    bodies.Refused says what is wrong in one line."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
+        fields = None
+    if not isinstance(fields, dict):
+        raise bodies.Refused(400, 'the body must be a JSON object {"sql": "...", "params"?: [...]}')
+    if unknown := sorted(set(fields) - set(_FIELDS)):
+        raise bodies.Refused(400, f"unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
+    sql, params = fields.get("sql"), fields.get("params")
+    timeout_s, max_rows = fields.get("timeout_s"), fields.get("max_rows")
+    if not isinstance(sql, str) or not bodies.utf8(sql):
+        raise bodies.Refused(400, "sql must be a string of UTF-8 text: one SELECT")
+    if params is not None and not (
+        isinstance(params, (list, dict)) and all(_parameter(v, MAX_PARAM_DEPTH) for v in _values(params))
+    ):
+        raise bodies.Refused(
+            400,
+            "params must be a list (or an object, for $name) of strings, numbers, booleans, "
+            f"nulls or lists of them, nested at most {MAX_PARAM_DEPTH} deep",
+        )
+    if timeout_s is not None and not (_number(timeout_s) and timeout_s > 0):
+        raise bodies.Refused(
+            400, f"timeout_s must be a positive number of seconds (at most {readonly.TIMEOUT_S:g} apply)"
+        )
+    if max_rows is not None and not (_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
+        raise bodies.Refused(400, f"max_rows must be a whole number from 0 (at most {readonly.ROW_CAP} apply)")
+    return readonly.Query(
+        sql,
+        params,
+        readonly.TIMEOUT_S if timeout_s is None else float(min(timeout_s, readonly.TIMEOUT_S)),
+        readonly.ROW_CAP if max_rows is None else min(max_rows, readonly.ROW_CAP),
+    )
+
+
+def _values(params: list | dict) -> list:
+    return list(params.values()) if isinstance(params, dict) else params
+
+
+def _number(value) -> bool:
+    """A finite JSON number (an integer of any size, or a float that is neither NaN nor infinite)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parameter(value, depth: int) -> bool:
+    """Whether `value` is a JSON scalar, or a list of parameters nested at most `depth` deep."""
+    if isinstance(value, list):
+        return depth > 0 and all(_parameter(v, depth - 1) for v in value)
+    return value is None or isinstance(value, (int, float)) or (isinstance(value, str) and bodies.utf8(value))
+
+
+def remote_query(client: ApiClient, sql: str, params: list | dict | None = None) -> dict:
+    """The API's answer to one query through `client`; QueryFailed with the API's reason when it
+    refuses, or why it could not be reached."""
+    try:
+        return client.post(PATH, {"sql": sql, "params": params}, timeout_s=readonly.TIMEOUT_S + 5)
+    except ApiError as e:
+        raise QueryFailed(str(e)) from None

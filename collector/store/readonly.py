@@ -1,0 +1,208 @@
+"""Read-only SQL from people and the dashboard, made safe to run beside ingest.
+
+Three layers, because a query is text from outside: DuckDB's own parser
+admits one SELECT and nothing else (no INSERT, COPY, ATTACH, SET, PRAGMA,
+CALL, LOAD, EXPORT...); the query runs in a READ ONLY transaction, so a
+function that writes (nextval) fails too; and the database is locked down
+(`lock_down`): no file outside `files_dir` (a directory of its own beside the
+store, so the token and the receivers file, both secrets kept beside the
+store, are out of reach whatever function, path, link or glob a query uses),
+no extension installs, configuration frozen. A watchdog interrupts a query
+that runs too long, and at most ROW_CAP rows and BYTE_CAP bytes of JSON come
+back, fetched a chunk at a time, so neither a cross join nor `SELECT * FROM
+ops` can hold a thread or the memory for long.
+
+Each query gets its own cursor (a DuckDB connection of its own), so it reads
+a snapshot while the writer commits on the main connection. The query API hands
+one to the store's writer as a `Query` request, answered on a query thread.
+"""
+
+import contextlib
+import datetime as dt
+import decimal
+import json
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from agent.paths import SQL_FILES_DIR
+from collector.store.requests import Context, Request, handles
+
+ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there were more
+# JSON bytes of rows a query returns at most (`truncated` too): 100,000 rows of a wide table fit, and the
+# result crosses the writer's queue and the server's event loop in a fraction of a second.
+BYTE_CAP = 32 * 2**20
+TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
+_CHUNK_ROWS = 4096  # the most rows fetched at once
+_INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
+_COMPACT = (",", ":")  # the separators of the JSON answer
+
+
+class QueryRefused(Exception):
+    """SQL refused before or while running, with a one-line reason (HTTP 400)."""
+
+
+class QueryTimeout(Exception):
+    """A query that ran past its time limit and was interrupted (HTTP 408)."""
+
+
+def files_dir(data_dir: Path) -> Path:
+    """The directory whose files queries may read: one of its own, never the store's directory, which
+    holds the token file and the receivers file."""
+    return data_dir / SQL_FILES_DIR
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
+    """Confine every connection of `con`'s database to `files_dir(data_dir)`, for good. DuckDB resolves
+    links and `..` before it checks a path, and its own files (the store, its WAL and spill directory)
+    stay readable: they hold nothing a query cannot select.
+
+    These settings are global to the DuckDB instance: the collector's writer
+    shares them, which costs it nothing (it reads Arrow batches it was
+    handed, and writes only its own file). A file opened again in the same process shares its
+    database, already locked down."""
+    if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
+        return
+    con.execute("SET allowed_directories = ?", [[str(files_dir(data_dir).resolve())]])
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def check(sql: str) -> None:
+    """Raise QueryRefused unless `sql` is exactly one SELECT statement."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise QueryRefused(_first_line(e)) from None
+    if len(statements) != 1:
+        raise QueryRefused(f"one statement per query, not {len(statements)}")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise QueryRefused(f"only SELECT is allowed, not {kind.name}")
+
+
+def run(
+    con: duckdb.DuckDBPyConnection,
+    sql: str,
+    params: list | dict | None = None,
+    timeout_s: float = TIMEOUT_S,
+    max_rows: int = ROW_CAP,
+) -> dict:
+    """{"columns", "types", "rows", "truncated"} of one checked query, with JSON-ready values,
+    on a fresh cursor of `con` (a database already under `lock_down`). A `timeout_s` outside
+    (0, TIMEOUT_S] is TIMEOUT_S."""
+    check(sql)
+    timeout_s = timeout_s if 0 < timeout_s <= TIMEOUT_S else TIMEOUT_S
+    max_rows = max(0, min(max_rows, ROW_CAP))
+    deadline = time.monotonic() + timeout_s
+    cursor = con.cursor()
+    finished = threading.Event()
+    watchdog = threading.Thread(target=_watch, args=(cursor, finished, timeout_s), daemon=True)
+    watchdog.start()
+    try:
+        cursor.execute("BEGIN TRANSACTION READ ONLY")
+        result = cursor.execute(sql, params)
+        description = result.description
+        rows, truncated = _fetch(result, max_rows, deadline)
+    except duckdb.InterruptException:
+        raise QueryTimeout(f"the query ran past {timeout_s:g} s and was interrupted") from None
+    except duckdb.Error as e:
+        raise QueryRefused(_first_line(e)) from None
+    finally:
+        finished.set()
+        watchdog.join()
+        cursor.close()  # ends the read-only transaction with it
+    return {
+        "columns": [d[0] for d in description],
+        "types": [str(d[1]) for d in description],
+        "rows": rows,
+        "truncated": truncated,
+    }
+
+
+@dataclass(frozen=True)
+class Query(Request[dict]):
+    """One query for the store's writer: run's arguments, checked by the query API."""
+
+    sql: str
+    params: list | dict | None = None
+    timeout_s: float = TIMEOUT_S
+    max_rows: int = ROW_CAP
+
+
+@handles(Query, beside=True, passes=(QueryRefused, QueryTimeout))
+def _query(context: Context, q: Query) -> dict:
+    return run(context.con, q.sql, q.params, q.timeout_s, q.max_rows)
+
+
+def _fetch(result: duckdb.DuckDBPyConnection, max_rows: int, deadline: float) -> tuple[list[list], bool]:
+    """The first rows of `result` as JSON-ready values, at most `max_rows` of them in BYTE_CAP bytes of
+    JSON, and whether any were left out. Rows come a chunk at a time, a chunk at most as many rows as
+    came so far and as fit in the bytes left at their size so far, so the thread stops near the cap
+    instead of building an oversized result first."""
+    rows: list[list] = []
+    size, chunk = 0, 1
+    while True:
+        batch = [[_plain(v) for v in row] for row in result.fetchmany(chunk)]
+        if time.monotonic() > deadline:  # converting rows, outside DuckDB, where no interrupt reaches
+            raise duckdb.InterruptException()
+        batch_size = len(json.dumps(batch, separators=_COMPACT)) - 1  # each row with its comma
+        if len(rows) + len(batch) > max_rows or size + batch_size > BYTE_CAP:
+            return rows + _prefix(batch, max_rows - len(rows), BYTE_CAP - size), True
+        rows += batch
+        size += batch_size
+        if len(batch) < chunk:
+            return rows, False
+        chunk = max(1, min(_CHUNK_ROWS, len(rows), (BYTE_CAP - size) * len(rows) // size, max_rows + 1 - len(rows)))
+
+
+def _prefix(rows: list[list], max_rows: int, max_bytes: int) -> list[list]:
+    """The longest first part of `rows`, at most `max_rows` of them in `max_bytes` of JSON."""
+    size = 0
+    for n, row in enumerate(rows[:max_rows]):
+        size += len(json.dumps(row, separators=_COMPACT)) + 1
+        if size > max_bytes:
+            return rows[:n]
+    return rows[:max_rows]
+
+
+def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, timeout_s: float) -> None:
+    """Interrupt `cursor` once `timeout_s` has passed, and again until the query gives up: an interrupt
+    that lands between two DuckDB calls (before the query starts, between two fetches) is lost."""
+    wait = timeout_s
+    while not finished.wait(wait):
+        with contextlib.suppress(duckdb.Error):  # closing meanwhile: the query finished in time after all
+            cursor.interrupt()
+        wait = _INTERRUPT_AGAIN_S
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0]
+
+
+def _plain(value):
+    """A DuckDB value as JSON can carry it: times in ISO 8601, intervals in seconds, blobs in hex,
+    non-finite floats as null (JSON has no NaN), any other type as its text."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value if value is None or isinstance(value, (str, int)) else str(value)
