@@ -339,16 +339,7 @@ _SPAN_KEYS = {
 _KINDS = frozenset([sc.KIND_STEP, *sc.OP_KINDS])
 _MAX_NS = 2**63 - 1  # TIMESTAMP_NS ends in the year 2262
 # The columns the wire decoder returns besides the wanted attributes, and their Arrow types.
-_WIRE_COLUMNS = {
-    "resource": pa.int32(),
-    "trace_id": pa.binary(),
-    "span_id": pa.binary(),
-    "parent_span_id": pa.binary(),
-    "name": pa.string(),
-    "start": pa.uint64(),
-    "end": pa.uint64(),
-    "attrs": pa.string(),
-}
+_WIRE_COLUMNS = {**otlpwire.SPAN_COLUMNS, "attrs": pa.string()}
 _WIRE_TYPES = {pa.int64(): "q", pa.int32(): "i", pa.float64(): "d", pa.string(): "s"}
 
 

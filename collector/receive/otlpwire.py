@@ -21,7 +21,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 MAX_DEPTH = 16  # attribute values nested in one another, as in the C decoder
 MAX_NESTING = 100  # messages and groups: the protobuf runtime's recursion limit
-_FIXED = {
+# The columns of every decoded span besides the wanted attributes (and `attrs`, the rest as JSON),
+# the C decoder's too, and their Arrow types.
+SPAN_COLUMNS = {
     "resource": pa.int32(),
     "trace_id": pa.binary(),
     "span_id": pa.binary(),
@@ -76,7 +78,7 @@ def _finite(v):
 
 def traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_attributes: int) -> dict:
     """Export requests as spans in Arrow's columnar layout, as collector/receive/_otlpwire.c's traces()."""
-    names = [*_FIXED, *(column for column, _, _ in wanted), "attrs"]
+    names = [*SPAN_COLUMNS, *(column for column, _, _ in wanted), "attrs"]
     out: dict = {"resources": [], "owners": [], "spans": 0, "odd": [], "crowded": [], "errors": []}
     cells: list[list] = [[] for _ in names]
     for i, body in enumerate(bodies):
@@ -95,7 +97,7 @@ def traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_at
         out["spans"] += len(rows)
         for column, row_cells in zip(cells, zip(*rows)):
             column += row_cells
-    types = [*_FIXED.values(), *(_TYPES[t] for _, _, t in wanted), pa.string()]
+    types = [*SPAN_COLUMNS.values(), *(_TYPES[t] for _, _, t in wanted), pa.string()]
     out["columns"] = {
         name: tuple(pa.array(column, t).buffers()) if out["spans"] else ()
         for name, column, t in zip(names, cells, types)
