@@ -41,8 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from collector.children import die_with_parent
-from collector.receive.decode import Decoded
 from collector.store import readonly, requests
+from collector.store.batch import Decoded
 from collector.store.db import StoreLocked, connect, create_tables
 from collector.store.schema import TELEMETRY_TABLES
 
