@@ -21,7 +21,7 @@ from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
 from rankwatch.launch import train, wait_healthy
 
-STRAGGLER = "straggler:rank=2,slowdown=1.5,from=40"
+STRAGGLER = "straggler:rank=2,slowdown=2,from=40"
 SPIKE = "spike:at=150,scale=50"
 ROLLBACKS = """
 SELECT args->>'$.anomaly' AS anomaly, state, json_extract(result, '$.from_step') AS at_step,
