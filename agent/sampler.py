@@ -103,7 +103,7 @@ class Sampler:
         for i, reader in enumerate(self._readers):
             try:
                 points += [(metric, now, float(value), attributes) for metric, value, attributes in reader.read()]
-            except Exception:
+            except Exception:  # whatever one reader raises, the others are still read
                 if i not in self._failing:
                     self._failing.add(i)
                     log.exception("rankwatch: reading %s failed; skipped while it fails", type(reader).__name__)
@@ -146,7 +146,7 @@ class Sampler:
         while (batch := self._outbox.get()) is not None:
             try:
                 accepted = self._emit(batch)
-            except Exception:
+            except Exception:  # the export thread outlives a failed export
                 if not self._emit_failed:
                     self._emit_failed = True
                     log.exception("rankwatch: exporting device samples failed; samples are dropped while it fails")

@@ -87,7 +87,7 @@ def load(path: Path) -> dict:
         raise TraceError(f"{path}: {e.strerror or e}") from None
     try:
         dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
-    except Exception as e:
+    except Exception as e:  # malformed bytes raise any of a dozen types; all mean: not a dump
         raise TraceError(
             f"{path}: not a Flight Recorder dump: {(str(e) or type(e).__name__).splitlines()[0]}"
         ) from None
