@@ -18,8 +18,10 @@ $(BIN)/rankwatch: pyproject.toml
 demo: $(BIN)/rankwatch
 	$(BIN)/rankwatch demo
 
+# The tests run three modules at a time (pytest-xdist): most of them wait on real processes and real
+# time, so three workers keep two cores busy; a module stays on one worker, its fixtures built once.
 test: lint test-tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # The quality gates, before the tests: lint, format and types (configured in pyproject.toml).
 lint: $(BIN)/rankwatch

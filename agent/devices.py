@@ -16,12 +16,6 @@ from agent.export import Attributes, log
 Reading = tuple[str, float, Attributes]  # metric, value, attributes (the sampler adds the time)
 
 
-def clock_event_words(mask: float) -> list[str]:
-    """The clock-event (throttle) reasons a DCGM_FI_DEV_CLOCKS_EVENT_REASONS bitmask holds, in
-    words ("power cap", "thermal slowdown"), for people: the stored value stays the bitmask."""
-    return [sc.CLOCK_EVENT_REASON_WORDS[name] for bit, name in sc.CLOCK_EVENT_REASON_BITS.items() if int(mask) & bit]
-
-
 class Device(ABC):
     """One GPU: its readings and its power-limit actuator."""
 

@@ -131,6 +131,13 @@ CLOCK_EVENT_REASON_WORDS = {  # each reason as a person reads it (dashboard, fin
     "display_clock_setting": "display clock setting",
 }
 
+
+def clock_event_words(mask: float) -> list[str]:
+    """The clock-event (throttle) reasons a DCGM_FI_DEV_CLOCKS_EVENT_REASONS bitmask holds, in
+    words ("power cap", "thermal slowdown"), for people: the stored value stays the bitmask."""
+    return [CLOCK_EVENT_REASON_WORDS[name] for bit, name in CLOCK_EVENT_REASON_BITS.items() if int(mask) & bit]
+
+
 # Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.
 HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
 HOST_POWER_W = "hw.power"  # W, averaged since the previous reading

@@ -19,7 +19,10 @@ from rankwatch.launch import wait_healthy
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Tests marked `cuda` run where torch sees a GPU and are skipped, saying so, elsewhere."""
+    """Modules marked `long` (real jobs, real waits) run first, so that parallel workers (pytest-xdist,
+    one module each at a time) end together rather than one of them starting a long module last; tests
+    marked `cuda` run where torch sees a GPU and are skipped, saying so, elsewhere."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: file order otherwise
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if cuda:
         import torch
@@ -141,8 +144,9 @@ def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) 
 def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The same command line run by `rankwatch`'s main in this process, its exit status, stdout and stderr
     as `rankwatch_cli` reports them: for commands that read or import a store, or answer a collector's
-    API, where a fresh interpreter proves nothing more and costs seconds of imports. Commands that start
-    processes, serve, or export through the agent keep `rankwatch_cli`."""
+    API, or send a simulated run through an exporter object of their own, where a fresh interpreter proves
+    nothing more and costs seconds of imports. Commands that start processes, serve, or instrument a job
+    through the agent's process-wide session keep `rankwatch_cli`."""
     from rankwatch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -240,7 +244,7 @@ def simulated_store(
                 args = ["simulate", *simulate_args, "--run", run, "--collector", collector.url]
                 for spec in faults:
                     args += ["--inject", spec]
-                result = rankwatch_cli(*args, env={"RANKWATCH_TOKEN": collector.token})
+                result = rankwatch_in_process(*args, env={"RANKWATCH_TOKEN": collector.token})
                 assert result.returncode == 0, result.stderr
             if until is not None:
                 until()
@@ -251,7 +255,18 @@ def simulated_store(
 
 @pytest.fixture(scope="session")
 def dashboard_store(tmp_path_factory) -> Path:
-    """The dashboard tests' store (tests/dashboard_store.py), built once per session."""
+    """The dashboard tests' store (tests/dashboard_store.py), built once per session: under pytest-xdist by
+    the first worker that asks, in the directory the workers share, while the others wait for it."""
+    from filelock import FileLock
+
     from tests.dashboard_store import build
 
-    return build(tmp_path_factory.mktemp("dashboard"))
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the run's directory, above each worker's own
+    built = shared / "dashboard" / "built"
+    with FileLock(shared / "dashboard.lock"):
+        if not built.exists():
+            (shared / "dashboard").mkdir(exist_ok=True)
+            built.write_text(str(build(shared / "dashboard")))
+    return Path(built.read_text())

@@ -29,6 +29,8 @@ from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, RANGES
 from collector.receive.ingest import Outcome, Request, decode_batch
 from tests.otlp_payloads import T0, post, query
 
+pytestmark = pytest.mark.long
+
 RUN = "abuse"
 
 

@@ -27,6 +27,8 @@ from dashboard.source import FileSource, QueryFailed
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import post, step_spans, trace_body
 
+pytestmark = pytest.mark.long
+
 # A cross join that runs for minutes unless interrupted.
 SLOW = "SELECT count(*) FROM range(100000000) a, range(100000) b WHERE a.range + b.range = -1"
 # 100,000 rows of 1 KB: about 100 MB of JSON, three times the byte cap.

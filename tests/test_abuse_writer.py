@@ -12,10 +12,13 @@ import statistics
 import time
 
 import httpx
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tests.conftest import wait_until
 from tests.otlp_payloads import post, query, step_spans, trace_body
+
+pytestmark = pytest.mark.long
 
 ACK_BOUND_S = 0.5  # the p99 acknowledgement latency analysis may never push exports past
 

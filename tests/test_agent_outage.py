@@ -23,6 +23,8 @@ import pytest
 from conftest import free_port
 from otlp_payloads import query
 
+pytestmark = pytest.mark.long
+
 PACE = 0.25  # s per step
 STEPS = 160  # long enough that the job outlives a collector restart on a busy machine
 

@@ -22,6 +22,8 @@ from collector.control.api import MAX_WAITING
 from tests.conftest import wait_until
 from tests.otlp_payloads import query
 
+pytestmark = pytest.mark.long
+
 RUN, RANKS, MS = "run-control", 4, 1_000_000
 
 
@@ -65,6 +67,13 @@ def client(collector_factory):
         base_url=collector.url, headers={"Authorization": f"Bearer {collector.token}"}, timeout=10
     ) as http:
         http.collector = collector
+        yield http
+
+
+@pytest.fixture(scope="module")
+def refusing(module_collector):
+    """A client of one collector for the module's refused requests: a refusal changes nothing, so they share it."""
+    with httpx.Client(base_url=module_collector.url, headers=module_collector.headers, timeout=10) as http:
         yield http
 
 
@@ -139,8 +148,8 @@ def test_a_person_creates_a_command(client):
         ("get", f"/v1/commands?run_id={RUN}&wait=1", None, 400, "it takes state=pending"),
     ],
 )
-def test_bad_requests_are_refused(client, method, path, body, status, why):
-    response = client.request(method.upper(), path, content=body)
+def test_bad_requests_are_refused(refusing, method, path, body, status, why):
+    response = refusing.request(method.upper(), path, content=body)
     assert response.status_code == status and why in response.json()["error"], response.text
 
 

@@ -22,6 +22,8 @@ from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
 
+pytestmark = pytest.mark.long
+
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
 RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"])

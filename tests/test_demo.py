@@ -8,8 +8,11 @@ import signal
 import socket
 
 import httpx
+import pytest
 
 from tests.conftest import Interactive, free_port, rankwatch_cli
+
+pytestmark = pytest.mark.long
 
 
 class Demo(Interactive):

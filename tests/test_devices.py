@@ -19,7 +19,6 @@ from conftest import wait_until
 from otlp_payloads import query
 
 from agent import semconv as sc
-from agent.devices import clock_event_words
 from agent.export import Exporter
 from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
 from agent.nvml import MAX_XIDS, NvmlDevice
@@ -291,8 +290,8 @@ def test_device_metrics_a_gpu_lacks_or_forbids_are_not_asked_again(nvml, failing
 
 
 def test_clock_event_reasons_in_words():
-    assert clock_event_words(0x4 | 0x40) == ["power cap", "hardware thermal slowdown"]
-    assert clock_event_words(0) == []
+    assert sc.clock_event_words(0x4 | 0x40) == ["power cap", "hardware thermal slowdown"]
+    assert sc.clock_event_words(0) == []
     assert set(sc.CLOCK_EVENT_REASON_WORDS) == set(sc.CLOCK_EVENT_REASON_BITS.values())
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from google.rpc.status_pb2 import Status
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
@@ -32,6 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent import semconv as sc
 from agent.export import Exporter
+
+pytestmark = pytest.mark.long
 
 
 def _log_records(run_id: str, rank: int, n: int):

@@ -5,6 +5,8 @@ import pytest
 
 from collector.analysis.analyzers.hangs import Settings, analyze
 
+pytestmark = pytest.mark.long
+
 S = 1_000_000_000  # ns
 RANKS = range(4)
 

@@ -3,9 +3,13 @@ and the collector's last pass, on shutdown, covers the steps that came just befo
 
 import json
 
+import pytest
+
 from rankwatch.launch import train
 from tests.conftest import simulated_store
 from tests.otlp_payloads import query
+
+pytestmark = pytest.mark.long
 
 
 def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collector_factory):

@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import rankwatch_in_process, simulated_store
 
+pytestmark = pytest.mark.long
+
 RUNS = {
     "pm-clean": [],
     "pm-transient": ["straggler:rank=6,slowdown=1.3,from=20,to=50"],

@@ -27,6 +27,8 @@ from tests.webhook_receiver import Receiver
 from trainer import simulate
 from trainer.faults import parse
 
+pytestmark = pytest.mark.long
+
 GPU = GpuModel()
 
 

@@ -12,6 +12,8 @@ from collector.store import readonly
 from tests.conftest import rankwatch_in_process
 from tests.otlp_payloads import post, query, step_spans, trace_body, with_rank
 
+pytestmark = pytest.mark.long
+
 RUN, RANKS, STEPS = "run-query", 4, 20
 # A cross join that runs for minutes unless interrupted.
 SLOW = "SELECT count(*) FROM range(100000000) a, range(100000) b WHERE a.range + b.range = -1"

@@ -12,6 +12,8 @@ from rankwatch.cli import main
 from tests.conftest import simulated_store
 from tests.otlp_payloads import query
 
+pytestmark = pytest.mark.long
+
 RANKS, HUNG, AT = 64, 37, 6  # 4 pipeline stages of 16 data-parallel replicas; rank 37 is in stage 2
 RUNS = {"sim-clean": [], "sim-hang": [f"hang:rank={HUNG},at={AT}"]}
 

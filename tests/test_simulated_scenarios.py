@@ -7,6 +7,8 @@ import pytest
 from tests.conftest import simulated_store
 from tests.otlp_payloads import query
 
+pytestmark = pytest.mark.long
+
 # 64 ranks: 4 pipeline stages of 8 data-parallel replicas of 2 tensor-parallel ranks; 8 ranks per host
 # (2 hosts per stage). Rank 21 is in data-parallel group dp3 (stage 1, tp rank 1) and tensor-parallel
 # group tp10 (with rank 20).

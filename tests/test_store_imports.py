@@ -78,3 +78,20 @@ def test_the_store_is_layered():
     assert store["collector.store.requests"] == set()
     for name, imported in store.items():
         assert not {m for m in imported if m.startswith(("collector.analysis", "collector.alerts"))}, name
+
+
+def test_the_collector_loads_no_sdk():
+    """The collector receives OTLP and exports none: the agent's SDK is the training side's, and a collector
+    process (and each writer and decoder it spawns) would pay for it at every start."""
+    script = (
+        "import sys, collector.server, collector.store.writer, collector.receive.ingest; "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -32,6 +32,8 @@ from otlp_payloads import query
 
 from collector.nccl import bus_factor, canonical_op
 
+pytestmark = pytest.mark.long
+
 RUN = "run-trainer-job"
 STEPS = 12
 FAULT = "straggler:rank=1,slowdown=2,from=4"

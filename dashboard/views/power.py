@@ -6,7 +6,6 @@ import pandas as pd
 import streamlit as st
 
 from agent import semconv as sc
-from agent.devices import clock_event_words
 from collector import ranksets
 from dashboard import charts, ui
 
@@ -95,7 +94,7 @@ throttled = ui.frame("throttled", run=run, limit=50)
 if throttled.empty:
     st.caption("No GPU's clocks were held back (NVML's clock-event reasons).")
 else:
-    throttled["reasons"] = throttled["reasons"].map(lambda bits: ", ".join(clock_event_words(bits)))
+    throttled["reasons"] = throttled["reasons"].map(lambda bits: ", ".join(sc.clock_event_words(bits)))
     st.warning(f"**Clocks held back on {ranksets.phrase(throttled['rank'])}**: {throttled['reasons'].iloc[0]}.")
     with st.expander("throttled ranks"):
         st.dataframe(throttled, hide_index=True, width="stretch")

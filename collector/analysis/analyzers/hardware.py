@@ -13,7 +13,6 @@ from operator import or_
 import pandas as pd
 
 from agent import semconv as sc
-from agent.devices import clock_event_words
 from collector import ranksets
 
 SLOWING = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # clock-event reasons that slow compute: power cap, slowdowns, brake
@@ -48,7 +47,7 @@ def causes(devices: pd.DataFrame | None, slow: list[int]) -> list[dict]:
             {
                 "cause": "clocks_held_back",
                 "ranks": sorted(held),
-                "detail": ", ".join(clock_event_words(reduce(or_, held.values()))),
+                "detail": ", ".join(sc.clock_event_words(reduce(or_, held.values()))),
             }
         )
 
