@@ -126,5 +126,6 @@ def test_analysing_a_thousand_runs_holds_no_acknowledgement_up(collector_factory
             assert post(collector, "traces", body, client=client).status_code == 200
             latencies.append(time.perf_counter() - started)
             time.sleep(0.05)
+    collector.stop(signal.SIGKILL)  # a drain's last pass over the thousand runs (20 s of CPU) is not what this proves
     p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
     assert p99 < ACK_BOUND_S, f"p99 acknowledgement {p99:.2f} s, max {max(latencies):.2f} s"
