@@ -10,8 +10,7 @@ TORCH  ?= torch==2.13.0
 
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[all,test]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[all,test]'
 	$(BIN)/python -c 'import collector.receive._otlpwire' || (echo "the C decoder collector/receive/_otlpwire.c did not build: install a C compiler and Python headers"; exit 1)
 	touch $@
 
