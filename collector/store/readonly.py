@@ -2,12 +2,13 @@
 
 Three layers, because a query is text from outside: DuckDB's own parser
 admits one SELECT and nothing else (no INSERT, COPY, ATTACH, SET, PRAGMA,
-CALL, LOAD, EXPORT...); the query runs in a READ ONLY transaction, so a
-function that writes (nextval) fails too; and the database is locked down
+CALL, LOAD, EXPORT...); no function with a side effect is called (`check`:
+checkpoint(), enable_logging(), nextval(), query()..., the list drawn from
+`duckdb_functions()`); the query runs in a READ ONLY transaction; and the database is locked down
 (`lock_down`): no file outside `files_dir` (a directory of its own beside the
 store, so the token and the receivers file, both secrets kept beside the
 store, are out of reach whatever function, path, link or glob a query uses),
-no extension installs, configuration frozen. A watchdog interrupts a query
+no extension installs, DuckDB's memory capped at QUERY_MEMORY, configuration frozen. A watchdog interrupts a query
 that runs too long, and at most ROW_CAP rows and BYTE_CAP bytes of JSON come
 back, fetched a chunk at a time, so neither a cross join nor `SELECT * FROM
 ops` can hold a thread or the memory for long.
@@ -18,6 +19,7 @@ one to the store's writer as a `Query` request, answered on a query thread.
 """
 
 import contextlib
+import functools
 import datetime as dt
 import decimal
 import json
@@ -41,6 +43,22 @@ TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
 _CHUNK_ROWS = 4096  # the most rows fetched at once
 _INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
 _COMPACT = (",", ":")  # the separators of the JSON answer
+# Table functions that only read (files under `files_dir`, the catalog, generated rows); any other is refused.
+_READING_PREFIXES = ("read_", "parquet_", "duckdb_", "pragma_")
+_READING_TABLE_FUNCTIONS = frozenset(
+    {
+        "range", "generate_series", "unnest", "repeat", "repeat_row", "glob", "sniff_csv", "json_each",
+        "json_tree", "summary", "histogram", "histogram_values", "icu_calendar_names", "pg_timezone_names",
+        "test_all_types", "test_vector_types", "which_secret",
+    }
+)  # fmt: skip
+# Scalars DuckDB flags as having side effects that only draw a value (a random number, an id, the time asleep).
+_DRAWING_SCALARS = frozenset(
+    {
+        "random", "uuid", "uuidv4", "uuidv7", "gen_random_uuid", "current_query", "current_query_id",
+        "current_connection_id", "current_transaction_id", "error", "sleep_ms", "stats", "vector_type",
+    }
+)  # fmt: skip
 
 
 class QueryRefused(Exception):
@@ -87,6 +105,48 @@ def check(sql: str) -> None:
         raise QueryRefused(f"only SELECT is allowed, not {kind.name}")
 
 
+@functools.cache
+def refused_functions() -> frozenset[str]:
+    """The functions no query may call, drawn from `duckdb_functions()` (the same for every database of
+    this DuckDB library): every table function but the readers (DuckDB flags none: `checkpoint()`
+    writes the store, `enable_logging()` changes settings, `query()` runs SQL no check saw), and every
+    scalar DuckDB flags as having side effects but those that only draw a value (`nextval()` writes a
+    sequence, `write_log()` the log)."""
+    with duckdb.connect() as con:
+        rows = con.execute(
+            "SELECT DISTINCT lower(function_name), function_type = 'scalar' FROM duckdb_functions() "
+            "WHERE function_type IN ('table', 'table_macro') OR (function_type = 'scalar' AND has_side_effects)"
+        ).fetchall()
+    return frozenset(name for name, scalar in rows if not (name in _DRAWING_SCALARS if scalar else _reading(name)))
+
+
+def _reading(table_function: str) -> bool:
+    return table_function.startswith(_READING_PREFIXES) or table_function in _READING_TABLE_FUNCTIONS
+
+
+def _check_calls(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise QueryRefused when `sql` calls a function `refused_functions` lists, or a table function not
+    known to only read (an extension's, say), found in DuckDB's own parse tree of it: a name in a string is no call,
+    a qualified `system.main.checkpoint()` is one."""
+    tree = json.loads(cursor.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    if tree.get("error"):
+        raise QueryRefused(_first_line(ValueError(tree.get("error_message") or "the query could not be parsed")))
+    refused = refused_functions()
+    stack: list = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "TABLE_FUNCTION":
+                name = str(node["function"].get("function_name", "")).lower()
+                if not _reading(name):
+                    raise QueryRefused(f"{name}() is not allowed: only table functions that read are")
+            elif isinstance(name := node.get("function_name"), str) and name.lower() in refused:
+                raise QueryRefused(f"{name}() is not allowed: it has side effects")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def run(
     con: duckdb.DuckDBPyConnection,
     sql: str,
@@ -106,6 +166,7 @@ def run(
     watchdog = threading.Thread(target=_watch, args=(cursor, finished, timeout_s), daemon=True)
     watchdog.start()
     try:
+        _check_calls(cursor, sql)
         cursor.execute("BEGIN TRANSACTION READ ONLY")
         result = cursor.execute(sql, params)
         description = result.description
