@@ -5,6 +5,7 @@ well as rows, without stalling ingest; and every field of a request is checked, 
 with one line."""
 
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -361,3 +362,82 @@ def test_any_json_request_is_answered_in_time(api, fields):
     if response.status_code != 200:
         assert "\n" not in response.json()["error"]
     assert time.monotonic() - started < readonly.TIMEOUT_S + 15
+
+
+# Functions with side effects
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM checkpoint()",
+        "SELECT * FROM system.main.force_checkpoint()",
+        "WITH c AS (SELECT * FROM checkpoint()) SELECT 1",
+        "SELECT (SELECT count(*) FROM truncate_duckdb_logs())",
+        "SELECT * FROM enable_logging()",
+        "SELECT * FROM disable_profiling()",
+        "SELECT * FROM query('SELECT * FROM checkpoint()')",
+        "SELECT write_log('x')",
+        "SELECT nextval('x')",
+    ],
+)
+def test_a_function_with_side_effects_is_refused(api, sql):
+    assert "not allowed" in one_line_400(ask(api, sql))
+
+
+def test_every_function_with_side_effects_is_refused(tmp_path):
+    """Each table function DuckDB lists that is not a reader, and each scalar it flags as having side
+    effects that does more than draw a value, is refused before it runs; readers still run."""
+    refused = readonly.refused_functions()
+    assert {"checkpoint", "force_checkpoint", "enable_logging", "query", "nextval", "write_log"} <= refused
+    assert not {"read_csv", "range", "duckdb_tables", "random", "unnest"} & refused
+    con = duckdb.connect()
+    readonly.lock_down(con, tmp_path)
+    for name in sorted(refused):
+        for sql in (f"SELECT * FROM {name}()", f"SELECT {name}()"):
+            try:
+                readonly.run(con, sql)
+            except readonly.QueryRefused as e:
+                assert "not allowed" in str(e) or "does not exist" in str(e) or "No function matches" in str(e), (sql, e)
+            else:
+                pytest.fail(f"{sql} ran")
+    assert readonly.run(con, "SELECT count(*) FROM range(3), duckdb_tables()")["rows"] == [[0]]
+
+
+# Memory
+
+
+def writer_of(collector) -> Path:
+    """/proc of the collector's writer process: its child that holds the store open."""
+    for child in Path(f"/proc/{collector.process.pid}/task/{collector.process.pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == str(collector.db) for fd in Path(f"/proc/{child}/fd").iterdir()):
+                return Path(f"/proc/{child}")
+    raise AssertionError("no writer process holds the store")
+
+
+def peak_rss(proc: Path) -> int:
+    return int(next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("VmHWM")).split()[1]) * 1024
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT length(string_agg(repeat('x', 1000), ',')) FROM range(10000000)",
+        "SELECT length(list(repeat('x', 100) || range)::VARCHAR) FROM range(20000000)",
+        "SELECT count(*) FROM (SELECT repeat('x', 100) || range AS s FROM range(20000000) ORDER BY s)",
+    ],
+)
+def test_a_query_stays_within_the_memory_limit_and_the_time_limit(api, sql):
+    """Aggregates, lists and sorts that would take gigabytes fail (400) or are interrupted (408) within
+    their time limit (string_agg's growing string once ran 4.5 s past it), the writer under DuckDB's
+    memory limit over what it held before (it grew by gigabytes), and ingest goes on."""
+    writer = writer_of(api.collector)
+    (writer / "clear_refs").write_text("5")  # the peak starts again from now
+    before = peak_rss(writer)
+    started = time.monotonic()
+    response = ask(api, sql, timeout_s=3)
+    assert response.status_code in (400, 408), response.text[:300]
+    assert time.monotonic() - started < 3 + 1
+    assert peak_rss(writer) - before < readonly.MEMORY_LIMIT + 256 * 2**20
+    assert post(api.collector, "traces", trace_body(step_spans("run-mem", 0, range(5)))).status_code == 200

@@ -39,6 +39,13 @@ ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there w
 # JSON bytes of rows a query returns at most (`truncated` too): 100,000 rows of a wide table fit, and the
 # result crosses the writer's queue and the server's event loop in a fraction of a second.
 BYTE_CAP = 32 * 2**20
+# DuckDB's memory for the whole database (its buffer pool: sorts, joins, aggregates, string_agg's strings,
+# cached blocks of the store), shared by the queries and the writer's commits. Past it, sorts and joins
+# spill to the store's temporary directory and what cannot spill fails the query (Out of Memory, 400);
+# a commit needs a few MiB of it, cached blocks are evicted for it. Measured: string_agg of 1 GB grew the
+# writer to 1.7 GB and ran 2.9 s past the interrupt (its growing string is copied in calls no interrupt
+# reaches); with the limit it is refused at the limit within a second.
+MEMORY_LIMIT = 1 * 2**30
 TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
 _CHUNK_ROWS = 4096  # the most rows fetched at once
 _INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
@@ -87,6 +94,7 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
     con.execute("SET allowed_directories = ?", [[str(files_dir(data_dir).resolve())]])
+    con.execute("SET memory_limit = ?", [f"{MEMORY_LIMIT}B"])
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
