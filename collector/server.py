@@ -28,7 +28,7 @@ from collector.analysis.live import Analysis, HealthCounters
 from collector.control import api as control
 from collector.control.commands import ROLLBACK_ON, RollbackPolicy
 from collector.metrics.collector import SelfMetrics
-from collector.metrics.runs import RunMetrics
+from collector.metrics.runs import MAX_RUNS, RunMetrics
 from collector.receive import bodies, otlp
 from collector.receive.auth import CHALLENGE, load_or_create_token, refusal
 from collector.receive.decode import describe_decoder
@@ -55,6 +55,7 @@ class Config:
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
     rollback_on: frozenset[str] = ROLLBACK_ON  # the anomalies that become a rollback for the job; empty: none
     power_every_s: float | None = 60.0  # how often power recommendations are redrawn; None: never
+    metrics_runs: int = MAX_RUNS  # active runs with /metrics series of their own; the rest counted as one
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
 
 
@@ -69,7 +70,7 @@ def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
     token = config.token or load_or_create_token(config.db.parent)
     metrics = SelfMetrics()
-    metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request)))
+    metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request), config.metrics_runs))
     state: dict = {}
 
     @asynccontextmanager

@@ -9,14 +9,19 @@ import re
 import shutil
 import subprocess
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
+import duckdb
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent import semconv as sc
 from agent.export import Exporter
+from collector.metrics import runs
+from collector.store.schema import DDL
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 
 RUN, RANKS, STEPS = "sim-prom", 8, 40
@@ -189,3 +194,52 @@ def test_promtool_accepts_the_example_config_and_rules():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rankwatch-rules.yml" in result.stdout and "SUCCESS" in result.stdout
+
+
+def test_many_runs_get_bounded_series_and_the_rest_are_counted(tmp_path):
+    """Past the bound, active runs have no series of their own (60,000 runs made 420,000 series and a
+    4.6 s scrape) but are still counted: how many, and their findings and rollbacks under run="_other"."""
+    n_runs, shown = 20_000, 50
+    con = duckdb.connect(str(tmp_path / "rankwatch.duckdb"))
+    con.execute(DDL)
+    now = time.time_ns()
+    con.execute(  # run-i's one rank-step ended i ms after run-0's: the newest runs are the last
+        "INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s, tokens) "
+        "SELECT 'run-' || i, 0, 1, make_timestamp_ns(($t + i * 1000000 - 1000000000)::BIGINT), "
+        "make_timestamp_ns(($t + i * 1000000)::BIGINT), "
+        "1.0, 10 FROM range($n) r(i)",
+        {"t": now - 60 * 10**9, "n": n_runs},
+    )
+    con.execute(
+        "INSERT INTO findings (run_id, analyzer, kind, ranks, severity) "
+        "SELECT 'run-' || i, 'stragglers', 'rank', [0], 'warning' FROM range($n) r(i)",
+        {"n": n_runs},
+    )
+    con.execute(
+        "INSERT INTO commands (run_id, kind, created_by) SELECT 'run-' || i, 'rollback', 'test' FROM range(0, $n, 10) r(i)",
+        {"n": n_runs},
+    )
+    def call(request: runs.SnapshotRequest) -> Future:  # as the writer answers it, on a cursor of its own
+        answer: Future = Future()
+        answer.set_result(runs.snapshot(con.cursor(), request.max_runs))
+        return answer
+
+    registry = CollectorRegistry()
+    registry.register(runs.RunMetrics(call, shown))
+    started = time.monotonic()
+    page = generate_latest(registry).decode()
+    elapsed = time.monotonic() - started
+    samples = [s for family in text_string_to_metric_families(page) for s in family.samples]
+    by_run: dict[str, dict[str, float]] = {}
+    for s in samples:
+        if "run" in s.labels:
+            by_run.setdefault(s.labels["run"], {})[s.name] = s.value
+    newest = {f"run-{i}" for i in range(n_runs - shown, n_runs)}
+    assert set(by_run) == newest | {runs.OTHER}
+    assert len(samples) < 40 * (shown + 1)
+    assert elapsed < 3.0, f"{elapsed:.1f} s for a scrape"
+    left_out = n_runs - shown
+    assert {s.name: s.value for s in samples if not s.labels}["rankwatch_runs_left_out"] == left_out
+    assert by_run[runs.OTHER]["rankwatch_run_findings_firing"] == left_out
+    assert by_run[runs.OTHER]["rankwatch_run_rollbacks_total"] == len(range(0, n_runs - shown, 10))
+    assert by_run[f"run-{n_runs - 1}"]["rankwatch_run_last_step"] == 1

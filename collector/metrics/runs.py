@@ -14,11 +14,21 @@ million), aggregated over each run's last WINDOW_S of them. Measured: 0.3 to
 0.7 s for two runs of 1024 ranks at a step a second (7M rank-steps in the
 last hour, 15M in all) on a shared 2-core machine.
 
-Cardinality is bounded: every series is labelled by run alone (runs that
-finished a step in the last ACTIVE_S), plus one bounded label where noted:
+Cardinality is bounded: every series is labelled by run alone (the MAX_RUNS
+runs, by default, whose newest step ended last, of those that finished a step
+in the last ACTIVE_S), plus one bounded label where noted:
 quantile (3 values), kind (the analyzers' kinds), and rank on one gauge only,
 for at most SUSPECTS ranks per run. The collector's own health is in
 selfmetrics.py; the alert outbox's is here, since it too lives in the store.
+
+Active runs past MAX_RUNS have no series of their own: `rankwatch_runs_left_out`
+counts them, and the metrics that add up (findings, rollbacks, power, energy)
+count them together under run="_other". 60,000 active runs made a 26 MiB page
+of 420,000 series that took 4.6 s a scrape; bounded, the page and its queries
+grow with MAX_RUNS, not with the runs. Each per-run query reads the runs it
+reports through `run_labels` (an active run's id, and the label its series
+carry: itself, or OTHER), so a new per-run metric joins it and either adds the
+left-out runs under OTHER or keeps to the runs shown.
 """
 
 import logging
@@ -30,6 +40,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import duckdb
+import pyarrow as pa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,10 +55,12 @@ QUANTILES = (0.5, 0.9, 0.99)
 SUSPECTS = 5  # ranks named by firing findings, per run, at most
 CACHE_S = 5.0
 CALL_TIMEOUT_S = 5.0  # a scrape waits this long for the writer, then gets the previous answer
+MAX_RUNS = 200  # active runs with series of their own (the newest); Config.metrics_runs sets it
+OTHER = "_other"  # the run label of the active runs past the bound, counted together
 
-# the runs that finished a step in the last ACTIVE_S, and when their newest step ended
-_RUNS = """SELECT run_id, max(epoch_ns(end_ts)) FROM current_steps WHERE end_ts > make_timestamp_ns($since)
-           GROUP BY run_id ORDER BY run_id"""
+# the runs that finished a step in the last ACTIVE_S, and when their newest step ended, newest first
+_RUNS = """SELECT run_id, max(epoch_ns(end_ts)) AS newest FROM current_steps WHERE end_ts > make_timestamp_ns($since)
+           GROUP BY run_id ORDER BY newest DESC, run_id"""
 # each of those runs' last WINDOW_S of steps (a join on a per-run bound, not a window function:
 # DuckDB then reads only the row groups of the last WINDOW_S before the oldest bound)
 _STEPS = """
@@ -57,14 +70,14 @@ SELECT s.run_id, quantile_cont(duration_s, $quantiles),
 FROM current_steps s JOIN (SELECT unnest($runs) AS run_id, unnest($ends) - $window AS since) r ON s.run_id = r.run_id
 WHERE s.end_ts > make_timestamp_ns($oldest) AND epoch_ns(s.end_ts) > r.since
 GROUP BY s.run_id ORDER BY s.run_id"""
-_FINDINGS = """SELECT run_id, kind, count(*) FILTER (WHERE state = 'firing') FROM findings
-               WHERE list_contains($runs, run_id) AND severity != 'info' GROUP BY ALL ORDER BY ALL"""
+_FINDINGS = """SELECT label, kind, count(*) FILTER (WHERE state = 'firing') FROM findings JOIN run_labels USING (run_id)
+               WHERE severity != 'info' GROUP BY ALL ORDER BY ALL"""
 _SUSPECTS = """SELECT run_id, rank, count(*) AS n
                FROM (SELECT run_id, unnest(ranks) AS rank FROM findings
                      WHERE state = 'firing' AND severity != 'info' AND list_contains($runs, run_id))
                GROUP BY run_id, rank QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY n DESC, rank) <= $k
                ORDER BY ALL"""
-_ROLLBACKS = """SELECT run_id, count(*) FROM commands WHERE kind = 'rollback' AND list_contains($runs, run_id)
+_ROLLBACKS = """SELECT label, count(*) FROM commands JOIN run_labels USING (run_id) WHERE kind = 'rollback'
                 GROUP BY ALL"""
 # the newest checkpoint of each run: the longest any rank's training loop was blocked by it
 _CHECKPOINTS = f"""
@@ -75,16 +88,17 @@ WITH saved AS (
 SELECT run_id, max(blocked_s) FROM saved WHERE step = last_step GROUP BY run_id HAVING max(blocked_s) IS NOT NULL"""
 # each GPU's latest power and energy counter reading, summed over the run's GPUs
 _DEVICES = """
-SELECT run_id, metric, sum(latest) FROM (
-    SELECT run_id, rank, gpu, metric, arg_max(value, ts) AS latest FROM device_samples
-    WHERE ts > make_timestamp_ns($since) AND metric IN ($power, $energy) AND list_contains($runs, run_id)
+SELECT label, metric, sum(latest) FROM (
+    SELECT label, run_id, rank, gpu, metric, arg_max(value, ts) AS latest FROM device_samples JOIN run_labels USING (run_id)
+    WHERE ts > make_timestamp_ns($since) AND metric IN ($power, $energy)
     GROUP BY ALL)
 GROUP BY ALL ORDER BY ALL"""
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The aggregates of the runs active now, as the queries below give them (rows of tuples)."""
+    """The aggregates of the runs active now, as the queries below give them (rows of tuples); the
+    findings, rollbacks and devices of the runs past the bound under OTHER."""
 
     steps: list[tuple]  # run, duration quantiles, tokens/s, MFU, exposed share, last step, its end, ranks
     findings: list[tuple]  # run, kind, firing
@@ -93,53 +107,64 @@ class Snapshot:
     checkpoints: list[tuple]  # run, the newest checkpoint's longest stall
     devices: list[tuple]  # run, metric (power or energy), sum of each GPU's latest
     outbox: list[tuple]  # receiver, state, notifications
+    left_out: int = 0  # active runs past the bound, without series of their own
 
 
 @dataclass(frozen=True)
 class SnapshotRequest(Request[Snapshot]):
     """The run metrics, for /metrics: read in the writer process on a query thread."""
 
+    max_runs: int = MAX_RUNS
+
 
 @handles(SnapshotRequest, beside=True)
-def _snapshot(context: Context, _: SnapshotRequest) -> Snapshot:
-    return snapshot(context.con)
+def _snapshot(context: Context, request: SnapshotRequest) -> Snapshot:
+    return snapshot(context.con, request.max_runs)
 
 
-def snapshot(con: duckdb.DuckDBPyConnection) -> Snapshot:
-    """The aggregates of the runs active now (run in the writer process: a SnapshotRequest)."""
+def snapshot(con: duckdb.DuckDBPyConnection, max_runs: int = MAX_RUNS) -> Snapshot:
+    """The aggregates of the runs active now, series of their own for the `max_runs` newest (run in
+    the writer process, on a cursor of its own: a SnapshotRequest)."""
     now = time.time_ns()
     since = now - ACTIVE_S * 10**9
-    ends = dict(con.execute(_RUNS, {"since": since}).fetchall())
+    active = con.execute(_RUNS, {"since": since}).fetchall()
+    ends = dict(active[:max_runs])
     runs = {"runs": list(ends)}
-    steps = con.execute(
-        _STEPS,
-        {
-            **runs,
-            "ends": list(ends.values()),
-            "window": WINDOW_S * 10**9,
-            "oldest": min(ends.values(), default=now) - WINDOW_S * 10**9,
-            "quantiles": list(QUANTILES),
-        },
-    ).fetchall()
-    return Snapshot(
-        steps=steps,
-        findings=con.execute(_FINDINGS, runs).fetchall(),
-        suspects=con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall(),
-        rollbacks=dict(con.execute(_ROLLBACKS, runs).fetchall()),
-        checkpoints=con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall(),
-        devices=con.execute(
-            _DEVICES, {**runs, "since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
-        ).fetchall(),
-        outbox=outbox.counts(con),
-    )
+    labels = list(ends) + [OTHER] * (len(active) - len(ends))
+    con.register("run_labels", pa.table({"run_id": [run for run, _ in active], "label": labels}))
+    try:
+        return Snapshot(
+            steps=con.execute(
+                _STEPS,
+                {
+                    **runs,
+                    "ends": list(ends.values()),
+                    "window": WINDOW_S * 10**9,
+                    "oldest": min(ends.values(), default=now) - WINDOW_S * 10**9,
+                    "quantiles": list(QUANTILES),
+                },
+            ).fetchall(),
+            findings=con.execute(_FINDINGS).fetchall(),
+            suspects=con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall(),
+            rollbacks=dict(con.execute(_ROLLBACKS).fetchall()),
+            checkpoints=con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall(),
+            devices=con.execute(
+                _DEVICES, {"since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
+            ).fetchall(),
+            outbox=outbox.counts(con),
+            left_out=len(active) - len(ends),
+        )
+    finally:
+        con.unregister("run_labels")
 
 
 class RunMetrics(Collector):
     """A prometheus_client collector of the run aggregates; `call` is Store.call of the open store.
     collect() waits for the writer, so /metrics must render off the event loop."""
 
-    def __init__(self, call: Callable[[SnapshotRequest], "Future[Snapshot]"]):
+    def __init__(self, call: Callable[[SnapshotRequest], "Future[Snapshot]"], max_runs: int = MAX_RUNS):
         self._call = call
+        self._max_runs = max_runs
         self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
         self._taken = float("-inf")
@@ -153,7 +178,7 @@ class RunMetrics(Collector):
         with self._lock:  # concurrent scrapes share one call
             if time.monotonic() - self._taken >= CACHE_S:
                 try:
-                    self._snapshot = self._call(SnapshotRequest()).result(CALL_TIMEOUT_S)
+                    self._snapshot = self._call(SnapshotRequest(self._max_runs)).result(CALL_TIMEOUT_S)
                     self._taken = time.monotonic()
                 except (FutureTimeout, RuntimeError) as e:
                     log.warning("run metrics unavailable, serving the previous ones: %s", e)
@@ -206,7 +231,7 @@ def families(snap: Snapshot) -> list:
     for run, rank, n in snap.suspects:
         suspects.add_metric([run, str(rank)], n)
     rollbacks = CounterMetricFamily("rankwatch_run_rollbacks", "Rollback commands created for the run", labels=["run"])
-    for run, *_ in snap.steps:
+    for run in [run for run, *_ in snap.steps] + ([OTHER] if snap.left_out else []):
         rollbacks.add_metric([run], snap.rollbacks.get(run, 0))
     stall = gauge(
         "rankwatch_run_checkpoint_stall_seconds", "Training-loop time the newest checkpoint cost, on its slowest rank"
@@ -242,7 +267,15 @@ def families(snap: Snapshot) -> list:
         )
         for counted, state in outbox:
             counted.add_metric([receiver], by_state.get((receiver, state), 0))
+    left_out = gauge(
+        "rankwatch_runs_left_out",
+        f"Active runs past the bound, without series of their own: their findings, rollbacks, power and "
+        f'energy are counted together under run="{OTHER}"',
+        (),
+    )
+    left_out.add_metric([], snap.left_out)
     return [
+        left_out,
         step,
         tokens,
         mfu,
