@@ -5,7 +5,7 @@ the trainer, the collector, the dashboard and the command line. A leaf (the stan
       rankwatch.duckdb            the store: --db, else $RANKWATCH_DB, else this
       token                       the bearer token, mode 0600, made by the collector's first start
       alerts.toml                 the alert receivers, if any (collector/alerts/config.py)
-      sql-files/                  the only files SQL queries may read (collector/store/readonly.py)
+      sql-files/                  the only files SQL queries may read, as sql-files://NAME (collector/store/sqlfiles.py)
       runs/RUN/checkpoints/       `rankwatch train`'s checkpoints of run RUN, rank-R/ for rank R
 
 The token and receivers files are secrets, which is why queries get a directory of their own.

@@ -216,9 +216,11 @@ def test_many_runs_get_bounded_series_and_the_rest_are_counted(tmp_path):
         {"n": n_runs},
     )
     con.execute(
-        "INSERT INTO commands (run_id, kind, created_by) SELECT 'run-' || i, 'rollback', 'test' FROM range(0, $n, 10) r(i)",
+        "INSERT INTO commands (run_id, kind, created_by) "
+        "SELECT 'run-' || i, 'rollback', 'test' FROM range(0, $n, 10) r(i)",
         {"n": n_runs},
     )
+
     def call(request: runs.SnapshotRequest) -> Future:  # as the writer answers it, on a cursor of its own
         answer: Future = Future()
         answer.set_result(runs.snapshot(con.cursor(), request.max_runs))

@@ -89,7 +89,8 @@ SELECT run_id, max(blocked_s) FROM saved WHERE step = last_step GROUP BY run_id 
 # each GPU's latest power and energy counter reading, summed over the run's GPUs
 _DEVICES = """
 SELECT label, metric, sum(latest) FROM (
-    SELECT label, run_id, rank, gpu, metric, arg_max(value, ts) AS latest FROM device_samples JOIN run_labels USING (run_id)
+    SELECT label, run_id, rank, gpu, metric, arg_max(value, ts) AS latest
+    FROM device_samples JOIN run_labels USING (run_id)
     WHERE ts > make_timestamp_ns($since) AND metric IN ($power, $energy)
     GROUP BY ALL)
 GROUP BY ALL ORDER BY ALL"""

@@ -5,9 +5,11 @@ admits one SELECT and nothing else (no INSERT, COPY, ATTACH, SET, PRAGMA,
 CALL, LOAD, EXPORT...); no function with a side effect is called (`check`:
 checkpoint(), enable_logging(), nextval(), query()..., the list drawn from
 `duckdb_functions()`); the query runs in a READ ONLY transaction; and the database is locked down
-(`lock_down`): no file outside `files_dir` (a directory of its own beside the
-store, so the token and the receivers file, both secrets kept beside the
-store, are out of reach whatever function, path, link or glob a query uses),
+(`lock_down`): no local file at all, only `sql-files://NAME`, the files under
+`files_dir` (a directory of its own beside the store, so the token and the
+receivers file, both secrets kept beside the store, are out of reach whatever
+function, path, link or glob a query uses), opened and checked by
+collector/store/sqlfiles.py,
 no extension installs, DuckDB's memory capped at QUERY_MEMORY, configuration frozen. A watchdog interrupts a query
 that runs too long, and at most ROW_CAP rows and BYTE_CAP bytes of JSON come
 back, fetched a chunk at a time, so neither a cross join nor `SELECT * FROM
@@ -19,9 +21,9 @@ one to the store's writer as a `Query` request, answered on a query thread.
 """
 
 import contextlib
-import functools
 import datetime as dt
 import decimal
+import functools
 import json
 import math
 import threading
@@ -33,7 +35,9 @@ from pathlib import Path
 import duckdb
 
 from agent.paths import SQL_FILES_DIR
+from collector.store import sqlfiles
 from collector.store.requests import Context, Request, handles
+from collector.store.sqlfiles import SqlFiles
 
 ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there were more
 # JSON bytes of rows a query returns at most (`truncated` too): 100,000 rows of a wide table fit, and the
@@ -83,9 +87,10 @@ def files_dir(data_dir: Path) -> Path:
 
 
 def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
-    """Confine every connection of `con`'s database to `files_dir(data_dir)`, for good. DuckDB resolves
-    links and `..` before it checks a path, and its own files (the store, its WAL and spill directory)
-    stay readable: they hold nothing a query cannot select.
+    """Confine every connection of `con`'s database to `sql-files://` (the files of `files_dir(data_dir)`,
+    opened by collector/store/sqlfiles.py), for good: no local path, since DuckDB checks one and then
+    opens it again by name. Its own files (the store, its WAL and spill directory) stay readable: they
+    hold nothing a query cannot select.
 
     These settings are global to the DuckDB instance: the collector's writer
     shares them, which costs it nothing (it reads Arrow batches it was
@@ -93,7 +98,8 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     database, already locked down."""
     if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
-    con.execute("SET allowed_directories = ?", [[str(files_dir(data_dir).resolve())]])
+    con.register_filesystem(SqlFiles(files_dir(data_dir)))
+    con.execute("SET allowed_directories = ?", [[f"{sqlfiles.PROTOCOL}://"]])
     con.execute("SET memory_limit = ?", [f"{MEMORY_LIMIT}B"])
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET enable_external_access = false")
@@ -134,22 +140,24 @@ def _reading(table_function: str) -> bool:
 
 def _check_calls(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
     """Raise QueryRefused when `sql` calls a function `refused_functions` lists, or a table function not
-    known to only read (an extension's, say), found in DuckDB's own parse tree of it: a name in a string is no call,
-    a qualified `system.main.checkpoint()` is one."""
-    tree = json.loads(cursor.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    known to only read (an extension's, say), found in DuckDB's own parse tree of it: a name in a string
+    is no call, a qualified `system.main.checkpoint()` is one."""
+    (serialized,) = cursor.execute("SELECT json_serialize_sql(?)", [sql]).fetchall()[0]
+    tree = json.loads(serialized)
     if tree.get("error"):
-        raise QueryRefused(_first_line(ValueError(tree.get("error_message") or "the query could not be parsed")))
+        raise QueryRefused(str(tree.get("error_message") or "the query could not be parsed").splitlines()[0])
     refused = refused_functions()
     stack: list = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
+            called = node.get("function_name")
             if node.get("type") == "TABLE_FUNCTION":
-                name = str(node["function"].get("function_name", "")).lower()
-                if not _reading(name):
-                    raise QueryRefused(f"{name}() is not allowed: only table functions that read are")
-            elif isinstance(name := node.get("function_name"), str) and name.lower() in refused:
-                raise QueryRefused(f"{name}() is not allowed: it has side effects")
+                table_function = str(node["function"].get("function_name", "")).lower()
+                if not _reading(table_function):
+                    raise QueryRefused(f"{table_function}() is not allowed: only table functions that read are")
+            elif isinstance(called, str) and called.lower() in refused:
+                raise QueryRefused(f"{called}() is not allowed: it has side effects")
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
