@@ -324,6 +324,18 @@ def test_an_interrupt_before_the_query_starts_is_not_lost(tmp_path):
         assert outcomes == ["interrupted"], f"timeout_s={timeout_s:g}: still running after 20 s"
 
 
+def test_a_call_no_interrupt_reaches_is_answered_at_the_limit(tmp_path):
+    """One value built in one DuckDB call (a list of ten million numbers: seconds) sees no interrupt until
+    it is built; the answer comes at the limit all the same (it came seconds late), and the next query
+    runs."""
+    con = locked(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(readonly.QueryTimeout):
+        readonly.run(con, "SELECT len(range(10000000))", timeout_s=0.5)
+    assert time.monotonic() - started < 0.5 + 1.0
+    assert readonly.run(con, "SELECT 42")["rows"] == [[42]]
+
+
 # 8. Results capped in bytes, without stalling ingest
 
 

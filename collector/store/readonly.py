@@ -29,6 +29,8 @@ import math
 import threading
 import time
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,11 @@ MEMORY_LIMIT = 1 * 2**30
 TIMEOUT_S = 10.0  # the longest a query may run; a request may ask for less
 _CHUNK_ROWS = 4096  # the most rows fetched at once
 _INTERRUPT_AGAIN_S = 0.05  # an interrupt between two DuckDB calls is lost: the watchdog repeats it
+_GIVE_UP_S = 0.25  # how long past its limit a query has to stop by itself before the answer is 408 without it
+# Queries running at once in a process, those still being interrupted after their 408 included: each holds
+# DuckDB's memory until it returns. The collector's writer answers QUERY_THREADS (2) at a time.
+RUNNING_AT_MOST = 4
+_running = threading.BoundedSemaphore(RUNNING_AT_MOST)
 _COMPACT = (",", ":")  # the separators of the JSON answer
 # Table functions that only read (files under `files_dir`, the catalog, generated rows); any other is refused.
 _READING_PREFIXES = ("read_", "parquet_", "duckdb_", "pragma_")
@@ -172,14 +179,41 @@ def run(
 ) -> dict:
     """{"columns", "types", "rows", "truncated"} of one checked query, with JSON-ready values,
     on a fresh cursor of `con` (a database already under `lock_down`). A `timeout_s` outside
-    (0, TIMEOUT_S] is TIMEOUT_S."""
+    (0, TIMEOUT_S] is TIMEOUT_S.
+
+    The query runs on a thread of its own and the answer is QueryTimeout once its time is up, whether
+    or not DuckDB has returned: one call of a single value (`len(range(30000000))` ran 12 s past a 3 s
+    limit, `list_resize` 50 s) sees no interrupt until it is done. Such a call goes on, interrupted,
+    until DuckDB returns, holding one of RUNNING_AT_MOST places meanwhile."""
     check(sql)
     timeout_s = timeout_s if 0 < timeout_s <= TIMEOUT_S else TIMEOUT_S
     max_rows = max(0, min(max_rows, ROW_CAP))
     deadline = time.monotonic() + timeout_s
+    timeout = QueryTimeout(f"the query ran past {timeout_s:g} s and was interrupted")
+    if not _running.acquire(timeout=timeout_s):  # every place held by a query that has not given up yet
+        raise timeout
+    answer: Future[dict] = Future()
+    threading.Thread(target=_answer, args=(answer, con, sql, params, max_rows, deadline, timeout), daemon=True).start()
+    try:
+        return answer.result(max(0.0, deadline - time.monotonic()) + _GIVE_UP_S)
+    except FutureTimeout:
+        raise timeout from None
+
+
+def _answer(
+    answer: "Future[dict]",
+    con: duckdb.DuckDBPyConnection,
+    sql: str,
+    params,
+    max_rows: int,
+    deadline: float,
+    timeout: QueryTimeout,
+) -> None:
+    """Run the query on a cursor of its own, interrupted at `deadline` and again until it gives up,
+    and settle `answer`; free its place once DuckDB has returned."""
     cursor = con.cursor()
     finished = threading.Event()
-    watchdog = threading.Thread(target=_watch, args=(cursor, finished, timeout_s), daemon=True)
+    watchdog = threading.Thread(target=_watch, args=(cursor, finished, deadline), daemon=True)
     watchdog.start()
     try:
         _check_calls(cursor, sql)
@@ -187,20 +221,25 @@ def run(
         result = cursor.execute(sql, params)
         description = result.description
         rows, truncated = _fetch(result, max_rows, deadline)
+        answer.set_result(
+            {
+                "columns": [d[0] for d in description],
+                "types": [str(d[1]) for d in description],
+                "rows": rows,
+                "truncated": truncated,
+            }
+        )
     except duckdb.InterruptException:
-        raise QueryTimeout(f"the query ran past {timeout_s:g} s and was interrupted") from None
+        answer.set_exception(timeout)
     except duckdb.Error as e:
-        raise QueryRefused(_first_line(e)) from None
+        answer.set_exception(QueryRefused(_first_line(e)))
+    except Exception as e:  # the future must settle whatever went wrong
+        answer.set_exception(e)
     finally:
         finished.set()
         watchdog.join()
         cursor.close()  # ends the read-only transaction with it
-    return {
-        "columns": [d[0] for d in description],
-        "types": [str(d[1]) for d in description],
-        "rows": rows,
-        "truncated": truncated,
-    }
+        _running.release()
 
 
 @dataclass(frozen=True)
@@ -249,10 +288,10 @@ def _prefix(rows: list[list], max_rows: int, max_bytes: int) -> list[list]:
     return rows[:max_rows]
 
 
-def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, timeout_s: float) -> None:
-    """Interrupt `cursor` once `timeout_s` has passed, and again until the query gives up: an interrupt
+def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, deadline: float) -> None:
+    """Interrupt `cursor` once `deadline` has passed, and again until the query gives up: an interrupt
     that lands between two DuckDB calls (before the query starts, between two fetches) is lost."""
-    wait = timeout_s
+    wait = max(0.0, deadline - time.monotonic())
     while not finished.wait(wait):
         with contextlib.suppress(duckdb.Error):  # closing meanwhile: the query finished in time after all
             cursor.interrupt()
