@@ -189,15 +189,15 @@ def run(
     timeout_s = timeout_s if 0 < timeout_s <= TIMEOUT_S else TIMEOUT_S
     max_rows = max(0, min(max_rows, ROW_CAP))
     deadline = time.monotonic() + timeout_s
-    timeout = QueryTimeout(f"the query ran past {timeout_s:g} s and was interrupted")
+    late = f"the query ran past {timeout_s:g} s and was interrupted"
     if not _running.acquire(timeout=timeout_s):  # every place held by a query that has not given up yet
-        raise timeout
+        raise QueryTimeout(late)
     answer: Future[dict] = Future()
-    threading.Thread(target=_answer, args=(answer, con, sql, params, max_rows, deadline, timeout), daemon=True).start()
+    threading.Thread(target=_answer, args=(answer, con, sql, params, max_rows, deadline, late), daemon=True).start()
     try:
         return answer.result(max(0.0, deadline - time.monotonic()) + _GIVE_UP_S)
     except FutureTimeout:
-        raise timeout from None
+        raise QueryTimeout(late) from None
 
 
 def _answer(
@@ -207,7 +207,7 @@ def _answer(
     params,
     max_rows: int,
     deadline: float,
-    timeout: QueryTimeout,
+    late: str,
 ) -> None:
     """Run the query on a cursor of its own, interrupted at `deadline` and again until it gives up,
     and settle `answer`; free its place once DuckDB has returned."""
@@ -230,7 +230,7 @@ def _answer(
             }
         )
     except duckdb.InterruptException:
-        answer.set_exception(timeout)
+        answer.set_exception(QueryTimeout(late))
     except duckdb.Error as e:
         answer.set_exception(QueryRefused(_first_line(e)))
     except Exception as e:  # the future must settle whatever went wrong
