@@ -19,6 +19,7 @@ ready-made gauge points.
 
 import functools
 import gzip
+import itertools
 import logging
 import os
 import random
@@ -501,7 +502,9 @@ class Exporter:
     """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver), which
     counts and reports what it drops. `paced` (the fleet simulator, which has no training to keep
     going): rather than dropping, a full queue makes the caller wait, and a busy collector (503,
-    Retry-After) is waited for."""
+    Retry-After) is waited for. `senders`: trace requests in flight at most, each sender with its
+    queue and backlog, traces dealt to them in turn (a loaded collector commits requests that
+    arrive together in one transaction, so one request at a time would pay a commit each)."""
 
     def __init__(
         self,
@@ -512,6 +515,7 @@ class Exporter:
         backlog_items: int = 100_000,
         paced: bool = False,
         queue_traces: int = 8192,
+        senders: int = 1,
     ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = self._endpoint = endpoint.rstrip("/")
@@ -520,20 +524,24 @@ class Exporter:
         self.losses = Losses()
         self._reported: dict[int, Lost] = {}  # what each resource's last telemetry_loss said
         self._next_report = 0.0
-        self.spans_backlog = Backlog(
-            SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
-            backlog_items,
-            endpoint,
-            on_drop=self.losses.spans,
-            on_refused=self.losses.refused,
-            on_first_failure=lambda: log.warning(
-                "rankwatch: collector at %s unreachable; training goes on, telemetry "
-                "waits (up to %d spans) and is sent when it is back",
+        self._span_backlogs = [
+            Backlog(
+                SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
+                backlog_items // senders,
                 endpoint,
-                backlog_items,
-            ),
-            paced=paced,
-        )
+                on_drop=self.losses.spans,
+                on_refused=self.losses.refused,
+                on_first_failure=lambda: log.warning(
+                    "rankwatch: collector at %s unreachable; training goes on, telemetry "
+                    "waits (up to %d spans) and is sent when it is back",
+                    endpoint,
+                    backlog_items,
+                ),
+                paced=paced,
+            )
+            for _ in range(senders)
+        ]
+        self.spans_backlog = self._span_backlogs[0]  # a rank's one (its telemetry_backlog event reads it)
         self.logs_backlog = Backlog(
             _LogExporter(f"{endpoint}/v1/logs", headers, timeout_s),
             backlog_items // 10,
@@ -545,16 +553,20 @@ class Exporter:
         self._ids = random.Random(os.urandom(16))
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
         # request stay far below the collector's 20 MiB and 100k entries a request
-        self._traces = Batcher(
-            self._export_traces,
-            self.losses.traces,
-            max_items=queue_traces,
-            batch_items=256,
-            delay_s=SPANS_DELAY_MS / 1000,
-            name="rankwatch-spans",
-            block=paced,
-            after=self._report_loss,
-        )
+        self._trace_queues = [
+            Batcher(
+                functools.partial(self._export_traces, backlog),
+                self.losses.traces,
+                max_items=queue_traces // senders,
+                batch_items=256,
+                delay_s=SPANS_DELAY_MS / 1000,
+                name=f"rankwatch-spans-{i}",
+                block=paced,
+                after=self._report_loss if i == 0 else lambda: None,
+            )
+            for i, backlog in enumerate(self._span_backlogs)
+        ]
+        self._next_queue = itertools.cycle([queue.put for queue in self._trace_queues]).__next__
         # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
         self._records = Batcher(
             self.logs_backlog.export,
@@ -574,7 +586,7 @@ class Exporter:
         )
         self.samples_refused = 0  # device samples the collector never took
 
-    def _export_traces(self, traces: Sequence[Trace]) -> None:
+    def _export_traces(self, backlog: Backlog, traces: Sequence[Trace]) -> None:
         """A batch of traces becomes their spans (the children's ids drawn here, on the export
         thread), so that the backlog counts spans."""
         spans, ids = [], self._ids
@@ -582,7 +594,7 @@ class Exporter:
             (name, start_ns, end_ns, attributes), *children = t.spans
             spans.append(Span(t.trace_id, t.root_id, 0, name, start_ns, end_ns, attributes, t.resource))
             spans += [Span(t.trace_id, ids.getrandbits(64), t.root_id, *child, t.resource) for child in children]
-        self.spans_backlog.export(spans)
+        backlog.export(spans)
 
     def _records_dropped(self, records: Sequence) -> None:
         self.losses.records(self.resource, len(records))
@@ -596,7 +608,7 @@ class Exporter:
         would cost ~80 µs a span on the training thread, for spans whose times are known after the
         fact, and the SDK's ReadableSpan and batch processor ~15 µs more a span."""
         trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
-        self._traces.put(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
+        self._next_queue()(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def event(
@@ -654,7 +666,8 @@ class Exporter:
         totals = {id(resource): (resource, lost) for resource, lost in self.losses.by_resource()}
         if final:
             waiting = Losses()
-            waiting.spans(self.spans_backlog.items())
+            for backlog in self._span_backlogs:
+                waiting.spans(backlog.items())
             for resource, lost in waiting.by_resource():
                 totals[id(resource)] = (resource, totals.get(id(resource), (resource, Lost()))[1] + lost)
         for resource, lost in totals.values():
@@ -679,11 +692,12 @@ class Exporter:
 
     def flush(self, timeout_ms: int = 30_000) -> bool:
         """Push everything queued, backlog included; True when it all went out."""
-        self._traces.flush()
+        for queue, backlog in zip(self._trace_queues, self._span_backlogs, strict=True):
+            queue.flush()
+            backlog.deliver()
         self._records.flush()
-        self.spans_backlog.deliver()
         self.logs_backlog.deliver()
-        return not self.spans_backlog.waiting and not self.logs_backlog.waiting
+        return not any(backlog.waiting for backlog in (*self._span_backlogs, self.logs_backlog))
 
     def undelivered(self) -> tuple[Lost, int]:
         """After shutdown(): what never reached the collector (spans, rank-steps, log records; all
@@ -693,14 +707,16 @@ class Exporter:
     def shutdown(self) -> None:
         """Stop exporting, without waiting out retries: call flush() first to deliver. What still
         waits is dropped, and counted; a last `telemetry_loss` report goes out if the counts grew."""
-        self.spans_backlog.close()
-        self._traces.stop()
+        for backlog in self._span_backlogs:
+            backlog.close()
+        for queue in self._trace_queues:
+            queue.stop()
         self._report_loss(final=True)
         self._records.flush()
         self.logs_backlog.deliver()
         self.logs_backlog.close()
         self._records.stop()
-        self.spans_backlog.shutdown()
-        self.logs_backlog.shutdown()
+        for backlog in (*self._span_backlogs, self.logs_backlog):
+            backlog.shutdown()
         self._logger_provider.shutdown()
         self._metric_exporter.shutdown()

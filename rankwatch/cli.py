@@ -594,7 +594,7 @@ def cmd_simulate(args) -> None:
     exporter_url = config.collector_url(args.collector)
     announce("simulate", run_id, exporter_url)
     # paced: the simulator waits for the collector rather than dropping what it cannot take yet
-    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id}, paced=True)
+    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
     rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()

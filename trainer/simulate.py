@@ -65,6 +65,9 @@ SIMULATOR_KINDS = (
     *CURVE_KINDS,
 )
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+# trace requests in flight at most (the exporter waits for each to be acknowledged): enough for a loaded
+# collector to commit several together, few enough that its queue, not the simulator, sets the pace
+SENDERS = 4
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
 ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
