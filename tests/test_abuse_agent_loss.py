@@ -114,7 +114,7 @@ def _requests(collector, code: str) -> float:
 
 def test_simulate_paces_itself_to_a_collector_that_takes_one_request_at_a_time(collector_factory):
     collector = collector_factory(None, "--max-queue-bytes", "1")  # a request waits alone; the others get 503
-    ranks, steps = 64, 12
+    ranks, steps = 32, 6
     result = rankwatch_in_process(
         *("simulate", "--ranks", str(ranks), "--tp", "2", "--steps", str(steps), "--run", "paced"),
         *("--collector", collector.url),
@@ -131,7 +131,7 @@ def test_simulate_paces_itself_to_a_collector_that_takes_one_request_at_a_time(c
 
 def test_simulate_against_a_collector_gone_for_good_counts_what_the_store_lacks(collector_factory):
     collector = collector_factory()
-    ranks, steps = 64, 400
+    ranks, steps = 32, 400
     simulator = subprocess.Popen(
         [sys.executable, "-m", "rankwatch", "simulate", "--ranks", str(ranks), "--steps", str(steps)]
         + ["--run", "gone", "--collector", collector.url],
