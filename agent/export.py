@@ -487,15 +487,15 @@ class Backlog:
             self._send_waiting()
 
     def close(self) -> None:
-        """Stop sending: a paced wait gives up now, later batches only wait."""
+        """Stop sending: an export still retrying or a paced wait gives up now, later batches only wait."""
         self._closed = True
+        self._exporter.shutdown()  # aborts the retry loop of an export in flight
 
     def shutdown(self) -> None:
         """After the last export: what waits now is dropped."""
         with self._lock:
             while self._batches:
                 self._drop(self._batches.popleft())
-        self._exporter.shutdown()
 
 
 class Exporter:
