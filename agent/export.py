@@ -524,6 +524,18 @@ class Exporter:
         self.losses = Losses()
         self._reported: dict[int, Lost] = {}  # what each resource's last telemetry_loss said
         self._next_report = 0.0
+        warned = threading.Event()  # once, whichever sender fails first
+
+        def unreachable() -> None:
+            if not warned.is_set():
+                warned.set()
+                log.warning(
+                    "rankwatch: collector at %s unreachable; training goes on, telemetry "
+                    "waits (up to %d spans) and is sent when it is back",
+                    endpoint,
+                    backlog_items,
+                )
+
         self._span_backlogs = [
             Backlog(
                 SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
@@ -531,12 +543,7 @@ class Exporter:
                 endpoint,
                 on_drop=self.losses.spans,
                 on_refused=self.losses.refused,
-                on_first_failure=lambda: log.warning(
-                    "rankwatch: collector at %s unreachable; training goes on, telemetry "
-                    "waits (up to %d spans) and is sent when it is back",
-                    endpoint,
-                    backlog_items,
-                ),
+                on_first_failure=unreachable,
                 paced=paced,
             )
             for _ in range(senders)

@@ -131,7 +131,7 @@ def test_simulate_paces_itself_to_a_collector_that_takes_one_request_at_a_time(c
 
 def test_simulate_against_a_collector_gone_for_good_counts_what_the_store_lacks(collector_factory):
     collector = collector_factory()
-    ranks, steps = 32, 400
+    ranks, steps = 32, 250
     command = ("simulate", "--ranks", str(ranks), "--steps", str(steps), "--run", "gone", "--collector", collector.url)
     simulator = subprocess.Popen(
         [sys.executable, "-m", "rankwatch", *command],
