@@ -95,8 +95,8 @@ def _is_step(attributes: Attributes) -> bool:
 
 @dataclass
 class Lost:
-    """Telemetry of one rank dropped before the collector acknowledged it, cumulative since the
-    process started: spans, the rank-steps among them (its `step` spans), log records."""
+    """Telemetry dropped before the collector acknowledged it, cumulative since the process
+    started: spans, the rank-steps among them (`step` spans), log records."""
 
     spans: int = 0
     rank_steps: int = 0
@@ -111,7 +111,8 @@ class Lost:
 
 class Losses:
     """What was dropped, per resource (the rank it is from: the fleet simulator speaks for many).
-    Counted off the hot path: where something is dropped, which is rare."""
+    Counted where it is dropped: on the training thread only when its queue is full (a lock and a
+    few additions), else on the export thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
