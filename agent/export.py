@@ -1,20 +1,25 @@
-"""OTLP/HTTP export of one rank's telemetry through the OpenTelemetry SDK.
+"""OTLP/HTTP export of one rank's telemetry.
 
-Spans and log records go through the SDK's batch processors (a background
-thread, so training never waits on the network). A step's trace is handed to
-the processor as one plain record and encoded to OTLP protobuf on the export
-thread by `encode_spans` below: the SDK's ReadableSpan, processor and encoder
-cost ~45 µs a span between the training thread and the export thread, whose
-time is GIL time the training thread may wait for. The SDK drops a batch
-whose export failed; here a failed batch is kept in a bounded backlog and
-sent once the collector is back, oldest first, and only what overflows the
-backlog is dropped (and counted). Device samples carry their own timestamps,
-which the metrics API cannot express, so they are handed to the SDK's OTLP
-metric exporter as ready-made gauge points.
+Spans and log records are queued by a batcher of ours (a background thread, so
+training never waits on the network) rather than the SDK's batch processors,
+which drop the oldest item silently when their queue is full: here what does
+not fit is counted. A step's trace is queued as one plain record and encoded to
+OTLP protobuf on the export thread by `encode_spans` below: the SDK's
+ReadableSpan, processor and encoder cost ~45 µs a span between the training
+thread and the export thread, whose time is GIL time the training thread may
+wait for. The SDK drops a batch whose export failed; here a failed batch is
+kept in a bounded backlog and sent once the collector is back, oldest first.
+Whatever is dropped before the collector acknowledged it (a full queue, the
+backlog's overflow, a refusal, what still waits at exit) is counted per rank,
+spans and rank-steps apart, and reported to the collector as `telemetry_loss`
+events. Device samples carry their own timestamps, which the metrics API
+cannot express, so they are handed to the SDK's OTLP metric exporter as
+ready-made gauge points.
 """
 
 import functools
 import gzip
+import itertools
 import logging
 import os
 import random
@@ -23,9 +28,10 @@ import struct
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.error import URLError
+from urllib.error import HTTPError, URLError
 from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
@@ -33,11 +39,11 @@ from opentelemetry._logs import SeverityNumber
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
+from opentelemetry.sdk._logs.export import LogRecordExportResult
 from opentelemetry.sdk.metrics.export import Gauge, Metric, MetricsData, NumberDataPoint, ResourceMetrics, ScopeMetrics
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
@@ -53,11 +59,11 @@ for _name in ("opentelemetry.exporter.otlp.proto.http", "opentelemetry.sdk._shar
     logging.getLogger(_name).setLevel(logging.CRITICAL)
 
 
-_CONTEXT = SpanContext(0, 0, is_remote=False, trace_flags=_SAMPLED)
 # How long a finished step waits for its export at most: the first stretch of a rollback's way
 # (a spike's step must reach the collector for it to be judged), against one request a rank per
 # stretch (docs/benchmarks.md, Rollback latency, for both sides of it).
 SPANS_DELAY_MS = 250
+LOSS_REPORT_S = 5.0  # the shortest time between two telemetry_loss reports of a rank
 
 
 class Span(NamedTuple):
@@ -74,41 +80,172 @@ class Span(NamedTuple):
 
 
 class Trace(NamedTuple):
-    """One finished trace (a step and its children) as the batch processor queues it: one item a
-    step, since the processor's work per item is done on the training thread. Its `context` says
-    sampled, which is all the processor reads of it."""
+    """One finished trace (a step and its children) as the batcher queues it: one item a step,
+    since queueing is done on the training thread."""
 
     trace_id: int
     root_id: int
     spans: tuple[tuple[str, int, int, Attributes], ...]  # (name, start ns, end ns, attributes), the root first
     resource: Resource
 
-    @property
-    def context(self) -> SpanContext:
-        return _CONTEXT
+
+def _is_step(attributes: Attributes) -> bool:
+    return attributes.get(sc.KIND) == sc.KIND_STEP
 
 
-class _Spans:
-    """Between the batch processor and the span backlog, on the export thread: a batch of traces
-    becomes their spans (the children's ids drawn here), so that the backlog counts spans."""
+@dataclass
+class Lost:
+    """Telemetry dropped before the collector acknowledged it, cumulative since the process
+    started: spans, the rank-steps among them (`step` spans), log records."""
 
-    def __init__(self, backlog: "Backlog"):
-        self._backlog = backlog
-        self._ids = random.Random(os.urandom(16))
+    spans: int = 0
+    rank_steps: int = 0
+    records: int = 0
 
-    def export(self, traces: Sequence[Trace]):
-        spans, ids = [], self._ids
-        for t in traces:
-            (name, start_ns, end_ns, attributes), *children = t.spans
-            spans.append(Span(t.trace_id, t.root_id, 0, name, start_ns, end_ns, attributes, t.resource))
-            spans += [Span(t.trace_id, ids.getrandbits(64), t.root_id, *child, t.resource) for child in children]
-        return self._backlog.export(spans)
+    def __bool__(self) -> bool:
+        return bool(self.spans or self.rank_steps or self.records)
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._backlog.force_flush(timeout_millis)
+    def __add__(self, other: "Lost") -> "Lost":
+        return Lost(self.spans + other.spans, self.rank_steps + other.rank_steps, self.records + other.records)
+
+
+class Losses:
+    """What was dropped, per resource (the rank it is from: the fleet simulator speaks for many).
+    Counted where it is dropped: on the training thread only when its queue is full (a lock and a
+    few additions), else on the export thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_resource: dict[int, tuple[Resource, Lost]] = {}
+
+    def _of(self, resource: Resource) -> Lost:
+        return self._by_resource.setdefault(id(resource), (resource, Lost()))[1]
+
+    def spans(self, spans: Iterable[Span]) -> None:
+        with self._lock:
+            for span in spans:
+                lost = self._of(span.resource)
+                lost.spans += 1
+                lost.rank_steps += _is_step(span.attributes)
+
+    def traces(self, traces: Iterable[Trace]) -> None:
+        with self._lock:
+            for trace in traces:
+                lost = self._of(trace.resource)
+                lost.spans += len(trace.spans)
+                lost.rank_steps += _is_step(trace.spans[0][3])
+
+    def refused(self, spans: Sequence[Span], count: int) -> None:
+        """`count` spans of a batch refused by the collector, which says how many, not which: the
+        batch's step spans counted as refused up to `count`, all charged to its first rank."""
+        with self._lock:
+            lost = self._of(spans[0].resource)
+            lost.spans += count
+            lost.rank_steps += min(count, sum(_is_step(s.attributes) for s in spans))
+
+    def records(self, resource: Resource, count: int) -> None:
+        with self._lock:
+            self._of(resource).records += count
+
+    def by_resource(self) -> list[tuple[Resource, Lost]]:
+        """A copy of each resource's counts."""
+        with self._lock:
+            return [(resource, Lost(**vars(lost))) for resource, lost in self._by_resource.values()]
+
+    def total(self) -> Lost:
+        return sum((lost for _, lost in self.by_resource()), Lost())
+
+
+class Batcher:
+    """A bounded queue that a thread of its own empties in batches into `sink`, the SDK batch
+    processor's job but for what it drops: an item that does not fit goes to `on_drop` (counted),
+    or with `block` the caller waits for room (the fleet simulator, which paces itself to the
+    collector); what still waits when it stops goes to `on_drop` too. `after` runs on that thread
+    after each round (the loss reports). The caller's side is a length check and an append."""
+
+    def __init__(
+        self,
+        sink: Callable[[list], object],
+        on_drop: Callable[[list], None],
+        max_items: int,
+        batch_items: int,
+        delay_s: float,
+        name: str,
+        block: bool = False,
+        after: Callable[[], None] = lambda: None,
+    ):
+        self._sink, self._on_drop, self._after = sink, on_drop, after
+        self._max_items, self._batch_items, self._delay_s, self._block = max_items, batch_items, delay_s, block
+        self._queue: deque = deque()
+        self._wake = threading.Event()
+        self._room = threading.Condition()
+        self._exporting = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item) -> None:
+        if len(self._queue) >= self._max_items:
+            if not self._block or self._stopping:
+                self._on_drop([item])
+                return
+            self._wake.set()
+            with self._room:
+                self._room.wait_for(lambda: len(self._queue) < self._max_items or self._stopping)
+        self._queue.append(item)
+        if len(self._queue) >= self._batch_items:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            self.flush()
+            self._after()
+
+    def flush(self) -> None:
+        """Hand everything queued to the sink, now, on the caller's thread."""
+        with self._exporting:
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(self._batch_items, len(self._queue)))]
+                with self._room:
+                    self._room.notify_all()
+                self._sink(batch)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread after its round; what still waits then is dropped."""
+        self._stopping = True
+        self._wake.set()
+        with self._room:
+            self._room.notify_all()
+        self._thread.join(timeout_s)
+        left = [self._queue.popleft() for _ in range(len(self._queue))]
+        if left:
+            self._on_drop(left)
+
+
+class _LogRecords(LogRecordProcessor):
+    """The logger provider's records into a Batcher, as the SDK's batch processor hands them to its exporter."""
+
+    def __init__(self, batcher: Batcher, resource: Resource):
+        self._batcher, self._resource = batcher, resource
+
+    def on_emit(self, log_record: ReadWriteLogRecord) -> None:
+        self._batcher.put(
+            ReadableLogRecord(
+                log_record=log_record.log_record,
+                resource=log_record.resource or self._resource,
+                instrumentation_scope=log_record.instrumentation_scope,
+                limits=log_record.limits,
+            )
+        )
 
     def shutdown(self) -> None:
-        self._backlog.shutdown()
+        """The exporter stops the batcher."""
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self._batcher.flush()
+        return True
 
 
 def _varint(n: int) -> bytes:
@@ -179,6 +316,26 @@ def encode_spans(spans: Sequence[Span]) -> bytes:
     )
 
 
+class Sent(NamedTuple):
+    """How one export went. `answered`: the collector took the batch or refused it for good (a 4xx);
+    else it may be tried again (unreachable, a timeout, a 5xx), after `retry_after_s` if it said so."""
+
+    answered: bool
+    refused: int = 0  # items the collector refused: all of them on a 4xx, those partial_success counts on a 2xx
+    retry_after_s: float | None = None
+
+
+_RETRY_LATER = Sent(False)
+_RETRIED_STATUSES = {408, 429}  # 4xx that mean "not now" rather than "never"
+
+
+def _retry_after(error: HTTPError) -> float | None:
+    try:
+        return max(float(error.headers.get("Retry-After", "")), 0.0)
+    except ValueError:
+        return None
+
+
 class SpanExporter:
     """OTLP/HTTP protobuf export of `Span` records: one gzipped POST a batch, no retries (the
     Backlog around it keeps and retries a batch that failed)."""
@@ -187,19 +344,38 @@ class SpanExporter:
         self._url, self._timeout_s = url, timeout_s
         self._headers = {**headers, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
 
-    def export(self, spans: Sequence[Span]) -> SpanExportResult:
+    def export(self, spans: Sequence[Span]) -> Sent:
         body = gzip.compress(encode_spans(spans), compresslevel=6)
         try:
-            with urlopen(Request(self._url, body, self._headers), timeout=self._timeout_s):
-                return SpanExportResult.SUCCESS  # 2xx: urlopen raises for the others
-        except (URLError, OSError):
-            return SpanExportResult.FAILURE
+            with urlopen(Request(self._url, body, self._headers), timeout=self._timeout_s) as response:
+                answer = ExportTraceServiceResponse.FromString(response.read())  # 2xx: urlopen raises for the others
+                return Sent(True, answer.partial_success.rejected_spans)
+        except HTTPError as e:
+            if 400 <= e.code < 500 and e.code not in _RETRIED_STATUSES:
+                log.warning("rankwatch: the collector refused %d spans: HTTP %d", len(spans), e.code)
+                return Sent(True, len(spans))
+            return Sent(False, retry_after_s=_retry_after(e))
+        except (URLError, OSError, ValueError):  # ValueError: a 2xx body that is no OTLP response (DecodeError)
+            return _RETRY_LATER
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
 
     def shutdown(self) -> None:
         """Nothing to stop: an export in flight ends within its timeout."""
+
+
+class _LogExporter:
+    """The SDK's OTLP/HTTP log exporter, its result as a `Sent`: it retries 5xx itself within its timeout."""
+
+    def __init__(self, url: str, headers: dict, timeout_s: float):
+        self._exporter = OTLPLogExporter(endpoint=url, headers=headers, timeout=timeout_s, compression=Compression.Gzip)
+
+    def export(self, records: Sequence[ReadableLogRecord]) -> Sent:
+        return Sent(True) if self._exporter.export(records) is LogRecordExportResult.SUCCESS else _RETRY_LATER
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
 
 
 def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
@@ -214,18 +390,34 @@ def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
 
 
 class Backlog:
-    """Wraps an SDK exporter: batches that could not be sent wait (up to `max_items`, the
-    oldest dropped beyond) and go out first, in order, when the collector is back. While it
-    is away it is tried at most every `retry_s`, and only once it accepts connections again,
-    so neither exports nor the end of a job wait out the SDK's retries."""
+    """Wraps an exporter: batches that could not be sent wait (up to `max_items`, the oldest
+    dropped beyond) and go out first, in order, when the collector is back. While it is away it
+    is tried at most every `retry_s` (or after the Retry-After it answered), and only once it
+    accepts connections again, so neither exports nor the end of a job wait out retries.
+    `paced` (the fleet simulator): a collector that answers but cannot take the batch now (503,
+    a timeout) is waited for, the batch tried again until it is taken or `patience_s` passes, so
+    the queues before it fill and their producer waits rather than anything being dropped.
+    Dropped batches go to `on_drop`, refused items to `on_refused`."""
 
-    def __init__(self, exporter, success, max_items: int, endpoint: str, on_first_failure=None, retry_s: float = 5.0):
+    def __init__(
+        self,
+        exporter,
+        max_items: int,
+        endpoint: str,
+        on_drop: Callable[[list], None],
+        on_refused: Callable[[list, int], None],
+        on_first_failure=None,
+        retry_s: float = 5.0,
+        paced: bool = False,
+        patience_s: float = 120.0,
+    ):
         self._exporter = exporter
         self._endpoint = endpoint
-        self._success = success
         self._max_items = max_items
+        self._on_drop, self._on_refused = on_drop, on_refused
         self._on_first_failure = on_first_failure
         self._retry_s = retry_s
+        self._paced, self._patience_s = paced, patience_s
         self._batches: deque[list] = deque()
         self._items = 0  # waiting
         self._late = 0  # waiting after a failed try (the oldest `_late` items)
@@ -240,7 +432,12 @@ class Backlog:
         """Items not yet delivered."""
         return self._items
 
-    def export(self, batch: Sequence):
+    def items(self) -> list:
+        """The items waiting, oldest first."""
+        with self._lock:
+            return [item for batch in self._batches for item in batch]
+
+    def export(self, batch: Sequence) -> None:
         with self._lock:
             if batch:
                 self._batches.append(list(batch))
@@ -248,29 +445,42 @@ class Backlog:
             if time.monotonic() >= self._next_try and not self._closed:
                 self._send_waiting()
             while self._items > self._max_items and len(self._batches) > 1:
-                oldest = self._batches.popleft()
-                self._items -= len(oldest)
-                self._late = max(self._late - len(oldest), 0)
-                self.dropped += len(oldest)
-            return self._success
+                self._drop(self._batches.popleft())
+
+    def _drop(self, batch: list) -> None:
+        self._items -= len(batch)
+        self._late = max(self._late - len(batch), 0)
+        self.dropped += len(batch)
+        self._on_drop(batch)
+
+    def _try(self, batch: list) -> Sent:
+        """One export, or with `paced` as many as a collector that answers needs to take it."""
+        give_up = time.monotonic() + self._patience_s
+        while True:
+            sent = self._exporter.export(batch) if reachable(self._endpoint) else _RETRY_LATER
+            if sent.answered or not self._paced or self._closed or time.monotonic() > give_up:
+                return sent
+            if sent.retry_after_s is None and not reachable(self._endpoint):
+                return sent  # gone, not busy: the batch waits in the backlog
+            time.sleep(min(sent.retry_after_s or 1.0, 5.0))
 
     def _send_waiting(self) -> None:
         while self._batches:
-            if not reachable(self._endpoint) or self._exporter.export(self._batches[0]) is not self._success:
+            sent = self._try(self._batches[0])
+            if not sent.answered:
                 self._late = self._items
-                self._next_try = time.monotonic() + self._retry_s
+                self._next_try = time.monotonic() + max(sent.retry_after_s or 0.0, self._retry_s)
                 if self._on_first_failure:
                     self._on_first_failure()
                     self._on_first_failure = None
                 return
-            sent = len(self._batches.popleft())
-            self._items -= sent
-            late = min(sent, self._late)
+            batch = self._batches.popleft()
+            self._items -= len(batch)
+            late = min(len(batch), self._late)
             self._late -= late
             self.delivered_late += late
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._exporter.force_flush(timeout_millis)
+            if sent.refused:
+                self._on_refused(batch, min(sent.refused, len(batch)))
 
     def deliver(self) -> None:
         """Try now, whenever the last try was: a collector that is back gets what waits."""
@@ -278,19 +488,24 @@ class Backlog:
             self._send_waiting()
 
     def close(self) -> None:
-        """Stop sending: an export still retrying gives up now, later batches only wait."""
+        """Stop sending: an export still retrying or a paced wait gives up now, later batches only wait."""
         self._closed = True
         self._exporter.shutdown()  # aborts the retry loop of an export in flight
 
     def shutdown(self) -> None:
-        """Called by the SDK processor after its last export: what waits now is dropped."""
+        """After the last export: what waits now is dropped."""
         with self._lock:
-            self.dropped += self._items
-            self._items = 0
+            while self._batches:
+                self._drop(self._batches.popleft())
 
 
 class Exporter:
-    """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver)."""
+    """Batched, retried OTLP/HTTP export to a rankwatch collector (or any OTLP receiver), which
+    counts and reports what it drops. `paced` (the fleet simulator, which has no training to keep
+    going): rather than dropping, a full queue makes the caller wait, and a busy collector (503,
+    Retry-After) is waited for. `senders`: trace requests in flight at most, each sender with its
+    queue and backlog, traces dealt to them in turn (a loaded collector commits requests that
+    arrive together in one transaction, so one request at a time would pay a commit each)."""
 
     def __init__(
         self,
@@ -299,55 +514,98 @@ class Exporter:
         resource: Attributes,
         timeout_s: float = 10.0,
         backlog_items: int = 100_000,
+        paced: bool = False,
+        queue_traces: int = 8192,
+        senders: int = 1,
     ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         endpoint = self._endpoint = endpoint.rstrip("/")
         self.resource = Resource.create(dict(resource))
-        self.spans_backlog = Backlog(
-            SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
-            SpanExportResult.SUCCESS,
-            backlog_items,
-            endpoint,
-            on_first_failure=lambda: log.warning(
-                "rankwatch: collector at %s unreachable; training goes on, telemetry "
-                "waits (up to %d spans) and is sent when it is back",
+        self._paced = paced
+        self.losses = Losses()
+        self._reported: dict[int, Lost] = {}  # what each resource's last telemetry_loss said
+        self._next_report = 0.0
+        warned = threading.Event()  # once, whichever sender fails first
+
+        def unreachable() -> None:
+            if not warned.is_set():
+                warned.set()
+                log.warning(
+                    "rankwatch: collector at %s unreachable; training goes on, telemetry "
+                    "waits (up to %d spans) and is sent when it is back",
+                    endpoint,
+                    backlog_items,
+                )
+
+        self._span_backlogs = [
+            Backlog(
+                SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
+                backlog_items // senders,
                 endpoint,
-                backlog_items,
-            ),
-        )
+                on_drop=self.losses.spans,
+                on_refused=self.losses.refused,
+                on_first_failure=unreachable,
+                paced=paced,
+            )
+            for _ in range(senders)
+        ]
+        self.spans_backlog = self._span_backlogs[0]  # a rank's one (its telemetry_backlog event reads it)
         self.logs_backlog = Backlog(
-            OTLPLogExporter(
-                endpoint=f"{endpoint}/v1/logs", headers=headers, timeout=timeout_s, compression=Compression.Gzip
-            ),
-            LogRecordExportResult.SUCCESS,
+            _LogExporter(f"{endpoint}/v1/logs", headers, timeout_s),
             backlog_items // 10,
             endpoint,
+            on_drop=self._records_dropped,
+            on_refused=lambda batch, count: self._records_dropped(batch[:count]),
+            paced=paced,
         )
+        self._ids = random.Random(os.urandom(16))
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
         # request stay far below the collector's 20 MiB and 100k entries a request
-        self._processor = BatchSpanProcessor(
-            _Spans(self.spans_backlog),  # type: ignore[arg-type]  # takes Traces
-            max_queue_size=8192,
-            max_export_batch_size=256,
-            schedule_delay_millis=SPANS_DELAY_MS,
+        self._trace_queues = [
+            Batcher(
+                functools.partial(self._export_traces, backlog),
+                self.losses.traces,
+                max_items=queue_traces // senders,
+                batch_items=256,
+                delay_s=SPANS_DELAY_MS / 1000,
+                name=f"rankwatch-spans-{i}",
+                block=paced,
+                after=self._report_loss if i == 0 else lambda: None,
+            )
+            for i, backlog in enumerate(self._span_backlogs)
+        ]
+        self._next_queue = itertools.cycle([queue.put for queue in self._trace_queues]).__next__
+        # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
+        self._records = Batcher(
+            self.logs_backlog.export,
+            self._records_dropped,
+            max_items=65536,
+            batch_items=2048,
+            delay_s=1.0,
+            name="rankwatch-logs",
+            block=paced,
         )
         self._scope = InstrumentationScope(SCOPE)
-        self._ids = random.Random(os.urandom(16))
         self._logger_provider = LoggerProvider(resource=self.resource)
-        # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
-        self._logger_provider.add_log_record_processor(
-            BatchLogRecordProcessor(
-                self.logs_backlog,  # type: ignore[arg-type]  # a LogRecordExporter by duck typing (export, shutdown)
-                schedule_delay_millis=1000,
-                max_queue_size=65536,
-                max_export_batch_size=2048,
-            )
-        )
+        self._logger_provider.add_log_record_processor(_LogRecords(self._records, self.resource))
         self._logger = self._logger_provider.get_logger(SCOPE)
         self._metric_exporter = OTLPMetricExporter(
             endpoint=f"{endpoint}/v1/metrics", headers=headers, timeout=timeout_s, compression=Compression.Gzip
         )
         self.samples_refused = 0  # device samples the collector never took
+
+    def _export_traces(self, backlog: Backlog, traces: Sequence[Trace]) -> None:
+        """A batch of traces becomes their spans (the children's ids drawn here, on the export
+        thread), so that the backlog counts spans."""
+        spans, ids = [], self._ids
+        for t in traces:
+            (name, start_ns, end_ns, attributes), *children = t.spans
+            spans.append(Span(t.trace_id, t.root_id, 0, name, start_ns, end_ns, attributes, t.resource))
+            spans += [Span(t.trace_id, ids.getrandbits(64), t.root_id, *child, t.resource) for child in children]
+        backlog.export(spans)
+
+    def _records_dropped(self, records: Sequence) -> None:
+        self.losses.records(self.resource, len(records))
 
     def trace(self, spans: Sequence[tuple[str, int, int, Attributes]], resource: Resource | None = None) -> SpanContext:
         """Record one finished trace, times given: the first span is the root (a step), the
@@ -358,8 +616,7 @@ class Exporter:
         would cost ~80 µs a span on the training thread, for spans whose times are known after the
         fact, and the SDK's ReadableSpan and batch processor ~15 µs more a span."""
         trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
-        trace = Trace(trace_id, root_id, tuple(spans), resource or self.resource)
-        self._processor.on_end(trace)  # type: ignore[arg-type]  # stands in for a ReadableSpan: see Trace
+        self._next_queue()(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def event(
@@ -382,7 +639,9 @@ class Exporter:
 
     def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
         """Export device samples (metric name, time ns, value, attributes) now; True when accepted.
-        With the collector away, False at once: the SDK would retry for its whole timeout."""
+        With the collector away, False at once: the SDK would retry for its whole timeout. Paced,
+        a collector that answers is tried again until it takes them (the SDK retries a 503 within
+        its timeout)."""
         by_metric: dict[str, list[NumberDataPoint]] = defaultdict(list)
         for name, time_ns, value, attributes in points:
             by_metric[name].append(
@@ -396,34 +655,76 @@ class Exporter:
             Metric(name=name, description="", unit="", data=Gauge(data_points=pts)) for name, pts in by_metric.items()
         ]
         data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
-        if reachable(self._endpoint) and self._metric_exporter.export(data).name == "SUCCESS":
-            return True
+        for _ in range(12 if self._paced else 1):  # paced: a minute or two of a collector's 503s
+            if not reachable(self._endpoint):
+                break
+            if self._metric_exporter.export(data).name == "SUCCESS":
+                return True
         self.samples_refused += sum(map(len, by_metric.values()))
         return False
 
-    def flush(self, timeout_ms: int = 30_000) -> bool:
-        """Push everything queued, backlog included; True when it all went out."""
-        flushed = self._processor.force_flush(timeout_ms) and self._logger_provider.force_flush(timeout_ms)
-        self.spans_backlog.deliver()
-        self.logs_backlog.deliver()
-        return flushed and not self.spans_backlog.waiting and not self.logs_backlog.waiting
+    def _report_loss(self, final: bool = False) -> None:
+        """A `telemetry_loss` event for each rank whose counts grew since its last one, at most every
+        LOSS_REPORT_S (on the export thread), and at exit (`final`: what still waits then counted
+        as dropped, since it will be). Cumulative counts, so a report lost is made good by the next."""
+        now = time.monotonic()
+        if not final and now < self._next_report:
+            return
+        self._next_report = now + LOSS_REPORT_S
+        totals = {id(resource): (resource, lost) for resource, lost in self.losses.by_resource()}
+        if final:
+            waiting = Losses()
+            for backlog in self._span_backlogs:
+                waiting.spans(backlog.items())
+            for resource, lost in waiting.by_resource():
+                totals[id(resource)] = (resource, totals.get(id(resource), (resource, Lost()))[1] + lost)
+        for resource, lost in totals.values():
+            self._send_loss(resource, lost)
 
-    def undelivered(self) -> int:
-        """What this exporter knows never reached the collector, or has not yet: spans and log
-        records dropped or still waiting, device samples refused. After flush() and shutdown(),
-        all of it is lost."""
-        return (
-            self.spans_backlog.dropped
-            + self.spans_backlog.waiting
-            + self.logs_backlog.dropped
-            + self.logs_backlog.waiting
-            + self.samples_refused
+    def _send_loss(self, resource: Resource, lost: Lost) -> None:
+        said = self._reported.get(id(resource), Lost())
+        if (lost.spans, lost.rank_steps) == (said.spans, said.rank_steps):
+            return
+        self._reported[id(resource)] = lost
+        rank = resource.attributes.get(sc.RANK)
+        self.event(
+            sc.EVENT_TELEMETRY_LOSS,
+            time.time_ns(),
+            {
+                **({sc.RANK: rank} if isinstance(rank, int) else {}),
+                sc.SPANS_DROPPED: lost.spans,
+                sc.RANK_STEPS_DROPPED: lost.rank_steps,
+            },
+            severity=SeverityNumber.WARN,
         )
 
+    def flush(self, timeout_ms: int = 30_000) -> bool:
+        """Push everything queued, backlog included; True when it all went out."""
+        for queue, backlog in zip(self._trace_queues, self._span_backlogs, strict=True):
+            queue.flush()
+            backlog.deliver()
+        self._records.flush()
+        self.logs_backlog.deliver()
+        return not any(backlog.waiting for backlog in (*self._span_backlogs, self.logs_backlog))
+
+    def undelivered(self) -> tuple[Lost, int]:
+        """After shutdown(): what never reached the collector (spans, rank-steps, log records; all
+        ranks this exporter spoke for), and the device samples it refused."""
+        return self.losses.total(), self.samples_refused
+
     def shutdown(self) -> None:
-        """Stop exporting, without waiting out retries: call flush() first to deliver."""
-        self.spans_backlog.close()
+        """Stop exporting, without waiting out retries: call flush() first to deliver. What still
+        waits is dropped, and counted; a last `telemetry_loss` report goes out if the counts grew."""
+        for backlog in self._span_backlogs:
+            backlog.close()
+        for queue in self._trace_queues:
+            queue.stop()
+        self._report_loss(final=True)
+        self._records.flush()
+        self.logs_backlog.deliver()
         self.logs_backlog.close()
-        self._processor.shutdown()
+        self._records.stop()
+        for backlog in (*self._span_backlogs, self.logs_backlog):
+            backlog.shutdown()
         self._logger_provider.shutdown()
         self._metric_exporter.shutdown()

@@ -58,6 +58,13 @@ EVENT = "rankwatch.event"
 EVENT_HEARTBEAT = "heartbeat"  # every few seconds: the step and phase a rank is in
 EVENT_FAULT = "fault_injected"  # a fault the trainer injected, with its spec
 EVENT_TELEMETRY_BACKLOG = "telemetry_backlog"  # spans delivered late or dropped while the collector was away
+SPANS_DELIVERED_LATE = "rankwatch.spans_delivered_late"
+# telemetry a rank dropped before the collector acknowledged it, whatever the cause: sent when its counts
+# grew (at most every 5 s) and at exit, cumulative since the rank's process started, so a lost event is
+# made good by the next; on the rank's resource (the fleet simulator: rankwatch.rank on the record)
+EVENT_TELEMETRY_LOSS = "telemetry_loss"
+SPANS_DROPPED = "rankwatch.spans_dropped"  # int: spans of every kind (also on telemetry_backlog: its own count)
+RANK_STEPS_DROPPED = "rankwatch.rank_steps_dropped"  # int: the `step` spans among them
 FAULT_SPEC = "rankwatch.fault"
 PHASE = "rankwatch.phase"
 # checkpoints (trainer/checkpoint.py): a snapshot reached a tier, was loaded, or was refused

@@ -8,12 +8,13 @@ and export happens in the SDK's background thread. The step's exposed
 communication wait is interval arithmetic over its marks (agent/timeline.py).
 """
 
+import json
 import os
 import socket
 import threading
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agent import semconv as sc
@@ -178,19 +179,23 @@ class Session:
             return
         self.exporter.flush()
         backlog = self.exporter.spans_backlog
-        dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
-        if dropped or backlog.delivered_late:
+        late_dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
+        if late_dropped or backlog.delivered_late:
             self.event(
                 sc.EVENT_TELEMETRY_BACKLOG,
-                **{"rankwatch.spans_dropped": dropped, "rankwatch.spans_delivered_late": backlog.delivered_late},
+                **{sc.SPANS_DROPPED: late_dropped, sc.SPANS_DELIVERED_LATE: backlog.delivered_late},
             )
             self.exporter.flush()
         self.exporter.shutdown()
-        if (lost := self.exporter.undelivered()) and (notes := os.environ.get(UNDELIVERED_ENV)):
-            Path(notes, f"rank-{self.rank}-{os.getpid()}").write_text(str(lost))  # for `rankwatch train`'s status
-        if dropped:
+        lost, samples = self.exporter.undelivered()
+        if (lost or samples) and (notes := os.environ.get(UNDELIVERED_ENV)):  # for `rankwatch train`'s status
+            Path(notes, f"rank-{self.rank}-{os.getpid()}").write_text(json.dumps({**asdict(lost), "samples": samples}))
+        if lost:
             log.warning(
-                "rankwatch: %d spans of rank %d were never delivered (collector unreachable)", dropped, self.rank
+                "rankwatch: %d rank-steps (%d spans) of rank %d were never delivered to the collector",
+                lost.rank_steps,
+                lost.spans,
+                self.rank,
             )
 
     # -- turning marks into spans --------------------------------------------------------------------

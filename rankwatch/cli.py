@@ -588,21 +588,24 @@ def cmd_simulate(args) -> None:
     from agent import config
     from agent import semconv as sc
     from agent.export import Exporter
-    from rankwatch.launch import announce
+    from rankwatch.launch import TELEMETRY_LOST, announce, report_loss
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
     exporter_url = config.collector_url(args.collector)
     announce("simulate", run_id, exporter_url)
-    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id})
-    spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
+    # paced: the simulator waits for the collector rather than dropping what it cannot take yet
+    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
+    rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
-    if lost := exporter.undelivered():
-        sys.exit(
-            f"rankwatch simulate: error: run {run_id}: {lost} spans, log records and device samples never "
-            f"reached {exporter_url} (of {spans} step spans and their samples)"
-        )
-    print(f"rankwatch simulate: run {run_id}, {spans} step spans of {args.ranks} ranks sent to {exporter_url}")
+    lost, samples = exporter.undelivered()
+    if lost or samples:
+        report_loss("simulate", run_id, exporter_url, lost.rank_steps, lost.spans, lost.records, samples)
+        sys.exit(TELEMETRY_LOST)
+    print(
+        f"rankwatch simulate: run {run_id}, {rank_steps} rank-steps ({spans} spans: steps and their collectives) "
+        f"of {args.ranks} ranks sent to {exporter_url}"
+    )
 
 
 def _power_caps(path: str, ranks: int):

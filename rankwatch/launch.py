@@ -1,5 +1,6 @@
 """Starting rankwatch's processes: the reference trainer under torchrun, and waiting for a collector."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,9 @@ from urllib.parse import quote
 from agent import config, paths
 from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
+
+# `train` and `simulate`: the job ran, but telemetry of it never reached the collector (1 is a failed job, 2 bad input)
+TELEMETRY_LOST = 3
 
 
 def train_command(
@@ -56,8 +60,8 @@ def train(
     store: Path | None = None,
     device: str = "auto",
 ) -> int:
-    """Run the trainer to the end; returns torchrun's exit status, or 1 when it was 0 but a rank's
-    telemetry never reached the collector (each rank notes what its exporter failed to send in the
+    """Run the trainer to the end; returns torchrun's exit status, or TELEMETRY_LOST when it was 0 but
+    a rank's telemetry never reached the collector (each rank notes what its exporter dropped in the
     UNDELIVERED_ENV directory). After a failure torchrun starts the job again, up to `max_restarts`
     times, and the trainer resumes from its last checkpoint. Interrupted, it stops the job before it
     returns. `store`: the store the job's checkpoints are kept beside (`runs/RUN/checkpoints`; default:
@@ -97,17 +101,23 @@ def train(
             job.terminate()
             job.wait()
             raise
-    lost = {int(f.name.split("-")[1]): int(f.read_text()) for f in undelivered.iterdir()}
+    notes = [json.loads(f.read_text()) for f in undelivered.iterdir()]  # one per rank process that lost any
     shutil.rmtree(undelivered, ignore_errors=True)
-    if lost:
-        print(
-            f"rankwatch train: error: run {run_id}: {sum(lost.values())} spans, log records and device samples "
-            f"of ranks {', '.join(map(str, sorted(lost)))} never reached {collector}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return status or 1
+    if notes:
+        totals = {key: sum(note.get(key, 0) for note in notes) for key in ("rank_steps", "spans", "records", "samples")}
+        report_loss("train", run_id, collector, **totals)
+        return status or TELEMETRY_LOST
     return status
+
+
+def report_loss(program: str, run_id: str, collector: str, rank_steps: int, spans: int, records: int, samples: int):
+    """Say on stderr what of a run never reached its collector: rank-steps first, what the store lacks."""
+    print(
+        f"rankwatch {program}: error: run {run_id}: {rank_steps} rank-steps ({spans} spans), {records} log records "
+        f"and {samples} device samples never reached {collector}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def announce(program: str, run_id: str, collector: str) -> None:

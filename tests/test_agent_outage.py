@@ -237,9 +237,9 @@ def test_no_collector_at_all(nowhere):
     unreachable = [line for line in stderr if "unreachable; training goes on" in line]
     assert len(unreachable) == 1, stderr
     assert "http://127.0.0.1:" in unreachable[0] and "training goes on" in unreachable[0]
-    # all that was recorded is reported lost, once: 20 step spans and 20 phase spans
+    # all that was recorded is reported lost, once: 20 steps, their 20 step spans and 20 phase spans
     assert [line for line in stderr if "never delivered" in line] == [
-        "rankwatch: 40 spans of rank 0 were never delivered (collector unreachable)"
+        "rankwatch: 20 rank-steps (40 spans) of rank 0 were never delivered to the collector"
     ]
 
 

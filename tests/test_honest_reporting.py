@@ -8,9 +8,10 @@ from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process
 def test_simulate_to_an_unreachable_collector_fails(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = rankwatch_cli("simulate", "--ranks", "4", "--steps", "5", "--run", "lost", "--collector", url)
-    assert result.returncode == 1, result.stdout
+    assert result.returncode == 3, result.stdout
     assert "sent to" not in result.stdout
-    assert "rankwatch simulate: error: run lost: " in result.stderr and f"never reached {url}" in result.stderr
+    assert "rankwatch simulate: error: run lost: 20 rank-steps (40 spans), " in result.stderr
+    assert f"never reached {url}" in result.stderr
     assert result.stdout.splitlines()[0] == (
         f"rankwatch simulate: run lost, telemetry to {url}; watch it at "
         "http://127.0.0.1:8501/?run=lost (rankwatch dashboard)"
@@ -33,7 +34,10 @@ def test_simulate_names_the_run_and_its_dashboard_link_first(collector):
     assert result.returncode == 0, result.stderr
     first, *_, last = result.stdout.splitlines()
     assert first.startswith("rankwatch simulate: run a b, telemetry to") and "/?run=a%20b " in first
-    assert last == f"rankwatch simulate: run a b, 24 step spans of 4 ranks sent to {collector.url}"
+    assert last == (
+        f"rankwatch simulate: run a b, 12 rank-steps (24 spans: steps and their collectives) of 4 ranks sent to "
+        f"{collector.url}"
+    )
 
 
 def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(tmp_path):
@@ -54,7 +58,7 @@ def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(
         str(store),
         cwd=work,
     )
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 3, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0] == (
         f"rankwatch train: run lost-train, telemetry to {url}; watch it at "
@@ -62,8 +66,8 @@ def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(
     )
     checkpoints = store.parent / "runs" / "lost-train" / "checkpoints"
     assert lines[1] == f"rankwatch train: checkpoints in {checkpoints}"
-    assert "rankwatch train: error: run lost-train: " in result.stderr
-    assert f"of ranks 0 never reached {url}" in result.stderr
+    assert "rankwatch train: error: run lost-train: 100 rank-steps (" in result.stderr
+    assert f"never reached {url}" in result.stderr
     assert list(work.iterdir()) == []  # nothing in the working directory
     assert (checkpoints / "rank-0").is_dir()
 

@@ -65,6 +65,9 @@ SIMULATOR_KINDS = (
     *CURVE_KINDS,
 )
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+# trace requests in flight at most (the exporter waits for each to be acknowledged): enough for a loaded
+# collector to commit several together, few enough that its queue, not the simulator, sets the pace
+SENDERS = 4
 # The gradient all-reduce: one collective that every rank waits for (the timing model above), reported
 # in heartbeats as the reference trainer's agent reports DDP's all-reduce over the default group.
 ALLREDUCE_OP, ALLREDUCE_GROUP = "all_reduce", "world"
@@ -263,12 +266,12 @@ def to_collector(
     hang_for_s: float = 60.0,
     timing: Timing = Timing(),
     gpu: GpuModel = GpuModel(),
-) -> int:
+) -> tuple[int, int]:
     """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
-    ranks' heartbeats; returns spans sent. When the frames stop at a hang, the hang begins once the wall
-    clock reaches the end of the last step (simulated time runs ahead of it; steps dated in the
-    past would look like a stall while they arrive), and heartbeats follow in real time for
-    `hang_for_s` seconds."""
+    ranks' heartbeats; returns the rank-steps and the spans (steps and their collectives) handed to it.
+    When the frames stop at a hang, the hang begins once the wall clock reaches the end of the last
+    step (simulated time runs ahead of it; steps dated in the past would look like a stall while they
+    arrive), and heartbeats follow in real time for `hang_for_s` seconds."""
     from opentelemetry.sdk.resources import Resource
 
     from agent import semconv as sc
@@ -303,7 +306,7 @@ def to_collector(
                     {sc.STEP: step, sc.FAULT_SPEC: f.spec, sc.RANK: f.rank if f.rank is not None else 0},
                 )
 
-    sent, step, last_end, next_beat = 0, -1, time.time_ns(), None
+    rank_steps, sent, step, last_end, next_beat = 0, 0, -1, time.time_ns(), None
     for frame in frames:
         step, start, last_end = (int(frame[column].iloc[0]) for column in ("step", "start_ns", "end_ns"))
         announce(faults, step, start)
@@ -354,6 +357,7 @@ def to_collector(
             )
             exporter.trace(spans, resource=resources[row.rank])
             sent += len(spans)
+        rank_steps += len(frame)
         instant = {sc.POWER_KIND: sc.POWER_KIND_INSTANT}
         exporter.samples(
             (
@@ -374,7 +378,7 @@ def to_collector(
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
         announce([f for f in faults if f.kind == "hang"], hang[0], last_end)  # faults from step S on never start
         _stuck(exporter, topology.ranks, *hang, hang_for_s)
-    return sent
+    return rank_steps, sent
 
 
 def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel = GpuModel()) -> pd.DataFrame:
