@@ -58,6 +58,9 @@ EVENT = "rankwatch.event"
 EVENT_HEARTBEAT = "heartbeat"  # every few seconds: the step and phase a rank is in
 EVENT_FAULT = "fault_injected"  # a fault the trainer injected, with its spec
 EVENT_TELEMETRY_BACKLOG = "telemetry_backlog"  # spans delivered late or dropped while the collector was away
+EVENT_TELEMETRY_LOSS = "telemetry_loss"  # what a rank dropped before export, cumulative since its process started
+SPANS_DROPPED = "rankwatch.spans_dropped"  # on telemetry_backlog and telemetry_loss
+RANK_STEPS_DROPPED = "rankwatch.rank_steps_dropped"  # on telemetry_loss: step spans among those dropped
 FAULT_SPEC = "rankwatch.fault"
 PHASE = "rankwatch.phase"
 # checkpoints (trainer/checkpoint.py): a snapshot reached a tier, was loaded, or was refused

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from agent import semconv as sc
 from collector.alerts import outbox
+from collector.analysis import losses
 from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.metrics")
@@ -93,6 +94,8 @@ class Snapshot:
     checkpoints: list[tuple]  # run, the newest checkpoint's longest stall
     devices: list[tuple]  # run, metric (power or energy), sum of each GPU's latest
     outbox: list[tuple]  # receiver, state, notifications
+    missing: list[tuple]  # run, rank-steps never received
+    dropped: list[tuple]  # run, spans and rank-steps its agents dropped
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ def snapshot(con: duckdb.DuckDBPyConnection) -> Snapshot:
             _DEVICES, {**runs, "since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
         ).fetchall(),
         outbox=outbox.counts(con),
+        missing=con.execute(losses.SEEN, runs).fetchall(),
+        dropped=con.execute(losses.REPORTED, runs).fetchall(),
     )
 
 
@@ -221,6 +226,19 @@ def families(snap: Snapshot) -> list:
     )
     for run, metric, value in snap.devices:
         (power if metric == sc.POWER_W else energy).add_metric([run], value)
+    missing = gauge(
+        "rankwatch_run_rank_steps_missing",
+        "Rank-steps the collector expected (a rank silent at a step its peers reported) but never received",
+    )
+    for run, n in snap.missing:
+        missing.add_metric([run], n)
+    spans_dropped = gauge("rankwatch_run_agent_spans_dropped", "Spans the run's agents reported dropped before export")
+    steps_dropped = gauge(
+        "rankwatch_run_agent_rank_steps_dropped", "Rank-steps the run's agents reported dropped before export"
+    )
+    for run, spans, rank_steps in snap.dropped:
+        spans_dropped.add_metric([run], spans or 0)
+        steps_dropped.add_metric([run], rank_steps or 0)
     pending = gauge("rankwatch_collector_alerts_pending", "Alert notifications waiting for delivery", ("receiver",))
     delivered = CounterMetricFamily(
         "rankwatch_collector_alerts_delivered", "Alert notifications delivered", labels=["receiver"]
@@ -256,6 +274,9 @@ def families(snap: Snapshot) -> list:
         stall,
         power,
         energy,
+        missing,
+        spans_dropped,
+        steps_dropped,
         pending,
         delivered,
         abandoned,

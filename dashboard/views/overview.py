@@ -4,6 +4,8 @@ power now, what fires and what the job was told to do."""
 import pandas as pd
 import streamlit as st
 
+from collector.analysis.analyzers.gaps import Gaps
+from collector.analysis.losses import Loss
 from dashboard import charts, ui
 
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
@@ -39,6 +41,7 @@ def live() -> None:
         st.info("**No finding, but not every analyzer could judge.** " + " ".join(unjudged["summary"].unique()))
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
+    _telemetry_loss()
     if complete.empty:
         st.info("No complete step yet.")
         return
@@ -70,6 +73,18 @@ def live() -> None:
         ui.show_findings(firing, "No finding fires.", shown)
     if not advice.empty:
         st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
+
+
+def _telemetry_loss() -> None:
+    """Telemetry that never arrived, said next to the verdict: it was drawn without it."""
+    row = ui.frame("telemetry_loss", run=run).iloc[0]
+    seen = Gaps() if pd.isna(row["expected"]) else Gaps(*(row[c] for c in row.index[:6]))
+    loss = Loss(seen, int(row["spans_dropped"]), int(row["rank_steps_dropped"]))
+    if loss.any:
+        st.warning(
+            f"**Telemetry lost.** {loss.summary()[0].upper()}{loss.summary()[1:]}. What this page and the "
+            "analyzers conclude is drawn on partial data; the heatmap's blank cells are these rank-steps."
+        )
 
 
 live()
