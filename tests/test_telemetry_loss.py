@@ -15,8 +15,11 @@ from streamlit.testing.v1 import AppTest
 from agent import semconv as sc
 from agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_in_process, wait_until
-from tests.test_dashboard import APP
 from trainer import simulate
+
+pytestmark = pytest.mark.long  # a real collector and its analysis passes
+
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
 LOSSY = {"run": "lossy", "ranks": 32, "steps": 40, "lost": range(24, 32), "from": 12, "also": (3, 5)}
 ARRIVING = {"run": "arriving", "ranks": 16, "steps": 30}  # its newest steps half-arrived, the run going on
@@ -123,12 +126,12 @@ def test_the_store_records_where_rank_steps_went_missing(store):
     import duckdb
 
     with duckdb.connect(str(store["db"]), read_only=True) as con:
-        rows = dict(
-            (run, (expected, missing, json.loads(gaps)))
+        rows = {
+            run: (expected, missing, json.loads(gaps))
             for run, expected, missing, gaps in con.execute(
                 "SELECT run_id, expected, missing, gaps FROM telemetry_loss"
             ).fetchall()
-        )
+        }
     expected, missing, gaps = rows[LOSSY["run"]]
     assert (expected, missing) == (EXPECTED, MISSING)
     last = LOSSY["steps"] - 1

@@ -20,6 +20,7 @@ from agent import semconv as sc
 from collector.analysis.analyzers import gaps
 from collector.analysis.analyzers.gaps import Gaps
 
+BLOCK_FIELDS = ("first_rank", "last_rank", "first_step", "last_step", "rank_steps")  # a gap's, in JSON
 MARGIN_STEPS = 10
 MARGIN_S = 10.0
 RANK_STEPS = 2**18  # rank-steps a window holds at most (the analysis engine's bound too)
@@ -79,7 +80,7 @@ class Loss:
             "rank_steps_missing": g.missing,
             "missing_share": g.share,
             "settled_step": g.settled_step,
-            "gaps": [dict(zip(("first_rank", "last_rank", "first_step", "last_step", "rank_steps"), b)) for b in g.blocks],
+            "gaps": [dict(zip(BLOCK_FIELDS, b)) for b in g.blocks],
             "gaps_left_out": g.left_out,
             "agent_spans_dropped": self.spans_dropped,
             "agent_rank_steps_dropped": self.rank_steps_dropped,
@@ -97,10 +98,8 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> 
         before = Gaps()  # ranks heard from after steps settled without them: counted again from the start
     after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
     if after != before or before.ranks != ranks:
-        con.execute(
-            _RECORD,
-            [run_id, after.settled_step, ranks, after.expected, after.missing, json.dumps(after.blocks), after.left_out],
-        )
+        row = (after.settled_step, ranks, after.expected, after.missing, json.dumps(after.blocks), after.left_out)
+        con.execute(_RECORD, [run_id, *row])
     return after
 
 
@@ -130,10 +129,8 @@ def _bound(con: duckdb.DuckDBPyConnection, run_id: str, after: int, final: bool)
     newest, newest_end = con.execute(_NEWEST, {"run": run_id, "after": after}).fetchall()[0]
     if newest is None or final:
         return newest
-    until = int(newest_end - MARGIN_S * 1e9)
-    return con.execute(_SETTLED, {"run": run_id, "after": after, "upto": newest - MARGIN_STEPS, "until": until}).fetchall()[
-        0
-    ][0]
+    window = {"run": run_id, "after": after, "upto": newest - MARGIN_STEPS, "until": int(newest_end - MARGIN_S * 1e9)}
+    return con.execute(_SETTLED, window).fetchall()[0][0]
 
 
 def _advance(
