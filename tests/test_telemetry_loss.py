@@ -180,3 +180,39 @@ def test_the_overview_explains_the_heatmaps_holes(store, monkeypatch):
     assert f"{MISSING:,} of {EXPECTED:,} rank-steps" in warnings and "ranks 24–31 from step" in warnings
     assert "partial data" in warnings and "heatmap" in warnings
     assert not any("Telemetry lost" in w for w in overview(store["db"], CLEAN["run"], monkeypatch))
+
+
+def test_gaps_stay_compact_and_exact_at_thousands_of_ranks(tmp_path):
+    """4,096 ranks: a block of 1,024 silent from step 20 and one rank-step in a thousand lost at random.
+    Each live pass settles a bounded window; the blocks kept stay at most MAX_BLOCKS, the largest first in
+    the summary, and the counts equal a count of every rank-step."""
+    import duckdb
+
+    from collector.analysis import losses
+    from collector.analysis.analyzers import gaps
+    from collector.store.schema import DDL
+
+    ranks, steps = 4096, 60
+    with duckdb.connect(str(tmp_path / "store.duckdb")) as con:
+        con.execute(DDL)
+        con.execute("INSERT INTO ranks (run_id, rank, first_seen) SELECT 'big', range, now() FROM range(?)", [ranks])
+        con.execute(
+            """INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s)
+               SELECT 'big', r.range, s.range, make_timestamp_ns(s.range * 1000000000),
+                      make_timestamp_ns(s.range * 1000000000 + 900000000), 0.9 FROM range(?) r, range(?) s
+               WHERE NOT (r.range >= 3072 AND s.range >= 20) AND hash(r.range, s.range) % 1000 != 0""",
+            [ranks, steps],
+        )
+        settled = []
+        while not settled or settled[-1] != losses.record(con, "big").settled_step:
+            settled.append(losses.stored(con, "big").settled_step)
+        windows = [b - a for a, b in zip([-1, *settled], settled)]
+        assert max(windows) * ranks <= losses.RANK_STEPS and settled[-1] < steps - losses.MARGIN_STEPS
+        found = losses.record(con, "big", final=True)
+        present = con.execute("SELECT count(DISTINCT (rank, step)) FROM steps WHERE run_id = 'big'").fetchall()[0][0]
+        assert (found.expected, found.missing) == (ranks * steps, ranks * steps - present)
+        assert (
+            len(found.blocks) <= gaps.MAX_BLOCKS and found.missing == sum(b[4] for b in found.blocks) + found.left_out
+        )
+        assert "ranks 3072–4095 from step" in found.summary()
+        assert losses.measure(con, "big").gaps.missing == found.missing

@@ -28,7 +28,8 @@ NOT_SETTLED = -1  # no step settled yet (steps are never negative)
 class Gaps:
     """A run's missing rank-steps through `settled_step`. `blocks`: [first rank, last rank, first step,
     last step, rank-steps missing], each a run of consecutive ranks lacking every step their peers
-    reported between the two steps; `left_out`: rank-steps missing in blocks past MAX_BLOCKS."""
+    reported between the two steps, the MAX_BLOCKS largest, in step order; `left_out`: rank-steps
+    missing in the smaller blocks past them."""
 
     settled_step: int = NOT_SETTLED
     ranks: int = 0  # the ranks expected: the run's ranks seen
@@ -78,15 +79,15 @@ def judge(before: Gaps, missing: pd.DataFrame, steps: np.ndarray, ranks: int) ->
     )
     kept = [list(b) for b in before.blocks]
     open_ = {(b[0], b[1]): b for b in kept if b[3] == before.settled_step}  # may go on into this window
-    left_out = before.left_out + beyond
     for block in blocks:
         going_on = open_.get((block[0], block[1])) if block[2] == steps[0] else None
         if going_on is not None:
             going_on[3], going_on[4] = block[3], going_on[4] + block[4]
-        elif len(kept) < MAX_BLOCKS:
-            kept.append(block)
         else:
-            left_out += block[4]
+            kept.append(block)
+    kept.sort(key=lambda b: -b[4])  # the largest kept: what a person must see first
+    left_out = before.left_out + beyond + sum(b[4] for b in kept[MAX_BLOCKS:])
+    kept = sorted(kept[:MAX_BLOCKS], key=lambda b: (b[2], b[0]))
     return replace(
         before,
         settled_step=int(steps[-1]),
@@ -102,8 +103,8 @@ def _blocks(rank: np.ndarray, index: np.ndarray, steps: np.ndarray) -> tuple[lis
     """Missing rank-steps (rank, index of the step in `steps`) as blocks, in order of first step
     and first rank: each rank's runs of consecutive steps, then the runs of consecutive ranks with
     the same run of steps. Only the blocks that may be kept are made (those from the window's
-    first step, which may go on from the window before, and MAX_BLOCKS more); the rank-steps of
-    the rest are counted."""
+    first step, which may go on from the window before, and the MAX_BLOCKS largest); the
+    rank-steps of the rest are counted."""
     if len(rank) == 0:
         return [], 0
     order = np.lexsort((index, rank))
@@ -116,9 +117,11 @@ def _blocks(rank: np.ndarray, index: np.ndarray, steps: np.ndarray) -> tuple[lis
     firsts = np.flatnonzero(np.r_[True, (np.diff(lo) != 0) | (np.diff(hi) != 0) | (np.diff(r) != 1)])
     lasts = np.r_[firsts[1:], len(r)] - 1
     sizes = (lasts - firsts + 1) * (hi[firsts] - lo[firsts] + 1)
-    made = int(np.count_nonzero(lo[firsts] == 0)) + MAX_BLOCKS
+    # made: those that may go on from the window before (from its first step) and the MAX_BLOCKS largest
+    made = np.flatnonzero(lo[firsts] == 0)
+    made = np.union1d(made, np.argsort(-sizes, kind="stable")[:MAX_BLOCKS])
     blocks = [
-        [int(r[a]), int(r[b]), int(steps[lo[a]]), int(steps[hi[a]]), int(n)]
-        for a, b, n in zip(firsts[:made], lasts[:made], sizes[:made])
+        [int(r[firsts[i]]), int(r[lasts[i]]), int(steps[lo[firsts[i]]]), int(steps[hi[firsts[i]]]), int(sizes[i])]
+        for i in made
     ]
-    return blocks, int(sizes[made:].sum())
+    return blocks, int(sizes.sum() - sizes[made].sum())
