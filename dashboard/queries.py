@@ -8,7 +8,6 @@ named ($run, ...); each query takes exactly those it names.
 """
 
 from agent import semconv as sc
-from collector.analysis.losses import REPORTED
 
 # Runs, newest first, with their last step and how many findings fire (recommendations, severity info, aside).
 RUNS = """
@@ -53,12 +52,10 @@ SELECT id, analyzer, kind, ranks, step_start, step_end, severity, score, summary
 FROM findings WHERE run_id = $run ORDER BY state = 'firing' DESC, severity = 'critical' DESC, id DESC
 """
 
-# The run's telemetry loss: rank-steps the collector never got (collector/analysis/losses.py), what the agents dropped.
-TELEMETRY_LOSS = f"""
-SELECT l.settled_step, l.ranks, l.expected, l.missing, l.gaps, l.gaps_left_out,
-       coalesce(a.spans_dropped, 0) AS spans_dropped, coalesce(a.rank_steps_dropped, 0) AS rank_steps_dropped
-FROM (SELECT $run AS run_id) q LEFT JOIN telemetry_loss l USING (run_id)
-LEFT JOIN ({REPORTED.replace("$runs", "[$run]")}) a USING (run_id)
+# The run's telemetry loss: rank-steps the collector never got, what the agents dropped (collector/analysis/losses.py).
+TELEMETRY_LOSS = """
+SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out, agent_spans_dropped, agent_rank_steps_dropped
+FROM telemetry_loss WHERE run_id = $run
 """
 
 COMMANDS = """

@@ -132,6 +132,10 @@ def test_the_store_records_where_rank_steps_went_missing(store):
                 "SELECT run_id, expected, missing, gaps FROM telemetry_loss"
             ).fetchall()
         }
+        reported = con.execute(
+            "SELECT agent_spans_dropped, agent_rank_steps_dropped FROM telemetry_loss WHERE run_id = ?", [LOSSY["run"]]
+        ).fetchall()
+    assert reported == [(3 * AGENT_STEPS, AGENT_STEPS)], "each rank's largest cumulative count, summed"
     expected, missing, gaps = rows[LOSSY["run"]]
     assert (expected, missing) == (EXPECTED, MISSING)
     last = LOSSY["steps"] - 1
@@ -204,11 +208,11 @@ def test_gaps_stay_compact_and_exact_at_thousands_of_ranks(tmp_path):
             [ranks, steps],
         )
         settled = []
-        while not settled or settled[-1] != losses.record(con, "big").settled_step:
-            settled.append(losses.stored(con, "big").settled_step)
+        while not settled or settled[-1] != losses.record(con, "big").gaps.settled_step:
+            settled.append(losses.stored(con, "big")[0].settled_step)
         windows = [b - a for a, b in zip([-1, *settled], settled)]
         assert max(windows) * ranks <= losses.RANK_STEPS and settled[-1] < steps - losses.MARGIN_STEPS
-        found = losses.record(con, "big", final=True)
+        found = losses.record(con, "big", final=True).gaps
         present = con.execute("SELECT count(DISTINCT (rank, step)) FROM steps WHERE run_id = 'big'").fetchall()[0][0]
         assert (found.expected, found.missing) == (ranks * steps, ranks * steps - present)
         assert (

@@ -7,11 +7,12 @@ it (a rank's spans leave its agent in batches, so the newest steps of some ranks
 way), or once the run has ended (or the collector stops: nothing more comes); a pass settles at
 most RANK_STEPS rank-steps, so it costs the same at 16,384 ranks as at 8. Reported: what each
 rank's agent dropped before export (`telemetry_loss` events, cumulative per rank: the run's is the
-sum of each rank's largest).
+sum of each rank's largest), read by the same passes from where the last stopped, so that a
+scrape of /metrics reads one row per run, never the events.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
@@ -38,17 +39,19 @@ WITH present AS (SELECT DISTINCT rank, step FROM steps WHERE run_id = $run AND s
 SELECT r.rank, s.step FROM (SELECT rank FROM ranks WHERE run_id = $run) r
 CROSS JOIN (SELECT DISTINCT step FROM present) s
 ANTI JOIN present p ON p.rank = r.rank AND p.step = s.step"""
-_STORED = "SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out FROM telemetry_loss WHERE run_id = ?"
-_RECORD = "INSERT OR REPLACE INTO telemetry_loss VALUES (?, ?, ?, ?, ?, ?, ?, now())"
-# each run's recorded gaps, for /metrics: run, rank-steps missing
-SEEN = "SELECT run_id, missing FROM telemetry_loss WHERE list_contains($runs, run_id) ORDER BY run_id"
-# what the ranks' agents said they dropped: each rank's counts are cumulative, the run's the sum of their largest
-REPORTED = f"""
-SELECT run_id, sum(spans) AS spans_dropped, sum(rank_steps) AS rank_steps_dropped FROM (
-    SELECT run_id, rank, max(TRY_CAST(attrs->>{sc.json_path(sc.SPANS_DROPPED)} AS BIGINT)) AS spans,
-           max(TRY_CAST(attrs->>{sc.json_path(sc.RANK_STEPS_DROPPED)} AS BIGINT)) AS rank_steps
-    FROM events WHERE event = '{sc.EVENT_TELEMETRY_LOSS}' AND list_contains($runs, run_id) GROUP BY run_id, rank)
-GROUP BY run_id ORDER BY run_id"""
+_STORED = """SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out, agent_ranks, agent_seen_ns
+              FROM telemetry_loss WHERE run_id = ?"""
+_RECORD = "INSERT OR REPLACE INTO telemetry_loss VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, now())"
+# each run's loss, for /metrics: run, rank-steps missing, spans and rank-steps its agents dropped
+RECORDED = """SELECT run_id, missing, agent_spans_dropped, agent_rank_steps_dropped FROM telemetry_loss
+              WHERE list_contains($runs, run_id) ORDER BY run_id"""
+# what a run's ranks' agents said they dropped, each rank's largest counts (they are cumulative), from `since`
+_REPORTS = f"""
+SELECT rank, max(TRY_CAST(attrs->>{sc.json_path(sc.SPANS_DROPPED)} AS BIGINT)),
+       max(TRY_CAST(attrs->>{sc.json_path(sc.RANK_STEPS_DROPPED)} AS BIGINT)), max(epoch_ns(ts))
+FROM events WHERE run_id = $run AND event = '{sc.EVENT_TELEMETRY_LOSS}' AND ts > make_timestamp_ns($since)
+GROUP BY rank"""
+REPORTS_SLACK_S = 300  # reports read again behind the newest read: ranks export apart, a batch may come late
 
 
 @dataclass(frozen=True)
@@ -89,39 +92,60 @@ class Loss:
         }
 
 
-def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> Gaps:
-    """One live pass: the run's steps settled since the last, judged and recorded (`final`: all of
-    them, the run's newest too, and as many windows as that takes)."""
-    before = stored(con, run_id)
+@dataclass(frozen=True)
+class Reports:
+    """What a run's agents reported: each rank's largest counts (spans, rank-steps), and the newest
+    report read (what the next pass reads after, less REPORTS_SLACK_S)."""
+
+    by_rank: dict[int, tuple[int, int]] = field(default_factory=dict)
+    seen_ns: int = 0
+
+    def read(self, con: duckdb.DuckDBPyConnection, run_id: str) -> "Reports":
+        """These, with the reports that came since."""
+        by_rank, seen_ns = dict(self.by_rank), self.seen_ns
+        since = seen_ns - REPORTS_SLACK_S * 10**9 if seen_ns else 0
+        for rank, spans, steps, at in con.execute(_REPORTS, {"run": run_id, "since": since}).fetchall():
+            old = by_rank.get(int(rank), (0, 0))
+            by_rank[int(rank)] = (max(old[0], int(spans or 0)), max(old[1], int(steps or 0)))
+            seen_ns = max(seen_ns, int(at))
+        return Reports(by_rank, seen_ns)
+
+    def loss(self, seen: Gaps) -> Loss:
+        return Loss(seen, sum(s for s, _ in self.by_rank.values()), sum(n for _, n in self.by_rank.values()))
+
+
+def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> Loss:
+    """One live pass: the run's steps settled since the last, judged, and its agents' new reports,
+    recorded (`final`: every step settles, its newest too, in as many windows as that takes)."""
+    before, reports = stored(con, run_id)
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
     if ranks != before.ranks and before.settled_step != gaps.NOT_SETTLED:
         before = Gaps()  # ranks heard from after steps settled without them: counted again from the start
     after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
-    if after != before or before.ranks != ranks:
+    now = reports.read(con, run_id)
+    loss = now.loss(after)
+    if after != before or before.ranks != ranks or now != reports:
         row = (after.settled_step, ranks, after.expected, after.missing, json.dumps(after.blocks), after.left_out)
-        con.execute(_RECORD, [run_id, *row])
-    return after
+        agents = (loss.spans_dropped, loss.rank_steps_dropped, json.dumps(now.by_rank), now.seen_ns)
+        con.execute(_RECORD, [run_id, *row, *agents])
+    return loss
 
 
 def measure(con: duckdb.DuckDBPyConnection, run_id: str) -> Loss:
     """A whole run's loss, every step settled (after the fact: `rankwatch analyze`); reads only."""
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
     found = _advance(con, run_id, Gaps(), ranks, _bound(con, run_id, gaps.NOT_SETTLED, True), 0)
-    return reported(con, {run_id: found})[run_id]
+    return Reports().read(con, run_id).loss(found)
 
 
-def stored(con: duckdb.DuckDBPyConnection, run_id: str) -> Gaps:
+def stored(con: duckdb.DuckDBPyConnection, run_id: str) -> tuple[Gaps, Reports]:
+    """What the live passes recorded of a run so far."""
     row = con.execute(_STORED, [run_id]).fetchone()
     if row is None:
-        return Gaps()
-    settled, ranks, expected, missing, blocks, left_out = row
-    return Gaps(settled, ranks, expected, missing, json.loads(blocks), left_out)
-
-
-def reported(con: duckdb.DuckDBPyConnection, seen: dict[str, Gaps]) -> dict[str, Loss]:
-    """Each run's loss: `seen`, with what its agents reported."""
-    agents = {run: (spans, steps) for run, spans, steps in con.execute(REPORTED, {"runs": list(seen)}).fetchall()}
-    return {run: Loss(g, *(int(v or 0) for v in agents.get(run, (0, 0)))) for run, g in seen.items()}
+        return Gaps(), Reports()
+    settled, ranks, expected, missing, blocks, left_out, by_rank, seen_ns = row
+    reports = Reports({int(r): (s, n) for r, (s, n) in json.loads(by_rank).items()}, seen_ns)
+    return Gaps(settled, ranks, expected, missing, json.loads(blocks), left_out), reports
 
 
 def _bound(con: duckdb.DuckDBPyConnection, run_id: str, after: int, final: bool) -> int | None:

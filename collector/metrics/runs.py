@@ -94,8 +94,7 @@ class Snapshot:
     checkpoints: list[tuple]  # run, the newest checkpoint's longest stall
     devices: list[tuple]  # run, metric (power or energy), sum of each GPU's latest
     outbox: list[tuple]  # receiver, state, notifications
-    missing: list[tuple]  # run, rank-steps never received
-    dropped: list[tuple]  # run, spans and rank-steps its agents dropped
+    losses: list[tuple]  # run, rank-steps never received, spans and rank-steps its agents dropped
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,7 @@ def snapshot(con: duckdb.DuckDBPyConnection) -> Snapshot:
             _DEVICES, {**runs, "since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
         ).fetchall(),
         outbox=outbox.counts(con),
-        missing=con.execute(losses.SEEN, runs).fetchall(),
-        dropped=con.execute(losses.REPORTED, runs).fetchall(),
+        losses=con.execute(losses.RECORDED, runs).fetchall(),
     )
 
 
@@ -230,15 +228,14 @@ def families(snap: Snapshot) -> list:
         "rankwatch_run_rank_steps_missing",
         "Rank-steps the collector expected (a rank silent at a step its peers reported) but never received",
     )
-    for run, n in snap.missing:
-        missing.add_metric([run], n)
     spans_dropped = gauge("rankwatch_run_agent_spans_dropped", "Spans the run's agents reported dropped before export")
     steps_dropped = gauge(
         "rankwatch_run_agent_rank_steps_dropped", "Rank-steps the run's agents reported dropped before export"
     )
-    for run, spans, rank_steps in snap.dropped:
-        spans_dropped.add_metric([run], spans or 0)
-        steps_dropped.add_metric([run], rank_steps or 0)
+    for run, n, spans, rank_steps in snap.losses:
+        missing.add_metric([run], n)
+        spans_dropped.add_metric([run], spans)
+        steps_dropped.add_metric([run], rank_steps)
     pending = gauge("rankwatch_collector_alerts_pending", "Alert notifications waiting for delivery", ("receiver",))
     delivered = CounterMetricFamily(
         "rankwatch_collector_alerts_delivered", "Alert notifications delivered", labels=["receiver"]

@@ -77,9 +77,11 @@ def live() -> None:
 
 def _telemetry_loss() -> None:
     """Telemetry that never arrived, said next to the verdict: it was drawn without it."""
-    row = ui.frame("telemetry_loss", run=run).iloc[0]
-    seen = Gaps() if pd.isna(row["expected"]) else Gaps(*(row[c] for c in row.index[:6]))
-    loss = Loss(seen, int(row["spans_dropped"]), int(row["rank_steps_dropped"]))
+    recorded = ui.frame("telemetry_loss", run=run)
+    if recorded.empty:
+        return
+    row = recorded.iloc[0]
+    loss = Loss(Gaps(*(row[c] for c in row.index[:6])), *(int(row[c]) for c in row.index[6:]))
     if loss.any:
         st.warning(
             f"**Telemetry lost.** {loss.summary()[0].upper()}{loss.summary()[1:]}. What this page and the "
