@@ -19,7 +19,6 @@ import pandas as pd
 
 from collector import ranksets
 
-ANALYZER = "gaps"
 MAX_BLOCKS = 256  # blocks kept per run; the rank-steps of those past it are counted (`left_out`)
 NOT_SETTLED = -1  # no step settled yet (steps are never negative)
 
