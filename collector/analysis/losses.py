@@ -20,11 +20,11 @@ import numpy as np
 from agent import semconv as sc
 from collector.analysis.analyzers import gaps
 from collector.analysis.analyzers.gaps import Gaps
+from collector.analysis.engine import RANK_STEPS  # rank-steps a window holds at most, as a pass of the engine
 
 BLOCK_FIELDS = ("first_rank", "last_rank", "first_step", "last_step", "rank_steps")  # a gap's, in JSON
 MARGIN_STEPS = 10
 MARGIN_S = 10.0
-RANK_STEPS = 2**18  # rank-steps a window holds at most (the analysis engine's bound too)
 
 _NEWEST = "SELECT max(step), max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run AND step > $after"
 _SETTLED = """SELECT max(step) FROM steps WHERE run_id = $run AND step > $after AND step <= $upto
