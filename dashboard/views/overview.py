@@ -83,9 +83,10 @@ def _telemetry_loss() -> None:
     row = recorded.iloc[0]
     loss = Loss(Gaps(*(row[c] for c in row.index[:6])), *(int(row[c]) for c in row.index[6:]))
     if loss.any:
+        said = loss.summary()
         st.warning(
-            f"**Telemetry lost.** {loss.summary()[0].upper()}{loss.summary()[1:]}. What this page and the "
-            "analyzers conclude is drawn on partial data; the heatmap's blank cells are these rank-steps."
+            f"**{said[0].upper()}{said[1:]}.** What this page and the analyzers conclude is drawn on partial "
+            "data; the heatmap's blank cells are these rank-steps."
         )
 
 
