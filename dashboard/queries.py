@@ -52,6 +52,12 @@ SELECT id, analyzer, kind, ranks, step_start, step_end, severity, score, summary
 FROM findings WHERE run_id = $run ORDER BY state = 'firing' DESC, severity = 'critical' DESC, id DESC
 """
 
+# The run's telemetry loss: rank-steps the collector never got, what the agents dropped (collector/analysis/losses.py).
+TELEMETRY_LOSS = """
+SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out, agent_spans_dropped, agent_rank_steps_dropped
+FROM telemetry_loss WHERE run_id = $run
+"""
+
 COMMANDS = """
 SELECT id, kind, state, created_by, finding_id, apply_step, args, result, created_at, updated_at
 FROM commands WHERE run_id = $run ORDER BY id

@@ -213,7 +213,10 @@ def cmd_analyze(args) -> None:
         write_heatmap(report.steps, Path(args.heatmap), f"run {args.run}: compute against the step median")
     if args.json:
         whatif = asdict(report.whatif) if report.whatif else {}  # a run without steps has no what-if part
-        print(json.dumps({"run": args.run, **whatif, "findings": [asdict(f) for f in report.findings]}, indent=2))
+        loss = {"telemetry_loss": report.loss.as_dict()} if report.loss else {}
+        print(
+            json.dumps({"run": args.run, **whatif, **loss, "findings": [asdict(f) for f in report.findings]}, indent=2)
+        )
     else:
         _print_report(report)
 
@@ -243,6 +246,8 @@ def _print_report(report) -> None:
         + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it"
         + idle
     )
+    if report.loss is not None and report.loss.any:  # conclusions drawn where data is missing: say so first
+        console.print(f"[bold red]{report.loss.summary()}[/]: the analysis below is drawn on partial data")
     explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
     for t, slowdown in w.op_types.items():
         explained.add_row(f"op type {t}", f"{slowdown:.3f}x")

@@ -78,6 +78,14 @@ def test_a_job_that_ended_is_not_a_hang():
     assert analyze(steps(), beats([]), now_ns=now) == []
 
 
+def test_steps_lost_while_the_job_moves_on_are_no_hang():
+    """A rank whose step spans stopped arriving holds the steps judged back (not every rank reported
+    the next), while every rank's heartbeats say the job is steps further on: telemetry lost, not a stall."""
+    now = 20 * S + 120 * S
+    hb = beats([(r, now - S, 70, "backward", "all_reduce", "world", 69, True) for r in RANKS])
+    assert analyze(steps(), hb, now_ns=now) == []
+
+
 def test_without_collective_information_the_rank_behind_is_named():
     now = 20 * S + 45 * S
     hb = beats([(r, now - S, 10 if r != 2 else 9, "backward", None, None, None, None) for r in RANKS])

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.alerts.config import AlertConfig
-from collector.analysis import findings
+from collector.analysis import findings, losses
 from collector.analysis.analyzers import hangs, health, power, stragglers
 from collector.analysis.engine import ENDED, Engine
 from collector.control import commands
@@ -258,6 +258,7 @@ class Analysis:
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
+        losses.record(con, run_id, final=last or judged.ended)  # nothing more comes: every step settles
         if (
             timed
             and run_id in self._unpowered

@@ -79,6 +79,9 @@ _SUSPECTS = """SELECT run_id, rank, count(*) AS n
                ORDER BY ALL"""
 _ROLLBACKS = """SELECT label, count(*) FROM commands JOIN run_labels USING (run_id) WHERE kind = 'rollback'
                 GROUP BY ALL"""
+# the telemetry each run lost (collector/analysis/losses.py keeps one row a run), the runs past the bound summed
+_LOSSES = """SELECT label, sum(missing), sum(agent_spans_dropped), sum(agent_rank_steps_dropped)
+               FROM telemetry_loss JOIN run_labels USING (run_id) GROUP BY label ORDER BY label"""
 # the newest checkpoint of each run: the longest any rank's training loop was blocked by it
 _CHECKPOINTS = f"""
 WITH saved AS (
@@ -108,6 +111,7 @@ class Snapshot:
     checkpoints: list[tuple]  # run, the newest checkpoint's longest stall
     devices: list[tuple]  # run, metric (power or energy), sum of each GPU's latest
     outbox: list[tuple]  # receiver, state, notifications
+    losses: list[tuple]  # run, rank-steps never received, spans and rank-steps its agents dropped
     left_out: int = 0  # active runs past the bound, without series of their own
 
 
@@ -153,6 +157,7 @@ def snapshot(con: duckdb.DuckDBPyConnection, max_runs: int = MAX_RUNS) -> Snapsh
                 _DEVICES, {"since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
             ).fetchall(),
             outbox=outbox.counts(con),
+            losses=con.execute(_LOSSES).fetchall(),
             left_out=len(active) - len(ends),
         )
     finally:
@@ -247,6 +252,18 @@ def families(snap: Snapshot) -> list:
     )
     for run, metric, value in snap.devices:
         (power if metric == sc.POWER_W else energy).add_metric([run], value)
+    missing = gauge(
+        "rankwatch_run_rank_steps_missing",
+        "Rank-steps the collector expected (a rank silent at a step its peers reported) but never received",
+    )
+    spans_dropped = gauge("rankwatch_run_agent_spans_dropped", "Spans the run's agents reported dropped before export")
+    steps_dropped = gauge(
+        "rankwatch_run_agent_rank_steps_dropped", "Rank-steps the run's agents reported dropped before export"
+    )
+    for run, n, spans, rank_steps in snap.losses:
+        missing.add_metric([run], n)
+        spans_dropped.add_metric([run], spans)
+        steps_dropped.add_metric([run], rank_steps)
     pending = gauge("rankwatch_collector_alerts_pending", "Alert notifications waiting for delivery", ("receiver",))
     delivered = CounterMetricFamily(
         "rankwatch_collector_alerts_delivered", "Alert notifications delivered", labels=["receiver"]
@@ -290,6 +307,9 @@ def families(snap: Snapshot) -> list:
         stall,
         power,
         energy,
+        missing,
+        spans_dropped,
+        steps_dropped,
         pending,
         delivered,
         abandoned,

@@ -8,7 +8,9 @@ once by every analyzer with the history it needs, and the episodes it draws
 (a straggler that came and went, with the steps it lasted; a stall, whether
 the run moved on or ended in it) are the findings. A run imported from
 Flight Recorder dumps has no steps, so no what-if analysis: its findings are
-those of the collective matching (analyzers/collectives.py).
+those of the collective matching (analyzers/collectives.py). Telemetry lost on the way
+(collector/analysis/losses.py) is measured over the whole run: conclusions drawn where rank-steps
+are missing are drawn on partial data, and the report says so.
 """
 
 import json
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import duckdb
 import pandas as pd
 
+from collector.analysis import losses
 from collector.analysis.analyzers import Finding, hangs, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.engine import replay
@@ -41,6 +44,7 @@ class Report:
     whatif: whatif.WhatIf | None  # None for a run without steps (Flight Recorder dumps)
     findings: list[Finding]
     steps: pd.DataFrame  # the rank-steps it was drawn from
+    loss: losses.Loss | None = None  # the telemetry that never arrived (None: a run without steps)
 
 
 def analyze_run(
@@ -63,7 +67,7 @@ def analyze_run(
     found = replay(con, run_id, {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings})
     found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
-    return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps)
+    return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id))
 
 
 def _process_groups(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

@@ -183,6 +183,27 @@ CREATE TABLE IF NOT EXISTS analysis_cursors (
     rollback  BIGINT NOT NULL,
     world     INTEGER NOT NULL
 );
+
+-- The rank-steps each run's collector expected but never got (collector/analysis/losses.py): a rank
+-- of the run silent at a step its peers reported, counted once the step is settled (the run moved
+-- MARGIN steps past it, or ended). `gaps`: where, as [first rank, last rank, first step, last step]
+-- blocks (the steps those ranks all lack within the range), at most a few hundred; the counts are exact.
+-- `agent_*`: what the ranks' agents reported dropping (`telemetry_loss` events): the sums, each
+-- rank's largest counts ({rank: [spans, rank-steps]}), and the newest report read.
+CREATE TABLE IF NOT EXISTS telemetry_loss (
+    run_id        VARCHAR PRIMARY KEY,
+    settled_step  BIGINT NOT NULL,
+    ranks         INTEGER NOT NULL,
+    expected      BIGINT NOT NULL,
+    missing       BIGINT NOT NULL,
+    gaps          JSON NOT NULL,
+    gaps_left_out BIGINT NOT NULL,
+    agent_spans_dropped       BIGINT NOT NULL,
+    agent_rank_steps_dropped  BIGINT NOT NULL,
+    agent_ranks   JSON NOT NULL,
+    agent_seen_ns BIGINT NOT NULL,
+    updated_at    TIMESTAMPTZ NOT NULL DEFAULT now()
+);
 """
 
 # Tables that ingest appends Arrow batches to, by OTLP signal.

@@ -4,6 +4,8 @@ power now, what fires and what the job was told to do."""
 import pandas as pd
 import streamlit as st
 
+from collector.analysis.analyzers.gaps import Gaps
+from collector.analysis.losses import Loss
 from dashboard import charts, ui
 
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
@@ -39,6 +41,7 @@ def live() -> None:
         st.info("**No finding, but not every analyzer could judge.** " + " ".join(unjudged["summary"].unique()))
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
+    _telemetry_loss()
     if complete.empty:
         st.info("No complete step yet.")
         return
@@ -70,6 +73,21 @@ def live() -> None:
         ui.show_findings(firing, "No finding fires.", shown)
     if not advice.empty:
         st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
+
+
+def _telemetry_loss() -> None:
+    """Telemetry that never arrived, said next to the verdict: it was drawn without it."""
+    recorded = ui.frame("telemetry_loss", run=run)
+    if recorded.empty:
+        return
+    row = recorded.iloc[0]
+    loss = Loss(Gaps(*(row[c] for c in row.index[:6])), *(int(row[c]) for c in row.index[6:]))
+    if loss.any:
+        said = loss.summary()
+        st.warning(
+            f"**{said[0].upper()}{said[1:]}.** What this page and the analyzers conclude is drawn on partial "
+            "data; the heatmap's blank cells are these rank-steps."
+        )
 
 
 live()

@@ -11,7 +11,9 @@ lower). Ranks whose heartbeats stopped are culprits too (a dead process),
 while the others still send theirs: when every rank has gone quiet, the job
 has ended (or was killed), and nobody is waiting on anybody. So has a run
 whose ranks all said their training loop ended: what follows (a last
-checkpoint written to a slow disk, the teardown) is no stall.
+checkpoint written to a slow disk, the teardown) is no stall. Nor is a job whose
+ranks' heartbeats say they are steps past the newest step judged: those steps'
+telemetry is late or lost (analyzers/gaps.py counts it), the job is not stuck.
 
 Each stall is judged once: the one under way at the moment judged, and each
 stall the new steps closed (a gap between one step's end and the next longer
@@ -96,6 +98,8 @@ def analyze(
     if len(silent) == len(ranks):  # every rank went quiet: the job ended or was killed; nobody waits
         return []
     alive = beats.drop(index=[r for r in silent if r in beats.index])
+    if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
+        return []
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
     culprits, collective = list(silent), None
     if not blocked.empty:

@@ -1,0 +1,126 @@
+"""Telemetry gaps: the rank-steps a run's collector expected but never got.
+
+A rank of the run silent at a step its peers reported lost that step's telemetry on the way
+(dropped before export, refused, never sent): a synchronous job cannot finish a step's
+collectives without every rank, so its peers' reports say the step happened there too. (A rank
+that hangs stops its peers with it: that is a stall, the hang analyzer's.)
+
+A pure function of one window of settled steps (collector/analysis/losses.py chooses them and
+records the result): the rank-steps missing in it, as blocks of consecutive ranks that lack the
+same run of steps, merged with the blocks of the windows before. 256 ranks silent for a thousand
+steps are one block, not 256,000 rows, at 16,384 ranks as at 8; the counts are exact whatever
+the number of blocks kept.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from collector import ranksets
+
+MAX_BLOCKS = 256  # blocks kept per run; the rank-steps of those past it are counted (`left_out`)
+NOT_SETTLED = -1  # no step settled yet (steps are never negative)
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """A run's missing rank-steps through `settled_step`. `blocks`: [first rank, last rank, first step,
+    last step, rank-steps missing], each a run of consecutive ranks lacking every step their peers
+    reported between the two steps, the MAX_BLOCKS largest, in step order; `left_out`: rank-steps
+    missing in the smaller blocks past them."""
+
+    settled_step: int = NOT_SETTLED
+    ranks: int = 0  # the ranks expected: the run's ranks seen
+    expected: int = 0  # rank-steps expected through settled_step
+    missing: int = 0
+    blocks: list[list[int]] = field(default_factory=list)
+    left_out: int = 0
+
+    @property
+    def share(self) -> float:
+        return self.missing / self.expected if self.expected else 0.0
+
+    def summary(self, max_ranges: int = 4) -> str:
+        """ "telemetry lost: 29,952 of 204,800 rank-steps (14.6%) never arrived; ranks 768–1023 from
+        step 41", the ranges of ranks that lost most first; "" where none was lost."""
+        if not self.missing:
+            return ""
+        by_ranks: dict[tuple[int, int], list[list[int]]] = {}
+        for block in self.blocks:
+            by_ranks.setdefault((block[0], block[1]), []).append(block)
+        ranked = sorted(by_ranks.items(), key=lambda kv: -sum(b[4] for b in kv[1]))[:max_ranges]
+        where = [f"{ranksets.phrase(range(r0, r1 + 1))} {self._steps(blocks)}" for (r0, r1), blocks in ranked]
+        rest = self.missing - sum(b[4] for _, blocks in ranked for b in blocks)
+        return (
+            f"telemetry lost: {self.missing:,} of {self.expected:,} rank-steps ({100 * self.share:.1f}%) never "
+            f"arrived; " + "; ".join(where) + (f"; {rest:,} more elsewhere" if rest else "")
+        )
+
+    def _steps(self, blocks: list[list[int]]) -> str:
+        """The steps a range of ranks lacks, in words."""
+        first, last = min(b[2] for b in blocks), max(b[3] for b in blocks)
+        if len(blocks) > 1:
+            return f"lack {sum(b[4] for b in blocks):,} rank-steps in {len(blocks)} stretches of steps {first}–{last}"
+        if last == self.settled_step:
+            return f"from step {first}"
+        return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
+def judge(before: Gaps, missing: pd.DataFrame, steps: np.ndarray, ranks: int) -> Gaps:
+    """`before` extended by one window: `steps`, the distinct steps any rank reported in it (sorted,
+    all after `before.settled_step`); `missing`: rank, step of each expected rank-step not reported
+    among them; `ranks`: the ranks expected."""
+    if len(steps) == 0:
+        return before
+    blocks, beyond = _blocks(
+        missing["rank"].to_numpy(np.int64), np.searchsorted(steps, missing["step"].to_numpy()), steps
+    )
+    kept = [list(b) for b in before.blocks]
+    open_ = {(b[0], b[1]): b for b in kept if b[3] == before.settled_step}  # may go on into this window
+    for block in blocks:
+        going_on = open_.get((block[0], block[1])) if block[2] == steps[0] else None
+        if going_on is not None:
+            going_on[3], going_on[4] = block[3], going_on[4] + block[4]
+        else:
+            kept.append(block)
+    kept.sort(key=lambda b: -b[4])  # the largest kept: what a person must see first
+    left_out = before.left_out + beyond + sum(b[4] for b in kept[MAX_BLOCKS:])
+    kept = sorted(kept[:MAX_BLOCKS], key=lambda b: (b[2], b[0]))
+    return replace(
+        before,
+        settled_step=int(steps[-1]),
+        ranks=ranks,
+        expected=before.expected + ranks * len(steps),
+        missing=before.missing + len(missing),
+        blocks=kept,
+        left_out=left_out,
+    )
+
+
+def _blocks(rank: np.ndarray, index: np.ndarray, steps: np.ndarray) -> tuple[list[list[int]], int]:
+    """Missing rank-steps (rank, index of the step in `steps`) as blocks, in order of first step
+    and first rank: each rank's runs of consecutive steps, then the runs of consecutive ranks with
+    the same run of steps. Only the blocks that may be kept are made (those from the window's
+    first step, which may go on from the window before, and the MAX_BLOCKS largest); the
+    rank-steps of the rest are counted."""
+    if len(rank) == 0:
+        return [], 0
+    order = np.lexsort((index, rank))
+    rank, index = rank[order], index[order]
+    starts = np.flatnonzero(np.r_[True, (np.diff(rank) != 0) | (np.diff(index) != 1)])
+    r, lo = rank[starts], index[starts]
+    hi = index[np.r_[starts[1:], len(rank)] - 1]
+    order = np.lexsort((r, hi, lo))
+    r, lo, hi = r[order], lo[order], hi[order]
+    firsts = np.flatnonzero(np.r_[True, (np.diff(lo) != 0) | (np.diff(hi) != 0) | (np.diff(r) != 1)])
+    lasts = np.r_[firsts[1:], len(r)] - 1
+    sizes = (lasts - firsts + 1) * (hi[firsts] - lo[firsts] + 1)
+    # made: those that may go on from the window before (from its first step) and the MAX_BLOCKS largest
+    made = np.flatnonzero(lo[firsts] == 0)
+    made = np.union1d(made, np.argsort(-sizes, kind="stable")[:MAX_BLOCKS])
+    blocks = [
+        [int(r[firsts[i]]), int(r[lasts[i]]), int(steps[lo[firsts[i]]]), int(steps[hi[firsts[i]]]), int(sizes[i])]
+        for i in made
+    ]
+    return blocks, int(sizes.sum() - sizes[made].sum())

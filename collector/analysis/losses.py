@@ -1,0 +1,173 @@
+"""Telemetry loss per run, as the collector sees it and as the ranks report it.
+
+Seen: the rank-steps expected but never received (analyzers/gaps.py), judged window by window as
+a run's steps settle and kept in `telemetry_loss`, so that /metrics and the dashboard read one
+row per run. A step settles once the run has moved MARGIN_STEPS steps and MARGIN_S seconds past
+it (a rank's spans leave its agent in batches, so the newest steps of some ranks are still on the
+way), or once the run has ended (or the collector stops: nothing more comes); a pass settles at
+most RANK_STEPS rank-steps, so it costs the same at 16,384 ranks as at 8. Reported: what each
+rank's agent dropped before export (`telemetry_loss` events, cumulative per rank: the run's is the
+sum of each rank's largest), read by the same passes from where the last stopped, so that a
+scrape of /metrics reads one row per run, never the events.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import duckdb
+import numpy as np
+
+from agent import semconv as sc
+from collector.analysis.analyzers import gaps
+from collector.analysis.analyzers.gaps import Gaps
+from collector.analysis.engine import RANK_STEPS  # rank-steps a window holds at most, as a pass of the engine
+
+BLOCK_FIELDS = ("first_rank", "last_rank", "first_step", "last_step", "rank_steps")  # a gap's, in JSON
+MARGIN_STEPS = 10
+MARGIN_S = 10.0
+
+_NEWEST = "SELECT max(step), max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run AND step > $after"
+_SETTLED = """SELECT max(step) FROM steps WHERE run_id = $run AND step > $after AND step <= $upto
+              AND end_ts <= make_timestamp_ns($until)"""
+_NTH_STEP = """SELECT DISTINCT step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto
+               ORDER BY step LIMIT 1 OFFSET $n"""
+_RANKS = "SELECT count(*) FROM ranks WHERE run_id = $run"
+_STEPS = "SELECT DISTINCT step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto ORDER BY step"
+# each expected rank (the run's ranks seen) at each step some rank reported, that it did not report
+_MISSING = """
+WITH present AS (SELECT DISTINCT rank, step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto)
+SELECT r.rank, s.step FROM (SELECT rank FROM ranks WHERE run_id = $run) r
+CROSS JOIN (SELECT DISTINCT step FROM present) s
+ANTI JOIN present p ON p.rank = r.rank AND p.step = s.step"""
+_STORED = """SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out, agent_ranks, agent_seen_ns
+              FROM telemetry_loss WHERE run_id = ?"""
+_RECORD = "INSERT OR REPLACE INTO telemetry_loss VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, now())"
+# what a run's ranks' agents said they dropped, each rank's largest counts (they are cumulative), from `since`
+_REPORTS = f"""
+SELECT rank, max(TRY_CAST(attrs->>{sc.json_path(sc.SPANS_DROPPED)} AS BIGINT)),
+       max(TRY_CAST(attrs->>{sc.json_path(sc.RANK_STEPS_DROPPED)} AS BIGINT)), max(epoch_ns(ts))
+FROM events WHERE run_id = $run AND event = '{sc.EVENT_TELEMETRY_LOSS}' AND ts > make_timestamp_ns($since)
+GROUP BY rank"""
+REPORTS_SLACK_S = 300  # reports read again behind the newest read: ranks export apart, a batch may come late
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A run's telemetry loss: the rank-steps the collector never got, and what the agents dropped."""
+
+    gaps: Gaps
+    spans_dropped: int = 0  # reported by the agents
+    rank_steps_dropped: int = 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.gaps.missing or self.spans_dropped or self.rank_steps_dropped)
+
+    def summary(self) -> str:
+        """One line for people; "" where nothing was lost."""
+        parts = [self.gaps.summary()] if self.gaps.missing else []
+        if self.spans_dropped or self.rank_steps_dropped:
+            parts.append(
+                f"the ranks' agents dropped {self.spans_dropped:,} spans ({self.rank_steps_dropped:,} rank-steps) "
+                "before export"
+            )
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict:
+        g = self.gaps
+        return {
+            "rank_steps_expected": g.expected,
+            "rank_steps_missing": g.missing,
+            "missing_share": g.share,
+            "settled_step": g.settled_step,
+            "gaps": [dict(zip(BLOCK_FIELDS, b)) for b in g.blocks],
+            "gaps_left_out": g.left_out,
+            "agent_spans_dropped": self.spans_dropped,
+            "agent_rank_steps_dropped": self.rank_steps_dropped,
+            "partial_data": self.any,  # conclusions drawn on this run are drawn on partial data
+            "summary": self.summary(),
+        }
+
+
+@dataclass(frozen=True)
+class Reports:
+    """What a run's agents reported: each rank's largest counts (spans, rank-steps), and the newest
+    report read (what the next pass reads after, less REPORTS_SLACK_S)."""
+
+    by_rank: dict[int, tuple[int, int]] = field(default_factory=dict)
+    seen_ns: int = 0
+
+    def read(self, con: duckdb.DuckDBPyConnection, run_id: str) -> "Reports":
+        """These, with the reports that came since."""
+        by_rank, seen_ns = dict(self.by_rank), self.seen_ns
+        since = seen_ns - REPORTS_SLACK_S * 10**9 if seen_ns else 0
+        for rank, spans, steps, at in con.execute(_REPORTS, {"run": run_id, "since": since}).fetchall():
+            old = by_rank.get(int(rank), (0, 0))
+            by_rank[int(rank)] = (max(old[0], int(spans or 0)), max(old[1], int(steps or 0)))
+            seen_ns = max(seen_ns, int(at))
+        return Reports(by_rank, seen_ns)
+
+    def loss(self, seen: Gaps) -> Loss:
+        return Loss(seen, sum(s for s, _ in self.by_rank.values()), sum(n for _, n in self.by_rank.values()))
+
+
+def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> Loss:
+    """One live pass: the run's steps settled since the last, judged, and its agents' new reports,
+    recorded (`final`: every step settles, its newest too, in as many windows as that takes)."""
+    before, reports = stored(con, run_id)
+    ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
+    if ranks != before.ranks and before.settled_step != gaps.NOT_SETTLED:
+        before = Gaps()  # ranks heard from after steps settled without them: counted again from the start
+    after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
+    now = reports.read(con, run_id)
+    loss = now.loss(after)
+    if after != before or before.ranks != ranks or now != reports:
+        row = (after.settled_step, ranks, after.expected, after.missing, json.dumps(after.blocks), after.left_out)
+        agents = (loss.spans_dropped, loss.rank_steps_dropped, json.dumps(now.by_rank), now.seen_ns)
+        con.execute(_RECORD, [run_id, *row, *agents])
+    return loss
+
+
+def measure(con: duckdb.DuckDBPyConnection, run_id: str) -> Loss:
+    """A whole run's loss, every step settled (after the fact: `rankwatch analyze`); reads only."""
+    ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
+    found = _advance(con, run_id, Gaps(), ranks, _bound(con, run_id, gaps.NOT_SETTLED, True), 0)
+    return Reports().read(con, run_id).loss(found)
+
+
+def stored(con: duckdb.DuckDBPyConnection, run_id: str) -> tuple[Gaps, Reports]:
+    """What the live passes recorded of a run so far."""
+    row = con.execute(_STORED, [run_id]).fetchone()
+    if row is None:
+        return Gaps(), Reports()
+    settled, ranks, expected, missing, blocks, left_out, by_rank, seen_ns = row
+    reports = Reports({int(r): (s, n) for r, (s, n) in json.loads(by_rank).items()}, seen_ns)
+    return Gaps(settled, ranks, expected, missing, json.loads(blocks), left_out), reports
+
+
+def _bound(con: duckdb.DuckDBPyConnection, run_id: str, after: int, final: bool) -> int | None:
+    """The newest step settled (None: none after `after`)."""
+    newest, newest_end = con.execute(_NEWEST, {"run": run_id, "after": after}).fetchall()[0]
+    if newest is None or final:
+        return newest
+    window = {"run": run_id, "after": after, "upto": newest - MARGIN_STEPS, "until": int(newest_end - MARGIN_S * 1e9)}
+    return con.execute(_SETTLED, window).fetchall()[0][0]
+
+
+def _advance(
+    con: duckdb.DuckDBPyConnection, run_id: str, before: Gaps, ranks: int, bound: int | None, windows: int
+) -> Gaps:
+    """`before` judged on through `bound`, a window of at most RANK_STEPS rank-steps at a time, at most
+    `windows` of them (0: as many as it takes)."""
+    budget, done = max(RANK_STEPS // max(ranks, 1), 1), 0
+    while bound is not None and before.settled_step < bound and (not windows or done < windows):
+        window = {"run": run_id, "after": before.settled_step, "upto": bound}
+        nth = con.execute(_NTH_STEP, {**window, "n": budget - 1}).fetchone()
+        if nth is not None:
+            window["upto"] = int(nth[0])
+        steps = np.array([s for (s,) in con.execute(_STEPS, window).fetchall()], dtype=np.int64)
+        if len(steps) == 0:
+            break
+        before = gaps.judge(before, con.execute(_MISSING, window).df(), steps, ranks)
+        done += 1
+    return before
