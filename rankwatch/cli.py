@@ -102,11 +102,11 @@ def _rollback_kinds(text: str) -> frozenset[str]:
 
 
 def _token(args) -> str | None:
-    """The token a command uses: --token, --token-file, then agent/config.py's order; a file's token is
+    """The token a client command sends: --token-file, then agent/config.py's order; a file's token is
     checked there (TokenError, which main() reports in one line)."""
     from agent.config import token
 
-    return token(getattr(args, "token", None), args.token_file)
+    return token(file=args.token_file)
 
 
 def cmd_collector(args) -> None:
@@ -116,12 +116,13 @@ def cmd_collector(args) -> None:
     from collector.server import Config, serve
 
     private.restrict(_db(args))
-    explicit = token(args.token, args.token_file, _db(args))  # the file beside the store is read, checked, here
+    given = token(args.token, args.token_file, _db(args))  # the file beside the store is read, checked, here
+    checked = checked_token(given, "--token or $RANKWATCH_TOKEN") if given else load_or_create_token(_db(args).parent)
     config = Config(
         db=_db(args),
         host=args.host,
         port=args.port,
-        token=checked_token(explicit, "the given token") if explicit else load_or_create_token(_db(args).parent),
+        token=checked,
         workers=args.workers,
         max_queue_bytes=args.max_queue_bytes,
         analyze_every_s=args.analyze_every,
