@@ -27,7 +27,7 @@ def checked_token(token: str, where: str) -> str:
     if len(token) < MIN_TOKEN_CHARS:
         raise TokenError(
             f"the token in {where} is {'empty' if not token else f'{len(token)} characters'}; it needs at least "
-            f"{MIN_TOKEN_CHARS} (remove an empty token file and the collector writes a new one)"
+            f"{MIN_TOKEN_CHARS}"
         )
     return token
 

@@ -110,14 +110,18 @@ def _token(args) -> str | None:
 
 
 def cmd_collector(args) -> None:
-    from agent.config import checked_token, token
+    from agent.config import TOKEN_FILE_ENV, checked_token, token
     from collector import private
     from collector.receive.auth import load_or_create_token
     from collector.server import Config, serve
 
     private.restrict(_db(args))
-    given = token(args.token, args.token_file, _db(args))  # the file beside the store is read, checked, here
-    checked = checked_token(given, "--token or $RANKWATCH_TOKEN") if given else load_or_create_token(_db(args).parent)
+    given = args.token or args.token_file or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)
+    checked = (
+        checked_token(token(args.token, args.token_file) or "", "--token or $RANKWATCH_TOKEN")
+        if given
+        else load_or_create_token(_db(args).parent)  # the file beside the store, checked, or made
+    )
     config = Config(
         db=_db(args),
         host=args.host,

@@ -10,18 +10,21 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from agent.config import read_token
+from agent.config import TokenError, read_token
 from agent.paths import TOKEN_FILE
 
 
 def load_or_create_token(data_dir: Path) -> str:
     """The token stored beside the DB, checked (agent.config.TokenError when empty or short), or made on
-    first start: written whole to a private temporary file and renamed into place, so a crash or a full
+    first start: written whole to a private temporary file and linked into place, so a crash or a full
     disk never leaves an empty token file behind."""
     path = data_dir / TOKEN_FILE
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.exists():
-        return read_token(path)
+        try:
+            return read_token(path)
+        except TokenError as e:  # left by an older collector, or written by hand
+            raise TokenError(f"{e} (remove it, and the collector writes a new one)") from None
     token = secrets.token_urlsafe(32)
     fd, temporary = tempfile.mkstemp(prefix=f".{TOKEN_FILE}-", dir=data_dir)  # mode 0600
     try:
