@@ -51,7 +51,8 @@ def init(
     resource: dict | None = None,
 ) -> Session:
     """Start this rank's session. Everything defaults from the environment: RANK and
-    WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN.
+    WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN (or
+    RANKWATCH_TOKEN_FILE; a token file that is empty or short is agent.config.TokenError).
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
     from agent.clock import CpuTimer, Timer

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 EMPTY_STEPS = 2000
 
 

@@ -311,7 +311,7 @@ def api_times(db: Path, params: dict[str, dict]) -> dict[str, float]:
     from collector.reports import queryapi
     from rankwatch.launch import wait_healthy
 
-    port, token = 4400 + os.getpid() % 1000, "bench-token"
+    port, token = 4400 + os.getpid() % 1000, "bench-token-0123456789"
     with open(db.parent / "collector.log", "w") as log:
         collector = subprocess.Popen(
             [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port), "--token", token],

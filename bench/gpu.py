@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent
 from agent.timeline import exposed, length
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"
 WARMUP = 5
 

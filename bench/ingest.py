@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent import semconv as sc
 from rankwatch.launch import wait_healthy
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 BASELINE_APP = """
 import gzip, uvicorn
 from starlette.applications import Starlette

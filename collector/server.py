@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent.config import checked_token
 from agent.paths import DEFAULT_DB
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
@@ -48,7 +49,7 @@ class Config:
     db: Path = DEFAULT_DB
     host: str = "127.0.0.1"
     port: int = 4318
-    token: str | None = None  # None: the token file beside the DB, created on first start
+    token: str | None = None  # None: the token file beside the DB, created on first start; 16 characters at least
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
     max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
@@ -68,7 +69,7 @@ async def _read_body(request: Request) -> bytes:
 
 def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
-    token = config.token or load_or_create_token(config.db.parent)
+    token = checked_token(config.token, "--token") if config.token else load_or_create_token(config.db.parent)
     metrics = SelfMetrics()
     metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request), config.metrics_runs))
     state: dict = {}

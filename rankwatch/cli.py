@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent.config import TOKEN_ENV, TokenError
 from agent.paths import DB_ENV, DEFAULT_DB
 from trainer.device import DEVICES
 
@@ -100,14 +101,32 @@ def _rollback_kinds(text: str) -> frozenset[str]:
     return frozenset(names[k] for k in chosen)
 
 
+def _token(args) -> str | None:
+    """The token a client command sends: --token-file, then agent/config.py's order; a file's token is
+    checked there (TokenError, which main() reports in one line)."""
+    from agent.config import token
+
+    return token(file=args.token_file)
+
+
 def cmd_collector(args) -> None:
+    from agent.config import TOKEN_FILE_ENV, checked_token, token
+    from collector import private
+    from collector.receive.auth import load_or_create_token
     from collector.server import Config, serve
 
+    private.restrict(_db(args))
+    given = args.token or args.token_file or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)
+    checked = (
+        checked_token(token(args.token, args.token_file) or "", "--token or $RANKWATCH_TOKEN")
+        if given
+        else load_or_create_token(_db(args).parent)  # the file beside the store, checked, or made
+    )
     config = Config(
         db=_db(args),
         host=args.host,
         port=args.port,
-        token=args.token or os.environ.get("RANKWATCH_TOKEN"),
+        token=checked,
         workers=args.workers,
         max_queue_bytes=args.max_queue_bytes,
         analyze_every_s=args.analyze_every,
@@ -176,9 +195,7 @@ def cmd_query(args) -> None:
     rows: Sequence[Sequence]
     try:
         if args.collector:
-            from agent.config import token
-
-            columns, rows, truncated = run_remote(args.collector, token(), args.sql)
+            columns, rows, truncated = run_remote(args.collector, _token(args), args.sql)
             if truncated:
                 print(f"rankwatch query: the first {len(rows)} rows only (the query API's cap)", file=sys.stderr)
         else:
@@ -225,9 +242,11 @@ def _print_report(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    w, console = report.whatif, Console()
+    from collector.reports.terminal import markup_safe
+
+    w, console, run = report.whatif, Console(), markup_safe(report.run_id)
     if w is None:
-        console.print(f"[bold]run {report.run_id}[/]: Flight Recorder dumps, no steps: no what-if analysis")
+        console.print(f"[bold]run {run}[/]: Flight Recorder dumps, no steps: no what-if analysis")
         _print_findings(report.findings, console)
         return
     idle = (
@@ -239,7 +258,7 @@ def _print_report(report) -> None:
         )
     )
     console.print(
-        f"[bold]run {report.run_id}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
+        f"[bold]run {run}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
         f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
         f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
         + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
@@ -268,6 +287,7 @@ def _print_findings(found: list, console) -> None:
     from rich.table import Table
 
     from collector.analysis.analyzers import NOT_JUDGED
+    from collector.reports.terminal import markup_safe
 
     findings = Table(
         "analyzer",
@@ -281,11 +301,12 @@ def _print_findings(found: list, console) -> None:
     )
     for f in found:
         steps = "-" if f.step_start is None else f"{f.step_start}-{f.step_end}"
-        findings.add_row(f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)
+        findings.add_row(*map(markup_safe, (f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)))
     console.print(findings)
     for f in found:  # silence from an analyzer that could not judge is no clean bill: say why
         if f.kind == NOT_JUDGED:
-            console.print(f"[bold]{f.analyzer}: not judged[/] ({f.summary.removeprefix('not judged: ')})")
+            reason = markup_safe(f.summary.removeprefix("not judged: "))
+            console.print(f"[bold]{markup_safe(f.analyzer)}: not judged[/] ({reason})")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -327,7 +348,7 @@ def cmd_power_apply(args) -> None:
     import json
 
     from agent.apiclient import ApiClient, ApiError
-    from agent.config import collector_url, token
+    from agent.config import collector_url
 
     if not args.caps and args.watts is None:
         raise UsageError("give --caps FILE.json, --watts W, or both")
@@ -342,7 +363,7 @@ def cmd_power_apply(args) -> None:
         body = {"caps": caps} | ({"watts": args.watts} if args.watts is not None else {})
     else:
         body = {"watts": args.watts}
-    api = ApiClient(collector_url(args.collector), token())
+    api = ApiClient(collector_url(args.collector), _token(args))
     _check_caps(api, args.run, body)
     try:
         command = api.post("/v1/commands", {"run_id": args.run, "kind": "power_cap", "args": body})
@@ -395,11 +416,12 @@ def _print_power(report) -> None:
     from rich.table import Table
 
     from collector.analysis.analyzers.power import SIMULATED
+    from collector.reports.terminal import markup_safe
 
     console = Console()
     console.print(
-        f"[bold]run {report.run_id}[/]: {report.steps} steps of {report.ranks} ranks; policy {report.policy}"
-        + (f"; [bold]{SIMULATED}[/]" if report.simulated else "")
+        f"[bold]run {markup_safe(report.run_id)}[/]: {report.steps} steps of {report.ranks} ranks; "
+        f"policy {markup_safe(report.policy)}" + (f"; [bold]{SIMULATED}[/]" if report.simulated else "")
     )
     source = report.curve[0].source if report.curve else "measured"
     curve = Table(
@@ -531,6 +553,7 @@ def cmd_train(args) -> None:
                 max_restarts=args.max_restarts,
                 device=args.device,
                 store=_db(args),
+                token=_token(args),
             )
         )
     except DeviceError as e:
@@ -597,9 +620,10 @@ def cmd_simulate(args) -> None:
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
     exporter_url = config.collector_url(args.collector)
+    token = _token(args)  # a bad token file is one line before anything is announced
     announce("simulate", run_id, exporter_url)
     # paced: the simulator waits for the collector rather than dropping what it cannot take yet
-    exporter = Exporter(exporter_url, config.token(), {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
+    exporter = Exporter(exporter_url, token, {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
     rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
     exporter.flush()
     exporter.shutdown()
@@ -644,6 +668,8 @@ def cmd_dashboard(args) -> None:
             if args.db:
                 raise UsageError(f"{e}, or read it through the collector (--collector URL)") from None
             collector, db = collector_url(), None  # the default store's collector holds it: ask that collector
+    if collector and (token := _token(args)):
+        os.environ[TOKEN_ENV] = token  # read and checked here, handed to the dashboard's process
     serve(args.port, db, collector)
 
 
@@ -668,6 +694,14 @@ def cmd_demo(args) -> None:
         _dashboard_port_free(args.dashboard_port, "--dashboard-port PORT, or --no-dashboard")
     _stop_on_sigterm()
     run(db=db, steps=args.steps, port=args.port, dashboard_port=None if args.no_dashboard else args.dashboard_port)
+
+
+def _token_file_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="read the bearer token from this file (unlike a token on the command line, it does not show in ps)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -715,6 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: a GPU per rank where this machine has enough, else the CPU",
     )
+    _token_file_option(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
@@ -747,13 +782,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.json",
         help="per-rank power limits, {rank: watts} or a `rankwatch power recommend --json` document",
     )
+    _token_file_option(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("collector", help="run the OTLP/HTTP collector and store")
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=PORT, default=4318)
-    p.add_argument("--token", help="bearer token (default: $RANKWATCH_TOKEN, else the token file beside the DB)")
+    p.add_argument(
+        "--token",
+        help="bearer token, 16 characters or more (default: $RANKWATCH_TOKEN, else the token file beside the DB)",
+    )
+    _token_file_option(p)
     p.add_argument("--workers", type=NON_NEGATIVE, help="decode processes (default: one per core; 0: none)")
     p.add_argument(
         "--max-queue-bytes",
@@ -875,6 +915,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cap of every rank --caps leaves out (of all, without --caps)",
     )
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    _token_file_option(p)
     p.set_defaults(func=cmd_power_apply)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
@@ -888,6 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
         "token file beside the store)",
     )
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    _token_file_option(p)
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
@@ -903,6 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
         "file beside the store)",
     )
     p.add_argument("--port", type=PORT, default=8501)
+    _token_file_option(p)
     p.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -913,6 +956,9 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except UsageError as e:
         print(f"{e.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except TokenError as e:  # an empty, short or unreadable token file, wherever a command read it
+        print(f"rankwatch: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -101,7 +101,7 @@ def collector_factory(tmp_path):
     def start(db: Path | None = None, *extra_args: str) -> Collector:
         port = free_port()
         log = open(tmp_path / f"collector-{port}.log", "w")  # noqa: SIM115 - the collector's output; closed at teardown
-        c = Collector(db or tmp_path / "rankwatch.duckdb", port, "test-token", extra_args=extra_args, log=log)
+        c = Collector(db or tmp_path / "rankwatch.duckdb", port, "test-token-0123456", extra_args=extra_args, log=log)
         started.append(c.start())
         return c
 
@@ -123,7 +123,7 @@ def module_collector(tmp_path_factory) -> Collector:
     and a fresh collector each would be slow)."""
     directory = tmp_path_factory.mktemp("collector")
     with open(directory / "collector.log", "w") as log:
-        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        c = Collector(directory / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
         yield c
         if c.process.poll() is None:
             c.stop()
@@ -238,7 +238,7 @@ def simulated_store(
     what to wait for while it still runs (an alert's delivery)."""
     db = directory / "rankwatch.duckdb"
     with open(directory / "collector.log", "w") as log:
-        collector = Collector(db, free_port(), "test-token", extra_args=collector_args, log=log).start()
+        collector = Collector(db, free_port(), "test-token-0123456", extra_args=collector_args, log=log).start()
         try:
             for run, faults in runs.items():
                 args = ["simulate", *simulate_args, "--run", run, "--collector", collector.url]

@@ -47,7 +47,7 @@ def build(directory: Path) -> Path:
         ANALYSIS,
     )
     with open(directory / "collector-nan.log", "w") as log:
-        collector = Collector(db, free_port(), "test-token", extra_args=ANALYSIS, log=log).start()
+        collector = Collector(db, free_port(), "test-token-0123456", extra_args=ANALYSIS, log=log).start()
         try:
             _nan_run(collector)
             _bare_run(collector)

@@ -240,7 +240,7 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
     """Rows written before requests were checked (non-finite watts): the run's later commands still
     reach the job; the bad values read back as null."""
     with open(tmp_path / "collector.log", "w") as log:
-        first = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        first = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
         first.stop()
         with duckdb.connect(str(first.db)) as con:
             con.execute(
@@ -248,7 +248,7 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
                 "'{\"watts\": Infinity}', 'api'), (?, 'power_cap', '{\"caps\": {\"0\": 1e999}}', 'api')",
                 [RUN, RUN],
             )
-        again = Collector(first.db, free_port(), "test-token", log=log).start()
+        again = Collector(first.db, free_port(), "test-token-0123456", log=log).start()
         try:
             with httpx.Client(base_url=again.url, headers=again.headers, timeout=ANSWER_S) as client:
                 pending = client.get("/v1/commands", params={"run_id": RUN, "state": "pending"})
@@ -376,8 +376,10 @@ paths = st.one_of(
 requests = st.one_of(
     st.tuples(paths, bodies), st.tuples(st.just("/v1/commands"), swapped(creates)), st.tuples(ids, swapped(updates))
 )
-VALID = ("Bearer test-token", "bearer test-token")
-headers = st.sampled_from([*VALID, *VALID, "Bearer wrong", "Bearer", "Bearer test-token-2", "Basic dGVzdA==", None])
+VALID = ("Bearer test-token-0123456", "bearer test-token-0123456")
+headers = st.sampled_from(
+    [*VALID, *VALID, "Bearer wrong", "Bearer", "Bearer test-token-0123456-2", "Basic dGVzdA==", None]
+)
 
 
 @settings(

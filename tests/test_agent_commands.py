@@ -98,13 +98,13 @@ def test_a_command_queued_while_the_poll_is_held_reaches_the_job_at_once(collect
 def test_commands_wait_for_a_collector_that_was_away(tmp_path):
     db, port = tmp_path / "away.duckdb", free_port()
     with open(tmp_path / "collector.log", "w") as log:
-        first = Collector(db, port, "test-token", log=log).start()
+        first = Collector(db, port, "test-token-0123456", log=log).start()
         created = create(first, before_step=3)
         first.stop()
         commands = Commands(first.url, first.token, RUN, rank=0, poll_s=0.2, look_s=0)
         try:
             assert all(commands.at_step(s) is None for s in range(5))  # the collector is down: nothing, no error
-            again = Collector(db, port, "test-token", log=log).start()
+            again = Collector(db, port, "test-token-0123456", log=log).start()
             try:
                 _, command = first_command(commands)
                 assert command["id"] == created["id"]

@@ -34,7 +34,7 @@ import sys, time
 import agent
 
 collector, run_id, steps, pace = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-agent.init(rank=0, world_size=1, collector=collector, token="test-token", run_id=run_id)
+agent.init(rank=0, world_size=1, collector=collector, token="test-token-0123456", run_id=run_id)
 start = time.monotonic()
 for i in range(steps):
     with agent.step(i):
@@ -153,7 +153,7 @@ import os, sys, time
 import agent
 
 collector, run_id, stop_file = sys.argv[1:4]
-agent.init(rank=0, world_size=1, collector=collector, token="test-token", run_id=run_id)
+agent.init(rank=0, world_size=1, collector=collector, token="test-token-0123456", run_id=run_id)
 i = 0
 while not os.path.exists(stop_file):
     with agent.step(i):

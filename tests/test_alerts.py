@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent import semconv as sc
 from agent.export import Exporter
 from collector.alerts import outbox, rules, webhook
-from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, load
+from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, default_name, load
 from collector.alerts.delivery import Delivery
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding
@@ -199,7 +199,8 @@ def test_signature_matches_the_standard_webhooks_test_vector():
         ('[[receivers]]\nurl = "http://x"\nsecret = "whsec_!!"', "must be base64"),
         ('[[receivers]]\nurl = "http://x"\nseverity = ["critical"]', "receiver 1: unknown key 'severity'"),
         ("backoff_max_s = 0", "backoff_max_s must be a positive number of seconds"),
-        ('[[receivers]]\nurl = "http://x"\n[[receivers]]\nurl = "http://x"', "two receivers are named 'http://x'"),
+        ('[[receivers]]\nurl = "http://x"\n[[receivers]]\nurl = "http://x"', "two receivers are named 'webhook-"),
+        ('[[receivers]]\nname = "http://x/T0SECRET"\nurl = "http://x/T0SECRET"', "name must be a short label"),
         ("receivers = [", ""),
     ],
 )
@@ -358,7 +359,8 @@ def test_alerts_test_command_sends_a_signed_v4_alert(tmp_path):
         )
     finally:
         receiver.stop()
-    assert (result.returncode, result.stdout, result.stderr) == (0, f"{receiver.url}: delivered (HTTP 200)\n", "")
+    label = default_name(receiver.url)  # not the URL, a secret
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{label}: delivered (HTTP 200)\n", "")
     (delivery,) = receiver.deliveries
     assert delivery.verified and delivery.body["version"] == "4"
     assert delivery.body["alerts"][0]["labels"]["alertname"] == "RankwatchTest"

@@ -29,7 +29,9 @@ MAX_BODY = 20 * 2**20  # the collector's limit after decompression
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """One collector for the whole module, with valid data sent before any bad request."""
-    collector = Collector(tmp_path_factory.mktemp("bad") / "rankwatch.duckdb", free_port(), "test-token").start()
+    collector = Collector(
+        tmp_path_factory.mktemp("bad") / "rankwatch.duckdb", free_port(), "test-token-0123456"
+    ).start()
     r = post(collector, "traces", trace_body(step_spans(RUN, 0, range(10), spans_per_step=3)))
     assert r.status_code == 200
     yield collector

@@ -43,7 +43,10 @@ EXPECTED = [
 def store(tmp_path_factory):
     """A store file with 2 ranks x 3 steps (loss = step / 100, 0.1 s each), its collector stopped."""
     collector = Collector(
-        tmp_path_factory.mktemp("cli") / "rankwatch.duckdb", free_port(), "test-token", extra_args=("--workers", "0")
+        tmp_path_factory.mktemp("cli") / "rankwatch.duckdb",
+        free_port(),
+        "test-token-0123456",
+        extra_args=("--workers", "0"),
     ).start()  # decode in a thread: ingest is not under test here
     try:
         for rank in (0, 1):
@@ -208,11 +211,11 @@ def test_agent_imports_without_collector_deps():
 
 def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, tmp_path):
     """A second collector on the same store, or on a port in use, ends at once with exit 2."""
-    held = rankwatch_cli("collector", "--db", str(collector.db), "--port", str(free_port()), "--token", "t")
+    held = rankwatch_cli("collector", "--db", str(collector.db), "--port", str(free_port()), "--token", collector.token)
     assert held.returncode == 2
     assert held.stderr.count("\n") == 1 and "held open by a running collector" in held.stderr
     taken = rankwatch_cli(
-        "collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port), "--token", "t"
+        "collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port), "--token", collector.token
     )
     assert taken.returncode == 2
     assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{collector.port}" in taken.stderr

@@ -371,7 +371,7 @@ def from_collector(dashboard_store, tmp_path, monkeypatch):
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)
     with open(tmp_path / "collector.log", "w") as log:
-        collector = Collector(db, free_port(), "test-token", log=log).start()
+        collector = Collector(db, free_port(), "test-token-0123456", log=log).start()
         monkeypatch.setenv(COLLECTOR_ENV, collector.url)
         monkeypatch.setenv("RANKWATCH_TOKEN", collector.token)
         st.cache_resource.clear()

@@ -140,7 +140,9 @@ def equal_stores(tmp_path_factory):
 
             db = directory / "rankwatch.duckdb"
             with open(directory / "collector.log", "w") as log:
-                collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log)
+                collector = Collector(
+                    db, free_port(), "test-token-0123456", extra_args=("--analyze-every", "1"), log=log
+                )
                 collector.start()
                 try:
                     _spiky_run(collector)

@@ -160,7 +160,7 @@ def test_train_cli_bad_spec(spec, words):
         spec,
         "--collector",
         f"http://127.0.0.1:{free_port()}",
-        env={"RANKWATCH_TOKEN": "test-token"},
+        env={"RANKWATCH_TOKEN": "test-token-0123456"},
     )
     assert r.returncode == 2, r
     assert r.stdout == ""
@@ -184,7 +184,7 @@ def thermal_through_torchrun() -> subprocess.CompletedProcess:
         "thermal:rank=0",
         "--collector",
         f"http://127.0.0.1:{free_port()}",
-        env={"RANKWATCH_TOKEN": "test-token"},
+        env={"RANKWATCH_TOKEN": "test-token-0123456"},
     )
 
 

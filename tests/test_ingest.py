@@ -48,7 +48,7 @@ def ingested(tmp_path_factory):
     """A store filled by the agent's Exporter (official OTLP/HTTP exporters, gzip),
     then closed by SIGTERM; returns (db path, ids of the spans sent)."""
     db = tmp_path_factory.mktemp("ingest") / "rankwatch.duckdb"
-    collector = Collector(db, free_port(), "test-token").start()
+    collector = Collector(db, free_port(), "test-token-0123456").start()
     try:
         exporter = Exporter(collector.url, collector.token, RESOURCE)
         root = exporter.trace(
@@ -431,7 +431,7 @@ def _times_request() -> ExportTraceServiceRequest:
 def posted(tmp_path_factory):
     """Raw POSTs of hand-built requests to one collector, then SIGTERM; returns (responses, db)."""
     db = tmp_path_factory.mktemp("raw") / "rankwatch.duckdb"
-    collector = Collector(db, free_port(), "test-token").start()
+    collector = Collector(db, free_port(), "test-token-0123456").start()
     try:
         responses = {
             "json": httpx.post(

@@ -142,8 +142,8 @@ def test_the_store_and_what_lives_beside_it(tmp_path, monkeypatch):
     monkeypatch.setenv(paths.DB_ENV, str(store))
     assert paths.store_path() == store and paths.store_path("x.duckdb") == Path("x.duckdb")
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / paths.TOKEN_FILE).write_text("secret\n")
-    assert config.token() == "secret"  # a rank finds the token beside $RANKWATCH_DB's store
+    (tmp_path / "data" / paths.TOKEN_FILE).write_text("secret-0123456789\n")
+    assert config.token() == "secret-0123456789"  # a rank finds the token beside $RANKWATCH_DB's store
     assert default_path(store) == store.parent / "alerts.toml"
     assert files_dir(store.parent) == store.parent / "sql-files"
     assert paths.checkpoint_dir(store, "r1") == store.parent / "runs" / "r1" / "checkpoints"

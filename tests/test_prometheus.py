@@ -34,7 +34,7 @@ def collector(tmp_path_factory):
     """A collector fed a simulated run with a straggler, device samples and two checkpoints."""
     db = tmp_path_factory.mktemp("prom") / "rankwatch.duckdb"
     log = open(db.parent / "collector.log", "w")  # noqa: SIM115 - the collector's output; closed at teardown
-    collector = Collector(db, free_port(), "test-token", extra_args=("--analyze-every", "1"), log=log).start()
+    collector = Collector(db, free_port(), "test-token-0123456", extra_args=("--analyze-every", "1"), log=log).start()
     try:
         result = rankwatch_cli(
             "simulate",

@@ -33,7 +33,7 @@ def api(tmp_path_factory):
 
     data = tmp_path_factory.mktemp("query")
     with open(data.parent / "query-collector.log", "w") as log:
-        collector = Collector(data / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        collector = Collector(data / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
         fill(collector)
         try:
             with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=30) as http:

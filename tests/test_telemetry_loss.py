@@ -88,7 +88,7 @@ def store(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("loss")
     with open(directory / "collector.log", "w") as log:
         collector = Collector(
-            directory / "rankwatch.duckdb", free_port(), "test-token", ("--analyze-every", "1"), log=log
+            directory / "rankwatch.duckdb", free_port(), "test-token-0123456", ("--analyze-every", "1"), log=log
         ).start()
         try:
             send(collector, LOSSY, lost)

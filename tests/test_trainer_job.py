@@ -65,7 +65,7 @@ def job(tmp_path_factory):
     """Run the job through the CLI against a real collector, stop the collector, return the store."""
     tmp = tmp_path_factory.mktemp("trainer-job")
     with open(tmp / "collector.log", "w") as log:
-        collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token", log=log).start()
+        collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
         try:
             result = rankwatch_cli(
                 "train",
@@ -79,7 +79,7 @@ def job(tmp_path_factory):
                 FAULT,
                 "--collector",
                 collector.url,
-                env={"RANKWATCH_TOKEN": "test-token"},
+                env={"RANKWATCH_TOKEN": "test-token-0123456"},
             )
         finally:
             collector.stop()

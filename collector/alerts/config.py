@@ -9,12 +9,16 @@ typo never silently drops a page:
     backoff_max_s = 60                        # the longest wait between retries
 
     [[receivers]]
-    name = "oncall"                           # default: the URL
+    name = "oncall"                           # default: webhook-<hash of the URL>
     url = "https://hooks.example.com/rankwatch"
     secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"   # Standard Webhooks; optional
     severities = ["critical"]                 # and/or analyzers = [...], kinds = [...]
+
+A receiver's name labels it on the unauthenticated /metrics and in the log, so it is never
+its URL: webhook URLs are secrets (Slack's carry their key in the path).
 """
 
+import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, fields
@@ -99,7 +103,10 @@ def _parse(document) -> AlertConfig:
     receivers = tuple(receiver(entry, f"receiver {i + 1}") for i, entry in enumerate(entries))
     names = [r.name for r in receivers]
     if len(set(names)) != len(names):
-        raise ValueError(f"two receivers are named {next(n for n in names if names.count(n) > 1)!r}")
+        raise ValueError(
+            f"two receivers are named {next(n for n in names if names.count(n) > 1)!r} (one without a name is "
+            "named after its URL's digest)"
+        )
     return AlertConfig(receivers=receivers, **{k: v for k, v in document.items() if k != "receivers"})
 
 
@@ -128,4 +135,12 @@ def receiver(entry, where: str) -> Receiver:
             if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
                 raise ValueError(f"{where}: {key} must be a list of strings")
             filters[key] = frozenset(values)
-    return Receiver(name=str(entry.get("name", url)), url=url, secret=secret, **filters)
+    name = entry.get("name", default_name(url))
+    if not isinstance(name, str) or not name.strip() or "://" in name:
+        raise ValueError(f"{where}: name must be a short label, not empty and not a URL (it shows on /metrics)")
+    return Receiver(name=name, url=url, secret=secret, **filters)
+
+
+def default_name(url: str) -> str:
+    """The label of a receiver without a name: a digest of its URL, which it does not reveal."""
+    return f"webhook-{hashlib.sha256(url.encode()).hexdigest()[:10]}"

@@ -102,6 +102,17 @@ def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(mac.digest()).decode()
 
 
+def redacted(text: str, url: str) -> str:
+    """`text` with the URL's secret parts (user, path, query, as given and as httpx spells them) cut out: a
+    delivery error is logged and stored, and a webhook URL is a secret."""
+    parsed = httpx.URL(url)
+    parts = {url, str(parsed), parsed.raw_path.decode("ascii", "replace"), parsed.path, parsed.query.decode()}
+    for secret in sorted(parts | {parsed.userinfo.decode()}, key=len, reverse=True):
+        if len(secret) > 1:
+            text = text.replace(secret, "<url>" if "://" in secret else "/…")
+    return text
+
+
 def post(client: httpx.Client, url: str, secret: str | None, webhook_id: str, body: str) -> int:
     """POST one notification attempt, signed when the receiver has a secret; its HTTP status,
     or DeliveryError."""
@@ -112,7 +123,7 @@ def post(client: httpx.Client, url: str, secret: str | None, webhook_id: str, bo
     try:
         response = client.post(url, content=payload, headers=headers)
     except httpx.HTTPError as e:
-        raise DeliveryError(f"{type(e).__name__}: {e}") from None
+        raise DeliveryError(redacted(f"{type(e).__name__}: {e}", url)) from None
     if not response.is_success:
         raise DeliveryError(f"HTTP {response.status_code}")
     return response.status_code

@@ -12,10 +12,12 @@ from typing import TextIO
 import duckdb
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from agent.apiclient import ApiClient
 from collector import ranksets
 from collector.reports import queryapi
+from collector.reports.terminal import markup_safe, printable
 from collector.store.db import connect
 
 FORMATS = ("table", "csv", "json")
@@ -59,6 +61,10 @@ def _plain(value):
     return value
 
 
+def _printable(value):
+    return printable(value) if isinstance(value, str) else value
+
+
 def _cell(value) -> str:
     """A value as a table shows it: a long list shortened to one line, a sorted list of whole
     numbers (ranks, most often) as ranges ("0–511"), any other its first items and a count."""
@@ -70,17 +76,18 @@ def _cell(value) -> str:
 
 
 def write(columns: list[str], rows: Sequence[Sequence], fmt: str, out: TextIO | None = None) -> None:
-    """Print a result in one of FORMATS (to stdout as it is when called); a table abbreviates long lists (_cell)."""
+    """Print a result in one of FORMATS (to stdout as it is when called); a table abbreviates long lists (_cell).
+    Control characters in values are escaped (collector/reports/terminal.py; JSON escapes them itself)."""
     out = out or sys.stdout
     if fmt == "csv":
         writer = csv.writer(out)
-        writer.writerow(columns)
-        writer.writerows([_plain(v) for v in row] for row in rows)
+        writer.writerow(map(printable, columns))
+        writer.writerows([_printable(_plain(v)) for v in row] for row in rows)
     elif fmt == "json":
         json.dump([dict(zip(columns, map(_plain, row))) for row in rows], out, default=str)
         out.write("\n")
     else:
-        table = Table(*columns)
+        table = Table(*map(markup_safe, columns))
         for row in rows:
-            table.add_row(*map(_cell, row))
+            table.add_row(*(Text(printable(_cell(v))) for v in row))  # Text: no rich markup in the values
         Console(file=out).print(table)
