@@ -32,7 +32,7 @@ def _store() -> duckdb.DuckDBPyConnection:
 def _commit(con, run: str, rows: list[tuple[int, int]]) -> None:
     """Rank-steps as the writer appends them (with the ranks they come from)."""
     frame = pd.DataFrame(rows, columns=["rank", "step"]).assign(run_id=run)
-    frame["start_ts"] = pd.to_datetime(10**18 + frame["step"] * 10**8, unit="ns")
+    frame["start_ts"] = pd.to_datetime(10**18 + frame["step"].clip(upper=10**9) * 10**8, unit="ns")
     frame["end_ts"] = frame["start_ts"] + pd.Timedelta(100, "ms")
     frame = frame.assign(duration_s=0.1, compute_s=0.08, comm_wait_s=0.02, loss=3.0)
     con.execute(
@@ -68,6 +68,70 @@ def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data)
         if not j.more:
             break
     assert sorted(judged) == list(range(steps))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    steps=st.integers(1, 25),
+    budget=st.integers(1, 60),
+    far=st.lists(st.integers(26, 2**40 - 1), min_size=1, max_size=2, unique=True),
+    data=st.data(),
+)
+def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, data):
+    """Steps far ahead of the run (a bad step counter, a hostile client: any step ingest takes) come
+    first or between the run's own, whole or from some ranks; the run's steps come in commits of any
+    size, each rank's in order but the ranks apart, and a pass may come after any commit, told of
+    the steps committed since the one before, as the live collector tells it: each of the run's
+    steps is judged once every rank has reported it, and judged again only where a rank's far step
+    had made it look reported before; a far step is judged at most once a rank that sent it; and no
+    pass walks the empty steps between (a pass judges at most `budget` rank-steps)."""
+    con, engine = _store(), Engine(rank_steps=budget)
+    con.execute("INSERT INTO runs VALUES ('r', ?, now())", [ranks])
+    sent = dict.fromkeys(range(ranks), 0)
+    present: set[int] = set()
+    judged: list[int] = []
+    arrived: tuple[int, int] | None = None
+    pending = [(rank, [step]) for step in far for rank in data.draw(st.sets(st.sampled_from(range(ranks)), min_size=1))]
+    sent_far = list(pending)
+    whole: list[int] = []  # the run's steps judged once every rank had reported them
+    went_far: set[int] = set()  # the ranks that have sent a far step
+
+    def commit(rank: int, rows: list[int]) -> None:
+        nonlocal arrived
+        _commit(con, "r", [(rank, s) for s in rows])
+        present.update(rows)
+        low, high = min(rows), max(rows)
+        arrived = (low, high) if arrived is None else (min(arrived[0], low), max(arrived[1], high))
+
+    def judge(final: bool = False) -> bool:
+        nonlocal arrived
+        j = engine.judge(con, "r", 0, final=final, arrived=arrived)
+        arrived = None
+        new = sorted(s for s in present if j.first_new <= s <= j.last)
+        assert len(new) <= max(budget // ranks, 1)
+        judged.extend(new)
+        whole.extend(s for s in new if s < steps and (s < min(sent.values()) or final))
+        early = [s for s in new if s < steps and not (s < min(sent.values()) or final)]
+        assert all(any(r in went_far for r, n in sent.items() if n <= s) for s in early)
+        return j.more
+
+    while pending or any(n < steps for n in sent.values()):
+        live = [r for r, n in sent.items() if n < steps]
+        if pending and (not live or data.draw(st.booleans())):
+            went_far.add(pending[0][0])
+            commit(*pending.pop(0))
+        else:
+            rank = data.draw(st.sampled_from(live))
+            n = data.draw(st.integers(1, steps - sent[rank]))
+            commit(rank, list(range(sent[rank], sent[rank] + n)))
+            sent[rank] += n
+        while data.draw(st.booleans()) and judge():
+            pass
+    while judge(final=True):
+        pass
+    assert sorted(whole) == list(range(steps))
+    assert all(judged.count(s) <= sum(step == s for _, (step,) in sent_far) for s in far)
 
 
 @pytest.mark.parametrize("rate", [10, 100])

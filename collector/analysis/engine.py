@@ -28,7 +28,8 @@ from collector.analysis.analyzers.registry import ANALYZERS
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
 RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
 
-_NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after GROUP BY rank"""
+_NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after AND step < $before
+             GROUP BY rank"""
 _NTH_STEP = """SELECT DISTINCT step FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
                ORDER BY step LIMIT 1 OFFSET $n"""
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
@@ -55,6 +56,11 @@ _WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
 _FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
                          (SELECT rank FROM ranks WHERE run_id = ? ORDER BY first_seen DESC LIMIT ?)"""
 _PLACEMENT = "SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?"
+_FIRST_JUDGED_AFTER = """SELECT min(step) FROM current_steps WHERE run_id = $run AND step > $after
+                          AND (step <= $cursor OR step BETWEEN $ahead AND $top)"""
+_PAST_AHEAD = """SELECT EXISTS (SELECT 1 FROM current_steps WHERE run_id = $run AND step > $after AND step < $ahead),
+                        EXISTS (SELECT 1 FROM current_steps WHERE run_id = $run AND step > $top)"""
+STEPS_END = 2**40  # steps are in [0, STEPS_END): what ingest takes (collector/receive/decode.py)
 HEARTBEATS_S = 120  # heartbeats read back from the moment judged: a stall's culprits are in the last few
 
 
@@ -64,6 +70,12 @@ class Cursor:
     rollback: int = 0  # the newest applied rollback command seen
     world: int = 0  # the ranks known when it last judged
     ended_ns: int | None = None  # when every rank said it ended, once known
+    # Steps judged ahead of the cursor, from `ahead` to `top` (kept in memory only): steps that came
+    # below steps already judged (a step sent far ahead of the run, a job restarted from a checkpoint)
+    # moved the cursor back under them; the cursor goes on below `ahead`, and past `top` once the run
+    # has stepped past it, without judging again what was judged there.
+    ahead: int | None = None
+    top: int | None = None
 
 
 @dataclass
@@ -112,12 +124,21 @@ class Engine:
         return tuple(importlib.import_module(name) for name in self._modules)
 
     def judge(
-        self, con: duckdb.DuckDBPyConnection, run_id: str, now_ns: int, final: bool = False, ended_came: bool = True
+        self,
+        con: duckdb.DuckDBPyConnection,
+        run_id: str,
+        now_ns: int,
+        final: bool = False,
+        ended_came: bool = True,
+        arrived: tuple[int, int] | None = None,
     ) -> Judged:
         """The next pass over `run_id`, its cursor moved past what it judged. `final`: the steps not
         every rank has reported are judged too (nothing more will come). `ended_came`: `ended`
         events may have come since the last pass (the live collector knows when any did); they are
-        looked for then, on a run's first pass, and while it is ended (steps after its end undo it)."""
+        looked for then, on a run's first pass, and while it is ended (steps after its end undo it).
+        `arrived`: the lowest and the highest step of the rows committed for the run since its last
+        pass (the live collector knows; None: not known), so that steps arriving below steps already
+        judged are judged too."""
         new = run_id not in self.cursors
         if new and self.stored:
             row = con.execute(
@@ -130,7 +151,10 @@ class Engine:
             cursor.ended_ns = self._ended(con, run_id)
         world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
         self._ranks_came(con, run_id, cursor, world)
-        newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step}).fetchall())
+        self._came_below(con, run_id, cursor, arrived)
+        self._past_ahead(con, run_id, cursor)
+        before = STEPS_END if cursor.ahead is None else cursor.ahead
+        newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step, "before": before}).fetchall())
         world = max(world, len(newest))
         if final or cursor.ended_ns is not None:
             upto = max(newest.values(), default=cursor.step)
@@ -172,6 +196,36 @@ class Engine:
         (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchall()[0]
         if first is not None:
             cursor.step = int(first) - 1
+
+    def _came_below(
+        self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, arrived: tuple[int, int] | None
+    ) -> None:
+        """Steps that came at or below steps already judged (a rank's steps went back: a step sent far
+        ahead of the run, then the run's own; a job started again from a checkpoint; a batch sent
+        again after later ones): the cursor moves back under them, and the steps judged above them
+        (`ahead` to `top`) are not judged again. So the cursor follows the steps judged, never the
+        largest step seen: one step at 2^40 - 1 leaves the steps after it judged as they come."""
+        top = cursor.step if cursor.top is None else max(cursor.step, cursor.top)
+        if arrived is None or arrived[0] > top:
+            return
+        low, high = arrived
+        judged = {"cursor": cursor.step, "ahead": cursor.ahead, "top": cursor.top}
+        if cursor.ahead is None:
+            judged.update(ahead=STEPS_END, top=-1)
+        (ahead,) = con.execute(_FIRST_JUDGED_AFTER, {"run": run_id, "after": high, **judged}).fetchall()[0]
+        cursor.step = min(cursor.step, low - 1)
+        cursor.ahead, cursor.top = (None, None) if ahead is None else (int(ahead), top)
+
+    def _past_ahead(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> None:
+        """Once every step below those judged ahead is judged and the run has stepped past them, the
+        cursor goes on from the newest of them."""
+        if cursor.ahead is None or cursor.top is None:
+            return
+        below, past = con.execute(
+            _PAST_AHEAD, {"run": run_id, "after": cursor.step, "ahead": cursor.ahead, "top": cursor.top}
+        ).fetchall()[0]
+        if not below and past:
+            cursor.step, cursor.ahead, cursor.top = cursor.top, None, None
 
     def _rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
         """The cursor moved back to before the earliest step a rollback applied since the last pass

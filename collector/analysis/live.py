@@ -87,6 +87,7 @@ class Analysis:
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._ended: set[str] = set()  # runs with new `ended` events since the last pass
         self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
+        self._arrived: dict[str, tuple[int, int]] = {}  # run -> the lowest and highest step committed since its pass
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
         self._threading()
@@ -125,7 +126,12 @@ class Analysis:
             self._wake.set()
 
     def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
-        """The writer's word of a commit (a store task's): the runs it brought steps or events for."""
+        """The writer's word of a commit (a store task's): the runs it brought steps or events for, and
+        the steps it brought each (the engine judges those that came below steps already judged)."""
+        for part in tables.get("steps", ()):
+            span = part.group_by("run_id").aggregate([("step", "min"), ("step", "max")])
+            for run_id, low, high in zip(*(span[c].to_pylist() for c in ("run_id", "step_min", "step_max"))):
+                self._arrive(run_id, (low, high))
         for table in ("steps", "events"):
             run_ids = {run_id for part in tables.get(table, ()) for run_id in pc.unique(part["run_id"]).to_pylist()}
             ended = {
@@ -135,6 +141,14 @@ class Analysis:
                 for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()
             }
             self.touched(run_ids, steps=table == "steps", ended=ended)
+
+    def _arrive(self, run_id: str, steps: tuple[int, int] | None) -> None:
+        """A commit brought a run the steps from `steps[0]` to `steps[1]`: its next pass is told."""
+        if steps is None:
+            return
+        with self._lock:
+            was = self._arrived.get(run_id, steps)
+            self._arrived[run_id] = (min(was[0], steps[0]), max(was[1], steps[1]))
 
     def report_health(self, counters: "HealthCounters") -> None:
         """The server's counters, judged on the analysis thread with the writer's, right away."""
@@ -239,7 +253,13 @@ class Analysis:
         its power report started on a timer pass (`timed`) where it stepped since the last (power
         moves slowly, and commit-driven passes stay light); whether steps are left for another pass
         (the run is then judged again at once)."""
-        judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended)
+        with self._lock:
+            arrived = self._arrived.pop(run_id, None)
+        try:
+            judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended, arrived=arrived)
+        except Exception:
+            self._arrive(run_id, arrived)  # the next pass is told of them still
+            raise
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
@@ -255,6 +275,7 @@ class Analysis:
             )
         except Exception:
             self.engine.forget(run_id)  # the next pass judges these steps again, from the stored cursor
+            self._arrive(run_id, arrived)
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
