@@ -4,6 +4,7 @@ is found while it runs; the live collector and `rankwatch analyze` find the same
 same stores; a run's end is no stall, and resolves its findings."""
 
 import json
+import math
 import time
 
 import duckdb
@@ -12,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent import semconv as sc
 from collector.analysis.engine import Engine
+from collector.reports.query import run_remote
 from collector.store.schema import DDL
 from tests.conftest import rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
@@ -132,6 +135,38 @@ def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, da
         pass
     assert sorted(whole) == list(range(steps))
     assert all(judged.count(s) <= sum(step == s for _, (step,) in sent_far) for s in far)
+
+
+def test_a_step_far_ahead_leaves_the_runs_own_steps_judged_live(collector_factory):
+    """Every rank of a live run sends one step at 2^40 - 1, the largest ingest takes, and the
+    collector judges it; the run's own steps then come, a NaN loss among them: it is found, on its
+    step, and the rollback the policy asks for is queued for the job."""
+    collector = collector_factory(None, "--analyze-every", "3600")
+    run, nan_at = "far-ahead", 45
+    sending = exporters(collector, run, 2)
+    t0 = time.time_ns() - 100 * 100 * MS
+    for exporter in sending.values():
+        exporter.trace([("step", t0, t0 + 100 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: 2**40 - 1, sc.LOSS: 3.0})])
+        assert exporter.flush()
+
+    def cursor() -> list:
+        sql = f"SELECT step FROM analysis_cursors WHERE run_id = '{run}'"
+        return run_remote(collector.url, collector.token, sql)[1]
+
+    wait_until(lambda: cursor() == [[2**40 - 1]], "the far step was not judged")
+    for start in range(0, nan_at + 15, 10):
+        send_steps(sending, range(start, start + 10), t0, loss=lambda s: math.nan if s == nan_at else 3.0 - s / 100)
+
+    def rollback() -> list:
+        return run_remote(
+            collector.url, collector.token, f"SELECT args FROM commands WHERE run_id = '{run}' AND kind = 'rollback'"
+        )[1]
+
+    wait_until(rollback, "no rollback was queued for the NaN")
+    nan = [f for f in live_findings(collector, run) if f["kind"] == "nan"]
+    assert [f["step_start"] for f in nan] == [nan_at]
+    assert json.loads(rollback()[0][0])["before_step"] < nan_at
+    assert cursor()[0][0] < 2**40 - 1  # the cursor is on the run's own steps
 
 
 @pytest.mark.parametrize("rate", [10, 100])
