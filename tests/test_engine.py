@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent import semconv as sc
-from collector.analysis.engine import Engine
+from collector.analysis.engine import Engine, add_steps
 from collector.reports.query import run_remote
 from collector.store.schema import DDL
 from tests.conftest import rankwatch_in_process, simulated_store, wait_until
@@ -94,7 +94,7 @@ def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, da
     sent = dict.fromkeys(range(ranks), 0)
     present: set[int] = set()
     judged: list[int] = []
-    arrived: tuple[int, int] | None = None
+    arrived: list[tuple[int, int]] = []
     pending = [(rank, [step]) for step in far for rank in data.draw(st.sets(st.sampled_from(range(ranks)), min_size=1))]
     sent_far = list(pending)
     whole: list[int] = []  # the run's steps judged once every rank had reported them
@@ -104,13 +104,12 @@ def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, da
         nonlocal arrived
         _commit(con, "r", [(rank, s) for s in rows])
         present.update(rows)
-        low, high = min(rows), max(rows)
-        arrived = (low, high) if arrived is None else (min(arrived[0], low), max(arrived[1], high))
+        arrived = add_steps(arrived, [(min(rows), max(rows))])
 
     def judge(final: bool = False) -> bool:
         nonlocal arrived
         j = engine.judge(con, "r", 0, final=final, arrived=arrived)
-        arrived = None
+        arrived = []
         new = sorted(s for s in present if j.first_new <= s <= j.last)
         assert len(new) <= max(budget // ranks, 1)
         judged.extend(new)
@@ -135,6 +134,24 @@ def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, da
         pass
     assert sorted(whole) == list(range(steps))
     assert all(judged.count(s) <= sum(step == s for _, (step,) in sent_far) for s in far)
+
+
+def test_steps_sent_again_below_the_cursor_are_judged_again_alone():
+    """A client sends a run's first step again, and a step far ahead, beside its newest: the passes
+    after judge those steps, not the hundred already judged between them."""
+    con, engine = _store(), Engine()
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(rank, step) for step in range(100) for rank in (0, 1)])
+    assert engine.judge(con, "r", 0, arrived=[(0, 99)]).last == 99
+    _commit(con, "r", [(0, 0), (1, 0), (0, 2**40 - 1), (1, 2**40 - 1), (0, 100), (1, 100)])
+    arrived, judged = add_steps([], [(0, 0), (100, 100), (2**40 - 1, 2**40 - 1)]), []
+    while True:
+        j = engine.judge(con, "r", 0, arrived=arrived)
+        arrived = []
+        judged += [s for s in (0, *range(1, 101), 2**40 - 1) if j.first_new <= s <= j.last]
+        if not j.more:
+            break
+    assert sorted(judged) == [0, 100, 2**40 - 1]
 
 
 def test_a_step_far_ahead_leaves_the_runs_own_steps_judged_live(collector_factory):
