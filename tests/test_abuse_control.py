@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agent.commands import Commands
-from collector.control.api import MAX_BODY, MAX_DEPTH
+from collector.control.api import MAX_BODY, MAX_DEPTH, MAX_WAITING
 from tests.conftest import Collector, free_port, wait_until
 
 RUN = "run-abuse-control"
@@ -260,6 +260,35 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
 
 
 # --- the agent's side
+
+
+def test_held_polls_of_clients_gone_free_their_slots(collector, client):
+    """Clients hold every held-poll slot, then close their connections: a poll of a client still
+    there is held again within a second or so (it waits for a command), not answered at once as
+    while the slots are full."""
+    run = f"{RUN}-held"
+    request = (
+        f"GET /v1/commands?run_id={run}&state=pending&wait=30 HTTP/1.1\r\n"
+        f"Host: 127.0.0.1\r\nAuthorization: Bearer {collector.token}\r\n\r\n"
+    ).encode()
+
+    def poll_s(wait_s: float = 2.0) -> float:
+        started = time.monotonic()
+        answer = client.get("/v1/commands", params={"run_id": run, "state": "pending", "wait": wait_s})
+        assert answer.status_code == 200 and answer.json() == [], answer.text
+        return time.monotonic() - started
+
+    gone = [socket.create_connection(("127.0.0.1", collector.port)) for _ in range(MAX_WAITING)]
+    try:
+        for s in gone:
+            s.sendall(request)
+        wait_until(lambda: poll_s() < 1.0, "the polls of the clients to go never filled the slots")
+    finally:
+        for s in gone:
+            s.close()
+    closed = time.monotonic()
+    wait_until(lambda: poll_s() > 1.5, "no slot came free")
+    assert time.monotonic() - closed < 5  # a loaded machine: a slot is free within a second, the poll then held 2 s
 
 
 def test_the_agent_logs_a_failing_poll_once(collector, caplog):

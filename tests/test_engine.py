@@ -4,6 +4,7 @@ is found while it runs; the live collector and `rankwatch analyze` find the same
 same stores; a run's end is no stall, and resolves its findings."""
 
 import json
+import math
 import time
 
 import duckdb
@@ -12,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.analysis.engine import Engine
+from agent import semconv as sc
+from collector.analysis.engine import Engine, add_steps
+from collector.reports.query import run_remote
 from collector.store.schema import DDL
 from tests.conftest import rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
@@ -32,7 +35,7 @@ def _store() -> duckdb.DuckDBPyConnection:
 def _commit(con, run: str, rows: list[tuple[int, int]]) -> None:
     """Rank-steps as the writer appends them (with the ranks they come from)."""
     frame = pd.DataFrame(rows, columns=["rank", "step"]).assign(run_id=run)
-    frame["start_ts"] = pd.to_datetime(10**18 + frame["step"] * 10**8, unit="ns")
+    frame["start_ts"] = pd.to_datetime(10**18 + frame["step"].clip(upper=10**9) * 10**8, unit="ns")
     frame["end_ts"] = frame["start_ts"] + pd.Timedelta(100, "ms")
     frame = frame.assign(duration_s=0.1, compute_s=0.08, comm_wait_s=0.02, loss=3.0)
     con.execute(
@@ -68,6 +71,119 @@ def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data)
         if not j.more:
             break
     assert sorted(judged) == list(range(steps))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    steps=st.integers(1, 25),
+    budget=st.integers(1, 60),
+    far=st.lists(st.integers(26, 2**40 - 1), min_size=1, max_size=2, unique=True),
+    data=st.data(),
+)
+def test_steps_far_ahead_starve_no_step_below_them(ranks, steps, budget, far, data):
+    """Steps far ahead of the run (a bad step counter, a hostile client: any step ingest takes) come
+    first or between the run's own, whole or from some ranks; the run's steps come in commits of any
+    size, each rank's in order but the ranks apart, and a pass may come after any commit, told of
+    the steps committed since the one before, as the live collector tells it: each of the run's
+    steps is judged once every rank has reported it, and judged again only where a rank's far step
+    had made it look reported before; a far step is judged at most once a rank that sent it; and no
+    pass walks the empty steps between (a pass judges at most `budget` rank-steps)."""
+    con, engine = _store(), Engine(rank_steps=budget)
+    con.execute("INSERT INTO runs VALUES ('r', ?, now())", [ranks])
+    sent = dict.fromkeys(range(ranks), 0)
+    present: set[int] = set()
+    judged: list[int] = []
+    arrived: list[tuple[int, int]] = []
+    pending = [(rank, [step]) for step in far for rank in data.draw(st.sets(st.sampled_from(range(ranks)), min_size=1))]
+    sent_far = list(pending)
+    whole: list[int] = []  # the run's steps judged once every rank had reported them
+    went_far: set[int] = set()  # the ranks that have sent a far step
+
+    def commit(rank: int, rows: list[int]) -> None:
+        nonlocal arrived
+        _commit(con, "r", [(rank, s) for s in rows])
+        present.update(rows)
+        arrived = add_steps(arrived, [(min(rows), max(rows))])
+
+    def judge(final: bool = False) -> bool:
+        nonlocal arrived
+        j = engine.judge(con, "r", 0, final=final, arrived=arrived)
+        arrived = []
+        new = sorted(s for s in present if j.first_new <= s <= j.last)
+        assert len(new) <= max(budget // ranks, 1)
+        judged.extend(new)
+        whole.extend(s for s in new if s < steps and (s < min(sent.values()) or final))
+        early = [s for s in new if s < steps and not (s < min(sent.values()) or final)]
+        assert all(any(r in went_far for r, n in sent.items() if n <= s) for s in early)
+        return j.more
+
+    while pending or any(n < steps for n in sent.values()):
+        live = [r for r, n in sent.items() if n < steps]
+        if pending and (not live or data.draw(st.booleans())):
+            went_far.add(pending[0][0])
+            commit(*pending.pop(0))
+        else:
+            rank = data.draw(st.sampled_from(live))
+            n = data.draw(st.integers(1, steps - sent[rank]))
+            commit(rank, list(range(sent[rank], sent[rank] + n)))
+            sent[rank] += n
+        while data.draw(st.booleans()) and judge():
+            pass
+    while judge(final=True):
+        pass
+    assert sorted(whole) == list(range(steps))
+    assert all(judged.count(s) <= sum(step == s for _, (step,) in sent_far) for s in far)
+
+
+def test_steps_sent_again_below_the_cursor_are_judged_again_alone():
+    """A client sends a run's first step again, and a step far ahead, beside its newest: the passes
+    after judge those steps, not the hundred already judged between them."""
+    con, engine = _store(), Engine()
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(rank, step) for step in range(100) for rank in (0, 1)])
+    assert engine.judge(con, "r", 0, arrived=[(0, 99)]).last == 99
+    _commit(con, "r", [(0, 0), (1, 0), (0, 2**40 - 1), (1, 2**40 - 1), (0, 100), (1, 100)])
+    arrived, judged = add_steps([], [(0, 0), (100, 100), (2**40 - 1, 2**40 - 1)]), []
+    while True:
+        j = engine.judge(con, "r", 0, arrived=arrived)
+        arrived = []
+        judged += [s for s in (0, *range(1, 101), 2**40 - 1) if j.first_new <= s <= j.last]
+        if not j.more:
+            break
+    assert sorted(judged) == [0, 100, 2**40 - 1]
+
+
+def test_a_step_far_ahead_leaves_the_runs_own_steps_judged_live(collector_factory):
+    """Every rank of a live run sends one step at 2^40 - 1, the largest ingest takes, and the
+    collector judges it; the run's own steps then come, a NaN loss among them: it is found, on its
+    step, and the rollback the policy asks for is queued for the job."""
+    collector = collector_factory(None, "--analyze-every", "3600")
+    run, nan_at = "far-ahead", 45
+    sending = exporters(collector, run, 2)
+    t0 = time.time_ns() - 100 * 100 * MS
+    for exporter in sending.values():
+        exporter.trace([("step", t0, t0 + 100 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: 2**40 - 1, sc.LOSS: 3.0})])
+        assert exporter.flush()
+
+    def cursor() -> list:
+        sql = f"SELECT step FROM analysis_cursors WHERE run_id = '{run}'"
+        return run_remote(collector.url, collector.token, sql)[1]
+
+    wait_until(lambda: cursor() == [[2**40 - 1]], "the far step was not judged")
+    for start in range(0, nan_at + 15, 10):
+        send_steps(sending, range(start, start + 10), t0, loss=lambda s: math.nan if s == nan_at else 3.0 - s / 100)
+
+    def rollback() -> list:
+        return run_remote(
+            collector.url, collector.token, f"SELECT args FROM commands WHERE run_id = '{run}' AND kind = 'rollback'"
+        )[1]
+
+    wait_until(rollback, "no rollback was queued for the NaN")
+    nan = [f for f in live_findings(collector, run) if f["kind"] == "nan"]
+    assert [f["step_start"] for f in nan] == [nan_at]
+    assert json.loads(rollback()[0][0])["before_step"] < nan_at
+    assert cursor()[0][0] < 2**40 - 1  # the cursor is on the run's own steps
 
 
 @pytest.mark.parametrize("rate", [10, 100])

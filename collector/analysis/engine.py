@@ -11,12 +11,15 @@ were the newest. Analyzers that read only steps are not called where none came; 
 judge the passing of time (`Reads.every_pass`: a stall) are called on every pass.
 
 A rollback applied to the run moves its cursor back to the restored step: the steps trained
-again are judged again, as the new trajectory they are (`current_steps`).
+again are judged again, as the new trajectory they are (`current_steps`). Steps that come at or
+below steps already judged (told by the live collector, which sees each commit) move it back under
+them too, the steps judged above them kept apart, so that one step sent far ahead does not leave
+the run's own steps unjudged.
 """
 
 import importlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import duckdb
@@ -28,7 +31,8 @@ from collector.analysis.analyzers.registry import ANALYZERS
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
 RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
 
-_NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after GROUP BY rank"""
+_NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after AND step < $before
+             GROUP BY rank"""
 _NTH_STEP = """SELECT DISTINCT step FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
                ORDER BY step LIMIT 1 OFFSET $n"""
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
@@ -55,7 +59,34 @@ _WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
 _FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
                          (SELECT rank FROM ranks WHERE run_id = ? ORDER BY first_seen DESC LIMIT ?)"""
 _PLACEMENT = "SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?"
+_FIRST_JUDGED_AFTER = """SELECT min(step) FROM current_steps WHERE run_id = $run AND step > $after
+                          AND (step <= $cursor OR step BETWEEN $ahead AND $top)"""
+# (counts of at most one row: EXISTS over current_steps answers false wrongly in DuckDB 2.0.1)
+_PAST_AHEAD = """SELECT (SELECT count(*) FROM (SELECT 1 FROM current_steps
+                                         WHERE run_id = $run AND step > $after AND step < $ahead LIMIT 1)),
+                        (SELECT count(*) FROM (SELECT 1 FROM current_steps
+                                               WHERE run_id = $run AND step > $top LIMIT 1))"""
+STEPS_END = 2**40  # steps are in [0, STEPS_END): what ingest takes (collector/receive/decode.py)
+# Ranges of steps committed for a run and not yet judged, kept apart: a commit brings one a rank (its
+# batch), so a few; a client that scatters its steps gets the nearest merged, a few old steps judged again.
+MAX_LATE_RANGES = 64
 HEARTBEATS_S = 120  # heartbeats read back from the moment judged: a stall's culprits are in the last few
+
+
+def add_steps(ranges: Sequence[tuple[int, int]], new: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges of steps (each from its first step to its last), sorted, with `new` added: those that
+    overlap or touch merged, and at most MAX_LATE_RANGES kept (beyond, the two nearest merge, and
+    the steps between them, judged before, are judged again)."""
+    merged: list[list[int]] = []
+    for low, high in sorted([*ranges, *new]):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    while len(merged) > MAX_LATE_RANGES:
+        i = min(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+        merged[i : i + 2] = [[merged[i][0], merged[i + 1][1]]]
+    return [(low, high) for low, high in merged]
 
 
 @dataclass
@@ -64,6 +95,13 @@ class Cursor:
     rollback: int = 0  # the newest applied rollback command seen
     world: int = 0  # the ranks known when it last judged
     ended_ns: int | None = None  # when every rank said it ended, once known
+    # Steps judged ahead of the cursor, from `ahead` to `top` (kept in memory only): steps that came
+    # below steps already judged (a step sent far ahead of the run, a job restarted from a checkpoint)
+    # moved the cursor back under them; the cursor goes on below `ahead`, and past `top` once the run
+    # has stepped past it, without judging again what was judged there.
+    ahead: int | None = None
+    top: int | None = None
+    late: list[tuple[int, int]] = field(default_factory=list)  # steps committed at or below `top`, not yet judged
 
 
 @dataclass
@@ -112,12 +150,21 @@ class Engine:
         return tuple(importlib.import_module(name) for name in self._modules)
 
     def judge(
-        self, con: duckdb.DuckDBPyConnection, run_id: str, now_ns: int, final: bool = False, ended_came: bool = True
+        self,
+        con: duckdb.DuckDBPyConnection,
+        run_id: str,
+        now_ns: int,
+        final: bool = False,
+        ended_came: bool = True,
+        arrived: Sequence[tuple[int, int]] = (),
     ) -> Judged:
         """The next pass over `run_id`, its cursor moved past what it judged. `final`: the steps not
         every rank has reported are judged too (nothing more will come). `ended_came`: `ended`
         events may have come since the last pass (the live collector knows when any did); they are
-        looked for then, on a run's first pass, and while it is ended (steps after its end undo it)."""
+        looked for then, on a run's first pass, and while it is ended (steps after its end undo it).
+        `arrived`: the steps of the rows committed for the run since its last pass, as ranges (the
+        live collector knows; after the fact nothing is known), so that steps arriving below steps
+        already judged are judged too."""
         new = run_id not in self.cursors
         if new and self.stored:
             row = con.execute(
@@ -130,7 +177,11 @@ class Engine:
             cursor.ended_ns = self._ended(con, run_id)
         world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
         self._ranks_came(con, run_id, cursor, world)
-        newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step}).fetchall())
+        cursor.late = add_steps(cursor.late, arrived)
+        self._came_below(con, run_id, cursor)
+        self._past_ahead(con, run_id, cursor)
+        before = STEPS_END if cursor.ahead is None else cursor.ahead
+        newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step, "before": before}).fetchall())
         world = max(world, len(newest))
         if final or cursor.ended_ns is not None:
             upto = max(newest.values(), default=cursor.step)
@@ -150,7 +201,7 @@ class Engine:
             run_id,
             first_new,
             last,
-            more=more,
+            more=more or bool(cursor.late),
             rolled_back=rolled_back,
             behind=max(newest.values(), default=last) > last,
         )
@@ -161,7 +212,8 @@ class Engine:
                     settings = self.settings.get(analyzer.ANALYZER)
                     judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
         cursor.step, cursor.world = last, world
-        judged.ended = cursor.ended_ns is not None and not more
+        judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
+        judged.ended = cursor.ended_ns is not None and not judged.more
         return judged
 
     def _ranks_came(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
@@ -172,6 +224,38 @@ class Engine:
         (first,) = con.execute(_FIRST_OF_NEW_RANKS, [run_id, cursor.step, run_id, world - cursor.world]).fetchall()[0]
         if first is not None:
             cursor.step = int(first) - 1
+
+    def _came_below(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> None:
+        """Steps that came at or below steps already judged (a rank's steps went back: a step sent far
+        ahead of the run, then the run's own; a job started again from a checkpoint; a batch sent
+        again after later ones): the cursor moves back under the lowest range of them (the others
+        wait for the passes that follow at once), and the steps judged above it (`ahead` to `top`)
+        are not judged again. So the cursor follows the steps judged, never the largest step seen:
+        one step at 2^40 - 1 leaves the steps after it judged as they come."""
+        top = cursor.step if cursor.top is None else max(cursor.step, cursor.top)
+        cursor.late = [(low, high) for low, high in cursor.late if low <= top]  # the others are new steps
+        if not cursor.late:
+            return
+        (low, high), cursor.late = cursor.late[0], cursor.late[1:]
+        judged = {"cursor": cursor.step, "ahead": cursor.ahead, "top": cursor.top}
+        if cursor.ahead is None:
+            judged.update(ahead=STEPS_END, top=-1)
+        (ahead,) = con.execute(_FIRST_JUDGED_AFTER, {"run": run_id, "after": high, **judged}).fetchall()[0]
+        cursor.step = min(cursor.step, low - 1)
+        cursor.ahead, cursor.top = (None, None) if ahead is None else (int(ahead), top)
+
+    def _past_ahead(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> bool:
+        """Once every step below those judged ahead is judged and the run has stepped past them, the
+        cursor goes on from the newest of them; whether it did."""
+        if cursor.ahead is None or cursor.top is None:
+            return False
+        below, past = con.execute(
+            _PAST_AHEAD, {"run": run_id, "after": cursor.step, "ahead": cursor.ahead, "top": cursor.top}
+        ).fetchall()[0]
+        if below or not past:
+            return False
+        cursor.step, cursor.ahead, cursor.top = cursor.top, None, None
+        return True
 
     def _rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
         """The cursor moved back to before the earliest step a rollback applied since the last pass

@@ -25,13 +25,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.alerts.config import AlertConfig
 from collector.analysis import findings, losses
 from collector.analysis.analyzers import hangs, health, power, stragglers
-from collector.analysis.engine import ENDED, Engine
+from collector.analysis.engine import ENDED, Engine, add_steps
 from collector.control import commands
 from collector.reports import powercaps
 from collector.store.requests import Context, Request, handles
@@ -87,6 +88,7 @@ class Analysis:
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._ended: set[str] = set()  # runs with new `ended` events since the last pass
         self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
+        self._arrived: dict[str, list[tuple[int, int]]] = {}  # run -> the steps committed since its pass (ranges)
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
         self._threading()
@@ -125,7 +127,11 @@ class Analysis:
             self._wake.set()
 
     def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
-        """The writer's word of a commit (a store task's): the runs it brought steps or events for."""
+        """The writer's word of a commit (a store task's): the runs it brought steps or events for, and
+        the steps it brought each (the engine judges those that came below steps already judged)."""
+        for part in tables.get("steps", ()):
+            for run_id, ranges in _step_ranges(part).items():
+                self._arrive(run_id, ranges)
         for table in ("steps", "events"):
             run_ids = {run_id for part in tables.get(table, ()) for run_id in pc.unique(part["run_id"]).to_pylist()}
             ended = {
@@ -135,6 +141,12 @@ class Analysis:
                 for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()
             }
             self.touched(run_ids, steps=table == "steps", ended=ended)
+
+    def _arrive(self, run_id: str, ranges: list[tuple[int, int]]) -> None:
+        """A commit brought a run these ranges of steps: its next pass is told."""
+        if ranges:
+            with self._lock:
+                self._arrived[run_id] = add_steps(self._arrived.get(run_id, ()), ranges)
 
     def report_health(self, counters: "HealthCounters") -> None:
         """The server's counters, judged on the analysis thread with the writer's, right away."""
@@ -239,7 +251,13 @@ class Analysis:
         its power report started on a timer pass (`timed`) where it stepped since the last (power
         moves slowly, and commit-driven passes stay light); whether steps are left for another pass
         (the run is then judged again at once)."""
-        judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended)
+        with self._lock:
+            arrived = self._arrived.pop(run_id, [])
+        try:
+            judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended, arrived=arrived)
+        except Exception:
+            self._arrive(run_id, arrived)  # the next pass is told of them still
+            raise
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
@@ -255,6 +273,7 @@ class Analysis:
             )
         except Exception:
             self.engine.forget(run_id)  # the next pass judges these steps again, from the stored cursor
+            self._arrive(run_id, arrived)
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
@@ -324,6 +343,17 @@ class HealthCounters(Request[None]):
 @handles(HealthCounters)
 def _report_health(context: Context, counters: HealthCounters) -> None:
     context.task(Analysis).report_health(counters)
+
+
+def _step_ranges(steps: pa.Table) -> dict[str, list[tuple[int, int]]]:
+    """The steps of a commit's rows, by run, as ranges of consecutive steps (one a rank's batch)."""
+    pairs = steps.group_by(["run_id", "step"]).aggregate([]).sort_by([("run_id", "ascending"), ("step", "ascending")])
+    runs, numbers = pairs["run_id"].to_numpy(zero_copy_only=False), pairs["step"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, (runs[1:] != runs[:-1]) | (numbers[1:] != numbers[:-1] + 1)])
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for start, end in zip(starts, np.r_[starts[1:], len(numbers)] - 1, strict=True):
+        ranges.setdefault(runs[start], []).append((int(numbers[start]), int(numbers[end])))
+    return ranges
 
 
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:

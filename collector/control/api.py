@@ -56,21 +56,25 @@ class Waiting:
         self._held = 0
         self._ticking: asyncio.Task | None = None
 
-    async def until_pending(self, run_id: str, wait_s: float) -> None:
+    async def until_pending(self, run_id: str, wait_s: float, gone: Callable[[], Awaitable[None]]) -> bool:
         """Return once `run_id` has a pending command, after `wait_s` at the latest, at once when
-        MAX_WAITING polls are held already, and when the server is stopping."""
+        MAX_WAITING polls are held already, and when the server is stopping; or once `gone` returns
+        (the client has closed its connection: its slot is freed for the polls of clients still
+        there, not held to the end of a wait nobody is answered at). Whether the client is there."""
         if self._held >= MAX_WAITING:
-            return
+            return True
         woken = asyncio.Event()
         self._runs.setdefault(run_id, set()).add(woken)
         self._held += 1
         if self._ticking is None or self._ticking.done():
             self._ticking = asyncio.create_task(self._tick())
+        waits = (asyncio.ensure_future(woken.wait()), asyncio.ensure_future(gone()))
         try:
-            await asyncio.wait_for(woken.wait(), wait_s)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            return not waits[1].done()
         finally:
+            for task in waits:
+                task.cancel()
             self._held -= 1
             self._runs[run_id].discard(woken)
             if not self._runs[run_id]:
@@ -105,8 +109,12 @@ def routes(store: Callable[[], "Store"], token: str, stopping: Callable[[], bool
             try:
                 call, status, wait_s = await operation(request)
                 answer = await asyncio.wrap_future(store().call(call))
-                if not answer and wait_s > 0 and isinstance(call, ListCommands):
-                    await waiting.until_pending(call.run_id, wait_s)
+                if (
+                    not answer
+                    and wait_s > 0
+                    and isinstance(call, ListCommands)
+                    and await waiting.until_pending(call.run_id, wait_s, lambda: _disconnected(request))
+                ):
                     answer = await asyncio.wrap_future(store().call(call))
                 return JSONResponse(answer, status)
             except bodies.Refused as e:
@@ -142,6 +150,13 @@ def routes(store: Callable[[], "Store"], token: str, stopping: Callable[[], bool
         Route("/v1/commands", guarded(create), methods=["POST"]),
         Route("/v1/commands/{id}", guarded(update), methods=["POST"]),
     ]
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (the ASGI server's `http.disconnect`; a
+    poll's body, which it does not have, is read past)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _wait(text: str | None, state: str | None) -> float:
