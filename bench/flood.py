@@ -7,7 +7,7 @@ GETs /healthz every 100 ms. Reported: the peak RSS of the collector's process tr
 decode workers, writer), the sender's export p99 and count, and /healthz's slowest answer.
 
 Floods:
-- bombs: `--senders` threads posting valid 20 MiB trace requests gzipped ~200-fold, back to back;
+- bombs: `--senders` threads posting valid 19 MiB trace requests gzipped ~200-fold, back to back;
 - partial: `--uploads` connections each declaring a 20 MiB export and sending all but 1 MiB of it;
 - idle: `--idle` connections each sending part of a request's headers, then nothing;
 - json: 4 threads posting valid OTLP/JSON trace requests of 4 MiB (10,000 spans) back to back.
@@ -78,7 +78,7 @@ def _posting(collector: Collector, bodies: list[bytes], headers: dict, stop: thr
 def flood(name: str, collector: Collector, args, stop: threading.Event) -> list:
     """Start the flood `name`; returns what it holds open (closed by the caller)."""
     if name == "bombs":
-        bodies = [gzip.compress(padded_trace("bomb", rank, 20 * MiB), 6) for rank in range(4)]
+        bodies = [gzip.compress(padded_trace("bomb", rank, 19 * MiB), 6) for rank in range(4)]
         for _ in range(args.senders):
             threading.Thread(
                 target=_posting, args=(collector, bodies, {"Content-Encoding": "gzip"}, stop), daemon=True
@@ -101,7 +101,7 @@ def flood(name: str, collector: Collector, args, stop: threading.Event) -> list:
                 held.append(idle_connection(collector.url))
         except OSError:  # refused and closed while sending, or not accepted
             failed += 1
-    print(f"{name}: {len(held)} connections held, {failed} refused or closed while sending", file=sys.stderr)
+    print(f"{name}: {len(held)} connections opened, {failed} refused or closed while sending", file=sys.stderr)
     return held
 
 
@@ -175,7 +175,7 @@ def run(name: str, args, directory: Path) -> list[str]:
         f"{len(exports)}",
         f"{p99:,.2f} s",
         f"{max(probes, default=float('nan')):,.2f} s",
-        f"{log_bytes / 1024:,.0f} KiB",
+        f"{log_bytes:,} B",
     ]
 
 
@@ -194,8 +194,9 @@ def main() -> None:
     )
     parser.add_argument("--code", help="the checkout the collector runs from (default: this one)")
     args = parser.parse_args()
-    if args.code:
+    if args.code:  # `python -m rankwatch` imports from its working directory first
         os.environ["PYTHONPATH"] = str(Path(args.code).resolve())
+        os.chdir(args.code)
     table = Table("flood", "peak RSS", "good exports", "export p99", "/healthz max", "log")
     with tempfile.TemporaryDirectory() as directory:
         for name in args.floods.split(","):

@@ -55,7 +55,7 @@ class _Closings:
         self.unlogged += 1
         now = time.monotonic()
         if now - self.logged_at >= LOG_EVERY_S:
-            log.warning("%d connections closed over the cap of %d open connections", self.unlogged, self.cap)
+            log.warning("closed %d connection(s) over the cap of %d open connections", self.unlogged, self.cap)
             self.unlogged, self.logged_at = 0, now
 
 
@@ -71,8 +71,8 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]
             super().connection_made(transport)
             self._await_headers()
             if len(self.connections) > max_connections:
-                oldest = next(iter(waiting))
-                oldest.transport.close()  # its connection_lost forgets it
+                oldest, _ = waiting.popitem(last=False)  # now, not when closed: the next one takes another
+                oldest.transport.close()
                 closings.note()
 
         def data_received(self, data: bytes) -> None:

@@ -116,14 +116,6 @@ def _batch(waiting: list[tuple[Request, asyncio.Future]], max_bytes: int) -> lis
     return waiting[:MAX_BATCH]
 
 
-def _inflate(body: bytes, encoding: str, cap: int) -> bytes:
-    """otlp.decompress on an inflater thread, and the memory inflating a large body freed given back."""
-    try:
-        return otlp.decompress(body, encoding, cap)
-    finally:
-        return_memory()
-
-
 def _ready() -> None:
     """A task that returns once a worker has started."""
 
@@ -172,10 +164,10 @@ class Ingestor:
 
     async def inflate(self, body: bytes, encoding: str | None, cap: int) -> bytes:
         """The body decompressed, within `cap` bytes (OtlpError 413 past it, 400 for bad gzip), on an
-        inflater thread; what inflating a large body freed goes back to the system."""
+        inflater thread."""
         if encoding is None:
             return otlp.decompress(body, None, cap)
-        return await asyncio.get_running_loop().run_in_executor(self._inflaters, _inflate, body, encoding, cap)
+        return await asyncio.get_running_loop().run_in_executor(self._inflaters, otlp.decompress, body, encoding, cap)
 
     async def export(self, signal: str, kind: str, body: bytes) -> Outcome:
         """Decode and commit one request (its body decompressed); returns once its rows are durable.
