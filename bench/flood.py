@@ -93,7 +93,10 @@ def flood(name: str, collector: Collector, args, stop: threading.Event) -> list:
         return []
     held: list[socket.socket] = []
     failed = 0
+    deadline = time.monotonic() + args.seconds  # a collector out of descriptors leaves connects hanging
     for _ in range(args.uploads if name == "partial" else args.idle):
+        if time.monotonic() > deadline:
+            break
         try:
             if name == "partial":
                 held.append(partial_upload(collector.url, collector.token, 20 * MiB, 19 * MiB))
@@ -200,7 +203,9 @@ def main() -> None:
     table = Table("flood", "peak RSS", "good exports", "export p99", "/healthz max", "log")
     with tempfile.TemporaryDirectory() as directory:
         for name in args.floods.split(","):
-            table.add_row(*run(name, args, Path(directory)))
+            row = run(name, args, Path(directory))
+            print(" | ".join(row), file=sys.stderr, flush=True)
+            table.add_row(*row)
     Console().print(table)
 
 

@@ -88,7 +88,7 @@ def padded_trace(run_id: str, rank: int, nbytes: int, pad: int = 16 * 2**10) -> 
 
 def _connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
+    return socket.create_connection((host, int(port)), timeout=2)
 
 
 def partial_upload(url: str, token: str, declared: int, sent: int) -> socket.socket:

@@ -12,7 +12,9 @@ per-call costs of decoding and writing are shared by many requests. A worker
 hands the batch's Arrow tables straight to the store's writer process and
 tells the server only each request's counts; the server's event loop never
 touches the rows, and awaits the writer's acknowledgement of each request.
-A batch holds at most MAX_BATCH_BYTES of bodies, and OTLP/JSON (whose decode
+A batch holds at most MAX_BATCH_BYTES of bodies, the smallest waiting first
+(a sender of small exports is not held up behind a flood of 20 MiB ones
+already admitted), and OTLP/JSON (whose decode
 costs tens of times protobuf's a byte) is decoded in at most one worker at a
 time where there are several, so JSON senders cannot stall protobuf exports.
 """
@@ -106,7 +108,7 @@ def decode_batch(
 
 
 def _batch(waiting: list[tuple[Request, asyncio.Future]], max_bytes: int) -> list[tuple[Request, asyncio.Future]]:
-    """The oldest waiting requests that fit in one batch: at most MAX_BATCH of them and `max_bytes`
+    """The first waiting requests that fit in one batch: at most MAX_BATCH of them and `max_bytes`
     of bodies, and always at least one."""
     size = 0
     for n, (request, _) in enumerate(waiting[:MAX_BATCH]):
@@ -199,6 +201,7 @@ class Ingestor:
             if not ready:
                 return
             key = ready[0]
+            self._waiting[key].sort(key=lambda waiting: len(waiting[0].body))  # stable: oldest first among equals
             batch = _batch(self._waiting[key], MAX_JSON_BATCH_BYTES if key[1] == otlp.JSON else MAX_BATCH_BYTES)
             if len(batch) < len(self._waiting[key]):
                 self._waiting[key] = self._waiting[key][len(batch) :]
