@@ -2,7 +2,10 @@
 
 Checks run cheapest first (token, content type, size) so a refused request
 costs almost nothing; a request is answered 200 only after its rows are
-committed. /healthz and /metrics carry no training data and need no token,
+committed. What the server holds is bounded whatever clients send: bodies
+being read (a budget across connections), bodies waiting for commit (the
+write queue, in decompressed bytes), open connections (a cap, and a deadline
+for request headers: collector/receive/connections.py). /healthz and /metrics carry no training data and need no token,
 as Prometheus and load balancers expect.
 """
 
@@ -26,11 +29,12 @@ from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
 from collector.analysis.analyzers import hangs
 from collector.analysis.live import Analysis, HealthCounters
+from collector.children import bound_heap
 from collector.control import api as control
 from collector.control.commands import ROLLBACK_ON, RollbackPolicy
 from collector.metrics.collector import SelfMetrics
 from collector.metrics.runs import MAX_RUNS, RunMetrics
-from collector.receive import bodies, otlp
+from collector.receive import bodies, connections, otlp
 from collector.receive.auth import CHALLENGE, load_or_create_token, refusal
 from collector.receive.decode import describe_decoder
 from collector.receive.ingest import Ingestor
@@ -51,7 +55,11 @@ class Config:
     port: int = 4318
     token: str | None = None  # None: the token file beside the DB, created on first start; 16 characters at least
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
-    max_queue_bytes: int = 256 * 2**20  # request bytes waiting for commit before exports get 503
+    max_queue_bytes: int = 128 * 2**20  # decompressed request bytes waiting for commit before exports get 503
+    max_reading_bytes: int = 64 * 2**20  # request body bytes being read, all connections together, before 503
+    body_timeout_s: float = 60.0  # the longest an export's body may take to arrive (408 after)
+    header_timeout_s: float = 10.0  # the longest a connection may take to send its request headers
+    max_connections: int = 4096  # open connections (fewer where file descriptors are fewer)
     analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
     hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
     rollback_on: frozenset[str] = ROLLBACK_ON  # the anomalies that become a rollback for the job; empty: none
@@ -60,19 +68,13 @@ class Config:
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
 
 
-async def _read_body(request: Request) -> bytes:
-    try:
-        return await bodies.read(request, otlp.MAX_BODY)
-    except bodies.Refused as e:
-        raise otlp.OtlpError(e.status, str(e)) from None
-
-
 def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
     token = checked_token(config.token, "--token") if config.token else load_or_create_token(config.db.parent)
     metrics = SelfMetrics()
     metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request), config.metrics_runs))
     state: dict = {}
+    reading = bodies.Budget(config.max_reading_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -131,9 +133,11 @@ def create_app(config: Config) -> Starlette:
                     raise otlp.OtlpError(401, reason)
                 kind = otlp.media_type(request.headers.get("content-type"))
                 outcome = await state["ingestor"].export(
-                    signal, kind, otlp.encoding(request.headers.get("content-encoding")), await _read_body(request)
+                    signal, kind, await inflated(request, otlp.encoding(request.headers.get("content-encoding")), kind)
                 )
             except otlp.OtlpError as e:
+                if e.status == 503:
+                    return _unavailable(signal, str(e), kind)
                 metrics.requests.labels(signal, e.status).inc()
                 headers = CHALLENGE if e.status == 401 else None
                 return Response(otlp.status(e.status, str(e), kind), e.status, headers, media_type=kind)
@@ -151,6 +155,19 @@ def create_app(config: Config) -> Starlette:
             return Response(otlp.success(signal, outcome.rejected, outcome.error, kind), media_type=kind)
 
         return export
+
+    async def inflated(request: Request, encoding: str | None, kind: str) -> bytes:
+        """The body read and decompressed within its media type's cap; its wire bytes are held in the
+        reading budget until it is decompressed, and the write queue admits it by that size."""
+        cap = otlp.max_body(kind)
+        try:
+            body = await bodies.read(request, cap, reading, config.body_timeout_s)
+        except bodies.Refused as e:
+            raise otlp.OtlpError(e.status, str(e)) from None
+        try:
+            return await state["ingestor"].inflate(body, encoding, cap)
+        finally:
+            reading.give(len(body))
 
     def _unavailable(signal: str, message: str, kind: str) -> Response:
         metrics.requests.labels(signal, 503).inc()
@@ -195,11 +212,21 @@ def check_address(host: str, port: int) -> None:
 def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint; exit non-zero when the store gave
     up on its writer (Store.failure), for a supervisor to start it again."""
+    bound_heap()
     app = create_app(config)
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
     print(describe_decoder(), flush=True)
+    http = connections.protocol(connections.usable_connections(config.max_connections), config.header_timeout_s)
     app.state.server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=30)
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=30,
+            http=http,
+            backlog=connections.ACCEPT_BACKLOG,
+        )
     )
     app.state.server.run()
     if app.state.failed:

@@ -129,6 +129,9 @@ def cmd_collector(args) -> None:
         token=checked,
         workers=args.workers,
         max_queue_bytes=args.max_queue_bytes,
+        max_reading_bytes=args.max_reading_bytes,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
         analyze_every_s=args.analyze_every,
         hang_after_s=args.hang_after,
         rollback_on=frozenset() if args.no_auto_rollback else args.rollback_on,
@@ -798,8 +801,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue-bytes",
         type=POSITIVE,
-        default=256 * 2**20,
-        help="request bytes waiting for commit before exports get 503 + Retry-After",
+        default=128 * 2**20,
+        help="request bytes (decompressed) waiting for commit before exports get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--max-reading-bytes",
+        type=POSITIVE,
+        default=64 * 2**20,
+        help="request body bytes being read, all connections together, before exports get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_quantity(allow_zero=False),
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection that has not sent its request headers this long is closed (default 10)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=POSITIVE,
+        default=4096,
+        help="open connections; past it the one waiting longest for its headers is closed (default 4096)",
     )
     p.add_argument(
         "--analyze-every",

@@ -1,12 +1,16 @@
 """Request bodies read within a cap, and JSON bodies held to what the store can keep and send back.
 
 A body is read as a stream and never held past its cap, so no client makes
-the server hold more. A JSON body is parsed strictly: numbers finite and
-integers within 64 bits (DuckDB's BIGINT, and what an answer can carry back),
-nesting bounded (deep values cannot cross the writer process's queue), text
-that UTF-8 can carry. Whatever passes can be stored and answered as JSON.
+the server hold more; where a Budget is given, the bodies being read on all
+connections together hold at most its bytes, so many partial uploads cannot
+add up to more either, and a deadline lets none hold its share for ever.
+A JSON body is parsed strictly: numbers finite and integers within 64 bits
+(DuckDB's BIGINT, and what an answer can carry back), nesting bounded (deep
+values cannot cross the writer process's queue), text that UTF-8 can carry.
+Whatever passes can be stored and answered as JSON.
 """
 
+import asyncio
 import json
 import math
 
@@ -17,7 +21,8 @@ _INT64 = 2**63
 
 
 class Refused(Exception):
-    """A body the server refuses, with its HTTP status: 400 malformed, 413 too large."""
+    """A body the server refuses, with its HTTP status: 400 malformed, 408 too slow, 413 too large,
+    503 the budget of bodies being read is spent."""
 
     def __init__(self, status: int, message: str):
         super().__init__(status, message)
@@ -28,23 +33,58 @@ class Refused(Exception):
         return self.message
 
 
-async def read(request: Request, cap: int) -> bytes:
+class Budget:
+    """Bytes of request bodies held across all connections (one event loop: no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Hold `nbytes` more, or False (nothing held) when that would pass the limit."""
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+async def read(request: Request, cap: int, budget: Budget | None = None, timeout_s: float | None = None) -> bytes:
     """The body, or Refused(413) when it is over `cap` bytes; never holds more than `cap`.
 
     One declared (Content-Length) far over is refused unread; one a little over is
-    read on, and dropped, so that a client still sending gets the answer."""
+    read on, and dropped, so that a client still sending gets the answer. With a
+    `budget`, the body's bytes are taken from it as they arrive (Refused(503) once it
+    is spent) and stay taken: the caller gives back len(body) when done with it.
+    Refused(408) when the body has not arrived within `timeout_s`."""
     too_large = Refused(413, f"body larger than {cap} bytes")
     length = request.headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length) > _DRAIN * cap:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= cap:
-            chunks.append(chunk)
-        elif size > _DRAIN * cap:
-            break
-    if size > cap:
+    chunks: list[bytes] = []
+    size = held = 0
+    kept = False  # whether the caller gets the body, and with it the bytes held
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= cap:
+                    if budget is not None:
+                        if not budget.take(len(chunk)):
+                            raise Refused(503, "the collector is reading as many request bodies as it holds; retry")
+                        held += len(chunk)
+                    chunks.append(chunk)
+                elif size > _DRAIN * cap:
+                    break
+        kept = size <= cap
+    except TimeoutError:
+        raise Refused(408, f"the body did not arrive within {timeout_s} s") from None
+    finally:
+        if budget is not None and not kept:
+            budget.give(held)
+    if not kept:
         raise too_large
     return b"".join(chunks)
 

@@ -1,5 +1,10 @@
 """From request body to committed rows: decode in worker processes, write in the store.
 
+A gzip body is inflated first, on one of INFLATERS threads (zlib lets go of
+the GIL), so that the write queue admits each request by its decompressed
+size: what the collector holds is bounded in the bytes it works on, not in
+the bytes that came over the wire (a 265 KiB gzip body can hold 20 MiB).
+
 Decoding is CPU-bound, so it runs in a pool of worker processes (one per core
 by default). Requests that arrive while every worker is busy wait and go to
 the next free worker together, as one batch: under load, batches grow and the
@@ -7,6 +12,11 @@ per-call costs of decoding and writing are shared by many requests. A worker
 hands the batch's Arrow tables straight to the store's writer process and
 tells the server only each request's counts; the server's event loop never
 touches the rows, and awaits the writer's acknowledgement of each request.
+A batch holds at most MAX_BATCH_BYTES of bodies, the smallest waiting first
+(a sender of small exports is not held up behind a flood of 20 MiB ones
+already admitted), and OTLP/JSON (whose decode
+costs tens of times protobuf's a byte) is decoded in at most one worker at a
+time where there are several, so JSON senders cannot stall protobuf exports.
 """
 
 import asyncio
@@ -15,18 +25,22 @@ import hashlib
 import multiprocessing
 import os
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
-from collector.children import die_with_parent
+from collector.children import bound_heap, die_with_parent, return_memory
 from collector.receive import otlp
-from collector.receive.decode import DECODERS, MAX_ITEMS, admit, arrow_schema, decode
+from collector.receive.decode import DECODERS, MAX_ATTRIBUTES, MAX_ITEMS, admit, arrow_schema, decode
 from collector.store.handle import Store
 from collector.store.schema import TELEMETRY_TABLES
 
 MAX_BATCH = 64  # requests decoded together at most
+MAX_BATCH_BYTES = 16 * 2**20  # decompressed body bytes decoded together at most (one body may be larger)
+MAX_JSON_BATCH_BYTES = otlp.MAX_JSON_BODY  # OTLP/JSON decoded together at most: ~1 s of CPU
+INFLATERS = 2  # threads inflating gzip bodies: each holds at most one body's cap at a time
+_TRIM_BYTES = 2**20  # after work on this many bytes, freed heap goes back to the system
 _writer_queue: Queue | None = None  # in a decode worker: the store's request queue
 
 
@@ -47,25 +61,24 @@ class Request:
     id: int
     signal: str
     kind: str
-    encoding: str | None
-    body: bytes
+    body: bytes  # decompressed
 
 
 def decode_batch(
     requests: list[Request],
     writer_queue: Queue | None = None,
 ) -> list[Outcome | otlp.OtlpError]:
-    """Decompress and decode requests of one signal, queue their rows for the writer as one
-    message, and return each request's outcome (an OtlpError for one that cannot be read or is
-    too large; it alone)."""
+    """Decode requests of one signal, queue their rows for the writer as one message, and return
+    each request's outcome (an OtlpError for one that cannot be read or is too large; it alone)."""
     answers: dict[int, Outcome | otlp.OtlpError] = {}
     bodies, readable = [], []
     for request in requests:
         try:
-            body = otlp.decompress(request.body, request.encoding)
+            body = request.body
             digest = hashlib.blake2b(request.signal.encode() + b"\0" + body, digest_size=16).digest()
             if request.kind == otlp.JSON:
-                body = otlp.parse(body, request.kind, DECODERS[request.signal][0], MAX_ITEMS).SerializeToString()
+                message = DECODERS[request.signal][0]
+                body = otlp.parse(body, request.kind, message, MAX_ITEMS, MAX_ATTRIBUTES).SerializeToString()
             admit(request.signal, body)
         except otlp.OtlpError as e:
             answers[request.id] = e
@@ -89,7 +102,20 @@ def decode_batch(
             queue = writer_queue or _writer_queue
             assert queue is not None  # the store's, given in the server or set in a decode worker
             queue.put((stored, decoded))
+    if sum(len(request.body) for request in requests) >= _TRIM_BYTES:
+        return_memory()
     return [answers[request.id] for request in requests]
+
+
+def _batch(waiting: list[tuple[Request, asyncio.Future]], max_bytes: int) -> list[tuple[Request, asyncio.Future]]:
+    """The first waiting requests that fit in one batch: at most MAX_BATCH of them and `max_bytes`
+    of bodies, and always at least one."""
+    size = 0
+    for n, (request, _) in enumerate(waiting[:MAX_BATCH]):
+        size += len(request.body)
+        if n and size > max_bytes:
+            return waiting[:n]
+    return waiting[:MAX_BATCH]
 
 
 def _ready() -> None:
@@ -99,6 +125,7 @@ def _ready() -> None:
 def _init_worker(writer_queue: Queue) -> None:
     global _writer_queue
     die_with_parent()
+    bound_heap()
     # A worker exits only when the pool is replaced (its writer died: nobody reads the queue) or
     # shut down (every request it decoded has been acknowledged): never wait to flush at exit.
     writer_queue.cancel_join_thread()
@@ -115,8 +142,12 @@ class Ingestor:
         self._workers = (os.cpu_count() or 1) if workers is None else workers
         self._generation = store.generation  # the store's writer the pool's workers write to
         self._pool = self._new_pool()
-        self._waiting: dict[str, list[tuple[Request, asyncio.Future]]] = defaultdict(list)
+        self._inflaters = ThreadPoolExecutor(INFLATERS, thread_name_prefix="rankwatch-inflate")
+        # requests waiting for a worker, by signal and media type (JSON is decoded in fewer workers)
+        self._waiting: dict[tuple[str, str], list[tuple[Request, asyncio.Future]]] = defaultdict(list)
         self._busy = 0  # batches being decoded
+        self._busy_json = 0  # of which OTLP/JSON
+        self._max_json = max(self._workers - 1, 1)  # batches of JSON decoded at once: a worker stays for protobuf
 
     def _new_pool(self) -> ProcessPoolExecutor | None:
         if self._workers == 0:
@@ -133,12 +164,19 @@ class Ingestor:
             started.result()
         return pool
 
-    async def export(self, signal: str, kind: str, encoding: str | None, body: bytes) -> Outcome:
-        """Decompress, decode and commit one request; returns once its rows are durable.
+    async def inflate(self, body: bytes, encoding: str | None, cap: int) -> bytes:
+        """The body decompressed, within `cap` bytes (OtlpError 413 past it, 400 for bad gzip), on an
+        inflater thread."""
+        if encoding is None:
+            return otlp.decompress(body, None, cap)
+        return await asyncio.get_running_loop().run_in_executor(self._inflaters, otlp.decompress, body, encoding, cap)
+
+    async def export(self, signal: str, kind: str, body: bytes) -> Outcome:
+        """Decode and commit one request (its body decompressed); returns once its rows are durable.
         Raises OtlpError for a request that cannot be read, Overloaded when the queue is full."""
         request_id, committed = self.store.expect(len(body))
         decoded = asyncio.get_running_loop().create_future()
-        self._waiting[signal].append((Request(request_id, signal, kind, encoding, body), decoded))
+        self._waiting[signal, kind].append((Request(request_id, signal, kind, body), decoded))
         self._dispatch()
         try:
             outcome = await decoded
@@ -158,25 +196,35 @@ class Ingestor:
             # a new writer, on new queues: workers hand rows to the queue they were started with
             self._pool.shutdown(wait=False)  # what it still decodes was failed with the dead writer
             self._generation, self._pool = self.store.generation, self._new_pool()
-        while self._waiting and self._busy < max(self._workers, 1):
-            signal = next(iter(self._waiting))
-            batch, rest = self._waiting[signal][:MAX_BATCH], self._waiting[signal][MAX_BATCH:]
-            if rest:
-                self._waiting[signal] = rest
+        while self._busy < max(self._workers, 1):
+            ready = [key for key in self._waiting if key[1] != otlp.JSON or self._busy_json < self._max_json]
+            if not ready:
+                return
+            key = ready[0]
+            self._waiting[key].sort(key=lambda waiting: len(waiting[0].body))  # stable: oldest first among equals
+            batch = _batch(self._waiting[key], MAX_JSON_BATCH_BYTES if key[1] == otlp.JSON else MAX_BATCH_BYTES)
+            if len(batch) < len(self._waiting[key]):
+                self._waiting[key] = self._waiting[key][len(batch) :]
             else:
-                del self._waiting[signal]
+                del self._waiting[key]
             requests = [request for request, _ in batch]
             if self._pool is None:
                 task = loop.run_in_executor(None, decode_batch, requests, self.store.requests)
             else:
                 task = loop.run_in_executor(self._pool, decode_batch, requests)
             self._busy += 1
-            task.add_done_callback(functools.partial(self._decoded, batch=batch, pool=self._pool))
+            self._busy_json += key[1] == otlp.JSON
+            task.add_done_callback(functools.partial(self._decoded, batch=batch, pool=self._pool, kind=key[1]))
 
     def _decoded(
-        self, task: asyncio.Future, batch: list[tuple[Request, asyncio.Future]], pool: ProcessPoolExecutor | None
+        self,
+        task: asyncio.Future,
+        batch: list[tuple[Request, asyncio.Future]],
+        pool: ProcessPoolExecutor | None,
+        kind: str,
     ) -> None:
         self._busy -= 1
+        self._busy_json -= kind == otlp.JSON
         failed = task.exception()
         if isinstance(failed, BrokenProcessPool) and pool is not None and pool is self._pool:
             self._pool = self._new_pool()
@@ -191,6 +239,7 @@ class Ingestor:
         self._dispatch()
 
     def close(self) -> None:
+        self._inflaters.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None  # releases its queues' semaphores before uvicorn re-raises SIGTERM

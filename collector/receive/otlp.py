@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 MAX_BODY = 20 * 2**20  # bytes, after decompression
+MAX_JSON_BODY = 4 * 2**20  # bytes of OTLP/JSON, after decompression: its decode costs ~60x protobuf's
 MAX_GZIP_MEMBERS = 16
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -52,27 +53,38 @@ def encoding(content_encoding: str | None) -> str | None:
     return None if value == "identity" else value
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    """The body with its encoding (None or "gzip") removed, never more than MAX_BODY bytes.
+def max_body(kind: str) -> int:
+    """The most bytes a body of this media type may hold, after decompression."""
+    return MAX_JSON_BODY if kind == JSON else MAX_BODY
 
-    Inflation stops at the limit, so a gzip bomb costs at most MAX_BODY of memory. A gzip body of
-    several members (as concatenated gzip files are) is read whole, up to MAX_GZIP_MEMBERS of them:
-    each further member costs a copy of the rest of the body.
+
+def decompress(body: bytes, encoding: str | None, cap: int = MAX_BODY) -> bytes:
+    """The body with its encoding (None or "gzip") removed, never more than `cap` bytes.
+
+    A gzip body whose trailer declares more than `cap` is refused before inflating, and inflation
+    stops at the cap anyway (the trailer is the client's word), so a gzip bomb costs at most `cap`
+    of memory. A gzip body of several members (as concatenated gzip files are) is read whole, up to
+    MAX_GZIP_MEMBERS of them: each further member costs a copy of the rest of the body.
     """
+    too_large = OtlpError(413, f"body larger than {cap} bytes after decompression")
     if encoding is None:
-        if len(body) > MAX_BODY:
-            raise OtlpError(413, f"body larger than {MAX_BODY} bytes")
+        if len(body) > cap:
+            raise too_large
         return body
+    declared = int.from_bytes(body[-4:], "little")  # ISIZE: the last member's size (mod 2^32), a lower bound
     out = bytearray()
     rest = body
     for _ in range(MAX_GZIP_MEMBERS):
         inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         try:
-            out += inflater.decompress(rest, MAX_BODY + 1 - len(out))
+            out += inflater.decompress(rest, 64)  # the header and a first block: a body that is not gzip is 400
+            if declared > cap:
+                raise too_large
+            out += inflater.decompress(inflater.unconsumed_tail, cap + 1 - len(out))
         except zlib.error as e:
             raise OtlpError(400, f"invalid gzip body: {e}") from None
-        if len(out) > MAX_BODY:
-            raise OtlpError(413, f"body larger than {MAX_BODY} bytes after decompression")
+        if len(out) > cap:
+            raise too_large
         if not inflater.eof:
             raise OtlpError(400, "invalid gzip body: truncated")
         rest = inflater.unused_data
@@ -100,9 +112,14 @@ _ENTRY_LISTS = frozenset(
 )
 
 
-def _prepare(node, entries: list[int]) -> None:
-    """OTLP/JSON ids from hex to the base64 protobuf's JSON mapping wants, and the tree's entries
-    counted into entries[0] on the way (one walk of the tree)."""
+# The objects whose attributes a whole request shares: no item can be refused alone for them.
+_SHARED = frozenset(("resource", "scope"))
+
+
+def _prepare(node, entries: list[int], max_attributes: int | None) -> None:
+    """OTLP/JSON ids from hex to the base64 protobuf's JSON mapping wants, the tree's entries
+    counted into entries[0] on the way (one walk of the tree), and 413 for a resource or scope
+    with more than `max_attributes` attributes."""
     if isinstance(node, dict):
         for key, val in node.items():
             if key in _ID_FIELDS and isinstance(val, str):
@@ -113,16 +130,27 @@ def _prepare(node, entries: list[int]) -> None:
             else:
                 if key in _ENTRY_LISTS and isinstance(val, list):
                     entries[0] += len(val)
-                _prepare(val, entries)
+                elif key in _SHARED and max_attributes is not None and isinstance(val, dict):
+                    attributes = val.get("attributes")
+                    if isinstance(attributes, list) and len(attributes) > max_attributes:
+                        raise OtlpError(413, f"a {key} has more than {max_attributes} attributes")
+                _prepare(val, entries, max_attributes)
     elif isinstance(node, list):
         for item in node:
-            _prepare(item, entries)
+            _prepare(item, entries, max_attributes)
 
 
-def parse(body: bytes, kind: str, message: type[Message], max_entries: int | None = None) -> Message:
+def parse(
+    body: bytes,
+    kind: str,
+    message: type[Message],
+    max_entries: int | None = None,
+    max_attributes: int | None = None,
+) -> Message:
     """The request message, or 400 when the body does not decode; for JSON, 413 past `max_entries`
-    resources, scopes, items and data points, counted before the costly conversion to protobuf (2M
-    empty spans, 6 MiB of JSON, took 9 s of CPU to convert)."""
+    resources, scopes, items and data points, or a resource or scope past `max_attributes`
+    attributes, counted before the costly conversion to protobuf (2M empty spans, 6 MiB of JSON,
+    took 9 s of CPU to convert)."""
     request = message()
     try:
         if kind == PROTOBUF:
@@ -132,7 +160,7 @@ def parse(body: bytes, kind: str, message: type[Message], max_entries: int | Non
             if not isinstance(tree, dict):
                 raise OtlpError(400, f"malformed {message.DESCRIPTOR.name}: JSON body is not an object")
             entries = [0]
-            _prepare(tree, entries)
+            _prepare(tree, entries, max_attributes)
             if max_entries is not None and entries[0] > max_entries:
                 raise OtlpError(
                     413, f"more than {max_entries} resources, scopes and items in one request; send smaller batches"
@@ -163,7 +191,7 @@ def success(signal: str, rejected: int, error: str, kind: str) -> bytes:
 
 def status(code: int, message: str, kind: str) -> bytes:
     """A google.rpc.Status body for a failed request."""
-    grpc_code = {400: 3, 401: 16, 413: 8, 415: 3, 503: 14}.get(code, 13)
+    grpc_code = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 503: 14}.get(code, 13)
     return encode(Status(code=grpc_code, message=message), kind)
 
 

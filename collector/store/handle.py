@@ -1,5 +1,5 @@
 """The server's handle on the store's writer process (collector/store/writer.py): admission of
-requests within a byte budget, a future for each request and call, and a new writer when one dies."""
+requests within a budget of decompressed bytes, a future for each request and call, and a new writer when one dies."""
 
 import itertools
 import logging
@@ -46,7 +46,7 @@ class Store:
     def __init__(
         self,
         path: Path,
-        max_queue_bytes: int = 256 * 2**20,
+        max_queue_bytes: int = 128 * 2**20,
         on_commit: Callable[[float, int], None] | None = None,
         tasks: Sequence[writer.Task] = (),
         on_failure: Callable[[], None] | None = None,
@@ -113,7 +113,7 @@ class Store:
 
     @property
     def queued_bytes(self) -> int:
-        """Request bytes admitted and not yet committed (or forgotten)."""
+        """Request bytes (decompressed) admitted and not yet committed (or forgotten)."""
         return self._queued_bytes
 
     def expect(self, nbytes: int) -> tuple[int, Future]:

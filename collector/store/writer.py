@@ -40,7 +40,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from collector.children import die_with_parent
+from collector.children import bound_heap, die_with_parent
 from collector.store import readonly, requests
 from collector.store.batch import Decoded
 from collector.store.db import StoreLocked, connect, create_tables
@@ -290,6 +290,7 @@ class _Writer:
 def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
     """The writer process: open the store, say Ready (or StartFailed), then run until told to stop."""
     die_with_parent()
+    bound_heap()
     try:
         writer = _Writer(path, tasks)
     except Exception as e:

@@ -1,0 +1,213 @@
+"""What a hostile token holder costs the collector: memory, a well-behaved sender's acks, /healthz.
+
+For each flood, a fresh collector (default settings) is started and flooded for `--seconds`
+while one well-behaved sender exports a small trace every 100 ms (on 503 it waits Retry-After
+and sends again, as the OpenTelemetry exporters do: its latency runs to the 200) and a prober
+GETs /healthz every 100 ms. Reported: the peak RSS of the collector's process tree (server,
+decode workers, writer), the sender's export p99 and count, and /healthz's slowest answer.
+
+Floods:
+- bombs: `--senders` threads posting valid 19 MiB trace requests gzipped ~200-fold, back to back;
+- partial: `--uploads` connections each declaring a 20 MiB export and sending all but 1 MiB of it;
+- idle: `--idle` connections each sending part of a request's headers, then nothing;
+- json: 4 threads posting valid OTLP/JSON trace requests of 4 MiB (10,000 spans) back to back.
+
+`--code DIR` runs the collector from another checkout (its PYTHONPATH), to compare.
+
+Usage: python bench/flood.py [--seconds 20] [--floods bombs,partial,idle,json] [--code DIR]
+"""
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.conftest import Collector, free_port
+from tests.floods import PeakRss, idle_connection, padded_trace, partial_upload
+from tests.otlp_payloads import post, step_spans, trace_body
+
+MiB = 2**20
+
+
+def json_trace(spans: int, seed: int) -> bytes:
+    """A valid OTLP/JSON trace request of `spans` step spans with a few attributes each."""
+
+    def attr(key, value):
+        return {"key": key, "value": {"intValue" if isinstance(value, int) else "stringValue": str(value)}}
+
+    items = [
+        {
+            "traceId": f"{seed:032x}",
+            "spanId": f"{i + 1:016x}",
+            "name": "step",
+            "startTimeUnixNano": str(1_700_000_000_000_000_000 + i * 10**9),
+            "endTimeUnixNano": str(1_700_000_000_000_000_000 + i * 10**9 + 10**8),
+            "attributes": [attr("rankwatch.kind", "step"), attr("rankwatch.step", i)]
+            + [attr(f"extra.{k}", "x" * 40) for k in range(6)],
+        }
+        for i in range(spans)
+    ]
+    resource = {"attributes": [attr("rankwatch.run_id", f"json-{seed}"), attr("rankwatch.rank", 0)]}
+    return json.dumps({"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": items}]}]}).encode()
+
+
+def _posting(collector: Collector, bodies: list[bytes], headers: dict, stop: threading.Event) -> None:
+    with httpx.Client(timeout=60) as client:
+        n = 0
+        while not stop.is_set():
+            try:
+                post(collector, "traces", bodies[n % len(bodies)], headers=headers, client=client, timeout=60)
+            except httpx.HTTPError:
+                time.sleep(0.1)
+            n += 1
+
+
+def flood(name: str, collector: Collector, args, stop: threading.Event) -> list:
+    """Start the flood `name`; returns what it holds open (closed by the caller)."""
+    if name == "bombs":
+        bodies = [gzip.compress(padded_trace("bomb", rank, 19 * MiB), 6) for rank in range(4)]
+        for _ in range(args.senders):
+            threading.Thread(
+                target=_posting, args=(collector, bodies, {"Content-Encoding": "gzip"}, stop), daemon=True
+            ).start()
+        return []
+    if name == "json":
+        bodies = [json_trace(10_000, seed) for seed in range(4)]
+        for _ in range(4):
+            threading.Thread(
+                target=_posting, args=(collector, bodies, {"Content-Type": "application/json"}, stop), daemon=True
+            ).start()
+        return []
+    held: list[socket.socket] = []
+    failed = 0
+    deadline = time.monotonic() + args.seconds  # a collector out of descriptors leaves connects hanging
+    for _ in range(args.uploads if name == "partial" else args.idle):
+        if time.monotonic() > deadline:
+            break
+        try:
+            if name == "partial":
+                held.append(partial_upload(collector.url, collector.token, 20 * MiB, 19 * MiB))
+            else:
+                held.append(idle_connection(collector.url))
+        except OSError:  # refused and closed while sending, or not accepted
+            failed += 1
+    print(f"{name}: {len(held)} connections opened, {failed} refused or closed while sending", file=sys.stderr)
+    return held
+
+
+def well_behaved(collector: Collector, stop: threading.Event, taken: list[float]) -> None:
+    with httpx.Client(timeout=60) as client:
+        step = 0
+        while not stop.is_set():
+            body = trace_body(step_spans("bench-good", 0, range(step, step + 5)))
+            started = time.perf_counter()
+            while not stop.is_set():
+                try:
+                    r = post(collector, "traces", body, client=client, timeout=60)
+                except httpx.HTTPError:
+                    time.sleep(1)
+                    continue
+                if r.status_code == 200:
+                    taken.append(time.perf_counter() - started)
+                    break
+                time.sleep(float(r.headers.get("Retry-After", 1)))
+            step += 5
+            time.sleep(0.1)
+
+
+def healthz(collector: Collector, stop: threading.Event, taken: list[float]) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            httpx.get(f"{collector.url}/healthz", timeout=10)
+            taken.append(time.perf_counter() - started)
+        except httpx.HTTPError:
+            taken.append(max(10.0, time.perf_counter() - started))
+        time.sleep(0.1)
+
+
+def run(name: str, args, directory: Path) -> list[str]:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.collector_nofile, hard), hard))  # the collector's
+    try:
+        with open(directory / f"collector-{name}.log", "w") as log:
+            collector = Collector(directory / f"{name}.duckdb", free_port(), "bench-token", log=log).start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the flood's
+    stop = threading.Event()
+    exports: list[float] = []
+    probes: list[float] = []
+    held: list[socket.socket] = []
+    try:
+        with PeakRss(collector.process.pid) as rss:
+            watchers = [
+                threading.Thread(target=well_behaved, args=(collector, stop, exports), daemon=True),
+                threading.Thread(target=healthz, args=(collector, stop, probes), daemon=True),
+            ]
+            for w in watchers:
+                w.start()
+            held = flood(name, collector, args, stop)
+            time.sleep(args.seconds)
+            stop.set()
+            for w in watchers:
+                w.join(timeout=60)
+        log_bytes = Path(log.name).stat().st_size
+    finally:
+        stop.set()
+        for sock in held:
+            sock.close()
+        collector.process.kill()
+        collector.process.wait()
+    p99 = statistics.quantiles(exports, n=100, method="inclusive")[98] if len(exports) > 1 else float("nan")
+    return [
+        name,
+        f"{rss.peak / MiB:,.0f} MiB",
+        f"{len(exports)}",
+        f"{p99:,.2f} s",
+        f"{max(probes, default=float('nan')):,.2f} s",
+        f"{log_bytes:,} B",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--floods", default="bombs,partial,idle,json")
+    parser.add_argument("--senders", type=int, default=40, help="bombs: threads posting")
+    parser.add_argument("--uploads", type=int, default=60, help="partial: connections")
+    parser.add_argument("--idle", type=int, default=15_000, help="idle: connections")
+    parser.add_argument(
+        "--collector-nofile",
+        type=int,
+        default=4096,
+        help="the collector's soft file-descriptor limit at start (a service manager's default is lower)",
+    )
+    parser.add_argument("--code", help="the checkout the collector runs from (default: this one)")
+    args = parser.parse_args()
+    if args.code:  # `python -m rankwatch` imports from its working directory first
+        os.environ["PYTHONPATH"] = str(Path(args.code).resolve())
+        os.chdir(args.code)
+    table = Table("flood", "peak RSS", "good exports", "export p99", "/healthz max", "log")
+    with tempfile.TemporaryDirectory() as directory:
+        for name in args.floods.split(","):
+            row = run(name, args, Path(directory))
+            print(" | ".join(row), file=sys.stderr, flush=True)
+            table.add_row(*row)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
