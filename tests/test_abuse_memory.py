@@ -35,7 +35,7 @@ def small(tmp_path_factory):
         c = Collector(
             directory / "rankwatch.duckdb",
             free_port(),
-            "test-token",
+            "test-token-0123456",
             extra_args=(
                 "--workers",
                 "1",
