@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agent.gpumodel import GpuModel
 from collector.analysis.analyzers import power
 from trainer import simulate
 from trainer.faults import parse
@@ -87,7 +88,8 @@ def main() -> None:
 
     observed, devices = run(topology, timing, args.steps, [STRAGGLER], seed=1, samples=True)
     started = time.process_time()
-    report = power.analyze(observed, devices, topology.placement())
+    nameplate_w = args.ranks * GpuModel().limit_max_w  # the facility's budget: the GPUs' highest limits
+    report = power.analyze(observed, devices, topology.placement(), facility_w=nameplate_w)
     analysis_cpu = time.process_time() - started
     per_rank = report.per_rank
 

@@ -63,13 +63,24 @@ SELECT id, kind, state, created_by, finding_id, apply_step, args, result, create
 FROM commands WHERE run_id = $run ORDER BY id
 """
 
-# Power drawn now: each rank's mean over the newest minute of samples, summed.
-POWER_NOW = """
-WITH power AS (SELECT rank, ts, value FROM device_samples
+# Power drawn at the newest samples: each rank's mean over the newest minute of samples, summed; when
+# that was, and whether every one of those samples is a simulated GPU's.
+POWER_NOW = f"""
+WITH power AS (SELECT rank, ts, value, source FROM device_samples
                WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT'))
-SELECT count(*) AS ranks, sum(watts) AS watts
-FROM (SELECT rank, avg(value) AS watts FROM power
-      WHERE ts > (SELECT max(ts) FROM power) - INTERVAL 60 SECOND GROUP BY rank)
+SELECT count(*) AS ranks, sum(watts) AS watts, max(as_of) AS as_of, bool_and(simulated) AS simulated
+FROM (SELECT rank, avg(value) AS watts, max(ts) AS as_of, bool_and(source = '{sc.SOURCE_SIMULATED}') AS simulated
+      FROM power WHERE ts > (SELECT max(ts) FROM power) - INTERVAL 60 SECOND GROUP BY rank)
+"""
+
+# Whether a run can be acted on now: how many of its ranks said their loop ended, whether a hang fires,
+# and when it last sent anything.
+RUN_ACTIVITY = f"""
+SELECT (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = '{sc.EVENT_ENDED}') AS ended_ranks,
+       (SELECT count(*) FROM ranks WHERE run_id = $run) AS ranks,
+       (SELECT count(*) > 0 FROM findings WHERE run_id = $run AND analyzer = 'hangs' AND state = 'firing') AS hung,
+       greatest((SELECT max(end_ts) FROM steps WHERE run_id = $run), (SELECT max(ts) FROM events WHERE run_id = $run),
+                (SELECT max(ts) FROM device_samples WHERE run_id = $run)) AS last_seen
 """
 
 # The MegaScale view: each rank-step's compute over the step's median, in cells of about

@@ -1,16 +1,20 @@
 """What every page shares: the source, cached query results, the chosen run, and how a
 finding is shown (the answer in one line, its evidence one click away)."""
 
+from dataclasses import dataclass
+
 import pandas as pd
 import streamlit as st
 
-from collector import ranksets
+from collector import quantities, ranksets
 from dashboard import queries, source
 from dashboard.source import QueryFailed
 
 CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
 LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
 RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
+SILENT_AFTER_S = 120.0  # a run that sent nothing for this long is not live: its "now" would be stale
+SIMULATED = " · simulated"  # after the label of a figure drawn from simulated GPUs' samples
 
 
 @st.cache_resource(show_spinner=False)
@@ -35,6 +39,50 @@ def frame(name: str, **params) -> pd.DataFrame:
 def live_every() -> float | None:
     """The refresh period of live fragments: a collector's data moves, a stopped store's does not."""
     return LIVE_REFRESH_S if isinstance(data_source(), source.CollectorSource) else None
+
+
+def not_live_because(run: str) -> str | None:
+    """Why the run cannot be acted on now, in a few words; None for a live run. Present-tense
+    figures ("Power now") and advice the job would have to apply (power caps) are for live runs
+    only: one that ended, is hung, went silent, or is read from a store no collector writes."""
+    row = frame("run_activity", run=run).iloc[0]
+    if row["ranks"] and row["ended_ranks"] >= row["ranks"]:
+        return "the run has ended"
+    if row["hung"]:
+        return "the run is hung"
+    if not isinstance(data_source(), source.CollectorSource):
+        return "no collector is writing this store"
+    if pd.isna(row["last_seen"]) or (pd.Timestamp.now(tz="UTC") - row["last_seen"]).total_seconds() > SILENT_AFTER_S:
+        return "the run has gone silent"
+    return None
+
+
+@dataclass(frozen=True)
+class PowerFigure:
+    """The job's power as a metric shows it."""
+
+    label: str  # "Power now" for a live run, else "Last power"; SIMULATED after it where the GPUs are
+    value: str
+    help: str  # what it sums, and as of when
+    simulated: bool
+    as_of: pd.Timestamp | None
+
+
+def power_figure(run: str, live: bool) -> PowerFigure:
+    """The job's power at its newest samples (dashboard/queries.py POWER_NOW)."""
+    row = frame("power_now", run=run).iloc[0]
+    if pd.isna(row["watts"]):
+        return PowerFigure("Power", "—", "no power samples", False, None)
+    simulated = bool(row["simulated"])
+    return PowerFigure(
+        ("Power now" if live else "Last power") + (SIMULATED if simulated else ""),
+        quantities.power(row["watts"]),
+        f"{quantities.plural(int(row['ranks']), 'rank')}, each one's mean over its newest minute of samples, "
+        f"summed, as of {row['as_of']:%Y-%m-%d %H:%M:%S} UTC"
+        + ("; simulated GPUs (rankwatch's GPU model), not measured hardware" if simulated else ""),
+        simulated,
+        row["as_of"],
+    )
 
 
 def current_run() -> str:

@@ -419,11 +419,13 @@ def _print_power(report) -> None:
     from rich.table import Table
 
     from collector.analysis.analyzers.power import SIMULATED
+    from collector.quantities import duration, energy, percent, plural, power
     from collector.reports.terminal import markup_safe
 
     console = Console()
     console.print(
-        f"[bold]run {markup_safe(report.run_id)}[/]: {report.steps} steps of {report.ranks} ranks; "
+        f"[bold]run {markup_safe(report.run_id)}[/]: {plural(report.steps, 'step')} of "
+        f"{plural(report.ranks, 'rank')}; "
         f"policy {markup_safe(report.policy)}" + (f"; [bold]{SIMULATED}[/]" if report.simulated else "")
     )
     source = report.curve[0].source if report.curve else "measured"
@@ -439,11 +441,11 @@ def _print_power(report) -> None:
     for p in sorted(report.curve, key=lambda p: -p.cap_w):
         picked = report.job_cap is not None and p.cap_w == report.job_cap.cap_w
         curve.add_row(
-            f"{'[bold red]> ' if picked else ''}{p.cap_w:.0f} W",
-            f"{p.step_s:.3f} ± {1.96 * p.step_s_se:.3f} s",
-            f"{100 * (p.slowdown - 1):+.1f}%",
-            f"{p.energy_j / 1e3:.2f} ± {1.96 * p.energy_j_se / 1e3:.2f} kJ",
-            f"{100 * p.energy_saving:.1f}%",
+            f"{'[bold red]> ' if picked else ''}{power(p.cap_w)}",
+            f"{duration(p.step_s)} ± {duration(1.96 * p.step_s_se)}",
+            percent(p.slowdown - 1, signed=True),
+            f"{energy(p.energy_j)} ± {energy(1.96 * p.energy_j_se)}",
+            percent(p.energy_saving),
             f"{p.zeus_cost / 1e3:.1f}k",
         )
     console.print(curve)
@@ -456,16 +458,16 @@ def _print_power(report) -> None:
             "slack",
             "clock",
             "saves per step",
-            title=f"per-rank caps: {len(r.caps)} of {len(r.ranks)} ranks (steps {r.step_start}-{r.step_end})",
+            title=f"per-rank caps: {len(r.caps)} of {plural(len(r.ranks), 'rank')} (steps {r.step_start}-{r.step_end})",
         )
         for c in sorted(r.ranks, key=lambda c: c.cap_w or c.limit_w)[:8]:
             caps.add_row(
                 str(c.rank),
-                f"{c.limit_w:.0f} W",
-                "-" if c.cap_w is None else f"{c.cap_w:.0f} W",
-                f"{1e3 * c.slack_s:.0f} ms",
+                power(c.limit_w),
+                f"- ({c.kept_because})" if c.cap_w is None else power(c.cap_w),
+                duration(c.slack_s),
                 f"{c.clock_mhz:.0f} -> {c.new_clock_mhz:.0f} MHz",
-                f"{c.saving_j_per_step:.1f} J",
+                energy(c.saving_j_per_step),
             )
         console.print(caps)
     _print_findings(report.findings, console)

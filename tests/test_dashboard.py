@@ -4,7 +4,9 @@ and ranks each page leads with are the ones the store holds. The Overview is als
 a running collector's query API, and `rankwatch dashboard` refuses a store it cannot read."""
 
 import json
+import re
 import shutil
+import time
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -15,11 +17,14 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from agent import semconv as sc
+from agent.export import Exporter
+from collector import quantities
 from collector.alerts import rules
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
 from dashboard.source import COLLECTOR_ENV, DB_ENV
-from tests.conftest import Collector, free_port, rankwatch_cli
+from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, FLEET, HANG, NAN
 
 pytestmark = pytest.mark.long
@@ -69,7 +74,8 @@ def test_overview_of_a_straggling_run(from_store):
     at = from_store("overview", FLEET["run"])
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Last step"] == str(FLEET["steps"] - 1)
-    assert metrics["MFU"] == "—"  # the simulator reports none
+    assert metrics["MFU · simulated"] == "—"  # the simulator reports none; its GPUs are simulated
+    assert metrics["Last power · simulated"].endswith(" kW")  # a stopped store: no "now"
     assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
     (verdict,) = texts(at.main.warning)
     assert verdict == "**1 finding firing** (stragglers / rank), below."
@@ -87,8 +93,8 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
         "Last step": str(NAN["steps"] - 1),
         "Step time": "0.100 s",
         "Tokens/s": f"{ranks * 1024 / 0.1:,.0f}",
-        "MFU": "40.0%",
-        "Power": f"{sum(NAN['watts'] + 10 * r for r in range(ranks)) / 1000:.2f} kW",
+        "MFU": "40.0%",  # measured GPUs: no "simulated"
+        "Last power": quantities.power(sum(NAN["watts"] + 10 * r for r in range(ranks))),
     }
     assert texts(at.main.success)[0].startswith("**Healthy.**")
     assert any("resolved: **anomalies / nan**" in t for t in texts(at.main.info))
@@ -103,6 +109,8 @@ def test_overview_of_a_hung_run(from_store):
     (verdict,) = texts(at.main.error)  # the hang finding once, in the verdict
     assert verdict.startswith("**Hung.**") and f"which rank {HANG['rank']} never entered" in verdict
     assert f"ranks 0–{HANG['rank'] - 1}, {HANG['rank'] + 1}–{HANG['ranks'] - 1} are blocked" in verdict
+    assert not any("Power recommendations" in t for t in texts(at.main.info))  # no cap reaches a hung job
+    assert "No power recommendation: the run is hung, so no cap would reach the job." in texts(at.main.caption)
 
 
 def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store):
@@ -268,31 +276,39 @@ def test_power_names_the_throttled_rank(from_store):
     assert {m.label: m.value for m in at.metric}["Ranks sampled"] == str(FLEET["ranks"])
 
 
-def test_power_leads_with_the_recommendation_and_the_command_that_applies_it(from_store, dashboard_store):
-    at = from_store("power", FLEET["run"])
-    with duckdb.connect(str(dashboard_store), read_only=True) as con:
-        advice = {
+def power_advice(db: Path, run: str) -> dict[str, tuple[str, dict]]:
+    """The run's firing power findings, by kind: summary and evidence."""
+    with duckdb.connect(str(db), read_only=True) as con:
+        return {
             kind: (summary, json.loads(evidence))
             for kind, summary, evidence in con.execute(
                 """SELECT kind, summary, evidence FROM findings
                WHERE run_id = ? AND analyzer = 'power' AND state = 'firing'""",
-                [FLEET["run"]],
+                [run],
             ).fetchall()
         }
-    assert {"job_cap", "per_rank_caps", "headroom"} <= set(advice)
-    cap = advice["job_cap"][1]["cap_w"]
+
+
+def test_power_of_a_stored_run_says_why_no_cap_applies_and_keeps_the_findings(from_store, dashboard_store):
+    at = from_store("power", FLEET["run"])
+    advice = power_advice(dashboard_store, FLEET["run"])
+    assert {"job_cap", "per_rank_caps"} <= set(advice) and "headroom" not in set(advice)  # no budget, no headroom
     first = at.main.children[1]  # right under the title
-    assert first.type == "success" and first.value.startswith(f"**Recommendation: cap every GPU at {cap:.0f} W.**")
-    commands = [c.value for c in at.code]
-    assert commands[0] == f"rankwatch power apply {FLEET['run']} --watts {cap:.0f}"
-    assert commands[1].endswith(f"rankwatch power apply {FLEET['run']} --caps caps.json")
-    body = "\n".join(texts(at.main.markdown) + texts(at.main.success) + texts(at.main.caption))
-    for summary, _ in advice.values():  # each recommendation once
+    assert first.type == "info" and first.value == (
+        "**No power cap to apply:** no collector is writing this store. What the power analyzer last found, for a "
+        "re-run:"
+    )
+    assert not at.code and not at.main.success  # no command that could not reach the job
+    body = "\n".join(texts(at.main.info))
+    for summary, _ in advice.values():  # each finding once
         assert body.count(summary) == 1
-    assert "p99 against now" in body
+    assert "more such node" not in body and "--facility-watts W" in "".join(texts(at.main.caption))
     assert any(h.startswith("Time/energy trade-off, one limit for every GPU") for h in texts(at.subheader))
     assert any("slowdown_pct" in chart.proto.spec for chart in at.get("vega_lite_chart"))
     assert any(t.startswith("**Simulated GPUs.**") for t in texts(at.main.info))
+    metrics = {m.label for m in at.metric}
+    assert {"Last power · simulated", "Energy per step · simulated"} <= metrics and "Power now" not in metrics
+    assert {"Power (instantaneous) · simulated", "SM clock · simulated"} <= set(texts(at.subheader))
 
 
 def test_power_and_energy_per_step(from_store):
@@ -300,10 +316,11 @@ def test_power_and_energy_per_step(from_store):
     watts = sum(NAN["watts"] + 10 * r for r in range(NAN["ranks"]))
     metrics = {m.label: m.value for m in at.metric}
     assert metrics == {
-        "Power now": f"{watts / 1000:.2f} kW",
-        "Energy per step": f"{watts * 0.1 / 1000:.2f} kJ",
+        "Last power": quantities.power(watts),  # a stopped store's run: its last power, not "now"
+        "Energy per step": quantities.energy(watts * 0.1),
         "Ranks sampled": str(NAN["ranks"]),
     }
+    assert any(c.startswith("Last power as of ") for c in texts(at.main.caption))
     assert "No GPU's clocks were held back (NVML's clock-event reasons)." in texts(at.main.caption)
     assert not any("Simulated" in t for t in texts(at.main.info))  # NVML's samples
 
@@ -316,6 +333,9 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
     columns = ["rank", "ecc_corrected", "ecc_uncorrected", "xids"]
     assert errors[columns].values.tolist() == [[NAN["bad_gpu"], 3, 1, "48"]]
     assert {"GPU memory used", "NVLink sent", "Power"} <= set(texts(at.subheader))
+    spec, links = chart(next(c for c in at.get("vega_lite_chart") if "NVLink sent" in c.proto.spec))
+    assert spec["encoding"]["y"]["title"] == "NVLink sent, GB/s"  # in a unit that fits, not 2e+11 bytes/s
+    assert links.set_index("rank_lo")["mean"].to_dict() == pytest.approx({r: 200 + 10 * r for r in range(NAN["ranks"])})
     spec, bars = chart(next(c for c in at.get("vega_lite_chart") if "GPU memory used" in c.proto.spec))
     assert spec["mark"]["type"] == "bar"  # 4 ranks: a bar each, no line between rank 0.00 and 1.00
     assert spec["encoding"]["x"]["type"] == "ordinal" and spec["encoding"]["x"]["field"] == "rank_lo"
@@ -390,6 +410,34 @@ def test_pages_through_a_collector(from_collector):
     assert f"reading collector {collector.url}" in texts(at.sidebar.caption)
     at = page("stragglers", FLEET["run"])
     assert f"### Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern *rank*" in texts(at.markdown)
+    at = page("overview", HANG["run"])  # the collector's hung run: no cap reaches it
+    assert "No power recommendation: the run is hung, so no cap would reach the job." in texts(at.main.caption)
+
+
+def test_a_live_run_leads_with_power_now_and_the_command_that_applies_the_caps(from_collector):
+    """The simulated fleet made live again (a fresh power sample through the collector): the Overview says
+    its power recommendations and power now, the Power page the exact commands that apply them."""
+    page, collector = from_collector
+    exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: FLEET["run"], sc.RANK: 0})
+    exporter.samples([(sc.POWER_W, time.time_ns(), 650.0, {sc.GPU: 0, sc.SOURCE: sc.SOURCE_SIMULATED})])
+    wait_until(exporter.flush, "telemetry not delivered", 60)
+    exporter.shutdown()
+    at = page("overview", FLEET["run"])
+    metrics = {m.label: m.value for m in at.metric}
+    assert re.fullmatch(r"[\d.]+ k?W", metrics["Power now · simulated"])
+    assert "MFU · simulated" in metrics
+    (recommendations,) = [t for t in texts(at.main.info) if t.startswith("**Power recommendations**")]
+    assert "cap every GPU at " in recommendations and " ranks wait for slower ones" in recommendations
+    at = page("power", FLEET["run"])
+    first = at.main.children[1]  # right under the title
+    assert first.type == "success" and first.value.startswith("**Recommendation: cap every GPU at ")
+    cap = first.value.removeprefix("**Recommendation: cap every GPU at ").split(" W.**")[0]
+    commands = [c.value for c in at.code]
+    assert commands[0] == f"rankwatch power apply {FLEET['run']} --watts {cap}"
+    assert commands[1].endswith(f"rankwatch power apply {FLEET['run']} --caps caps.json")
+    body = "\n".join(texts(at.main.success) + texts(at.main.caption))
+    assert body.count("ranks wait for slower ones") == 1 and body.count("cap every GPU at ") == 2  # headline, finding
+    assert "Power now · simulated" in {m.label for m in at.metric}
 
 
 def test_cli_refuses_a_store_it_cannot_read(tmp_path, collector):

@@ -35,7 +35,7 @@ PAGES = [
     ("collectives", FLEET["run"], "Bus bandwidth by collective and size", 2),
     ("checkpoints", NAN["run"], f"the job restored step {NAN['restored']}", 2),
     ("hangs", HANG["run"], f"Culprits: rank {HANG['rank']}", 0),
-    ("power", FLEET["run"], "Recommendation: cap every GPU at", 4),
+    ("power", FLEET["run"], "No power cap to apply", 4),
     ("compare", NAN["run"], f"Compare {NAN['run']} with", 3),
     ("sql", FLEET["run"], "Download CSV", 0),
 ]
@@ -149,18 +149,18 @@ def test_an_alert_link_lands_on_its_finding(dashboard, browser, dashboard_store,
     assert browser.save_screenshot(str(screenshots / "alert-link.png"))
 
 
-def test_power_page_leads_with_the_recommendation(dashboard, browser, screenshots):
-    """In the browser, the recommendation and its command come before anything else the page
-    says, and the simulator's GPUs are labelled simulated."""
+def test_power_page_leads_with_why_a_stored_run_gets_no_cap(dashboard, browser, screenshots):
+    """In the browser, a run read from a store no collector writes says first why no cap can be
+    applied, then what the power analyzer found, and the simulator's GPUs are labelled simulated."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{dashboard}/power?run={FLEET['run']}")
     drawn = (
-        "Recommendation: cap every GPU at",
-        f"rankwatch power apply {FLEET['run']} --watts",
+        "No power cap to apply: no collector is writing this store.",
+        "cap every GPU at",
         "Simulated GPUs",
-        "p99 against now",
+        "Last power · simulated",
         "Clocks held back on rank",
     )
     WebDriverWait(browser, 60, poll_frequency=0.5).until(
@@ -169,4 +169,5 @@ def test_power_page_leads_with_the_recommendation(dashboard, browser, screenshot
     body = browser.find_element(By.TAG_NAME, "body").text
     order = [body.index(text) for text in drawn]
     assert order[:2] == sorted(order[:2]) and order[1] < min(order[2:])
+    assert "rankwatch power apply" not in body
     assert browser.save_screenshot(str(screenshots / "power-recommendation.png"))

@@ -6,6 +6,7 @@ range), `rankwatch power recommend` on a store filled through a real collector, 
 `rankwatch power apply` sending caps through a collector's control API."""
 
 import json
+import re
 import threading
 import time
 
@@ -19,6 +20,7 @@ from agent import semconv as sc
 from agent.apiclient import ApiClient
 from agent.gpumodel import THERMAL, GpuModel, operating_points
 from agent.simdevice import SimulatedDevice
+from collector import ranksets
 from collector.analysis.analyzers import power
 from collector.reports import queryapi
 from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, simulated_store, wait_until
@@ -85,6 +87,36 @@ def test_ranks_waiting_for_a_straggler_get_lower_caps_and_the_straggler_none():
     (finding,) = [f for f in report.findings if f.kind == "per_rank_caps"]
     assert (finding.analyzer, finding.ranks, finding.severity) == ("power", [0, 1, 3, 4, 5], "info")
     assert finding.evidence["kept"] == [2] and finding.evidence["caps"] == {str(r): w for r, w in per_rank.caps.items()}
+    assert kept.kept_because == "slow"
+    assert finding.summary.startswith("5 ranks wait for slower ones and can run under lower power limits (")
+    assert "; rank 2 keeps its, the slow one the others wait for)" in finding.summary
+    assert_readable(finding.summary)
+
+
+def assert_readable(text: str) -> None:
+    """No figure shown as zero with decimals, in scientific notation, as a range of one value, or
+    a count of one in the plural."""
+    assert not re.search(r"(?<![\d.])-?0\.0+(?!\d)", text), text
+    assert not re.search(r"\de[+-]\d", text), text
+    assert not re.search(r"(?<![\d.])(\d[\d.,]*)[-–]\1\b", text), text
+    assert not re.search(r"(?<![\d.,])1 (ranks|nodes|steps|moments)\b", text), text
+
+
+def test_the_ranks_of_a_slow_node_keep_their_limits_as_the_ones_the_others_wait_for():
+    """A node computing 40% slower: its ranks wait only for the slowest among them, which is no
+    slack to spend (the whole job waits for them); the other nodes' ranks get the caps."""
+    topology = simulate.Topology(dp=24)
+    frames = list(simulate.steps(topology, 30, [parse("slow-node:node=1,slowdown=1.4")], seed=3, start_ns=0))
+    steps = pd.concat(frames, ignore_index=True).assign(run_id="sim")
+    devices = pd.concat([simulate.device_samples(f) for f in frames], ignore_index=True)
+    placement = topology.placement()
+    slow = sorted(placement.loc[placement["host"] == 1, "rank"])
+    per_rank = power.analyze(steps, devices, placement).per_rank
+    assert sorted(per_rank.caps) == [r for r in range(24) if r not in slow]
+    assert {c.rank: c.kept_because for c in per_rank.ranks if c.cap_w is None} == dict.fromkeys(slow, "slow")
+    (finding,) = [f for f in power.analyze(steps, devices, placement).findings if f.kind == "per_rank_caps"]
+    assert finding.summary.startswith(f"{24 - len(slow)} ranks wait for slower ones")
+    assert f"; {ranksets.phrase(slow)} keep theirs, slow ones the others wait for)" in finding.summary
 
 
 def test_a_rank_throttled_by_heat_keeps_its_limit_whatever_its_slack():
@@ -184,8 +216,12 @@ def test_headroom_arithmetic():
     assert (strict.extra_nodes, strict.risk) == (2, 0.0)
     (finding,) = [f for f in power.analyze(steps, devices, ranks, facility_w=2800).findings if f.kind == "headroom"]
     assert finding.score == 2 and finding.evidence["node_p99_w"] == 700  # a node's own p99: its 5% at 350 W
-    default = power.analyze(steps, devices, ranks).headroom  # the GPUs' nameplate: 4 x 700 W
-    assert default.facility_w == 2800
+    assert finding.summary == (
+        "2 nodes draw 1.4 kW at p99 (peak 1.4 kW) against the facility's 2.8 kW: 2 more such nodes fit with 0% "
+        "of moments over (by peak 2, by nameplate 0; 100 moments)"
+    )
+    unbudgeted = power.analyze(steps, devices, ranks)  # no budget given: no guess at one
+    assert unbudgeted.headroom is None and not [f for f in unbudgeted.findings if f.kind == "headroom"]
 
 
 def test_headroom_needs_power_samples():
@@ -266,7 +302,7 @@ def recommend(db, run: str, *args: str) -> dict:
 
 def test_recommend_json(store, tmp_path):
     plot = tmp_path / "curve.png"
-    report = recommend(store, "pw-straggler", "--plot", str(plot))
+    report = recommend(store, "pw-straggler", "--plot", str(plot), "--facility-watts", str(16 * 700))
     assert list(report) == [
         "run",
         "policy",
@@ -334,10 +370,17 @@ def test_recommend_picks_from_a_sweep(store):
 
 
 def test_recommend_table(store):
-    result = rankwatch_in_process("power", "recommend", "pw-straggler", "--db", str(store))
+    # wide enough that no cell wraps
+    result = rankwatch_in_process("power", "recommend", "pw-straggler", "--db", str(store), env={"COLUMNS": "500"})
     assert result.returncode == 0, result.stderr
     assert "time/energy trade-off" in result.stdout and "per-rank caps: 15 of 16 ranks" in result.stdout
-    assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in " ".join(result.stdout.split())
+    text = " ".join(result.stdout.split())
+    assert "policy max-slowdown:0.02; simulated GPUs, not measured hardware" in text
+    assert "15 ranks wait for slower ones" in text and "rank 5 keeps its, the slow one the others wait for" in text
+    assert "more such node" not in text  # no facility budget given: no headroom
+    for cell in re.findall(r"(?<![\w.])-?[\d.,]+ ?(?:k?W|k?J|Wh|kWh|m?s|%)(?![\w])", text):
+        assert not re.fullmatch(r"-?0\.0+ ?\S+", cell), cell
+    assert_readable(text)
 
 
 @pytest.mark.parametrize(
@@ -444,7 +487,7 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
         )
     )
     assert sorted(firing["per_rank_caps"]) == [r for r in range(16) if r != 5]
-    assert "headroom" in firing
+    assert "headroom" not in firing  # the collector is given no facility budget
     alert = delivery.body["alerts"][0]
     assert alert["labels"]["alertname"] == "RankwatchPowerRecommendation" and alert["labels"]["run"] == "pw-live"
     assert alert["annotations"]["summary"].startswith("simulated GPUs, not measured hardware: ")
@@ -490,7 +533,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
             "SELECT kind FROM findings WHERE analyzer = 'power' AND run_id = 'pw-straggler' AND state = 'firing'"
         ).fetchall()
     }
-    assert kinds == {"job_cap", "per_rank_caps", "headroom"}
+    assert kinds == {"job_cap", "per_rank_caps"}
     assert live.failures == 0
     con.close()
 

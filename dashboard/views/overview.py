@@ -47,8 +47,8 @@ def live() -> None:
         return
     step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
     tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
-    power = ui.frame("power_now", run=run)
-    watts = power["watts"].iloc[0] if not power.empty else None
+    not_live = ui.not_live_because(run)
+    power = ui.power_figure(run, live=not_live is None)
     cols = st.columns(5)
     cols[0].metric(
         "Last step",
@@ -63,16 +63,18 @@ def live() -> None:
         help=f"median rank, mean of the last {RECENT} steps",
     )
     cols[2].metric("Tokens/s", "—" if tokens is None else f"{tokens:,.0f}")
-    cols[3].metric("MFU", "—" if mfu is None else f"{100 * mfu:.1f}%")
-    cols[4].metric(
-        "Power",
-        "—" if watts is None or pd.isna(watts) else f"{watts / 1000:.2f} kW",
-        help="sum over ranks of each one's mean over the newest minute of samples",
+    cols[3].metric(
+        "MFU" + ui.SIMULATED * power.simulated,
+        "—" if mfu is None else f"{100 * mfu:.1f}%",
+        help="step times played out at a simulated GPU's clocks" if power.simulated else None,
     )
+    cols[4].metric(power.label, power.value, help=power.help)
     if len(firing) > len(shown):
         ui.show_findings(firing, "No finding fires.", shown)
-    if not advice.empty:
+    if not advice.empty and not_live is None:
         st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
+    elif not advice.empty:
+        st.caption(f"No power recommendation: {not_live}, so no cap would reach the job.")
 
 
 def _telemetry_loss() -> None:

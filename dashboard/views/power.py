@@ -1,12 +1,13 @@
 """Power & GPUs: the power analyzer's recommendation first, with the exact command that applies
-it; then the facility headroom, power now against its p99, the GPUs whose clocks were held back
-and why, GPU errors, and per-rank power, clocks, temperature, utilization, memory and links."""
+it (for a live run: one that ended or hangs gets none, and says why); then power now (or the last,
+and when), the GPUs whose clocks were held back and why, GPU errors, and per-rank power, clocks,
+temperature, utilization, memory and links, in units that fit their size."""
 
 import pandas as pd
 import streamlit as st
 
 from agent import semconv as sc
-from collector import ranksets
+from collector import quantities, ranksets
 from dashboard import charts, ui
 
 run = ui.current_run()
@@ -21,20 +22,25 @@ if metrics.empty:
 
 findings = ui.frame("findings", run=run)
 advice = findings[(findings["analyzer"] == "power") & (findings["state"] == "firing")]
-job_cap, per_rank, headroom = (advice[advice["kind"] == kind] for kind in ("job_cap", "per_rank_caps", "headroom"))
-if not job_cap.empty:
+job_cap, per_rank = (advice[advice["kind"] == kind] for kind in ("job_cap", "per_rank_caps"))
+not_live = ui.not_live_because(run)
+if not advice.empty and not_live is not None:
+    st.info(f"**No power cap to apply:** {not_live}. What the power analyzer last found, for a re-run:")
+    for _, row in advice.iterrows():
+        ui.show_finding(row)
+elif not job_cap.empty:
     finding = job_cap.iloc[0]
     evidence = finding["evidence"]
     st.success(
-        f"**Recommendation: cap every GPU at {evidence['cap_w']:.0f} W.** "
-        f"{100 * evidence['energy_saving']:.1f}% less energy per step for "
-        f"{100 * (evidence['slowdown'] - 1):+.1f}% step time ({evidence['policy']}, "
+        f"**Recommendation: cap every GPU at {quantities.power(evidence['cap_w'])}.** "
+        f"{quantities.percent(evidence['energy_saving'])} less energy per step for "
+        f"{quantities.percent(evidence['slowdown'] - 1, signed=True)} step time ({evidence['policy']}, "
         f"{'measured' if evidence['source'] == 'measured' else 'predicted by the power model'})."
     )
     st.code(f"rankwatch power apply {run} --watts {evidence['cap_w']:.0f}", language="bash")
     st.caption(f"The power analyzer: {finding['summary']}.")
     ui.show_evidence(finding)
-if not per_rank.empty:
+if not per_rank.empty and not_live is None:
     finding = per_rank.iloc[0]
     st.success(
         f"**{'Or c' if not job_cap.empty else 'C'}ap {ranksets.phrase(finding['ranks'])}**: {finding['summary']}."
@@ -45,44 +51,37 @@ if not per_rank.empty:
     )
     st.caption("`power recommend` judges the whole run; the analyzer above its newest 100 steps.")
     ui.show_evidence(finding)
-if job_cap.empty and per_rank.empty:
+if advice.empty:
     st.caption(
         "No power-cap recommendation (yet): the collector's power analyzer draws one every `--power-every` "
         "seconds once steps report their energy; `rankwatch power recommend` judges a stopped run."
     )
-if metrics["sources"].str.contains(sc.SOURCE_SIMULATED).any():
+simulated_gpus = bool(metrics["sources"].str.contains(sc.SOURCE_SIMULATED).any())
+if simulated_gpus:
     st.info(
         "**Simulated GPUs.** These samples come from rankwatch's GPU model (`rankwatch simulate`, or a rank "
         "without an NVML GPU), not from hardware: right for trying the analysis, not for sizing a facility.",
         icon=":material/science:",
     )
 
-energy, power = ui.frame("energy_per_step", run=run), ui.frame("power_now", run=run)
-watts, joules = power["watts"].iloc[0], energy["joules"].iloc[0]
+energy, power = ui.frame("energy_per_step", run=run), ui.power_figure(run, live=not_live is None)
+joules = energy["joules"].iloc[0]
 cols = st.columns(3)
-cols[0].metric(
-    "Power now",
-    "—" if pd.isna(watts) else f"{watts / 1000:.2f} kW",
-    help=f"{int(power['ranks'].iloc[0])} ranks, each one's mean over the newest minute, summed",
-)
+cols[0].metric(power.label, power.value, help=power.help)
 cols[1].metric(
-    "Energy per step",
-    "—" if pd.isna(joules) else f"{joules / 1000:.2f} kJ",
+    "Energy per step" + ui.SIMULATED * power.simulated,
+    "—" if pd.isna(joules) else quantities.energy(joules),
     help="the median step's, as the agent measured it"
     if energy["measured"].iloc[0]
     else "estimated: every rank's mean power times the median step time",
 )
 cols[2].metric("Ranks sampled", f"{int(metrics['ranks'].max())}")
-if not headroom.empty:
-    st.subheader("Facility headroom")
-    st.markdown(headroom.iloc[0]["summary"] + ".")
-    st.caption(
-        "**p99 against now:** the p99 is the job's draw at its busiest moments over the analyzed steps (99 "
-        "moments in 100 draw less), summed per node: a facility's budget has to hold at those moments. "
-        "*Power now* is a minute's average, which takes in data loading, collectives and other waits, so "
-        "it sits below the p99."
-    )
-    ui.show_evidence(headroom.iloc[0])
+if power.as_of is not None and not_live is not None:
+    st.caption(f"Last power as of {power.as_of:%Y-%m-%d %H:%M:%S} UTC: {not_live}.")
+st.caption(
+    f"How many more such nodes a facility's power holds: `rankwatch power recommend {run} --facility-watts W` "
+    "(the nodes' p99 draw against the budget, after POLCA)."
+)
 if not job_cap.empty:
     evidence = job_cap.iloc[0]["evidence"]
     simulated = ", simulated GPUs" if evidence.get("simulated") else ""
@@ -119,21 +118,24 @@ if not errors.empty:
     )
 
 by_rank = ui.frame("device_by_rank", run=run, rank_bins=ui.RANK_BINS)
-PANELS = (
-    (sc.POWER_W, "Power", "W"),
-    (sc.POWER_INSTANT_W, "Power (instantaneous)", "W"),
+PANELS: tuple[tuple[str, str, str | quantities.Scale], ...] = (  # a Scale's unit fits the values' size
+    (sc.POWER_W, "Power", quantities.power),
+    (sc.POWER_INSTANT_W, "Power (instantaneous)", quantities.power),
     (sc.SM_CLOCK_MHZ, "SM clock", "MHz"),
     (sc.GPU_TEMP_C, "GPU temperature", "°C"),
     (sc.GPU_UTIL_PCT, "GPU utilization", "%"),
     ("memory_used_pct", "GPU memory used", "% of the GPU's"),
-    (sc.NVLINK_TX_BPS, "NVLink sent", "bytes/s"),
-    (sc.PCIE_RX_BPS, "PCIe received", "bytes/s"),
+    (sc.NVLINK_TX_BPS, "NVLink sent", quantities.bandwidth),
+    (sc.PCIE_RX_BPS, "PCIe received", quantities.bandwidth),
 )
 for metric, heading, unit in PANELS:
     bins = by_rank[by_rank["metric"] == metric]
     if bins.empty:
         continue
-    st.subheader(heading)
+    if isinstance(unit, quantities.Scale):
+        divisor, unit = unit.prefix(bins[["mean", "low", "high"]].abs().max().max())
+        bins = bins.assign(**{c: bins[c] / divisor for c in ("mean", "low", "high")})
+    st.subheader(heading + ui.SIMULATED * simulated_gpus)
     st.altair_chart(charts.by_rank(bins, "mean", f"{heading}, {unit}", ("low", "high")), width="stretch")
 if by_rank[by_rank["metric"].isin([sc.POWER_W, sc.POWER_INSTANT_W])].empty:
     st.caption("No power samples (clocks and temperatures only).")

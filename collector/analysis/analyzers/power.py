@@ -16,16 +16,19 @@ energy, or the fastest whose limits sum within a power budget.
 Per-rank caps. In synchronous training a rank that finishes its compute early waits for the
 slowest in the next collective; that wait, its exposed communication time less the transfer
 itself (the least any rank waited at that step), is slack: it can compute more slowly, at a
-lower clock and power, without delaying the step. The clock a rank needs is
+lower clock and power, without delaying the step. A rank that computes notably longer than the
+median rank is one of the slow ones the others wait for: its slack is only a slower one's lead
+among them, and it keeps its limit. The clock a rank needs is
 clock_now * compute / (compute + safety * slack) (its median compute and slack over the
 judged steps), and its cap the power model's power at that clock and its load: the GPU
 power model (agent/gpumodel.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
 the rank's utilization while busy (a high quantile of its samples). A straggler has no slack
-and keeps its limit; so does a rank that throttles for heat (most of its samples): its clock is
-held by its temperature, not its limit, and a cap at its present draw would bind once it cooled,
-making it a straggler. `safety` is the largest (up to `max_safety`) whose predicted step-time
-loss stays within `max_loss`: with a thousand ranks, the one whose noise runs long at a step
-sets that step's pace, so a rank must not fill all of its median slack.
+and keeps its limit (as does any slow rank, above); so does a rank that throttles for heat (most
+of its samples): its clock is held by its temperature, not its limit, and a cap at its present
+draw would bind once it cooled, making it a straggler. `safety` is the largest (up to
+`max_safety`) whose predicted step-time loss stays within `max_loss`: with a thousand ranks,
+the one whose noise runs long at a step sets that step's pace, so a rank must not fill all of
+its median slack.
 
 Predictions replay steps drawn afresh from the judged ones: each a judged step whose ranks'
 compute, as ratios to their own median, is shuffled among them (so caps set from the judged
@@ -36,9 +39,10 @@ A prediction is the measured value plus the model's difference, and its range is
 of as many steps would measure: a bootstrap with the before and after steps resampled
 independently.
 
-Facility headroom, after POLCA. The GPUs' power, averaged per rank over buckets of
-`bucket_s`, summed per node (host) and over the job: the nodes' p99 and peak against the
-power provisioned. Nodes of a synchronous job draw together, so k more nodes like these draw
+Facility headroom, after POLCA, where the facility's power budget is given (a default would
+be a guess). The GPUs' power, averaged per rank over buckets of `bucket_s`, summed per node
+(host) and over the job: the nodes' p99 and peak against the power provisioned. Nodes of a
+synchronous job draw together, so k more nodes like these draw
 the job's total scaled by (N + k) / N at the same moments; the risk is the share of moments
 that would exceed the budget.
 """
@@ -53,6 +57,7 @@ from agent import semconv as sc
 from agent.gpumodel import THERMAL, GpuModel, operating_points
 from collector import ranksets
 from collector.analysis.analyzers import Finding
+from collector.quantities import energy, energy_wh, percent, plural, power
 
 ANALYZER = "power"
 POWER_METRICS = (sc.POWER_W, sc.POWER_INSTANT_W)
@@ -65,6 +70,7 @@ class Settings:
     max_safety: float = 0.9  # the most of a rank's slack its slower compute may fill
     max_loss: float = 0.005  # predicted step-time loss per-rank caps may cost
     min_change_w: float = 10.0  # a cap within this of the limit in force is not worth setting
+    slow: float = 0.03  # a rank computing this much longer than the median rank is one the others wait for
     warmup: int = 2  # steps after a change of the job's limit that are left out (Zeus's warm-up)
     min_steps: int = 3  # steps a limit needs to be a measured point of the curve
     model_step_w: float = 25.0  # spacing of the limits of a modelled curve
@@ -137,6 +143,14 @@ class RankCap:
     new_clock_mhz: float
     stretch: float  # compute at the new clock over now
     saving_j_per_step: float
+    kept_because: str | None = None  # where `cap_w` is None: slow (the others wait for it), thermal, or little slack
+
+
+KEPT_BECAUSE = {  # why a rank keeps its limit, as a finding's summary says it (by the number of ranks)
+    "slow": ("the slow one the others wait for", "slow ones the others wait for"),
+    "thermal": ("throttled by heat", "throttled by heat"),
+    "little slack": ("too little slack", "too little slack"),
+}
 
 
 @dataclass
@@ -262,7 +276,7 @@ def analyze(
     power_limit_w (the limit in force at the step's end; null where unknown).
     `devices`: rank, ts (ns), metric, value: device samples (power, utilization, clock-event reasons).
     `ranks`: rank, host: placement, for the nodes of the headroom.
-    `facility_w`: the power the job's nodes may draw; default their GPUs' nameplate (the highest limit).
+    `facility_w`: the power the job's nodes may draw; the headroom is judged only against one given.
     `model`: the GPUs' power model and limits.
     `simulated`: the samples are simulated GPUs'; every finding says so (SIMULATED), wherever it is shown."""
     s = settings
@@ -297,7 +311,7 @@ def analyze(
         if judged is None or draws is None
         else _per_rank(judged, draws, profile.loc[judged.ranks], model, s, n_steps)
     )
-    headroom = _headroom(devices, ranks, n_ranks, facility_w, model, s)
+    headroom = None if facility_w is None else _headroom(devices, ranks, facility_w, model, s)
     findings = []
     if choice is not None and choice.cap_w < max(p.cap_w for p in curve):
         findings.append(_job_cap_finding(run_id, steps, curve, choice, policy, measured, profile))
@@ -465,7 +479,9 @@ def _per_rank(g: _Grid, draws: _Draws, profile: pd.DataFrame, model: GpuModel, s
     typical = np.median(g.compute, axis=0)
     slack = np.median(np.clip(g.wait - np.clip(g.wait.min(axis=1, keepdims=True), 0.0, None), 0.0, None), axis=0)
     limit, clock = profile["limit_w"].to_numpy(), profile["clock_mhz"].to_numpy()
-    held = profile["thermal"].to_numpy() | (slack <= 0)  # keep their limits whatever the safety
+    thermal = profile["thermal"].to_numpy()
+    slow = (slack <= 0) | (typical > (1 + s.slow) * np.median(typical))  # the ones the others wait for
+    held = thermal | slow  # keep their limits whatever the safety
 
     def at(safety: float) -> tuple:
         target = np.maximum(clock * typical / (typical + safety * slack), model.clock_min_mhz)
@@ -506,9 +522,10 @@ def _per_rank(g: _Grid, draws: _Draws, profile: pd.DataFrame, model: GpuModel, s
             float(nf),
             float(f / nf),
             float(saving),
+            None if cap != lim else "slow" if sw else "thermal" if th else "little slack",
         )
-        for r, cap, lim, c, sl, load, f, nf, saving in zip(
-            g.ranks, caps, limit, typical, slack, profile["load"], clock, new_clock, by_rank
+        for r, cap, lim, c, sl, load, f, nf, saving, sw, th in zip(
+            g.ranks, caps, limit, typical, slack, profile["load"], clock, new_clock, by_rank, slow, thermal
         )
     ]
     return PerRank(
@@ -531,8 +548,7 @@ def _per_rank(g: _Grid, draws: _Draws, profile: pd.DataFrame, model: GpuModel, s
 def _headroom(
     devices: pd.DataFrame,
     ranks: pd.DataFrame | None,
-    n_ranks: int,
-    facility_w: float | None,
+    facility_w: float,
     model: GpuModel,
     s: Settings,
 ) -> Headroom | None:
@@ -551,7 +567,7 @@ def _headroom(
     job = nodes.sum(axis=1).to_numpy()
     per_node_gpus = host.value_counts()
     nameplate = float(per_node_gpus.median() * model.limit_max_w)
-    budget = facility_w if facility_w is not None else n_ranks * model.limit_max_w
+    budget = facility_w
     n = nodes.shape[1]
 
     def risk(extra: int) -> float:
@@ -623,9 +639,9 @@ def _job_cap_finding(
         int(steps["step"].max()),
         "info",
         choice.energy_saving,
-        f"cap every GPU at {choice.cap_w:.0f} W ({policy}): {100 * choice.energy_saving:.1f}% less energy per step "
-        f"(±{196 * choice.energy_j_se / choice.energy_j:.1f}%) for {100 * (choice.slowdown - 1):+.1f}% step time "
-        f"(±{196 * choice.step_s_se / choice.step_s:.1f}%), {how}",
+        f"cap every GPU at {power(choice.cap_w)} ({policy}): {percent(choice.energy_saving)} less energy per step "
+        f"(±{percent(1.96 * choice.energy_j_se / choice.energy_j)}) for {percent(choice.slowdown - 1, signed=True)} "
+        f"step time (±{percent(1.96 * choice.step_s_se / choice.step_s)}), {how}",
         {
             "cap_w": choice.cap_w,
             "policy": str(policy),
@@ -647,7 +663,13 @@ def _job_cap_finding(
 def _per_rank_finding(run_id: str, per_rank: PerRank, profile: pd.DataFrame) -> Finding:
     capped = sorted(per_rank.caps)
     kept = [c.rank for c in per_rank.ranks if c.cap_w is None]
-    lo, hi = per_rank.saving_j_per_step_range
+    limits = power.span(min(per_rank.caps.values()), max(per_rank.caps.values()))
+    why = [
+        f"{ranksets.phrase(ranks)} {'keeps its' if len(ranks) == 1 else 'keep theirs'}, "
+        + KEPT_BECAUSE[reason][len(ranks) > 1]
+        for reason in KEPT_BECAUSE
+        if (ranks := [c.rank for c in per_rank.ranks if c.kept_because == reason])
+    ]
     return Finding(
         run_id,
         "per_rank_caps",
@@ -656,16 +678,12 @@ def _per_rank_finding(run_id: str, per_rank: PerRank, profile: pd.DataFrame) -> 
         per_rank.step_end,
         "info",
         per_rank.saving_fraction,
-        f"{len(capped)} ranks wait for slower ones and can run under lower power limits "
-        f"({min(per_rank.caps.values()):.0f}-{max(per_rank.caps.values()):.0f} W; "
-        + (
-            f"{ranksets.phrase(kept)} {'keeps its' if len(kept) == 1 else 'keep theirs'}"
-            if kept
-            else "none keeps its limit"
-        )
-        + f"): {per_rank.saving_j_per_step / 1e3:.2f} kJ less per step ({100 * per_rank.saving_fraction:.1f}%, "
-        f"re-run range {lo / 1e3:.2f}-{hi / 1e3:.2f} kJ), {100 * (per_rank.slowdown - 1):+.2f}% step time, "
-        f"{per_rank.saving_kwh_run:.3f} kWh over the run",
+        f"{plural(len(capped), 'rank')} {'waits' if len(capped) == 1 else 'wait'} for slower ones and can run under "
+        f"lower power limits ({'; '.join([limits, *why])}): {energy(per_rank.saving_j_per_step)} less per step "
+        f"({percent(per_rank.saving_fraction)}; a re-run "
+        f"would measure {energy.span(*per_rank.saving_j_per_step_range)}), "
+        f"{percent(per_rank.slowdown - 1, signed=True)} step time, "
+        f"{energy_wh(per_rank.saving_kwh_run * 3.6e6)} over the run",
         {
             "caps": {str(r): w for r, w in per_rank.caps.items()},
             "kept": kept,
@@ -692,9 +710,10 @@ def _headroom_finding(run_id: str, h: Headroom, ranks: list[int]) -> Finding:
         None,
         "info",
         float(h.extra_nodes),
-        f"{h.nodes} nodes draw {h.job_p99_w / 1e3:.1f} kW at p99 (peak {h.job_peak_w / 1e3:.1f} kW) against "
-        f"{h.facility_w / 1e3:.1f} kW: {h.extra_nodes} more such nodes fit with {100 * h.risk:.2f}% of moments over "
-        f"(by peak {h.extra_nodes_peak}, by nameplate {h.extra_nodes_nameplate}; {h.buckets} moments)",
+        f"{plural(h.nodes, 'node')} draw{'s' * (h.nodes == 1)} {power(h.job_p99_w)} at p99 (peak "
+        f"{power(h.job_peak_w)}) against the facility's {power(h.facility_w)}: {h.extra_nodes:,} more such "
+        f"node{' fits' if h.extra_nodes == 1 else 's fit'} with {percent(h.risk)} of moments over (by peak "
+        f"{h.extra_nodes_peak:,}, by nameplate {h.extra_nodes_nameplate:,}; {plural(h.buckets, 'moment')})",
         {
             "facility_w": h.facility_w,
             "node_p99_w": h.node_p99_w,
