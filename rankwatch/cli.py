@@ -143,6 +143,14 @@ def _token(args) -> str | None:
     return token(file=args.token_file, store=getattr(args, "db", None))
 
 
+def _refused(error: Exception, token: str | None) -> UsageError:
+    """A refused token, in one line that says where a command looks for the right one."""
+    return UsageError(
+        f"{error}: {'no token was found' if token is None else 'that token is not its token'}; give it with "
+        "--token-file PATH, $RANKWATCH_TOKEN, or --db (the collector's store, the token file beside it)"
+    )
+
+
 def _collector_takes(url: str, token: str | None, unreachable_ok: bool) -> None:
     """Before a command sends anything: the collector at `url` takes `token` (one empty, authenticated
     export), else one line naming where a token is looked for; an unreachable collector is one line
@@ -153,10 +161,7 @@ def _collector_takes(url: str, token: str | None, unreachable_ok: bool) -> None:
     try:
         reached = check_token(url, token)
     except TokenRefused as e:
-        raise UsageError(
-            f"{e}: {'no token was found' if token is None else 'that token is not its token'}; give it with "
-            "--token-file PATH, $RANKWATCH_TOKEN, or --db (the collector's store, the token file beside it)"
-        ) from None
+        raise _refused(e, token) from None
     if not reached and not unreachable_ok:
         raise UsageError(f"cannot reach the collector at {url}: is it running? (rankwatch collector)")
 
@@ -601,6 +606,7 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
 
 
 def cmd_train(args) -> None:
+    from agent.config import TokenRefused, collector_url
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
@@ -614,6 +620,7 @@ def cmd_train(args) -> None:
         raise UsageError(str(e)) from None
     _check_targets(faults, args.nproc, args.steps)
     _stop_on_sigterm()
+    collector, store, token = collector_url(args.collector), _db(args), _token(args)
     try:
         sys.exit(
             train(
@@ -621,16 +628,18 @@ def cmd_train(args) -> None:
                 steps=args.steps,
                 run_id=args.run,
                 faults=args.inject,
-                collector=args.collector,
+                collector=collector,
                 model=args.model,
                 max_restarts=args.max_restarts,
                 device=args.device,
-                store=_db(args),
-                token=_token(args),
+                store=store,
+                token=token,
             )
         )
     except DeviceError as e:
         raise UsageError(str(e)) from None
+    except TokenRefused as e:  # found before torchrun starts (rankwatch/launch.py)
+        raise _refused(e, token) from None
 
 
 def cmd_simulate(args) -> None:
@@ -649,7 +658,8 @@ def cmd_simulate(args) -> None:
     if args.collector:
         from agent import config
 
-        exporter_url, token = config.collector_url(args.collector), _token(args)  # a bad token: one line now
+        store, exporter_url = _db(args), config.collector_url(args.collector)
+        token = _token(args)  # a bad token: one line now
         _collector_takes(exporter_url, token, unreachable_ok=True)  # a refused one too, before minutes of refusals
     topology = simulate.Topology(dp, pp, tp)
     try:
@@ -698,7 +708,7 @@ def cmd_simulate(args) -> None:
     from rankwatch.launch import TELEMETRY_LOST, announce, report_loss
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
-    announce("simulate", run_id, exporter_url, _db(args))
+    announce("simulate", run_id, exporter_url, store)
     # paced: the simulator waits for the collector rather than dropping what it cannot take yet
     exporter = Exporter(exporter_url, token, {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
     try:
