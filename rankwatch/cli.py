@@ -453,7 +453,13 @@ def _check_running(run_id: str, ranks: list[int], ended: int, last_ns: int | Non
         raise UsageError(f"run {run_id} has ended (every rank said so): a power cap would never be applied")
     silent_s = None if last_ns is None else (time.time_ns() - last_ns) / 1e9
     if silent_s is None or silent_s > SILENT_S:
-        since = "has sent no heartbeat" if silent_s is None else f"has sent nothing for {silent_s / 60:.0f} min"
+        since = (
+            "has sent no heartbeat"
+            if silent_s is None
+            else f"has sent nothing for {silent_s:.0f} s"
+            if silent_s < 120
+            else f"has sent nothing for {silent_s / 60:.0f} min"
+        )
         raise UsageError(f"run {run_id} {since}: no job is running to apply a power cap")
 
 
@@ -606,7 +612,11 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
 
 
 def cmd_train(args) -> None:
-    from agent.config import TokenRefused, collector_url
+    from agent.config import collector_url
+
+    collector, store, token = collector_url(args.collector), _db(args), _token(args)
+    _collector_takes(collector, token, unreachable_ok=True)  # before torch loads and torchrun starts a rank
+
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
@@ -620,7 +630,6 @@ def cmd_train(args) -> None:
         raise UsageError(str(e)) from None
     _check_targets(faults, args.nproc, args.steps)
     _stop_on_sigterm()
-    collector, store, token = collector_url(args.collector), _db(args), _token(args)
     try:
         sys.exit(
             train(
@@ -638,8 +647,6 @@ def cmd_train(args) -> None:
         )
     except DeviceError as e:
         raise UsageError(str(e)) from None
-    except TokenRefused as e:  # found before torchrun starts (rankwatch/launch.py)
-        raise _refused(e, token) from None
 
 
 def cmd_simulate(args) -> None:

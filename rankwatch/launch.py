@@ -66,13 +66,8 @@ def train(
     times, and the trainer resumes from its last checkpoint. Interrupted, it stops the job before it
     returns. `store`: the store the job's checkpoints are kept beside (`runs/RUN/checkpoints`; default:
     $RANKWATCH_DB's, else ./rankwatch-data's). `device`: auto, cpu or cuda (trainer/device.py;
-    DeviceError for cuda without a GPU per rank, before anything starts). A token the collector
-    refuses is agent.config.TokenRefused, before anything starts too (each rank checks again at init)."""
-    from agent.export import check_token
-
-    collector, token = config.collector_url(collector), config.token(token)
-    check_token(collector, token)  # a refused token: TokenRefused now, before torchrun starts a rank
-
+    DeviceError for cuda without a GPU per rank, before anything starts). Each rank checks its token
+    at init (agent.config.TokenRefused); `rankwatch train` checks it before calling this."""
     import torch
 
     from trainer.device import choose
@@ -80,7 +75,11 @@ def train(
     device, notice = choose(device, nproc, torch.cuda.device_count())
     if notice:
         print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
-    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    run_id, collector, token = (
+        run_id or time.strftime("run-%Y%m%d-%H%M%S"),
+        config.collector_url(collector),
+        config.token(token),
+    )
     store = (store or paths.store_path()).resolve()  # the ranks' working directory must not matter
     announce("train", run_id, collector, store)
     print(f"rankwatch train: checkpoints in {paths.checkpoint_dir(store, run_id)}", flush=True)

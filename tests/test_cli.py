@@ -247,7 +247,7 @@ def no_token_env(tmp_path) -> dict[str, str]:
 
 def test_a_refused_token_stops_dashboard_and_simulate_in_one_line(beside, tmp_path, monkeypatch):
     """A wrong token, or none found, is one line naming where a token is looked for, exit 2, before the
-    dashboard serves a page or the simulator sends a step (it ran for minutes of 401s before)."""
+    dashboard serves a page, the simulator sends a step or train starts torchrun (minutes of 401s before)."""
     import dashboard.serve
 
     def served(*args) -> None:
@@ -264,6 +264,8 @@ def test_a_refused_token_stops_dashboard_and_simulate_in_one_line(beside, tmp_pa
             "simulate", "--ranks", "2", "--steps", "2", "--run", "refused", "--collector", beside.url, env=env
         )
         assert_one_line_error(simulate, "refused the token (HTTP 401", said)
+        train = rankwatch_in_process("train", "--steps", "2", "--collector", beside.url, env=env)
+        assert_one_line_error(train, "refused the token (HTTP 401", said)  # before torchrun starts a rank
     rows = httpx.post(
         f"{beside.url}/api/v1/query",
         json={"sql": "SELECT count(*) FROM runs WHERE run_id = 'refused'"},
@@ -302,6 +304,7 @@ def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside
     an exporter refused mid-run says so once (not "unreachable") and stops a paced producer."""
     import time
 
+    import agent
     from agent import semconv as sc
     from agent.config import TokenRefused
     from agent.export import Exporter, check_token
@@ -311,6 +314,8 @@ def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside
     for token in (WRONG, None):
         with pytest.raises(TokenRefused, match=r"refused the token \(HTTP 401"):
             check_token(beside.url, token)
+    with pytest.raises(TokenRefused):  # a rank learns it at init, not after a run of refused steps
+        agent.init(run_id="refused-init", collector=beside.url, token=WRONG, rank=0, world_size=1, cuda=False)
     step = [("step", time.time_ns(), time.time_ns() + 1000, {sc.KIND: sc.KIND_STEP, sc.STEP: 1})]
     for paced in (False, True):
         exporter = Exporter(beside.url, WRONG, {sc.RUN_ID: "refused-mid-run", sc.RANK: 0}, paced=paced)
