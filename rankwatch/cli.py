@@ -441,20 +441,21 @@ def cmd_power_apply(args) -> None:
 _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run),
                   max(value) FILTER (metric = $low), min(value) FILTER (metric = $high),
                   (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = $ended),
-                  (SELECT epoch_ns(max(ts)) FROM events WHERE run_id = $run)
+                  greatest((SELECT epoch_ns(max(ts)) FROM events WHERE run_id = $run),
+                           (SELECT epoch_ns(max(end_ts)) FROM steps WHERE run_id = $run))
            FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
-SILENT_S = 60.0  # a running job's agent sends a heartbeat every 5 s: this long without one, no job is running
+SILENT_S = 60.0  # a running job's agent sends a heartbeat every 5 s: this long without one or a step, none runs
 
 
 def _check_running(run_id: str, ranks: list[int], ended: int, last_ns: int | None) -> None:
     """A command only a running job applies: refused for a run whose every rank said it ended, or that
-    sent nothing for SILENT_S (an imported or finished run), since it would stay pending for ever."""
+    sent no step or event for SILENT_S (an imported or finished run), since it would stay pending for ever."""
     if ranks and ended >= len(ranks):
         raise UsageError(f"run {run_id} has ended (every rank said so): a power cap would never be applied")
     silent_s = None if last_ns is None else (time.time_ns() - last_ns) / 1e9
     if silent_s is None or silent_s > SILENT_S:
         since = (
-            "has sent no heartbeat"
+            "has sent no step or heartbeat"
             if silent_s is None
             else f"has sent nothing for {silent_s:.0f} s"
             if silent_s < 120
