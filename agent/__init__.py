@@ -52,10 +52,13 @@ def init(
 ) -> Session:
     """Start this rank's session. Everything defaults from the environment: RANK and
     WORLD_SIZE (torchrun), RANKWATCH_RUN_ID, RANKWATCH_COLLECTOR, RANKWATCH_TOKEN (or
-    RANKWATCH_TOKEN_FILE; a token file that is empty or short is agent.config.TokenError).
+    RANKWATCH_TOKEN_FILE; a token file that is empty or short is agent.config.TokenError, a token the
+    collector refuses agent.config.TokenRefused, found by one empty export here rather than after a
+    run's worth of refused telemetry; a collector that cannot be reached is waited for as it runs).
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control
     from agent.clock import CpuTimer, Timer
+    from agent.export import check_token
     from agent.session import Session
 
     timer: Timer = CpuTimer()
@@ -70,6 +73,7 @@ def init(
         except ImportError:
             pass
     _commands, _control = None, (config.collector_url(collector), config.token(token))
+    check_token(*_control)
     _session = Session(
         run_id=config.run_id(run_id),
         rank=int(os.environ.get("RANK", 0)) if rank is None else rank,

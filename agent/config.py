@@ -4,21 +4,51 @@ then the defaults a newcomer gets (which the collector shares). Files: agent/pat
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from agent import paths
 
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
-TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_TOKEN", "RANKWATCH_TOKEN_FILE"
+COLLECTOR_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_COLLECTOR", "RANKWATCH_TOKEN", "RANKWATCH_TOKEN_FILE"
 MIN_TOKEN_CHARS = 16  # shorter is guessable; an empty one is what a crash between creating and writing leaves
 UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
 
 
+class UrlError(ValueError):
+    """A collector address that is no http(s) URL; the message says which and where, in one line."""
+
+
 def collector_url(explicit: str | None = None) -> str:
-    return explicit or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
+    """Given, $RANKWATCH_COLLECTOR, or the default; checked (`checked_url`), so that a typo is one line
+    here rather than a connection error from deep inside a client."""
+    if explicit:
+        return checked_url(explicit, "--collector")
+    if os.environ.get(COLLECTOR_ENV):
+        return checked_url(os.environ[COLLECTOR_ENV], f"${COLLECTOR_ENV}")
+    return DEFAULT_COLLECTOR
+
+
+def checked_url(url: str, where: str) -> str:
+    """`url` without its trailing slash, or UrlError unless it is http:// or https://, a host, an optional port
+    and an optional path (a collector behind a proxy's prefix)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # ValueError when not a number in 0..65535
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise UrlError(f"{where} {url!r} is not a collector URL such as {DEFAULT_COLLECTOR}")
+    if parts.query or parts.fragment:
+        raise UrlError(f"{where} {url!r}: a collector URL has no ?query or #fragment")
+    return url.strip().rstrip("/")
 
 
 class TokenError(ValueError):
     """A token that must not be used (empty, short, unreadable); the message says which and where, in one line."""
+
+
+class TokenRefused(TokenError):
+    """The collector answered 401 or 403 to the token: nothing sent with it would be stored."""
 
 
 def checked_token(token: str, where: str) -> str:

@@ -12,9 +12,12 @@ kept in a bounded backlog and sent once the collector is back, oldest first.
 Whatever is dropped before the collector acknowledged it (a full queue, the
 backlog's overflow, a refusal, what still waits at exit) is counted per rank,
 spans and rank-steps apart, and reported to the collector as `telemetry_loss`
-events. Device samples carry their own timestamps, which the metrics API
-cannot express, so they are handed to the SDK's OTLP metric exporter as
-ready-made gauge points.
+events. A refused token (401, 403) is told apart from an unreachable collector:
+`check_token` finds it before a job starts, and an exporter says it once and
+stops a paced producer (the fleet simulator) rather than letting it run on.
+Device samples carry their own timestamps, which the metrics API cannot
+express, so they are handed to the SDK's OTLP metric exporter as ready-made
+gauge points.
 """
 
 import functools
@@ -48,6 +51,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from agent import semconv as sc
+from agent.config import TokenRefused
 
 SCOPE = "rankwatch.agent"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -327,6 +331,30 @@ class Sent(NamedTuple):
 
 _RETRY_LATER = Sent(False)
 _RETRIED_STATUSES = {408, 429}  # 4xx that mean "not now" rather than "never"
+_TOKEN_STATUSES = {401, 403}  # the token is missing or wrong: every later export would be refused too
+
+
+def refusal(endpoint: str, status: int) -> str:
+    """What a 401 or 403 means, in one line."""
+    return f"the collector at {endpoint} refused the token (HTTP {status}: missing or wrong bearer token)"
+
+
+def check_token(endpoint: str, token: str | None, timeout_s: float = 5.0) -> bool:
+    """Whether the collector at `endpoint` takes `token`, by an empty (and so free) authenticated OTLP
+    export: True when it does, False when it cannot be reached (a job goes on; its telemetry waits),
+    TokenRefused when it answers 401 or 403, which no retry would change."""
+    if not reachable(endpoint):
+        return False
+    headers = {"Content-Type": "application/x-protobuf"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urlopen(Request(f"{endpoint.rstrip('/')}/v1/traces", b"", headers), timeout=timeout_s):
+            return True
+    except HTTPError as e:
+        if e.code in _TOKEN_STATUSES:
+            raise TokenRefused(refusal(endpoint.rstrip("/"), e.code)) from None
+        return True  # it answered, and not about the token: the exports will say what else is wrong
+    except (URLError, OSError):
+        return False
 
 
 def _retry_after(error: HTTPError) -> float | None:
@@ -340,8 +368,8 @@ class SpanExporter:
     """OTLP/HTTP protobuf export of `Span` records: one gzipped POST a batch, no retries (the
     Backlog around it keeps and retries a batch that failed)."""
 
-    def __init__(self, url: str, headers: dict, timeout_s: float):
-        self._url, self._timeout_s = url, timeout_s
+    def __init__(self, url: str, headers: dict, timeout_s: float, on_token_refused: Callable[[int], None]):
+        self._url, self._timeout_s, self._on_token_refused = url, timeout_s, on_token_refused
         self._headers = {**headers, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
 
     def export(self, spans: Sequence[Span]) -> Sent:
@@ -351,6 +379,9 @@ class SpanExporter:
                 answer = ExportTraceServiceResponse.FromString(response.read())  # 2xx: urlopen raises for the others
                 return Sent(True, answer.partial_success.rejected_spans)
         except HTTPError as e:
+            if e.code in _TOKEN_STATUSES:
+                self._on_token_refused(e.code)
+                return Sent(True, len(spans))
             if 400 <= e.code < 500 and e.code not in _RETRIED_STATUSES:
                 log.warning("rankwatch: the collector refused %d spans: HTTP %d", len(spans), e.code)
                 return Sent(True, len(spans))
@@ -396,7 +427,8 @@ class Backlog:
     accepts connections again, so neither exports nor the end of a job wait out retries.
     `paced` (the fleet simulator): a collector that answers but cannot take the batch now (503,
     a timeout) is waited for, the batch tried again until it is taken or `patience_s` passes, so
-    the queues before it fill and their producer waits rather than anything being dropped.
+    the queues before it fill and their producer waits rather than anything being dropped, unless
+    `token_refused()` says the collector refused the token (then the batch is refused at once).
     Dropped batches go to `on_drop`, refused items to `on_refused`."""
 
     def __init__(
@@ -410,6 +442,7 @@ class Backlog:
         retry_s: float = 5.0,
         paced: bool = False,
         patience_s: float = 120.0,
+        token_refused: Callable[[], object] = lambda: None,
     ):
         self._exporter = exporter
         self._endpoint = endpoint
@@ -417,7 +450,7 @@ class Backlog:
         self._on_drop, self._on_refused = on_drop, on_refused
         self._on_first_failure = on_first_failure
         self._retry_s = retry_s
-        self._paced, self._patience_s = paced, patience_s
+        self._paced, self._patience_s, self._token_refused = paced, patience_s, token_refused
         self._batches: deque[list] = deque()
         self._items = 0  # waiting
         self._late = 0  # waiting after a failed try (the oldest `_late` items)
@@ -460,6 +493,8 @@ class Backlog:
             sent = self._exporter.export(batch) if reachable(self._endpoint) else _RETRY_LATER
             if sent.answered or not self._paced or self._closed or time.monotonic() > give_up:
                 return sent
+            if self._token_refused():  # a refused token is no busy collector: no wait mends it
+                return Sent(True, len(batch))
             if sent.retry_after_s is None and not reachable(self._endpoint):
                 return sent  # gone, not busy: the batch waits in the backlog
             time.sleep(min(sent.retry_after_s or 1.0, 5.0))
@@ -525,6 +560,7 @@ class Exporter:
         self.losses = Losses()
         self._reported: dict[int, Lost] = {}  # what each resource's last telemetry_loss said
         self._next_report = 0.0
+        self.token_refused: str | None = None  # why the collector refused the token, once it has
         warned = threading.Event()  # once, whichever sender fails first
 
         def unreachable() -> None:
@@ -539,13 +575,14 @@ class Exporter:
 
         self._span_backlogs = [
             Backlog(
-                SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s),
+                SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s, self._refused_token),
                 backlog_items // senders,
                 endpoint,
                 on_drop=self.losses.spans,
                 on_refused=self.losses.refused,
                 on_first_failure=unreachable,
                 paced=paced,
+                token_refused=lambda: self.token_refused,
             )
             for _ in range(senders)
         ]
@@ -557,6 +594,7 @@ class Exporter:
             on_drop=self._records_dropped,
             on_refused=lambda batch, count: self._records_dropped(batch[:count]),
             paced=paced,
+            token_refused=lambda: self.token_refused,
         )
         self._ids = random.Random(os.urandom(16))
         # traces (steps) queued: 8192, some 120k spans at the reference trainer's 15 a step; 256 traces a
@@ -594,6 +632,12 @@ class Exporter:
         )
         self.samples_refused = 0  # device samples the collector never took
 
+    def _refused_token(self, status: int) -> None:
+        """A 401 or 403: said once, apart from an unreachable collector, since waiting will not mend it."""
+        if self.token_refused is None:
+            self.token_refused = refusal(self._endpoint, status)
+            log.warning("rankwatch: %s; the spans it refuses are counted as lost", self.token_refused)
+
     def _export_traces(self, backlog: Backlog, traces: Sequence[Trace]) -> None:
         """A batch of traces becomes their spans (the children's ids drawn here, on the export
         thread), so that the backlog counts spans."""
@@ -615,6 +659,8 @@ class Exporter:
         The trace is queued as one plain record: the tracer API's context and sampling machinery
         would cost ~80 µs a span on the training thread, for spans whose times are known after the
         fact, and the SDK's ReadableSpan and batch processor ~15 µs more a span."""
+        if self._paced and self.token_refused:  # a simulator has no training to keep going: it stops here
+            raise TokenRefused(self.token_refused)
         trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
         self._next_queue()(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
@@ -656,7 +702,7 @@ class Exporter:
         ]
         data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
         for _ in range(12 if self._paced else 1):  # paced: a minute or two of a collector's 503s
-            if not reachable(self._endpoint):
+            if not reachable(self._endpoint) or self.token_refused:
                 break
             if self._metric_exporter.export(data).name == "SUCCESS":
                 return True

@@ -5,6 +5,7 @@ the trainer, the collector, the dashboard and the command line. A leaf (the stan
       rankwatch.duckdb            the store: --db, else $RANKWATCH_DB, else this
       token                       the bearer token, mode 0600, made by the collector's first start
       alerts.toml                 the alert receivers, if any (collector/alerts/config.py)
+      dashboard                   the address of the dashboard last started on this store or its collector
       sql-files/                  the only files SQL queries may read, as sql-files://NAME (collector/store/sqlfiles.py)
       runs/RUN/checkpoints/       `rankwatch train`'s checkpoints of run RUN, rank-R/ for rank R
 
@@ -18,6 +19,7 @@ DB_ENV = "RANKWATCH_DB"
 DEFAULT_DB = Path("rankwatch-data/rankwatch.duckdb")
 TOKEN_FILE = "token"
 ALERTS_FILE = "alerts.toml"
+DASHBOARD_FILE = "dashboard"  # `train` and `simulate` print its link with the port it really serves on
 SQL_FILES_DIR = "sql-files"
 
 

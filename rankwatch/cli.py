@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.config import TOKEN_ENV, TokenError
+from agent.config import TOKEN_ENV, TokenError, UrlError
 from agent.paths import DB_ENV, DEFAULT_DB
 from trainer.device import DEVICES
 
@@ -73,10 +73,43 @@ def _quantity(allow_zero: bool):
 POSITIVE, NON_NEGATIVE, PORT = _whole(1), _whole(0), _whole(1, 65535)
 
 
-def _db(args) -> Path:
+DUCKDB_MAGIC = b"DUCK"  # bytes 8-11 of every DuckDB database file
+
+
+def _db(args, existing: bool = False) -> Path:
+    """The store of --db, $RANKWATCH_DB or the default, checked the same way for every command: a
+    directory, an unreadable file or a file of another kind is one line here, not a DuckDB traceback
+    later; with `existing`, so is no file at all (a command that only reads never creates a store)."""
     from agent.paths import store_path
 
-    return store_path(args.db)
+    path = store_path(getattr(args, "db", None))
+    if path.is_dir():
+        raise UsageError(f"the store {path} is a directory: give the store file (--db PATH)")
+    try:
+        with open(path, "rb") as f:
+            header = f.read(12)
+    except FileNotFoundError:
+        if existing:
+            raise UsageError(f"no store at {path}") from None
+        return path
+    except OSError as e:
+        raise UsageError(f"cannot read the store {path}: {e.strerror or e}") from None
+    if header and header[8:12] != DUCKDB_MAGIC:  # an empty file is where a store is yet to be made
+        raise UsageError(f"{path} is not a rankwatch store (a DuckDB file): check --db")
+    return path
+
+
+def _output_file(text: str) -> str:
+    """argparse type: a file the command may write (its directory there and writable, not a directory
+    itself), checked before any work, so a typo costs no minutes of analysis and no traceback."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file name in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: there is no directory {path.parent}")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
 
 
 def _preflight(config) -> None:
@@ -102,11 +135,35 @@ def _rollback_kinds(text: str) -> frozenset[str]:
 
 
 def _token(args) -> str | None:
-    """The token a client command sends: --token-file, then agent/config.py's order; a file's token is
-    checked there (TokenError, which main() reports in one line)."""
+    """The token a client command sends: --token-file, then agent/config.py's order, ending with the token
+    file beside the store of --db (or $RANKWATCH_DB, or the default); a file's token is checked there
+    (TokenError, which main() reports in one line)."""
     from agent.config import token
 
-    return token(file=args.token_file)
+    return token(file=args.token_file, store=getattr(args, "db", None))
+
+
+def _refused(error: Exception, token: str | None) -> UsageError:
+    """A refused token, in one line that says where a command looks for the right one."""
+    return UsageError(
+        f"{error}: {'no token was found' if token is None else 'that token is not its token'}; give it with "
+        "--token-file PATH, $RANKWATCH_TOKEN, or --db (the collector's store, the token file beside it)"
+    )
+
+
+def _collector_takes(url: str, token: str | None, unreachable_ok: bool) -> None:
+    """Before a command sends anything: the collector at `url` takes `token` (one empty, authenticated
+    export), else one line naming where a token is looked for; an unreachable collector is one line
+    too unless `unreachable_ok` (a job's telemetry waits for it)."""
+    from agent.config import TokenRefused
+    from agent.export import check_token
+
+    try:
+        reached = check_token(url, token)
+    except TokenRefused as e:
+        raise _refused(e, token) from None
+    if not reached and not unreachable_ok:
+        raise UsageError(f"cannot reach the collector at {url}: is it running? (rankwatch collector)")
 
 
 def cmd_collector(args) -> None:
@@ -192,17 +249,18 @@ def cmd_alerts_test(args) -> None:
 
 
 def cmd_query(args) -> None:
+    from agent.config import collector_url
     from collector.reports.query import QueryError, run_remote, run_sql, write
     from collector.store.db import StoreLocked
 
     rows: Sequence[Sequence]
     try:
         if args.collector:
-            columns, rows, truncated = run_remote(args.collector, _token(args), args.sql)
+            columns, rows, truncated = run_remote(collector_url(args.collector), _token(args), args.sql)
             if truncated:
                 print(f"rankwatch query: the first {len(rows)} rows only (the query API's cap)", file=sys.stderr)
         else:
-            columns, rows = run_sql(_db(args), args.sql)
+            columns, rows = run_sql(_db(args, existing=True), args.sql)
     except (QueryError, StoreLocked) as e:
         raise UsageError(str(e)) from None
     write(columns, rows, args.format)
@@ -217,9 +275,7 @@ def cmd_analyze(args) -> None:
     from collector.store.db import StoreLocked, connect
     from collector.store.runs import UnknownRun
 
-    db = _db(args)
-    if not db.exists():
-        raise UsageError(f"no store at {db}")
+    db = _db(args, existing=True)
     try:
         con = connect(db, read_only=True)
         report = analyze_run(con, args.run, hang_settings=hangs.Settings(floor_s=args.hang_after))
@@ -321,7 +377,7 @@ def _ranks(ranks: list[int]) -> str:
 def cmd_power_recommend(args) -> None:
     import json
 
-    from collector.analysis.analyzers.power import Policy
+    from collector.analysis.analyzers.power import POWER_METRICS, Policy
     from collector.reports.powercaps import document, recommend
     from collector.store.db import StoreLocked, connect
     from collector.store.runs import UnknownRun
@@ -330,13 +386,17 @@ def cmd_power_recommend(args) -> None:
         policy = Policy.parse(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    db = _db(args)
-    if not db.exists():
-        raise UsageError(f"no store at {db}")
+    db = _db(args, existing=True)
     try:
-        report = recommend(connect(db, read_only=True), args.run, policy, args.facility_watts)
+        con = connect(db, read_only=True)
+        report = recommend(con, args.run, policy, args.facility_watts)
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
+    (samples,) = con.execute(
+        "SELECT count(*) FROM device_samples WHERE run_id = ? AND metric IN ?", [args.run, list(POWER_METRICS)]
+    ).fetchall()[0]
+    if not samples:  # nothing measured and nothing simulated: an empty table would read as "no saving"
+        raise UsageError(f"run {args.run} has no power samples ({', '.join(POWER_METRICS)}): no caps to recommend")
     if args.plot:
         from collector.reports.powerplot import write_curve
 
@@ -382,25 +442,50 @@ def cmd_power_apply(args) -> None:
 
 
 _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run),
-                  max(value) FILTER (metric = $low), min(value) FILTER (metric = $high)
+                  max(value) FILTER (metric = $low), min(value) FILTER (metric = $high),
+                  (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = $ended),
+                  greatest((SELECT epoch_ns(max(ts)) FROM events WHERE run_id = $run),
+                           (SELECT epoch_ns(max(end_ts)) FROM steps WHERE run_id = $run))
            FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
+SILENT_S = 60.0  # a running job's agent sends a heartbeat every 5 s: this long without one or a step, none runs
+
+
+def _check_running(run_id: str, ranks: list[int], ended: int, last_ns: int | None) -> None:
+    """A command only a running job applies: refused for a run whose every rank said it ended, or that
+    sent no step or event for SILENT_S (an imported or finished run), since it would stay pending for ever."""
+    if ranks and ended >= len(ranks):
+        raise UsageError(f"run {run_id} has ended (every rank said so): a power cap would never be applied")
+    silent_s = None if last_ns is None else (time.time_ns() - last_ns) / 1e9
+    if silent_s is None or silent_s > SILENT_S:
+        since = (
+            "has sent no step or heartbeat"
+            if silent_s is None
+            else f"has sent nothing for {silent_s:.0f} s"
+            if silent_s < 120
+            else f"has sent nothing for {silent_s / 60:.0f} min"
+        )
+        raise UsageError(f"run {run_id} {since}: no job is running to apply a power cap")
 
 
 def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
-    """Before a power cap is sent: the run is one the collector knows, every capped rank is one of
-    its ranks, and every cap is within the limits its GPUs accept (the tightest range they share)."""
+    """Before a power cap is sent: the run is one the collector knows and still running, every capped
+    rank is one of its ranks, and every cap is within the limits its GPUs accept (the tightest range
+    they share)."""
     from agent import semconv as sc
     from collector.reports import queryapi
 
     try:
         answer = queryapi.remote_query(
-            api, _JOB, {"run": run_id, "low": sc.POWER_LIMIT_MIN_W, "high": sc.POWER_LIMIT_MAX_W}
+            api,
+            _JOB,
+            {"run": run_id, "low": sc.POWER_LIMIT_MIN_W, "high": sc.POWER_LIMIT_MAX_W, "ended": sc.EVENT_ENDED},
         )
     except queryapi.QueryFailed as e:
         raise UsageError(str(e)) from None
-    ranks, low, high = answer["rows"][0]
+    ranks, low, high, ended, last_ns = answer["rows"][0]
     if not ranks:
         raise UsageError(f"the collector at {api.url} knows no run {run_id!r}")
+    _check_running(run_id, ranks, ended, last_ns)
     caps = body.get("caps")
     if not isinstance(caps, dict):
         caps = {}
@@ -533,6 +618,11 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
 
 
 def cmd_train(args) -> None:
+    from agent.config import collector_url
+
+    collector, store, token = collector_url(args.collector), _db(args), _token(args)
+    _collector_takes(collector, token, unreachable_ok=True)  # before torch loads and torchrun starts a rank
+
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
@@ -553,12 +643,12 @@ def cmd_train(args) -> None:
                 steps=args.steps,
                 run_id=args.run,
                 faults=args.inject,
-                collector=args.collector,
+                collector=collector,
                 model=args.model,
                 max_restarts=args.max_restarts,
                 device=args.device,
-                store=_db(args),
-                token=_token(args),
+                store=store,
+                token=token,
             )
         )
     except DeviceError as e:
@@ -577,6 +667,13 @@ def cmd_simulate(args) -> None:
         raise UsageError(f"--ranks {args.ranks} is not dp x pp x tp = {dp} x {pp} x {tp}")
     if (args.collector is None) == (args.out is None):
         raise UsageError("give one of --collector URL or --out FILE.parquet")
+    _fits_in_memory(args.ranks, to_collector=args.out is None)
+    if args.collector:
+        from agent import config
+
+        store, exporter_url = _db(args), config.collector_url(args.collector)
+        token = _token(args)  # a bad token: one line now
+        _collector_takes(exporter_url, token, unreachable_ok=True)  # a refused one too, before minutes of refusals
     topology = simulate.Topology(dp, pp, tp)
     try:
         faults = [parse(spec, simulate.SIMULATOR_KINDS) for spec in args.inject]
@@ -618,19 +715,21 @@ def cmd_simulate(args) -> None:
             f"(ground truth: {args.out}.truth.json)"
         )
         return
-    from agent import config
     from agent import semconv as sc
+    from agent.config import TokenRefused
     from agent.export import Exporter
     from rankwatch.launch import TELEMETRY_LOST, announce, report_loss
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
-    exporter_url = config.collector_url(args.collector)
-    token = _token(args)  # a bad token file is one line before anything is announced
-    announce("simulate", run_id, exporter_url)
+    announce("simulate", run_id, exporter_url, store)
     # paced: the simulator waits for the collector rather than dropping what it cannot take yet
     exporter = Exporter(exporter_url, token, {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
-    rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
-    exporter.flush()
+    try:
+        rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
+        exporter.flush()
+    except TokenRefused as e:  # the collector's token changed under the run: stop now, not after every step
+        exporter.shutdown()
+        raise UsageError(f"{e}: the simulation stopped") from None
     exporter.shutdown()
     lost, samples = exporter.undelivered()
     if lost or samples:
@@ -640,6 +739,20 @@ def cmd_simulate(args) -> None:
         f"rankwatch simulate: run {run_id}, {rank_steps} rank-steps ({spans} spans: steps and their collectives) "
         f"of {args.ranks} ranks sent to {exporter_url}"
     )
+
+
+def _fits_in_memory(ranks: int, to_collector: bool) -> None:
+    """A fleet too large for this machine's memory is one line before the simulator starts, not
+    a MemoryError after minutes of work (trainer/simulate.py measures what a rank costs)."""
+    from trainer.simulate import available_memory, bytes_per_rank
+
+    per_rank, available = bytes_per_rank(to_collector), available_memory()
+    if ranks * per_rank > available:
+        raise UsageError(
+            f"--ranks {ranks:,} needs about {ranks * per_rank / 2**30:,.0f} GiB of memory; the "
+            f"{available / 2**30:.0f} GiB available here hold at most {available // per_rank:,} simulated ranks "
+            f"{'sent to a collector' if to_collector else 'written with --out'}"
+        )
 
 
 def _power_caps(path: str, ranks: int):
@@ -662,20 +775,21 @@ def cmd_dashboard(args) -> None:
     from dashboard.serve import serve
 
     _dashboard_port_free(args.port, "--port PORT")
-    collector, db = args.collector, None
+    collector, db = collector_url(args.collector) if args.collector else None, None
     if not collector:
-        db = _db(args)
-        if not db.exists():
-            raise UsageError(f"no store at {db}")
+        db = _db(args, existing=True)
         try:
             connect(db, read_only=True).close()
         except StoreLocked as e:
             if args.db:
                 raise UsageError(f"{e}, or read it through the collector (--collector URL)") from None
             collector, db = collector_url(), None  # the default store's collector holds it: ask that collector
-    if collector and (token := _token(args)):
-        os.environ[TOKEN_ENV] = token  # read and checked here, handed to the dashboard's process
-    serve(args.port, db, collector)
+    if collector:
+        token = _token(args)
+        _collector_takes(collector, token, unreachable_ok=False)  # not a page of "wrong token" later
+        if token:
+            os.environ[TOKEN_ENV] = token  # read and checked here, handed to the dashboard's process
+    serve(args.port, db, collector, (db or _db(args)).parent)
 
 
 def _dashboard_port_free(port: int, hint: str) -> None:
@@ -772,7 +886,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault, e.g. slow-stage:stage=3,slowdown=1.2 (repeatable)",
     )
     p.add_argument("--collector", help="send OTLP to this collector")
-    p.add_argument("--out", help="write a Parquet op trace instead (with a hang, it ends before the hang's step)")
+    p.add_argument(
+        "--db",
+        help="the collector's store file, whose token file beside it is the token sent "
+        "(default: --token-file, $RANKWATCH_TOKEN, else ./rankwatch-data's)",
+    )
+    p.add_argument(
+        "--out",
+        type=_output_file,
+        help="write a Parquet op trace instead (with a hang, it ends before the hang's step)",
+    )
     p.add_argument(
         "--hang-for",
         type=_quantity(allow_zero=True),
@@ -893,7 +1016,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id")
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
-    p.add_argument("--heatmap", metavar="FILE.png", help="also write a rank x step heatmap of compute time")
+    p.add_argument(
+        "--heatmap", metavar="FILE.png", type=_output_file, help="also write a rank x step heatmap of compute time"
+    )
     p.add_argument(
         "--hang-after",
         type=float,
@@ -924,7 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the power the job's nodes may draw, for the headroom (default: their GPUs' nameplate)",
     )
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw the time/energy trade-off")
+    p.add_argument("--plot", metavar="FILE.png", type=_output_file, help="also draw the time/energy trade-off")
     p.set_defaults(func=cmd_power_recommend)
     p = power.add_parser("apply", help="send a running job power caps through the collector's control API")
     p.add_argument("run", help="run id")
@@ -943,13 +1068,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_power_apply)
 
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
-    p.add_argument("sql")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
-    where.add_argument(
+    p.add_argument("sql", help="one statement (several are refused: only the last one's rows would show)")
+    p.add_argument(
+        "--db", help=f"store file ({_DEFAULT_DB}); with --collector, its store, for the token file beside it"
+    )
+    p.add_argument(
         "--collector",
         metavar="URL",
-        help="ask a running collector's query API instead (token: $RANKWATCH_TOKEN, else the "
+        help="ask a running collector's query API instead (token: --token-file, $RANKWATCH_TOKEN, else the "
         "token file beside the store)",
     )
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
@@ -957,16 +1083,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument(
+    p.add_argument(
         "--db",
-        help=f"a store file no collector holds, read-only ({_DEFAULT_DB}; through its collector when one holds it)",
+        help=f"a store file no collector holds, read-only ({_DEFAULT_DB}; through its collector when one holds "
+        "it); with --collector, that collector's store, whose token file beside it is the token sent",
     )
-    where.add_argument(
+    p.add_argument(
         "--collector",
         metavar="URL",
-        help="a running collector, through its query API (token: $RANKWATCH_TOKEN, else the token "
-        "file beside the store)",
+        help="a running collector, through its query API (token: --token-file, $RANKWATCH_TOKEN, else the "
+        "token file beside the store); checked at start",
     )
     p.add_argument("--port", type=PORT, default=8501)
     _token_file_option(p)
@@ -981,7 +1107,7 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"{e.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except TokenError as e:  # an empty, short or unreadable token file, wherever a command read it
+    except (TokenError, UrlError) as e:  # a bad token file or collector URL, wherever a command read it
         print(f"rankwatch: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -80,6 +80,8 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
                                 "dashboard",
                                 "--collector",
                                 url,
+                                "--db",
+                                str(db),
                                 "--port",
                                 str(dashboard_port),
                             ],

@@ -66,7 +66,8 @@ def train(
     times, and the trainer resumes from its last checkpoint. Interrupted, it stops the job before it
     returns. `store`: the store the job's checkpoints are kept beside (`runs/RUN/checkpoints`; default:
     $RANKWATCH_DB's, else ./rankwatch-data's). `device`: auto, cpu or cuda (trainer/device.py;
-    DeviceError for cuda without a GPU per rank, before anything starts)."""
+    DeviceError for cuda without a GPU per rank, before anything starts). Each rank checks its token
+    at init (agent.config.TokenRefused); `rankwatch train` checks it before calling this."""
     import torch
 
     from trainer.device import choose
@@ -74,9 +75,13 @@ def train(
     device, notice = choose(device, nproc, torch.cuda.device_count())
     if notice:
         print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
-    run_id, collector = run_id or time.strftime("run-%Y%m%d-%H%M%S"), config.collector_url(collector)
+    run_id, collector, token = (
+        run_id or time.strftime("run-%Y%m%d-%H%M%S"),
+        config.collector_url(collector),
+        config.token(token),
+    )
     store = (store or paths.store_path()).resolve()  # the ranks' working directory must not matter
-    announce("train", run_id, collector)
+    announce("train", run_id, collector, store)
     print(f"rankwatch train: checkpoints in {paths.checkpoint_dir(store, run_id)}", flush=True)
     undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
     env = {
@@ -89,7 +94,7 @@ def train(
         # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
-    if token := config.token(token):
+    if token:
         env["RANKWATCH_TOKEN"] = token
     env[paths.DB_ENV] = str(store)
     with subprocess.Popen(
@@ -120,13 +125,18 @@ def report_loss(program: str, run_id: str, collector: str, rank_steps: int, span
     )
 
 
-def announce(program: str, run_id: str, collector: str) -> None:
-    """Say, before a job starts, which run it is, where its telemetry goes and where to watch it."""
+def announce(program: str, run_id: str, collector: str, store: Path) -> None:
+    """Say, before a job starts, which run it is, where its telemetry goes and where to watch it: at
+    the address of the dashboard last started on `store` (or its collector), else the default one."""
     from collector.alerts.config import DEFAULT_DASHBOARD_URL
 
+    try:
+        dashboard = (store.parent / paths.DASHBOARD_FILE).read_text().strip() or DEFAULT_DASHBOARD_URL
+    except OSError:
+        dashboard = DEFAULT_DASHBOARD_URL
     print(
         f"rankwatch {program}: run {run_id}, telemetry to {collector}; watch it at "
-        f"{DEFAULT_DASHBOARD_URL}/?run={quote(run_id)} (rankwatch dashboard)",
+        f"{dashboard}/?run={quote(run_id)} (rankwatch dashboard)",
         flush=True,
     )
 

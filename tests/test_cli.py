@@ -228,3 +228,143 @@ def test_collector_refuses_unknown_rollback_kinds_in_one_line(kinds):
     assert result.stderr.strip() == (
         f"rankwatch collector: error: argument --rollback-on: {kinds!r}: a comma-separated list of nan, loss and grad"
     )
+
+
+WRONG = "wrong-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def beside(module_collector) -> Collector:
+    """The module's collector with its token in the token file beside its store, as a first start leaves it."""
+    (module_collector.db.parent / "token").write_text(module_collector.token + "\n")
+    return module_collector
+
+
+def no_token_env(tmp_path) -> dict[str, str]:
+    """An environment where no token is to be found: no variable, and a default store with no token file."""
+    return {"RANKWATCH_TOKEN": "", "RANKWATCH_TOKEN_FILE": "", "RANKWATCH_DB": str(tmp_path / "none" / "s.duckdb")}
+
+
+def test_a_refused_token_stops_dashboard_and_simulate_in_one_line(beside, tmp_path, monkeypatch):
+    """A wrong token, or none found, is one line naming where a token is looked for, exit 2, before the
+    dashboard serves a page, the simulator sends a step or train starts torchrun (minutes of 401s before)."""
+    import dashboard.serve
+
+    def served(*args) -> None:
+        raise AssertionError("the dashboard started serving")
+
+    monkeypatch.setattr(dashboard.serve, "serve", served)  # in this process: Streamlit would replace it
+    port = free_port()
+    for env in ({"RANKWATCH_TOKEN": WRONG}, no_token_env(tmp_path)):
+        said = "that token is not its token" if env["RANKWATCH_TOKEN"] else "no token was found"
+        dashboard = rankwatch_in_process("dashboard", "--collector", beside.url, "--port", str(port), env=env)
+        line = assert_one_line_error(dashboard, f"the collector at {beside.url} refused the token (HTTP 401", said)
+        assert "--token-file PATH, $RANKWATCH_TOKEN, or --db" in line
+        simulate = rankwatch_in_process(
+            "simulate", "--ranks", "2", "--steps", "2", "--run", "refused", "--collector", beside.url, env=env
+        )
+        assert_one_line_error(simulate, "refused the token (HTTP 401", said)
+        train = rankwatch_in_process("train", "--steps", "2", "--collector", beside.url, env=env)
+        assert_one_line_error(train, "refused the token (HTTP 401", said)  # before torchrun starts a rank
+    rows = httpx.post(
+        f"{beside.url}/api/v1/query",
+        json={"sql": "SELECT count(*) FROM runs WHERE run_id = 'refused'"},
+        headers=beside.headers,
+        timeout=30,
+    ).json()["rows"]
+    assert rows == [[0]]
+
+
+def test_db_finds_the_collectors_token_and_links_name_the_dashboards_real_port(beside, tmp_path):
+    """`--db` (the collector's store) finds the token file beside it for the dashboard and the simulator;
+    the dashboard notes the port it serves on there, and the simulator's link names that port."""
+    from conftest import Interactive
+
+    port = free_port()
+    env = {**os.environ, **no_token_env(tmp_path)}
+    dashboard = Interactive(
+        "dashboard", "--collector", beside.url, "--db", str(beside.db), "--port", str(port), env=env
+    )
+    try:
+        dashboard.read_until(f"rankwatch dashboard on http://127.0.0.1:{port}", timeout_s=60)
+    finally:
+        dashboard.kill()
+    assert (beside.db.parent / "dashboard").read_text().strip() == f"http://127.0.0.1:{port}"
+    sent = rankwatch_in_process(
+        "simulate", "--ranks", "2", "--steps", "2", "--run", "found", "--collector", beside.url, "--db", str(beside.db),
+        env=no_token_env(tmp_path),
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert f"watch it at http://127.0.0.1:{port}/?run=found " in sent.stdout.splitlines()[0]
+    assert sent.stdout.splitlines()[-1].endswith(f"of 2 ranks sent to {beside.url}")
+
+
+def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside, caplog):
+    """check_token: True for the token, False where nothing listens, TokenRefused for a wrong or missing one;
+    an exporter refused mid-run says so once (not "unreachable") and stops a paced producer."""
+    import time
+
+    import agent
+    from agent import semconv as sc
+    from agent.config import TokenRefused
+    from agent.export import Exporter, check_token
+
+    assert check_token(beside.url, beside.token) is True
+    assert check_token(f"http://127.0.0.1:{free_port()}", beside.token) is False
+    for token in (WRONG, None):
+        with pytest.raises(TokenRefused, match=r"refused the token \(HTTP 401"):
+            check_token(beside.url, token)
+    with pytest.raises(TokenRefused):  # a rank learns it at init, not after a run of refused steps
+        agent.init(run_id="refused-init", collector=beside.url, token=WRONG, rank=0, world_size=1, cuda=False)
+    step = [("step", time.time_ns(), time.time_ns() + 1000, {sc.KIND: sc.KIND_STEP, sc.STEP: 1})]
+    for paced in (False, True):
+        exporter = Exporter(beside.url, WRONG, {sc.RUN_ID: "refused-mid-run", sc.RANK: 0}, paced=paced)
+        with caplog.at_level("WARNING", logger="rankwatch.agent"):
+            exporter.trace(step)
+            exporter.flush()
+        assert exporter.token_refused is not None and "refused the token (HTTP 401" in exporter.token_refused
+        if paced:
+            with pytest.raises(TokenRefused):
+                exporter.trace(step)
+        started = time.monotonic()
+        exporter.shutdown()
+        assert time.monotonic() - started < 10  # no paced retries of what the collector will never take
+        assert exporter.undelivered()[0].rank_steps == 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rankwatch.agent"]
+    assert warnings and all("refused the token" in w and "unreachable" not in w for w in warnings), warnings
+
+
+def test_power_recommend_without_power_samples_is_one_line(store):
+    for extra in ((), ("--json",)):
+        result = rankwatch_in_process("power", "recommend", RUN, "--db", str(store), *extra)
+        assert_one_line_error(result, f"run {RUN} has no power samples", "no caps to recommend")
+
+
+def test_power_apply_refuses_a_run_no_job_is_running(beside):
+    """A power cap is applied by the job at a step boundary: to a run whose ranks all ended, or that sent
+    its last step and heartbeat long ago, or only steps long ago (an imported run), it would stay pending
+    for ever."""
+    import time
+
+    from agent import semconv as sc
+    from agent.export import Exporter
+
+    ago = T0  # step_spans' time: 2023
+    for run, event, ts in (("pa-ended", sc.EVENT_ENDED, time.time_ns()), ("pa-old", sc.EVENT_HEARTBEAT, ago)):
+        for rank in (0, 1):
+            assert post(beside, "traces", trace_body(step_spans(run, rank, range(3)))).status_code == 200
+            exporter = Exporter(beside.url, beside.token, {sc.RUN_ID: run, sc.RANK: rank})
+            exporter.event(event, ts, {sc.RANK: rank})
+            assert exporter.flush()
+            exporter.shutdown()
+    assert post(beside, "traces", trace_body(step_spans("pa-silent", 0, range(3)))).status_code == 200
+    env = {"RANKWATCH_TOKEN": beside.token}
+    for run, said in (
+        ("pa-ended", "has ended (every rank said so)"),
+        ("pa-old", "has sent nothing for"),
+        ("pa-silent", "has sent nothing for"),
+    ):
+        result = rankwatch_in_process("power", "apply", run, "--watts", "300", "--collector", beside.url, env=env)
+        assert_one_line_error(result, f"run {run} {said}", "no job is running" if run != "pa-ended" else "never")
+        commands = httpx.get(f"{beside.url}/v1/commands", params={"run_id": run}, headers=beside.headers, timeout=30)
+        assert commands.json() == []

@@ -16,7 +16,7 @@ import duckdb
 import pytest
 
 from rankwatch import cli
-from tests.conftest import rankwatch_cli
+from tests.conftest import free_port, rankwatch_cli
 
 
 def numeric_options() -> list[tuple[tuple[str, ...], str]]:
@@ -175,3 +175,165 @@ def test_a_reader_that_stops_early_gets_silence(tmp_path):
     stderr = writer.stderr.read().decode()
     assert stderr == ""
     assert writer.wait(timeout=120) in (0, 1)  # 1 where the pipe broke under a write
+
+
+def options_of(kind: str) -> set[tuple[str, ...]]:
+    """The subcommands (as paths) with an option named `kind`, found from the parser itself."""
+    found = set()
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+            elif kind in action.option_strings:
+                found.add(path)
+
+    walk(cli.build_parser(), ())
+    return found
+
+
+def store_commands(tmp_path) -> dict[tuple[str, ...], list[str]]:
+    """A command line of each subcommand that reads or makes a store, up to where its --db is checked."""
+    trace = tmp_path / "ops.csv"
+    trace.write_text("rank,step\n")
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    return {
+        ("query",): ["query", "SELECT 1"],
+        ("analyze",): ["analyze", "r"],
+        ("power", "recommend"): ["power", "recommend", "r"],
+        ("import",): ["import", "ops", str(trace), "--run", "r"],
+        ("collector",): ["collector", "--port", str(free_port())],
+        ("demo",): ["demo", "--port", str(free_port()), "--no-dashboard"],
+        ("dashboard",): ["dashboard", "--port", str(free_port())],
+        ("alerts", "test"): ["alerts", "test"],
+        ("train",): ["train", "--collector", url],
+        ("simulate",): ["simulate", "--ranks", "2", "--steps", "2", "--collector", url],
+    }
+
+
+def bad_stores(tmp_path) -> list[tuple[str, str]]:
+    """(path, what the one line says) of stores no command can use."""
+    text = tmp_path / "README.md"
+    text.write_text("# not a store\n" * 20)
+    noise = tmp_path / "noise.duckdb"
+    noise.write_bytes(bytes(range(256)))
+    return [
+        (str(text), "is not a rankwatch store"),
+        (str(noise), "is not a rankwatch store"),
+        (str(tmp_path), "is a directory"),
+        (str(text / "rankwatch.duckdb"), "Not a directory"),
+    ]
+
+
+def test_every_store_option_refuses_what_is_no_store(tmp_path, capsys):
+    """Every --db goes through one check: a text file, random bytes, a directory or a path through a
+    file are one line and exit 2 for every subcommand (a DuckDB traceback before); nothing is written."""
+    commands = store_commands(tmp_path)
+    assert set(commands) == options_of("--db")  # a new command with --db must be listed here
+    for store, message in bad_stores(tmp_path):
+        for argv in commands.values():
+            err = refused([*argv, "--db", store], capsys)
+            assert message in err and store in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "noise.duckdb", "ops.csv"]
+
+
+def test_reading_commands_refuse_a_missing_store(tmp_path, capsys):
+    missing = tmp_path / "none" / "rankwatch.duckdb"
+    for argv in (["query", "SELECT 1"], ["analyze", "r"], ["power", "recommend", "r"]):
+        assert f"no store at {missing}" in refused([*argv, "--db", str(missing)], capsys)
+    assert not missing.parent.exists()
+
+
+def test_every_output_file_is_checked_before_any_work(tmp_path, capsys):
+    """--heatmap, --plot and --out (whichever options write a file, found from the parser): a missing
+    directory or a directory in the file's place is one line, exit 2, before the store is even read."""
+    writers = {
+        ("analyze",): (["analyze", "r", "--db", str(tmp_path / "none.duckdb")], "--heatmap"),
+        ("power", "recommend"): (["power", "recommend", "r", "--db", str(tmp_path / "none.duckdb")], "--plot"),
+        ("simulate",): (["simulate", "--ranks", "2", "--steps", "2"], "--out"),
+    }
+    found = set()
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+            elif action.type is cli._output_file:
+                found.add((path, action.option_strings[0]))
+
+    walk(cli.build_parser(), ())
+    assert found == {(path, option) for path, (_, option) in writers.items()}
+    for argv, option in writers.values():
+        for target, message in (
+            (tmp_path / "missing" / "dir" / "x.png", f"there is no directory {tmp_path / 'missing' / 'dir'}"),
+            (tmp_path, "is a directory"),
+            (tmp_path / "file" / "x.png", "there is no directory"),
+        ):
+            (tmp_path / "file").write_text("")
+            err = refused([*argv, option, str(target)], capsys)
+            assert f"argument {option}" in err and message in err, err
+    assert not (tmp_path / "missing").exists()
+
+
+BAD_URLS = [
+    ("127.0.0.1:4318", "is not a collector URL such as http://127.0.0.1:4318"),
+    ("localhost", "is not a collector URL"),
+    ("ftp://127.0.0.1:4318", "is not a collector URL"),
+    ("http://", "is not a collector URL"),
+    ("http://127.0.0.1:99999", "is not a collector URL"),
+    ("http://127.0.0.1:port", "is not a collector URL"),
+    ("http://127.0.0.1:4318/?run=x", "has no ?query"),
+]
+
+
+@pytest.mark.parametrize("url, message", BAD_URLS)
+def test_every_collector_url_goes_through_one_parser(url, message, tmp_path, capsys):
+    """Every command that takes --collector (found from the parser), and $RANKWATCH_COLLECTOR where it
+    stands in: a URL that is no http(s) address is one line, exit 2, not a URLError from a client."""
+    commands = {
+        ("query",): ["query", "SELECT 1"],
+        ("power", "apply"): ["power", "apply", "r", "--watts", "300"],
+        ("dashboard",): ["dashboard", "--port", str(free_port())],
+        ("train",): ["train"],
+        ("simulate",): ["simulate", "--ranks", "2", "--steps", "2"],
+    }
+    assert set(commands) == options_of("--collector")
+    for argv in commands.values():
+        assert message in refused([*argv, "--collector", url], capsys)
+    for argv in (commands[("power", "apply")], commands[("train",)]):  # the environment's default
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RANKWATCH_COLLECTOR", url)
+            assert "$RANKWATCH_COLLECTOR" in refused(argv, capsys)
+
+
+@pytest.mark.parametrize("available_gib", [1, 16, 1024])
+def test_simulate_refuses_a_fleet_larger_than_memory_holds(available_gib, monkeypatch, capsys, tmp_path):
+    """The bound comes from the memory available here and what a rank costs: just past it, one line
+    saying the largest fleet that fits, at once; just under it, the simulator would start."""
+    from trainer import simulate
+
+    monkeypatch.setattr(simulate, "available_memory", lambda: available_gib * 2**30)
+    url = f"http://127.0.0.1:{free_port()}"
+    for where, to_collector in ((["--out", str(tmp_path / "t.parquet")], False), (["--collector", url], True)):
+        most = available_gib * 2**30 // simulate.bytes_per_rank(to_collector)
+        err = refused(["simulate", "--ranks", str(most + 1), "--steps", "2", *where], capsys)
+        assert f"hold at most {most:,} simulated ranks" in err and f"{available_gib} GiB available" in err
+        cli._fits_in_memory(most, to_collector)  # no error
+
+
+def test_simulate_bound_is_about_this_machine():
+    """A hundred million ranks do not fit here (nor on any machine this runs on); a thousand do."""
+    with pytest.raises(cli.UsageError, match="GiB available here hold at most"):
+        cli._fits_in_memory(100_000_000, to_collector=False)
+    cli._fits_in_memory(1024, to_collector=True)
+
+
+@pytest.mark.parametrize("sql", ["SELECT 1; SELECT 2", "SELECT 1;SELECT 2;", "CREATE TABLE t (x INT); SELECT * FROM t"])
+def test_query_refuses_several_statements(sql, tmp_path, capsys):
+    """Of several statements only the last one's rows would show: refused, as the query API refuses them."""
+    db = tmp_path / "s.duckdb"
+    duckdb.connect(str(db)).close()
+    assert "one statement per query, not 2" in refused(["query", sql, "--db", str(db)], capsys)
+    assert duckdb.connect(str(db), read_only=True).execute("SELECT count(*) FROM duckdb_tables()").fetchone() == (0,)

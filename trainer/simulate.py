@@ -41,6 +41,7 @@ spoil one step's loss as the trainer's do.
 """
 
 import json
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -65,6 +66,30 @@ SIMULATOR_KINDS = (
     *CURVE_KINDS,
 )
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+# Peak memory a simulated rank costs (a step is drawn for every rank at once), measured with
+# `/usr/bin/time -f %M rankwatch simulate --steps 2` between 250k and 1M ranks written with --out
+# (~1 KiB a rank) and between 20k and 100k ranks sent to a collector (~5 KiB: each rank's spans wait
+# in the exporter), doubled and rounded up for the peaks a longer run and its faults add.
+BYTES_PER_RANK_OUT, BYTES_PER_RANK_SENT = 2 * 2**10, 10 * 2**10
+
+
+def bytes_per_rank(to_collector: bool) -> int:
+    return BYTES_PER_RANK_SENT if to_collector else BYTES_PER_RANK_OUT
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a new process: Linux's MemAvailable (free memory and the caches it
+    would drop), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 # trace requests in flight at most (the exporter waits for each to be acknowledged): enough for a loaded
 # collector to commit several together, few enough that its queue, not the simulator, sets the pace
 SENDERS = 4

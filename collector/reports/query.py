@@ -18,6 +18,7 @@ from agent.apiclient import ApiClient
 from collector import ranksets
 from collector.reports import queryapi
 from collector.reports.terminal import markup_safe, printable
+from collector.store import readonly
 from collector.store.db import connect
 
 FORMATS = ("table", "csv", "json")
@@ -29,9 +30,14 @@ class QueryError(Exception):
 
 
 def run_sql(db: Path, sql: str, parameters: list | None = None) -> tuple[list[str], list[tuple]]:
-    """(column names, rows) of a query against a store opened read-only."""
+    """(column names, rows) of a query against a store opened read-only: one statement, as the query API
+    takes (QueryError for several, whose results but the last would go unseen)."""
     if not db.exists():
         raise QueryError(f"no store at {db}")
+    try:
+        readonly.one_statement(sql)
+    except readonly.QueryRefused as e:
+        raise QueryError(f"{e}: run each on its own") from None
     con = connect(db, read_only=True)
     try:
         cursor = con.execute(sql, parameters)

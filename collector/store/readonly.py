@@ -113,15 +113,20 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def check(sql: str) -> None:
-    """Raise QueryRefused unless `sql` is exactly one SELECT statement."""
+def one_statement(sql: str) -> duckdb.Statement:
+    """The one statement `sql` holds, or QueryRefused: of several, only the last one's rows would be seen."""
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
         raise QueryRefused(_first_line(e)) from None
     if len(statements) != 1:
         raise QueryRefused(f"one statement per query, not {len(statements)}")
-    kind = statements[0].type
+    return statements[0]
+
+
+def check(sql: str) -> None:
+    """Raise QueryRefused unless `sql` is exactly one SELECT statement."""
+    kind = one_statement(sql).type
     if kind != duckdb.StatementType.SELECT:
         raise QueryRefused(f"only SELECT is allowed, not {kind.name}")
 
