@@ -347,6 +347,8 @@ def _report_health(context: Context, counters: HealthCounters) -> None:
 
 def _step_ranges(steps: pa.Table) -> dict[str, list[tuple[int, int]]]:
     """The steps of a commit's rows, by run, as ranges of consecutive steps (one a rank's batch)."""
+    if steps.num_rows == 0:  # a commit of spans without steps (a batch of collectives alone)
+        return {}
     pairs = steps.group_by(["run_id", "step"]).aggregate([]).sort_by([("run_id", "ascending"), ("step", "ascending")])
     runs, numbers = pairs["run_id"].to_numpy(zero_copy_only=False), pairs["step"].to_numpy()
     starts = np.flatnonzero(np.r_[True, (runs[1:] != runs[:-1]) | (numbers[1:] != numbers[:-1] + 1)])
