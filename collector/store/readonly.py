@@ -215,36 +215,41 @@ def _answer(
     late: str,
 ) -> None:
     """Run the query on a cursor of its own, interrupted at `deadline` and again until it gives up,
-    and settle `answer`; free its place once DuckDB has returned."""
+    and settle `answer` once DuckDB is done with the cursor: a process that exits on the answer must
+    not find this thread inside DuckDB (its C++ aborts when Python ends a daemon thread there)."""
     cursor = con.cursor()
     finished = threading.Event()
     watchdog = threading.Thread(target=_watch, args=(cursor, finished, deadline), daemon=True)
     watchdog.start()
+    outcome: dict | Exception
     try:
         _check_calls(cursor, sql)
         cursor.execute("BEGIN TRANSACTION READ ONLY")
         result = cursor.execute(sql, params)
         description = result.description
         rows, truncated = _fetch(result, max_rows, deadline)
-        answer.set_result(
-            {
-                "columns": [d[0] for d in description],
-                "types": [str(d[1]) for d in description],
-                "rows": rows,
-                "truncated": truncated,
-            }
-        )
+        outcome = {
+            "columns": [d[0] for d in description],
+            "types": [str(d[1]) for d in description],
+            "rows": rows,
+            "truncated": truncated,
+        }
     except duckdb.InterruptException:
-        answer.set_exception(QueryTimeout(late))
+        outcome = QueryTimeout(late)
     except duckdb.Error as e:
-        answer.set_exception(QueryRefused(_first_line(e)))
+        outcome = QueryRefused(_first_line(e))
     except Exception as e:  # the future must settle whatever went wrong
-        answer.set_exception(e)
+        outcome = e
     finally:
         finished.set()
         watchdog.join()
-        cursor.close()  # ends the read-only transaction with it
+        with contextlib.suppress(duckdb.Error):
+            cursor.close()  # ends the read-only transaction with it
         _running.release()
+    if isinstance(outcome, Exception):
+        answer.set_exception(outcome)
+    else:
+        answer.set_result(outcome)
 
 
 @dataclass(frozen=True)
