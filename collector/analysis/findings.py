@@ -77,10 +77,13 @@ def record_pass(
                 key = (f.kind, tuple(f.ranks))
                 row = firing.get(key)
                 if row is not None and row[2] is not None and rules.continues(row[2], f):
-                    f.step_start, f.step_end = min(row[1], f.step_start), max(row[2], f.step_end)
-                    if (row[4] or 0.0) > f.score:  # the strongest finding of an episode speaks for it
+                    assert f.step_start is not None and f.step_end is not None  # as continues() says
+                    f = f.spanning(min(row[1], f.step_start), max(row[2], f.step_end))
+                    if (row[4] or 0.0) > f.score:  # the strongest finding of an episode speaks for it, since its onset
                         con.execute(
-                            "UPDATE findings SET step_start = ?, step_end = ?, updated_at = now() WHERE id = ?",
+                            r"""UPDATE findings SET summary = regexp_replace(summary, '\bsince step ' || step_start
+                                                                              || '\b', 'since step ' || $1),
+                                                   step_start = $1, step_end = $2, updated_at = now() WHERE id = $3""",
                             [f.step_start, f.step_end, row[0]],
                         )
                     else:

@@ -145,10 +145,7 @@ def analyze(
             f"entered"
         )
     elif culprits:
-        summary = (
-            f"{_stalled(stalled_s)}: {ranksets.phrase(culprits)} stopped "
-            f"({_describe(where, silent)})"
-        )
+        summary = f"{_stalled(stalled_s)}: {ranksets.phrase(culprits)} stopped ({_describe(where, silent)})"
     else:
         summary = f"{_stalled(stalled_s)}; no rank stands out (all blocked alike)"
     return [
