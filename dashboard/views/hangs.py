@@ -30,8 +30,8 @@ else:
     culprits = ranksets.phrase(hang["ranks"])
     head = "Hung at the run's end" if hang["state"] == "ended" else "Hung"
     silent_since = evidence.get("silent_since_ns")
-    silent = f" Every rank silent since {ui.clock(pd.Timestamp(silent_since, tz='UTC'))}." if silent_since else ""
-    st.error(f"**{head} for {evidence.get('stalled_s', 0):.0f} s.** Culprits: **{culprits}**.{silent}")
+    quiet = f" Every rank silent since {ui.clock(pd.Timestamp(silent_since, tz='UTC'))}." if silent_since else ""
+    st.error(f"**{head} for {evidence.get('stalled_s', 0):.0f} s.** Culprits: **{culprits}**.{quiet}")
     if collective:
         waiting = collective.get("waiting_ranks", [])
         st.markdown(
