@@ -121,6 +121,8 @@ def test_overview_of_an_ended_run_tells_what_went_wrong(from_store):
     onset = int(re.search(r"since step (\d+)", item)[1])
     assert abs(onset - ENDED["from"]) <= 6 and f"Steps {onset}–{ENDED['steps'] - 1}." in item and "Costs " in item
     assert any(t.startswith("Stale: the run is ended") for t in texts(at.caption))
+    headline = texts(from_store("stragglers", ENDED["run"]).markdown)[0]
+    assert headline == f"### Suspects until the run's end: rank {ENDED['slow']}, pattern *rank*"
 
 
 def test_overview_of_a_run_where_nothing_was_ever_found_is_healthy(from_store):
