@@ -22,10 +22,10 @@ pytestmark = pytest.mark.long
 # past the straggler analyzer's longest history (96 steps), as a real one does
 CASES = {
     "slow-from-0": (8, [3], 1.3, 0),
-    "pair-from-40": (6, [1, 4], 2.0, 40),
-    "of-two-from-70": (2, [1], 1.5, 70),
+    "pair-from-30": (6, [1, 4], 2.0, 30),
+    "of-two-from-60": (2, [1], 1.5, 60),
 }
-STEPS, CHUNK = 200, 10  # steps sent a chunk at a time, each chunk committed and judged by a pass of its own
+STEPS, CHUNK = 180, 10  # steps sent a chunk at a time, each chunk committed and judged by a pass of its own
 TOLERANCE = 6  # half the analyzer's shortest window: a median crosses halfway to a slowdown that late or early
 JITTER = 0.02
 
