@@ -28,7 +28,12 @@ if runs.empty and page.title != "SQL":
     st.info("No runs in the store yet. Point a job's agent, or `rankwatch simulate`, at the collector.")
     st.stop()
 if not runs.empty:
-    labels = {r.run_id: f"{r.run_id}  ·  {r.firing} firing" if r.firing else r.run_id for r in runs.itertuples()}
+    labels = {
+        row["run_id"]: "  ·  ".join(
+            [row["run_id"], ui.run_status(row).state, *([f"{row['firing']} firing"] if row["firing"] else [])]
+        )
+        for _, row in runs.iterrows()
+    }
     linked = st.query_params.get("run")
     if "run" not in st.session_state and linked in labels:  # a link to a run's page
         st.session_state["run"] = linked

@@ -9,13 +9,30 @@ named ($run, ...); each query takes exactly those it names.
 
 from agent import semconv as sc
 
-# Runs, newest first, with their last step and how many findings fire (recommendations, severity info, aside).
-RUNS = """
-SELECT r.run_id, r.world_size, r.first_seen, s.last_step, coalesce(f.firing, 0) AS firing
+# Runs, newest first, with what their status is drawn from (dashboard/ui.py `run_status`): when each was
+# first and last heard from (its newest step or event), how many ranks said their loop ended and when, the
+# findings firing (recommendations, severity info, aside), whether a hang fires, and its worst finding ever.
+RUNS = f"""
+SELECT r.run_id, greatest(r.world_size, k.ranks) AS ranks, r.first_seen, s.last_step,
+       make_timestamp_ns(greatest(s.last_end_ns, e.last_event_ns)) AS last_heard,
+       coalesce(e.ended_ranks, 0) AS ended_ranks, make_timestamp_ns(e.ended_ns) AS ended_at,
+       make_timestamp_ns(s.last_end_ns) AS last_step_end,
+       coalesce(f.firing, 0) AS firing, coalesce(f.hung, false) AS hung, w.worst, w.worst_severity
 FROM runs r
-LEFT JOIN (SELECT run_id, max(step) AS last_step FROM steps GROUP BY run_id) s USING (run_id)
-LEFT JOIN (SELECT run_id, count(*) AS firing FROM findings WHERE state = 'firing' AND severity != 'info'
-           GROUP BY run_id) f USING (run_id)
+LEFT JOIN (SELECT run_id, count(*) AS ranks FROM ranks GROUP BY run_id) k USING (run_id)
+LEFT JOIN (SELECT run_id, max(step) AS last_step, epoch_ns(max(end_ts)) AS last_end_ns FROM steps GROUP BY run_id) s
+       USING (run_id)
+LEFT JOIN (SELECT run_id, epoch_ns(max(ts)) AS last_event_ns,
+                  count(DISTINCT rank) FILTER (WHERE event = '{sc.EVENT_ENDED}') AS ended_ranks,
+                  epoch_ns(max(ts) FILTER (WHERE event = '{sc.EVENT_ENDED}')) AS ended_ns
+           FROM events GROUP BY run_id) e USING (run_id)
+LEFT JOIN (SELECT run_id, count(*) FILTER (WHERE state = 'firing') AS firing,
+                  bool_or(state = 'firing' AND analyzer = 'hangs') AS hung
+           FROM findings WHERE severity != 'info' GROUP BY run_id) f USING (run_id)
+LEFT JOIN (SELECT run_id, analyzer || ' / ' || kind || ': ' || summary AS worst, severity AS worst_severity
+           FROM findings WHERE severity != 'info' AND kind != 'not_judged'
+           QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY severity = 'critical' DESC, score DESC NULLS LAST,
+                                      id) = 1) w USING (run_id)
 ORDER BY r.first_seen DESC
 """
 

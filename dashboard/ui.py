@@ -13,8 +13,10 @@ from dashboard.source import QueryFailed
 CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
 LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
 RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
-SILENT_AFTER_S = 120.0  # a run that sent nothing for this long is not live: its "now" would be stale
 SIMULATED = " · simulated"  # after the label of a figure drawn from simulated GPUs' samples
+# No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
+# and the hang analyzer's shortest stall is as long
+SILENT_S = 30.0
 
 
 @st.cache_resource(show_spinner=False)
@@ -52,7 +54,7 @@ def not_live_because(run: str) -> str | None:
         return "the run is hung"
     if not isinstance(data_source(), source.CollectorSource):
         return "no collector is writing this store"
-    if pd.isna(row["last_seen"]) or (pd.Timestamp.now(tz="UTC") - row["last_seen"]).total_seconds() > SILENT_AFTER_S:
+    if pd.isna(row["last_seen"]) or (pd.Timestamp.now(tz="UTC") - row["last_seen"]).total_seconds() > SILENT_S:
         return "the run has gone silent"
     return None
 
@@ -90,6 +92,64 @@ def current_run() -> str:
     return st.session_state["run"]
 
 
+@dataclass(frozen=True)
+class RunStatus:
+    """Where a run stands: `state` running | ended | hung | silent; `words` say it with since when;
+    `as_of`: when its figures were last current, for a run that is not running (they are stale)."""
+
+    state: str
+    words: str
+    as_of: pd.Timestamp | None
+    duration: str
+
+
+def clock(at: pd.Timestamp) -> str:
+    return f"{at:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def run_status(row: pd.Series, now: pd.Timestamp | None = None) -> RunStatus:
+    """A run's status from its row of the `runs` query: ended once every rank said its loop ended
+    (and no step came after), hung while a hang finding fires (silent too, once nothing comes: a hung
+    job's silence is no recovery), silent once nothing came for SILENT_S, else running."""
+    now = pd.Timestamp.now(tz="UTC") if now is None else now
+    heard, ended_at = row["last_heard"], row["ended_at"]
+    silent = pd.notna(heard) and (now - heard).total_seconds() > SILENT_S
+    ended = (
+        row["ended_ranks"] > 0
+        and row["ended_ranks"] >= row["ranks"]
+        and (pd.isna(row["last_step_end"]) or row["last_step_end"] <= ended_at)
+    )
+    duration = _duration(heard - row["first_seen"]) if pd.notna(heard) else "—"
+    if ended:
+        return RunStatus("ended", f"ended {clock(ended_at)}", ended_at, duration)
+    if row["hung"]:
+        return RunStatus("hung", "hung" + (f", silent since {clock(heard)}" if silent else ""), heard, duration)
+    if silent:
+        return RunStatus("silent", f"silent since {clock(heard)}", heard, duration)
+    return RunStatus("running", "running", None, duration)
+
+
+def _duration(span: pd.Timedelta) -> str:
+    seconds = max(int(span.total_seconds()), 0)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
+
+def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """The run list: each run's status, duration, ranks and worst finding ever."""
+    statuses = [run_status(row) for _, row in runs.iterrows()]
+    return pd.DataFrame(
+        {
+            "run": runs["run_id"],
+            "status": [s.words for s in statuses],
+            "duration": [s.duration for s in statuses],
+            "ranks": runs["ranks"],
+            "last step": runs["last_step"],
+            "worst finding": runs["worst"].fillna("none"),
+        }
+    )
+
+
 def linked_finding() -> int | None:
     """The finding an alert's link names (`?finding=ID`), shown first on its page."""
     wanted = st.query_params.get("finding")
@@ -108,13 +168,29 @@ def finding_cost(row: pd.Series) -> str | None:
     )
 
 
+def outcome(row: pd.Series) -> str:
+    """How a finding that no longer fires ended: held to the run's end, undone by a rollback, or over."""
+    if row["state"] == "ended":
+        return "held to the run's end"
+    if (row["evidence"] or {}).get("resolved") == "rolled back":
+        return "rolled back"
+    return "resolved" if pd.isna(row["step_end"]) else f"resolved after step {int(row['step_end'])}"
+
+
+def worst_first(findings: pd.DataFrame) -> pd.DataFrame:
+    """Findings by how bad: critical first, then by the GPU-hours they cost, then by their score."""
+    hours = findings["evidence"].map(lambda e: (e or {}).get("gpu_hours_lost") or 0.0)
+    order = pd.DataFrame({"critical": findings["severity"] == "critical", "hours": hours, "score": findings["score"]})
+    return findings.loc[order.sort_values(["critical", "hours", "score"], ascending=False).index]
+
+
 def show_finding(row: pd.Series, expanded: bool = False) -> None:
     """One finding: severity, ranks and summary (which says the cost) as the answer; evidence,
     steps and times behind an expander (open when `expanded`)."""
     where = f" on {ranksets.phrase(row['ranks'])}" if len(row["ranks"]) else ""
     head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
     if row["state"] != "firing":
-        st.info(f"resolved: {head}")
+        st.info(f"{outcome(row)}: {head}")
     elif row["severity"] == "info":
         st.info(head)
     elif row["severity"] == "critical":

@@ -1,8 +1,8 @@
 """The store the dashboard tests look at, filled through real collectors: a simulated fleet with
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
-events and device samples from GPUs (one of them failing); and a bare run (step times only), for the
-pages' empty states."""
+events and device samples from GPUs (one of them failing); a job that ended with a straggler to its
+end; and a bare run (step times only), for the pages' empty states."""
 
 import math
 import time
@@ -12,7 +12,9 @@ import httpx
 
 from agent import semconv as sc
 from agent.export import Exporter
+from collector.reports.query import run_remote
 from tests.conftest import Collector, free_port, simulated_store, wait_until
+from tests.engine_jobs import exporters, send_steps
 
 ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
 FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
@@ -28,6 +30,7 @@ NAN = {
     "xid_at": 35,
 }  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
 BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
+ENDED = {"run": "run-ended", "ranks": 4, "steps": 40, "slow": 2, "from": 10}  # rank 2 computes 2x from step 10
 MS = 1_000_000
 
 
@@ -51,6 +54,7 @@ def build(directory: Path) -> Path:
         try:
             _nan_run(collector)
             _bare_run(collector)
+            _ended_run(collector)
         finally:
             collector.stop()
     return db
@@ -131,4 +135,18 @@ def _bare_run(collector: Collector) -> None:
         for s in range(BARE["steps"]):
             exporter.trace([("step", t0 + s * 100 * MS, t0 + (s + 1) * 100 * MS, {sc.KIND: sc.KIND_STEP, sc.STEP: s})])
         wait_until(exporter.flush, "telemetry not delivered", 120)
+        exporter.shutdown()
+
+
+def _ended_run(collector: Collector) -> None:
+    """A straggler from step `from` to the run's end, then every rank's `ended`: its finding ends with it."""
+    sending = exporters(collector, ENDED["run"], ENDED["ranks"])
+    slow = lambda rank, step: 0.16 if rank == ENDED["slow"] and step >= ENDED["from"] else 0.08  # noqa: E731
+    send_steps(sending, range(ENDED["steps"]), time.time_ns() - 20_000 * MS, compute=slow)
+    for exporter in sending.values():
+        exporter.event(sc.EVENT_ENDED, time.time_ns(), {})
+        exporter.flush()
+    held = f"SELECT count(*) FROM findings WHERE run_id = '{ENDED['run']}' AND state = 'ended'"
+    wait_until(lambda: run_remote(collector.url, collector.token, held)[1][0][0], "the run's findings did not end")
+    for exporter in sending.values():
         exporter.shutdown()

@@ -25,13 +25,13 @@ from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
-from tests.dashboard_store import BARE, FLEET, HANG, NAN
+from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
 
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
-RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"])
+RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"])
 
 
 def open_page(page: str, run: str) -> AppTest:
@@ -85,7 +85,9 @@ def test_overview_of_a_straggling_run(from_store):
     assert f"GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank {FLEET['thermal']}" in finding
 
 
-def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
+def test_overview_of_a_rolled_back_run_says_what_went_wrong_with_throughput_mfu_and_power(from_store):
+    """Nothing fires at the run's end, yet its loss turned NaN and it was rolled back: that is its story, not
+    "healthy"; its figures are its last ones (the run is silent), and say so."""
     at = from_store("overview", NAN["run"])
     metrics = {m.label: m.value for m in at.metric}
     ranks = NAN["ranks"]
@@ -96,12 +98,41 @@ def test_overview_of_a_healthy_run_with_throughput_mfu_and_power(from_store):
         "MFU": "40.0%",  # measured GPUs: no "simulated"
         "Last power": quantities.power(sum(NAN["watts"] + 10 * r for r in range(ranks))),
     }
-    assert texts(at.main.success)[0].startswith("**Healthy.**")
-    assert any("resolved: **anomalies / nan**" in t for t in texts(at.main.info))
-    (commands,) = at.dataframe
+    assert not [t for t in texts(at.main.success) if "Healthy" in t]
+    assert texts(at.main.markdown)[0].startswith("**Silent since ")
+    assert any(t.startswith("Stale: the run is silent; the figures are as of its last step") for t in texts(at.caption))
+    (verdict,) = [t for t in texts(at.main.warning) if t.startswith("**What went wrong:**")]
+    assert "anomalies / nan" in verdict
+    story = texts(at.main.markdown)
+    assert any(t.startswith("- **anomalies / nan** (critical, rolled back):") for t in story), story
+    (rollback,) = [t for t in story if t.startswith("- **Rollback ")]
+    assert rollback.endswith(f"applied at step {NAN['steps'] + 1}: the job went back to step {NAN['restored']}.")
+    commands = at.dataframe[0]
     assert commands.value[["kind", "state", "apply_step"]].values.tolist() == [
         ["rollback", "applied", NAN["steps"] + 1]
     ]
+
+
+def test_overview_of_an_ended_run_tells_what_went_wrong(from_store):
+    """A straggler held to the run's end is what went wrong with it, with its onset and cost, not a resolved
+    finding in a collapsed box; the run reads as ended, and its figures as of its last step."""
+    at = from_store("overview", ENDED["run"])
+    assert texts(at.main.markdown)[0].startswith("**Ended ")
+    assert not [t for t in texts(at.main.success) if "Healthy" in t]
+    (verdict,) = texts(at.main.warning)
+    assert verdict == "**What went wrong:** 1 finding (stragglers / rank), worst first below."
+    (item,) = [t for t in texts(at.main.markdown) if t.startswith("- **stragglers / rank**")]
+    assert item.startswith(f"- **stragglers / rank** (critical, held to the run's end): rank {ENDED['slow']} computes")
+    onset = int(re.search(r"since step (\d+)", item)[1])
+    assert abs(onset - ENDED["from"]) <= 6 and f"Steps {onset}–{ENDED['steps'] - 1}." in item and "Costs " in item
+    assert any(t.startswith("Stale: the run is ended") for t in texts(at.caption))
+    headline = texts(from_store("stragglers", ENDED["run"]).markdown)[0]
+    assert headline == f"### Suspects until the run's end: rank {ENDED['slow']}, pattern *rank*"
+
+
+def test_overview_of_a_run_where_nothing_was_ever_found_is_healthy(from_store):
+    at = from_store("overview", BARE["run"])
+    assert texts(at.main.success)[0].startswith("**Healthy.**")
 
 
 def test_overview_of_a_hung_run(from_store):
@@ -111,6 +142,19 @@ def test_overview_of_a_hung_run(from_store):
     assert f"ranks 0–{HANG['rank'] - 1}, {HANG['rank'] + 1}–{HANG['ranks'] - 1} are blocked" in verdict
     assert not any("Power recommendations" in t for t in texts(at.main.info))  # no cap reaches a hung job
     assert "No power recommendation: the run is hung, so no cap would reach the job." in texts(at.main.caption)
+    assert texts(at.main.markdown)[0].startswith("**Hung, silent since ")  # its heartbeats stopped: still hung
+
+
+def test_the_run_list_gives_each_runs_status_duration_ranks_and_worst_finding(from_store):
+    at = from_store("overview", BARE["run"])
+    listed = at.dataframe[-1].value.set_index("run")
+    assert listed.loc[ENDED["run"], "status"].startswith("ended ")
+    assert listed.loc[HANG["run"], "status"].startswith("hung, silent since ")
+    assert listed.loc[BARE["run"], "status"].startswith("silent since ")
+    assert listed.loc[ENDED["run"], "ranks"] == ENDED["ranks"] and listed.loc[HANG["run"], "ranks"] == HANG["ranks"]
+    assert listed.loc[ENDED["run"], "worst finding"].startswith(f"stragglers / rank: rank {ENDED['slow']} computes")
+    assert listed.loc[BARE["run"], "worst finding"] == "none"
+    assert all(listed["duration"].str.match(r"\d+ (min|h) "))
 
 
 def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store):
@@ -251,6 +295,7 @@ def test_checkpoints_empty_state(from_store):
 
 def test_hangs_names_the_culprit_and_the_collective(from_store):
     at = from_store("hangs", HANG["run"])
+    assert texts(at.main.markdown)[0].startswith("Run status: **hung, silent since ")
     (verdict,) = texts(at.main.error)  # the headline; the hang finding is not repeated under it
     assert verdict.startswith("**Hung for ") and f"Culprits: **rank {HANG['rank']}**" in verdict
     waiting = HANG["ranks"] - 1
@@ -266,7 +311,8 @@ def test_hangs_names_the_culprit_and_the_collective(from_store):
 
 
 def test_hangs_of_a_run_that_never_stalled(from_store):
-    assert texts(from_store("hangs", FLEET["run"]).success)[0] == "Not hung: steps keep finishing."
+    said = texts(from_store("hangs", FLEET["run"]).success)[0]  # it no longer sends: no "steps keep finishing"
+    assert said.startswith("Never hung while it sent telemetry; the run is silent since ")
 
 
 def test_power_names_the_throttled_rank(from_store):

@@ -136,3 +136,19 @@ def test_real_torchrun_hang_is_blamed_on_the_hung_rank(collector):
     collective = finding.evidence["collective"]
     assert (collective["op"], collective["waiting_ranks"]) == ("all_reduce", [0, 2])
     assert finding.evidence["culprit_last_seen"][1]["phase"] == "forward"
+
+
+def test_silence_after_a_hang_is_no_recovery():
+    """Rank 1 never entered all-reduce #10 and the others waited in it for 60 s; then every rank went
+    quiet (killed, or its heartbeat thread gone): an hour later the job is hung still, as it stood when
+    last heard from, and says since when it is silent."""
+    last_end, heard = 20 * S, 20 * S + 60 * S
+    hb = beats(
+        [(r, heard, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 2, 3)]
+        + [(1, heard, 10, "forward", "all_reduce", "world", 9, True)]
+    )
+    (finding,) = analyze(steps(), hb, now_ns=last_end + 3600 * S)
+    assert (finding.kind, finding.ranks, finding.step_start) == ("hang", [1], 10)
+    assert finding.evidence["silent_since_ns"] == heard and finding.evidence["stalled_s"] == pytest.approx(3600)
+    assert finding.summary.startswith("no step has finished for 3600 s: ranks 0, 2, 3 are blocked in all_reduce")
+    assert finding.summary.endswith("every rank silent since 1970-01-01 00:01:20 UTC")

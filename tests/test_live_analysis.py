@@ -12,9 +12,9 @@ from tests.otlp_payloads import query
 pytestmark = pytest.mark.long
 
 
-def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collector_factory):
-    """The straggler fires while the job runs; the job's end (every rank's `ended` event) resolves it,
-    and says so."""
+def test_straggler_of_a_live_job_is_found_and_ends_with_the_run(collector_factory):
+    """The straggler fires while the job runs; the job's end (every rank's `ended` event) takes it off
+    firing as `ended` (it held to the end), and says so."""
     collector = collector_factory(None, "--analyze-every", "1")
     status = train(
         nproc=4,
@@ -35,12 +35,13 @@ def test_straggler_of_a_live_job_is_found_and_resolves_when_the_run_ends(collect
     )
     assert len(rows) == 1, query(collector.db, "SELECT analyzer, kind, ranks, state, summary FROM findings")
     kind, ranks, state, score, step_start, evidence = rows[0]
-    assert (kind, list(ranks), state) == ("rank", [2], "resolved")
+    assert (kind, list(ranks)) == ("rank", [2])
     assert score > 1.3 and 15 - 12 // 2 <= step_start <= 15 + 12  # the onset, to within half a 12-step window
     assert json.loads(evidence)["lost_s_per_step"] > 0
-    # resolved by the run's end ("resolved": "run ended"), or earlier where a loaded machine's last steps no
-    # longer showed it; either way nothing of an ended run stays firing (tests/test_engine.py checks the reason)
-    assert json.loads(evidence).get("resolved", "run ended") == "run ended"
+    # held to the run's end (state `ended`, "resolved": "run ended"), or resolved earlier where a loaded
+    # machine's last steps no longer showed it; either way nothing of an ended run stays firing
+    # (tests/test_engine.py checks the state)
+    assert (state, json.loads(evidence).get("resolved", "run ended")) in [("ended", "run ended"), ("resolved", None)]
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND state = 'firing'") == [(0,)]
     # no hang was reported for a job that kept stepping
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") == [

@@ -20,7 +20,7 @@ the run's own steps unjudged.
 import importlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import duckdb
 
@@ -360,10 +360,8 @@ def merge(
                 # an episode that goes on (continues()) is of findings over steps
                 assert f.step_start is not None and f.step_end is not None
                 assert earlier.step_start is not None and earlier.step_end is not None
-                f = replace(
-                    f if f.score >= earlier.score else earlier,
-                    step_start=min(earlier.step_start, f.step_start),
-                    step_end=max(earlier.step_end, f.step_end),
+                f = (f if f.score >= earlier.score else earlier).spanning(
+                    min(earlier.step_start, f.step_start), max(earlier.step_end, f.step_end)
                 )
                 episodes[at] = (analyzer, f, True)
             else:

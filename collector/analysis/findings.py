@@ -1,6 +1,7 @@
 """Findings in the store: an analyzer's conclusions for a run become rows that stay `firing`
 while they hold and turn `resolved` when they stop, with the alerts they raise or end written in
-the same transaction (collector/alerts/outbox.py)."""
+the same transaction (collector/alerts/outbox.py). A finding still firing when its run ends turns
+`ended`, not `resolved`: it held to the end, so it is what went wrong with the run, not a recovery."""
 
 import json
 from collections.abc import Mapping
@@ -10,6 +11,8 @@ import duckdb
 from collector.alerts import outbox
 from collector.alerts.config import AlertConfig
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Reads
+
+FIRING, RESOLVED, ENDED = "firing", "resolved", "ended"  # a finding's states: holds, stopped holding, held to the end
 
 _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
              WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""
@@ -74,10 +77,13 @@ def record_pass(
                 key = (f.kind, tuple(f.ranks))
                 row = firing.get(key)
                 if row is not None and row[2] is not None and rules.continues(row[2], f):
-                    f.step_start, f.step_end = min(row[1], f.step_start), max(row[2], f.step_end)
-                    if (row[4] or 0.0) > f.score:  # the strongest finding of an episode speaks for it
+                    assert f.step_start is not None and f.step_end is not None  # as continues() says
+                    f = f.spanning(min(row[1], f.step_start), max(row[2], f.step_end))
+                    if (row[4] or 0.0) > f.score:  # the strongest finding of an episode speaks for it, since its onset
                         con.execute(
-                            "UPDATE findings SET step_start = ?, step_end = ?, updated_at = now() WHERE id = ?",
+                            r"""UPDATE findings SET summary = regexp_replace(summary, '\bsince step ' || step_start
+                                                                              || '\b', 'since step ' || $1),
+                                                   step_start = $1, step_end = $2, updated_at = now() WHERE id = $3""",
                             [f.step_start, f.step_end, row[0]],
                         )
                     else:
@@ -112,10 +118,12 @@ def end_run(
     alerts: AlertConfig | None = None,
     since_step: int | None = None,
     keep: tuple[str, ...] = (),
+    state: str = RESOLVED,
 ) -> None:
-    """Resolve a run's firing findings, saying why in their evidence (`resolved`: "run ended", say),
-    and end their alerts; `since_step`: only those that began at it or after (the steps a rollback
-    abandoned); `keep`: analyzers whose findings stay."""
+    """Take a run's firing findings off firing, saying why in their evidence (`resolved`: "rolled
+    back", say), and end their alerts (once: nothing fires again for them); `state`: what they become
+    (`ENDED` at the run's end: they held to it); `since_step`: only those that began at it or after
+    (the steps a rollback abandoned); `keep`: analyzers whose findings stay."""
     rows = [
         (fid, analyzer)
         for fid, analyzer, start in con.execute(
@@ -126,7 +134,7 @@ def end_run(
     if not rows:
         return
     with _transaction(con):
-        _resolve(con, [fid for fid, _ in rows], reason)
+        _resolve(con, [fid for fid, _ in rows], reason, state)
         if alerts is not None:
             for analyzer in {a for _, a in rows}:
                 outbox.notify(con, alerts, run_id, analyzer, [], [fid for fid, a in rows if a == analyzer])
@@ -176,13 +184,13 @@ def _update(con: duckdb.DuckDBPyConnection, fid: int, f: Finding) -> int:
     return fid
 
 
-def _resolve(con: duckdb.DuckDBPyConnection, ids: list[int], reason: str | None = None) -> None:
+def _resolve(con: duckdb.DuckDBPyConnection, ids: list[int], reason: str | None = None, state: str = RESOLVED) -> None:
     for fid in ids:
         if reason is None:
-            con.execute("UPDATE findings SET state = 'resolved', updated_at = now() WHERE id = ?", [fid])
+            con.execute("UPDATE findings SET state = ?, updated_at = now() WHERE id = ?", [state, fid])
         else:
             con.execute(
-                """UPDATE findings SET state = 'resolved', updated_at = now(),
+                """UPDATE findings SET state = ?, updated_at = now(),
                            evidence = json_merge_patch(coalesce(evidence, '{}'), ?) WHERE id = ?""",
-                [json.dumps({"resolved": reason}), fid],
+                [state, json.dumps({"resolved": reason}), fid],
             )

@@ -296,6 +296,7 @@ class Analysis:
                 RUN_ENDED,
                 self.alerts,
                 keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run),
+                state=findings.ENDED,
             )
             with self._lock:
                 self._active.pop(run_id, None)

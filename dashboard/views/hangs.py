@@ -1,6 +1,7 @@
 """Hangs: the collective a stalled job is blocked in and the ranks it waits for, from the hang
 analyzer's findings, with where every rank was when last heard from."""
 
+import pandas as pd
 import streamlit as st
 
 from collector import ranksets
@@ -8,17 +9,29 @@ from dashboard import ui
 
 run = ui.current_run()
 st.title("Hangs")
+runs = ui.frame("runs")
+status = ui.run_status(runs[runs["run_id"] == run].iloc[0])
+st.markdown(f"Run status: **{status.words}**")
 findings = ui.frame("findings", run=run)
 hangs = findings[findings["analyzer"] == "hangs"]
-firing = hangs[hangs["state"] == "firing"]
+# a hang stays firing while its job is silent (no recovery); one that held to the run's end is how it ended
+firing = hangs[hangs["state"].isin(["firing", "ended"])]
 if firing.empty:
-    st.success("Not hung: steps keep finishing." if hangs.empty else "Not hung now; earlier stalls below.")
+    if not hangs.empty:
+        st.success("Not hung now; earlier stalls below.")
+    elif status.state == "running":
+        st.success("Not hung: steps keep finishing.")
+    else:
+        st.success(f"Never hung while it sent telemetry; the run is {status.words}.")
 else:
     hang = firing.iloc[0]
     evidence = hang["evidence"] or {}
     collective = evidence.get("collective") or {}
     culprits = ranksets.phrase(hang["ranks"])
-    st.error(f"**Hung for {evidence.get('stalled_s', 0):.0f} s.** Culprits: **{culprits}**.")
+    head = "Hung at the run's end" if hang["state"] == "ended" else "Hung"
+    silent_since = evidence.get("silent_since_ns")
+    quiet = f" Every rank silent since {ui.clock(pd.Timestamp(silent_since, tz='UTC'))}." if silent_since else ""
+    st.error(f"**{head} for {evidence.get('stalled_s', 0):.0f} s.** Culprits: **{culprits}**.{quiet}")
     if collective:
         waiting = collective.get("waiting_ranks", [])
         st.markdown(

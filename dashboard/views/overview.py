@@ -1,5 +1,7 @@
-"""Overview: is the chosen run healthy? The verdict first, then step time, throughput, MFU and
-power now, what fires and what the job was told to do."""
+"""Overview: the chosen run's story, live or finished. Its status (running, ended, hung, silent
+since ...), the verdict, then step time, throughput, MFU and power (as of when, for a run that is not
+running), what fires, what went wrong before (worst first, with onsets, costs and how each ended),
+the rollbacks and how they went, lost telemetry, and the run list."""
 
 import pandas as pd
 import streamlit as st
@@ -19,13 +21,22 @@ def _mean(frame: pd.DataFrame, column: str) -> float | None:
     return None if pd.isna(value) else float(value)
 
 
+def _problems(findings: pd.DataFrame) -> pd.DataFrame:
+    """What went wrong: findings but recommendations (severity info) and what could not be judged."""
+    return findings[(findings["severity"] != "info") & (findings["kind"] != "not_judged")]
+
+
 @st.fragment(run_every=ui.live_every())
 def live() -> None:
+    runs = ui.frame("runs")
+    status = ui.run_status(runs[runs["run_id"] == run].iloc[0])
+    st.markdown(f"**{status.words[0].upper()}{status.words[1:]}** · {status.duration} long")
     findings = ui.frame("findings", run=run)
     unjudged = findings[findings["kind"] == "not_judged"]  # what an analyzer could not judge, and why
     firing = findings[(findings["state"] == "firing") & (findings["kind"] != "not_judged")]
     advice = firing[firing["severity"] == "info"]  # recommendations (power caps), not trouble
     firing = firing[firing["severity"] != "info"]
+    past = _problems(findings[findings["state"] != "firing"])
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
     complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
     now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
@@ -37,6 +48,13 @@ def live() -> None:
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
         st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing** ({kinds}), below.")
+    elif not past.empty:  # a finding true while the run ran is part of its story, never "healthy"
+        kinds = ", ".join(sorted(set(past["analyzer"] + " / " + past["kind"])))
+        said = f"{len(past)} finding{'s' * (len(past) > 1)} ({kinds})"
+        if status.state == "running":
+            st.info(f"**Nothing fires now.** Earlier: {said}, under What went wrong.")
+        else:
+            st.warning(f"**What went wrong:** {said}, worst first below.")
     elif not unjudged.empty:
         st.info("**No finding, but not every analyzer could judge.** " + " ".join(unjudged["summary"].unique()))
     else:
@@ -45,6 +63,11 @@ def live() -> None:
     if complete.empty:
         st.info("No complete step yet.")
         return
+    if status.as_of is not None:  # figures of a run that is not running are its last ones, not now's
+        st.caption(
+            f"Stale: the run is {status.state}; the figures are as of its last step, "
+            f"{ui.clock(now['end_ts'].iloc[-1])}."
+        )
     step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
     tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
     not_live = ui.not_live_because(run)
@@ -99,12 +122,36 @@ axis = st.radio("x axis", ["step", "wall clock"], horizontal=True, key="overview
 st.altair_chart(charts.step_times(series, wall_clock=axis == "wall clock"), width="stretch")
 st.caption("Drag to zoom in on a stretch of the run, double-click to zoom out. The Compare page overlays two runs.")
 
+findings = ui.frame("findings", run=run)
+earlier = findings[findings["state"] != "firing"]
+past = ui.worst_first(_problems(earlier))
 commands = ui.frame("commands", run=run)
+rollbacks = commands[commands["kind"] == "rollback"]
+if not past.empty or not rollbacks.empty:
+    st.subheader("What went wrong")
+    for _, row in past.iterrows():
+        steps = "" if pd.isna(row["step_start"]) else f" Steps {int(row['step_start'])}–{int(row['step_end'])}."
+        st.markdown(
+            f"- **{row['analyzer']} / {row['kind']}** ({row['severity']}, {ui.outcome(row)}): {row['summary']}.{steps}"
+            + (f" {cost}" if (cost := ui.finding_cost(row)) else "")
+        )
+    for _, command in rollbacks.iterrows():
+        result = command["result"] or {}
+        said = {
+            "applied": f"applied at step {command['apply_step']}: the job went back to step "
+            f"{result.get('restored_step')}",
+            "failed": f"failed: {result.get('why', 'no reason given')}",
+        }.get(command["state"], command["state"])
+        st.markdown(f"- **Rollback {command['id']}** (for finding {command['finding_id']}) {said}.")
+    with st.expander("their evidence"):
+        ui.show_findings(past, "None.")
 st.subheader("Commands sent to the job")
 if commands.empty:
     st.caption("None: no rollback or other command for this run.")
 else:
     st.dataframe(commands, hide_index=True, width="stretch")
-resolved = ui.frame("findings", run=run).query("state != 'firing'")
-with st.expander(f"{len(resolved)} resolved finding{'s' * (len(resolved) != 1)}"):
-    ui.show_findings(resolved, "None.")
+notes = earlier[~earlier["id"].isin(past["id"])]  # recommendations that no longer stand, what was not judged
+with st.expander(f"{len(notes)} earlier recommendation{'s' * (len(notes) != 1)} and note{'s' * (len(notes) != 1)}"):
+    ui.show_findings(notes, "None.")
+with st.expander("All runs"):
+    st.dataframe(ui.runs_table(ui.frame("runs")), hide_index=True, width="stretch")

@@ -12,11 +12,12 @@ findings = ui.frame("findings", run=run)
 suspects = findings[findings["analyzer"] == "stragglers"]
 unjudged = suspects[suspects["kind"] == "not_judged"]  # the analyzer could not judge, and says why
 suspects = suspects[suspects["kind"] != "not_judged"]
-firing = suspects[suspects["state"] == "firing"]
+firing = suspects[suspects["state"].isin(["firing", "ended"])]  # slow now, or until the run ended
 if not firing.empty:
     top = firing.iloc[0]
     cost = ui.finding_cost(top)
-    st.markdown(f"### Suspects: {ranksets.phrase(top['ranks'])}, pattern *{top['kind']}*")
+    until = " until the run's end" if top["state"] == "ended" else ""
+    st.markdown(f"### Suspects{until}: {ranksets.phrase(top['ranks'])}, pattern *{top['kind']}*")
     if cost:
         st.markdown(cost)
 elif not unjudged.empty:

@@ -6,8 +6,9 @@ names itself (`ANALYZER`), declares what it reads (`READS`) and judges a run's `
 per episode (a conclusion held over consecutive steps), each spanning the steps it held at.
 """
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
@@ -18,7 +19,7 @@ NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge;
 class Finding:
     """One conclusion, in the shape of the `findings` table."""
 
-    run_id: str
+    run_id: str  # a summary that states its onset says "since step N", N its step_start (`spanning`)
     kind: str  # stragglers: rank | node | stage | widespread | not_judged; hangs: hang
     ranks: list[int]
     step_start: int | None  # None where the data knows no steps (Flight Recorder dumps)
@@ -28,6 +29,13 @@ class Finding:
     summary: str
     evidence: dict = field(default_factory=dict)
     analyzer: str = field(kw_only=True)
+
+    def spanning(self, step_start: int, step_end: int) -> "Finding":
+        """This finding speaking for an episode spanning `step_start` to `step_end`: one pass sees a
+        few history steps only, so the onset it states ("since step N" in its summary, N its
+        `step_start`) becomes the episode's, the earliest any pass found."""
+        summary = re.sub(rf"\bsince step {self.step_start}\b", f"since step {step_start}", self.summary)
+        return replace(self, step_start=step_start, step_end=step_end, summary=summary)
 
 
 @dataclass(frozen=True)

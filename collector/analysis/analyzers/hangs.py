@@ -8,8 +8,11 @@ says the last collective it entered (group and sequence number) and whether
 it completed; the ranks blocked in a collective are waiting for the ranks of
 the same group that have not entered it (their last sequence number is
 lower). Ranks whose heartbeats stopped are culprits too (a dead process),
-while the others still send theirs: when every rank has gone quiet, the job
-has ended (or was killed), and nobody is waiting on anybody. So has a run
+while the others still send theirs: when every rank has gone quiet together with
+the steps, the job has ended (or was killed), and nobody is waiting on anybody.
+Silence that falls on a job already hung is no recovery: the hang stays, judged
+as it stood when the ranks were last heard from, its finding saying since when
+the job is silent, until steps finish again or the run ends. So has a run
 whose ranks all said their training loop ended: what follows (a last
 checkpoint written to a slow disk, the teardown) is no stall. Nor is a job whose
 ranks' heartbeats say they are steps past the newest step judged: those steps'
@@ -21,6 +24,7 @@ than the timeout), judged as it stood when it first passed the timeout.
 """
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import numpy as np
 import pandas as pd
@@ -95,8 +99,18 @@ def analyze(
     silent = sorted(
         r for r in ranks if r not in beats.index or (now_ns - beats.at[r, "ts"]) / 1e9 > s.silent_after * s.heartbeat_s
     )
-    if len(silent) == len(ranks):  # every rank went quiet: the job ended or was killed; nobody waits
-        return []
+    if len(silent) == len(ranks):  # every rank went quiet: the job ended or was killed; nobody waits...
+        heard = beats["ts"].max() if not beats.empty else None
+        if heard is None or pd.isna(heard) or (heard - last_end) / 1e9 <= timeout:
+            return []
+        # ...unless it was hung while they still spoke: still hung, as it stood then, silent since
+        found = analyze(steps, heartbeats[heartbeats["ts"] <= heard], int(heard), settings)
+        for f in found:
+            f.score = stalled_s / timeout
+            f.summary = f"{_stalled(stalled_s)}{f.summary.removeprefix(_stalled(f.evidence['stalled_s']))}; "
+            f.summary += f"every rank silent since {_clock(int(heard))}"
+            f.evidence.update(stalled_s=stalled_s, silent_since_ns=int(heard), silent_ranks=ranks)
+        return found
     alive = beats.drop(index=[r for r in silent if r in beats.index])
     if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []
@@ -125,18 +139,15 @@ def analyze(
     }
     if collective and culprits:
         summary = (
-            f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(collective['waiting_ranks'])} "
+            f"{_stalled(stalled_s)}: {ranksets.phrase(collective['waiting_ranks'])} "
             f"{'is' if len(collective['waiting_ranks']) == 1 else 'are'} blocked in {collective['op']} "
             f"#{collective['seq']} of group {collective['group']}, which {ranksets.phrase(culprits)} never "
             f"entered"
         )
     elif culprits:
-        summary = (
-            f"no step has finished for {stalled_s:.0f} s: {ranksets.phrase(culprits)} stopped "
-            f"({_describe(where, silent)})"
-        )
+        summary = f"{_stalled(stalled_s)}: {ranksets.phrase(culprits)} stopped ({_describe(where, silent)})"
     else:
-        summary = f"no step has finished for {stalled_s:.0f} s; no rank stands out (all blocked alike)"
+        summary = f"{_stalled(stalled_s)}; no rank stands out (all blocked alike)"
     return [
         Finding(
             run_id,
@@ -159,6 +170,14 @@ def analyze(
             analyzer=ANALYZER,
         )
     ]
+
+
+def _stalled(seconds: float) -> str:
+    return f"no step has finished for {seconds:.0f} s"
+
+
+def _clock(ns: int) -> str:
+    return f"{datetime.fromtimestamp(ns / 1e9, UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def _int(v) -> int | None:
