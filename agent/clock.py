@@ -7,8 +7,13 @@ again every few hundred steps.
 
 On CUDA a phase is timed by events recorded on the current stream and read
 back once the GPU has passed them (`Event.query()`), never by synchronizing
-the training stream; an anchor event taken at start ties GPU time to the
-wall clock. On CPU the marks are monotonic-clock readings.
+the training stream. `Event.elapsed_time` is float32 milliseconds, whose
+resolution decays with the interval (62 µs at 10 minutes, 8 ms at a day), so
+every duration is read from its step's start event (`between`), never from
+far away, and only the step's start is placed on the wall clock, through an
+anchor event tied to the host clock at start and again at each re-alignment
+(`retie`: the one sync, every few hundred steps). On CPU the marks are
+monotonic-clock readings.
 """
 
 import statistics
@@ -60,6 +65,10 @@ class Timer(Protocol):
 
     def to_wall(self, clock: Clock, mark: Any) -> int: ...
 
+    def between(self, a: Any, b: Any) -> int: ...
+
+    def retie(self) -> None: ...
+
 
 class CpuTimer:
     """Marks are monotonic-clock readings; they are ready at once."""
@@ -78,6 +87,13 @@ class CpuTimer:
     def to_wall(self, clock: Clock, mark: int) -> int:
         return clock.wall(mark)
 
+    def between(self, a: int, b: int) -> int:
+        """ns from mark `a` to mark `b`."""
+        return b - a
+
+    def retie(self) -> None:
+        """Nothing to tie: the marks are host readings."""
+
 
 class CudaTimer:
     """Marks are CUDA events on the current stream, read once the GPU has passed them."""
@@ -87,13 +103,21 @@ class CudaTimer:
     def __init__(self, device) -> None:
         import torch
 
-        self._torch = torch
-        self._anchor = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)  # once, at start: ties GPU time to the host clock
-        self._anchor.record()
-        torch.cuda.synchronize(device)
-        self._anchor_mono = time.monotonic_ns()
+        self._torch, self._device = torch, device
         self._free: list = []  # events already read, recorded again rather than made anew
+        self._tie: tuple = ()
+        self.retie()
+
+    def retie(self) -> None:
+        """Tie GPU time to the host clock: an event recorded on an idle GPU runs as it is launched, so
+        its host time is the midpoint of the launch and the sync that follows (a sync: at start and at
+        re-alignments only)."""
+        anchor = self._torch.cuda.Event(enable_timing=True)
+        self._torch.cuda.synchronize(self._device)
+        before = time.monotonic_ns()
+        anchor.record()
+        self._torch.cuda.synchronize(self._device)
+        self._tie = (anchor, (before + time.monotonic_ns()) // 2)  # one assignment: readers see either tie
 
     def mark(self):
         try:
@@ -111,4 +135,10 @@ class CudaTimer:
         self._free.extend(marks)
 
     def to_wall(self, clock: Clock, mark) -> int:
-        return clock.wall(self._anchor_mono + int(self._anchor.elapsed_time(mark) * 1e6))
+        """Where a mark lies on the wall clock, to float32's resolution of its distance from the last tie."""
+        anchor, anchor_mono = self._tie
+        return clock.wall(anchor_mono + round(anchor.elapsed_time(mark) * 1e6))
+
+    def between(self, a, b) -> int:
+        """ns from event `a` to event `b`: exact to float32's resolution of that interval alone."""
+        return round(a.elapsed_time(b) * 1e6)

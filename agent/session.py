@@ -129,6 +129,7 @@ class Session:
             self._emit_ready()
         if step and step % REALIGN_EVERY == 0:  # a collective: only when every rank ends its step normally
             self.clock.align()
+            self.timer.retie()
 
     @contextmanager
     def phase(self, name: str):
@@ -142,8 +143,10 @@ class Session:
                 self._current.phases.append((name, start, self.timer.mark()))
 
     def record(self, **values) -> None:
+        """Values of the step; a tensor on the GPU is copied to the host on its stream without waiting
+        (read once the step's end has passed, which the copy precedes on the stream: no sync)."""
         if self._current is not None:
-            self._current.values.update(values)
+            self._current.values.update({k: _on_host(v) for k, v in values.items()})
 
     def collective(self, op: str, group: str, group_size: int, nbytes: int, waits: str = SYNC) -> Collective:
         """Start recording a collective (call it just before launching it); the caller sets
@@ -222,8 +225,9 @@ class Session:
         )
 
     def _emit(self, s: _Step) -> None:
-        wall = lambda mark: self.timer.to_wall(self.clock, mark)  # noqa: E731
-        start, end = wall(s.start), wall(s.end)
+        start = self.timer.to_wall(self.clock, s.start)
+        wall = lambda mark: start + self.timer.between(s.start, mark)  # noqa: E731  # durations from the step's start
+        end = wall(s.end)
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
         seconds = dict.fromkeys(("data", *COMPUTE_PHASES), 0.0)
         for name, a, b in phases:
@@ -251,7 +255,7 @@ class Session:
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
             attributes[sc.STEP_ENERGY_J] = energy
-        # tensors (a loss still on the GPU) are read now, when the step's work is done: no sync
+        # tensors are on the host (record): their copies from the GPU are done, since the step's end is
         attributes.update(
             {
                 _VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
@@ -324,6 +328,11 @@ class Session:
                     }
                 )
             self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **attributes)
+
+
+def _on_host(value):
+    """A GPU tensor as a host tensor its stream will fill (pinned: `non_blocking` makes it so); else as is."""
+    return value.detach().to("cpu", non_blocking=True) if getattr(value, "is_cuda", False) else value
 
 
 _VALUE_KEYS = {"loss": sc.LOSS, "grad_norm": sc.GRAD_NORM, "tokens": sc.TOKENS, "lr": sc.LR, "mfu": sc.MFU}

@@ -20,12 +20,14 @@ Usage: python bench/gpu.py [--model gpt2] [--batch 8] [--rounds 4] [--steps 40] 
 
 import argparse
 import copy
+import json
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from agent.timeline import exposed, length
 TOKEN = "bench-token-0123456789"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"
 WARMUP = 5
+PHASES = ("forward", "backward", "optimizer")
 
 
 def free_port() -> int:
@@ -92,13 +95,13 @@ class Bench:
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         if variant in (AGENT, AGENT_DDP):
             agent.init(run_id=run_id, collector=self.url, token=TOKEN, rank=0, world_size=1, cuda=True)
-            if variant == AGENT_DDP:
-                agent.watch_ddp(ddp)
+            if variant == AGENT_DDP:  # around DDP's own hook, as the trainer wraps its hook
+                agent.watch_ddp(ddp, default_hooks.allreduce_hook)
         for i in range(WARMUP + steps):
             if i == WARMUP:
                 torch.cuda.synchronize()  # the bench's own, outside the timed steps
                 started = time.perf_counter()
-            self.step(ddp, optimizer, i)
+            self.step(ddp, optimizer, i, annotate=profiler is not None)
             if profiler is not None:
                 profiler.step()  # so that ProfilerStep#i is step i
         torch.cuda.synchronize()
@@ -106,17 +109,50 @@ class Bench:
         agent.shutdown()
         return elapsed
 
-    def step(self, ddp, optimizer, i: int) -> None:
+    def step(self, ddp, optimizer, i: int, annotate: bool) -> None:
         inputs, targets = self.batches[i % len(self.batches)]
         with agent.step(i):
-            with agent.phase("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
+            with phase("forward", annotate), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = ddp(inputs, targets)
-            with agent.phase("backward"):
+            with phase("backward", annotate):
                 loss.backward()
-            with agent.phase("optimizer"):
+            with phase("optimizer", annotate):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             agent.record(loss=loss.detach(), tokens=inputs.numel())
+
+
+@contextmanager
+def phase(name: str, annotate: bool):
+    """The agent's phase; profiled, also a profiler range, whose span on the GPU the trace records
+    (a `gpu_user_annotation`): the profiler's view of the same phase."""
+    with agent.phase(name), torch.profiler.record_function(name) if annotate else nullcontext():
+        yield
+
+
+def profiler_phases(trace: Path) -> dict[str, list[float]]:
+    """Each phase's spans on the GPU (its `gpu_user_annotation`s), in seconds."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    spans: dict[str, list[float]] = {name: [] for name in PHASES}
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name") in spans:
+            spans[e["name"]].append(e["dur"] / 1e6)
+    return spans
+
+
+def agent_phases(db: Path, run_id: str) -> dict[str, list[float]]:
+    """Each phase's durations as the agent stored them, in seconds."""
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute(
+            "SELECT name, duration_s FROM ops WHERE run_id = ? AND kind = 'phase' AND step >= ?", [run_id, WARMUP + 2]
+        ).fetchall()
+    spans: dict[str, list[float]] = {name: [] for name in PHASES}
+    for name, duration in rows:
+        spans[name].append(duration)
+    return spans
 
 
 def agent_split(db: Path, run_id: str) -> dict[int, dict[str, float]]:
@@ -191,6 +227,7 @@ def main() -> None:
             collector.terminate()
             collector.wait()
         ours, theirs = agent_split(db, "gpu-profiled"), profiler_split(trace)
+        our_phases, their_phases = agent_phases(db, "gpu-profiled"), profiler_phases(trace)
     dist.destroy_process_group()
 
     table = Table("variant", "ms/step (median)", "ratio to no agent (median of rounds)")
@@ -203,7 +240,18 @@ def main() -> None:
     for key, what in (("compute", "compute"), ("comm", "collective time"), ("exposed", "exposed wait")):
         a, p = (statistics.median(d[s][key] for s in steps) for d in (ours, theirs))
         split.add_row(what, f"{a * 1e3:.3f} ms", f"{p * 1e3:.3f} ms", percent(a, p))
+    for name in PHASES:
+        if our_phases[name] and their_phases[name]:
+            a, p = statistics.median(our_phases[name]), statistics.median(their_phases[name])
+            split.add_row(
+                f"{name} phase (profiler: its GPU span)", f"{a * 1e3:.3f} ms", f"{p * 1e3:.3f} ms", percent(a, p)
+            )
     console.print(split)
+    console.print(
+        "compute: the agent's compute phases less the exposed wait, on the GPU's timeline (idle gaps within a "
+        "phase included); the profiler's: the time some compute kernel runs. One GPU runs no NCCL kernel: "
+        "collective time is compared on two GPUs or more."
+    )
     console.print(
         f"GPT {args.model}, batch {args.batch}, bf16 autocast, DDP over NCCL on 1 GPU; {args.rounds} "
         f"rounds of {args.steps} steps; the split over {len(steps)} profiled steps (agent + DDP timing)"

@@ -17,13 +17,14 @@ import itertools
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from otlp_payloads import query
 from torch.nn.parallel import DistributedDataParallel
 
-from agent.clock import Clock
+from agent.clock import Clock, CpuTimer, CudaTimer
 from agent.collectives import comm_hook
 from agent.session import BUCKET, Session
 from tests.conftest import wait_until
@@ -31,7 +32,7 @@ from tests.conftest import wait_until
 MS = 1_000_000  # ns
 
 
-class RecordedTimer:
+class RecordedTimer(CpuTimer):
     """The CUDA timer's contract (agent/clock.py) over a recorded timeline: each mark taken is
     the next recorded GPU time in ns, in the order the host takes them; all are readable."""
 
@@ -43,12 +44,6 @@ class RecordedTimer:
 
     def mark(self) -> int:
         return next(self._times)
-
-    def ready(self, mark: int) -> bool:
-        return True
-
-    def release(self, marks) -> None:
-        pass
 
     def to_wall(self, clock: Clock, mark: int) -> int:
         return clock.wall(self._anchor + mark)
@@ -185,6 +180,11 @@ class PendingTimer(RecordedTimer):
             raise RuntimeError("event not completed: elapsed_time would fail")
         return super().to_wall(clock, mark.gpu_ns)
 
+    def between(self, a: PendingEvent, b: PendingEvent) -> int:
+        if not (a.done and b.done):
+            raise RuntimeError("event not completed: elapsed_time would fail")
+        return b.gpu_ns - a.gpu_ns
+
 
 def test_shutdown_waits_for_every_collectives_end_event(collector):
     """The last step is still on the GPU at shutdown: the one wait there covers the buckets' end
@@ -230,3 +230,89 @@ def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(coll
         assert time.monotonic() - ended < 3.5
     finally:
         session.shutdown()
+
+
+class Float32Event:
+    """torch.cuda.Event as the GPU keeps it (the hardware boundary, mocked): recorded at the fake
+    GPU clock's time, its elapsed_time in float32 milliseconds, as CUDA's cudaEventElapsedTime."""
+
+    gpu_ns = 0  # the GPU's clock, moved by the test
+
+    def __init__(self, enable_timing: bool = True):
+        self.t = 0
+
+    def record(self, stream=None) -> None:
+        self.t = Float32Event.gpu_ns
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "Float32Event") -> float:
+        return float(np.float32((end.t - self.t) / 1e6))
+
+
+def test_durations_keep_their_precision_hours_into_a_run(collector, monkeypatch):
+    """elapsed_time's float32 milliseconds resolve 250 µs an hour from an anchor: a 20 µs all-reduce
+    and a 1.234567 ms phase an hour into the run are stored to the µs, and the step is placed on the
+    wall clock to float32's resolution of the hour (a tie refreshed at re-alignments keeps that short)."""
+    monkeypatch.setattr(torch.cuda, "Event", Float32Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    Float32Event.gpu_ns = 0
+    session = Session("run-f32", 0, 1, collector.url, collector.token, timer=CudaTimer(0))
+    hour = 3600 * 10**9
+
+    def at(ns: int) -> None:
+        Float32Event.gpu_ns = hour + ns
+
+    at(0)
+    with session.step(7):
+        with session.phase("forward"):
+            at(1_234_567)
+        c = session.collective("all_reduce", "world", 1, 4096)
+        at(1_254_567)
+        c.end = session.timer.mark()
+    session.shutdown()
+    collector.stop()
+    (forward,) = query(collector.db, "SELECT duration_s FROM ops WHERE kind = 'phase'")
+    (comm,) = query(collector.db, "SELECT duration_s FROM ops WHERE kind = 'comm'")
+    assert forward[0] == pytest.approx(1.234567e-3, abs=1e-9)
+    assert comm[0] == pytest.approx(20e-6, abs=1e-9)
+
+
+class GpuScalar:
+    """A CUDA tensor as the agent may touch it (the hardware boundary, mocked): reading it on the host
+    (`.item()`, `float()`) would sync the stream, so it raises; `.to("cpu", non_blocking=True)` is
+    the copy its stream makes without waiting."""
+
+    is_cuda = True
+
+    def __init__(self, value: float):
+        self.value, self.copies = value, []
+
+    def detach(self) -> "GpuScalar":
+        return self
+
+    def to(self, device: str, non_blocking: bool = False) -> torch.Tensor:
+        self.copies.append((device, non_blocking))
+        return torch.tensor(self.value)
+
+    def item(self) -> float:
+        raise AssertionError("a GPU tensor read on the host: a sync")
+
+    __float__ = item
+
+
+def test_gpu_values_reach_the_collector_without_being_read_on_the_gpu(collector):
+    """A loss and grad norm still on the GPU are copied without waiting when recorded and read from
+    the host copy once the step is done: `.item()` on them would sync the stream, on the hot path."""
+    session = Session("run-values", 0, 1, collector.url, collector.token)
+    loss, norm = GpuScalar(2.5), GpuScalar(0.75)
+    with session.step(0), session.phase("forward"):
+        session.record(loss=loss, grad_norm=norm, tokens=64)
+    session.shutdown()
+    collector.stop()
+    assert query(collector.db, "SELECT loss, grad_norm, tokens FROM steps") == [(2.5, 0.75, 64)]
+    assert loss.copies == norm.copies == [("cpu", True)]

@@ -26,10 +26,12 @@ from agent import semconv as sc
 from trainer import rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
+from trainer.delays import Delay, WorkTime
 from trainer.device import DEVICES, DeviceError, choose
 from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
+from trainer.progress import Progress
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,23 +112,28 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def slow_link_hook(faults: list[Fault], rank: int, step_of):
-    """A DDP comm hook that stretches this rank's all-reduces while a slow-link fault is active."""
+def slow_link_hook(faults: list[Fault], rank: int, step_of, cuda: bool):
+    """A DDP comm hook that stretches this rank's all-reduces `factor` times while a slow-link fault is
+    active: a delay after each, where it runs (trainer/delays.py), sized from the all-reduces' own time."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    delay, took = Delay(cuda), WorkTime(cuda)
+
     def hook(process_group, bucket):
-        started = time.monotonic()
-        fut = default_hooks.allreduce_hook(process_group, bucket)
         factor = max(
             (f.get("factor") for f in faults if f.kind == "slow-link" and f.rank == rank and f.active(step_of())),
             default=1.0,
         )
+        if factor <= 1:
+            return default_hooks.allreduce_hook(process_group, bucket)
+        started = took.start()
 
-        def stretch(done):
-            time.sleep((factor - 1) * (time.monotonic() - started))
+        def stretch(done):  # gloo: once the all-reduce is done; NCCL: at once, on a stream that waits for it
+            took.stop(started)
+            delay((factor - 1) * (took.last_s or 0.0))
             return done.value()
 
-        return fut.then(stretch) if factor > 1 else fut
+        return default_hooks.allreduce_hook(process_group, bucket).then(stretch)
 
     return hook
 
@@ -211,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     start = resume(ckpt)
     current = {"step": 0}
-    agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"]))
+    agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
+    delay, compute = Delay(cuda), WorkTime(cuda)
     peak, params = peak_flops(device), model.num_params()
     announced: set[str] = set()
     if rank == 0:
@@ -222,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     budget, reach, step = rollback.Budget(args.max_rollbacks, args.rollback_window), rollback.Reach(), start
+    progress = Progress(args.log_every, args.steps - 1) if rank == 0 else None
     while step < args.steps:
         command = agent.command(step)  # the same on every rank, at the same step
         if command is not None and command["kind"] == "rollback":
@@ -248,15 +257,19 @@ def main(argv: list[str] | None = None) -> None:
                 agent.event(sc.EVENT_FAULT, step, **{sc.FAULT_SPEC: f.spec})
         started = time.perf_counter()
         reach.step_started(step)
+        injected = 0.0
         with agent.step(step):
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
-            compute_started = time.perf_counter()
+            compute_started, computing = time.perf_counter(), compute.start()
             with agent.phase("forward"):
-                loss = ddp(inputs, targets)
+                with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+                    loss = ddp(inputs, targets)
                 for f in faults:
-                    if f.kind == "straggler":  # the rest of this rank's compute, `slowdown` times slower
-                        time.sleep((f.get("slowdown") - 1) * 3 * (time.perf_counter() - started))
+                    if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
+                        extra = (f.get("slowdown") - 1) * (compute.last_s or 0.0)
+                        delay(extra)
+                        injected += extra
                     elif f.kind == "hang":
                         threading.Event().wait(f.get("seconds"))  # None: for ever
                     elif f.kind == "spike":
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                     ckpt.snapshot(step + 1)
                 # a capped or throttled simulated GPU computes slower (a real one: scale 1)
                 time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
+            compute.stop(computing, injected)
             tokens = inputs.numel()
             agent.record(
                 loss=loss.detach(),
@@ -287,11 +301,11 @@ def main(argv: list[str] | None = None) -> None:
                 lr=schedule.get_last_lr()[0],
                 mfu=mfu(params, tokens, time.perf_counter() - started, peak),
             )
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(
-                f"step {step:5d}  loss {loss.item():7.4f}  {(time.perf_counter() - started) * 1e3:7.1f} ms", flush=True
-            )
+        if progress:
+            progress.step(step, loss, (time.perf_counter() - started) * 1e3)
         step += 1
+    if progress:
+        progress.flush(wait=True)
     agent.end()  # before the last checkpoint's write, which may outlast the collector's stall timeout
     ckpt.close()
     agent.shutdown()
