@@ -311,11 +311,21 @@ def _span(span: Span) -> bytes:
     )
 
 
-def encode_spans(spans: Sequence[Span]) -> bytes:
-    """An OTLP ExportTraceServiceRequest, serialized: one ResourceSpans per resource."""
+# spans encoded between two releases of the GIL: the encoding is Python bytecode, which keeps a training
+# thread waiting to take the GIL back (after a launch or a DDP hook) up to the switch interval (5 ms);
+# a release every 16 spans (~0.25 ms of encoding) shortens the usual wait to ~0.1 ms (bench/gil.py,
+# docs/benchmarks.md)
+GIL_SLICE = 16
+
+
+def encode_spans(spans: Sequence[Span], gil_slice: int = GIL_SLICE) -> bytes:
+    """An OTLP ExportTraceServiceRequest, serialized: one ResourceSpans per resource. The GIL is given
+    up every `gil_slice` spans (0: never)."""
     by_resource: dict[int, tuple[Resource, list[bytes]]] = {}
-    for span in spans:
+    for i, span in enumerate(spans, 1):
         by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(_field(2, _span(span)))
+        if gil_slice and i % gil_slice == 0:
+            time.sleep(0)  # lets a thread waiting for the GIL take it
     scope_field = _field(1, _field(1, SCOPE.encode()))
     return b"".join(
         _field(1, _field(1, _key_values(1, resource.attributes)) + _field(2, scope_field + b"".join(encoded)))

@@ -101,3 +101,17 @@ def test_values_of_other_types_go_as_text():
     )
     (sp,) = request.resource_spans[0].scope_spans[0].spans
     assert {p.key: p.value.string_value for p in sp.attributes} == {"big": str(2**70), "list": "[1, 2]", "none": "None"}
+
+
+def test_encoding_gives_up_the_gil_every_slice_and_encodes_the_same(monkeypatch):
+    """The export thread's encoding releases the GIL every GIL_SLICE spans (so a training thread waiting
+    for it is not held for the 5 ms switch interval), and the bytes are those of an encoding in one go."""
+    import agent.export as export
+
+    resource = Resource.create({"rankwatch.rank": 0})
+    spans = [Span(1, i + 1, 0, "step", i, i + 1, {"rankwatch.step": i}, resource) for i in range(100)]
+    whole = encode_spans(spans, gil_slice=0)
+    releases: list[float] = []
+    monkeypatch.setattr(export.time, "sleep", releases.append)
+    assert encode_spans(spans) == whole
+    assert releases == [0] * (100 // export.GIL_SLICE)
