@@ -54,7 +54,7 @@ def not_live_because(run: str) -> str | None:
         return "the run is hung"
     if not isinstance(data_source(), source.CollectorSource):
         return "no collector is writing this store"
-    if pd.isna(row["last_seen"]) or (pd.Timestamp.now(tz="UTC") - row["last_seen"]).total_seconds() > SILENT_S:
+    if pd.isna(row["last_seen"]) or (now() - row["last_seen"]).total_seconds() > SILENT_S:
         return "the run has gone silent"
     return None
 
@@ -107,13 +107,17 @@ def clock(at: pd.Timestamp) -> str:
     return f"{at:%Y-%m-%d %H:%M:%S} UTC"
 
 
-def run_status(row: pd.Series, now: pd.Timestamp | None = None) -> RunStatus:
+def now() -> pd.Timestamp:
+    """The time the pages judge silence against."""
+    return pd.Timestamp.now(tz="UTC")
+
+
+def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
     """A run's status from its row of the `runs` query: ended once every rank said its loop ended
     (and no step came after), hung while a hang finding fires (silent too, once nothing comes: a hung
     job's silence is no recovery), silent once nothing came for SILENT_S, else running."""
-    now = pd.Timestamp.now(tz="UTC") if now is None else now
     heard, ended_at = row["last_heard"], row["ended_at"]
-    silent = pd.notna(heard) and (now - heard).total_seconds() > SILENT_S
+    silent = pd.notna(heard) and ((now() if at is None else at) - heard).total_seconds() > SILENT_S
     ended = (
         row["ended_ranks"] > 0
         and row["ended_ranks"] >= row["ranks"]

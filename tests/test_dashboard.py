@@ -23,6 +23,7 @@ from collector import quantities
 from collector.alerts import rules
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
+from dashboard import ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
@@ -56,8 +57,11 @@ def chart(element) -> tuple[dict, pd.DataFrame]:
 
 @pytest.fixture
 def from_store(dashboard_store, monkeypatch):
-    """The dashboard reads the fixture store's file (as `rankwatch dashboard --db`)."""
+    """The dashboard reads the fixture store's file (as `rankwatch dashboard --db`), a day after it was
+    built: its runs stopped sending then, and whether the silence threshold has passed since must not
+    depend on the order the tests run in (the simulator's clock may also run ahead of the wall's)."""
     monkeypatch.setenv(DB_ENV, str(dashboard_store))
+    monkeypatch.setattr(ui, "now", lambda: pd.Timestamp.now(tz="UTC") + pd.Timedelta(days=1))
     monkeypatch.delenv(COLLECTOR_ENV, raising=False)
     st.cache_resource.clear()
     st.cache_data.clear()

@@ -220,3 +220,34 @@ def test_gaps_stay_compact_and_exact_at_thousands_of_ranks(tmp_path):
         )
         assert "ranks 3072–4095 from step" in found.summary()
         assert losses.measure(con, "big").gaps.missing == found.missing
+
+
+def test_rank_steps_that_come_after_they_settled_are_not_lost(tmp_path):
+    """Ranks 8-15 of 32 send steps 10-29 only after the run has moved well past them (a backlog sent once
+    its collector is back, a simulated fleet whose clock runs ahead of its sending): the passes before
+    count them missing, the pass after they come counts only what is still missing (rank 9's step 12,
+    never sent), and agrees with a count of every rank-step after the fact."""
+    import duckdb
+
+    from collector.analysis import losses
+    from collector.store.schema import DDL
+
+    ranks, steps = 32, 80
+    late = "r.range BETWEEN 8 AND 15 AND s.range BETWEEN 10 AND 29"
+    insert = """INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s)
+                SELECT 'late', r.range, s.range, make_timestamp_ns(s.range * 1000000000),
+                       make_timestamp_ns(s.range * 1000000000 + 900000000), 0.9 FROM range(?) r, range(?) s
+                WHERE ({}) AND NOT (r.range = 9 AND s.range = 12)"""
+    with duckdb.connect(str(tmp_path / "store.duckdb")) as con:
+        con.execute(DDL)
+        con.execute("INSERT INTO ranks (run_id, rank, first_seen) SELECT 'late', range, now() FROM range(?)", [ranks])
+        con.execute(insert.format(f"NOT ({late})"), [ranks, steps])
+        while losses.record(con, "late").gaps.settled_step < 60:
+            pass
+        before = losses.stored(con, "late")[0]
+        assert before.missing == 8 * 20 and "ranks 8–15 steps 10–29" in before.summary()
+        con.execute(insert.format(late), [ranks, steps])
+        after = losses.record(con, "late").gaps
+        assert (after.missing, after.blocks) == (1, [[9, 9, 12, 12, 1]])
+        assert after.expected == before.expected and after.settled_step >= before.settled_step
+        assert losses.record(con, "late", final=True).gaps.missing == losses.measure(con, "late").gaps.missing == 1

@@ -5,7 +5,11 @@ a run's steps settle and kept in `telemetry_loss`, so that /metrics and the dash
 row per run. A step settles once the run has moved MARGIN_STEPS steps and MARGIN_S seconds past
 it (a rank's spans leave its agent in batches, so the newest steps of some ranks are still on the
 way), or once the run has ended (or the collector stops: nothing more comes); a pass settles at
-most RANK_STEPS rank-steps, so it costs the same at 16,384 ranks as at 8. Reported: what each
+most RANK_STEPS rank-steps, so it costs the same at 16,384 ranks as at 8. Rank-steps that arrive
+after they settled missing (an agent's backlog sent once its collector is back, a simulated fleet
+whose clock runs ahead of its sending) are taken off again by the next pass: each pass counts what
+came within the kept gaps and draws those gaps anew (the rank-steps counted in `left_out`, past
+the blocks kept, stay counted). Reported: what each
 rank's agent dropped before export (`telemetry_loss` events, cumulative per rank: the run's is the
 sum of each rank's largest), read by the same passes from where the last stopped, so that a
 scrape of /metrics reads one row per run, never the events.
@@ -39,6 +43,18 @@ WITH present AS (SELECT DISTINCT rank, step FROM steps WHERE run_id = $run AND s
 SELECT r.rank, s.step FROM (SELECT rank FROM ranks WHERE run_id = $run) r
 CROSS JOIN (SELECT DISTINCT step FROM present) s
 ANTI JOIN present p ON p.rank = r.rank AND p.step = s.step"""
+# rank-steps now present within each kept gap (b: its index among the blocks)
+_ARRIVED = """
+WITH b AS (SELECT unnest($r0) AS r0, unnest($r1) AS r1, unnest($s0) AS s0, unnest($s1) AS s1,
+                  generate_subscripts($r0, 1) AS b)
+SELECT b.b, count(DISTINCT (s.rank, s.step)) FROM b JOIN steps s ON s.run_id = $run
+  AND s.rank BETWEEN b.r0 AND b.r1 AND s.step BETWEEN b.s0 AND b.s1 GROUP BY b.b"""
+# within one gap's ranks and steps: the steps some rank reported, and each rank-step still missing at them
+_STEPS_WITHIN = "SELECT DISTINCT step FROM steps WHERE run_id = $run AND step BETWEEN $s0 AND $s1 ORDER BY step"
+_STILL_MISSING = """
+WITH present AS (SELECT DISTINCT rank, step FROM steps WHERE run_id = $run AND step BETWEEN $s0 AND $s1)
+SELECT r.range AS rank, s.step FROM range($r0, $r1 + 1) r CROSS JOIN (SELECT DISTINCT step FROM present) s
+ANTI JOIN present p ON p.rank = r.range AND p.step = s.step"""
 _STORED = """SELECT settled_step, ranks, expected, missing, gaps, gaps_left_out, agent_ranks, agent_seen_ns
               FROM telemetry_loss WHERE run_id = ?"""
 _RECORD = "INSERT OR REPLACE INTO telemetry_loss VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, now())"
@@ -118,6 +134,7 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> 
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
     if ranks != before.ranks and before.settled_step != gaps.NOT_SETTLED:
         before = Gaps()  # ranks heard from after steps settled without them: counted again from the start
+    before = _arrived(con, run_id, before)
     after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
     now = reports.read(con, run_id)
     loss = now.loss(after)
@@ -143,6 +160,28 @@ def stored(con: duckdb.DuckDBPyConnection, run_id: str) -> tuple[Gaps, Reports]:
     settled, ranks, expected, missing, blocks, left_out, by_rank, seen_ns = row
     reports = Reports({int(r): (s, n) for r, (s, n) in json.loads(by_rank).items()}, seen_ns)
     return Gaps(settled, ranks, expected, missing, json.loads(blocks), left_out), reports
+
+
+def _arrived(con: duckdb.DuckDBPyConnection, run_id: str, found: Gaps) -> Gaps:
+    """`found` less the rank-steps that came since they were counted missing: each kept gap into which
+    some came is drawn anew from what is still missing in it (one query when none came)."""
+    if not found.blocks:
+        return found
+    columns = dict(zip(("r0", "r1", "s0", "s1"), zip(*((b[0], b[1], b[2], b[3]) for b in found.blocks), strict=True)))
+    came = dict(con.execute(_ARRIVED, {"run": run_id, **{k: list(v) for k, v in columns.items()}}).fetchall())
+    if not came:
+        return found
+    redrawn, left_out = [], found.left_out
+    for i, block in enumerate(found.blocks, 1):
+        if i not in came:
+            redrawn.append(block)
+            continue
+        window = {"run": run_id, "r0": block[0], "r1": block[1], "s0": block[2], "s1": block[3]}
+        within = {"run": run_id, "s0": block[2], "s1": block[3]}
+        steps = np.array([s for (s,) in con.execute(_STEPS_WITHIN, within).fetchall()], dtype=np.int64)
+        still = gaps.judge(Gaps(), con.execute(_STILL_MISSING, window).df(), steps, 0)
+        redrawn, left_out = redrawn + still.blocks, left_out + still.left_out
+    return gaps.regapped(found, redrawn, left_out)
 
 
 def _bound(con: duckdb.DuckDBPyConnection, run_id: str, after: int, final: bool) -> int | None:

@@ -84,9 +84,7 @@ def judge(before: Gaps, missing: pd.DataFrame, steps: np.ndarray, ranks: int) ->
             going_on[3], going_on[4] = block[3], going_on[4] + block[4]
         else:
             kept.append(block)
-    kept.sort(key=lambda b: -b[4])  # the largest kept: what a person must see first
-    left_out = before.left_out + beyond + sum(b[4] for b in kept[MAX_BLOCKS:])
-    kept = sorted(kept[:MAX_BLOCKS], key=lambda b: (b[2], b[0]))
+    kept, left_out = _largest(kept, before.left_out + beyond)
     return replace(
         before,
         settled_step=int(steps[-1]),
@@ -96,6 +94,20 @@ def judge(before: Gaps, missing: pd.DataFrame, steps: np.ndarray, ranks: int) ->
         blocks=kept,
         left_out=left_out,
     )
+
+
+def regapped(before: Gaps, blocks: list[list[int]], left_out: int) -> Gaps:
+    """`before` with its kept blocks drawn anew, once rank-steps counted missing in them came after all
+    (`left_out`: the rank-steps missing past those blocks)."""
+    kept, left_out = _largest(blocks, left_out)
+    return replace(before, missing=left_out + sum(b[4] for b in kept), blocks=kept, left_out=left_out)
+
+
+def _largest(blocks: list[list[int]], left_out: int) -> tuple[list[list[int]], int]:
+    """The MAX_BLOCKS largest blocks (what a person must see first), in step order, and `left_out` with
+    the rank-steps of the others."""
+    ranked = sorted(blocks, key=lambda b: -b[4])
+    return sorted(ranked[:MAX_BLOCKS], key=lambda b: (b[2], b[0])), left_out + sum(b[4] for b in ranked[MAX_BLOCKS:])
 
 
 def _blocks(rank: np.ndarray, index: np.ndarray, steps: np.ndarray) -> tuple[list[list[int]], int]:
