@@ -33,9 +33,8 @@ MS = 1_000_000  # ns
 
 class RecordedTimer:
     """The CUDA timer's contract (agent/clock.py) over a recorded timeline: each mark taken is
-    the next recorded GPU time in ns, in the order the host takes them; all are readable."""
-
-    serial = True
+    the next recorded GPU time in ns, in the order the host takes them; all are readable; all on
+    one stream."""
 
     def __init__(self, gpu_ns: list[int]):
         self._times = iter(gpu_ns)
@@ -43,6 +42,9 @@ class RecordedTimer:
 
     def mark(self) -> int:
         return next(self._times)
+
+    def current_stream(self) -> int:
+        return 7
 
     def ready(self, mark: int) -> bool:
         return True
