@@ -53,11 +53,13 @@ class Clock:
 
 class Timer(Protocol):
     """What a session needs of a timer. Its marks are opaque to the session (ns on CPU, CUDA
-    events on a GPU), hence Any."""
-
-    serial: bool
+    events on a GPU), hence Any; a timer also reads an int mark as monotonic ns (a collective of a
+    group the GPU does not run, gloo's)."""
 
     def mark(self) -> Any: ...
+
+    def current_stream(self) -> int | None:
+        """The stream marks are taken on now, where they are stream events (else None)."""
 
     def ready(self, mark: Any) -> bool: ...
 
@@ -73,10 +75,11 @@ class Timer(Protocol):
 class CpuTimer:
     """Marks are monotonic-clock readings; they are ready at once."""
 
-    serial = False  # collectives are marked where the host saw them start and end
-
     def mark(self) -> int:
         return time.monotonic_ns()
+
+    def current_stream(self) -> None:
+        return None
 
     def ready(self, mark: int) -> bool:
         return True
@@ -96,9 +99,8 @@ class CpuTimer:
 
 
 class CudaTimer:
-    """Marks are CUDA events on the current stream, read once the GPU has passed them."""
-
-    serial = True  # a group's collectives run one at a time on its stream (agent/timeline.py: serialized)
+    """Marks are CUDA events on the current stream, read once the GPU has passed them; int marks
+    are monotonic ns (a gloo group's collectives)."""
 
     def __init__(self, device) -> None:
         import torch
@@ -127,18 +129,28 @@ class CudaTimer:
         event.record()
         return event
 
+    def current_stream(self) -> int:
+        return self._torch.cuda.current_stream().stream_id
+
     def ready(self, mark) -> bool:
-        return mark.query()
+        return type(mark) is int or mark.query()
 
     def release(self, marks) -> None:
         """Events of a step that was read: they are recorded again for later marks."""
-        self._free.extend(marks)
+        self._free.extend(m for m in marks if type(m) is not int)
 
     def to_wall(self, clock: Clock, mark) -> int:
         """Where a mark lies on the wall clock, to float32's resolution of its distance from the last tie."""
-        anchor, anchor_mono = self._tie
-        return clock.wall(anchor_mono + round(anchor.elapsed_time(mark) * 1e6))
+        return clock.wall(self._monotonic(mark))
 
     def between(self, a, b) -> int:
-        """ns from event `a` to event `b`: exact to float32's resolution of that interval alone."""
+        """ns from mark `a` to mark `b`: for two events exact to float32's resolution of that interval alone."""
+        if type(a) is int or type(b) is int:
+            return self._monotonic(b) - self._monotonic(a)
         return round(a.elapsed_time(b) * 1e6)
+
+    def _monotonic(self, mark) -> int:
+        if type(mark) is int:
+            return mark
+        anchor, anchor_mono = self._tie
+        return anchor_mono + round(anchor.elapsed_time(mark) * 1e6)

@@ -2,9 +2,9 @@
 torch.distributed collectives a user calls directly.
 
 Bytes follow the nccl-tests convention (the collector computes algbw and
-busbw from them): the full buffer of all_reduce, broadcast, send and recv;
-the gathered output of all_gather; the input of reduce_scatter and
-all_to_all.
+busbw from them): the full buffer of all_reduce, broadcast, reduce, send and
+recv; the gathered output of all_gather and gather, the scattered input of
+scatter; the input of reduce_scatter and all_to_all.
 
 Timing: a collective's start and end are marks of the session's timer. On
 CUDA the start is an event on the calling stream just before the launch, and
@@ -13,12 +13,18 @@ such a callback with pool streams made current that wait for the work's
 kernels (`torch.futures.Future.then`), so the event passes once the
 collective is done on the GPU, and no host clock enters a GPU duration.
 ProcessGroupNCCL completes its futures when the work is enqueued, so the
-callback runs at once, on the launching thread. On CPU (gloo) the marks are
-monotonic readings at the call and in the callback, which runs when the
-work completes.
+callback runs at once, on the launching thread. Groups whose backend is not
+NCCL (gloo, even in a CUDA job) are marked with monotonic readings at the
+call and in the callback, which runs when the work completes: a CUDA event
+recorded in gloo's thread would land on the default stream of device 0.
 """
 
 import functools
+import inspect
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 from agent.session import ASYNC, BUCKET, SYNC, Session
 
@@ -27,27 +33,41 @@ def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _group(dist, group) -> tuple[str, int]:
-    name = "world" if group is None else str(getattr(group, "group_name", None) or id(group))
-    return name, dist.get_world_size(group)
+def _groups(dist, session: Session):
+    """group -> (name, size, host, mark), worked out once per group. The default group is "world"
+    whichever object stands for it (None, or dist.group.WORLD as DDP's allreduce_hook passes), so
+    that its collectives form one sequence; `host`: its collectives are marked with the host clock
+    (`mark`), not the timer's, as its backend is not NCCL."""
+    known: dict = {}
+
+    def info(group) -> tuple[str, int, bool, Callable[[], Any]]:
+        if group is None:
+            group = dist.group.WORLD
+        found = known.get(group)
+        if found is None:
+            host = "nccl" not in str(dist.get_backend(group))
+            name = "world" if group is dist.group.WORLD else str(getattr(group, "group_name", None) or id(group))
+            mark = time.monotonic_ns if host else session.timer.mark
+            found = known[group] = (name, dist.get_world_size(group), host, mark)
+        return found
+
+    return info
 
 
 def comm_hook(session: Session, inner=None):
     """A DDP comm hook that times each gradient bucket's all-reduce around `inner` (default: the
     averaging all-reduce of DDP's allreduce_hook, launched here so that one future callback both
-    unpacks the result and marks the end). Register it with `model.register_comm_hook(None, hook)`."""
+    unpacks the result and marks the end). Register it with `model.register_comm_hook(None, hook)`.
+    With `inner`, the end follows the inner hook's own callbacks (a compression hook's
+    decompression): it does not say when the group's stream was free for the next bucket."""
     import torch.distributed as dist
 
-    groups: dict = {}  # DDP passes the same process group on every call: its name once
-    mark = session.timer.mark
+    groups = _groups(dist, session)
 
     def hook(process_group, bucket):
-        key = id(process_group)
-        if key not in groups:
-            groups[key] = _group(dist, process_group)
-        name, size = groups[key]
+        name, size, host, mark = groups(process_group)
         tensor = bucket.buffer()
-        c = session.collective("all_reduce", name, size, _nbytes(tensor), BUCKET)
+        c = session.collective("all_reduce", name, size, _nbytes(tensor), BUCKET, host=host, ordered=inner is None)
         if inner is not None:
 
             def done(fut):
@@ -67,52 +87,197 @@ def comm_hook(session: Session, inner=None):
     return hook
 
 
-# name -> (bytes of the call, given its arguments and the group size)
-_SIZES = {
-    "all_reduce": lambda n, tensor, *a, **k: _nbytes(tensor),
-    "broadcast": lambda n, tensor, *a, **k: _nbytes(tensor),
-    "send": lambda n, tensor, *a, **k: _nbytes(tensor),
-    "recv": lambda n, tensor, *a, **k: _nbytes(tensor),
-    "all_gather": lambda n, tensor_list, tensor, *a, **k: _nbytes(tensor) * n,
-    "all_gather_into_tensor": lambda n, output, input, *a, **k: _nbytes(output),
-    "reduce_scatter": lambda n, output, input_list, *a, **k: sum(_nbytes(t) for t in input_list),
-    "reduce_scatter_tensor": lambda n, output, input, *a, **k: _nbytes(input),
-    "all_to_all_single": lambda n, output, input, *a, **k: _nbytes(input),
-    "barrier": lambda n, *a, **k: 0,
+def _one(tensor, n: int) -> int:
+    return _nbytes(tensor)
+
+
+def _each(tensor, n: int) -> int:
+    return _nbytes(tensor) * n
+
+
+def _all(tensors, n: int) -> int:
+    return sum(_nbytes(t) for t in tensors)
+
+
+# name -> (the parameter that sizes the call, its bytes given the group size n); barrier moves none
+_SIZES: dict[str, tuple[str | None, Callable[[Any, int], int] | None]] = {
+    "all_reduce": ("tensor", _one),
+    "broadcast": ("tensor", _one),
+    "reduce": ("tensor", _one),
+    "send": ("tensor", _one),
+    "recv": ("tensor", _one),
+    "isend": ("tensor", _one),
+    "irecv": ("tensor", _one),
+    "all_gather": ("tensor", _each),
+    "all_gather_into_tensor": ("output_tensor", _one),
+    "all_gather_single": ("output_tensor", _one),
+    "gather": ("tensor", _each),
+    "scatter": ("tensor", _each),
+    "reduce_scatter": ("input_list", _all),
+    "reduce_scatter_tensor": ("input", _one),
+    "reduce_scatter_single": ("input", _one),
+    "all_to_all_single": ("input", _one),
+    "all_to_all": ("input_tensor_list", _all),
+    "barrier": (None, None),
 }
 _OPS = {
     "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "isend": "send",
+    "irecv": "recv",
 }
+# point to point: the peer's global rank, or its rank in the group (NCCL gives each pair its own stream)
+_PEERS = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"), "recv": ("src", "group_src")}
+_PEERS["irecv"] = _PEERS["recv"]
+_TRACED = (*_SIZES, "batch_isend_irecv")
+_NONE = object()  # a parameter the call leaves out that has no default
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _absent(args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _argument(signature: inspect.Signature, name: str | None) -> Callable[[tuple, dict], Any]:
+    """A getter of the argument bound to parameter `name` in a call, from the signature read once:
+    by position, by keyword or its default, as Signature.bind finds it (which costs ~2 µs a call,
+    this ~0.1). None where the function has no such parameter."""
+    parameter = signature.parameters.get(name) if name else None
+    if parameter is None:
+        return _absent
+    parameters = list(signature.parameters.values())
+    at = parameters.index(parameter)
+    if any(p.kind not in _POSITIONAL for p in parameters[: at + 1]):
+        at = sys.maxsize  # keyword only: never among the positional arguments
+    default = _NONE if parameter.default is parameter.empty else parameter.default
+
+    def get(args: tuple, kwargs: dict) -> Any:
+        return args[at] if at < len(args) else kwargs.get(name, default)
+
+    return get
 
 
 def trace_collectives(session: Session) -> None:
-    """Wrap torch.distributed's collectives so that each call is recorded in the current step."""
+    """Wrap torch.distributed's collectives so that each call is recorded in the current step.
+    Functions torch.distributed calls internally (all_gather_object's all_gathers) stay untraced."""
     import torch.distributed as dist
 
-    for name, size_of in _SIZES.items():
+    groups = _groups(dist, session)
+    for name in _TRACED:
         original = getattr(dist, name, None)
         if original is None or getattr(original, "__rankwatch__", False):
             continue
-        setattr(dist, name, _traced(session, dist, name, original, size_of))
+        if name == "batch_isend_irecv":
+            setattr(dist, name, _traced_batch(session, groups, original))
+        else:
+            setattr(dist, name, _traced(session, dist, groups, name, original))
+    if not getattr(dist.P2POp, "__rankwatch__", False):
+        _p2p_takes_originals(dist.P2POp)
 
 
-def _traced(session: Session, dist, name: str, original, size_of):
+def untrace_collectives() -> None:
+    """Put back what trace_collectives wrapped."""
+    import torch.distributed as dist
+
+    for name in _TRACED:
+        wrapped = getattr(dist, name, None)
+        if getattr(wrapped, "__rankwatch__", False):
+            setattr(dist, name, wrapped.__wrapped__)  # type: ignore[union-attr]
+    originals = getattr(dist.P2POp, "__rankwatch__", None)
+    if originals:
+        for method, original in zip(("__new__", "__init__"), originals):
+            setattr(dist.P2POp, method, original)
+        delattr(dist.P2POp, "__rankwatch__")
+
+
+def _p2p_takes_originals(cls) -> None:
+    """P2POp accepts only torch's own isend and irecv (`op is isend`), and batch_isend_irecv calls
+    them: a P2POp built with the wrapped ones holds the originals (the batch is timed as one)."""
+    new, init = cls.__dict__["__new__"], cls.__dict__["__init__"]
+
+    def unwrap(op):
+        return op.__wrapped__ if getattr(op, "__rankwatch__", False) else op
+
+    cls.__new__ = staticmethod(lambda c, op, *a, **k: new.__func__(c, unwrap(op), *a, **k))
+    cls.__init__ = lambda self, op, *a, **k: init(self, unwrap(op), *a, **k)
+    cls.__rankwatch__ = (new, init)
+
+
+def _traced(session: Session, dist, groups, name: str, original):
+    signature = inspect.signature(original)  # once: each call finds its arguments by position or name
+    op = _OPS.get(name, name)
+    sized, size_of = _SIZES[name]
+    sizing = _argument(signature, sized)
+    group_of = _argument(signature, "group")
+    async_of = _argument(signature, "async_op")
+    peer_of = [_argument(signature, p) for p in _PEERS.get(name, ())]
+    always_async = name in ("isend", "irecv")  # they return a Work to wait on
+
+    def start(args: tuple, kwargs: dict):
+        group = group_of(args, kwargs)
+        group_name, size, host, mark = groups(group)
+        peer = None
+        if peer_of:
+            peer, group_peer = peer_of[0](args, kwargs), peer_of[1](args, kwargs)
+            if peer is None and group_peer is not None:
+                peer = group_peer if group is None else dist.get_global_rank(group, group_peer)
+        launched = always_async or bool(async_of(args, kwargs))
+        nbytes = size_of(sizing(args, kwargs), size) if size_of else 0
+        c = session.collective(op, group_name, size, nbytes, ASYNC if launched else SYNC, host=host, peer=peer)
+        return c, mark, launched
+
     @functools.wraps(original)
     def call(*args, **kwargs):
-        group = kwargs.get("group")
-        group_name, size = _group(dist, group)
-        launched = kwargs.get("async_op")
-        c = session.collective(
-            _OPS.get(name, name), group_name, size, size_of(size, *args, **kwargs), ASYNC if launched else SYNC
-        )
+        try:
+            c, mark, launched = start(args, kwargs)
+        except Exception:  # arguments the original refuses, or a group this rank is not in: it says so
+            return original(*args, **kwargs)
         work = original(*args, **kwargs)
-        if launched and work is not None:
-            work.get_future().then(lambda fut: setattr(c, "end", session.timer.mark()))
-        else:  # a blocking call returns once the calling stream waits for it (on CUDA) or it is done
-            c.end = session.timer.mark()
+        # a blocking call returns once the calling stream waits for it (on CUDA) or it is done
+        _mark_end(c, mark, (work,) if launched and work is not None else ())
         return work
 
     call.__rankwatch__ = True  # type: ignore[attr-defined]  # marks it wrapped (see trace_collectives)
     return call
+
+
+def _traced_batch(session: Session, groups, original):
+    """batch_isend_irecv as one collective: NCCL runs the batch as one coalesced launch. Which
+    communicator's stream runs it is not the agent's to know, so it is not ordered after others."""
+
+    @functools.wraps(original)
+    def call(p2p_op_list):
+        try:
+            name, size, host, mark = groups(p2p_op_list[0].group)
+            nbytes = sum(_nbytes(p.tensor) for p in p2p_op_list)
+            c = session.collective("batch_isend_irecv", name, size, nbytes, ASYNC, host=host, ordered=False)
+        except Exception:  # an empty or malformed list: the original says what is wrong
+            return original(p2p_op_list)
+        works = original(p2p_op_list)
+        _mark_end(c, mark, works)  # one coalesced Work on NCCL; one an op on gloo
+        return works
+
+    call.__rankwatch__ = True  # type: ignore[attr-defined]
+    return call
+
+
+def _mark_end(c, mark, works) -> None:
+    """`c.end`, marked in a callback once `works` are done (at once without works to wait on). A
+    Work without a future (gloo's point to point and reduce_scatter) has its end marked at once: it
+    is not seen. The callback of one Work's future runs on streams that wait for it (CUDA), that of
+    several's (gloo, on the host) once all are done."""
+    try:
+        futures = [w.get_future() for w in works]
+    except RuntimeError:
+        futures = []
+    if not futures:
+        c.end = mark()
+        return
+    if len(futures) > 1:
+        import torch
+
+        futures = [torch.futures.collect_all(futures)]
+    futures[0].then(lambda _: setattr(c, "end", mark()))

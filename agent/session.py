@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,10 @@ BUCKET, SYNC, ASYNC = "bucket", "sync", "async"
 class Collective:
     """One collective as two marks of the session's timer: `start` at its launch (on CUDA an event
     on the launching stream: when that stream reached the call; for a DDP bucket, when its gradients
-    were ready) and `end` once it completed (on CUDA an event on a stream that waited for it)."""
+    were ready) and `end` once it completed (on CUDA an event on a stream that waited for it); or two
+    monotonic readings (`stream` None) where its group is not NCCL's. `stream`: the calling stream
+    where the marks are stream events. `lane`: the queue it runs in, one at a time in issue order,
+    where the agent knows it (None: not ordered after any other)."""
 
     op: str
     group: str
@@ -47,12 +51,15 @@ class Collective:
     start: object
     waits: str = SYNC
     end: object = None
+    stream: int | None = None
+    lane: tuple | None = None
 
 
 @dataclass
 class _Step:
     step: int
     start: object
+    stream: int | None = None  # the stream its phases are marked on
     end: object = None
     phases: list = field(default_factory=list)  # (name, start mark, end mark)
     collectives: list[Collective] = field(default_factory=list)
@@ -119,7 +126,7 @@ class Session:
     # -- the training loop's side -------------------------------------------------------------------
     @contextmanager
     def step(self, step: int):
-        self._current = _Step(step, self.timer.mark())
+        self._current = _Step(step, self.timer.mark(), self.timer.current_stream())
         try:
             yield self._current
         finally:
@@ -148,12 +155,31 @@ class Session:
         if self._current is not None:
             self._current.values.update({k: _on_host(v) for k, v in values.items()})
 
-    def collective(self, op: str, group: str, group_size: int, nbytes: int, waits: str = SYNC) -> Collective:
+    def collective(
+        self,
+        op: str,
+        group: str,
+        group_size: int,
+        nbytes: int,
+        waits: str = SYNC,
+        *,
+        host: bool = False,
+        peer: int | None = None,
+        ordered: bool = True,
+    ) -> Collective:
         """Start recording a collective (call it just before launching it); the caller sets
-        `.end = session.timer.mark()` once it completed."""
+        `.end = session.timer.mark()` once it completed (`time.monotonic_ns()` with `host`: a group
+        the GPU's streams do not run, gloo's). Its lane (see _comm_intervals): the group's NCCL
+        communicator, a pair's for point to point (`peer`), and the calling stream; none unless
+        `ordered` (the caller knows that its end is when that queue was free)."""
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
-        c = Collective(op, group, group_size, seq, nbytes, self.timer.mark(), waits)
+        if host:
+            start, stream = time.monotonic_ns(), None
+        else:
+            start, stream = self.timer.mark(), self.timer.current_stream()
+        lane = (group, peer, stream) if ordered and stream is not None else None
+        c = Collective(op, group, group_size, seq, nbytes, start, waits, None, stream, lane)
         self._last_collective = c
         if self._current is not None:
             self._current.collectives.append(c)
@@ -233,7 +259,7 @@ class Session:
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
-        comm_wait = self._exposed_comm_wait((start, end), phases, comm)
+        comm_wait = self._exposed_comm_wait((start, end), phases, comm, s.stream)
         self.timer.release(
             [
                 s.start,
@@ -283,26 +309,33 @@ class Session:
         ]
         self.exporter.trace(spans)
 
-    def _comm_intervals(self, s: _Step, wall) -> list[tuple[Collective, int, int, int]]:
+    @staticmethod
+    def _comm_intervals(s: _Step, wall) -> list[tuple[Collective, int, int, int]]:
         """(collective, launch, start, end) in wall ns for each completed collective of the step.
-        Where the timer's marks are stream events (CUDA), a group's collectives run one after
-        another on their stream: each starts at its launch or at the end of the one before it."""
+        The collectives of one lane (stream events of one group's NCCL communicator, a pair's for
+        point to point, called from one stream, each ending when that queue was free) run one after
+        another: each starts at its launch or at the end of the one before it, a bound that ops the
+        agent does not see (functional collectives, coalesced ops, all_gather_object's) only push
+        later. Nothing else is assumed ordered: the rest start at their launch."""
         done = [(c, wall(c.start), wall(c.end)) for c in s.collectives if c.end is not None]
-        if not self.timer.serial:
-            return [(c, a, a, b) for c, a, b in done]
-        starts: dict[int, int] = {}
-        for group in {c.group for c, _, _ in done}:
-            ops = [(i, a, b) for i, (c, a, b) in enumerate(done) if c.group == group]
-            starts.update((i, a) for (i, _, _), (a, _) in zip(ops, serialized([(a, b) for _, a, b in ops])))
+        lanes: dict[tuple, list[int]] = {}
+        for i, (c, _, _) in enumerate(done):
+            if c.lane is not None:
+                lanes.setdefault(c.lane, []).append(i)
+        starts = [a for _, a, _ in done]
+        for ops in lanes.values():
+            for i, (a, _) in zip(ops, serialized([(done[i][1], done[i][2]) for i in ops])):
+                starts[i] = a
         return [(c, a, starts[i], b) for i, (c, a, b) in enumerate(done)]
 
     @staticmethod
-    def _exposed_comm_wait(window: tuple[int, int], phases: list, comm: list) -> float:
+    def _exposed_comm_wait(window: tuple[int, int], phases: list, comm: list, stream: int | None) -> float:
         """Seconds of the step during which communication was in flight and no compute hid it
         (docs/telemetry.md). Compute is the compute phases less the stretches in which the training
-        stream waits for communication: a blocking collective from its launch to its end, and DDP's
-        wait at the end of backward, from the last bucket's launch (its gradients ready) on."""
-        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC]
+        stream (`stream`, the phases') waits for communication: a blocking collective called on it
+        from its launch to its end (one called on a side stream, as FSDP's, stalls that stream
+        only), and DDP's wait at the end of backward, from the last bucket's launch on."""
+        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC and c.stream == stream]
         buckets = [a for c, a, _, _ in comm if c.waits == BUCKET]
         backward = [b for name, _, b in phases if name == "backward"]
         if buckets and backward:

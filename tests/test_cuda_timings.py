@@ -18,7 +18,7 @@ from otlp_payloads import query
 from torch.nn.parallel import DistributedDataParallel
 
 from agent.clock import CudaTimer
-from agent.collectives import _SIZES, comm_hook, trace_collectives
+from agent.collectives import comm_hook, trace_collectives, untrace_collectives
 from agent.session import Session
 
 pytestmark = pytest.mark.cuda
@@ -29,10 +29,7 @@ def nccl():
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
-    for name in _SIZES:  # trace_collectives wraps torch.distributed's functions: put them back
-        wrapped = getattr(dist, name, None)
-        if wrapped is not None and hasattr(wrapped, "__wrapped__"):
-            setattr(dist, name, wrapped.__wrapped__)
+    untrace_collectives()  # trace_collectives wraps torch.distributed's functions: put them back
     dist.destroy_process_group()
 
 

@@ -15,6 +15,7 @@ soon, without waiting for the next step to end.
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -34,9 +35,8 @@ MS = 1_000_000  # ns
 
 class RecordedTimer(CpuTimer):
     """The CUDA timer's contract (agent/clock.py) over a recorded timeline: each mark taken is
-    the next recorded GPU time in ns, in the order the host takes them; all are readable."""
-
-    serial = True
+    the next recorded GPU time in ns, in the order the host takes them; all are readable; all on
+    one stream."""
 
     def __init__(self, gpu_ns: list[int]):
         self._times = iter(gpu_ns)
@@ -44,6 +44,9 @@ class RecordedTimer(CpuTimer):
 
     def mark(self) -> int:
         return next(self._times)
+
+    def current_stream(self) -> int:  # type: ignore[override]  # one stream, as on a GPU
+        return 7
 
     def to_wall(self, clock: Clock, mark: int) -> int:
         return clock.wall(self._anchor + mark)
@@ -260,6 +263,7 @@ def test_durations_keep_their_precision_hours_into_a_run(collector, monkeypatch)
     wall clock to float32's resolution of the hour (a tie refreshed at re-alignments keeps that short)."""
     monkeypatch.setattr(torch.cuda, "Event", Float32Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(stream_id=7))
     Float32Event.gpu_ns = 0
     session = Session("run-f32", 0, 1, collector.url, collector.token, timer=CudaTimer(0))
     hour = 3600 * 10**9
