@@ -165,27 +165,28 @@ def by_rank(
     return (area + line).properties(height=220)
 
 
-def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame) -> alt.LayerChart:
-    """A per-step value with vertical rules where anomalies, rollbacks and checkpoints happened."""
-    line = (
-        alt.Chart(series.dropna(subset=[value]))
-        .mark_line()
-        .encode(
-            x=_x(False),
-            y=alt.Y(f"{value}:Q", scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER)),
-            tooltip=[alt.Tooltip("step:Q", format="d"), alt.Tooltip(f"{value}:Q", format=NUMBER)],
-        )
+def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame, rolled_back: pd.DataFrame) -> alt.LayerChart:
+    """A per-step value (dark line) with the values of the steps rollbacks abandoned (red points: a
+    spike that was rolled back is no longer on the line) and vertical rules where anomalies,
+    rollbacks and checkpoints on disk happened, in colours apart from both."""
+    x, y = _x(False), alt.Y(f"{value}:Q", scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER))
+    tooltip = [alt.Tooltip("step:Q", format="d"), alt.Tooltip(f"{value}:Q", format=NUMBER)]
+    line = alt.Chart(series.dropna(subset=[value])).mark_line(color="#333333").encode(x=x, y=y, tooltip=tooltip)
+    abandoned = (
+        alt.Chart(rolled_back.dropna(subset=[value]).assign(what="rolled back"))
+        .mark_point(color="#d62728", filled=True, size=40)
+        .encode(x=x, y=y, tooltip=[*tooltip, "what:N"])
     )
     rules = (
         alt.Chart(markers)
         .mark_rule(strokeDash=[4, 3])
         .encode(
             x="step:Q",
-            color=alt.Color("marker:N", legend=alt.Legend(orient="bottom")),
+            color=alt.Color("marker:N", scale=alt.Scale(scheme="dark2"), legend=alt.Legend(orient="bottom")),
             tooltip=["step", "marker", "detail"],
         )
     )
-    return (line + rules).properties(height=260)
+    return (line + abandoned + rules).properties(height=260)
 
 
 def tradeoff(curve: pd.DataFrame, picked_w: float) -> alt.LayerChart:

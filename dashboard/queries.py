@@ -182,6 +182,13 @@ FROM s, bins GROUP BY ALL ORDER BY rank_lo
 """
 
 # What happened to a run's trajectory, by step: anomalies, rollbacks, checkpoints, injected faults.
+# the steps a rollback abandoned, per step: what the kept curve no longer shows (a spike rolled back)
+ROLLED_BACK = """
+SELECT step, avg(loss) FILTER (WHERE isfinite(loss)) AS loss, avg(grad_norm) FILTER (WHERE isfinite(grad_norm))
+       AS grad_norm
+FROM rolled_back_steps WHERE run_id = $run GROUP BY step ORDER BY step LIMIT 10000
+"""
+
 MARKERS = f"""
 SELECT step_start AS step, 'anomaly: ' || kind AS marker, summary AS detail FROM findings
 WHERE run_id = $run AND analyzer = 'anomalies'
@@ -195,6 +202,8 @@ UNION ALL
 SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->>{sc.json_path(sc.FAULT_SPEC)}), '')
 FROM events WHERE run_id = $run AND step IS NOT NULL
   AND event IN ('checkpoint_saved', 'checkpoint_restored', 'checkpoint_corrupt', 'fault_injected')
+  -- snapshots in memory come every few steps: only those on disk are marked
+  AND (event != 'checkpoint_saved' OR attrs->>{sc.json_path(sc.CKPT_TIER)} IS DISTINCT FROM '{sc.TIER_MEMORY}')
 GROUP BY step, event
 ORDER BY step
 """

@@ -106,8 +106,9 @@ def _nan_run(collector: Collector) -> None:
                         *([(sc.XID_ERRORS, at, 48.0, gpu)] if bad and step == NAN["xid_at"] else []),
                     ]
                 )
-            if step % 10 == 0:
-                exporters[0].event("checkpoint_saved", start + 100 * MS, {sc.STEP: step})
+            if step % 5 == 0:  # a snapshot in memory every 5 steps, every other one written to disk
+                tier = sc.TIER_DISK if step % 10 == 0 else sc.TIER_MEMORY
+                exporters[0].event("checkpoint_saved", start + 100 * MS, {sc.STEP: step, sc.CKPT_TIER: tier})
         for exporter in exporters.values():
             wait_until(exporter.flush, "telemetry not delivered", 120)
 

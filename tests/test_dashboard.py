@@ -287,8 +287,18 @@ def test_checkpoints_marks_anomaly_rollback_and_checkpoints(from_store):
         (10, "checkpoint_saved"),
         (20, "checkpoint_saved"),
     } <= marks
+    assert (5, "checkpoint_saved") not in marks and (15, "checkpoint_saved") not in marks  # memory only: unmarked
     assert len(rollbacks.value) == 1
-    assert len(at.get("vega_lite_chart")) == 2  # loss and gradient norm
+    loss, _ = at.get("vega_lite_chart")  # and the gradient norm's
+    drawn = [pa.ipc.open_stream(d.data.data).read_pandas() for d in loss.proto.datasets]
+    (abandoned,) = [d for d in drawn if "what" in d]
+    (kept,) = [d for d in drawn if "loss" in d and "what" not in d]
+    restored, spiked = NAN["restored"], NAN["nan_from"]
+    assert list(abandoned["step"]) == list(range(restored, spiked))  # their finite losses: NaN is not drawn
+    replayed = set(range(restored + 1, NAN["steps"]))  # as this store's job replays them
+    assert set(kept["step"]) == set(range(restored)) | replayed  # the trajectory kept
+    caption = f"Red points: the {NAN['steps'] - restored} steps rollbacks abandoned"
+    assert any(c.startswith(caption) for c in texts(at.caption))
 
 
 def test_checkpoints_empty_state(from_store):

@@ -136,6 +136,13 @@ SELECT s.* FROM steps s LEFT JOIN commands c
    AND epoch_ns(s.end_ts) < CAST(c.result->>'resumed_ns' AS BIGINT)
 WHERE c.id IS NULL;
 
+-- Their complement: the rows a rollback abandoned (a loss spike that was rolled back is there).
+CREATE OR REPLACE VIEW rolled_back_steps AS
+SELECT s.* FROM steps s JOIN commands c
+    ON c.run_id = s.run_id AND c.kind = 'rollback' AND c.state = 'applied'
+   AND s.step >= CAST(c.result->>'restored_step' AS BIGINT)
+   AND epoch_ns(s.end_ts) < CAST(c.result->>'resumed_ns' AS BIGINT);
+
 CREATE TABLE IF NOT EXISTS exports (
     digest       BLOB PRIMARY KEY,
     signal       VARCHAR NOT NULL,

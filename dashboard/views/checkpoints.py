@@ -9,6 +9,7 @@ run = ui.current_run()
 st.title("Checkpoints & rollbacks")
 series = ui.frame("step_series", run=run, points=ui.POINTS)
 markers = ui.frame("markers", run=run)
+rolled_back = ui.frame("rolled_back", run=run)
 commands = ui.frame("commands", run=run)
 rollbacks = commands[commands["kind"] == "rollback"]
 if rollbacks.empty:
@@ -29,10 +30,15 @@ nonfinite = int(series["non_finite"].sum()) if not series.empty else 0
 if nonfinite:
     st.error(f"{nonfinite} rank-steps reported a NaN or infinite loss or gradient norm (left out of the curves).")
 
+if not rolled_back.empty:
+    st.caption(
+        f"Red points: the {len(rolled_back)} steps rollbacks abandoned (the line is the trajectory kept), "
+        f"steps {rolled_back['step'].min()}–{rolled_back['step'].max()}."
+    )
 for value, title in (("loss", "Loss"), ("grad_norm", "Gradient norm")):
     st.subheader(title)
     if series[value].notna().any():
-        st.altair_chart(charts.with_markers(series, value, markers), width="stretch")
+        st.altair_chart(charts.with_markers(series, value, markers, rolled_back), width="stretch")
     else:
         st.caption(f"The job reports no {title.lower()} (`agent.record({value}=...)`).")
 
