@@ -289,14 +289,17 @@ HAVING ecc_corrected > 0 OR ecc_uncorrected > 0 OR len(xids) > 0
 ORDER BY ecc_uncorrected DESC NULLS LAST, len(xids) DESC, ecc_corrected DESC NULLS LAST, rank LIMIT $limit
 """
 
-# The job's power over the run, in about $points bins of time from its first sample: each rank's mean
-# in the bin, summed (a rank without a sample in a bin counts nothing there).
+# The job's power over the run, in about $points bins of time from its first sample: the mean over the
+# ranks sampled in the bin of each one's mean there, times the run's GPUs. Bins shorter than the sample
+# period hold some ranks only: their sum drew a sawtooth between all GPUs and a few.
 POWER_SERIES = """
 WITH p AS (SELECT rank, epoch_ns(ts) AS t, value FROM device_samples
            WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')),
-b AS (SELECT min(t) AS t0, greatest(1, ceil((max(t) - min(t) + 1) / $points))::BIGINT AS w FROM p),
+b AS (SELECT min(t) AS t0, greatest(1, ceil((max(t) - min(t) + 1) / $points))::BIGINT AS w,
+             count(DISTINCT rank) AS gpus FROM p),
 per_rank AS (SELECT (t - t0) // w AS bin, rank, avg(value) AS watts FROM p, b GROUP BY ALL)
-SELECT any_value(bin * w / 1e9) AS elapsed_s, sum(watts) AS watts FROM per_rank, b GROUP BY bin ORDER BY bin
+SELECT any_value(bin * w / 1e9) AS elapsed_s, avg(watts) * any_value(gpus) AS watts FROM per_rank, b
+GROUP BY bin ORDER BY bin
 """
 
 QUERIES = {name.lower(): sql for name, sql in globals().items() if name.isupper() and isinstance(sql, str)}
