@@ -71,12 +71,15 @@ PHASE = "rankwatch.phase"
 EVENT_CHECKPOINT_SAVED = "checkpoint_saved"  # copied to host memory, or durable on disk
 EVENT_CHECKPOINT_RESTORED = "checkpoint_restored"
 EVENT_CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # partial or damaged on disk: skipped for an older one
+# not taken (no ring slot free) or not written (the writer busy, a newer one written instead)
+EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CKPT_TIER = "rankwatch.checkpoint.tier"
 CKPT_BYTES = "rankwatch.checkpoint.bytes"
 CKPT_BLOCKED_S = "rankwatch.checkpoint.blocked_s"  # training-loop time the snapshot cost
 CKPT_DURABLE_S = "rankwatch.checkpoint.durable_s"  # from the snapshot's start until it was safe in its tier
 CKPT_PATH = "rankwatch.checkpoint.path"
 CKPT_WHY = "rankwatch.checkpoint.why"
+CKPT_SKIPPED = "rankwatch.checkpoint.skipped"  # int: snapshots and disk writes a rank skipped so far
 TIER_MEMORY = "memory"
 TIER_DISK = "disk"
 

@@ -12,7 +12,12 @@ for the previous one; a writer killed with SIGKILL at random moments, many
 times, leaves only checkpoints that verify, and the loader takes the newest
 complete one; and a real 2-rank `rankwatch train --max-restarts 1` whose
 rank 1 crashes resumes from its last durable step, seen in the events and
-steps of a real collector.
+steps of a real collector. The training loop never waits for the ring's
+buffers to be made (a slow allocator) nor for a slow disk (a newer write
+replaces a waiting one, counted); the ring is sized from the bytes its buffers
+take and stays within its host limit; a tied weight is copied once and loaded
+back tied; and replicas holding other tensors, or a checkpoint of another
+model, are refused rather than spliced in.
 
 Run as a script (`python tests/test_checkpoint.py DIR`) this file is the
 writer that the SIGKILL test kills.
@@ -34,11 +39,14 @@ import torch
 from conftest import rankwatch_cli
 from otlp_payloads import query
 
+import agent
+from agent import semconv as sc
 from rankwatch.launch import train
-from trainer import rollback
+from trainer import checkpoint, rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.model import GPT, GPTConfig
+from trainer.train import grow_ring
 
 pytestmark = pytest.mark.long
 
@@ -58,7 +66,8 @@ class Job:
     ckpt: Checkpointer
 
     def step(self, step: int) -> float:
-        """One training step, snapshot after it; the loss (which draws on the RNGs, so a resume must restore them)."""
+        """One training step, snapshot after it; the loss (which draws on the RNGs, so a resume must restore them).
+        The ring is allocated before the snapshot (else skipped while it is): these tests are of what is kept."""
         device = next(self.model.parameters()).device
         inputs, targets = (t.to(device) for t in self.data.next())
         rand = torch.rand(()) * torch.rand((), device=device).cpu()  # the CPU generator and the device's
@@ -68,6 +77,7 @@ class Job:
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.ckpt.reserve(wait=True)
         self.ckpt.snapshot(step + 1)
         return loss.item()
 
@@ -423,6 +433,7 @@ def replica_step(jobs: list[Job], step: int) -> None:
         j.optimizer.step()
         j.schedule.step()
         j.optimizer.zero_grad(set_to_none=True)
+        j.ckpt.reserve(wait=True)
         j.ckpt.snapshot(step + 1)
 
 
@@ -527,6 +538,204 @@ def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
     assert [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in restored] == [
         (0, 20, "disk"),
         (1, 20, "disk"),
+    ]
+
+
+@pytest.fixture
+def events(monkeypatch) -> list[tuple]:
+    """The checkpointer's events, as (name, step, attributes)."""
+    seen: list[tuple] = []
+    monkeypatch.setattr(agent, "event", lambda name, step=None, **attrs: seen.append((name, step, attrs)))
+    return seen
+
+
+def timed_steps(j: Job, steps: range, pause_s: float = 0.0) -> list[float]:
+    """Training steps with a snapshot after each and no reserve(): the seconds each snapshot cost the loop
+    (the call and the wait before the next optimizer step)."""
+    blocked = []
+    for step in steps:
+        inputs, targets = j.data.next()
+        j.model(inputs, targets).backward()
+        started = time.perf_counter()
+        j.ckpt.wait_until_safe()
+        waited = time.perf_counter() - started
+        if blocked:
+            blocked[-1] += waited
+        j.optimizer.step()
+        j.optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        j.ckpt.snapshot(step + 1)
+        blocked.append(time.perf_counter() - started)
+        time.sleep(pause_s)  # the forward and backward of a bigger model
+    j.ckpt.wait_until_safe()
+    return blocked
+
+
+def test_a_snapshot_never_waits_for_its_ring_to_be_allocated(tmp_path, monkeypatch, events):
+    """Pinning a GPU's ring takes seconds (GPT-2's 1.5 GB slot: about one), and the training loop once
+    waited for all of it at the first snapshot. The buffers are made in the background, one at a time:
+    a snapshot that finds none ready is skipped and counted, and the ring fills while training goes on."""
+    make = checkpoint._host_buffer
+
+    def slow(nbytes: int, pinned: bool) -> torch.Tensor:
+        time.sleep(0.4)
+        return make(nbytes, pinned)
+
+    monkeypatch.setattr(checkpoint, "_host_buffer", slow)
+    j = job(tmp_path, memory=3, disk_every=1000)
+    blocked = timed_steps(j, range(24), pause_s=0.1)
+    assert max(blocked) < 0.3, blocked  # 0.4 s a buffer, 1.2 s for the ring: never waited for
+    skipped = [step for name, step, _ in events if name == sc.EVENT_CHECKPOINT_SKIPPED]
+    assert skipped[0] == 1 and 1 <= len(skipped) < 10, skipped
+    assert [attrs[sc.CKPT_SKIPPED] for name, _, attrs in events if name == sc.EVENT_CHECKPOINT_SKIPPED] == list(
+        range(1, len(skipped) + 1)
+    )
+    assert len(j.ckpt._slots) == 3 and sorted(s.step for s in j.ckpt._slots) == [22, 23, 24]
+    assert j.ckpt.restore(23) == 23
+    j.ckpt.close()
+
+
+def test_a_disk_backlog_never_blocks_a_snapshot(tmp_path, monkeypatch, events):
+    """A disk slower than the snapshots: each write asked for while the writer is busy replaces the one
+    waiting for it (skipped, counted) instead of the training loop waiting for the writer."""
+    write = checkpoint._write_durably
+
+    def slow(path: Path, data: memoryview) -> dict:
+        time.sleep(0.15)
+        return write(path, data)
+
+    j = job(tmp_path, memory=3, disk_every=1)
+    j.step(0)  # the ring allocated
+    monkeypatch.setattr(checkpoint, "_write_durably", slow)
+    blocked = timed_steps(j, range(1, 13))
+    assert max(blocked) < 0.3, blocked  # a write takes 0.45 s, and came to be waited for every third step
+    skipped = [(step, attrs[sc.CKPT_TIER]) for name, step, attrs in events if name == sc.EVENT_CHECKPOINT_SKIPPED]
+    assert skipped and {tier for _, tier in skipped} == {sc.TIER_DISK}
+    j.ckpt.close()
+    saved = [(step, attrs[sc.CKPT_TIER]) for name, step, attrs in events if name == sc.EVENT_CHECKPOINT_SAVED]
+    written = [step for step, tier in saved if tier == sc.TIER_DISK]
+    assert sorted(written + [step for step, _ in skipped]) == list(range(1, 14))  # each step written or skipped
+    assert written[-1] == 13  # the last one, at close
+
+
+def test_the_ring_is_sized_from_the_bytes_its_buffers_take(tmp_path, monkeypatch):
+    """A buffer may take more than the state's bytes (pin_memory=True rounds to a power of two: 1.5 GB
+    took 2 GB, and a ring sized for 55 GB pinned 74). The ring grows by the bytes its slots take."""
+    make = checkpoint._host_buffer
+
+    def rounded(nbytes: int, pinned: bool) -> torch.Tensor:
+        return make(1 << (nbytes - 1).bit_length(), pinned)
+
+    monkeypatch.setattr(checkpoint, "_host_buffer", rounded)
+    j = job(tmp_path, memory=1, disk_every=1000)
+    j.step(0)
+    [slot] = j.ckpt._slots
+    assert j.ckpt.snapshot_bytes == slot.buffer.numel() > 1.2 * slot.nbytes
+    free = 2 * 3 * slot.buffer.numel() + slot.buffer.numel() // 2  # half of it: 3.5 slots
+    page = os.sysconf("SC_PAGE_SIZE")
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: free // page if name == "SC_AVPHYS_PAGES" else real(name))
+    reach = rollback.Reach(latency_s=100.0)
+    reach.step_started(0)
+    reach.step_started(1)
+    grow_ring(j.ckpt, reach, every=1)
+    assert j.ckpt.memory == 4  # the slot it has, and 3 more
+    j.step(1)
+    assert sum(s.buffer.numel() for s in j.ckpt._slots) <= slot.buffer.numel() + free // 2
+    j.ckpt.close()
+
+
+def test_the_ring_takes_its_exact_bytes_within_its_host_limit(tmp_path, caplog):
+    """A slot takes the state's bytes in whole pages, no more; the ring stops short of its host limit
+    (pinned memory cannot be swapped out), says so, and grows no further."""
+    probe = job(tmp_path / "probe", memory=1)
+    probe.step(0)
+    slot = probe.ckpt.snapshot_bytes
+    assert 0 <= slot - probe.ckpt._slots[0].nbytes < os.sysconf("SC_PAGE_SIZE")
+    probe.ckpt.close()
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        j = job(tmp_path, memory=4, host_limit=2 * slot + slot // 2)
+        j.step(0)  # reserve() returns with the ring as big as it can be
+    assert j.ckpt.memory == 2 and len(j.ckpt._slots) == 2
+    assert "the ring holds 2 snapshots, not 4: it would take the ring past its host limit" in caplog.text
+    j.ckpt.grow(10)
+    assert j.ckpt.memory == 2
+    j.ckpt.close()
+
+
+class Loaded:
+    """A Stateful wrapper that keeps the state dict it was last loaded with."""
+
+    def __init__(self, inner: torch.nn.Module):
+        self.inner = inner
+        self.loaded: dict = {}
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+        self.inner.load_state_dict(state)
+
+
+def test_tied_weights_are_copied_once_and_restored_tied(tmp_path):
+    """GPT's embedding and output head are one tensor under two names: one copy in a snapshot, on disk,
+    and one tensor again when loaded, from memory and from disk."""
+    j = job(tmp_path, memory=2, disk_every=1)
+    model = j.model
+    assert model.head.weight is model.embed.weight
+    j.step(0)
+    j.ckpt.wait_until_safe()
+    [slot] = [s for s in j.ckpt._slots if s.step == 1]
+    state = [*model.state_dict().values(), *(t for s in j.optimizer.state.values() for t in s.values())]
+    aligned = [-(-t.nbytes // 64) * 64 for t in state]
+    tied = -(-model.embed.weight.nbytes // 64) * 64
+    assert slot.nbytes == sum(aligned) - tied
+    expected = parameters(model)
+    for loaded in (j, job(tmp_path, seed=3, disk_every=1)):  # from memory, then in a new process from disk
+        spy = Loaded(loaded.model)
+        loaded.ckpt.state["model"] = spy
+        with torch.no_grad():
+            loaded.model.embed.weight.add_(1.0)
+        assert loaded.ckpt.restore(1) == 1
+        assert spy.loaded["embed.weight"] is spy.loaded["head.weight"]
+        assert loaded.model.head.weight is loaded.model.embed.weight
+        assert_same(parameters(loaded.model), expected)
+        loaded.ckpt.close()
+
+
+def test_replicas_of_other_layouts_are_refused_not_spliced(tmp_path, caplog):
+    """Ranks passed as replicas that hold other tensors (another rank's shard under FSDP or TP, here
+    of the same bytes): a load refuses their shares rather than splice them in, each of which passes
+    its checksum; and a checkpoint of another model than the live one is refused before it is read."""
+    replicas = [tmp_path / "rank-0", tmp_path / "rank-1"]
+
+    def shard(rank: int, value: float) -> dict:
+        return {"model": torch.nn.ParameterList([torch.full((4, 8) if rank == 0 else (8, 4), value)])}
+
+    for rank in (0, 1):
+        ckpt = Checkpointer(replicas[rank], shard(rank, rank + 1.0), memory=1, disk_every=1, replicas=replicas)
+        ckpt.reserve(wait=True)
+        ckpt.snapshot(1)
+        ckpt.close()
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        for rank in (0, 1):
+            state = shard(rank, 0.0)
+            ckpt = Checkpointer(replicas[rank], state, replicas=replicas)
+            with pytest.raises(NoCheckpoint):
+                ckpt.restore(100)
+            assert torch.all(state["model"][0] == 0.0)
+            ckpt.close()
+        other = {"model": torch.nn.ParameterList([torch.zeros(2, 16)])}
+        ckpt = Checkpointer(replicas[0], other, replicas=replicas)
+        with pytest.raises(NoCheckpoint):
+            ckpt.restore(100)
+        ckpt.close()
+    reports = [r.getMessage() for r in caplog.records]
+    assert [why.split(" skipped: ")[1] for why in reports] == [
+        "replica rank-1: its layout is not this replica's (a shard of other tensors?)",
+        "replica rank-0: its layout is not this replica's (a shard of other tensors?)",
+        "its model is not the live one's layout (other tensor names, dtypes or shapes)",
     ]
 
 

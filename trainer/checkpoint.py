@@ -8,16 +8,21 @@ loop waits only in `wait_until_safe()`, called right before the next
 the host waits: the copies are queued on a side stream into pinned buffers,
 and the training stream waits for them on the GPU. Python-side state (step,
 schedule, data position, RNG) is pickled at once, since the next step
-changes it first.
+changes it first. A tensor that two names share (tied embeddings) is copied,
+stored and restored once.
 
-Two tiers. The last K snapshots stay in a ring of host buffers, allocated once
-and reused, for an instant rollback. Every M steps one of them goes to disk
-through a background writer: each file is written under a temporary name,
-fsync'd and renamed, then a manifest with the files' blake2b checksums is
-written and renamed last. Data-parallel replicas hold the same tensors, so
+Two tiers. The last K snapshots stay in a ring of host buffers for an instant
+rollback; the buffers are made in the background, one at a time, and reused,
+and a snapshot that finds none ready is skipped (and counted) rather than
+waited for. Every M steps one of them goes to disk through a background
+writer: each file is written under a temporary name, fsync'd and renamed,
+then a manifest with the files' blake2b checksums and the state's layout is
+written and renamed last; a snapshot that finds the writer busy replaces the
+one still waiting for it. Data-parallel replicas hold the same tensors, so
 each writes only its share of them. Listing checkpoints reads manifests only;
 the one about to be loaded is read in full and checked: a checkpoint whose
-manifest is missing or does not match its files is partial or damaged, and is
+manifest is missing or does not match its files, or whose layout is not the
+live state's or its replicas', is partial, damaged or another's, and is
 reported and never loaded.
 
 `restore(step)` loads the newest snapshot at or before `step` that every
@@ -26,10 +31,12 @@ belong to a future that will not happen and are dropped from both tiers.
 """
 
 import ctypes
+import functools
 import hashlib
 import io
 import json
 import logging
+import mmap
 import os
 import pickle
 import queue
@@ -38,7 +45,8 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -84,47 +92,105 @@ class _Ref(NamedTuple):
 
 
 class _Tensor:
-    """Stands for a tensor in a pickled snapshot: the next of its tensors, since they are unpickled
-    in the order they were pickled, that of the layout."""
+    """Stands for a tensor in a pickled snapshot (torch.save's way): `_Tensor()` for the next of the
+    layout, since they are unpickled in the order they were pickled, `_Tensor(index)` for one pickled
+    before under another name."""
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a state with each tensor as a `_Tensor` (torch.save's way): the rest is copied now,
-    `tensors`, the live tensors, later. reducer_override, unlike persistent_id, is not called for
+    """Pickles a state with each tensor as a `_Tensor`: the rest is copied now, `tensors`, the live
+    tensors, later. A tensor of the same values as one before it (the same address, dtype, shape,
+    stride and device: a tied weight, which a state dict gives under two names) is that one's
+    `_Tensor`, copied and restored once. reducer_override, unlike persistent_id, is not called for
     ints, strings, lists and dicts, and it only collects: the layout is worked out in the background."""
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self._at: dict[int, int] = {}  # data_ptr -> index of the first tensor there
 
     def reducer_override(self, obj: Any) -> tuple:
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
+        index = self._at.get(obj.data_ptr())
+        if index is not None and _same(self.tensors[index], obj):
+            return _Tensor, (index,)
+        self._at.setdefault(obj.data_ptr(), len(self.tensors))
         self.tensors.append(obj)
-        return _Tensor, ()
+        return _Tensor, ()  # the common case: no argument, nothing more for the pickler to memoize
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[_Ref], int]:
-    """Where each tensor goes in one flat buffer, and the buffer's size."""
-    refs, nbytes = [], 0
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors at the same address are the same values."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
+
+
+def _aligned(t: torch.Tensor) -> int:
+    """The bytes a tensor takes in a flat buffer; their sum is the buffer's size."""
+    return -(-t.nbytes // _ALIGN) * _ALIGN
+
+
+def _layout(tensors: list[torch.Tensor]) -> list[_Ref]:
+    """Where each tensor goes in one flat buffer (worked out off the training thread)."""
+    refs, offset = [], 0
     for t in tensors:
-        refs.append(_Ref(nbytes, t.dtype, tuple(t.shape)))
-        nbytes += -(-t.nbytes // _ALIGN) * _ALIGN
-    return refs, nbytes
+        refs.append(_Ref(offset, t.dtype, tuple(t.shape)))
+        offset += _aligned(t)
+    return refs
 
 
 class _Unpickler(pickle.Unpickler):
-    """The state back, each `_Tensor` a clone of the bytes of the next `_Ref`: a loaded optimizer
-    must not alias a ring slot."""
+    """A pickled snapshot back, each `_Tensor` replaced by `tensor(index)` of its index in the layout,
+    once per index: names that shared a tensor share one again."""
 
-    def __init__(self, meta: bytes, refs: list[_Ref], buffer: torch.Tensor):
+    def __init__(self, meta: bytes, tensor: Callable[[int], Any]):
         super().__init__(io.BytesIO(meta))
-        self.refs, self.buffer = iter(refs), buffer
+        self.tensor, self.next = functools.cache(tensor), 0
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == (__name__, "_Tensor"):
-            return lambda: next(self.refs).view(self.buffer).clone()
+            return self._placeholder
         return super().find_class(module, name)
+
+    def _placeholder(self, index: int | None = None) -> Any:
+        if index is None:
+            index, self.next = self.next, self.next + 1
+        return self.tensor(index)
+
+
+def _unpickle(meta: bytes, refs: list[_Ref], buffer: torch.Tensor) -> dict:
+    """The state of a snapshot, each tensor a clone of its bytes (a loaded optimizer must not alias a ring
+    slot), one clone for the names that shared one tensor when it was taken (tied weights stay tied)."""
+    return _Unpickler(meta, lambda i: refs[i].view(buffer).clone()).load()
+
+
+def _named(obj: Any, name: str = "") -> Iterator[str]:
+    """'name dtype shape' of each tensor (or `_Ref`) in a state dict, by its path in it."""
+    if isinstance(obj, (torch.Tensor, _Ref)):
+        yield f"{name} {obj.dtype} {tuple(obj.shape)}"
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _named(value, f"{name}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _named(value, f"{name}.{i}")
+
+
+def _digest(lines: Any) -> str:
+    return hashlib.blake2b("\n".join(map(str, lines)).encode(), digest_size=16).hexdigest()
+
+
+def _objects(state: dict[str, Any]) -> dict[str, str | None]:
+    """Per object of a state, a digest of its tensors' names, dtypes and shapes; None for one that holds
+    none (an optimizer before its first step: what it will hold is not known yet)."""
+    return {name: _digest(names) if (names := list(_named(obj))) else None for name, obj in state.items()}
+
+
+def _fingerprint(meta: bytes, refs: list[_Ref], replicas: int) -> dict:
+    """A snapshot's layout, for its manifest: the replicas that share its tensors, a digest of where each
+    lies in the flat buffer, and `_objects` of its state."""
+    skeleton = _Unpickler(meta, refs.__getitem__).load()  # the refs in place of the tensors
+    return {"replicas": replicas, "tensors": _digest(refs), "objects": _objects(skeleton["state"])}
 
 
 def _memory(buffer: torch.Tensor) -> memoryview:
@@ -159,9 +225,24 @@ def _share(nbytes: int, index: int, count: int) -> tuple[int, int]:
     return min(index * per, nbytes), min((index + 1) * per, nbytes)
 
 
+def _slot_bytes(nbytes: int) -> int:
+    """The bytes of a ring slot for `nbytes` of tensors: whole pages, what pinning takes."""
+    return max(-(-nbytes // mmap.PAGESIZE), 1) * mmap.PAGESIZE
+
+
 def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A ring slot's buffer; pinned on CUDA, so that a device-to-host copy into it is asynchronous."""
-    return torch.empty(max(nbytes, _ALIGN), dtype=torch.uint8, pin_memory=pinned)
+    """A ring slot's buffer of exactly `nbytes`. Pinned on CUDA, so that a device-to-host copy into it is
+    asynchronous: ordinary memory registered with the driver (cudaHostRegister) and unregistered once
+    freed, rather than pin_memory=True, whose caching host allocator rounds every buffer up to a power of
+    two (1.5 GB takes 2 GB) and keeps it. The pinned branch runs on a GPU only: the CPU tests do not
+    reach it, and it has not been measured on a GPU yet."""
+    storage = torch.UntypedStorage(nbytes)
+    if pinned:
+        cudart = torch.cuda.cudart()
+        if error := int(cudart.cudaHostRegister(storage.data_ptr(), nbytes, 0)):
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaError {error}")
+        weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())  # with the last view
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -195,6 +276,12 @@ def _manifest(path: Path, step: int) -> dict:
             for name in (META, TENSORS)
         }
         share, nbytes = (int(manifest["share"][0]), int(manifest["share"][1])), int(manifest["tensor_bytes"])
+        layout = manifest["layout"]
+        layout = {
+            "replicas": int(layout["replicas"]),
+            "tensors": str(layout["tensors"]),
+            "objects": dict(layout["objects"]),
+        }
         if manifest["step"] != step:
             raise _Corrupt(f"the manifest is of step {manifest['step']}")
     except FileNotFoundError:
@@ -206,7 +293,7 @@ def _manifest(path: Path, step: int) -> dict:
             raise _Corrupt(f"{name} is missing")
         if (path / name).stat().st_size != size:
             raise _Corrupt(f"{name} has {(path / name).stat().st_size} bytes, the manifest says {size}")
-    return {"files": files, "share": share, "tensor_bytes": nbytes}
+    return {"files": files, "share": share, "tensor_bytes": nbytes, "layout": layout}
 
 
 def _read_verified(path: Path, into: memoryview, expected_digest: str) -> None:
@@ -222,15 +309,29 @@ def _read_verified(path: Path, into: memoryview, expected_digest: str) -> None:
         raise _Corrupt(f"{path.name} does not match its checksum")
 
 
-def _read_checkpoint(paths: list[Path], own: int, step: int) -> tuple[bytes, list[_Ref], torch.Tensor]:
+def _read_checkpoint(
+    paths: list[Path], own: int, step: int, live: dict[str, str | None]
+) -> tuple[bytes, list[_Ref], torch.Tensor]:
     """(pickled state, layout, tensor buffer) of a checkpoint: this replica's state from `paths[own]`,
-    the tensors from the shares of every replica's directory, each verified against its manifest."""
+    the tensors from the shares of every replica's directory, each verified against its manifest.
+    Before any data is read, its layout must be that of the live state (`live`, its `_objects`) and
+    of every replica: a shard of other tensors (FSDP, TP, ZeRO) passes its checksums, and must not be
+    spliced in."""
     manifests = []
     for i, path in enumerate(paths):
         try:
             manifests.append(_manifest(path, step))
         except _Corrupt as e:
             raise _Corrupt(str(e) if i == own else f"replica {path.parent.name}: {e}") from None
+    layout = manifests[own]["layout"]
+    if layout["replicas"] != len(paths):
+        raise _Corrupt(f"written by a group of {layout['replicas']} replicas, loaded by one of {len(paths)}")
+    for name, digest in live.items():
+        if digest is not None and layout["objects"].get(name) != digest:
+            raise _Corrupt(f"its {name} is not the live one's layout (other tensor names, dtypes or shapes)")
+    for path, manifest in zip(paths, manifests, strict=True):
+        if manifest["layout"] != layout:
+            raise _Corrupt(f"replica {path.parent.name}: its layout is not this replica's (a shard of other tensors?)")
     size, digest = manifests[own]["files"][META]
     state = torch.empty(max(size, 1), dtype=torch.uint8)  # held while its memory is read
     _read_verified(paths[own] / META, _memory(state)[:size], digest)
@@ -259,7 +360,7 @@ def _remove(path: Path) -> None:
 class _Snapshot:
     """A ring slot: a host buffer, reused, and the snapshot it holds (`step` -1: none)."""
 
-    buffer: torch.Tensor | None = None  # allocated by the copier, off the training thread
+    buffer: torch.Tensor  # made by the allocator thread, off the training thread
     step: int = -1
     meta: bytes = b""  # the state pickled, tensors as `_Tensor`s
     refs: list[_Ref] = field(default_factory=list)  # where they lie in `buffer` (the copier sets them)
@@ -269,10 +370,23 @@ class _Snapshot:
     blocked_s: float = 0.0
     issued: threading.Event = field(default_factory=threading.Event)  # CPU: copied; CUDA: queued on the side stream
     done: Any = None  # CUDA: the event the side stream records after the copy
-    copied: threading.Event = field(default_factory=threading.Event)  # the bytes are in `buffer`
-    copied_at: float = 0.0
     error: BaseException | None = None
-    flushing: bool = False  # the writer reads it: not to be reused until it is done
+    flushing: bool = False  # the writer reads it, or is to: not to be reused until it is done
+
+    def __post_init__(self) -> None:
+        self.issued.set()  # no copy in flight
+
+    def copied(self) -> bool:
+        """Whether the bytes are in `buffer` (or the copy failed), without waiting: on CUDA its event is polled."""
+        return self.issued.is_set() and (self.done is None or self.error is not None or self.done.query())
+
+    def wait_copied(self) -> None:
+        self.issued.wait()
+        if self.done is not None and self.error is None:
+            try:
+                self.done.synchronize()
+            except Exception as e:
+                self.error = e
 
 
 def _alone(step: int) -> int:
@@ -286,11 +400,15 @@ class Checkpointer:
     newest `keep` of them kept. Call `snapshot(step)` after an optimizer step (`step`: steps
     done) and `wait_until_safe()` right before the next one; `close()` at the end.
 
-    Data-parallel replicas hold the same tensors: `replicas` lists the checkpoint directories of
-    those of this one's group, `directory` among them, in the same order on each; every replica
-    writes its share of the tensors (and its own Python and RNG state), and a load reads all the
-    shares. `agree` is a collective over the group returning the lowest of the values passed (a
-    replica alone: itself), so that every replica restores the same step."""
+    `replicas` is the replicate group: the checkpoint directories of the ranks that hold the same
+    tensors as this one, `directory` among them, in the same order on each (a DDP job: every rank;
+    under FSDP, TP or ZeRO only the ranks holding this rank's shards, never the others). Each
+    replica writes its share of the tensors (and its own Python and RNG state), and a load reads all
+    the shares. `agree` is a collective over the ranks returning the lowest of the values passed (a
+    replica alone: itself), so that every rank restores the same step.
+
+    The ring's buffers take at most `host_limit` bytes (None: no bound); on CUDA they are pinned,
+    which cannot be swapped out, so bound them."""
 
     def __init__(
         self,
@@ -301,38 +419,52 @@ class Checkpointer:
         keep: int = 2,
         replicas: list[Path] | None = None,
         agree: Callable[[int], int] = _alone,
+        host_limit: int | None = None,
     ):
         if min(memory, disk_every, keep) < 1:
             raise ValueError("memory, disk_every and keep must be at least 1")
         self.directory, self.state = Path(directory), state
         self.memory, self.disk_every, self.keep, self._agree = memory, disk_every, keep, agree
+        self.host_limit = host_limit
         self._replicas = [Path(p) for p in replicas] if replicas else [self.directory]
         self._own = self._replicas.index(self.directory)
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._slots = [_Snapshot() for _ in range(memory)]  # buffers allocated all at once, at the first copy
+        # Shared with the threads, under `_changed`. `_slots` holds the slots whose buffer is ready, replaced
+        # (never changed in place) so that it can be read without the lock.
+        self._changed = threading.Condition()
+        self._slots: list[_Snapshot] = []
+        self._nbytes: int | None = None  # the tensor bytes of the newest snapshot: the allocator's size
+        self._retired: list[_Snapshot] = []  # slots too small for the state, to be freed by the allocator
+        self._to_write: _Snapshot | None = None  # waiting for the writer; a newer one replaces it
+        self._writing: _Snapshot | None = None
+        self._closing = False
         self._in_flight: _Snapshot | None = None
         self._unreported: list[_Snapshot] = []  # copies started whose end the loop has not acted on yet
+        self._skipped = 0  # snapshots and disk writes skipped so far
         self._copies: queue.Queue = queue.Queue()
-        self._writes: queue.Queue = queue.Queue()
         self._threads = [
             threading.Thread(target=self._copy_loop, name="checkpoint-copier", daemon=True),
             threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True),
+            threading.Thread(target=self._allocate_loop, name="checkpoint-allocator", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
 
     # -- the training loop's side ------------------------------------------------------------------
     def snapshot(self, step: int) -> None:
-        """Start a snapshot of the state as it is now; the tensors are copied in the background."""
+        """Start a snapshot of the state as it is now; the tensors are copied in the background. Skipped
+        (a `checkpoint_skipped` event) when no slot of the ring is ready: never a wait for its buffers."""
         self.wait_until_safe()
         started = time.perf_counter()
-        meta = io.BytesIO()
-        layout = _Pickler(meta)
-        layout.dump({"state": {name: obj.state_dict() for name, obj in self.state.items()}, "rng": _rng_state()})
-        slot = self._free_slot()
-        slot.step, slot.meta, slot.started, slot.error = step, meta.getvalue(), started, None
+        meta, tensors = self._pickled()
+        nbytes = sum(map(_aligned, tensors))
+        slot = self._free_slot(nbytes)
+        if slot is None:
+            busy = "being copied into or written" if self._ready(nbytes) else "being allocated"
+            self._skip(step, sc.TIER_MEMORY, f"the ring's buffers are {busy}")
+            return
+        slot.step, slot.meta, slot.nbytes, slot.started, slot.error = step, meta, nbytes, started, None
         slot.issued.clear()
-        slot.copied.clear()
         updated = None
         if self._device is not None:  # the side stream starts copying once the optimizer step is done
             updated = torch.cuda.Event()
@@ -340,7 +472,7 @@ class Checkpointer:
         self._in_flight = slot
         self._unreported.append(slot)
         slot.blocked_s = time.perf_counter() - started
-        self._copies.put((slot, layout.tensors, updated))
+        self._copies.put((slot, tensors, updated))
 
     def wait_until_safe(self) -> None:
         """Return once the snapshot in flight no longer needs the live tensors: before optimizer.step().
@@ -348,21 +480,35 @@ class Checkpointer:
         slot, self._in_flight = self._in_flight, None
         if slot is not None:
             started = time.perf_counter()
-            slot.issued.wait()
+            slot.issued.wait()  # a copy into a buffer that is ready: never an allocation
             if slot.done is not None and slot.error is None:
                 torch.cuda.current_stream().wait_event(slot.done)
             slot.blocked_s += time.perf_counter() - started
         self._report_copied()
 
+    def reserve(self, wait: bool = False) -> None:
+        """Have the ring allocated for the state as it is now, in the background; with `wait`, before
+        returning: for a caller that would rather wait once, before it trains or times (a benchmark, a
+        test), than have the first snapshots skipped while the buffers are made."""
+        nbytes = sum(map(_aligned, self._pickled()[1]))
+        self._free_slot(nbytes)  # tells the allocator the size
+        if wait:
+            with self._changed:
+                self._changed.wait_for(lambda: self._ready(nbytes) >= self.memory)
+
     @property
     def snapshot_bytes(self) -> int:
-        """The host memory one snapshot's tensors take (0 before the first snapshot)."""
-        return max(s.nbytes for s in self._slots)
+        """The host memory a slot of the ring takes, as allocated (0 before the first is)."""
+        return max((s.buffer.numel() for s in self._slots), default=0)
 
     def grow(self, memory: int) -> None:
-        """Keep at least `memory` snapshots in host memory from now on (the ring only grows)."""
-        self._slots += [_Snapshot() for _ in range(memory - self.memory)]
-        self.memory = max(self.memory, memory)
+        """Keep at least `memory` snapshots in host memory from now on, as many as `host_limit` holds
+        (the ring only grows); the new slots are allocated in the background, one at a time."""
+        if self.host_limit is not None and self.snapshot_bytes:
+            memory = min(memory, self.host_limit // self.snapshot_bytes)
+        with self._changed:
+            self.memory = max(self.memory, memory)
+            self._changed.notify_all()
 
     def restore(self, step_at_most: int) -> int:
         """Load the newest snapshot with step <= `step_at_most` that every replica has into the state,
@@ -377,11 +523,11 @@ class Checkpointer:
             if self._agree(int(tier is not None)):
                 break
             target = step - 1  # one replica's copy of it does not verify: every replica goes further back
-        if all(s.step > step_at_most for s in self._slots):
+        if min((s.step for s in self._slots), default=-1) > step_at_most:
             log.warning(
                 "checkpoint: all %d snapshots in memory are newer than step %d: keep more (--ckpt-memory) "
                 "for an instant rollback",
-                self.memory,
+                len(self._slots),
                 step_at_most,
             )
         for s in self._slots:
@@ -402,9 +548,8 @@ class Checkpointer:
         slot = next((s for s in self._slots if s.step == step), None)
         if slot is None:
             raise NoCheckpoint(f"no snapshot of step {step} in memory")
-        slot.flushing = True
-        self._writes.put(slot)
-        self._writes.join()
+        self._flush(slot)
+        self._wait_for_writer()
 
     def durable_steps(self) -> list[int]:
         """The steps of the checkpoints on disk whose manifests (every replica's) vouch for them, oldest
@@ -423,24 +568,33 @@ class Checkpointer:
     def close(self) -> None:
         """Finish the snapshot in flight and the disk writes it asks for, then stop the threads."""
         self._settle()
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
         self._copies.put(None)
-        self._writes.put(None)
         for thread in self._threads:
             thread.join()
 
     # -- memory tier ---------------------------------------------------------------------------------
+    def _pickled(self) -> tuple[bytes, list[torch.Tensor]]:
+        """The state pickled now, its tensors left as placeholders, and those tensors."""
+        meta = io.BytesIO()
+        pickler = _Pickler(meta)
+        pickler.dump({"state": {name: obj.state_dict() for name, obj in self.state.items()}, "rng": _rng_state()})
+        return meta.getvalue(), pickler.tensors
+
     def _settle(self) -> None:
         """Wait for every copy started and every disk write asked for (restore, listing and close need still tiers)."""
         self.wait_until_safe()
         self._report_copied(wait=True)
-        self._writes.join()
+        self._wait_for_writer()
 
     def _report_copied(self, wait: bool = False) -> None:
         """For each copy that has ended (or every one, waiting, with `wait`), in order: its event, and
         the disk write every `disk_every` steps; a copy that failed raises here, on the training thread."""
-        while self._unreported and (wait or self._unreported[0].copied.is_set()):
+        while self._unreported and (wait or self._unreported[0].copied()):
             slot = self._unreported.pop(0)
-            slot.copied.wait()
+            slot.wait_copied()
             if slot.error:
                 step, slot.step = slot.step, -1
                 raise RuntimeError(f"snapshot of step {step} failed") from slot.error
@@ -451,27 +605,83 @@ class Checkpointer:
                     sc.CKPT_TIER: sc.TIER_MEMORY,
                     sc.CKPT_BYTES: slot.nbytes + len(slot.meta),
                     sc.CKPT_BLOCKED_S: slot.blocked_s,
-                    sc.CKPT_DURABLE_S: slot.copied_at - slot.started,
+                    sc.CKPT_DURABLE_S: time.perf_counter() - slot.started,  # when the loop saw it done
                 },
             )
             if slot.step % self.disk_every == 0:
-                slot.flushing = True
-                self._writes.put(slot)
+                self._flush(slot)
 
-    def _free_slot(self) -> _Snapshot:
-        """The oldest slot that no copy and no disk write is using (waiting for them when all are)."""
+    def _free_slot(self, nbytes: int) -> _Snapshot | None:
+        """The oldest ready slot of at least `nbytes` that no copy and no disk write is using, without
+        waiting: None if there is none. The allocator is told the size; a free slot too small for it
+        (the state grew) is retired, its snapshot with it, and replaced in the background."""
         self._report_copied()
-        free = [s for s in self._slots if not s.flushing and s not in self._unreported]
-        if not free:
-            self._report_copied(wait=True)
-            free = [s for s in self._slots if not s.flushing]
-        if not free:
-            self._writes.join()
-            free = self._slots
-        return min(free, key=lambda s: s.step)
+        with self._changed:
+            free = [s for s in self._slots if not s.flushing and s not in self._unreported]
+            small = [s for s in free if s.buffer.numel() < nbytes]
+            if small:
+                self._slots = [s for s in self._slots if s not in small]
+                self._retired += small
+            self._nbytes = nbytes
+            self._changed.notify_all()
+        return min((s for s in free if s not in small), key=lambda s: s.step, default=None)
+
+    def _ready(self, nbytes: int) -> int:
+        """How many slots of the ring hold `nbytes`."""
+        return sum(s.buffer.numel() >= nbytes for s in self._slots)
+
+    def _skip(self, step: int, tier: str, why: str) -> None:
+        self._skipped += 1
+        log.info("checkpoint: step %d not kept in %s: %s", step, tier, why)
+        agent.event(
+            sc.EVENT_CHECKPOINT_SKIPPED, step, **{sc.CKPT_TIER: tier, sc.CKPT_WHY: why, sc.CKPT_SKIPPED: self._skipped}
+        )
+
+    def _allocate_loop(self) -> None:
+        """Makes the ring's buffers, one at a time (pinning takes about a second a GB, and must not hold
+        the training thread): a slot joins the ring when its buffer is ready. Frees the retired ones."""
+        if self._device is not None:
+            torch.cuda.set_device(self._device)  # per thread
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or bool(self._retired) or self._short())
+                if self._closing:
+                    return
+                retired, self._retired = self._retired, []
+                nbytes = self._nbytes if self._short() else None
+            retired.clear()  # their buffers freed (unpinned) here: off the training thread, and the lock
+            if nbytes is not None:
+                self._add_slot(nbytes)
+
+    def _short(self) -> bool:
+        return self._nbytes is not None and self._ready(self._nbytes) < self.memory
+
+    def _add_slot(self, nbytes: int) -> None:
+        """A slot for `nbytes` into the ring, unless its buffer cannot be made or would pass `host_limit`."""
+        try:
+            buffer = _host_buffer(_slot_bytes(nbytes), pinned=self._device is not None)
+        except (RuntimeError, MemoryError) as e:
+            self._stop_growing(nbytes, f"its buffer could not be allocated ({e})")
+            return
+        with self._changed:
+            held = sum(s.buffer.numel() for s in self._slots)
+            if self.host_limit is None or held + buffer.numel() <= self.host_limit:
+                self._slots = [*self._slots, _Snapshot(buffer)]
+                self._changed.notify_all()
+                return
+        self._stop_growing(nbytes, f"it would take the ring past its host limit of {self.host_limit} bytes")
+        # the buffer is freed on return, outside the lock
+
+    def _stop_growing(self, nbytes: int, why: str) -> None:
+        """The ring holds what it has (and says so) until grow() asks for more."""
+        with self._changed:
+            log.warning("checkpoint: the ring holds %d snapshots, not %d: %s", self._ready(nbytes), self.memory, why)
+            self.memory = self._ready(nbytes)
+            self._changed.notify_all()
 
     def _copy_loop(self) -> None:
-        """Copies each snapshot's tensors into its slot: on CUDA queued on a side stream, then waited for here."""
+        """Copies each snapshot's tensors into its slot; on CUDA only queues them on a side stream, its end
+        an event the loop polls: the next snapshot's copy is not held up by this one's."""
         stream = None
         if self._device is not None:
             torch.cuda.set_device(self._device)  # per thread
@@ -482,25 +692,13 @@ class Checkpointer:
                 self._copy(slot, tensors, updated, stream)
             except Exception as e:  # reported to the training loop by _report_copied
                 slot.error = e
-            if slot.error is None and slot.done is not None:  # CUDA: the loop goes on once the copy is queued
-                slot.issued.set()
-                try:
-                    slot.done.synchronize()
-                except Exception as e:
-                    slot.error = e
-            slot.copied_at = time.perf_counter()
-            slot.copied.set()
             slot.issued.set()
 
-    def _copy(self, slot: _Snapshot, tensors: list[torch.Tensor], updated, stream) -> None:
-        refs, slot.nbytes = _layout(tensors)
-        for s in list(self._slots):  # the whole ring on the first snapshot; again only if the state grows
-            if s.buffer is None or (s is slot and s.buffer.numel() < slot.nbytes):
-                s.buffer, s.refs = _host_buffer(slot.nbytes, pinned=stream is not None), []
-        buffer = slot.buffer
-        assert buffer is not None  # allocated just above
+    @staticmethod
+    def _copy(slot: _Snapshot, tensors: list[torch.Tensor], updated, stream) -> None:
+        refs = _layout(tensors)
         if slot.refs != refs:  # views made once per slot and layout
-            slot.refs, slot.views = refs, [ref.view(buffer) for ref in refs]
+            slot.refs, slot.views = refs, [ref.view(slot.buffer) for ref in refs]
         if stream is None:
             with torch.no_grad():
                 torch._foreach_copy_(slot.views, tensors)  # one call
@@ -512,20 +710,42 @@ class Checkpointer:
                 if t.is_cuda:  # a tensor the state dict made afresh must outlive the copy
                     t.record_stream(stream)
             if slot.done is None:
-                slot.done = torch.cuda.Event(blocking=True)  # waited for by this thread without spinning
+                slot.done = torch.cuda.Event(blocking=True)  # waited for (settling) without spinning
             slot.done.record(stream)
 
     # -- disk tier -----------------------------------------------------------------------------------
+    def _flush(self, slot: _Snapshot) -> None:
+        """Have the writer put `slot` on disk next. It replaces a snapshot still waiting for the writer
+        (skipped, and counted): a disk slower than the snapshots holds two slots at most, and never the
+        training loop."""
+        with self._changed:
+            superseded, self._to_write = self._to_write, slot
+            if superseded is not None and superseded is not slot:
+                superseded.flushing = False
+            slot.flushing = True
+            self._changed.notify_all()
+        if superseded is not None and superseded is not slot:
+            self._skip(superseded.step, sc.TIER_DISK, f"the writer was busy: step {slot.step} is written instead")
+
+    def _wait_for_writer(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._to_write is None and self._writing is None)
+
     def _write_loop(self) -> None:
-        while (slot := self._writes.get()) is not None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._to_write is not None or self._closing)
+                slot, self._to_write, self._writing = self._to_write, None, self._to_write
+            if slot is None:
+                return
             try:
                 self._write(slot)
-            except OSError:
+            except Exception:
                 log.exception("checkpoint: step %d not written to %s", slot.step, self.directory)
             finally:
-                slot.flushing = False
-                self._writes.task_done()
-        self._writes.task_done()  # the stop sentinel: a join() after close() returns
+                with self._changed:
+                    slot.flushing, self._writing = False, None
+                    self._changed.notify_all()
 
     def _write(self, slot: _Snapshot) -> None:
         """Files first, each complete under its name, then the manifest that vouches for them; then prune.
@@ -535,7 +755,6 @@ class Checkpointer:
         _fsync_dir(path.parent)
         (path / MANIFEST).unlink(missing_ok=True)  # a rewrite: the old manifest must not vouch for new files
         lo, hi = _share(slot.nbytes, self._own, len(self._replicas))
-        assert slot.buffer is not None  # a snapshot is written once copied into its buffer
         files = {
             META: _write_durably(path / META, memoryview(pickle.dumps((slot.meta, slot.refs)))),
             TENSORS: _write_durably(path / TENSORS, _memory(slot.buffer)[lo:hi]),
@@ -544,7 +763,15 @@ class Checkpointer:
         _write_durably(
             path / MANIFEST,
             memoryview(
-                json.dumps({"step": slot.step, "files": files, "share": [lo, hi], "tensor_bytes": slot.nbytes}).encode()
+                json.dumps(
+                    {
+                        "step": slot.step,
+                        "files": files,
+                        "share": [lo, hi],
+                        "tensor_bytes": slot.nbytes,
+                        "layout": _fingerprint(slot.meta, slot.refs, len(self._replicas)),
+                    }
+                ).encode()
             ),
         )
         _fsync_dir(path)
@@ -595,19 +822,19 @@ class Checkpointer:
         there; its tier, or None (reported) when the disk's copy does not verify."""
         slot = next((s for s in self._slots if s.step == step), None)
         if slot:
-            assert slot.buffer is not None  # a slot holds a step once copied into its buffer
             tier, meta, refs, buffer = sc.TIER_MEMORY, slot.meta, slot.refs, slot.buffer
         else:
             path = self.directory / f"step-{step:08d}"
+            live = _objects({name: obj.state_dict() for name, obj in self.state.items()})
             try:
                 tier, (meta, refs, buffer) = (
                     sc.TIER_DISK,
-                    _read_checkpoint([r / path.name for r in self._replicas], self._own, step),
+                    _read_checkpoint([r / path.name for r in self._replicas], self._own, step, live),
                 )
             except _Corrupt as e:
                 self._report(path, step, str(e))
                 return None
-        saved = _Unpickler(meta, refs, buffer).load()
+        saved = _unpickle(meta, refs, buffer)
         for name, obj in self.state.items():
             obj.load_state_dict(saved["state"][name])
         _set_rng_state(saved["rng"])

@@ -76,6 +76,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="snapshots kept in host memory at least; more as the measured step time and detection "
         "latency ask, within half the free memory",
     )
+    p.add_argument(
+        "--ckpt-host-memory",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="the most of the machine's physical memory the snapshots in memory take, shared by its ranks "
+        "(on CUDA it is pinned: never swapped out, so kept well below all of it)",
+    )
     p.add_argument("--ckpt-keep", type=int, default=2, metavar="D", help="checkpoints kept on disk")
     p.add_argument(
         "--max-rollbacks",
@@ -101,6 +109,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--snapshot-every, --ckpt-every, --ckpt-memory, --ckpt-keep and --rollback-window must be at least 1")
     if args.max_rollbacks < 0:
         p.error("--max-rollbacks must be 0 or more")
+    if not 0 < args.ckpt_host_memory < 1:
+        p.error("--ckpt-host-memory must be a fraction between 0 and 1")
     if args.ckpt_every % args.snapshot_every:
         p.error(f"--ckpt-every {args.ckpt_every} is not a multiple of --snapshot-every {args.snapshot_every}")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -156,22 +166,28 @@ def resume(ckpt: Checkpointer) -> int:
         return 0
 
 
+def local_share(fraction: float, pages: str) -> int:
+    """`fraction` of the machine's memory (`pages`: SC_PHYS_PAGES, all of it, or SC_AVPHYS_PAGES, what is
+    free), in bytes, shared by its ranks."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return int(fraction * os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")) // local_ranks
+
+
 def grow_ring(ckpt: Checkpointer, reach: rollback.Reach, every: int) -> None:
     """The ring grown to reach as far back as rollbacks land, within half the machine's free memory,
-    shared by its ranks; a ring held short by memory is said once per growth."""
-    wanted = reach.ring(every)
-    if wanted <= ckpt.memory or not ckpt.snapshot_bytes:
+    shared by its ranks, and the checkpointer's host limit, in slots as allocated; a ring held short
+    is said once per growth."""
+    wanted, slot, memory = reach.ring(every), ckpt.snapshot_bytes, ckpt.memory
+    if wanted <= memory or not slot:
         return
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    fits = ckpt.memory + free // ckpt.snapshot_bytes
-    if wanted > fits and fits > ckpt.memory:
+    ckpt.grow(min(wanted, memory + local_share(0.5, "SC_AVPHYS_PAGES") // slot))
+    if memory < ckpt.memory < wanted:
         print(
-            f"rankwatch train: {fits} snapshots in memory where {wanted} would reach back "
+            f"rankwatch train: {ckpt.memory} snapshots in memory where {wanted} would reach back "
             f"{reach.latency_s:.0f} s: an older rollback target loads from disk",
             file=sys.stderr,
             flush=True,
         )
-    ckpt.grow(min(wanted, fits))
 
 
 def lowest(value: int) -> int:
@@ -205,16 +221,18 @@ def main(argv: list[str] | None = None) -> None:
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     session = agent.init(cuda=cuda, resource={sc.DP_RANK: rank, sc.DEVICE: device_name})  # CPU ranks: CPU marks
     ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
-    # DDP replicas: the same tensors, each rank writing its share of them
-    replicas = [ckpt_dir / f"rank-{r}" for r in range(world)]
+    # The replicate group: the ranks holding the same tensors, each writing its share of them. Under DDP
+    # that is every rank; under FSDP, TP or ZeRO it would be only the ranks holding this rank's shards.
+    replicate = range(world)
     ckpt = Checkpointer(
-        replicas[rank],
+        ckpt_dir / f"rank-{rank}",
         {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
         memory=args.ckpt_memory,
         disk_every=args.ckpt_every,
         keep=args.ckpt_keep,
-        replicas=replicas,
+        replicas=[ckpt_dir / f"rank-{r}" for r in replicate],
         agree=lowest,
+        host_limit=local_share(args.ckpt_host_memory, "SC_PHYS_PAGES"),
     )
     start = resume(ckpt)
     current = {"step": 0}
@@ -287,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.step()
                 schedule.step()
                 optimizer.zero_grad(set_to_none=True)
+                if step == start:  # the state complete (AdamW's moments exist): its ring made in the background
+                    ckpt.reserve()
                 if (step + 1) % args.snapshot_every == 0:
                     grow_ring(ckpt, reach, args.snapshot_every)
                     ckpt.snapshot(step + 1)
