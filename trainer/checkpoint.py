@@ -5,8 +5,14 @@ snapshot taken right after one can be copied while the next forward and
 backward run: a background thread copies the tensors into host buffers. The
 loop waits only in `wait_until_safe()`, called right before the next
 `optimizer.step()`, and only if the copy has not finished; on CUDA not even
-the host waits: the copies are queued on a side stream into pinned buffers,
-and the training stream waits for them on the GPU. Python-side state (step,
+the host waits: the copies are queued on a side stream into one pinned
+staging buffer, and the training stream waits for them on the GPU; the
+copier thread then moves the bytes from the staging buffer into the ring's
+slot, which is ordinary memory. Pinning (cudaHostRegister) takes about half a
+second a GB and stalls every CUDA call of the process while it runs (an
+H200's GPT-2 job lost 10 s at its first snapshots pinning a ring of 22), so
+only the staging buffer is pinned, once; the ring grows at no such cost.
+Python-side state (step,
 schedule, data position, RNG) is pickled at once, since the next step
 changes it first. A tensor that two names share (tied embeddings) is copied,
 stored and restored once.
@@ -369,24 +375,21 @@ class _Snapshot:
     started: float = 0.0  # perf_counter at snapshot()
     blocked_s: float = 0.0
     issued: threading.Event = field(default_factory=threading.Event)  # CPU: copied; CUDA: queued on the side stream
-    done: Any = None  # CUDA: the event the side stream records after the copy
+    done: Any = None  # CUDA: the event the side stream records after the copy into the staging buffer
+    landed: threading.Event = field(default_factory=threading.Event)  # the bytes are in `buffer`
     error: BaseException | None = None
     flushing: bool = False  # the writer reads it, or is to: not to be reused until it is done
 
     def __post_init__(self) -> None:
         self.issued.set()  # no copy in flight
+        self.landed.set()
 
     def copied(self) -> bool:
-        """Whether the bytes are in `buffer` (or the copy failed), without waiting: on CUDA its event is polled."""
-        return self.issued.is_set() and (self.done is None or self.error is not None or self.done.query())
+        """Whether the bytes are in `buffer` (or the copy failed), without waiting."""
+        return self.landed.is_set()
 
     def wait_copied(self) -> None:
-        self.issued.wait()
-        if self.done is not None and self.error is None:
-            try:
-                self.done.synchronize()
-            except Exception as e:
-                self.error = e
+        self.landed.wait()
 
 
 def _alone(step: int) -> int:
@@ -407,8 +410,8 @@ class Checkpointer:
     the shares. `agree` is a collective over the ranks returning the lowest of the values passed (a
     replica alone: itself), so that every rank restores the same step.
 
-    The ring's buffers take at most `host_limit` bytes (None: no bound); on CUDA they are pinned,
-    which cannot be swapped out, so bound them."""
+    The ring's buffers take at most `host_limit` bytes (None: no bound); on CUDA one more buffer of a
+    snapshot's size is pinned, for staging."""
 
     def __init__(
         self,
@@ -435,6 +438,10 @@ class Checkpointer:
         self._slots: list[_Snapshot] = []
         self._nbytes: int | None = None  # the tensor bytes of the newest snapshot: the allocator's size
         self._retired: list[_Snapshot] = []  # slots too small for the state, to be freed by the allocator
+        self._staging: torch.Tensor | None = None  # CUDA: pinned, what the side stream copies into
+        self._staging_views: tuple[list[_Ref], list[torch.Tensor]] = ([], [])
+        self._staging_free = threading.Event()  # no snapshot on its way through the staging buffer
+        self._staging_free.set()
         self._to_write: _Snapshot | None = None  # waiting for the writer; a newer one replaces it
         self._writing: _Snapshot | None = None
         self._closing = False
@@ -459,12 +466,20 @@ class Checkpointer:
         meta, tensors = self._pickled()
         nbytes = sum(map(_aligned, tensors))
         slot = self._free_slot(nbytes)
-        if slot is None:
-            busy = "being copied into or written" if self._ready(nbytes) else "being allocated"
-            self._skip(step, sc.TIER_MEMORY, f"the ring's buffers are {busy}")
+        if slot is None or not self._staged(nbytes):
+            if slot is not None:
+                busy = "its staging buffer is being allocated or still holds the last snapshot"
+            elif self._ready(nbytes):
+                busy = "the ring's buffers are being copied into or written"
+            else:
+                busy = "the ring's buffers are being allocated"
+            self._skip(step, sc.TIER_MEMORY, busy)
             return
         slot.step, slot.meta, slot.nbytes, slot.started, slot.error = step, meta, nbytes, started, None
         slot.issued.clear()
+        slot.landed.clear()
+        if self._device is not None:
+            self._staging_free.clear()
         updated = None
         if self._device is not None:  # the side stream starts copying once the optimizer step is done
             updated = torch.cuda.Event()
@@ -630,6 +645,13 @@ class Checkpointer:
         """How many slots of the ring hold `nbytes`."""
         return sum(s.buffer.numel() >= nbytes for s in self._slots)
 
+    def _staged(self, nbytes: int) -> bool:
+        """Whether a snapshot of `nbytes` can go through the staging buffer now (CPU: it needs none)."""
+        staging = self._staging
+        return self._device is None or (
+            staging is not None and staging.numel() >= nbytes and self._staging_free.is_set()
+        )
+
     def _skip(self, step: int, tier: str, why: str) -> None:
         self._skipped += 1
         log.info("checkpoint: step %d not kept in %s: %s", step, tier, why)
@@ -638,28 +660,55 @@ class Checkpointer:
         )
 
     def _allocate_loop(self) -> None:
-        """Makes the ring's buffers, one at a time (pinning takes about a second a GB, and must not hold
-        the training thread): a slot joins the ring when its buffer is ready. Frees the retired ones."""
+        """Makes the staging buffer (CUDA), then the ring's buffers, one at a time, off the training
+        thread: a slot joins the ring when its buffer is ready. Frees the retired ones."""
         if self._device is not None:
             torch.cuda.set_device(self._device)  # per thread
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._closing or bool(self._retired) or self._short())
+                self._changed.wait_for(
+                    lambda: self._closing or bool(self._retired) or self._short() or self._unstaged()
+                )
                 if self._closing:
                     return
                 retired, self._retired = self._retired, []
-                nbytes = self._nbytes if self._short() else None
-            retired.clear()  # their buffers freed (unpinned) here: off the training thread, and the lock
-            if nbytes is not None:
+                nbytes, staging = self._nbytes, self._unstaged()
+                if not (staging or self._short()):
+                    nbytes = None
+            retired.clear()  # their buffers freed here: off the training thread, and the lock
+            if nbytes is not None and staging:
+                self._add_staging(nbytes)
+            elif nbytes is not None:
                 self._add_slot(nbytes)
 
     def _short(self) -> bool:
         return self._nbytes is not None and self._ready(self._nbytes) < self.memory
 
+    def _unstaged(self) -> bool:
+        """On CUDA, whether the staging buffer is missing or too small for the state (and free to replace)."""
+        staging = self._staging
+        return (
+            self._device is not None
+            and self._nbytes is not None
+            and (staging is None or staging.numel() < self._nbytes)
+            and self._staging_free.is_set()
+        )
+
+    def _add_staging(self, nbytes: int) -> None:
+        """The pinned staging buffer for `nbytes`: the one pinning of the checkpointer's."""
+        try:
+            staging = _host_buffer(_slot_bytes(nbytes), pinned=True)
+        except (RuntimeError, MemoryError) as e:
+            self._stop_growing(nbytes, f"its pinned staging buffer could not be allocated ({e})")
+            return
+        with self._changed:
+            self._staging, self._staging_views = staging, ([], [])
+            self._changed.notify_all()
+
     def _add_slot(self, nbytes: int) -> None:
         """A slot for `nbytes` into the ring, unless its buffer cannot be made or would pass `host_limit`."""
         try:
-            buffer = _host_buffer(_slot_bytes(nbytes), pinned=self._device is not None)
+            buffer = _host_buffer(_slot_bytes(nbytes), pinned=False)
         except (RuntimeError, MemoryError) as e:
             self._stop_growing(nbytes, f"its buffer could not be allocated ({e})")
             return
@@ -680,8 +729,9 @@ class Checkpointer:
             self._changed.notify_all()
 
     def _copy_loop(self) -> None:
-        """Copies each snapshot's tensors into its slot; on CUDA only queues them on a side stream, its end
-        an event the loop polls: the next snapshot's copy is not held up by this one's."""
+        """Copies each snapshot's tensors into its slot. On CUDA it queues them on a side stream into the
+        staging buffer (the training loop goes on once they are queued), then waits for that copy here and
+        moves the bytes into the slot."""
         stream = None
         if self._device is not None:
             torch.cuda.set_device(self._device)  # per thread
@@ -689,29 +739,54 @@ class Checkpointer:
         while (job := self._copies.get()) is not None:
             slot, tensors, updated = job
             try:
-                self._copy(slot, tensors, updated, stream)
+                if stream is None:
+                    self._copy(slot, tensors)
+                else:
+                    self._stage(slot, tensors, updated, stream)
             except Exception as e:  # reported to the training loop by _report_copied
                 slot.error = e
             slot.issued.set()
+            try:
+                if stream is not None and slot.error is None:
+                    slot.done.synchronize()
+                    slot.buffer[: slot.nbytes].copy_(self._staging_slice(slot.nbytes))  # lets go of the GIL
+            except Exception as e:
+                slot.error = e
+            finally:
+                slot.landed.set()
+                self._staging_free.set()
 
     @staticmethod
-    def _copy(slot: _Snapshot, tensors: list[torch.Tensor], updated, stream) -> None:
+    def _copy(slot: _Snapshot, tensors: list[torch.Tensor]) -> None:
         refs = _layout(tensors)
         if slot.refs != refs:  # views made once per slot and layout
             slot.refs, slot.views = refs, [ref.view(slot.buffer) for ref in refs]
-        if stream is None:
-            with torch.no_grad():
-                torch._foreach_copy_(slot.views, tensors)  # one call
-            return
+        with torch.no_grad():
+            torch._foreach_copy_(slot.views, tensors)  # one call
+
+    def _stage(self, slot: _Snapshot, tensors: list[torch.Tensor], updated, stream) -> None:
+        """Queue the copy of `tensors` into the staging buffer on `stream`, after `updated`; `slot.done`
+        marks its end."""
+        refs = _layout(tensors)
+        staging = self._staging
+        assert staging is not None  # a snapshot goes through it once it is there (_staged)
+        if self._staging_views[0] != refs:  # views made once per layout
+            self._staging_views = (refs, [ref.view(staging) for ref in refs])
+        slot.refs = refs
         with torch.no_grad(), torch.cuda.stream(stream):
             stream.wait_event(updated)  # after the optimizer step that made this state
-            torch._foreach_copy_(slot.views, tensors, non_blocking=True)  # into pinned memory: asynchronous
+            torch._foreach_copy_(self._staging_views[1], tensors, non_blocking=True)  # pinned: asynchronous
             for t in tensors:
                 if t.is_cuda:  # a tensor the state dict made afresh must outlive the copy
                     t.record_stream(stream)
             if slot.done is None:
-                slot.done = torch.cuda.Event(blocking=True)  # waited for (settling) without spinning
+                slot.done = torch.cuda.Event(blocking=True)  # waited for by the copier without spinning
             slot.done.record(stream)
+
+    def _staging_slice(self, nbytes: int) -> torch.Tensor:
+        staging = self._staging
+        assert staging is not None
+        return staging[:nbytes]
 
     # -- disk tier -----------------------------------------------------------------------------------
     def _flush(self, slot: _Snapshot) -> None:
