@@ -15,12 +15,15 @@ timer reads as such.
 
 import inspect
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import free_port
 
 from agent import semconv as sc
@@ -257,7 +260,15 @@ def _pair(rank: int, port: int, out: str) -> None:
 
 
 def test_point_to_point_and_batches_between_two_ranks(tmp_path):
-    mp.spawn(_pair, args=(free_port(), str(tmp_path / "rank")), nprocs=2)
+    # two fresh interpreters rather than torch.multiprocessing.spawn, which re-runs `__main__` in each:
+    # under a worker that ran a Streamlit AppTest, that is the dashboard's script
+    port, out, here = free_port(), str(tmp_path / "rank"), Path(__file__).parent
+    code = (
+        "import sys; from test_trace_collectives import _pair; _pair(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), out], env=env) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
     for rank in (0, 1):
         found = json.loads((tmp_path / f"rank.{rank}.json").read_text())
         peer = 1 - rank
