@@ -7,9 +7,12 @@ staged on the GPU, every step exported to a real collector on loopback. Printed,
 - the A/B step time of four variants, taking turns (the order rotated every round), each round's
   time per step against the same round's run without the agent, the median over rounds: no agent;
   DDP with a Python comm hook and no agent (DDP's own allreduce_hook: what any Python hook costs);
-  the agent (steps, phases, values); the agent with DDP timing (`agent.watch_ddp`);
+  the agent (steps, phases, values); the agent with DDP timing (`agent.watch_ddp` around DDP's
+  allreduce_hook, as the trainer wraps its hook);
 - the step split of the agent with DDP timing against a torch.profiler (Kineto) trace of the same
-  steps: compute (the agent: the compute phases less the exposed wait; the profiler: the time some
+  steps: the step on the GPU (the agent: its step's CUDA events; the profiler: the first to the
+  last of the step's kernels and copies), compute (the agent: the compute phases less the exposed
+  wait, on the GPU's timeline; the profiler: the time some
   compute kernel runs), collective time (the agent's all-reduce spans; the profiler's NCCL kernels)
   and exposed wait (the agent's; the profiler's NCCL kernel time that no compute kernel covers,
   the same arithmetic, agent/timeline.py), medians over the profiled steps, with the % difference.
@@ -20,14 +23,12 @@ Usage: python bench/gpu.py [--model gpt2] [--batch 8] [--rounds 4] [--steps 40] 
 
 import argparse
 import copy
-import json
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -39,7 +40,6 @@ from agent.timeline import exposed, length
 TOKEN = "bench-token-0123456789"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"
 WARMUP = 5
-PHASES = ("forward", "backward", "optimizer")
 
 
 def free_port() -> int:
@@ -63,6 +63,7 @@ def profiler_split(trace: Path) -> dict[int, dict[str, float]]:
         compute = list(zip(g.start_ts[g.kind == "compute"], g.end_ts[g.kind == "compute"]))
         comm = list(zip(g.start_ts[g.kind == "comm"], g.end_ts[g.kind == "comm"]))
         split[int(step)] = {
+            "step": (g.end_ts.max() - g.start_ts.min()) / 1e9,
             "compute": length(compute) / 1e9,
             "comm": sum(e - s for s, e in comm) / 1e9,
             "exposed": exposed(comm, compute, (g.start_ts.min(), g.end_ts.max())) / 1e9,
@@ -101,7 +102,7 @@ class Bench:
             if i == WARMUP:
                 torch.cuda.synchronize()  # the bench's own, outside the timed steps
                 started = time.perf_counter()
-            self.step(ddp, optimizer, i, annotate=profiler is not None)
+            self.step(ddp, optimizer, i)
             if profiler is not None:
                 profiler.step()  # so that ProfilerStep#i is step i
         torch.cuda.synchronize()
@@ -109,50 +110,17 @@ class Bench:
         agent.shutdown()
         return elapsed
 
-    def step(self, ddp, optimizer, i: int, annotate: bool) -> None:
+    def step(self, ddp, optimizer, i: int) -> None:
         inputs, targets = self.batches[i % len(self.batches)]
         with agent.step(i):
-            with phase("forward", annotate), torch.autocast("cuda", dtype=torch.bfloat16):
+            with agent.phase("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = ddp(inputs, targets)
-            with phase("backward", annotate):
+            with agent.phase("backward"):
                 loss.backward()
-            with phase("optimizer", annotate):
+            with agent.phase("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             agent.record(loss=loss.detach(), tokens=inputs.numel())
-
-
-@contextmanager
-def phase(name: str, annotate: bool):
-    """The agent's phase; profiled, also a profiler range, whose span on the GPU the trace records
-    (a `gpu_user_annotation`): the profiler's view of the same phase."""
-    with agent.phase(name), torch.profiler.record_function(name) if annotate else nullcontext():
-        yield
-
-
-def profiler_phases(trace: Path) -> dict[str, list[float]]:
-    """Each phase's spans on the GPU (its `gpu_user_annotation`s), in seconds."""
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    spans: dict[str, list[float]] = {name: [] for name in PHASES}
-    for e in events:
-        if e.get("cat") == "gpu_user_annotation" and e.get("name") in spans:
-            spans[e["name"]].append(e["dur"] / 1e6)
-    return spans
-
-
-def agent_phases(db: Path, run_id: str) -> dict[str, list[float]]:
-    """Each phase's durations as the agent stored them, in seconds."""
-    import duckdb
-
-    with duckdb.connect(str(db), read_only=True) as con:
-        rows = con.execute(
-            "SELECT name, duration_s FROM ops WHERE run_id = ? AND kind = 'phase' AND step >= ?", [run_id, WARMUP + 2]
-        ).fetchall()
-    spans: dict[str, list[float]] = {name: [] for name in PHASES}
-    for name, duration in rows:
-        spans[name].append(duration)
-    return spans
 
 
 def agent_split(db: Path, run_id: str) -> dict[int, dict[str, float]]:
@@ -161,13 +129,16 @@ def agent_split(db: Path, run_id: str) -> dict[int, dict[str, float]]:
 
     with duckdb.connect(str(db), read_only=True) as con:
         rows = con.execute(
-            """SELECT s.step, s.compute_s, coalesce(sum(o.duration_s), 0), s.comm_wait_s
+            """SELECT s.step, s.duration_s, s.compute_s, coalesce(sum(o.duration_s), 0), s.comm_wait_s
                               FROM steps s LEFT JOIN ops o ON o.run_id = s.run_id AND o.rank = s.rank
                                    AND o.step = s.step AND o.kind = 'comm'
                               WHERE s.run_id = ? GROUP BY ALL""",
             [run_id],
         ).fetchall()
-    return {step: {"compute": compute, "comm": comm, "exposed": wait} for step, compute, comm, wait in rows}
+    return {
+        step: {"step": duration, "compute": compute, "comm": comm, "exposed": wait}
+        for step, duration, compute, comm, wait in rows
+    }
 
 
 def percent(ours: float, theirs: float) -> str:
@@ -227,7 +198,6 @@ def main() -> None:
             collector.terminate()
             collector.wait()
         ours, theirs = agent_split(db, "gpu-profiled"), profiler_split(trace)
-        our_phases, their_phases = agent_phases(db, "gpu-profiled"), profiler_phases(trace)
     dist.destroy_process_group()
 
     table = Table("variant", "ms/step (median)", "ratio to no agent (median of rounds)")
@@ -237,20 +207,21 @@ def main() -> None:
     console.print(table)
     steps = sorted(set(ours) & set(theirs))
     split = Table("per step (median)", "agent", "profiler", "difference")
-    for key, what in (("compute", "compute"), ("comm", "collective time"), ("exposed", "exposed wait")):
+    for key, what in (
+        ("step", "step on the GPU"),
+        ("compute", "compute"),
+        ("comm", "collective time"),
+        ("exposed", "exposed wait"),
+    ):
         a, p = (statistics.median(d[s][key] for s in steps) for d in (ours, theirs))
         split.add_row(what, f"{a * 1e3:.3f} ms", f"{p * 1e3:.3f} ms", percent(a, p))
-    for name in PHASES:
-        if our_phases[name] and their_phases[name]:
-            a, p = statistics.median(our_phases[name]), statistics.median(their_phases[name])
-            split.add_row(
-                f"{name} phase (profiler: its GPU span)", f"{a * 1e3:.3f} ms", f"{p * 1e3:.3f} ms", percent(a, p)
-            )
     console.print(split)
     console.print(
-        "compute: the agent's compute phases less the exposed wait, on the GPU's timeline (idle gaps within a "
-        "phase included); the profiler's: the time some compute kernel runs. One GPU runs no NCCL kernel: "
-        "collective time is compared on two GPUs or more."
+        "step on the GPU: the agent's step span (its CUDA events); the profiler's, from the step's first kernel's "
+        "start to its last one's end. compute: the agent's compute phases less the exposed wait, on the GPU's "
+        "timeline (gaps in which the GPU waits for the host's launches included: under the profiler the host is "
+        "slower); the profiler's, the time some compute kernel runs. One GPU runs no NCCL kernel: collective time "
+        "is compared on two GPUs or more."
     )
     console.print(
         f"GPT {args.model}, batch {args.batch}, bf16 autocast, DDP over NCCL on 1 GPU; {args.rounds} "

@@ -1,7 +1,7 @@
 """bench/gpu.py where no GPU is needed: its profiler-side split of a step, and its refusal without CUDA.
 
 Covered: on real Kineto traces of NCCL jobs (tests/data/kineto/), each
-ProfilerStep's compute (time some compute kernel runs), NCCL kernel time and
+ProfilerStep's span on the GPU, compute (time some compute kernel runs), NCCL kernel time and
 exposed NCCL time (no compute kernel running) match a count on a 1 µs grid, kernels tied to the
 step that launched them; without CUDA the bench exits 2 with one line saying CUDA is required.
 """
@@ -31,18 +31,22 @@ def bench_gpu():
 
 
 def grid_split(doc: dict) -> dict[int, dict[str, float]]:
-    """Per step, on the trace's 1 µs grid: compute kernels' union, NCCL kernels' sum, and NCCL
+    """Per step, on the trace's 1 µs grid: its GPU span (first to last of its kernels and copies),
+    compute kernels' union, NCCL kernels' sum, and NCCL
     time with no compute kernel running; a kernel belongs to the step its launch falls in."""
     windows, launched, kernels, origin, size = kernels_by_step(doc)
+    copies = [e for e in doc["traceEvents"] if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     split = {}
     for step, start, end in windows:
         mine = [e for e in kernels if start <= launched[e["args"]["correlation"]] <= end]
+        gpu = [e for e in copies if start <= launched.get(e["args"]["correlation"], -1) <= end] + mine
         busy, comm = np.zeros(size, bool), np.zeros(size, bool)
         for e in mine:
             (comm if e["name"].startswith("ncclKernel") else busy)[
                 int(e["ts"]) - origin : int(e["ts"] + e["dur"]) - origin
             ] = True
         split[step] = {
+            "step": (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / 1e6,
             "compute": busy.sum() / 1e6,
             "exposed": (comm & ~busy).sum() / 1e6,
             "comm": sum(e["dur"] for e in mine if e["name"].startswith("ncclKernel")) / 1e6,
