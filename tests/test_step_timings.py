@@ -263,7 +263,8 @@ def test_durations_keep_their_precision_hours_into_a_run(collector, monkeypatch)
     wall clock to float32's resolution of the hour (a tie refreshed at re-alignments keeps that short)."""
     monkeypatch.setattr(torch.cuda, "Event", Float32Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(stream_id=7))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda device: (7, 0, 1), raising=False)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **stream: SimpleNamespace(**stream))
     Float32Event.gpu_ns = 0
     session = Session("run-f32", 0, 1, collector.url, collector.token, timer=CudaTimer(0))
     hour = 3600 * 10**9
