@@ -208,9 +208,9 @@ def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
     extra = {
         "recent_steps": {"window": 21},
         "step_series": {"points": ui.POINTS},
-        "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS},
-        "slowest_ranks": {"limit": 10},
-        "timeline": {"step": last, "slowest": 8, "typical": 4},
+        "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS, "ranks": []},
+        "slowest_ranks": {"limit": 10, "ranks": []},
+        "timeline": {"step": last, "slowest": 8, "typical": 4, "ranks": []},
         "slowest_groups": {"limit": 8},
         "exposed_comm": {"rank_bins": ui.RANK_BINS},
         "device_by_rank": {"rank_bins": ui.RANK_BINS},

@@ -8,6 +8,7 @@ one short line wherever they are shown rather than as hundreds of numbers.
 from collections.abc import Iterable
 
 MAX_RANGES = 6  # ranges spelled out before the rest is counted ("… and 40 more")
+MAX_PARSED = 1 << 20  # ranks a typed set may name: more than any job has, few enough to list
 
 
 def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
@@ -36,3 +37,28 @@ def phrase(ranks: Iterable[int], max_ranges: int = MAX_RANGES) -> str:
     """ "rank 5", "ranks 0–7, 12": the set with its noun, for a sentence."""
     ranks = sorted({int(r) for r in ranks})
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {compact(ranks, max_ranges)}"
+
+
+def typed(ranks: Iterable[int]) -> str:
+    """ "0-7,12": every rank, none counted, in the form `parse` reads back (a link's rank filter)."""
+    ranks = sorted({int(r) for r in ranks})
+    return compact(ranks, max_ranges=max(len(ranks), 1), dash="-", sep=",")
+
+
+def parse(text: str) -> list[int]:
+    """The ranks a person typed: "3", "3-7", "3,9", "0–7, 12" (ranges inclusive, as `compact` writes
+    them); [] for blank text. ValueError names the part that is not a rank or a range."""
+    ranks: set[int] = set()
+    for part in text.replace("–", "-").replace(" ", "").split(","):
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a rank or a range of ranks (3, 3-7)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"{part!r} runs backwards")
+        if high - low >= MAX_PARSED:
+            raise ValueError(f"{part!r} names more than {MAX_PARSED:,} ranks")
+        ranks.update(range(low, high + 1))
+    return sorted(ranks)

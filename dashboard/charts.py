@@ -211,3 +211,34 @@ def tradeoff(curve: pd.DataFrame, picked_w: float) -> alt.LayerChart:
         + base.mark_point(size=250, color="#e6550d").transform_filter("datum.picked")
         + base.mark_text(dy=-10, fontSize=10).encode(text="cap_w:Q")
     ).properties(height=260)
+
+
+def top_ranks(values: pd.Series, title: str, top: int) -> alt.Chart:
+    """The `top` ranks with the highest values, highest first, a bar each (the rest of a 1,024-rank
+    job is said in words beside it)."""
+    ranked = values.sort_values(ascending=False).head(top).rename_axis("rank").reset_index(name="value")
+    return (
+        alt.Chart(ranked)
+        .mark_bar()
+        .encode(
+            x=alt.X("value:Q", title=title, axis=alt.Axis(format=NUMBER)),
+            y=alt.Y("rank:N", title="rank", sort=None),  # the frame's order: highest first
+            tooltip=["rank", alt.Tooltip("value:Q", format=NUMBER)],
+        )
+        .properties(height=alt.Step(18))
+    )
+
+
+def by_step(values: pd.Series, title: str) -> alt.Chart:
+    """A per-step value of a finding (a spike and the steps around it)."""
+    frame = values.rename_axis("step").reset_index(name="value")
+    return (
+        alt.Chart(frame)
+        .mark_line(point=True)
+        .encode(
+            x=_x(False),
+            y=alt.Y("value:Q", title=title, scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER)),
+            tooltip=[alt.Tooltip("step:Q", format="d"), alt.Tooltip("value:Q", format=NUMBER)],
+        )
+        .properties(height=180)
+    )

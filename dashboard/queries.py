@@ -101,38 +101,40 @@ SELECT (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = 
 """
 
 # The MegaScale view: each rank-step's compute over the step's median, in cells of about
-# $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible.
+# $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible. $ranks
+# (a list; empty for all) keeps those rows only, against the median of every rank.
 HEATMAP = """
 WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c FROM current_steps WHERE run_id = $run),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
+kept AS (SELECT * FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank)),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $step_bins))::BIGINT AS sw,
-                greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM s)
+                min(rank) AS r0, greatest(1, ceil((max(rank) - min(rank) + 1) / $rank_bins))::BIGINT AS rw FROM kept)
 SELECT lo + (step - lo) // sw * sw AS step_lo, lo + (step - lo) // sw * sw + sw AS step_hi,
-       rank // rw * rw AS rank_lo, rank // rw * rw + rw AS rank_hi,
+       r0 + (rank - r0) // rw * rw AS rank_lo, r0 + (rank - r0) // rw * rw + rw AS rank_hi,
        max(c / m) AS ratio, arg_max(rank, c / m) AS worst_rank, arg_max(step, c / m) AS worst_step
-FROM s JOIN med USING (step), bins WHERE m > 0
+FROM kept JOIN med USING (step), bins WHERE m > 0
 GROUP BY ALL
 """
 
-# Ranks by their mean compute over the step median, slowest first.
+# Ranks by their mean compute over the step median, slowest first; of $ranks only (empty: all).
 SLOWEST_RANKS = """
 WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s FROM current_steps
            WHERE run_id = $run),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step)
 SELECT rank, avg(c / m) AS compute_ratio, avg(c) AS compute_s, avg(comm_wait_s) AS comm_wait_s
-FROM s JOIN med USING (step) WHERE m > 0
+FROM s JOIN med USING (step) WHERE m > 0 AND (len($ranks) = 0 OR list_contains($ranks, rank))
 GROUP BY rank ORDER BY compute_ratio DESC LIMIT $limit
 """
 
 # One step of a few ranks, laid out in time from the step's first start: the ops the agent sent
 # (phases, collectives), and for a rank-step without phase spans its data, compute and exposed
-# communication from the step row. The ranks: the $slowest slowest of that step and $typical
-# around its median.
+# communication from the step row. The ranks: the $slowest slowest of that step (of $ranks, where
+# that list is not empty) and $typical around its median.
 TIMELINE = """
 WITH s AS (SELECT rank, epoch_ns(start_ts) AS t, data_s, coalesce(compute_s, duration_s) AS c, duration_s
            FROM current_steps WHERE run_id = $run AND step = $step),
 picked AS (
-    (SELECT rank FROM s ORDER BY c DESC LIMIT $slowest)
+    (SELECT rank FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank) ORDER BY c DESC LIMIT $slowest)
     UNION
     (SELECT rank FROM s ORDER BY abs(c - (SELECT median(c) FROM s)) LIMIT $typical)),
 t0 AS (SELECT min(t) AS t0 FROM s),

@@ -1,14 +1,19 @@
-"""What every page shares: the source, cached query results, the chosen run, and how a
-finding is shown (the answer in one line, its evidence one click away)."""
+"""What every page shares: the source, cached query results, the chosen run, widgets a link can
+set, and how a finding is shown (the answer in one line, its evidence one click away)."""
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pandas as pd
 import streamlit as st
 
 from collector import quantities, ranksets
-from dashboard import queries, source
+from dashboard import charts, evidence, queries, source, units
 from dashboard.source import QueryFailed
+
+T = TypeVar("T")
 
 CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
 LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
@@ -17,6 +22,7 @@ SIMULATED = " · simulated"  # after the label of a figure drawn from simulated 
 # No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
 # and the hang analyzer's shortest stall is as long
 SILENT_S = 30.0
+STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
 
 
 @st.cache_resource(show_spinner=False)
@@ -162,12 +168,12 @@ def linked_finding() -> int | None:
 
 def finding_cost(row: pd.Series) -> str | None:
     """What a finding costs the job, from its evidence, where the analyzer measured it."""
-    evidence = row["evidence"] or {}
-    if evidence.get("lost_s_per_step") is None:
+    measured = row["evidence"] or {}
+    if measured.get("lost_s_per_step") is None:
         return None
-    hours = evidence.get("gpu_hours_lost")
+    hours = measured.get("gpu_hours_lost")
     return (
-        f"Costs **{evidence['lost_s_per_step']:.3f} s per step** ({evidence.get('lost_percent', 0):.1f}% of the "
+        f"Costs **{measured['lost_s_per_step']:.3f} s per step** ({measured.get('lost_percent', 0):.1f}% of the "
         f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else ".")
     )
 
@@ -205,7 +211,9 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
 
 
 def show_evidence(row: pd.Series, expanded: bool = False) -> None:
-    """A finding's evidence, steps and times, behind an expander."""
+    """A finding's evidence behind an expander: what to do, a link to its ranks and steps on the
+    Stragglers page, its figures in units, its per-rank values as the top ranks, its series and
+    records; the raw JSON only as a download (a 1,024-rank map is 1,024 lines of floats)."""
     with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
         steps = "" if pd.isna(row["step_start"]) else f"steps {int(row['step_start'])}-{int(row['step_end'])}, "
@@ -213,7 +221,82 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
             f"{steps}score {score}, first seen "
             f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC"
         )
-        st.json(row["evidence"] or {}, expanded=True)
+        if todo := evidence.next_step(row["analyzer"], row["kind"]):
+            st.markdown(f"**What to do:** {todo}")
+        _link_to_stragglers(row)
+        raw = row["evidence"] or {}
+        read = evidence.read(raw)
+        if not read.figures.empty:
+            st.table(read.figures.set_index("what"))
+        for key, values in read.by_rank:
+            title = _titled(key)
+            st.altair_chart(charts.top_ranks(values, title, evidence.TOP_RANKS), width="stretch")
+            st.caption(f"{title}: the {min(len(values), evidence.TOP_RANKS)} highest ranks")
+            if rest := evidence.rest_of_ranks(key, values):
+                st.caption(f"and {rest}")
+        for key, values in read.by_step:
+            st.altair_chart(charts.by_step(values, _titled(key)), width="stretch")
+        for key, table in read.tables:
+            st.caption(
+                units.label(key)
+                + (f", the first {evidence.TABLE_ROWS} of {len(table):,}" if len(table) > evidence.TABLE_ROWS else "")
+            )
+            st.table(table.head(evidence.TABLE_ROWS).set_index(table.columns[0]))
+        st.download_button(
+            "raw evidence (JSON)",
+            json.dumps(raw, indent=1, default=str),
+            file_name=f"finding-{row['id']}.json",
+            mime="application/json",
+            key=f"evidence_json_{row['id']}",
+            on_click="ignore",
+        )
+
+
+def _titled(key: str) -> str:
+    """An evidence key as a chart's axis title: its words, then the unit of its stored values."""
+    found = units.unit(key)
+    return units.label(key) + (f", {found.axis}" if found and found.axis else "")
+
+
+def _link_to_stragglers(row: pd.Series) -> None:
+    """A link to the finding's ranks (the heatmap's rows, the timeline's slowest) and its first step
+    (the timeline) on the Stragglers page, which takes them as `?ranks=` and `?step=`; none for a
+    recommendation or a note (severity info), whose ranks are no suspects."""
+    if row["severity"] == "info":
+        return
+    params = {"run": current_run()}
+    said = []
+    if len(row["ranks"]):
+        params["ranks"] = ranksets.typed(row["ranks"])
+        said.append(f"the heatmap rows of {ranksets.phrase(row['ranks'])}")
+    if pd.notna(row["step_start"]):
+        params["step"] = str(int(row["step_start"]))
+        said.append(f"the timeline of step {params['step']}")
+    if said:
+        st.page_link(STRAGGLERS_PAGE, label="See " + " and ".join(said), icon=":material/grid_on:", query_params=params)
+
+
+def linked(key: str, param: str, default: T, read: Callable[[str], T]) -> Callable[[], None]:
+    """Keep widget `key` and the page's `?param=` one, so that a link can set the widget (a rank
+    filter, a step): the widget takes the parameter's value (`read` from text; `default` where
+    there is none or it does not read) whenever the two differ. Edits are written back by the
+    on_change returned, so the two differ only when a link changed the URL."""
+    text = st.query_params.get(param)
+    try:
+        wanted = default if text is None else read(text)
+    except ValueError:
+        wanted = default
+    if st.session_state.get(key) != wanted:
+        st.session_state[key] = wanted
+
+    def written() -> None:
+        value = st.session_state[key]
+        if value == default:
+            st.query_params.pop(param, None)
+        else:
+            st.query_params[param] = str(value)
+
+    return written
 
 
 def show_findings(findings: pd.DataFrame, empty: str, shown: tuple[int, ...] = ()) -> None:

@@ -19,11 +19,11 @@ from streamlit.testing.v1 import AppTest
 
 from agent import semconv as sc
 from agent.export import Exporter
-from collector import quantities
+from collector import quantities, ranksets
 from collector.alerts import rules
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
-from dashboard import ui
+from dashboard import evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
@@ -170,10 +170,105 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     (slowest,) = at.dataframe
     assert sorted(slowest.value["rank"].head(2)) == suspects
     assert slowest.value["compute_ratio"].iloc[1] > 1.15 > slowest.value["compute_ratio"].iloc[2]
-    assert len(at.get("vega_lite_chart")) == 2  # heatmap and timeline
+    assert len(at.get("vega_lite_chart")) == 3  # the finding's top ranks, the heatmap and the timeline
     assert at.number_input(key="timeline_step").value == FLEET["steps"] - 1
     at.number_input(key="timeline_step").set_value(20).run()
     assert not at.exception
+    assert at.query_params["step"] == "20"  # the page's URL shows what it shows
+
+
+def drawn(at: AppTest, mark: str) -> list[pd.DataFrame]:
+    """The data of each chart of `mark` (bar, rect, line) on the page."""
+    found = [chart(c) for c in at.get("vega_lite_chart")]
+    return [data for spec, data in found if spec["mark"]["type"] == mark]
+
+
+def test_straggler_evidence_reads_as_figures_top_ranks_and_what_to_do_not_raw_json(from_store):
+    """A finding's evidence is its figures in units, its per-rank values as the top ranks (the slowest
+    first) with the rest in words, and what to do; the raw JSON is a download, never shown."""
+    at = from_store("stragglers", FLEET["run"])
+    assert not at.json
+    (ranked,) = [data for data in drawn(at, "bar") if list(data.columns) == ["rank", "value"]]
+    assert set(ranked["rank"].head(2)) == {FLEET["straggler"], FLEET["thermal"]}  # the slowest first
+    assert ranked["value"].is_monotonic_decreasing and len(ranked) == evidence.TOP_RANKS
+    assert ranked["value"].iloc[1] > 1.15 > ranked["value"].iloc[2]
+    more = f"and {FLEET['ranks'] - evidence.TOP_RANKS} more ranks, "
+    assert any(t.startswith(more) for t in texts(at.caption))
+    assert f"**What to do:** {evidence.NEXT_STEPS['stragglers / rank']}" in texts(at.markdown)
+    figures = at.table[0].value
+    assert re.fullmatch(r"\d+(\.\d+)? ms", figures.loc["lost per step", "value"])  # not 0.19405014187434...
+    assert figures.loc["lost", "value"].endswith("%")
+    (download,) = at.get("download_button")
+    assert download.proto.label == "raw evidence (JSON)"
+
+
+def test_evidence_is_read_by_shape_whatever_the_job_size():
+    """A 1,024-rank map is a per-rank series, a step map a series, records tables, figures in units."""
+    read = evidence.read(
+        {
+            "compute_ratio_by_rank": {str(r): 1.0 + (r == 700) for r in range(1024)},
+            "values": {"150": 102.5, "151": 3.1},
+            "hardware": [{"cause": "clocks_held_back", "ranks": [700], "detail": "thermal slowdown"}],
+            "devices": {sc.GPU_TEMP_C: {"suspects": 85.04, "peers": 61.9}},
+            "lost_s_per_step": 0.19405014187434,
+            "cap_w": 650.0,
+            "saving_j_per_step_range": [4541.3, 4595.1],
+            "slowdown": 1.0049575582507,
+            "collective": {"op": "all_reduce", "waiting_ranks": [0, 1, 2, 4]},
+        }
+    )
+    ((key, per_rank),) = read.by_rank
+    assert key == "compute_ratio_by_rank" and len(per_rank) == 1024 and per_rank.idxmax() == 700
+    assert [k for k, _ in read.by_step] == ["values"]
+    tables = dict(read.tables)
+    assert tables["hardware"].to_dict("records") == [
+        {"cause": "clocks_held_back", "ranks": "700", "detail": "thermal slowdown"}
+    ]
+    assert tables["devices"].to_dict("records") == [
+        {"devices": "GPU temperature", "suspects": "85 °C", "peers": "61.9 °C"}
+    ]
+    assert dict(read.figures.values.tolist()) == {
+        "lost per step": "194 ms",
+        "cap": "650 W",
+        "saving per step range": "4.54 kJ to 4.6 kJ",
+        "slowdown": "+0.5%",
+        "collective: op": "all_reduce",
+        "collective: waiting ranks": "0–2, 4",
+    }
+    assert evidence.rest_of_ranks(key, per_rank) == f"{1024 - evidence.TOP_RANKS:,} more ranks, all 1x"
+
+
+def test_a_finding_links_to_its_ranks_and_steps_on_the_stragglers_page_which_shows_only_those(from_store):
+    """The evidence links to the Stragglers page with the finding's ranks and first step; that page
+    takes them as its rank filter and timeline step, and its heatmap, table and timeline hold those ranks."""
+    at = from_store("overview", FLEET["run"])
+    suspects = sorted([FLEET["straggler"], FLEET["thermal"]])
+    (link,) = [p for p in at.page_link if p.proto.page == "stragglers"]
+    params = dict(parse_qsl(link.proto.query_string))
+    assert params["run"] == FLEET["run"] and ranksets.parse(params["ranks"]) == suspects
+    assert link.value.startswith(f"See the heatmap rows of ranks {suspects[0]}, {suspects[1]}")
+
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    for name, value in params.items():
+        at.query_params[name] = value
+    at.switch_page("views/stragglers.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.text_input(key="rank_filter").value == params["ranks"]
+    assert at.number_input(key="timeline_step").value == int(params["step"])
+    (cells,) = drawn(at, "rect")
+    assert sorted(cells["rank_lo"].unique()) == suspects and set(cells["worst_rank"]) == set(suspects)
+    assert sorted(at.dataframe[0].value["rank"]) == suspects
+    (spans,) = [data for data in drawn(at, "bar") if "start_s" in data]
+    assert set(suspects) <= set(spans["rank"])  # the chosen ranks, against typical ones
+
+    at.text_input(key="rank_filter").set_value("3-4").run()
+    assert at.query_params["ranks"] == "3-4"
+    (cells,) = drawn(at, "rect")
+    assert sorted(cells["rank_lo"].unique()) == [3, 4]
+    at.text_input(key="rank_filter").set_value("3-x").run()
+    assert any("'3-x' is not a rank or a range" in e for e in texts(at.error))
+    (cells,) = drawn(at, "rect")
+    assert cells["rank_hi"].max() >= FLEET["ranks"] - 1  # every rank again
 
 
 def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboard_store):
@@ -407,11 +502,11 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
 
 def test_overview_step_time_by_wall_clock_with_zoom(from_store):
     at = from_store("overview", FLEET["run"])
-    spec, data = chart(at.get("vega_lite_chart")[0])
+    (spec, data), *_ = [drawn for drawn in map(chart, at.get("vega_lite_chart")) if "what" in drawn[1]]
     assert spec["encoding"]["x"]["field"] == "step" and spec["params"][0]["bind"] == "scales"  # drag to zoom
     assert set(data["what"]) == {"step time", "compute", "exposed comm"}
     at.radio(key="overview_axis").set_value("wall clock").run()
-    spec, _ = chart(at.get("vega_lite_chart")[0])
+    (spec, _), *_ = [drawn for drawn in map(chart, at.get("vega_lite_chart")) if "what" in drawn[1]]
     assert (spec["encoding"]["x"]["field"], spec["encoding"]["x"]["type"]) == ("end_ts", "temporal")
 
 

@@ -141,10 +141,10 @@ def test_an_alert_link_lands_on_its_finding(dashboard, browser, dashboard_store,
     page = WebDriverWait(browser, 60, poll_frequency=0.5)
     # the finding, its evidence (rendered only while its expander is open) and the page under it;
     # Streamlit draws them one after another, so wait for all three
-    drawn = ("The finding the link is about:", "lost_s_per_step", "Suspects:")
+    drawn = ("The finding the link is about:", "What to do:", "Suspects:")
     page.until(lambda b: all(text in b.find_element(By.TAG_NAME, "body").text for text in drawn))
     body = browser.find_element(By.TAG_NAME, "body").text
-    assert body.index("The finding the link is about:") < body.index("lost_s_per_step")  # evidence shown, open
+    assert body.index("The finding the link is about:") < body.index("What to do:")  # evidence shown, open
     assert f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank" in body  # the page itself
     assert browser.save_screenshot(str(screenshots / "alert-link.png"))
 

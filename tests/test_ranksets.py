@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,3 +33,15 @@ def test_compact_names_every_rank_once_and_no_other(ranks):
     assert shown.count(", ") < 2 * ranksets.MAX_RANGES  # bounded however many ranks (a pair is two)
     if match := re.search(r" and (\d+) more$", shown):
         assert int(match[1]) < len(ranks)
+    assert ranksets.parse(ranksets.typed(ranks)) == sorted(ranks)  # a link's rank filter names the same set
+
+
+def test_typed_rank_sets_read_as_people_type_them():
+    assert ranksets.parse("3") == [3]
+    assert ranksets.parse("3-7") == [3, 4, 5, 6, 7]
+    assert ranksets.parse("3,9") == [3, 9]
+    assert ranksets.parse(" 0–2, 12 ,") == [0, 1, 2, 12]  # as `compact` writes them, blanks and a trailing comma
+    assert ranksets.parse("") == []
+    for bad in ("x", "3-", "-3", "7-3", "3.5", f"0-{ranksets.MAX_PARSED}"):
+        with pytest.raises(ValueError):
+            ranksets.parse(bad)

@@ -8,7 +8,7 @@ import streamlit as st
 
 from agent import semconv as sc
 from collector import quantities, ranksets
-from dashboard import charts, ui
+from dashboard import charts, ui, units
 
 run = ui.current_run()
 st.title("Power")
@@ -118,17 +118,7 @@ if not errors.empty:
     )
 
 by_rank = ui.frame("device_by_rank", run=run, rank_bins=ui.RANK_BINS)
-PANELS: tuple[tuple[str, str, str | quantities.Scale], ...] = (  # a Scale's unit fits the values' size
-    (sc.POWER_W, "Power", quantities.power),
-    (sc.POWER_INSTANT_W, "Power (instantaneous)", quantities.power),
-    (sc.SM_CLOCK_MHZ, "SM clock", "MHz"),
-    (sc.GPU_TEMP_C, "GPU temperature", "°C"),
-    (sc.GPU_UTIL_PCT, "GPU utilization", "%"),
-    ("memory_used_pct", "GPU memory used", "% of the GPU's"),
-    (sc.NVLINK_TX_BPS, "NVLink sent", quantities.bandwidth),
-    (sc.PCIE_RX_BPS, "PCIe received", quantities.bandwidth),
-)
-for metric, heading, unit in PANELS:
+for metric, (heading, unit) in units.DEVICE_METRICS.items():
     bins = by_rank[by_rank["metric"] == metric]
     if bins.empty:
         continue

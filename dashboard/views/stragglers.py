@@ -1,5 +1,7 @@
 """Stragglers: who is slow, in what pattern, what it costs; the rank x step heatmap of compute
-against the step median (the MegaScale view); one step of the suspects laid out in time."""
+against the step median (the MegaScale view); one step of the suspects laid out in time. A rank
+filter (`?ranks=3-7,9`) and the timeline's step (`?step=`) can be set by a link: a finding's
+evidence links here with its ranks and first step."""
 
 import streamlit as st
 
@@ -29,8 +31,22 @@ if not unjudged.empty and suspects.empty:
 else:
     ui.show_findings(suspects, "The straggler analyzer has found no slow rank in this run.")
 
-slowest = ui.frame("slowest_ranks", run=run, limit=10)
-st.subheader("Slowest ranks over the run")
+typed = st.text_input(
+    "Ranks",
+    key="rank_filter",
+    on_change=ui.linked("rank_filter", "ranks", "", str),
+    placeholder="all; or 3, 3-7, 3,9",
+    help="The ranks the table, heatmap and timeline below show: a rank, a range, or both separated by commas.",
+)
+try:
+    chosen = ranksets.parse(typed)
+except ValueError as e:
+    st.error(f"Ranks: {e}. Showing every rank.")
+    chosen = []
+of_chosen = f" of {ranksets.phrase(chosen)}" if chosen else ""
+
+slowest = ui.frame("slowest_ranks", run=run, limit=10, ranks=chosen)
+st.subheader("Slowest ranks over the run" + of_chosen)
 st.dataframe(
     slowest,
     hide_index=True,
@@ -42,10 +58,10 @@ st.dataframe(
     },
 )
 
-st.subheader("Compute against the step median, rank x step")
-cells = ui.frame("heatmap", run=run, rank_bins=ui.RANK_BINS, step_bins=ui.STEP_BINS)
+st.subheader("Compute against the step median, rank x step" + of_chosen)
+cells = ui.frame("heatmap", run=run, rank_bins=ui.RANK_BINS, step_bins=ui.STEP_BINS, ranks=chosen)
 if cells.empty:
-    st.caption("No steps.")
+    st.caption(f"No steps{of_chosen}.")
 else:
     st.altair_chart(charts.heatmap(cells), width="stretch")
     st.caption(
@@ -57,10 +73,14 @@ st.subheader("One step, laid out in time")
 steps = ui.frame("step_range", run=run)
 if not steps.empty and steps["last"].notna().all():
     first, last = int(steps["first"].iloc[0]), int(steps["last"].iloc[0])
-    step = st.number_input("Step", first, last, last, key="timeline_step") if first < last else first
-    spans = ui.frame("timeline", run=run, step=int(step), slowest=8, typical=4)
+    if first < last:
+        written = ui.linked("timeline_step", "step", last, lambda text: min(max(int(text), first), last))
+        step = st.number_input("Step", first, last, key="timeline_step", on_change=written)
+    else:
+        step = first
+    spans = ui.frame("timeline", run=run, step=int(step), slowest=8, typical=4, ranks=chosen)
     st.altair_chart(charts.timeline(spans), width="stretch")
     st.caption(
-        "The 8 slowest ranks of the step and 4 typical ones: data, compute, then communication "
+        f"The 8 slowest ranks{of_chosen} of the step and 4 typical ones: data, compute, then communication "
         "(exposed wait, or the collectives as the agent timed them)."
     )

@@ -1,0 +1,114 @@
+"""A finding's evidence as people read it, whatever the analyzer: its figures in words and units,
+its per-rank values (a 1,024-rank map is a top-N chart, not 1,024 lines of floats), its per-step
+values as a series, its records as tables; and what to do about each kind of finding."""
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from collector import ranksets
+from dashboard.units import figure, label, unit
+
+TOP_RANKS = 10  # ranks a per-rank chart draws; the rest are summed up in words
+TABLE_ROWS = 20  # rows of an evidence table shown; the rest are counted
+
+# What to do about a finding, by "analyzer / kind", else by analyzer: the one place these texts live
+NEXT_STEPS: dict[str, str] = {
+    "stragglers / rank": "Check the slow ranks' hosts: GPU clocks, temperature and throttling (Power page), "
+    "their data loader (data time against peers), then drain the node if the hardware is at fault.",
+    "stragglers / node": "One host is slow: check its GPUs' clocks and thermals, its CPU and data loader, "
+    "then drain it and restart from the last checkpoint.",
+    "stragglers / stage": "One pipeline stage is slow: rebalance its layers across stages, or check its hosts.",
+    "stragglers / widespread": "Work is uneven across ranks: balance sequence lengths (packing, length-bucketed "
+    "batches) rather than looking for one bad host.",
+    "hangs": "The culprit ranks never entered the collective the others wait in: dump their stacks "
+    "(`py-spy dump --pid`) and NCCL's flight recorder (`rankwatch import-flight-recorder`), then restart "
+    "from the last checkpoint.",
+    "anomalies / nan": "Rolled back automatically where the job takes commands (Checkpoints page); if it "
+    "recurs, check the data batch at the first bad step, lower the learning rate or clip gradients.",
+    "anomalies / loss_spike": "Rolled back automatically where the job takes commands (Checkpoints page); check "
+    "the data batch at the spike, and the learning rate schedule there.",
+    "anomalies / grad_spike": "Check the data batch at the spike; clip gradients if spikes recur.",
+    "links": "Check the NICs and NVLink of those ranks (`ibstat`, `nvidia-smi nvlink -s`, link error counters) "
+    "and the topology NCCL chose (`NCCL_DEBUG=INFO`).",
+    "collectives": "The ranks called different collectives: find the code path that diverged (rank-dependent "
+    "branches, uneven data) from the calls in the evidence.",
+    "rollbacks": "A rollback did not get past the anomaly: inspect the data from the restored step on before "
+    "resuming by hand.",
+    "power / job_cap": "Apply the cap with the command on the Power page while the job runs, or set it in the "
+    "next run's launch script.",
+    "power / per_rank_caps": "Apply the per-rank caps (`rankwatch power recommend --json`, then `power apply "
+    "--caps`) while the job runs.",
+    "power / headroom": "Size the next job or the facility's budget from the nodes' p99 draw (Power page).",
+}
+
+
+def next_step(analyzer: str, kind: str) -> str | None:
+    """The line saying what to do about a finding of this analyzer and kind; None where none is known."""
+    return NEXT_STEPS.get(f"{analyzer} / {kind}", NEXT_STEPS.get(analyzer))
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """An evidence dict taken apart by shape: `figures` (what, value: scalars in words and units),
+    `by_rank` and `by_step` (key, values indexed by rank or step), `tables` (key, rows as text)."""
+
+    figures: pd.DataFrame
+    by_rank: list[tuple[str, pd.Series]]
+    by_step: list[tuple[str, pd.Series]]
+    tables: list[tuple[str, pd.DataFrame]]
+
+
+def read(evidence: dict) -> Evidence:
+    """The shapes analyzers put in evidence: {rank: number} maps, {step: number} series (anomalies'
+    `values`, `*_by_step`), {name: {field: value}} and [{field: value}] records, {field: value}
+    groups of figures, and figures."""
+    figures: list[tuple[str, str]] = []
+    by_rank: list[tuple[str, pd.Series]] = []
+    by_step: list[tuple[str, pd.Series]] = []
+    tables: list[tuple[str, pd.DataFrame]] = []
+    for key, value in evidence.items():
+        if isinstance(value, dict) and value and all(str(k).isdigit() and _number(v) for k, v in value.items()):
+            series = pd.Series({int(k): float(v) for k, v in value.items()}).sort_index()
+            (by_step if key == "values" or key.endswith("by_step") else by_rank).append((key, series))
+        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            rows = pd.DataFrame([_row(name, fields) for name, fields in value.items()])
+            tables.append(
+                (key, rows.rename(columns={"": "rank" if all(str(k).isdigit() for k in value) else label(key)}))
+            )
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables.append((key, pd.DataFrame([_row("", fields) for fields in value]).drop(columns="")))
+        elif isinstance(value, dict):  # a group: in the unit its key names (`busy_power_w`), else each field's
+            figures += [(f"{label(key)}: {label(k)}", _shown(key if unit(key) else k, v)) for k, v in value.items()]
+        else:
+            figures.append((label(key), _shown(key, value)))
+    return Evidence(pd.DataFrame(figures, columns=["what", "value"]), by_rank, by_step, tables)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _shown(key: str, value: object) -> str:
+    """One value in words: a list of ranks as ranges, a `*_range` pair in its unit, else `figure`."""
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return ranksets.compact(value)
+    if key.endswith("_range") and isinstance(value, list) and len(value) == 2:
+        return " to ".join(figure(key.removesuffix("_range"), v) for v in value)
+    return figure(key, value)
+
+
+def _row(name: str, fields: dict) -> dict[str, str]:
+    """A record's fields as text, each in its field's unit, else in the unit its row names (a device metric)."""
+    return {"": label(name), **{label(k): _shown(k if unit(k) else name, v) for k, v in fields.items()}}
+
+
+def rest_of_ranks(key: str, series: pd.Series) -> str | None:
+    """What a top-N chart of `series` leaves out, in words; None where it draws every rank."""
+    rest = series.sort_values(ascending=False).iloc[TOP_RANKS:]
+    if rest.empty:
+        return None
+    low, high = figure(key, rest.min()), figure(key, rest.max())
+    if low == high:
+        return f"{len(rest):,} more ranks, all {low}"
+    return f"{len(rest):,} more ranks, {low} to {high} (median of all {figure(key, series.median())})"
