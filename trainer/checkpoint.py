@@ -444,6 +444,8 @@ class Checkpointer:
         self._staging_free.set()
         self._to_write: _Snapshot | None = None  # waiting for the writer; a newer one replaces it
         self._writing: _Snapshot | None = None
+        self._writing_step = -1  # the step being written (its slot's may change meanwhile: a restore)
+        self._doomed = False  # the write in progress is of a future a restore dropped: removed once done
         self._closing = False
         self._in_flight: _Snapshot | None = None
         self._unreported: list[_Snapshot] = []  # copies started whose end the loop has not acted on yet
@@ -528,8 +530,8 @@ class Checkpointer:
     def restore(self, step_at_most: int) -> int:
         """Load the newest snapshot with step <= `step_at_most` that every replica has into the state,
         from memory unless only the disk has it; returns its step. Raises NoCheckpoint when there is none."""
-        self._settle()
-        target = self._agree(step_at_most)  # a barrier too: no replica is writing any more
+        self._settle(keep_through=step_at_most)
+        target = self._agree(step_at_most)  # a barrier too: no replica is writing what it may load
         while True:
             step = self._agree(self._newest(target))
             if step < 0:
@@ -598,11 +600,20 @@ class Checkpointer:
         pickler.dump({"state": {name: obj.state_dict() for name, obj in self.state.items()}, "rng": _rng_state()})
         return meta.getvalue(), pickler.tensors
 
-    def _settle(self) -> None:
-        """Wait for every copy started and every disk write asked for (restore, listing and close need still tiers)."""
+    def _settle(self, keep_through: int | None = None) -> None:
+        """Wait for every copy started and every disk write asked for (restore, listing and close need still
+        tiers). With `keep_through` (a restore to that step or before), a write of a later step is not waited
+        for: one not started is dropped, and one under way is removed once done. A rollback waited seconds
+        for the disk to take the 1.5 GB of the very step it rolled back (an H200's GPT-2 job)."""
         self.wait_until_safe()
         self._report_copied(wait=True)
-        self._wait_for_writer()
+        with self._changed:
+            if keep_through is not None:
+                queued = self._to_write
+                if queued is not None and queued.step > keep_through:
+                    queued.flushing, self._to_write = False, None
+                self._doomed = self._writing is not None and self._writing_step > keep_through
+            self._changed.wait_for(lambda: self._to_write is None and (self._writing is None or self._doomed))
 
     def _report_copied(self, wait: bool = False) -> None:
         """For each copy that has ended (or every one, waiting, with `wait`), in order: its event, and
@@ -811,21 +822,27 @@ class Checkpointer:
             with self._changed:
                 self._changed.wait_for(lambda: self._to_write is not None or self._closing)
                 slot, self._to_write, self._writing = self._to_write, None, self._to_write
+                if slot is not None:
+                    self._writing_step, self._doomed = slot.step, False
             if slot is None:
                 return
+            step = self._writing_step
             try:
-                self._write(slot)
+                self._write(slot, step)
             except Exception:
-                log.exception("checkpoint: step %d not written to %s", slot.step, self.directory)
+                log.exception("checkpoint: step %d not written to %s", step, self.directory)
             finally:
+                path = self.directory / f"step-{step:08d}"
                 with self._changed:
-                    slot.flushing, self._writing = False, None
+                    if self._doomed and path.exists():
+                        _remove(path)  # under the lock: no listing sees it half gone
+                    slot.flushing, self._writing, self._writing_step, self._doomed = False, None, -1, False
                     self._changed.notify_all()
 
-    def _write(self, slot: _Snapshot) -> None:
+    def _write(self, slot: _Snapshot, step: int) -> None:
         """Files first, each complete under its name, then the manifest that vouches for them; then prune.
         The tensors file holds this replica's share of the tensors."""
-        path = self.directory / f"step-{slot.step:08d}"
+        path = self.directory / f"step-{step:08d}"
         path.mkdir(parents=True, exist_ok=True)
         _fsync_dir(path.parent)
         (path / MANIFEST).unlink(missing_ok=True)  # a rewrite: the old manifest must not vouch for new files
@@ -840,7 +857,7 @@ class Checkpointer:
             memoryview(
                 json.dumps(
                     {
-                        "step": slot.step,
+                        "step": step,
                         "files": files,
                         "share": [lo, hi],
                         "tensor_bytes": slot.nbytes,
@@ -851,10 +868,10 @@ class Checkpointer:
         )
         _fsync_dir(path)
         durable_s = time.perf_counter() - slot.started
-        log.info("checkpoint: step %d durable in %s, %.3f s after its snapshot", slot.step, path, durable_s)
+        log.info("checkpoint: step %d durable in %s, %.3f s after its snapshot", step, path, durable_s)
         agent.event(
             sc.EVENT_CHECKPOINT_SAVED,
-            slot.step,
+            step,
             **{
                 sc.CKPT_TIER: sc.TIER_DISK,
                 sc.CKPT_BYTES: hi - lo + files[META]["bytes"],
@@ -867,10 +884,16 @@ class Checkpointer:
             _remove(old)
 
     def _on_disk(self) -> dict[int, Path]:
-        """step -> directory of every checkpoint of this replica on disk, complete or not."""
+        """step -> directory of every checkpoint of this replica on disk, complete or not, but for one being
+        written that a restore dropped."""
         if not self.directory.is_dir():
             return {}
-        return {int(p.name[5:]): p for p in self.directory.glob("step-*") if p.name[5:].isdigit()}
+        doomed = self._writing_step if self._doomed else None
+        return {
+            int(p.name[5:]): p
+            for p in self.directory.glob("step-*")
+            if p.name[5:].isdigit() and int(p.name[5:]) != doomed
+        }
 
     def _manifests(self, step: int) -> None:
         """Raise _Corrupt unless every replica's manifest of `step` vouches for its files (metadata only)."""
