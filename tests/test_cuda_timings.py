@@ -33,6 +33,17 @@ def nccl():
     dist.destroy_process_group()
 
 
+def train(collector, cwd, run: str, *args: str) -> None:
+    """`rankwatch train` as a user runs it, sending to `collector`, which is stopped once the job is done."""
+    from conftest import rankwatch_cli
+
+    result = rankwatch_cli(
+        "train", *args, "--run", run, "--collector", collector.url, env={"RANKWATCH_TOKEN": collector.token}, cwd=cwd
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    collector.stop()
+
+
 def cuda_session(collector) -> Session:
     return Session("run-cuda", 0, 1, collector.url, collector.token, timer=CudaTimer(torch.cuda.current_device()))
 
@@ -97,25 +108,7 @@ def test_a_blocking_all_reduce_lasts_what_cuda_events_around_it_read(collector, 
 def test_cpu_ranks_on_a_gpu_machine_time_their_steps_on_the_cpu(collector, tmp_path):
     """`--device cpu` (as `auto` picks for more ranks than GPUs): the ranks train on the CPU, so their
     marks are CPU readings; CUDA events on an idle GPU would time every phase at a few µs."""
-    from conftest import rankwatch_cli
-
-    result = rankwatch_cli(
-        "train",
-        "--nproc",
-        "2",
-        "--steps",
-        "6",
-        "--run",
-        "run-cpu-ranks",
-        "--device",
-        "cpu",
-        "--collector",
-        collector.url,
-        env={"RANKWATCH_TOKEN": collector.token},
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    collector.stop()
+    train(collector, tmp_path, "run-cpu-ranks", "--nproc", "2", "--steps", "6", "--device", "cpu")
     rows = query(collector.db, "SELECT rank, step, compute_s FROM steps WHERE run_id = 'run-cpu-ranks'")
     assert len(rows) == 12
     assert statistics.median(compute for _, _, compute in rows) > 1e-3, rows
@@ -171,27 +164,7 @@ def test_snapshots_of_a_gpu_job_never_stall_its_steps(collector, tmp_path):
     waits for host memory to be pinned (on an H200 a GPT-2 job's snapshot steps took 10 s and 65 s
     while its ring of 37 snapshots was pinned on the training thread's path, and 10 s once pinned on a
     thread of its own, which still held every CUDA call)."""
-    from conftest import rankwatch_cli
-
-    result = rankwatch_cli(
-        "train",
-        "--nproc",
-        "1",
-        "--steps",
-        "60",
-        "--model",
-        "small",
-        "--run",
-        "run-gpu-ckpt",
-        "--device",
-        "cuda",
-        "--collector",
-        collector.url,
-        env={"RANKWATCH_TOKEN": collector.token},
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    collector.stop()
+    train(collector, tmp_path, "run-gpu-ckpt", "--nproc", "1", "--steps", "60", "--model", "small", "--device", "cuda")
     rows = query(collector.db, "SELECT step, duration_s FROM steps WHERE run_id = 'run-gpu-ckpt' AND step >= 5")
     assert len(rows) == 55
     durations = sorted(d for _, d in rows)
