@@ -446,6 +446,7 @@ class Checkpointer:
         self._staging_views: tuple[list[_Ref], list[torch.Tensor]] = ([], [])
         self._staging_free = threading.Event()  # no snapshot on its way through the staging buffer
         self._staging_free.set()
+        self._staging_refused = 0  # the size a staging buffer could not be made for
         self._to_write: _Snapshot | None = None  # waiting for the writer; a newer one replaces it
         self._writing: _Snapshot | None = None
         self._writing_step = -1  # the step being written (its slot's may change meanwhile: a restore)
@@ -707,14 +708,17 @@ class Checkpointer:
             and self._nbytes is not None
             and (staging is None or staging.numel() < self._nbytes)
             and self._staging_free.is_set()
+            and self._staging_refused != self._nbytes
         )
 
     def _add_staging(self, nbytes: int) -> None:
         """The pinned staging buffer for `nbytes`: the one pinning of the checkpointer's."""
         try:
             staging = _host_buffer(_slot_bytes(nbytes), pinned=True)
-        except (RuntimeError, MemoryError) as e:
-            self._stop_growing(nbytes, f"its pinned staging buffer could not be allocated ({e})")
+        except (RuntimeError, MemoryError) as e:  # not asked again for this size: every snapshot is skipped, counted
+            log.warning("checkpoint: no snapshot is kept in memory: its pinned staging buffer could not be made (%s)", e)
+            with self._changed:
+                self._staging_refused = nbytes
             return
         with self._changed:
             self._staging, self._staging_views = staging, ([], [])
