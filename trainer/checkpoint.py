@@ -716,7 +716,7 @@ class Checkpointer:
         try:
             staging = _host_buffer(_slot_bytes(nbytes), pinned=True)
         except (RuntimeError, MemoryError) as e:  # not asked again for this size: every snapshot is skipped, counted
-            log.warning("checkpoint: no snapshot is kept in memory: its pinned staging buffer could not be made (%s)", e)
+            log.warning("checkpoint: no snapshot kept in memory: its pinned staging buffer could not be made (%s)", e)
             with self._changed:
                 self._staging_refused = nbytes
             return
