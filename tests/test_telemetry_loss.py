@@ -251,3 +251,30 @@ def test_rank_steps_that_come_after_they_settled_are_not_lost(tmp_path):
         assert (after.missing, after.blocks) == (1, [[9, 9, 12, 12, 1]])
         assert after.expected == before.expected and after.settled_step >= before.settled_step
         assert losses.record(con, "late", final=True).gaps.missing == losses.measure(con, "late").gaps.missing == 1
+
+
+def test_a_rank_never_heard_from_is_counted_by_the_jobs_world_size(tmp_path):
+    """Ranks 0-7 of a job of 8 said so (world size 8); rank 5 never sent a step: each of its 40 rank-steps
+    is missing, live and after the fact; a run whose ranks never said a world size expects the ranks seen."""
+    import duckdb
+
+    from collector.analysis import losses
+    from collector.store.schema import DDL
+
+    with duckdb.connect(str(tmp_path / "store.duckdb")) as con:
+        con.execute(DDL)
+        for run, world in (("sized", 8), ("unsized", None)):
+            con.execute("INSERT INTO runs VALUES (?, ?, now())", [run, world])
+            seen = "INSERT INTO ranks (run_id, rank, first_seen) SELECT ?, range, now() FROM range(8) WHERE range != 5"
+            con.execute(seen, [run])
+            con.execute(
+                """INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s)
+                   SELECT ?, r.range, s.range, make_timestamp_ns(s.range * 1000000000),
+                          make_timestamp_ns(s.range * 1000000000 + 900000000), 0.9 FROM range(8) r, range(40) s
+                   WHERE r.range != 5""",
+                [run],
+            )
+        sized = losses.record(con, "sized", final=True).gaps
+        assert (sized.ranks, sized.expected, sized.missing, sized.blocks) == (8, 320, 40, [[5, 5, 0, 39, 40]])
+        assert losses.measure(con, "sized").gaps.missing == 40
+        assert losses.record(con, "unsized", final=True).gaps.missing == 0

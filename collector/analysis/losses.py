@@ -35,12 +35,16 @@ _SETTLED = """SELECT max(step) FROM steps WHERE run_id = $run AND step > $after 
               AND end_ts <= make_timestamp_ns($until)"""
 _NTH_STEP = """SELECT DISTINCT step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto
                ORDER BY step LIMIT 1 OFFSET $n"""
-_RANKS = "SELECT count(*) FROM ranks WHERE run_id = $run"
+# the ranks expected: those seen, and every rank of the job's world size where its ranks said it (a rank
+# whose telemetry never arrived at all is silent too)
+_EXPECTED = """(SELECT rank FROM ranks WHERE run_id = $run
+  UNION SELECT range::INTEGER FROM range((SELECT coalesce(max(world_size), 0) FROM runs WHERE run_id = $run)))"""
+_RANKS = f"SELECT count(*) FROM {_EXPECTED}"
 _STEPS = "SELECT DISTINCT step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto ORDER BY step"
-# each expected rank (the run's ranks seen) at each step some rank reported, that it did not report
-_MISSING = """
+# each expected rank at each step some rank reported, that it did not report
+_MISSING = f"""
 WITH present AS (SELECT DISTINCT rank, step FROM steps WHERE run_id = $run AND step > $after AND step <= $upto)
-SELECT r.rank, s.step FROM (SELECT rank FROM ranks WHERE run_id = $run) r
+SELECT r.rank, s.step FROM {_EXPECTED} r
 CROSS JOIN (SELECT DISTINCT step FROM present) s
 ANTI JOIN present p ON p.rank = r.rank AND p.step = s.step"""
 # rank-steps now present within each kept gap (b: its index among the blocks)
