@@ -70,7 +70,7 @@ def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
         """SELECT kind, ranks, state, step_start, evidence FROM findings
                                   WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""",
     )
-    assert len(rows) == 1, [r[:4] + (r[4][-600:],) for r in rows]
+    assert len(rows) == 1, [(*r[:4], r[4][-600:]) for r in rows]
     kind, ranks, state, step_start, evidence = rows[0]
     assert (kind, list(ranks), state, step_start) == ("hang", [1], "resolved", 4)
     collective = json.loads(evidence)["collective"]

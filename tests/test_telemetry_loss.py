@@ -106,7 +106,11 @@ def store(tmp_path_factory) -> dict:
                 )
                 scraped["agent_rank_steps"] = metric(text, "rankwatch_run_agent_rank_steps_dropped", LOSSY["run"])
                 scraped["agent_spans"] = metric(text, "rankwatch_run_agent_spans_dropped", LOSSY["run"])
-                return scraped[LOSSY["run"]] == MISSING and scraped[ARRIVING["run"]] is not None
+                return (
+                    scraped[LOSSY["run"]] == MISSING
+                    and scraped["agent_rank_steps"] == AGENT_STEPS  # both ranks' reports read, not the first alone
+                    and scraped[ARRIVING["run"]] is not None
+                )
 
             wait_until(counted, "/metrics counting the lost rank-steps", timeout_s=30)
         finally:
@@ -117,7 +121,7 @@ def store(tmp_path_factory) -> dict:
 def test_metrics_count_the_lost_rank_steps_and_no_others(store):
     scraped = store["metrics"]
     assert scraped[LOSSY["run"]] == MISSING
-    assert scraped["agent_rank_steps"] == AGENT_STEPS and scraped["agent_spans"] == 3 * AGENT_STEPS
+    assert scraped["agent_spans"] == 3 * AGENT_STEPS
     assert scraped[CLEAN["run"]] == 0, "a run that lost nothing shows no loss"
     assert scraped[ARRIVING["run"]] == 0, "steps still arriving from some ranks are not counted lost"
 
