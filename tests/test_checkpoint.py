@@ -399,6 +399,7 @@ def test_listing_reads_manifests_only_and_loading_verifies(tmp_path, caplog):
     j = job(tmp_path, disk_every=2)
     for step in range(6):
         j.step(step)
+        j.ckpt.durable_steps()  # each write done before the next is asked (a waiting one gives way to a newer)
     j.ckpt.close()  # on disk: steps 4 and 6
     _flip_a_byte(tmp_path / "step-00000004")
 

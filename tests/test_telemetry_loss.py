@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from agent import semconv as sc
@@ -175,6 +176,8 @@ def overview(db: Path, run: str, monkeypatch) -> list[str]:
     from dashboard.source import DB_ENV
 
     monkeypatch.setenv(DB_ENV, str(db))
+    st.cache_resource.clear()  # the data source another module's pages left cached in this process
+    st.cache_data.clear()
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.run()
     at.selectbox(key="run").set_value(run)
