@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     start = resume(ckpt)
     current = {"step": 0}
     agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
-    delay, compute = Delay(cuda), WorkTime(cuda)
+    # a straggler's delay is sized from its clean compute, timed only where one is injected (2 events a step)
+    delay = Delay(cuda)
+    compute = WorkTime(cuda) if any(f.kind == "straggler" for f in args.faults) else None
     peak, params = peak_flops(device), model.num_params()
     announced: set[str] = set()
     if rank == 0:
@@ -279,13 +281,13 @@ def main(argv: list[str] | None = None) -> None:
         with agent.step(step):
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
-            compute_started, computing = time.perf_counter(), compute.start()
+            compute_started, computing = time.perf_counter(), compute.start() if compute else None
             with agent.phase("forward"):
                 with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
                     loss = ddp(inputs, targets)
                 for f in faults:
                     if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
-                        extra = (f.get("slowdown") - 1) * (compute.last_s or 0.0)
+                        extra = (f.get("slowdown") - 1) * ((compute and compute.last_s) or 0.0)
                         delay(extra)
                         injected += extra
                     elif f.kind == "hang":
@@ -312,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                     ckpt.snapshot(step + 1)
                 # a capped or throttled simulated GPU computes slower (a real one: scale 1)
                 time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
-            compute.stop(computing, injected)
+            if compute:
+                compute.stop(computing, injected)
             tokens = inputs.numel()
             agent.record(
                 loss=loss.detach(),
