@@ -70,8 +70,10 @@ def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
         """SELECT kind, ranks, state, step_start, evidence FROM findings
                                   WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""",
     )
-    assert len(rows) == 1, [(*r[:4], r[4][-600:]) for r in rows]
-    kind, ranks, state, step_start, evidence = rows[0]
+    # the stall at step 4, named and resolved; none left firing, nor said to have held to the run's end, once
+    # the job ran on and ended (a loaded machine has shown a second, resolved, episode in 2 of 4 suites)
+    assert not [r[:4] for r in rows if r[2] in ("firing", "ended")], rows
+    (kind, ranks, state, step_start, evidence), *_ = [r for r in rows if r[3] == 4]
     assert (kind, list(ranks), state, step_start) == ("hang", [1], "resolved", 4)
     collective = json.loads(evidence)["collective"]
     assert (collective["op"], collective["waiting_ranks"]) == ("all_reduce", [0, 2])
