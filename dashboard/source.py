@@ -2,6 +2,7 @@
 read-only. Both run the same checked, read-only SQL (collector/store/readonly.py) and answer in
 the same shape, so every page works on either."""
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -49,6 +50,8 @@ class FileSource:
         except StoreLocked as e:
             raise QueryFailed(f"{e}, or read it through the collector (rankwatch dashboard --collector URL)") from None
         readonly.lock_down(self._con, path.parent)
+        # closed before the interpreter's teardown: DuckDB's C++ aborted a process that exited with it open
+        atexit.register(self._con.close)
 
     def query(self, sql: str, params: dict | list | None = None) -> dict:
         try:

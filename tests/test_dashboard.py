@@ -81,7 +81,9 @@ def test_overview_of_a_straggling_run(from_store):
     assert metrics["MFU · simulated"] == "—"  # the simulator reports none; its GPUs are simulated
     assert metrics["Last power · simulated"].endswith(" kW")  # a stopped store: no "now"
     assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
-    (verdict,) = texts(at.main.warning)
+    # under load the store's last pass can precede the simulator's last spans, which are then shown lost
+    # (no pass came after them to take them off): that warning is not this test's
+    (verdict,) = [w for w in texts(at.main.warning) if not w.startswith("**Telemetry lost")]
     assert verdict == "**1 finding firing** (stragglers / rank), below."
     (finding,) = texts(at.main.error)  # shown once: the verdict names it, the box says it
     assert finding.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}, {FLEET['thermal']}:")
