@@ -190,6 +190,15 @@ class Analysis:
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
+        if last:  # the runs judged before: nothing more comes, so their telemetry loss settles too
+            for run_id in sorted(set(self._active) - set(runs)):
+                if time.monotonic() > until:
+                    break
+                try:
+                    losses.record(con, run_id, final=True)
+                except Exception:
+                    log.exception("telemetry loss of run %s not settled", run_id)
+                    self.failures += 1
 
     def due_in(self) -> float:
         return max(self._next - time.monotonic(), 0.0)
