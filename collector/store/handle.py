@@ -4,6 +4,7 @@ requests within a budget of decompressed bytes, a future for each request and ca
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -12,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
+from collector import children
 from collector.store import writer
 from collector.store.db import StoreLocked
 from collector.store.requests import Request
@@ -60,6 +62,7 @@ class Store:
         self._on_commit, self._on_failure = on_commit, on_failure
         self._tasks = tuple(tasks)
         self._context = multiprocessing.get_context("spawn")
+        os.environ.setdefault(*children.DUCKDB_RETURNS_ADDRESS_SPACE)  # for the writer's memory cap
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, int]] = {}
         self._ids = itertools.count()

@@ -238,6 +238,8 @@ def _answer(
         outcome = QueryTimeout(late)
     except duckdb.Error as e:
         outcome = QueryRefused(_first_line(e))
+    except MemoryError:  # a value too large to convert, under the writer's cap (collector/children.py)
+        outcome = QueryRefused("Out of Memory Error: the result needs more memory than a query may use")
     except Exception as e:  # the future must settle whatever went wrong
         outcome = e
     finally:

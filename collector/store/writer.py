@@ -40,7 +40,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from collector.children import bound_heap, die_with_parent
+from collector.children import bound_heap, cap_memory, die_with_parent
 from collector.store import readonly, requests
 from collector.store.batch import Decoded
 from collector.store.db import StoreLocked, connect, create_tables
@@ -53,6 +53,12 @@ DIGEST_RETENTION = timedelta(hours=1)
 GROUP_LINGER_S = 0.010
 # Threads for read-only queries (the query API): they read snapshots beside the commit loop.
 QUERY_THREADS = 2
+# The writer's memory past what it maps once the store is open: DuckDB's buffer pool (shared by the
+# queries and the commits, which evict cached blocks for what they need) and 512 MiB for what DuckDB does
+# not count: the batches queued for commit, the analysis's arrays, the strings a query builds. Past it an
+# allocation fails where it is made: the query gets Out of Memory (400), a commit rolls back and its
+# clients send again (503), nothing acknowledged is lost, and the writer goes on.
+MEMORY_HEADROOM = readonly.MEMORY_LIMIT + 512 * 2**20
 
 # Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
 _UPSERT_RANKS = """
@@ -296,5 +302,6 @@ def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
     except Exception as e:
         acks.put(StartFailed(str(e), isinstance(e, StoreLocked)))
         return
+    cap_memory(MEMORY_HEADROOM)
     acks.put(Ready())
     writer.run(queued, acks)
