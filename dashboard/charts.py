@@ -2,15 +2,34 @@
 dashboard/queries.py (Vega-Lite draws them in the browser)."""
 
 import altair as alt
+import numpy as np
 import pandas as pd
 
 NUMBER = ",.4~g"  # axes and tooltips: 416.5, 0.1234, 12,500 (never 416.500000)
 FEW_RANKS = 32  # up to this many ranks a per-rank chart is bars, one per rank
+# A value axis spans at least this fraction of its values' size: a flat series with float noise on it
+# (a gradient norm of 1.15 +- 1e-7) is drawn flat, not zig-zagging between two ticks both labelled 1.15.
+MIN_SPAN = 0.01
 STEP_SERIES_NAMES = {"step_s": "step time", "compute_s": "compute", "comm_wait_s": "exposed comm"}
 PHASE_COLORS = alt.Scale(
     domain=["data", "compute", "exposed comm", "forward", "backward", "optimizer", "all_reduce"],
     range=["#9ecae1", "#3182bd", "#e6550d", "#6baed6", "#08519c", "#74c476", "#fd8d3c"],
 )
+
+
+def value_scale(*values: pd.Series) -> alt.Scale:
+    """The scale of a value axis: the values' own range, zero left out, but at least MIN_SPAN of their
+    size wide, centred on them."""
+    finite = np.concatenate([pd.to_numeric(v, errors="coerce").to_numpy(float) for v in values] or [np.empty(0)])
+    finite = finite[np.isfinite(finite)]
+    if not finite.size:
+        return alt.Scale(zero=False)
+    lo, hi = float(finite.min()), float(finite.max())
+    span = MIN_SPAN * max(abs(lo), abs(hi))
+    if hi - lo >= span:
+        return alt.Scale(zero=False)
+    middle = (lo + hi) / 2
+    return alt.Scale(zero=False, domain=[middle - span / 2, middle + span / 2])
 
 
 def _x(wall_clock: bool) -> alt.X:
@@ -47,13 +66,13 @@ def step_times(series: pd.DataFrame, wall_clock: bool = False) -> alt.Chart:
 
 
 def compare(series: pd.DataFrame, x: str, value: str, title: str, x_title: str) -> alt.Chart:
-    """Two runs overlaid (a `run` column tells them apart), zoomable along x."""
+    """Runs overlaid (a `run` column tells them apart), zoomable along x."""
     return (
         alt.Chart(series.dropna(subset=[value]))
         .mark_line()
         .encode(
             x=alt.X(f"{x}:Q", title=x_title, axis=alt.Axis(format=NUMBER)),
-            y=alt.Y(f"{value}:Q", title=title, scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER)),
+            y=alt.Y(f"{value}:Q", title=title, scale=value_scale(series[value]), axis=alt.Axis(format=NUMBER)),
             color=alt.Color("run:N", title=None, legend=alt.Legend(orient="bottom")),
             tooltip=["run", alt.Tooltip(f"{x}:Q", format=NUMBER), alt.Tooltip(f"{value}:Q", format=NUMBER)],
         )
@@ -155,7 +174,7 @@ def by_rank(
         .mark_line(point=len(bins) <= 64)
         .encode(
             x=x,
-            y=alt.Y(f"{value}:Q", title=title, scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER)),
+            y=alt.Y(f"{value}:Q", title=title, scale=value_scale(bins[value]), axis=alt.Axis(format=NUMBER)),
             tooltip=tooltip,
         )
     )
@@ -169,7 +188,8 @@ def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame, rolled
     """A per-step value (dark line) with the values of the steps rollbacks abandoned (red points: a
     spike that was rolled back is no longer on the line) and vertical rules where anomalies,
     rollbacks and checkpoints on disk happened, in colours apart from both."""
-    x, y = _x(False), alt.Y(f"{value}:Q", scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER))
+    scale = value_scale(series[value], rolled_back[value] if value in rolled_back else pd.Series(dtype=float))
+    x, y = _x(False), alt.Y(f"{value}:Q", scale=scale, axis=alt.Axis(format=NUMBER))
     tooltip = [alt.Tooltip("step:Q", format="d"), alt.Tooltip(f"{value}:Q", format=NUMBER)]
     line = alt.Chart(series.dropna(subset=[value])).mark_line(color="#333333").encode(x=x, y=y, tooltip=tooltip)
     abandoned = (
@@ -237,7 +257,7 @@ def by_step(values: pd.Series, title: str) -> alt.Chart:
         .mark_line(point=True)
         .encode(
             x=_x(False),
-            y=alt.Y("value:Q", title=title, scale=alt.Scale(zero=False), axis=alt.Axis(format=NUMBER)),
+            y=alt.Y("value:Q", title=title, scale=value_scale(frame["value"]), axis=alt.Axis(format=NUMBER)),
             tooltip=[alt.Tooltip("step:Q", format="d"), alt.Tooltip("value:Q", format=NUMBER)],
         )
         .properties(height=180)

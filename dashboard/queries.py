@@ -300,7 +300,8 @@ WITH p AS (SELECT rank, epoch_ns(ts) AS t, value FROM device_samples
 b AS (SELECT min(t) AS t0, greatest(1, ceil((max(t) - min(t) + 1) / $points))::BIGINT AS w,
              count(DISTINCT rank) AS gpus FROM p),
 per_rank AS (SELECT (t - t0) // w AS bin, rank, avg(value) AS watts FROM p, b GROUP BY ALL)
-SELECT any_value(bin * w / 1e9) AS elapsed_s, avg(watts) * any_value(gpus) AS watts FROM per_rank, b
+SELECT any_value(bin * w / 1e9) AS elapsed_s, avg(watts) * any_value(gpus) AS watts, any_value(gpus) AS gpus
+FROM per_rank, b
 GROUP BY bin ORDER BY bin
 """
 

@@ -23,7 +23,7 @@ from collector import quantities, ranksets
 from collector.alerts import rules
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
-from dashboard import evidence, ui
+from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
@@ -512,16 +512,58 @@ def test_overview_step_time_by_wall_clock_with_zoom(from_store):
     assert (spec["encoding"]["x"]["field"], spec["encoding"]["x"]["type"]) == ("end_ts", "temporal")
 
 
-def test_compare_overlays_two_runs(from_store):
+def test_compare_overlays_the_runs_chosen(from_store):
     at = from_store("compare", NAN["run"])
-    at.selectbox(key="compare_with").set_value(FLEET["run"]).run()
+    at.multiselect(key="compare_with").set_value([FLEET["run"], ENDED["run"]]).run()
     assert not at.exception
     assert texts(at.subheader) == ["Step time", "Loss", "Tokens/s", "Power"]
-    charts = [chart(c) for c in at.get("vega_lite_chart")]
-    assert len(charts) == 4  # step time, loss, tokens/s, power
-    for spec, _data in charts:
+    drawn = [chart(c) for c in at.get("vega_lite_chart")]
+    assert len(drawn) == 4  # step time, loss, tokens/s, power
+    for spec, _data in drawn:
         assert spec["params"][0]["bind"] == "scales"
-    assert [set(data["run"]) for _, data in charts] == [{NAN["run"], FLEET["run"]}] * 4
+    runs = {NAN["run"], FLEET["run"], ENDED["run"]}
+    assert [set(data["run"]) for _, data in drawn[:3]] == [runs] * 3  # every run reports step times and loss
+    assert set(drawn[3][1]["run"]) == {NAN["run"], FLEET["run"]}  # the ended run has no power samples
+
+
+def test_compare_lines_runs_up_on_normalised_axes(from_store):
+    """Runs of different lengths and sizes: steps as a share of each run (0 to 1), values over the
+    chosen run's median (1 is the same), power per GPU whatever the run's size."""
+    at = from_store("compare", NAN["run"])
+    at.multiselect(key="compare_with").set_value([FLEET["run"]]).run()
+    (_, watts), *_ = [chart(c) for c in at.get("vega_lite_chart") if "w_per_gpu" in chart(c)[1]]
+    assert watts.loc[watts["run"] == NAN["run"], "w_per_gpu"].median() == pytest.approx(NAN["watts"], rel=0.2)
+    at.radio(key="compare_steps").set_value("share of the run").run()
+    at.radio(key="compare_values").set_value(f"relative to {NAN['run']}").run()
+    assert not at.exception
+    (spec, steps), *_ = [chart(c) for c in at.get("vega_lite_chart")]
+    assert spec["encoding"]["y"]["title"] == f"step time, x {NAN['run']}'s median"
+    for _, rows in steps.groupby("run"):
+        assert (rows["step"].min(), rows["step"].max()) == (0, 1)
+    assert steps.loc[steps["run"] == NAN["run"], "step_s"].median() == pytest.approx(1)
+    assert steps.loc[steps["run"] == FLEET["run"], "step_s"].notna().all()
+
+
+@pytest.mark.parametrize(
+    ("values", "flat"),
+    [
+        ([1.15, 1.15 + 1e-7, 1.15 - 1e-7, 1.15], True),  # float noise on a constant
+        ([-3e-9, 3e-9, 0.0], False),  # all near zero: nothing to widen by
+        ([2.0, 2.5, 2.2], False),
+        ([1e6, 1e6 + 3], True),
+    ],
+)
+def test_a_value_axis_spans_at_least_a_share_of_its_values(values, flat):
+    """A flat series is drawn flat: its axis spans at least charts.MIN_SPAN of its values' size,
+    centred on them, instead of zooming into the noise between two ticks with the same label."""
+    scale = charts.value_scale(pd.Series(values), pd.Series([float("nan")])).to_dict()
+    assert scale["zero"] is False
+    if not flat:
+        assert "domain" not in scale
+        return
+    low, high = scale["domain"]
+    assert high - low == pytest.approx(charts.MIN_SPAN * max(map(abs, values)))
+    assert low < min(values) and max(values) < high
 
 
 def test_power_empty_state(from_store):
