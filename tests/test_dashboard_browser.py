@@ -171,3 +171,23 @@ def test_power_page_leads_with_why_a_stored_run_gets_no_cap(dashboard, browser, 
     assert order[:2] == sorted(order[:2]) and order[1] < min(order[2:])
     assert "rankwatch power apply" not in body
     assert browser.save_screenshot(str(screenshots / "power-recommendation.png"))
+
+
+def test_every_chart_exports_its_data_and_its_picture(dashboard, browser, screenshots):
+    """A chart's toolbar (Streamlit's) downloads it as PNG and shows the rows it draws, as a table
+    that downloads as CSV."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{dashboard}/compare?run={NAN['run']}")
+    page = WebDriverWait(browser, 60, poll_frequency=0.5)
+    chart = page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-testid='stVegaLiteChart']"))[0]
+    ActionChains(browser).move_to_element(chart).perform()
+    for label in ("Download as PNG", "Show data"):
+        page.until(lambda b, label=label: b.find_elements(By.CSS_SELECTOR, f"button[aria-label='{label}']"))
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Show data']").click()
+    table = page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-testid='stDataFrame']"))[0]
+    ActionChains(browser).move_to_element(table).perform()
+    page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "button[aria-label='Download as CSV']"))
+    assert browser.save_screenshot(str(screenshots / "chart-data.png"))
