@@ -320,7 +320,7 @@ def _print_report(report) -> None:
         f"[bold]run {run}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
         f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
         f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
-        + (f" (ranks {_ranks(w.culprits)})" if w.culprits else "")
+        + (f" ({'rank' if len(w.culprits) == 1 else 'ranks'} {_ranks(w.culprits)})" if w.culprits else "")
         + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it"
         + idle
     )
@@ -334,10 +334,12 @@ def _print_report(report) -> None:
     for s in w.stages[:4]:
         explained.add_row(f"stage {s['pp_stage']}", f"{s['slowdown']:.3f}x")
     for worker in w.workers[:8]:
-        explained.add_row(
-            f"rank {worker['rank']} (stage {worker['pp_stage']}, replica {worker['dp_rank']})",
-            f"{worker['slowdown']:.3f}x",
+        placed = ", ".join(
+            f"{what} {worker[key]}"
+            for what, key in (("stage", "pp_stage"), ("replica", "dp_rank"))
+            if worker[key] is not None
         )
+        explained.add_row(f"rank {worker['rank']}" + (f" ({placed})" if placed else ""), f"{worker['slowdown']:.3f}x")
     console.print(explained)
     _print_findings(report.findings, console)
 
@@ -348,6 +350,9 @@ def _print_findings(found: list, console) -> None:
     from collector.analysis.analyzers import NOT_JUDGED
     from collector.reports.terminal import markup_safe
 
+    if not found:
+        console.print("No findings: no analyzer found anything wrong.")
+        return
     findings = Table(
         "analyzer",
         "kind",
@@ -567,21 +572,25 @@ def cmd_import(args) -> None:
     from collector.receive.imports.ops import OpTrace
     from collector.store.db import StoreLocked
 
-    db, path = _db(args), Path(args.path)
+    db, paths = _db(args), [Path(p) for p in args.path]
     kineto = args.format == "kineto"
     trace: KinetoTrace | FlightRecorderDumps | OpTrace
     run: dict[str, Any]
     try:
         if kineto:
-            trace = KinetoTrace(path)
-            run = {"world_size": trace.world_size, "step_columns": trace.step_columns}
+            trace = KinetoTrace(*paths)
+            # profiles are often taken on a sample of a job's ranks: the run is the ranks imported, the
+            # others are not telemetry lost (a notice says how many the job had)
+            run = {"step_columns": trace.step_columns}
         elif args.format == "flight-recorder":
-            trace = FlightRecorderDumps(path)
+            trace = FlightRecorderDumps(*paths)
             run = {"world_size": trace.world_size, "events": trace.events}
+        elif len(paths) > 1:
+            raise UsageError("an ops trace is one file (Parquet or CSV) holding every rank")
         else:
-            trace, run = OpTrace(path), {}
+            trace, run = OpTrace(paths[0]), {}
         with Progress(transient=True) as progress:
-            task = progress.add_task(f"importing {path.name}", total=trace.rows)
+            task = progress.add_task(f"importing {', '.join(p.name for p in paths)}", total=trace.rows)
 
             def batches():
                 for batch in trace.batches():
@@ -593,6 +602,12 @@ def cmd_import(args) -> None:
         raise UsageError(str(e)) from None
     for notice in getattr(trace, "notices", ()):
         print(f"rankwatch import: {notice}", file=sys.stderr)
+    if kineto and (trace.world_size or 0) > counts["ranks"]:
+        print(
+            f"rankwatch import: the traces hold {counts['ranks']} of the job's {trace.world_size} ranks "
+            "(distributedInfo.world_size): the run is these ranks",
+            file=sys.stderr,
+        )
     dropped = f" ({trace.dropped} GPU ops outside any ProfilerStep dropped)" if isinstance(trace, KinetoTrace) else ""
     print(
         f"rankwatch import: run {args.run}: {counts['ops']} ops{dropped}, {counts['steps']} rank-steps of "
@@ -1004,10 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
         "format",
         choices=("ops", "kineto", "flight-recorder"),
         help="ops: the generic op trace (Parquet or CSV); kineto: PyTorch profiler traces "
-        "(.json or .json.gz, a file per rank, or a directory of them); flight-recorder: "
-        "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank, or a directory)",
+        "(.json or .json.gz, a file per rank: files, directories of them, or both); flight-recorder: "
+        "PyTorch NCCL Flight Recorder dumps (<prefix><rank>, a file per rank: files, directories, or both)",
     )
-    p.add_argument("path")
+    p.add_argument("path", nargs="+", help="one run's traces")
     p.add_argument("--run", required=True, help="run id to import under")
     p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
     p.set_defaults(func=cmd_import)

@@ -48,13 +48,16 @@ def sampled(tmp_path_factory):
         "import", "kineto", str(root / "traces"), "--run", "sam", "--db", str(root / "s.duckdb")
     )
     assert result.returncode == 0, result.stderr
-    return root / "s.duckdb", result.stdout
+    return root / "s.duckdb", result.stdout, result.stderr
 
 
 def test_ranks_world_size_and_steps(sampled):
-    db, stdout = sampled
+    """The run is the ranks imported: two sampled ranks of a 128-rank job are a run of two, not one of
+    128 with 126 ranks' telemetry lost; a notice says how many the job had."""
+    db, stdout, stderr = sampled
     assert "0 GPU ops outside any ProfilerStep dropped" in stdout
-    assert query(db, "SELECT world_size FROM runs WHERE run_id = 'sam'") == [(128,)]
+    assert "the traces hold 2 of the job's 128 ranks" in stderr
+    assert query(db, "SELECT world_size FROM runs WHERE run_id = 'sam'") == [(2,)]
     assert query(db, "SELECT rank, pid FROM ranks WHERE run_id = 'sam' ORDER BY rank") == [(0, 4037), (1, 4045)]
     assert query(db, "SELECT rank, step FROM steps WHERE run_id = 'sam' ORDER BY rank, step") == [
         (0, 551),
@@ -64,7 +67,32 @@ def test_ranks_world_size_and_steps(sampled):
     ]
     report = rankwatch_in_process("analyze", "sam", "--db", str(db), "--json")
     assert report.returncode == 0, report.stderr
-    json.loads(report.stdout)
+    assert json.loads(report.stdout)["telemetry_loss"]["rank_steps_missing"] == 0
+
+
+def test_files_given_one_by_one_are_one_run_and_read_as_one(sampled, tmp_path):
+    """Several files on the command line import as one run, as their directory does; the report
+    names what the trace holds and no more: no placement it lacks, no empty findings table."""
+    db, _, _ = sampled
+    result = rankwatch_in_process(
+        "import", "kineto", *(str(DATA / name) for name in SAMPLED), "--run", "sam", "--db", str(tmp_path / "s.duckdb")
+    )
+    assert result.returncode == 0, result.stderr
+    one_by_one = "SELECT rank, step, duration_s, compute_s FROM steps ORDER BY ALL"
+    assert query(tmp_path / "s.duckdb", one_by_one) == query(db, one_by_one)
+    text = rankwatch_in_process("analyze", "sam", "--db", str(tmp_path / "s.duckdb"))
+    assert text.returncode == 0, text.stderr
+    assert "pattern worker (rank 1)" in " ".join(text.stdout.split())
+    assert "None" not in text.stdout and "telemetry lost" not in text.stdout
+    assert "0 findings" not in text.stdout and "No findings" in text.stdout
+
+
+def test_an_ops_trace_is_one_file(tmp_path):
+    result = rankwatch_in_process("import", "ops", "a.csv", "b.csv", "--run", "r", "--db", str(tmp_path / "s.duckdb"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "rankwatch: error: an ops trace is one file (Parquet or CSV) holding every rank"
+    ]
 
 
 def kernels_by_step(doc: dict) -> tuple[list, dict, list, int, int]:
@@ -105,7 +133,7 @@ def expected_steps(doc: dict) -> dict[int, dict[str, float]]:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_step_times_are_those_of_the_kernels(sampled, rank):
-    db, _ = sampled
+    db, _, _ = sampled
     doc = trace(SAMPLED[rank])
     nccl = sorted(
         e["dur"] for e in doc["traceEvents"] if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel_SendRecv")
@@ -164,7 +192,7 @@ def test_collective_metadata_gives_bytes_and_bus_bandwidth(tmp_path):
     )
     ((start,),) = query(db, "SELECT epoch_ns(min(start_ts)) FROM ops")
     assert abs(start - (1711964646000000000 + first * 1000)) <= 1
-    assert query(db, "SELECT world_size FROM runs") == [(2,)]
+    assert query(db, "SELECT world_size FROM runs") == [(1,)]  # rank 0 of a 2-rank job: the run is the rank imported
     assert query(db, "SELECT rank, device FROM ranks") == [(0, "NVIDIA A100-PG509-200")]
 
 

@@ -56,16 +56,20 @@ class _PlainData(pickle.Unpickler):
         )
 
 
-def dump_files(path: Path) -> list[tuple[int, Path]]:
-    """(rank, file) of the dump, or of every file in the directory (dot files aside), in rank order."""
-    if path.is_dir():
-        files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
-        if not files:
-            raise TraceError(f"{path}: no dump in this directory")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise TraceError(f"{path}: no such file or directory")
+def dump_files(*paths: Path) -> list[tuple[int, Path]]:
+    """(rank, file) of the dumps given and of every file in each directory given (dot files aside), in
+    rank order."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            found = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+            if not found:
+                raise TraceError(f"{path}: no dump in this directory")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TraceError(f"{path}: no such file or directory")
     ranked: dict[int, Path] = {}
     for file in files:
         m = _RANK_AT_END.search(file.name)
@@ -74,7 +78,9 @@ def dump_files(path: Path) -> list[tuple[int, Path]]:
                 f"{file}: no rank at the end of the file name (dumps are <prefix><rank>, e.g. nccl_trace_rank_3)"
             )
         if int(m.group(1)) in ranked:
-            raise TraceError(f"{file}: rank {int(m.group(1))} again (also {ranked[int(m.group(1))]})")
+            raise TraceError(
+                f"{file}: rank {int(m.group(1))} again (also {ranked[int(m.group(1))]}): one run is one dump per rank"
+            )
         ranked[int(m.group(1))] = file
     return sorted(ranked.items())
 
@@ -180,8 +186,8 @@ class FlightRecorderDumps:
 
     rows = None  # not known before the files are read
 
-    def __init__(self, path: Path):
-        self.files = dump_files(path)
+    def __init__(self, *paths: Path):
+        self.files = dump_files(*paths)
         self._first: dict | None = load(self.files[0][1])
         self.world_size = _world_size(_groups(self.files[0][1], self._first))
         self._events: list[dict] = []

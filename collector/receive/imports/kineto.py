@@ -60,16 +60,20 @@ _COLLECTIVE = {
 }
 
 
-def trace_files(path: Path) -> list[Path]:
-    """The trace file, or a directory's trace files (*.json, *.json.gz) in name order."""
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
-        if not files:
-            raise TraceError(f"{path}: no *.json or *.json.gz trace in this directory")
-        return files
-    if not path.is_file():
-        raise TraceError(f"{path}: no such file or directory")
-    return [path]
+def trace_files(*paths: Path) -> list[Path]:
+    """The trace files given, and each given directory's trace files (*.json, *.json.gz) in name order."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+            if not found:
+                raise TraceError(f"{path}: no *.json or *.json.gz trace in this directory")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TraceError(f"{path}: no such file or directory")
+    return files
 
 
 def load(path: Path) -> dict:
@@ -259,8 +263,8 @@ class KinetoTrace:
 
     rows = None  # not known before the files are read
 
-    def __init__(self, path: Path):
-        self.files = trace_files(path)
+    def __init__(self, *paths: Path):
+        self.files = trace_files(*paths)
         self._first: dict | None = load(self.files[0])
         self.world_size = _rank(self.files[0], self._first)[1]
         self.placement: dict[int, dict] = {}
@@ -281,7 +285,7 @@ class KinetoTrace:
     def _ops(self, path: Path, doc: dict) -> pa.Table:
         rank, world_size, notice = _rank(path, doc)
         if rank in self._seen:
-            raise TraceError(f"{path}: rank {rank} again (also in {self._seen[rank]})")
+            raise TraceError(f"{path}: rank {rank} again (also in {self._seen[rank]}): one run is one file per rank")
         if world_size != self.world_size:
             raise TraceError(f"{path}: world size {world_size}, but {self.files[0]} says {self.world_size}")
         self._seen[rank] = path
