@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from collector.receive.auth import load_or_create_token
 from rankwatch.launch import wait_healthy
 
 RUN = "run-cli"
+KINETO = Path(__file__).parent / "data" / "kineto"
 SQL = "SELECT rank, step, loss, duration_s FROM steps ORDER BY rank, step"
 EXPECTED = [
     (0, 1, 0.01, 0.1),
@@ -368,3 +370,35 @@ def test_power_apply_refuses_a_run_no_job_is_running(beside):
         assert_one_line_error(result, f"run {run} {said}", "no job is running" if run != "pa-ended" else "never")
         commands = httpx.get(f"{beside.url}/v1/commands", params={"run_id": run}, headers=beside.headers, timeout=30)
         assert commands.json() == []
+
+
+HOLD_READ_ONLY = (
+    "import duckdb, sys, time; c = duckdb.connect(sys.argv[1], read_only=True); print(1, flush=True); time.sleep(60)"
+)
+
+
+def test_a_store_held_by_another_reader_names_that_process(tmp_path):
+    """A store a dashboard (or any script) holds open is not said to be held by a collector: the
+    one-line error names the process that holds it, by pid and command line."""
+    db = tmp_path / "s.duckdb"
+    rankwatch_in_process("import", "kineto", str(KINETO / "sampled_rank-0.json.gz"), "--run", "a", "--db", str(db))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            HOLD_READ_ONLY,
+            str(db),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline() == b"1\n"
+        again = rankwatch_in_process(
+            "import", "kineto", str(KINETO / "sampled_rank-1.json.gz"), "--run", "b", "--db", str(db)
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert again.returncode == 2 and again.stderr.count("\n") == 1
+    assert f"held open by another process (pid {holder.pid}: python" in again.stderr
+    assert "collector" not in again.stderr
