@@ -88,10 +88,14 @@ def heatmap(cells: pd.DataFrame) -> alt.Chart:
         alt.Chart(cells)
         .mark_rect()
         .encode(
-            x=alt.X("step_lo:Q", title="step", scale=alt.Scale(nice=False), axis=alt.Axis(format="d")),
+            x=alt.X("step_lo:Q", title="step", scale=alt.Scale(nice=False, zero=False), axis=alt.Axis(format="d")),
             x2="step_hi",
             y=alt.Y(
-                "rank_lo:Q", title="rank", sort="descending", scale=alt.Scale(nice=False), axis=alt.Axis(format="d")
+                "rank_lo:Q",
+                title="rank",
+                sort="descending",
+                scale=alt.Scale(nice=False, zero=False),
+                axis=alt.Axis(format="d"),
             ),
             y2="rank_hi",
             color=alt.Color(

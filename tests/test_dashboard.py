@@ -173,6 +173,8 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     assert sorted(slowest.value["rank"].head(2)) == suspects
     assert slowest.value["compute_ratio"].iloc[1] > 1.15 > slowest.value["compute_ratio"].iloc[2]
     assert len(at.get("vega_lite_chart")) == 3  # the finding's top ranks, the heatmap and the timeline
+    (heatmap,) = [spec for spec, _ in map(chart, at.get("vega_lite_chart")) if spec["mark"]["type"] == "rect"]
+    assert heatmap["encoding"]["x"]["scale"]["zero"] is False  # a run's steps, not 0 to them (two steps at 551)
     assert at.number_input(key="timeline_step").value == FLEET["steps"] - 1
     at.number_input(key="timeline_step").set_value(20).run()
     assert not at.exception
