@@ -24,11 +24,12 @@ _MMAP_THRESHOLD = 2**20  # blocks this large get mappings of their own, unmapped
 # malloc arenas a process may have: each reserves 64 MiB of address space, which `cap_memory` counts,
 # and glibc makes up to 8 per core, one for each thread that finds the others busy.
 _ARENAS = 4
-# DuckDB's allocator (its own jemalloc) keeps the address space it frees, for DuckDB alone to reuse: under
-# `cap_memory` one large query would leave every other allocation short for good (the writer kept 1.3 GB
-# of it after `repeat('x', 900000000)`). jemalloc reads this from the environment at the process's first
-# allocation, so a process sets it before spawning the children that open DuckDB.
-DUCKDB_RETURNS_ADDRESS_SPACE = ("DUCKDB_JE_MALLOC_CONF", "retain:false")
+# Allocators that keep address space they are done with, which `cap_memory` would count for good, told
+# to give it back: DuckDB's (its own jemalloc) keeps what it frees, for DuckDB alone to reuse (the writer
+# kept 1.3 GB of it after `repeat('x', 900000000)`), and Arrow's default (mimalloc) reserves 1 GiB at its
+# first allocation on a thread; Arrow on the system's malloc unmaps large blocks once freed (`bound_heap`).
+# Both read the environment when they start, so a process sets it before spawning the children it caps.
+RETURN_ADDRESS_SPACE = {"DUCKDB_JE_MALLOC_CONF": "retain:false", "ARROW_DEFAULT_MEMORY_POOL": "system"}
 
 
 def die_with_parent() -> None:

@@ -820,8 +820,10 @@ def _dashboard_port_free(port: int, hint: str) -> None:
 
 def cmd_demo(args) -> None:
     from collector.server import Config
-    from rankwatch.demo import run
+    from rankwatch.demo import MIN_STEPS, run
 
+    if args.steps < MIN_STEPS:
+        raise UsageError(f"--steps {args.steps}: the demo needs {MIN_STEPS} or more to show its straggler and its spike")
     db = _db(args)
     _preflight(Config(db=db, port=args.port))
     if not args.no_dashboard:

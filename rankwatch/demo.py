@@ -21,8 +21,16 @@ from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
 from rankwatch.launch import train, wait_healthy
 
-STRAGGLER = "straggler:rank=2,slowdown=2,from=40"
-SPIKE = "spike:at=150,scale=50"
+MIN_STEPS = 50  # the fewest steps that show both faults, each found and answered
+
+
+def faults(steps: int) -> tuple[int, int, list[str]]:
+    """(the straggler's first step, the spike's step, the faults): the straggler from a fifth of the run,
+    the loss spike at three quarters, so a demo of any length shows both and the rollback after."""
+    slow_from, spike_at = steps // 5, steps * 3 // 4
+    return slow_from, spike_at, [f"straggler:rank=2,slowdown=2,from={slow_from}", f"spike:at={spike_at},scale=50"]
+
+
 ROLLBACKS = """
 SELECT args->>'$.anomaly' AS anomaly, state, json_extract(result, '$.from_step') AS at_step,
        json_extract(result, '$.restored_step') AS restored_step,
@@ -37,7 +45,7 @@ SELECT rank,
        round(median(compute_s) * 1e3, 1) AS compute_ms,
        round(median(comm_wait_s) * 1e3, 1) AS comm_wait_ms,
        round(sum(tokens) / sum(duration_s)) AS tokens_per_s
-FROM current_steps WHERE run_id = ? AND step >= 40 GROUP BY rank ORDER BY rank
+FROM current_steps WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank
 """
 
 
@@ -47,6 +55,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RANKWATCH_TOKEN": token}
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    slow_from, spike_at, injected = faults(steps)
     try:
         with ExitStack() as processes:
             collector = processes.enter_context(
@@ -91,15 +100,13 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
                 )
                 _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
             print(
-                f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {STRAGGLER} and {SPIKE}", flush=True
+                f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {' and '.join(injected)}", flush=True
             )
-            status = train(
-                nproc=4, steps=steps, run_id=run_id, faults=[STRAGGLER, SPIKE], collector=url, token=token, store=db
-            )
+            status = train(nproc=4, steps=steps, run_id=run_id, faults=injected, collector=url, token=token, store=db)
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
             time.sleep(2)  # an analysis pass (every 1 s) over the final steps, before the summary reads them
-            _summarize(CollectorSource(url, token), run_id)
+            _summarize(CollectorSource(url, token), run_id, slow_from, spike_at)
             if dashboard_port is not None:
                 print(
                     f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
@@ -112,14 +119,14 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
     print(f"The store is {db}; try: rankwatch query \"SELECT * FROM steps WHERE run_id = '{run_id}' LIMIT 5\"")
 
 
-def _summarize(collector: CollectorSource, run_id: str) -> None:
+def _summarize(collector: CollectorSource, run_id: str, slow_from: int, spike_at: int) -> None:
     """The per-rank table, the straggler analyzer's verdict and the rollback, read through the collector."""
 
-    def table(sql: str) -> pd.DataFrame:
-        return to_frame(collector.query(sql, [run_id]))
+    def table(sql: str, *params) -> pd.DataFrame:
+        return to_frame(collector.query(sql, [run_id, *params]))
 
-    print("\nPer rank, steps 40 onwards (the straggler is rank 2):")
-    _write(table(SUMMARY))
+    print(f"\nPer rank, steps {slow_from} onwards (the straggler is rank 2):")
+    _write(table(SUMMARY, slow_from))
     print("\nWhat the straggler analyzer finds over the last 50 steps:")
     found = stragglers.analyze(
         table("SELECT * FROM current_steps WHERE run_id = ?"),
@@ -131,7 +138,7 @@ def _summarize(collector: CollectorSource, run_id: str) -> None:
     if not found:
         print("  nothing")
     rollbacks = table(ROLLBACKS)
-    print(f"\nThe loss spike at step 150, rolled back by the collector ({len(rollbacks)} rollback):")
+    print(f"\nThe loss spike at step {spike_at}, rolled back by the collector ({len(rollbacks)} rollback):")
     _write(rollbacks)
 
 

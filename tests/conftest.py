@@ -47,6 +47,13 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 30
         time.sleep(0.05)
 
 
+# Decode processes of a test's collector, unless it asks for some (`--workers`): decoding in a thread is
+# the collector's own `--workers 0`, and each decode process costs about 0.7 s of CPU to start, which
+# over a hundred collectors was an eighth of the suite's CPU. The tests of decode processes and of what
+# ends with them (floods, kill -9, the decoders) ask for them.
+TEST_WORKERS = ("--workers", "0")
+
+
 @dataclass
 class Collector:
     """A `rankwatch collector` process and how to reach it."""
@@ -79,6 +86,7 @@ class Collector:
                 str(self.port),
                 "--token",
                 self.token,
+                *(() if "--workers" in self.extra_args else TEST_WORKERS),
                 *self.extra_args,
             ],
             stdout=self.log,

@@ -68,7 +68,7 @@ def _sql(collector, sql: str) -> httpx.Response:
 
 
 def test_a_killed_writer_is_restarted_from_its_wal_and_healthz_tells_the_truth(collector_factory):
-    collector = collector_factory()
+    collector = collector_factory(None, "--workers", "2")  # decode processes hand rows to the writer's queue
     for rank in range(3):
         assert post(collector, "traces", trace_body(step_spans("run-kill", rank, range(30)))).status_code == 200
     writer = _writer_pid(collector)

@@ -92,6 +92,7 @@ def test_numeric_options_refuse_non_numbers_and_negatives(path, option, value, c
         ["simulate", "--ranks", "4", "--steps", "3", "--dp", "0"],
         ["simulate", "--ranks", "4", "--steps", "3", "--tp", "0"],
         ["demo", "--steps", "0"],
+        ["demo", "--steps", "49"],  # too few to show the straggler and the spike
         ["collector", "--port", "0"],
         ["collector", "--port", "65536"],
         ["collector", "--analyze-every", "0"],

@@ -24,7 +24,7 @@ class Demo(Interactive):
         super().__init__(
             "demo",
             "--steps",
-            "200",
+            "120",  # the straggler from step 24, the spike at 90
             "--db",
             str(tmp_path / "rankwatch.duckdb"),
             "--port",

@@ -75,7 +75,7 @@ def _alive(pids: list[int], wait_s: float = 10.0) -> list[int]:
 
 
 def test_acknowledged_rows_survive_kill_9(collector_factory):
-    collector = collector_factory()
+    collector = collector_factory(None, "--workers", "2")  # every child a collector has, decode processes too
     spans = OTLPSpanExporter(endpoint=f"{collector.url}/v1/traces", headers=collector.headers, timeout=10)
     for rank in range(4):
         assert spans.export(step_spans("run-crash", rank, range(25), spans_per_step=3)) is SpanExportResult.SUCCESS

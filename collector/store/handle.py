@@ -62,7 +62,8 @@ class Store:
         self._on_commit, self._on_failure = on_commit, on_failure
         self._tasks = tuple(tasks)
         self._context = multiprocessing.get_context("spawn")
-        os.environ.setdefault(*children.DUCKDB_RETURNS_ADDRESS_SPACE)  # for the writer's memory cap
+        for name, value in children.RETURN_ADDRESS_SPACE.items():  # for the writer's memory cap
+            os.environ.setdefault(name, value)
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, int]] = {}
         self._ids = itertools.count()
