@@ -823,7 +823,7 @@ def cmd_demo(args) -> None:
     from rankwatch.demo import MIN_STEPS, run
 
     if args.steps < MIN_STEPS:
-        raise UsageError(f"--steps {args.steps}: the demo needs {MIN_STEPS} or more to show its straggler and its spike")
+        raise UsageError(f"--steps {args.steps}: the demo needs {MIN_STEPS} or more to show its straggler and spike")
     db = _db(args)
     _preflight(Config(db=db, port=args.port))
     if not args.no_dashboard:
