@@ -602,7 +602,7 @@ def cmd_import(args) -> None:
         raise UsageError(str(e)) from None
     for notice in getattr(trace, "notices", ()):
         print(f"rankwatch import: {notice}", file=sys.stderr)
-    if kineto and (trace.world_size or 0) > counts["ranks"]:
+    if isinstance(trace, KinetoTrace) and (trace.world_size or 0) > counts["ranks"]:
         print(
             f"rankwatch import: the traces hold {counts['ranks']} of the job's {trace.world_size} ranks "
             "(distributedInfo.world_size): the run is these ranks",
