@@ -343,7 +343,7 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     assert (
         train(
             nproc=2,
-            steps=120,
+            steps=80,
             run_id="pair-slow",
             faults=["straggler:rank=1,slowdown=3,from=30"],
             collector=collector.url,
