@@ -39,7 +39,7 @@ TOKEN = "bench-token-0123456789"
 BASELINE_APP = """
 import gzip, uvicorn
 from starlette.applications import Starlette
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse)
@@ -49,8 +49,8 @@ async def traces(request):
     ExportTraceServiceRequest().ParseFromString(body)
     return Response(ExportTraceServiceResponse().SerializeToString(), media_type="application/x-protobuf")
 
-async def healthz(request):
-    return Response("ok")
+async def healthz(request):  # JSON, as the collector's: the shared API client reads nothing else
+    return JSONResponse({"status": "ok"})
 
 app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]), Route("/healthz", healthz)])
 uvicorn.run(app, host="127.0.0.1", port=int(__import__("sys").argv[1]), log_level="warning")

@@ -11,6 +11,7 @@ st.set_page_config(page_title="rankwatch", page_icon=":material/monitoring:", la
 PAGES = [
     st.Page("views/overview.py", title="Overview", icon=":material/health_metrics:", default=True),
     st.Page("views/stragglers.py", title="Stragglers", icon=":material/directions_walk:"),
+    st.Page("views/ranks.py", title="Ranks & nodes", icon=":material/dns:"),
     st.Page("views/collectives.py", title="Collectives", icon=":material/hub:"),
     st.Page("views/checkpoints.py", title="Checkpoints & rollbacks", icon=":material/history:"),
     st.Page("views/hangs.py", title="Hangs", icon=":material/hourglass_disabled:"),

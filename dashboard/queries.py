@@ -126,6 +126,26 @@ FROM s JOIN med USING (step) WHERE m > 0 AND (len($ranks) = 0 OR list_contains($
 GROUP BY rank ORDER BY compute_ratio DESC LIMIT $limit
 """
 
+# Every rank of the run with its placement (host, stage, replica, TP rank, device), how it computes
+# against the step median (as SLOWEST_RANKS), its step time, exposed communication and newest step, and
+# its GPU's mean power over the run's newest minute of samples (null where it sends none).
+RANK_TABLE = """
+WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s, duration_s FROM current_steps
+           WHERE run_id = $run),
+med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
+per_rank AS (SELECT rank, avg(c / m) AS compute_ratio, median(c) AS compute_s, median(comm_wait_s) AS comm_wait_s,
+                    median(duration_s) AS step_s, max(step) AS last_step, count(*) AS steps
+             FROM s JOIN med USING (step) WHERE m > 0 GROUP BY rank),
+power AS (SELECT rank, ts, value FROM device_samples
+          WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')),
+watts AS (SELECT rank, avg(value) AS watts FROM power WHERE ts > (SELECT max(ts) FROM power) - INTERVAL 60 SECOND
+          GROUP BY rank)
+SELECT rank, host, local_rank, pp_stage, dp_rank, tp_rank, device, steps, last_step, compute_ratio, compute_s,
+       comm_wait_s, step_s, watts
+FROM ranks LEFT JOIN per_rank USING (rank) LEFT JOIN watts USING (rank)
+WHERE run_id = $run ORDER BY rank
+"""
+
 # One step of a few ranks, laid out in time from the step's first start: the ops the agent sent
 # (phases, collectives), and for a rank-step without phase spans its data, compute and exposed
 # communication from the step row. The ranks: the $slowest slowest of that step (of $ranks, where

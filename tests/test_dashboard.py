@@ -31,7 +31,7 @@ from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
-PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
+PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
 RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"])
 
 
@@ -179,6 +179,28 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     at.number_input(key="timeline_step").set_value(20).run()
     assert not at.exception
     assert at.query_params["step"] == "20"  # the page's URL shows what it shows
+
+
+def test_ranks_and_nodes_lead_with_the_slow_nodes_and_filter_by_host(from_store):
+    """Every rank where it runs and how it does; per node, the slowest first (the straggler's and the
+    throttled rank's nodes), with a link to their heatmap rows; a host filter keeps that node's ranks."""
+    at = from_store("ranks", FLEET["run"])
+    nodes, ranks = (frame.value for frame in at.dataframe)
+    assert sorted(ranks["rank"]) == list(range(FLEET["ranks"]))
+    host_of = dict(zip(ranks["rank"], ranks["host"], strict=True))
+    slow = {host_of[FLEET["straggler"]], host_of[FLEET["thermal"]]}
+    assert set(nodes["host"].head(len(slow))) == slow
+    assert nodes["worst_ratio"].iloc[0] > 1.15 and (nodes["worst_ratio"].iloc[len(slow) :] < 1.15).all()
+    assert nodes["ranks"].map(lambda text: len(ranksets.parse(text))).sum() == FLEET["ranks"]
+    (link,) = [p for p in at.page_link if p.proto.page == "stragglers"]
+    params = dict(parse_qsl(link.proto.query_string))
+    assert set(ranksets.parse(params["ranks"])) == {r for r, h in host_of.items() if h == nodes["host"].iloc[0]}
+    at.text_input(key="host_filter").set_value(host_of[FLEET["straggler"]]).run()
+    assert not at.exception
+    nodes, ranks = (frame.value for frame in at.dataframe)
+    assert list(nodes["host"]) == [host_of[FLEET["straggler"]]]
+    assert FLEET["straggler"] in set(ranks["rank"]) and set(ranks["host"]) == {host_of[FLEET["straggler"]]}
+    assert at.query_params["host"] == host_of[FLEET["straggler"]]
 
 
 def drawn(at: AppTest, mark: str) -> list[pd.DataFrame]:
