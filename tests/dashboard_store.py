@@ -2,7 +2,8 @@
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
 events and device samples from GPUs (one of them failing); a job that ended with a straggler to its
-end; and a bare run (step times only), for the pages' empty states."""
+end; a bare run (step times only), for the pages' empty states; and two ranks' profiler traces,
+imported."""
 
 import math
 import time
@@ -13,7 +14,7 @@ import httpx
 from agent import semconv as sc
 from agent.export import Exporter
 from collector.reports.query import run_remote
-from tests.conftest import Collector, free_port, simulated_store, wait_until
+from tests.conftest import Collector, free_port, rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import exporters, send_steps
 
 ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
@@ -31,6 +32,8 @@ NAN = {
 }  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
 BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
 ENDED = {"run": "run-ended", "ranks": 4, "steps": 40, "slow": 2, "from": 10}  # rank 2 computes 2x from step 10
+# two ranks' PyTorch profiler traces (tests/data/kineto), imported: a run no agent sent
+IMPORTED = {"run": "imported-kineto", "traces": ("sampled_rank-0.json.gz", "sampled_rank-1.json.gz")}
 MS = 1_000_000
 
 
@@ -57,6 +60,9 @@ def build(directory: Path) -> Path:
             _ended_run(collector)
         finally:
             collector.stop()
+    traces = [str(Path(__file__).parent / "data" / "kineto" / name) for name in IMPORTED["traces"]]
+    imported = rankwatch_in_process("import", "kineto", *traces, "--run", IMPORTED["run"], "--db", str(db))
+    assert imported.returncode == 0, imported.stderr
     return db
 
 

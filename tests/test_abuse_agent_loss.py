@@ -113,7 +113,9 @@ def _requests(collector, code: str) -> float:
 
 
 def test_simulate_paces_itself_to_a_collector_that_takes_one_request_at_a_time(collector_factory):
-    collector = collector_factory(None, "--max-queue-bytes", "1")  # a request waits alone; the others get 503
+    collector = collector_factory(
+        None, "--max-queue-bytes", "1", "--workers", "2"
+    )  # a request waits alone; the others get 503
     ranks, steps = 32, 6
     result = rankwatch_in_process(
         *("simulate", "--ranks", str(ranks), "--tp", "2", "--steps", str(steps), "--run", "paced"),

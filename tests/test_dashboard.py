@@ -26,13 +26,13 @@ from collector.analysis.analyzers import Finding, health
 from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
-from tests.dashboard_store import BARE, ENDED, FLEET, HANG, NAN
+from tests.dashboard_store import BARE, ENDED, FLEET, HANG, IMPORTED, NAN
 
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
-RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"])
+RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"], IMPORTED["run"])
 
 
 def open_page(page: str, run: str) -> AppTest:
