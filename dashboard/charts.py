@@ -207,7 +207,7 @@ def with_markers(series: pd.DataFrame, value: str, markers: pd.DataFrame, rolled
         .encode(
             x="step:Q",
             color=alt.Color("marker:N", scale=alt.Scale(scheme="dark2"), legend=alt.Legend(orient="bottom")),
-            tooltip=["step", "marker", "detail"],
+            tooltip=[alt.Tooltip("step:Q", format="d"), "marker:N", "detail:N"],
         )
     )
     return (line + abandoned + rules).properties(height=260)
