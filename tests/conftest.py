@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -50,13 +51,20 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 30
 # Decode processes of a test's collector, unless it asks for some (`--workers`): decoding in a thread is
 # the collector's own `--workers 0`, and each decode process costs about 0.7 s of CPU to start, which
 # over a hundred collectors was an eighth of the suite's CPU. The tests of decode processes and of what
-# ends with them (floods, kill -9, the decoders) ask for them.
+# ends with them (floods, kill -9, the decoders) ask for them; the benches, which start collectors with
+# this class too, keep the collector's default.
 TEST_WORKERS = ("--workers", "0")
+
+
+def pytest_configure(config) -> None:
+    Collector.workers = TEST_WORKERS
 
 
 @dataclass
 class Collector:
     """A `rankwatch collector` process and how to reach it."""
+
+    workers: ClassVar[tuple[str, ...]] = ()  # decode processes unless `extra_args` says: the collector's default
 
     db: Path
     port: int
@@ -86,7 +94,7 @@ class Collector:
                 str(self.port),
                 "--token",
                 self.token,
-                *(() if "--workers" in self.extra_args else TEST_WORKERS),
+                *(() if "--workers" in self.extra_args else self.workers),
                 *self.extra_args,
             ],
             stdout=self.log,
