@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import importlib
 import io
 import os
 import signal
@@ -57,7 +58,8 @@ TEST_WORKERS = ("--workers", "0")
 
 
 def pytest_configure(config) -> None:
-    Collector.workers = TEST_WORKERS
+    for module in ("conftest", "tests.conftest"):  # pytest loads this file as the first, tests import both
+        importlib.import_module(module).Collector.workers = TEST_WORKERS
 
 
 @dataclass
