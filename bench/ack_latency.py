@@ -39,7 +39,7 @@ def latencies(extra_runs: int, seconds: float, directory: Path) -> list[float]:
         collector = Collector(
             directory / f"store-{extra_runs}.duckdb",
             free_port(),
-            "bench-token",
+            "bench-token-0123456789",
             extra_args=("--analyze-every", "1"),
             log=log,
         ).start()

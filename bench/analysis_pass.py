@@ -130,7 +130,11 @@ def commit_latency(spikes: int) -> Table:
     for rate in (10, 100):
         with tempfile.TemporaryDirectory() as directory, open(Path(directory) / "collector.log", "w") as log:
             collector = Collector(
-                Path(directory) / "rw.duckdb", free_port(), "bench", log=log, extra_args=("--analyze-every", "3600")
+                Path(directory) / "rw.duckdb",
+                free_port(),
+                "bench-token-0123456789",
+                log=log,
+                extra_args=("--analyze-every", "3600"),
             ).start()
             try:
                 run, step_s = f"latency-{rate}", 1 / rate

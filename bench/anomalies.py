@@ -64,7 +64,11 @@ def cpu_curves(steps: int, seeds: int, directory: Path) -> dict[str, pd.DataFram
     runs = []
     with open(directory / "collector.log", "w") as log:
         collector = Collector(
-            directory / "curves.duckdb", free_port(), "bench-token", extra_args=("--no-auto-rollback",), log=log
+            directory / "curves.duckdb",
+            free_port(),
+            "bench-token-0123456789",
+            extra_args=("--no-auto-rollback",),
+            log=log,
         ).start()
         try:
             for model in ("tiny", "small"):

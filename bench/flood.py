@@ -2,9 +2,10 @@
 
 For each flood, a fresh collector (default settings) is started and flooded for `--seconds`
 while one well-behaved sender exports a small trace every 100 ms (on 503 it waits Retry-After
-and sends again, as the OpenTelemetry exporters do: its latency runs to the 200) and a prober
-GETs /healthz every 100 ms. Reported: the peak RSS of the collector's process tree (server,
-decode workers, writer), the sender's export p99 and count, and /healthz's slowest answer.
+and sends again, as the OpenTelemetry exporters do: its latency runs to the 200) and a prober,
+a process of its own, GETs /healthz every 100 ms. Reported: the peak RSS of the collector's
+process tree (server, decode workers, writer), the sender's export p99 and count, and
+/healthz's slowest answer.
 
 Floods:
 - bombs: `--senders` threads posting valid 19 MiB trace requests gzipped ~200-fold, back to back;
@@ -24,6 +25,7 @@ import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -128,15 +130,23 @@ def well_behaved(collector: Collector, stop: threading.Event, taken: list[float]
             time.sleep(0.1)
 
 
-def healthz(collector: Collector, stop: threading.Event, taken: list[float]) -> None:
-    while not stop.is_set():
-        started = time.perf_counter()
-        try:
-            httpx.get(f"{collector.url}/healthz", timeout=10)
-            taken.append(time.perf_counter() - started)
-        except httpx.HTTPError:
-            taken.append(max(10.0, time.perf_counter() - started))
-        time.sleep(0.1)
+# The /healthz prober, a process of its own as a health checker is: in the bench's process it waited for
+# the interpreter behind a hundred sender threads, and measured that. It GETs /healthz every 100 ms until
+# its standard input closes, then prints each answer's seconds (10 or more: none came in 10 s).
+PROBE = """
+import json, sys, threading, time, urllib.request
+taken, stop = [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    started = time.perf_counter()
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/healthz", timeout=10).read()
+        taken.append(time.perf_counter() - started)
+    except OSError:
+        taken.append(max(10.0, time.perf_counter() - started))
+    stop.wait(0.1)
+print(json.dumps(taken))
+"""
 
 
 def run(name: str, args, directory: Path) -> list[str]:
@@ -144,7 +154,7 @@ def run(name: str, args, directory: Path) -> list[str]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.collector_nofile, hard), hard))  # the collector's
     try:
         with open(directory / f"collector-{name}.log", "w") as log:
-            collector = Collector(directory / f"{name}.duckdb", free_port(), "bench-token", log=log).start()
+            collector = Collector(directory / f"{name}.duckdb", free_port(), "bench-token-0123456789", log=log).start()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the flood's
     stop = threading.Event()
@@ -153,17 +163,16 @@ def run(name: str, args, directory: Path) -> list[str]:
     held: list[socket.socket] = []
     try:
         with PeakRss(collector.process.pid) as rss:
-            watchers = [
-                threading.Thread(target=well_behaved, args=(collector, stop, exports), daemon=True),
-                threading.Thread(target=healthz, args=(collector, stop, probes), daemon=True),
-            ]
-            for w in watchers:
-                w.start()
+            prober = subprocess.Popen(
+                [sys.executable, "-c", PROBE, collector.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            watcher = threading.Thread(target=well_behaved, args=(collector, stop, exports), daemon=True)
+            watcher.start()
             held = flood(name, collector, args, stop)
             time.sleep(args.seconds)
             stop.set()
-            for w in watchers:
-                w.join(timeout=60)
+            probes += json.loads(prober.communicate(timeout=60)[0])
+            watcher.join(timeout=60)
         log_bytes = Path(log.name).stat().st_size
     finally:
         stop.set()

@@ -40,7 +40,9 @@ def job(directory: Path, steps: int, spike_at: int, pace: list[str]) -> dict:
     """One job's timeline, in seconds from the spiked step's end."""
     db = directory / "rw.duckdb"
     with open(directory / "collector.log", "w") as log:
-        collector = Collector(db, free_port(), "bench", log=log, extra_args=("--analyze-every", "3600")).start()
+        collector = Collector(
+            db, free_port(), "bench-token-0123456789", log=log, extra_args=("--analyze-every", "3600")
+        ).start()
         try:
             status = train(
                 nproc=1,

@@ -209,6 +209,14 @@ def check_address(host: str, port: int) -> None:
         probe.bind((host, port))
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, its listen queue lengthened once it listens (collector/receive/connections.py)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        connections.lengthen_listen_queue(s for server in self.servers for s in server.sockets)
+
+
 def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint; exit non-zero when the store gave
     up on its writer (Store.failure), for a supervisor to start it again."""
@@ -217,7 +225,7 @@ def serve(config: Config) -> None:
     print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
     print(describe_decoder(), flush=True)
     http = connections.protocol(connections.usable_connections(config.max_connections), config.header_timeout_s)
-    app.state.server = uvicorn.Server(
+    app.state.server = _Server(
         uvicorn.Config(
             app,
             host=config.host,

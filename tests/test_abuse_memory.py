@@ -5,13 +5,16 @@ OTLP/JSON is bounded before its costly conversion. One real collector with small
 
 import gzip
 import json
+import shutil
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from collector.receive import otlp
+from collector.receive import connections, otlp
 from collector.receive.decode import MAX_ATTRIBUTES
 from tests.conftest import Collector, free_port, wait_until
 from tests.floods import PeakRss, idle_connection, padded_trace, partial_upload, statuses
@@ -136,6 +139,18 @@ def test_connections_that_stall_in_their_headers_are_closed_and_healthz_stays_fa
     log = small.log.name
     with open(log) as f:
         assert sum("over the cap of" in line for line in f) <= 2, "closing over the cap flooded the log"
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs iproute2's ss to read the listen queue")
+def test_the_kernel_queues_a_flood_of_connections_for_the_collector_to_accept(small):
+    """The listening socket queues LISTEN_QUEUE connections (or what the kernel allows), not the 128
+    asyncio accepts in one turn: beside a flood of connects, a full queue drops a new connection's first
+    packet and its client waits a second to send it again (a /healthz probe took 1.07 s)."""
+    listening = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{small.port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    allowed = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(listening[2]) == min(connections.LISTEN_QUEUE, allowed)  # Send-Q: the queue's length
 
 
 def test_json_is_refused_past_its_cap_and_for_crowded_resources_and_scopes(small):

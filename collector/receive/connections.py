@@ -15,22 +15,31 @@ value is raised to the hard one; a closing over the cap logs once an interval.
 
 import asyncio
 import logging
+import os
 import resource
+import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("rankwatch.collector")
-ACCEPT_BACKLOG = 128  # connections the kernel queues, and asyncio accepts in one turn before any is seen
+ACCEPT_BACKLOG = 128  # connections asyncio accepts in one turn of the event loop
+# Connections the kernel queues before they are accepted: where the queue is full it drops a new
+# connection's first packet, and the client sends it again a second later (a /healthz probe took 1.07 s
+# beside a flood of connections). Linux caps it at net.core.somaxconn.
+LISTEN_QUEUE = 4096
 FD_RESERVE = 64  # descriptors kept for all but connections: the listening socket, pipes, logs
 LOG_EVERY_S = 10.0
+# Connections closed for their late headers in one turn of the event loop at most: thousands opened
+# together are late together, and closing them in one turn held /healthz for a second.
+CLOSE_PER_TURN = 256
 
 
 def usable_connections(wanted: int) -> int:
     """`wanted`, or fewer where the file-descriptor limit (its soft value raised to the hard one)
-    could not hold that many beside a full accept backlog and the collector's own files."""
+    could not hold that many beside a full listen queue and the collector's own files."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -40,7 +49,7 @@ def usable_connections(wanted: int) -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(1, min(wanted, soft - ACCEPT_BACKLOG - FD_RESERVE))
+    return max(1, min(wanted, soft - LISTEN_QUEUE - FD_RESERVE))
 
 
 class _Closings:
@@ -63,6 +72,15 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]
     """uvicorn's h11 protocol with the header deadline and the connection cap, for one server."""
     waiting: OrderedDict[H11Protocol, None] = OrderedDict()  # connections awaiting request headers, oldest first
     closings = _Closings(max_connections)
+    late: deque[H11Protocol] = deque()  # past their header deadline, to be closed a turn's worth at a time
+
+    def close_late() -> None:
+        for _ in range(min(len(late), CLOSE_PER_TURN)):
+            connection = late.popleft()
+            if connection.conn.their_state is h11.IDLE and not connection.transport.is_closing():
+                connection.transport.close()
+        if late:
+            asyncio.get_running_loop().call_soon(close_late)  # after what else is ready: a request, /healthz
 
     class Bounded(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -103,6 +121,16 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]
         def _headers_late(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE:
-                self.transport.close()
+                late.append(self)
+                if len(late) == 1:
+                    self.loop.call_soon(close_late)
 
     return Bounded
+
+
+def lengthen_listen_queue(sockets) -> None:
+    """Let the kernel queue LISTEN_QUEUE connections on each listening socket, while asyncio goes on
+    accepting ACCEPT_BACKLOG a turn (it sets both from one number)."""
+    for listening in sockets:
+        with socket.socket(fileno=os.dup(listening.fileno())) as duplicate:
+            duplicate.listen(LISTEN_QUEUE)
