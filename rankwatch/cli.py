@@ -301,6 +301,7 @@ def _print_report(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from collector.analysis.analyzers import whatif
     from collector.reports.terminal import markup_safe
 
     w, console, run = report.whatif, Console(), markup_safe(report.run_id)
@@ -308,22 +309,7 @@ def _print_report(report) -> None:
         console.print(f"[bold]run {run}[/]: Flight Recorder dumps, no steps: no what-if analysis")
         _print_findings(report.findings, console)
         return
-    idle = (
-        ""
-        if w.idle_slowdown is None
-        else (
-            f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, {w.idle_slowdown:.2f}x the ops "
-            f"back to back"
-        )
-    )
-    console.print(
-        f"[bold]run {run}[/]: {w.steps} steps of {w.ranks} ranks; mean step "
-        f"{w.simulated_step_s:.3f} s (ops back to back) against {w.ideal_step_s:.3f} s with every op at "
-        f"its typical duration: [bold]slowdown {w.slowdown:.2f}x[/], pattern [bold]{w.pattern}[/]"
-        + (f" ({'rank' if len(w.culprits) == 1 else 'ranks'} {_ranks(w.culprits)})" if w.culprits else "")
-        + f"; the worst rank alone explains {100 * w.concentration:.0f}% of it"
-        + idle
-    )
+    console.print(f"[bold]run {run}[/]: {markup_safe(whatif.summary(w))}")
     if report.loss is not None and report.loss.any:  # conclusions drawn where data is missing: say so first
         console.print(f"[bold red]{report.loss.summary()}[/]: the analysis below is drawn on partial data")
     explained = Table("explained by", "slowdown", title="what-if: only these at their real durations")
@@ -570,7 +556,8 @@ def cmd_import(args) -> None:
     from collector.receive.imports.flight_recorder import FlightRecorderDumps
     from collector.receive.imports.kineto import KinetoTrace
     from collector.receive.imports.ops import OpTrace
-    from collector.store.db import StoreLocked
+    from collector.reports import postmortem
+    from collector.store.db import StoreLocked, connect
 
     db, paths = _db(args), [Path(p) for p in args.path]
     kineto = args.format == "kineto"
@@ -598,6 +585,8 @@ def cmd_import(args) -> None:
                     progress.advance(task, batch.num_rows)
 
             counts = store_run(db, args.run, batches(), trace.placement_frame, **run)
+        with connect(db) as con:  # no collector drew its story as it went: its findings are drawn now
+            postmortem.record(con, postmortem.analyze_run(con, args.run))
     except (TraceError, StoreLocked) as e:
         raise UsageError(str(e)) from None
     for notice in getattr(trace, "notices", ()):

@@ -91,6 +91,15 @@ def test_overview_of_a_straggling_run(from_store):
     assert f"GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank {FLEET['thermal']}" in finding
 
 
+def test_overview_of_an_imported_trace_tells_its_what_if_not_healthy(from_store):
+    """Two profiled ranks, imported: the Overview says how much the slow rank cost (the import's
+    what-if finding), never that the run is healthy."""
+    at = from_store("overview", IMPORTED["run"])
+    shown = " ".join(texts(at.main.markdown) + texts(at.main.warning) + texts(at.main.success))
+    assert "Healthy" not in shown and "No analyzer finds anything wrong" not in shown
+    assert "slowdown 1.06x, pattern worker (rank 1)" in shown
+
+
 def test_overview_of_a_rolled_back_run_says_what_went_wrong_with_throughput_mfu_and_power(from_store):
     """Nothing fires at the run's end, yet its loss turned NaN and it was rolled back: that is its story, not
     "healthy"; its figures are its last ones (the run is silent), and say so."""

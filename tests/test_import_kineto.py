@@ -87,6 +87,22 @@ def test_files_given_one_by_one_are_one_run_and_read_as_one(sampled, tmp_path):
     assert "0 findings" not in text.stdout and "No findings" in text.stdout
 
 
+def test_an_imported_run_keeps_its_story_as_findings(sampled):
+    """No collector drew an imported run's findings as it went: the import draws them, the what-if's
+    among them, each ended with the trace, so the dashboard and `/metrics` tell the run's story."""
+    db, _, _ = sampled
+    ((kind, ranks, state, severity, score, summary, evidence),) = query(
+        db,
+        "SELECT kind, ranks, state, severity, score, summary, evidence FROM findings "
+        "WHERE run_id = 'sam' AND analyzer = 'whatif'",
+    )
+    assert (kind, list(ranks), state) == ("worker", [1], "ended")
+    assert severity == "warning" and score == pytest.approx(1.06, abs=0.01)  # rank 1 costs the run 6%
+    assert "slowdown 1.06x, pattern worker (rank 1)" in summary and "2.14x the ops back to back" in summary
+    assert json.loads(evidence)["resolved"] == "trace ended"
+    assert query(db, "SELECT count(*) FROM findings WHERE run_id = 'sam' AND state = 'firing'") == [(0,)]
+
+
 def test_an_ops_trace_is_one_file(tmp_path):
     result = rankwatch_in_process("import", "ops", "a.csv", "b.csv", "--run", "r", "--db", str(tmp_path / "s.duckdb"))
     assert result.returncode == 2

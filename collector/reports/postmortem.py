@@ -14,12 +14,13 @@ are missing are drawn on partial data, and the report says so.
 """
 
 import json
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import asdict, dataclass
 
 import duckdb
 import pandas as pd
 
-from collector.analysis import losses
+from collector.analysis import findings, losses
 from collector.analysis.analyzers import Finding, hangs, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.engine import replay
@@ -34,6 +35,9 @@ _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.s
                FROM ops WHERE run_id = ? AND kind = 'comm' AND attrs->>'$.is_p2p' = 'false' AND seq IS NOT NULL
                ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
+WHATIF = "whatif"  # the analyzer an imported run's what-if finding is recorded under
+WHATIF_WARNS = 1.05  # a what-if slowdown from which its finding is a warning: 5% of the run lost
+TRACE_ENDED = "trace ended"  # why an imported run's findings are no longer firing
 
 
 @dataclass
@@ -68,6 +72,36 @@ def analyze_run(
     found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
     return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id))
+
+
+def record(con: duckdb.DuckDBPyConnection, report: Report) -> None:
+    """Keep an imported run's report as its findings, each ended with the trace (state `ended`,
+    "trace ended"), the what-if's among them (analyzer WHATIF; a warning from WHATIF_WARNS): the
+    dashboard, the alerts and `/metrics` read a run's story from `findings`, and no collector drew
+    an imported run's as it went."""
+    drawn: dict[str, list[Finding]] = defaultdict(list)
+    for finding in report.findings:
+        drawn[finding.analyzer].append(finding)
+    if report.whatif is not None:
+        drawn[WHATIF].append(_whatif_finding(report.run_id, report.whatif))
+    for analyzer, of_analyzer in drawn.items():
+        findings.record(con, report.run_id, analyzer, of_analyzer)
+    findings.end_run(con, report.run_id, TRACE_ENDED, state=findings.ENDED)
+
+
+def _whatif_finding(run_id: str, w: whatif.WhatIf) -> Finding:
+    return Finding(
+        run_id,
+        w.pattern,
+        w.culprits,
+        None,
+        None,
+        "warning" if w.slowdown >= WHATIF_WARNS else "info",
+        w.slowdown,
+        whatif.summary(w),
+        asdict(w),
+        analyzer=WHATIF,
+    )
 
 
 def _process_groups(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

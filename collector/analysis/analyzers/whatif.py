@@ -34,6 +34,8 @@ from typing import TypedDict
 import numpy as np
 import pandas as pd
 
+from collector import ranksets
+
 # rank, step, op type and seconds of a run's compute and communication ops (see `parts`)
 PARTS_SQL = """
 SELECT rank, step, CASE
@@ -75,6 +77,23 @@ class WhatIf:
     pattern: str = "none"  # none | worker | stage | widespread | communication
     culprits: list[int] = field(default_factory=list)  # ranks that alone explain most of the slowdown
     concentration: float = 0.0  # share of the excess that the worst worker alone explains
+
+
+def summary(w: WhatIf) -> str:
+    """The report in a sentence: the slowdown, its pattern and who explains it, and the launch delay
+    and idle kept apart from it."""
+    culprits = f" ({'rank' if len(w.culprits) == 1 else 'ranks'} {ranksets.compact(w.culprits)})" if w.culprits else ""
+    idle = (
+        ""
+        if w.idle_slowdown is None
+        else f"; launch delay and idle, apart: measured {w.actual_step_s:.3f} s, "
+        f"{w.idle_slowdown:.2f}x the ops back to back"
+    )
+    return (
+        f"{w.steps} steps of {w.ranks} ranks; mean step {w.simulated_step_s:.3f} s (ops back to back) against "
+        f"{w.ideal_step_s:.3f} s with every op at its typical duration: slowdown {w.slowdown:.2f}x, pattern "
+        f"{w.pattern}{culprits}; the worst rank alone explains {100 * w.concentration:.0f}% of it{idle}"
+    )
 
 
 def _family(op_type: str) -> str:
