@@ -16,7 +16,9 @@ table = ui.frame("busbw", run=run)
 st.subheader("Bus bandwidth by collective and size")
 if table.empty:
     st.caption(
-        "No collectives with a size: the job's agent times them with `agent.watch_ddp` or `agent.watch_collectives`."
+        "No collectives with a size: a job's agent times them with `agent.watch_ddp` or "
+        "`agent.watch_collectives`; an imported profiler trace has them where its NCCL kernels carry their "
+        "message sizes (`In msg nelems`, recorded by recent PyTorch profilers)."
     )
 else:
     st.altair_chart(charts.busbw(table), width="stretch")
