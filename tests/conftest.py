@@ -94,8 +94,7 @@ class Collector:
                 str(self.db),
                 "--port",
                 str(self.port),
-                "--token",
-                self.token,
+                f"--token={self.token}",  # a token of the user's own may start with "-"
                 *(() if "--workers" in self.extra_args else self.workers),
                 *self.extra_args,
             ],

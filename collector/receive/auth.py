@@ -14,6 +14,9 @@ from agent.config import TokenError, read_token
 from agent.paths import TOKEN_FILE
 
 
+TOKEN_PREFIX = "rw_"
+
+
 def load_or_create_token(data_dir: Path) -> str:
     """The token stored beside the DB, checked (agent.config.TokenError when empty or short), or made on
     first start: written whole to a private temporary file and linked into place, so a crash or a full
@@ -25,7 +28,9 @@ def load_or_create_token(data_dir: Path) -> str:
             return read_token(path)
         except TokenError as e:  # left by an older collector, or written by hand
             raise TokenError(f"{e} (remove it, and the collector writes a new one)") from None
-    token = secrets.token_urlsafe(32)
+    # the prefix names it to secret scanners, and a token never starts with "-", which a command line
+    # (`--token -x...`) would read as an option
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     fd, temporary = tempfile.mkstemp(prefix=f".{TOKEN_FILE}-", dir=data_dir)  # mode 0600
     try:
         with os.fdopen(fd, "w") as f:
