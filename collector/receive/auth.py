@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse
 from agent.config import TokenError, read_token
 from agent.paths import TOKEN_FILE
 
-
 TOKEN_PREFIX = "rw_"
 
 
