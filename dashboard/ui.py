@@ -22,6 +22,14 @@ SIMULATED = " · simulated"  # after the label of a figure drawn from simulated 
 # No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
 # and the hang analyzer's shortest stall is as long
 SILENT_S = 30.0
+# A rank's figures in a table, as the Stragglers and the Ranks & nodes pages show them
+RANK_COLUMNS = {
+    "compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
+    "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
+    "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f"),
+    "step_s": st.column_config.NumberColumn("step, s", format="%.3f"),
+    "watts": st.column_config.NumberColumn("power, W", format="%.0f"),
+}
 STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
 
 

@@ -10,13 +10,6 @@ from collector import ranksets
 from dashboard import ui
 
 PLACEMENT = (("pp_stage", "stage"), ("dp_rank", "replica"), ("tp_rank", "TP rank"))
-FIGURES = {
-    "compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
-    "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
-    "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f"),
-    "step_s": st.column_config.NumberColumn("step, s", format="%.3f"),
-    "watts": st.column_config.NumberColumn("power, W", format="%.0f"),
-}
 
 run = ui.current_run()
 st.title("Ranks & nodes")
@@ -69,7 +62,7 @@ st.dataframe(
     hide_index=True,
     width="stretch",
     column_config={
-        **FIGURES,
+        **ui.RANK_COLUMNS,
         "worst_ratio": st.column_config.NumberColumn("worst rank / median", format="%.3f"),
         "compute_ratio": st.column_config.NumberColumn("median rank / median", format="%.3f"),
         "watts": st.column_config.NumberColumn("power, W (all GPUs)", format="%.0f"),
@@ -90,5 +83,5 @@ st.dataframe(
     shown.drop(columns=[c for c, _ in PLACEMENT if shown[c].isna().all()]),
     hide_index=True,
     width="stretch",
-    column_config={**FIGURES, **{c: st.column_config.NumberColumn(what, format="%d") for c, what in PLACEMENT}},
+    column_config={**ui.RANK_COLUMNS, **{c: st.column_config.NumberColumn(what, format="%d") for c, what in PLACEMENT}},
 )

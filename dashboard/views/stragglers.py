@@ -51,11 +51,7 @@ st.dataframe(
     slowest,
     hide_index=True,
     width="stretch",
-    column_config={
-        "compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
-        "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
-        "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f"),
-    },
+    column_config=ui.RANK_COLUMNS,
 )
 
 st.subheader("Compute against the step median, rank x step" + of_chosen)

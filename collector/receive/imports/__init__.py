@@ -26,6 +26,24 @@ class TraceError(ValueError):
     """A trace that cannot be imported; the message names the file and what is wrong."""
 
 
+def files_of(paths: Iterable[Path], kept: Callable[[Path], bool], what: str) -> list[Path]:
+    """The files given, and in each directory given the files `kept` takes, in name order: one run's
+    traces, named on a command line file by file, by directory, or both. TraceError for a path that
+    is not there and a directory with none of `what` in it."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and kept(p))
+            if not found:
+                raise TraceError(f"{path}: no {what} in this directory")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TraceError(f"{path}: no such file or directory")
+    return files
+
+
 _STEPS_FROM_OPS = """
 INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s, data_s, compute_s, comm_wait_s)
 SELECT run_id, rank, step, min(start_ts), max(end_ts),

@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, canonical_op
-from collector.receive.imports import TraceError
+from collector.receive.imports import TraceError, files_of
 
 EVENT = "flight_recorder_dump"
 _RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")
@@ -59,19 +59,8 @@ class _PlainData(pickle.Unpickler):
 def dump_files(*paths: Path) -> list[tuple[int, Path]]:
     """(rank, file) of the dumps given and of every file in each directory given (dot files aside), in
     rank order."""
-    files = []
-    for path in paths:
-        if path.is_dir():
-            found = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
-            if not found:
-                raise TraceError(f"{path}: no dump in this directory")
-            files += found
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise TraceError(f"{path}: no such file or directory")
     ranked: dict[int, Path] = {}
-    for file in files:
+    for file in files_of(paths, lambda p: not p.name.startswith("."), "dump"):
         m = _RANK_AT_END.search(file.name)
         if not m:
             raise TraceError(

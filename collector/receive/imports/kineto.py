@@ -40,7 +40,7 @@ import pyarrow as pa
 
 from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, bandwidths, canonical_op
-from collector.receive.imports import TraceError
+from collector.receive.imports import TraceError, files_of
 
 _GPU_OPS = {"kernel": sc.KIND_COMPUTE, "gpu_memcpy": sc.KIND_OTHER, "gpu_memset": sc.KIND_OTHER}
 _LAUNCHES = ("cuda_runtime", "cuda_driver")
@@ -62,18 +62,7 @@ _COLLECTIVE = {
 
 def trace_files(*paths: Path) -> list[Path]:
     """The trace files given, and each given directory's trace files (*.json, *.json.gz) in name order."""
-    files = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
-            if not found:
-                raise TraceError(f"{path}: no *.json or *.json.gz trace in this directory")
-            files += found
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise TraceError(f"{path}: no such file or directory")
-    return files
+    return files_of(paths, lambda p: p.name.endswith((".json", ".json.gz")), "*.json or *.json.gz trace")
 
 
 def load(path: Path) -> dict:
