@@ -1,7 +1,7 @@
 """Ranks & nodes: every rank where it runs (host, stage, replica, TP rank, device) and how it does
 against its peers, and the same per node: a slow node is its ranks slow together. Filtered by
-host, stage and replica (a link may set them: `?host=`, `?stage=`, `?replica=`); a node's ranks
-open on the Stragglers page."""
+host (a link may set it: `?host=`), stage, replica and TP rank; the slowest node's ranks open on
+the Stragglers page."""
 
 import pandas as pd
 import streamlit as st
@@ -45,7 +45,7 @@ nodes = (
         compute_ratio=("compute_ratio", "median"),
         step_s=("step_s", "median"),
         comm_wait_s=("comm_wait_s", "median"),
-        watts=("watts", "sum"),
+        watts=("watts", lambda w: w.sum(min_count=1)),  # none where no GPU of the node sent power
         last_step=("last_step", "min"),
     )
     .sort_values("worst_ratio", ascending=False)
