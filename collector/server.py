@@ -41,6 +41,7 @@ from collector.receive.ingest import Ingestor
 from collector.reports import queryapi
 from collector.store.db import connect
 from collector.store.handle import Overloaded, Store
+from collector.store.writer import MEMORY_HEADROOM
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2
@@ -57,6 +58,7 @@ class Config:
     workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
     max_queue_bytes: int = 128 * 2**20  # decompressed request bytes waiting for commit before exports get 503
     max_reading_bytes: int = 64 * 2**20  # request body bytes being read, all connections together, before 503
+    writer_memory: int = MEMORY_HEADROOM  # the writer's address space past what it maps once the store is open
     body_timeout_s: float = 60.0  # the longest an export's body may take to arrive (408 after)
     header_timeout_s: float = 10.0  # the longest a connection may take to send its request headers
     max_connections: int = 4096  # open connections (fewer where file descriptors are fewer)
@@ -92,6 +94,7 @@ def create_app(config: Config) -> Starlette:
             on_commit=metrics.observe_commit,
             tasks=(analysis, Delivery(config.alerts)),
             on_failure=stop_failed,
+            memory_headroom=config.writer_memory,
         )
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)

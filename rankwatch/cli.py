@@ -187,6 +187,7 @@ def cmd_collector(args) -> None:
         workers=args.workers,
         max_queue_bytes=args.max_queue_bytes,
         max_reading_bytes=args.max_reading_bytes,
+        **({"writer_memory": args.writer_memory} if args.writer_memory else {}),
         header_timeout_s=args.header_timeout,
         max_connections=args.max_connections,
         analyze_every_s=args.analyze_every,
@@ -934,6 +935,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=POSITIVE,
         default=128 * 2**20,
         help="request bytes (decompressed) waiting for commit before exports get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--writer-memory",
+        type=POSITIVE,
+        metavar="BYTES",
+        help="memory the writer process (commits, analysis, queries) may take past what it maps at start; "
+        "past it a query gets 400 and a commit 503 (default 1.5 GiB; raise it for jobs of tens of "
+        "thousands of ranks)",
     )
     p.add_argument(
         "--max-reading-bytes",

@@ -563,3 +563,29 @@ def test_a_large_query_gives_its_address_space_back(api):
         time.sleep(0.2)
     assert address_space(writer) - before < kept
     assert post(api.collector, "traces", trace_body(step_spans("run-space", 0, range(5)))).status_code == 200
+
+
+def test_the_writers_memory_is_set_on_the_command_line(tmp_path):
+    """`--writer-memory BYTES`: the writer's cap is what it maps at start plus BYTES (a job of tens of
+    thousands of ranks needs more for its analysis; a small one may take less), and a query past it
+    is refused, one line, 400."""
+    smaller = 768 * 2**20
+    with open(tmp_path / "collector.log", "w") as log:
+        collector = Collector(
+            tmp_path / "rankwatch.duckdb",
+            free_port(),
+            "test-token-0123456",
+            extra_args=("--writer-memory", str(smaller)),
+            log=log,
+        ).start()
+        try:
+            writer = writer_of(collector)
+            limits = (writer / "limits").read_text().splitlines()
+            cap = int(next(line for line in limits if line.startswith("Max address space")).split()[3])
+            assert smaller - 256 * 2**20 < cap - address_space(writer) <= smaller  # less what it mapped since
+            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+                refused = http.post("/api/v1/query", json={"sql": "SELECT length(repeat('x', 900000000))"})
+                assert refused.status_code == 400 and refused.json()["error"].startswith("Out of Memory")
+                assert http.post("/api/v1/query", json={"sql": "SELECT 42"}).json()["rows"] == [[42]]
+        finally:
+            collector.stop()

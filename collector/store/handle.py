@@ -52,15 +52,18 @@ class Store:
         on_commit: Callable[[float, int], None] | None = None,
         tasks: Sequence[writer.Task] = (),
         on_failure: Callable[[], None] | None = None,
+        memory_headroom: int = writer.MEMORY_HEADROOM,
     ):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`.
         `tasks`: what the writer runs beside its commits (writer.Task), handed to each writer started.
-        `on_failure`: called once the store has given up on its writer."""
+        `on_failure`: called once the store has given up on its writer. `memory_headroom`: the
+        writer's address space past what it maps once the store is open (writer.MEMORY_HEADROOM)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_queue_bytes = max_queue_bytes
         self._on_commit, self._on_failure = on_commit, on_failure
         self._tasks = tuple(tasks)
+        self._memory_headroom = memory_headroom
         self._context = multiprocessing.get_context("spawn")
         for name, value in children.RETURN_ADDRESS_SPACE.items():  # for the writer's memory cap
             os.environ.setdefault(name, value)
@@ -89,7 +92,7 @@ class Store:
         self._acks = self._context.Queue()
         self._process = self._context.Process(
             target=writer.main,
-            args=(self.path, self._tasks, self.requests, self._acks),
+            args=(self.path, self._tasks, self.requests, self._acks, self._memory_headroom),
             name="rankwatch-writer",
             daemon=True,
         )

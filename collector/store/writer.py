@@ -53,9 +53,10 @@ DIGEST_RETENTION = timedelta(hours=1)
 GROUP_LINGER_S = 0.010
 # Threads for read-only queries (the query API): they read snapshots beside the commit loop.
 QUERY_THREADS = 2
-# The writer's memory past what it maps once the store is open: DuckDB's buffer pool (shared by the
-# queries and the commits, which evict cached blocks for what they need) and 512 MiB for what DuckDB does
-# not count: the batches queued for commit, the analysis's arrays, the strings a query builds. Past it an
+# The writer's memory past what it maps once the store is open, by default (`rankwatch collector
+# --writer-memory`): DuckDB's buffer pool (shared by the queries and the commits, which evict cached blocks
+# for what they need) and 512 MiB for what DuckDB does not count: the batches queued for commit, the
+# analysis's arrays (more for jobs of tens of thousands of ranks), the strings a query builds. Past it an
 # allocation fails where it is made: the query gets Out of Memory (400), a commit rolls back and its
 # clients send again (503), nothing acknowledged is lost, and the writer goes on.
 MEMORY_HEADROOM = readonly.MEMORY_LIMIT + 512 * 2**20
@@ -293,8 +294,9 @@ class _Writer:
             self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
 
 
-def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
-    """The writer process: open the store, say Ready (or StartFailed), then run until told to stop."""
+def main(path: Path, tasks: Sequence[Task], queued, acks, memory_headroom: int = MEMORY_HEADROOM) -> None:
+    """The writer process: open the store, say Ready (or StartFailed), then run until told to stop, its
+    address space capped at what it maps once the store is open plus `memory_headroom`."""
     die_with_parent()
     bound_heap()
     try:
@@ -302,6 +304,6 @@ def main(path: Path, tasks: Sequence[Task], queued, acks) -> None:
     except Exception as e:
         acks.put(StartFailed(str(e), isinstance(e, StoreLocked)))
         return
-    cap_memory(MEMORY_HEADROOM)
+    cap_memory(memory_headroom)
     acks.put(Ready())
     writer.run(queued, acks)
