@@ -84,25 +84,45 @@ class Collector:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self) -> "Collector":
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rankwatch",
-                "collector",
-                "--db",
-                str(self.db),
-                "--port",
-                str(self.port),
-                f"--token={self.token}",  # a token of the user's own may start with "-"
-                *(() if "--workers" in self.extra_args else self.workers),
-                *self.extra_args,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+        """Start it and wait until it answers; where its port was taken meanwhile (free_port's port is
+        free when chosen, and another test's connection may take it before the collector binds it),
+        again on another port."""
+        for attempt in range(3):
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rankwatch",
+                    "collector",
+                    "--db",
+                    str(self.db),
+                    "--port",
+                    str(self.port),
+                    f"--token={self.token}",  # a token of the user's own may start with "-"
+                    *(() if "--workers" in self.extra_args else self.workers),
+                    *self.extra_args,
+                ],
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                wait_healthy(self.url, self.process)
+                return self
+            except RuntimeError:
+                if attempt == 2 or not self._port_was_taken():
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _port_was_taken(self) -> bool:
+        """Whether the collector exited because something else listens on its port (its log says so)."""
+        name = getattr(self.log, "name", None)
+        return (
+            self.process is not None
+            and self.process.returncode == 2
+            and isinstance(name, str)
+            and "Address already in use" in Path(name).read_text()
         )
-        wait_healthy(self.url, self.process)
-        return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Stop the process (SIGTERM drains; SIGKILL simulates a crash); returns its exit status."""
