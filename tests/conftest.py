@@ -87,7 +87,7 @@ class Collector:
         """Start it and wait until it answers; where its port was taken meanwhile (free_port's port is
         free when chosen, and another test's connection may take it before the collector binds it),
         again on another port."""
-        for attempt in range(3):
+        for attempts_left in (2, 1, 0):
             self.process = subprocess.Popen(
                 [
                     sys.executable,
@@ -107,12 +107,12 @@ class Collector:
             )
             try:
                 wait_healthy(self.url, self.process)
-                return self
+                break
             except RuntimeError:
-                if attempt == 2 or not self._port_was_taken():
+                if not attempts_left or not self._port_was_taken():
                     raise
                 self.port = free_port()
-        raise AssertionError("unreachable")
+        return self
 
     def _port_was_taken(self) -> bool:
         """Whether the collector exited because something else listens on its port (its log says so)."""

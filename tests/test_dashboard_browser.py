@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.dashboard_store import FLEET, HANG, NAN
+from tests.dashboard_store import ENDED, FLEET, HANG, IMPORTED, NAN
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = (
@@ -38,6 +38,8 @@ PAGES = [
     ("power", FLEET["run"], "No power cap to apply", 4),
     ("compare", NAN["run"], f"Compare {NAN['run']} with", 3),
     ("sql", FLEET["run"], "Download CSV", 0),
+    ("", IMPORTED["run"], "slowdown 1.06x, pattern worker (rank 1)", 0),  # an imported profiler trace
+    ("", ENDED["run"], "stragglers / rank", 1),  # a run that ended with a straggler to its end
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -99,7 +101,7 @@ def screenshots(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("screenshots")
 
 
-@pytest.mark.parametrize("path, run, text, charts", PAGES, ids=[p[0] or "overview" for p in PAGES])
+@pytest.mark.parametrize("path, run, text, charts", PAGES, ids=[f"{p[0] or 'overview'}-{p[1]}" for p in PAGES])
 def test_page_loads_in_a_browser(dashboard, browser, screenshots, path, run, text, charts):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -120,7 +122,7 @@ def test_page_loads_in_a_browser(dashboard, browser, screenshots, path, run, tex
     )
     assert not browser.find_elements(By.CSS_SELECTOR, "[data-testid='stException']")
     assert "reading store" in browser.find_element(By.CSS_SELECTOR, "[data-testid='stSidebar']").text
-    shot = screenshots / f"{path or 'overview'}.png"
+    shot = screenshots / f"{path or 'overview'}-{run}.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
 

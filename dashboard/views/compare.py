@@ -41,7 +41,7 @@ def share(frame: pd.DataFrame, x: str) -> pd.Series:
 def against_base(frame: pd.DataFrame, value: str) -> pd.Series:
     """`value` over the chosen run's median of it: 1 is the same as the chosen run."""
     base = frame.loc[frame["run"] == run, value].median()
-    return frame[value] / base if pd.notna(base) and base != 0 else frame[value] * float("nan")
+    return frame[value] / (base if pd.notna(base) and base != 0 else float("nan"))
 
 
 series = stacked("step_series", points=ui.POINTS)
