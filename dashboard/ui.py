@@ -180,9 +180,11 @@ def finding_cost(row: pd.Series) -> str | None:
     if measured.get("lost_s_per_step") is None:
         return None
     hours = measured.get("gpu_hours_lost")
+    # as the analyzer's summary beside it writes small figures (0.001), whole hours past ten
+    so_far = "" if hours is None else f", {hours:,.{3 if hours < 10 else 0}f} GPU-hours so far"
     return (
         f"Costs **{measured['lost_s_per_step']:.3f} s per step** ({measured.get('lost_percent', 0):.1f}% of the "
-        f"step time)" + (f", {hours:.2f} GPU-hours so far." if hours is not None else ".")
+        f"step time){so_far}."
     )
 
 

@@ -54,6 +54,7 @@ if beats.empty:
     st.caption("No heartbeats from this run.")
 else:
     beats["first_ranks"] = beats["first_ranks"].map(ranksets.compact)
+    beats["phase"] = beats["phase"].fillna("—")  # between phases, or a job that names none
     st.dataframe(
         beats,
         hide_index=True,
