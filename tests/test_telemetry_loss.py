@@ -113,7 +113,7 @@ def store(tmp_path_factory) -> dict:
                     and scraped[ARRIVING["run"]] is not None
                 )
 
-            wait_until(counted, "/metrics counting the lost rank-steps", timeout_s=30)
+            wait_until(counted, "/metrics counting the lost rank-steps", timeout_s=90)
         finally:
             collector.stop()
     return {"db": directory / "rankwatch.duckdb", "metrics": scraped}
