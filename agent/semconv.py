@@ -155,6 +155,9 @@ HOST_POWER_W = "hw.power"  # W, averaged since the previous reading
 # Rollbacks (trainer/rollback.py): a command from the collector, carried out by every rank.
 EVENT_ROLLBACK = "rollback"  # the state went back to a checkpoint, with what follows
 EVENT_STOPPED = "training_stopped"  # the job stopped itself (rollback budget spent), with why
+EVENT_IMPORTED = "trace_imported"  # written by `rankwatch import`: the run is a trace recorded elsewhere
+IMPORT_FORMAT = "rankwatch.import.format"  # on trace_imported: kineto, flight-recorder or ops
+IMPORTED_AT = "rankwatch.import.at"  # on trace_imported: when it was imported (ISO 8601, UTC)
 EVENT_ENDED = "ended"  # the rank's training loop ended: what follows (a last checkpoint, teardown) is no stall
 ROLLBACK_RESTORED_STEP = "rankwatch.rollback.restored_step"
 ROLLBACK_SKIPPED_BATCHES = "rankwatch.rollback.skipped_batches"

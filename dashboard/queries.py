@@ -10,19 +10,23 @@ named ($run, ...); each query takes exactly those it names.
 from agent import semconv as sc
 
 # Runs, newest first, with what their status is drawn from (dashboard/ui.py `run_status`): when each was
-# first and last heard from (its newest step or event), how many ranks said their loop ended and when, the
+# first and last heard from (its first step or event, or when the collector first saw it, whichever came first;
+# its newest step or event), whether it is an imported trace, how many ranks said their loop ended and when, the
 # findings firing (recommendations, severity info, aside), whether a hang fires, and its worst finding ever.
 RUNS = f"""
 SELECT r.run_id, greatest(r.world_size, k.ranks) AS ranks, r.first_seen, s.last_step,
+       make_timestamp_ns(least(epoch_ns(r.first_seen), s.first_start_ns, e.first_event_ns)) AS first_heard,
        make_timestamp_ns(greatest(s.last_end_ns, e.last_event_ns)) AS last_heard,
+       coalesce(e.imported, false) AS imported,
        coalesce(e.ended_ranks, 0) AS ended_ranks, make_timestamp_ns(e.ended_ns) AS ended_at,
        make_timestamp_ns(s.last_end_ns) AS last_step_end,
        coalesce(f.firing, 0) AS firing, coalesce(f.hung, false) AS hung, w.worst, w.worst_severity
 FROM runs r
 LEFT JOIN (SELECT run_id, count(*) AS ranks FROM ranks GROUP BY run_id) k USING (run_id)
-LEFT JOIN (SELECT run_id, max(step) AS last_step, epoch_ns(max(end_ts)) AS last_end_ns FROM steps GROUP BY run_id) s
-       USING (run_id)
-LEFT JOIN (SELECT run_id, epoch_ns(max(ts)) AS last_event_ns,
+LEFT JOIN (SELECT run_id, max(step) AS last_step, epoch_ns(min(start_ts)) AS first_start_ns,
+                  epoch_ns(max(end_ts)) AS last_end_ns FROM steps GROUP BY run_id) s USING (run_id)
+LEFT JOIN (SELECT run_id, epoch_ns(min(ts)) AS first_event_ns, epoch_ns(max(ts)) AS last_event_ns,
+                  bool_or(event = '{sc.EVENT_IMPORTED}') AS imported,
                   count(DISTINCT rank) FILTER (WHERE event = '{sc.EVENT_ENDED}') AS ended_ranks,
                   epoch_ns(max(ts) FILTER (WHERE event = '{sc.EVENT_ENDED}')) AS ended_ns
            FROM events GROUP BY run_id) e USING (run_id)
@@ -96,6 +100,7 @@ RUN_ACTIVITY = f"""
 SELECT (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = '{sc.EVENT_ENDED}') AS ended_ranks,
        (SELECT count(*) FROM ranks WHERE run_id = $run) AS ranks,
        (SELECT count(*) > 0 FROM findings WHERE run_id = $run AND analyzer = 'hangs' AND state = 'firing') AS hung,
+       (SELECT count(*) > 0 FROM events WHERE run_id = $run AND event = '{sc.EVENT_IMPORTED}') AS imported,
        greatest((SELECT max(end_ts) FROM steps WHERE run_id = $run), (SELECT max(ts) FROM events WHERE run_id = $run),
                 (SELECT max(ts) FROM device_samples WHERE run_id = $run)) AS last_seen
 """
@@ -242,6 +247,21 @@ WITH last AS (
 SELECT hb.step AS step, nullif(hb.phase, '') AS phase, hb.op AS op, hb."group" AS "group", hb.seq AS seq,
        hb.done AS done, count(*) AS ranks, list(rank ORDER BY rank)[1:16] AS first_ranks, max(last_seen) AS last_seen
 FROM last GROUP BY ALL ORDER BY ranks, step
+"""
+
+# Without heartbeats (an imported Flight Recorder dump): where each rank stands in each process group's
+# collectives, grouped: the newest it entered, in what state, and the newest it completed. A group
+# blocked in a collective shows most members inside it and its culprits before it. Point-to-point ops
+# are left out: their numbers count a pair's transfers, not the group's collectives.
+COLLECTIVE_PROGRESS = """
+WITH last AS (
+    SELECT comm_group, rank, max(seq) AS seq, arg_max(name, seq) AS op, arg_max(attrs->>'$.state', seq) AS state,
+           max(seq) FILTER (WHERE attrs->>'$.state' = 'completed') AS completed
+    FROM ops WHERE run_id = $run AND kind = 'comm' AND seq IS NOT NULL AND attrs->>'$.is_p2p' = 'false'
+    GROUP BY comm_group, rank)
+SELECT comm_group AS "group", op, seq, state, completed, count(*) AS ranks,
+       list(rank ORDER BY rank)[1:16] AS first_ranks
+FROM last GROUP BY ALL ORDER BY "group", seq DESC, ranks DESC
 """
 
 # Which device metrics a run has, from how many ranks, and where they came from (nvml, simulated, rapl).

@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from collector import quantities, ranksets
+from collector.analysis.findings import ENDED, ROLLED_BACK, TRACE_ENDED
 from dashboard import charts, evidence, queries, source, units
 from dashboard.source import QueryFailed
 
@@ -66,6 +67,8 @@ def not_live_because(run: str) -> str | None:
         return "the run has ended"
     if row["hung"]:
         return "the run is hung"
+    if row["imported"]:
+        return "the run is an imported trace"
     if not isinstance(data_source(), source.CollectorSource):
         return "no collector is writing this store"
     if pd.isna(row["last_seen"]) or (now() - row["last_seen"]).total_seconds() > SILENT_S:
@@ -108,7 +111,7 @@ def current_run() -> str:
 
 @dataclass(frozen=True)
 class RunStatus:
-    """Where a run stands: `state` running | ended | hung | silent; `words` say it with since when;
+    """Where a run stands: `state` running | ended | hung | silent | imported; `words` say it with since when;
     `as_of`: when its figures were last current, for a run that is not running (they are stale)."""
 
     state: str
@@ -127,9 +130,11 @@ def now() -> pd.Timestamp:
 
 
 def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
-    """A run's status from its row of the `runs` query: ended once every rank said its loop ended
-    (and no step came after), hung while a hang finding fires (silent too, once nothing comes: a hung
-    job's silence is no recovery), silent once nothing came for SILENT_S, else running."""
+    """A run's status from its row of the `runs` query: imported for a trace recorded elsewhere (it
+    ends where the trace does), ended once every rank said its loop ended (and no step came after),
+    hung while a hang finding fires (silent too, once nothing comes: a hung job's silence is no
+    recovery), silent once nothing came for SILENT_S, else running. Its duration runs from its first
+    step or event to its newest."""
     heard, ended_at = row["last_heard"], row["ended_at"]
     silent = pd.notna(heard) and ((now() if at is None else at) - heard).total_seconds() > SILENT_S
     ended = (
@@ -137,7 +142,9 @@ def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
         and row["ended_ranks"] >= row["ranks"]
         and (pd.isna(row["last_step_end"]) or row["last_step_end"] <= ended_at)
     )
-    duration = _duration(heard - row["first_seen"]) if pd.notna(heard) else "—"
+    duration = _duration(heard - row["first_heard"]) if pd.notna(heard) else "—"
+    if row["imported"]:
+        return RunStatus("imported", f"imported trace, recorded until {clock(heard)}", heard, duration)
     if ended:
         return RunStatus("ended", f"ended {clock(ended_at)}", ended_at, duration)
     if row["hung"]:
@@ -148,8 +155,12 @@ def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
 
 
 def _duration(span: pd.Timedelta) -> str:
-    seconds = max(int(span.total_seconds()), 0)
-    hours, rest = divmod(seconds, 3600)
+    """A run's length as a person says it: to the hundredth of a second for a short trace, to the
+    minute for a long run."""
+    exact = max(span.total_seconds(), 0.0)
+    if exact < 60:
+        return f"{exact:.2f} s" if exact < 10 else f"{exact:.0f} s"
+    hours, rest = divmod(int(exact), 3600)
     return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
 
 
@@ -189,10 +200,12 @@ def finding_cost(row: pd.Series) -> str | None:
 
 
 def outcome(row: pd.Series) -> str:
-    """How a finding that no longer fires ended: held to the run's end, undone by a rollback, or over."""
-    if row["state"] == "ended":
-        return "held to the run's end"
-    if (row["evidence"] or {}).get("resolved") == "rolled back":
+    """How a finding that no longer fires ended: held to the run's (or the imported trace's) end,
+    undone by a rollback, or over."""
+    why = (row["evidence"] or {}).get("resolved")
+    if row["state"] == ENDED:
+        return "held to the trace's end" if why == TRACE_ENDED else "held to the run's end"
+    if why == ROLLED_BACK:
         return "rolled back"
     return "resolved" if pd.isna(row["step_end"]) else f"resolved after step {int(row['step_end'])}"
 

@@ -569,10 +569,10 @@ def cmd_import(args) -> None:
             trace = KinetoTrace(*paths)
             # profiles are often taken on a sample of a job's ranks: the run is the ranks imported, the
             # others are not telemetry lost (a notice says how many the job had)
-            run = {"step_columns": trace.step_columns}
+            run = {"step_columns": trace.step_columns, "trace_format": args.format}
         elif args.format == "flight-recorder":
             trace = FlightRecorderDumps(*paths)
-            run = {"world_size": trace.world_size, "events": trace.events}
+            run = {"world_size": trace.world_size, "events": trace.events, "trace_format": args.format}
         elif len(paths) > 1:
             raise UsageError("an ops trace is one file (Parquet or CSV) holding every rank")
         else:

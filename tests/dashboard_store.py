@@ -2,10 +2,11 @@
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
 events and device samples from GPUs (one of them failing); a job that ended with a straggler to its
-end; a bare run (step times only), for the pages' empty states; and two ranks' profiler traces,
-imported."""
+end; a bare run (step times only), for the pages' empty states; two ranks' profiler traces,
+imported; and a hung 4-rank job's Flight Recorder dumps, imported (collectives, no steps)."""
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from agent.export import Exporter
 from collector.reports.query import run_remote
 from tests.conftest import Collector, free_port, rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import exporters, send_steps
+from tests.flight_dumps import HUNG as FLIGHT_HUNG
+from tests.flight_dumps import T0, job, write
 
 ANALYSIS = ("--analyze-every", "1", "--hang-after", "3", "--power-every", "1")
 FLEET = {"run": "sim-straggler", "ranks": 32, "steps": 60, "straggler": 5, "thermal": 12}
@@ -34,11 +37,14 @@ BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
 ENDED = {"run": "run-ended", "ranks": 4, "steps": 40, "slow": 2, "from": 10}  # rank 2 computes 2x from step 10
 # two ranks' PyTorch profiler traces (tests/data/kineto), imported: a run no agent sent
 IMPORTED = {"run": "imported-kineto", "traces": ("sampled_rank-0.json.gz", "sampled_rank-1.json.gz")}
+# a 4-rank job's Flight Recorder dumps, imported: rank 2 never entered all_reduce #7 of the world group
+FLIGHT = {"run": "imported-flight-recorder", "ranks": 4, "culprit": 2, "seq": 7}
+FLIGHT_DUMPED_NS = T0 + 600 * 1_000_000_000
 MS = 1_000_000
 
 
 def build(directory: Path) -> Path:
-    """The four runs in one store, its collector stopped (the store is free to open read-only)."""
+    """The runs in one store, its collector stopped (the store is free to open read-only)."""
     fleet = [f"straggler:rank={FLEET['straggler']},slowdown=1.3,from=10", f"thermal:rank={FLEET['thermal']},from=10"]
     db = simulated_store(
         directory,
@@ -62,6 +68,11 @@ def build(directory: Path) -> Path:
             collector.stop()
     traces = [str(Path(__file__).parent / "data" / "kineto" / name) for name in IMPORTED["traces"]]
     imported = rankwatch_in_process("import", "kineto", *traces, "--run", IMPORTED["run"], "--db", str(db))
+    assert imported.returncode == 0, imported.stderr
+    dumps = write(directory / "flight-recorder", job(FLIGHT_HUNG))
+    for dump in dumps.iterdir():  # written when the watchdog gave up, 10 minutes into the stall
+        os.utime(dump, ns=(FLIGHT_DUMPED_NS, FLIGHT_DUMPED_NS))
+    imported = rankwatch_in_process("import", "flight-recorder", str(dumps), "--run", FLIGHT["run"], "--db", str(db))
     assert imported.returncode == 0, imported.stderr
     return db
 

@@ -26,13 +26,13 @@ from collector.analysis.analyzers import Finding, health
 from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
-from tests.dashboard_store import BARE, ENDED, FLEET, HANG, IMPORTED, NAN
+from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, NAN
 
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
-RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"], IMPORTED["run"])
+RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"], IMPORTED["run"], FLIGHT["run"])
 
 
 def open_page(page: str, run: str) -> AppTest:
@@ -98,6 +98,32 @@ def test_overview_of_an_imported_trace_tells_its_what_if_not_healthy(from_store)
     shown = " ".join(texts(at.main.markdown) + texts(at.main.warning) + texts(at.main.success))
     assert "Healthy" not in shown and "No analyzer finds anything wrong" not in shown
     assert "slowdown 1.06x, pattern worker (rank 1)" in shown
+    # a trace recorded elsewhere, not a run gone silent; as long as its two profiled steps, not its import
+    status, length = texts(at.main.markdown)[0].split(" · ")
+    assert status.startswith("**Imported trace, recorded until ") and "silent" not in shown.lower()
+    assert length.endswith(" s long") and 0 < float(length.removesuffix(" s long")) < 10
+    assert any(t.startswith("An imported trace: the figures are its last steps'") for t in texts(at.caption))
+    assert not any(t.startswith("Stale") for t in texts(at.caption))
+
+
+def test_an_imported_flight_recorder_dump_shows_where_each_rank_stands_in_its_collectives(from_store):
+    """Dumps hold collectives, no steps: the Overview says so and what went wrong (the hang the dumps
+    show); the Hangs page names the culprit and groups the ranks by the newest collective each
+    entered, since no heartbeat says where they were."""
+    at = from_store("overview", FLIGHT["run"])
+    assert texts(at.main.markdown)[0].startswith("**Imported trace, recorded until ")
+    assert texts(at.main.warning) == ["**What went wrong:** 1 finding (hangs / hang), worst first below."]
+    (story,) = [t for t in texts(at.main.markdown) if t.startswith("- **hangs / hang**")]
+    assert story.startswith("- **hangs / hang** (critical, held to the trace's end):")
+    assert any(t.startswith("This trace records no training steps") for t in texts(at.main.info))
+    at = from_store("hangs", FLIGHT["run"])
+    (verdict,) = texts(at.main.error)
+    assert verdict == f"**Hung when the trace was taken.** Culprits: **rank {FLIGHT['culprit']}**."
+    (progress,) = at.dataframe
+    world = progress.value[progress.value["group"] == "0"].set_index("first_ranks")
+    waiting = ", ".join(str(r) for r in range(FLIGHT["ranks"]) if r != FLIGHT["culprit"])
+    assert world.loc[waiting, ["op", "seq", "state"]].tolist() == ["all_reduce", FLIGHT["seq"], "started"]
+    assert world.loc[str(FLIGHT["culprit"]), ["seq", "completed"]].tolist() == [FLIGHT["seq"] - 1] * 2
 
 
 def test_overview_of_a_rolled_back_run_says_what_went_wrong_with_throughput_mfu_and_power(from_store):
@@ -132,7 +158,9 @@ def test_overview_of_an_ended_run_tells_what_went_wrong(from_store):
     """A straggler held to the run's end is what went wrong with it, with its onset and cost, not a resolved
     finding in a collapsed box; the run reads as ended, and its figures as of its last step."""
     at = from_store("overview", ENDED["run"])
-    assert texts(at.main.markdown)[0].startswith("**Ended ")
+    status, length = texts(at.main.markdown)[0].split(" · ")
+    assert status.startswith("**Ended ") and length.endswith(" s long")  # its steps span about 20 s
+    assert 10 <= float(length.removesuffix(" s long")) < 60
     assert not [t for t in texts(at.main.success) if "Healthy" in t]
     (verdict,) = texts(at.main.warning)
     assert verdict == "**What went wrong:** 1 finding (stragglers / rank), worst first below."
@@ -166,10 +194,11 @@ def test_the_run_list_gives_each_runs_status_duration_ranks_and_worst_finding(fr
     assert listed.loc[ENDED["run"], "status"].startswith("ended ")
     assert listed.loc[HANG["run"], "status"].startswith("hung, silent since ")
     assert listed.loc[BARE["run"], "status"].startswith("silent since ")
+    assert listed.loc[IMPORTED["run"], "status"].startswith("imported trace, recorded until ")
     assert listed.loc[ENDED["run"], "ranks"] == ENDED["ranks"] and listed.loc[HANG["run"], "ranks"] == HANG["ranks"]
     assert listed.loc[ENDED["run"], "worst finding"].startswith(f"stragglers / rank: rank {ENDED['slow']} computes")
     assert listed.loc[BARE["run"], "worst finding"] == "none"
-    assert all(listed["duration"].str.match(r"\d+ (min|h) "))
+    assert all(listed["duration"].str.fullmatch(r"\d+\.\d\d s|\d+ s|\d+ min \d\d s|\d+ h \d\d min")), listed["duration"]
 
 
 def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store):
@@ -441,7 +470,7 @@ def test_hangs_names_the_culprit_and_the_collective(from_store):
     at = from_store("hangs", HANG["run"])
     assert texts(at.main.markdown)[0].startswith("Run status: **hung, silent since ")
     (verdict,) = texts(at.main.error)  # the headline; the hang finding is not repeated under it
-    assert verdict.startswith("**Hung for ") and f"Culprits: **rank {HANG['rank']}**" in verdict
+    assert verdict.startswith(f"**Hung in step {HANG['at']} for ") and f"Culprits: **rank {HANG['rank']}**" in verdict
     waiting = HANG["ranks"] - 1
     assert (
         f"{waiting} ranks (0–2, 4–7) are blocked in **all_reduce #{HANG['at']}** of group **world**, which "

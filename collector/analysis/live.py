@@ -39,8 +39,6 @@ from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.analysis")
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
-RUN_ENDED = "run ended"  # why the findings of an ended run resolve (their evidence's `resolved`)
-ROLLED_BACK = "rolled back"  # why the findings of steps a rollback abandoned resolve
 # The collector's stop waits for its last pass: past this, the runs left are judged when it next
 # hears from them, from their stored cursors (a backlog of a thousand runs must not hold a stop).
 LAST_PASS_S = 20.0
@@ -270,7 +268,7 @@ class Analysis:
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
-                findings.end_run(con, run_id, ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
+                findings.end_run(con, run_id, findings.ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
             findings.record_pass(
                 con,
                 run_id,
@@ -302,7 +300,7 @@ class Analysis:
             findings.end_run(
                 con,
                 run_id,
-                RUN_ENDED,
+                findings.RUN_ENDED,
                 self.alerts,
                 keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run),
                 state=findings.ENDED,

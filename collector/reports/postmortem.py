@@ -37,7 +37,6 @@ _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.s
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
 WHATIF = "whatif"  # the analyzer an imported run's what-if finding is recorded under
 WHATIF_WARNS = 1.05  # a what-if slowdown from which its finding is a warning: 5% of the run lost
-TRACE_ENDED = "trace ended"  # why an imported run's findings are no longer firing
 
 
 @dataclass
@@ -86,7 +85,7 @@ def record(con: duckdb.DuckDBPyConnection, report: Report) -> None:
         drawn[WHATIF].append(_whatif_finding(report.run_id, report.whatif))
     for analyzer, of_analyzer in drawn.items():
         findings.record(con, report.run_id, analyzer, of_analyzer)
-    findings.end_run(con, report.run_id, TRACE_ENDED, state=findings.ENDED)
+    findings.end_run(con, report.run_id, findings.TRACE_ENDED, state=findings.ENDED)
 
 
 def _whatif_finding(run_id: str, w: whatif.WhatIf) -> Finding:

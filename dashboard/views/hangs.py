@@ -21,6 +21,8 @@ if firing.empty:
         st.success("Not hung now; earlier stalls below.")
     elif status.state == "running":
         st.success("Not hung: steps keep finishing.")
+    elif status.state == "imported":
+        st.success(f"No stall in this trace ({status.words}).")
     else:
         st.success(f"Never hung while it sent telemetry; the run is {status.words}.")
 else:
@@ -28,10 +30,16 @@ else:
     evidence = hang["evidence"] or {}
     collective = evidence.get("collective") or {}
     culprits = ranksets.phrase(hang["ranks"])
-    head = "Hung at the run's end" if hang["state"] == "ended" else "Hung"
+    head = {"imported": "Hung when the trace was taken", "ended": "Hung at the run's end"}.get(
+        status.state if status.state == "imported" else hang["state"], "Hung"
+    )
+    if pd.notna(hang["step_start"]):
+        head += f" in step {int(hang['step_start'])}"
+    if "stalled_s" in evidence:  # a live job's stall; a dump knows no clock of the job's
+        head += f" for {evidence['stalled_s']:.0f} s"
     silent_since = evidence.get("silent_since_ns")
     quiet = f" Every rank silent since {ui.clock(pd.Timestamp(silent_since, tz='UTC'))}." if silent_since else ""
-    st.error(f"**{head} for {evidence.get('stalled_s', 0):.0f} s.** Culprits: **{culprits}**.{quiet}")
+    st.error(f"**{head}.** Culprits: **{culprits}**.{quiet}")
     if collective:
         waiting = collective.get("waiting_ranks", [])
         st.markdown(
@@ -50,8 +58,27 @@ ui.show_findings(
 
 st.subheader("Where each rank was when last heard from")
 beats = ui.frame("last_heartbeats", run=run)
-if beats.empty:
-    st.caption("No heartbeats from this run.")
+progress = ui.frame("collective_progress", run=run) if beats.empty else beats
+if beats.empty and not progress.empty:  # a Flight Recorder dump: each group's collectives, rank by rank
+    progress["first_ranks"] = progress["first_ranks"].map(ranksets.compact)
+    st.dataframe(
+        progress,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "op": st.column_config.TextColumn("last collective entered"),
+            "seq": st.column_config.NumberColumn("its #"),
+            "completed": st.column_config.NumberColumn("last # completed"),
+            "first_ranks": st.column_config.TextColumn("ranks (first 16)"),
+        },
+    )
+    st.caption(
+        "From the ranks' collective records (Flight Recorder dumps): in each process group, the ranks grouped by "
+        "the newest collective they entered and its state. A blocked group shows most members inside one "
+        "collective and its culprits at an earlier one."
+    )
+elif beats.empty:
+    st.caption("No heartbeats from this run, and no collective records.")
 else:
     beats["first_ranks"] = beats["first_ranks"].map(ranksets.compact)
     beats["phase"] = beats["phase"].fillna("—")  # between phases, or a job that names none

@@ -61,13 +61,18 @@ def live() -> None:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
     _telemetry_loss()
     if complete.empty:
-        st.info("No complete step yet.")
-        return
-    if status.as_of is not None:  # figures of a run that is not running are its last ones, not now's
-        st.caption(
-            f"Stale: the run is {status.state}; the figures are as of its last step, "
-            f"{ui.clock(now['end_ts'].iloc[-1])}."
+        st.info(
+            "This trace records no training steps (a Flight Recorder dump holds collectives alone): the Hangs page "
+            "shows where each rank stands in them."
+            if status.state == "imported"
+            else "No complete step yet."
         )
+        return
+    last = ui.clock(now["end_ts"].iloc[-1])
+    if status.state == "imported":
+        st.caption(f"An imported trace: the figures are its last steps', up to {last}.")
+    elif status.as_of is not None:  # figures of a run that is not running are its last ones, not now's
+        st.caption(f"Stale: the run is {status.state}; the figures are as of its last step, {last}.")
     step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
     tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
     not_live = ui.not_live_because(run)

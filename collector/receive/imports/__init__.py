@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
+from agent import semconv as sc
 from collector.receive.decode import arrow_schema, conform
 from collector.store.db import connect, create_tables
 
@@ -55,6 +56,15 @@ FROM ops WHERE run_id = ? AND step IS NOT NULL
 GROUP BY run_id, rank, step
 """
 
+# What tells an imported run from a live one's (a trace, recorded over a stretch of time, not a run
+# gone silent): one event at the trace's start (its first op's), naming its format and when it was imported.
+_IMPORTED = f"""
+INSERT INTO events (run_id, ts, event, body, attrs)
+SELECT run_id, min(start_ts), '{sc.EVENT_IMPORTED}', ?,
+       json_object('{sc.IMPORT_FORMAT}', ?, '{sc.IMPORTED_AT}', strftime(now(), '%Y-%m-%dT%H:%M:%SZ'))
+FROM ops WHERE run_id = ? GROUP BY run_id
+"""
+
 
 def store_run(
     db: Path,
@@ -64,9 +74,11 @@ def store_run(
     world_size: int | None = None,
     step_columns: Callable[[], pd.DataFrame] | None = None,
     events: Callable[[], pd.DataFrame] | None = None,
+    trace_format: str = "ops",
 ) -> dict[str, int]:
     """Write a run's ops (tables with `ops` columns, run_id left out) and derive its steps;
-    returns rows written per table. `placement`, called once the batches are read: rank and
+    returns rows written per table. `trace_format` names what was read (kineto, flight-recorder,
+    ops), in the run's `trace_imported` event. `placement`, called once the batches are read: rank and
     any of host, local_rank, dp_rank, pp_stage, tp_rank, device, pid. `step_columns`, called
     then too: rank, step and `steps` columns whose values replace the derived ones. `events`,
     called then too: rows of `events` (run_id left out). Raises TraceError (from the batches
@@ -87,6 +99,7 @@ def store_run(
             if not ops:
                 raise TraceError("the trace holds no ops")
             steps = con.execute(_STEPS_FROM_OPS, [run_id]).fetchall()[0][0]
+            con.execute(_IMPORTED, [f"{trace_format} trace imported", trace_format, run_id])
             if step_columns is not None:
                 measured = step_columns()
                 con.register("measured", measured)
