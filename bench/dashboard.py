@@ -218,7 +218,11 @@ def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
         "gpu_errors": {"limit": 50},
         "power_series": {"points": ui.POINTS},
     }
-    return {name: ({} if name == "runs" else {"run": RUN}) | extra.get(name, {}) for name in queries.QUERIES}
+    windowed = {"first": ui.EVERY_STEP[0], "last": ui.EVERY_STEP[1]}  # every step, as the pages ask by default
+    return {
+        name: ({} if name == "runs" else {"run": RUN}) | (windowed if "$first" in sql else {}) | extra.get(name, {})
+        for name, sql in queries.QUERIES.items()
+    }
 
 
 def timed(call) -> float:

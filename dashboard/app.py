@@ -43,7 +43,7 @@ if not runs.empty:
         list(labels),
         format_func=lambda run: labels[run],
         key="run",
-        on_change=lambda: st.query_params.update(run=st.session_state["run"]),
+        on_change=ui.picked_run,
     )
     if linked is not None and linked not in labels:  # never another run's pages under this one's link
         st.error(f"Run **{linked}** is unknown: {ui.data_source().label} has no such run. Pick one in the sidebar.")

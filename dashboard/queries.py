@@ -49,7 +49,9 @@ WHERE run_id = $run AND step > (SELECT max(step) FROM current_steps WHERE run_id
 GROUP BY step ORDER BY step
 """
 
-# The whole run, downsampled: medians over ranks per step, averaged over bins of steps.
+# Queries of a run's steps take the sidebar's window of steps, $first to $last (dashboard/ui.py `step_window`).
+
+# The run's steps in the window, downsampled: medians over ranks per step, averaged over bins of steps.
 STEP_SERIES = """
 WITH per_step AS (
     SELECT step, max(end_ts) AS end_ts, median(duration_s) AS step_s, median(compute_s) AS compute_s,
@@ -58,7 +60,7 @@ WITH per_step AS (
            avg(loss) FILTER (WHERE isfinite(loss)) AS loss,
            avg(grad_norm) FILTER (WHERE isfinite(grad_norm)) AS grad_norm,
            count(*) FILTER (WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)) AS non_finite
-    FROM current_steps WHERE run_id = $run GROUP BY step),
+    FROM current_steps WHERE run_id = $run AND step BETWEEN $first AND $last GROUP BY step),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
          FROM per_step)
 SELECT min(step) AS step, max(end_ts) AS end_ts, avg(step_s) AS step_s, avg(compute_s) AS compute_s,
@@ -109,7 +111,8 @@ SELECT (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = 
 # $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible. $ranks
 # (a list; empty for all) keeps those rows only, against the median of every rank.
 HEATMAP = """
-WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c FROM current_steps WHERE run_id = $run),
+WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c FROM current_steps
+           WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
 kept AS (SELECT * FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank)),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $step_bins))::BIGINT AS sw,
@@ -124,7 +127,7 @@ GROUP BY ALL
 # Ranks by their mean compute over the step median, slowest first; of $ranks only (empty: all).
 SLOWEST_RANKS = """
 WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s FROM current_steps
-           WHERE run_id = $run),
+           WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step)
 SELECT rank, avg(c / m) AS compute_ratio, avg(c) AS compute_s, avg(comm_wait_s) AS comm_wait_s
 FROM s JOIN med USING (step) WHERE m > 0 AND (len($ranks) = 0 OR list_contains($ranks, rank))
@@ -136,7 +139,7 @@ GROUP BY rank ORDER BY compute_ratio DESC LIMIT $limit
 # its GPU's mean power over the run's newest minute of samples (null where it sends none).
 RANK_TABLE = """
 WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s, duration_s FROM current_steps
-           WHERE run_id = $run),
+           WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
 per_rank AS (SELECT rank, avg(c / m) AS compute_ratio, median(c) AS compute_s, median(comm_wait_s) AS comm_wait_s,
                     median(duration_s) AS step_s, max(step) AS last_step, count(*) AS steps
@@ -180,6 +183,12 @@ ORDER BY rank, start_s
 # The run's first and last step, for step pickers.
 STEP_RANGE = "SELECT min(step) AS first, max(step) AS last FROM current_steps WHERE run_id = $run"
 
+# When a window of steps ran: its first step's start and its last step's end, on the wall clock.
+STEP_TIMES = """
+SELECT min(start_ts) AS start_ts, max(end_ts) AS end_ts FROM current_steps
+WHERE run_id = $run AND step BETWEEN $first AND $last
+"""
+
 # Bus bandwidth by collective, size and group size (nccl-tests' busbw): its median and 10th percentile
 # from one sort (the only sort: a median is the costliest thing here), the mean duration.
 BUSBW = """
@@ -201,7 +210,8 @@ FROM g ORDER BY of_median LIMIT $limit
 
 # Exposed communication per rank, in about $rank_bins bins of ranks.
 EXPOSED_COMM = """
-WITH s AS (SELECT rank, comm_wait_s, duration_s FROM current_steps WHERE run_id = $run AND comm_wait_s IS NOT NULL),
+WITH s AS (SELECT rank, comm_wait_s, duration_s FROM current_steps
+           WHERE run_id = $run AND step BETWEEN $first AND $last AND comm_wait_s IS NOT NULL),
 bins AS (SELECT greatest(1, ceil((max(rank) + 1) / $rank_bins))::BIGINT AS rw FROM s)
 SELECT rank // rw * rw AS rank_lo, max(rank) AS rank_hi, avg(comm_wait_s) AS comm_wait_s,
        avg(comm_wait_s / duration_s) AS share

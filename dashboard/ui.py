@@ -31,6 +31,7 @@ RANK_COLUMNS = {
     "step_s": st.column_config.NumberColumn("step, s", format="%.3f"),
     "watts": st.column_config.NumberColumn("power, W", format="%.0f"),
 }
+EVERY_STEP = (-(2**62), 2**62)  # a window with no bound: one open at the top follows a live run's newest step
 STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
 
 
@@ -102,6 +103,12 @@ def power_figure(run: str, live: bool) -> PowerFigure:
         simulated,
         row["as_of"],
     )
+
+
+def picked_run() -> None:
+    """The link names the run picked; another run's window of steps (`step_window`) is not this one's."""
+    st.query_params.pop("steps", None)
+    st.query_params["run"] = st.session_state["run"]
 
 
 def current_run() -> str:
@@ -297,6 +304,48 @@ def _link_to_stragglers(row: pd.Series) -> None:
         said.append(f"the timeline of step {params['step']}")
     if said:
         st.page_link(STRAGGLERS_PAGE, label="See " + " and ".join(said), icon=":material/grid_on:", query_params=params)
+
+
+def step_window(run: str) -> tuple[int, int]:
+    """The steps a page's charts and tables cover (`$first`, `$last` of the queries that take them):
+    every step, unless narrowed in the sidebar's slider or by a link's `?steps=A-B`. The window is
+    kept per run across pages; one that reaches the run's newest step stays open at the top, so it
+    follows a live run's new steps. Its wall-clock span is written under it."""
+    bounds = frame("step_range", run=run)
+    if bounds.empty or bounds["last"].isna().any() or bounds["first"].iloc[0] == bounds["last"].iloc[0]:
+        return EVERY_STEP
+    first, last = int(bounds["first"].iloc[0]), int(bounds["last"].iloc[0])
+    kept: dict[str, str] = st.session_state.setdefault("step_windows", {})
+    text = st.query_params.get("steps", kept.get(run))
+    try:
+        lo, hi = sorted(int(bound) for bound in (text or "").split("-", 1))
+        wanted = (min(max(lo, first), last), max(min(hi, last), first))
+        kept[run] = f"{wanted[0]}-{wanted[1]}"
+    except ValueError:  # none given, or not two steps
+        wanted = (first, last)
+    # set on every run: a page's slider is a widget of its own, which starts from this, never from the last page's
+    st.session_state["steps"] = wanted
+
+    def written() -> None:
+        lo, hi = st.session_state["steps"]
+        if (lo, hi) == (first, last):
+            st.query_params.pop("steps", None)
+            kept.pop(run, None)
+        else:
+            kept[run] = st.query_params["steps"] = f"{lo}-{hi}"
+
+    lo, hi = st.sidebar.slider(  # type: ignore[misc]  # a range slider: a tuple value gives a tuple back
+        "Steps",
+        first,
+        last,
+        key="steps",
+        on_change=written,
+        help="The window of steps this page's charts and tables cover; a link can set it (`?steps=100-200`).",
+    )
+    times = frame("step_times", run=run, first=lo, last=hi).iloc[0]
+    if pd.notna(times["start_ts"]):
+        st.sidebar.caption(f"{clock(times['start_ts'])} to {clock(times['end_ts'])}")
+    return (EVERY_STEP[0] if lo == first else lo, EVERY_STEP[1] if hi == last else hi)
 
 
 def linked(key: str, param: str, default: T, read: Callable[[str], T]) -> Callable[[], None]:

@@ -71,7 +71,9 @@ def from_store(dashboard_store, monkeypatch):
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_renders(from_store, page, run):
-    assert len(from_store(page, run).title) == 1
+    at = from_store(page, run)
+    assert len(at.title) == 1
+    assert not [e for e in texts(at.error) if e.startswith("Query ")]  # every query it runs answers
 
 
 def test_overview_of_a_straggling_run(from_store):
@@ -333,6 +335,38 @@ def test_a_finding_links_to_its_ranks_and_steps_on_the_stragglers_page_which_sho
     assert any("'3-x' is not a rank or a range" in e for e in texts(at.error))
     (cells,) = drawn(at, "rect")
     assert cells["rank_hi"].max() >= FLEET["ranks"] - 1  # every rank again
+
+
+def test_a_window_of_steps_narrows_every_steps_chart_and_table_and_is_kept_across_pages(from_store):
+    """The sidebar's Steps slider (or a link's `?steps=A-B`) keeps the step charts, the heatmap, the
+    slowest ranks and the rank table to those steps; the window holds as the user moves between pages,
+    and its wall-clock span is written under it. Out-of-range bounds are clamped to the run's steps."""
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params.update(run=FLEET["run"], steps="20-29")
+    at.switch_page("views/stragglers.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.sidebar.slider(key="steps").value == (20, 29)
+    assert any(re.fullmatch(r"\d{4}-.* UTC to \d{4}-.* UTC", c) for c in texts(at.sidebar.caption))
+    (cells,) = drawn(at, "rect")
+    assert cells["step_lo"].min() == 20 and cells["step_hi"].max() <= 30
+    assert "Slowest ranks in the chosen steps" in [h.value for h in at.subheader]
+
+    at.switch_page("views/overview.py").run()  # a link's parameters go; the window stays
+    assert at.sidebar.slider(key="steps").value == (20, 29)
+    (series,) = [data for data in drawn(at, "line") if "seconds" in data]  # the step times
+    assert series["step"].between(20, 29).all() and series["step"].nunique() == 10
+
+    at.sidebar.slider(key="steps").set_value((0, FLEET["steps"] - 1)).run()  # the whole run again
+    assert "steps" not in at.query_params
+    at.switch_page("views/ranks.py").run()
+    assert at.sidebar.slider(key="steps").value == (0, FLEET["steps"] - 1)
+
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params.update(run=FLEET["run"], steps=f"50-{10 * FLEET['steps']}")
+    at.switch_page("views/ranks.py").run()
+    assert at.sidebar.slider(key="steps").value == (50, FLEET["steps"] - 1)
+    _, ranks = (frame.value for frame in at.dataframe)
+    assert (ranks["steps"] == FLEET["steps"] - 50).all()  # each rank's figures over those steps
 
 
 def test_an_alert_link_opens_its_page_with_the_finding_first(from_store, dashboard_store):

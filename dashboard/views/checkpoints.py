@@ -7,7 +7,8 @@ from dashboard import charts, ui
 
 run = ui.current_run()
 st.title("Checkpoints & rollbacks")
-series = ui.frame("step_series", run=run, points=ui.POINTS)
+first, last = ui.step_window(run)
+series = ui.frame("step_series", run=run, points=ui.POINTS, first=first, last=last)
 markers = ui.frame("markers", run=run)
 rolled_back = ui.frame("rolled_back", run=run)
 commands = ui.frame("commands", run=run)

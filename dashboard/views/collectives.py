@@ -7,6 +7,7 @@ from dashboard import charts, ui
 
 run = ui.current_run()
 st.title("Collectives")
+first, last = ui.step_window(run)
 findings = ui.frame("findings", run=run)
 ui.show_findings(
     findings[findings["analyzer"] == "links"], "No slow link: every process group moves at its peers' pace."
@@ -36,7 +37,7 @@ else:
         },
     )
 
-exposed = ui.frame("exposed_comm", run=run, rank_bins=ui.RANK_BINS)
+exposed = ui.frame("exposed_comm", run=run, rank_bins=ui.RANK_BINS, first=first, last=last)
 st.subheader("Exposed communication per rank")
 if exposed.empty:
     st.caption("No step reports its exposed communication wait.")

@@ -44,7 +44,7 @@ def against_base(frame: pd.DataFrame, value: str) -> pd.Series:
     return frame[value] / (base if pd.notna(base) and base != 0 else float("nan"))
 
 
-series = stacked("step_series", points=ui.POINTS)
+series = stacked("step_series", points=ui.POINTS, first=ui.EVERY_STEP[0], last=ui.EVERY_STEP[1])  # whole runs
 if steps_as != "step":
     series = series.assign(step=share(series, "step"))
 x_title = "step" if steps_as == "step" else "share of the run's steps"

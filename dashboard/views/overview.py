@@ -121,8 +121,9 @@ def _telemetry_loss() -> None:
 
 
 live()
-st.subheader("Step time over the run")
-series = ui.frame("step_series", run=run, points=ui.POINTS)
+first, last = ui.step_window(run)
+st.subheader("Step time over the run" if (first, last) == ui.EVERY_STEP else "Step time in the chosen steps")
+series = ui.frame("step_series", run=run, points=ui.POINTS, first=first, last=last)
 axis = st.radio("x axis", ["step", "wall clock"], horizontal=True, key="overview_axis", label_visibility="collapsed")
 st.altair_chart(charts.step_times(series, wall_clock=axis == "wall clock"), width="stretch")
 st.caption("Drag to zoom in on a stretch of the run, double-click to zoom out. The Compare page overlays two runs.")

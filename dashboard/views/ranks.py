@@ -13,7 +13,8 @@ PLACEMENT = (("pp_stage", "stage"), ("dp_rank", "replica"), ("tp_rank", "TP rank
 
 run = ui.current_run()
 st.title("Ranks & nodes")
-ranks = ui.frame("rank_table", run=run)
+first, last = ui.step_window(run)
+ranks = ui.frame("rank_table", run=run, first=first, last=last)
 if ranks.empty:
     st.info("No rank of this run has reported yet.")
     st.stop()

@@ -45,8 +45,10 @@ except ValueError as e:
     chosen = []
 of_chosen = f" of {ranksets.phrase(chosen)}" if chosen else ""
 
-slowest = ui.frame("slowest_ranks", run=run, limit=10, ranks=chosen)
-st.subheader("Slowest ranks over the run" + of_chosen)
+first, last = ui.step_window(run)
+over = " over the run" if (first, last) == ui.EVERY_STEP else " in the chosen steps"
+slowest = ui.frame("slowest_ranks", run=run, limit=10, ranks=chosen, first=first, last=last)
+st.subheader("Slowest ranks" + over + of_chosen)
 st.dataframe(
     slowest,
     hide_index=True,
@@ -55,7 +57,9 @@ st.dataframe(
 )
 
 st.subheader("Compute against the step median, rank x step" + of_chosen)
-cells = ui.frame("heatmap", run=run, rank_bins=ui.RANK_BINS, step_bins=ui.STEP_BINS, ranks=chosen)
+cells = ui.frame(
+    "heatmap", run=run, rank_bins=ui.RANK_BINS, step_bins=ui.STEP_BINS, ranks=chosen, first=first, last=last
+)
 if cells.empty:
     st.caption(f"No steps{of_chosen}.")
 else:
