@@ -45,7 +45,7 @@ from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402
 
 RUN = "bench-dashboard"
-PAGES = ("overview", "stragglers", "collectives", "checkpoints", "hangs", "power", "sql")
+PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
 REPEATS = 3
 
 
