@@ -118,7 +118,7 @@ def current_run() -> str:
 
 @dataclass(frozen=True)
 class RunStatus:
-    """Where a run stands: `state` running | ended | hung | silent | imported; `words` say it with since when;
+    """Where a run stands: `state` running | ended | hung | silent | imported | stored; `words` say it with since when;
     `as_of`: when its figures were last current, for a run that is not running (they are stale)."""
 
     state: str
@@ -140,7 +140,8 @@ def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
     """A run's status from its row of the `runs` query: imported for a trace recorded elsewhere (it
     ends where the trace does), ended once every rank said its loop ended (and no step came after),
     hung while a hang finding fires (silent too, once nothing comes: a hung job's silence is no
-    recovery), silent once nothing came for SILENT_S, else running. Its duration runs from its first
+    recovery), silent once nothing came for SILENT_S, else running, or, read from a store no collector
+    writes, stored (nobody can say it still runs). Its duration runs from its first
     step or event to its newest."""
     heard, ended_at = row["last_heard"], row["ended_at"]
     silent = pd.notna(heard) and ((now() if at is None else at) - heard).total_seconds() > SILENT_S
@@ -158,6 +159,9 @@ def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
         return RunStatus("hung", "hung" + (f", silent since {clock(heard)}" if silent else ""), heard, duration)
     if silent:
         return RunStatus("silent", f"silent since {clock(heard)}", heard, duration)
+    if not isinstance(data_source(), source.CollectorSource):  # a store no collector writes tells of no "now"
+        heard_at = f"last heard {clock(heard)}" if pd.notna(heard) else "never heard from"
+        return RunStatus("stored", f"{heard_at}, in a store no collector writes", heard, duration)
     return RunStatus("running", "running", None, duration)
 
 

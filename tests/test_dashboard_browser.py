@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.dashboard_store import ENDED, FLEET, HANG, IMPORTED, NAN
+from tests.dashboard_store import ENDED, FLEET, FLIGHT, HANG, IMPORTED, NAN
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = (
@@ -32,9 +32,12 @@ FLAGS = (
 PAGES = [
     ("", FLEET["run"], f"on ranks {FLEET['straggler']}, {FLEET['thermal']}", 1),
     ("stragglers", FLEET["run"], f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank", 2),
+    ("ranks", FLEET["run"], "nodes, slowest first", 0),
     ("collectives", FLEET["run"], "Bus bandwidth by collective and size", 2),
     ("checkpoints", NAN["run"], f"the job restored step {NAN['restored']}", 2),
     ("hangs", HANG["run"], f"Culprits: rank {HANG['rank']}", 0),
+    ("", HANG["run"], f"which rank {HANG['rank']} never entered", 1),
+    ("hangs", FLIGHT["run"], f"Hung when the trace was taken. Culprits: rank {FLIGHT['culprit']}", 0),
     ("power", FLEET["run"], "No power cap to apply", 4),
     ("compare", NAN["run"], f"Compare {NAN['run']} with", 3),
     ("sql", FLEET["run"], "Download CSV", 0),

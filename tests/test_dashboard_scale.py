@@ -31,6 +31,7 @@ def store(tmp_path_factory) -> Path:
 def page(store, monkeypatch):
     monkeypatch.setenv(DB_ENV, str(store))
     monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_resource.clear()  # the source, which another module's tests may have opened on their store
     st.cache_data.clear()
 
     def rendered(name: str) -> AppTest:

@@ -72,7 +72,7 @@ def live() -> None:
     if status.state == "imported":
         st.caption(f"An imported trace: the figures are its last steps', up to {last}.")
     elif status.as_of is not None:  # figures of a run that is not running are its last ones, not now's
-        st.caption(f"Stale: the run is {status.state}; the figures are as of its last step, {last}.")
+        st.caption(f"Stale ({status.words}): the figures are as of its last step, {last}.")
     step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
     tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
     not_live = ui.not_live_because(run)
