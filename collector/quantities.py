@@ -64,6 +64,13 @@ class Scale:
         scaled = _round(value / divisor, self.digits)
         return f"{_number(scaled, _decimals(scaled, self.digits), signed)}{self.space}{unit}"
 
+    def margin(self, value: float, margin: float) -> str:
+        """ "±0.3%": an uncertainty at the precision of the value it qualifies, never at its own
+        (a margin of 8e-15% beside "2.2%" is "±0.0%", not sixteen digits of noise)."""
+        divisor, unit = self.prefix(value)
+        decimals = _decimals(_round(value / divisor, self.digits), self.digits)
+        return f"±{round(abs(margin) / divisor, decimals):.{decimals}f}{self.space}{unit}"
+
     def span(self, low: float, high: float) -> str:
         """A range in one unit and precision, the larger end's: "640–660 W", "-10 to 30 J"; one value
         where both ends read the same ("648 W")."""

@@ -255,7 +255,7 @@ WITH last AS (
            'done': TRY_CAST(attrs->>{sc.json_path(sc.COMM_DONE)} AS BOOLEAN)}}, ts) AS hb
     FROM events WHERE run_id = $run AND event = 'heartbeat' GROUP BY rank)
 SELECT hb.step AS step, nullif(hb.phase, '') AS phase, hb.op AS op, hb."group" AS "group", hb.seq AS seq,
-       hb.done AS done, count(*) AS ranks, list(rank ORDER BY rank)[1:16] AS first_ranks, max(last_seen) AS last_seen
+       hb.done AS done, count(*) AS ranks, list(rank ORDER BY rank) AS which, max(last_seen) AS last_seen
 FROM last GROUP BY ALL ORDER BY ranks, step
 """
 
@@ -270,7 +270,7 @@ WITH last AS (
     FROM ops WHERE run_id = $run AND kind = 'comm' AND seq IS NOT NULL AND attrs->>'$.is_p2p' = 'false'
     GROUP BY comm_group, rank)
 SELECT comm_group AS "group", op, seq, state, completed, count(*) AS ranks,
-       list(rank ORDER BY rank)[1:16] AS first_ranks
+       list(rank ORDER BY rank) AS which
 FROM last GROUP BY ALL ORDER BY "group", seq DESC, ranks DESC
 """
 

@@ -122,7 +122,7 @@ def test_an_imported_flight_recorder_dump_shows_where_each_rank_stands_in_its_co
     (verdict,) = texts(at.main.error)
     assert verdict == f"**Hung when the trace was taken.** Culprits: **rank {FLIGHT['culprit']}**."
     (progress,) = at.dataframe
-    world = progress.value[progress.value["group"] == "0"].set_index("first_ranks")
+    world = progress.value[progress.value["group"] == "0"].set_index("which")
     waiting = ", ".join(str(r) for r in range(FLIGHT["ranks"]) if r != FLIGHT["culprit"])
     assert world.loc[waiting, ["op", "seq", "state"]].tolist() == ["all_reduce", FLIGHT["seq"], "started"]
     assert world.loc[str(FLIGHT["culprit"]), ["seq", "completed"]].tolist() == [FLIGHT["seq"] - 1] * 2
@@ -514,9 +514,9 @@ def test_hangs_names_the_culprit_and_the_collective(from_store):
     ) in texts(at.markdown)
     (beats,) = at.dataframe
     by_size = {row.ranks: row for row in beats.value.itertuples()}
-    assert by_size[waiting].first_ranks == "0–2, 4–7"
+    assert by_size[waiting].which == "0–2, 4–7"
     assert (by_size[waiting].seq, by_size[waiting].done) == (HANG["at"], False)
-    assert (by_size[1].first_ranks, by_size[1].phase) == (str(HANG["rank"]), "compute")
+    assert (by_size[1].which, by_size[1].phase) == (str(HANG["rank"]), "compute")
 
 
 def test_hangs_of_a_run_that_never_stalled(from_store):

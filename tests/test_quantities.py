@@ -46,6 +46,10 @@ from collector import quantities as q
         (q.power.span(950, 1200), "0.95–1.2 kW"),
         (q.energy.span(-10, 12), "-10 to 12 J"),
         (q.energy.span(-0.004, 0.004), "-0.004 to 0.004 J"),
+        (q.percent.margin(0.022, 8.3e-17), "±0.0%"),  # at the value's precision, not sixteen digits of noise
+        (q.percent.margin(0.022, 0.0031), "±0.3%"),
+        (q.percent.margin(0.25, 0.012), "±1%"),
+        (q.power.margin(716_800, 2_600), "±3 kW"),
         (q.plural(1, "rank"), "1 rank"),
         (q.plural(1024, "rank"), "1,024 ranks"),
         (q.plural(0, "more such node"), "0 more such nodes"),

@@ -60,7 +60,7 @@ st.subheader("Where each rank was when last heard from")
 beats = ui.frame("last_heartbeats", run=run)
 progress = ui.frame("collective_progress", run=run) if beats.empty else beats
 if beats.empty and not progress.empty:  # a Flight Recorder dump: each group's collectives, rank by rank
-    progress["first_ranks"] = progress["first_ranks"].map(ranksets.compact)
+    progress["which"] = progress["which"].map(ranksets.compact)
     st.dataframe(
         progress,
         hide_index=True,
@@ -69,7 +69,7 @@ if beats.empty and not progress.empty:  # a Flight Recorder dump: each group's c
             "op": st.column_config.TextColumn("last collective entered"),
             "seq": st.column_config.NumberColumn("its #"),
             "completed": st.column_config.NumberColumn("last # completed"),
-            "first_ranks": st.column_config.TextColumn("ranks (first 16)"),
+            "which": st.column_config.TextColumn("which ranks"),
         },
     )
     st.caption(
@@ -80,14 +80,14 @@ if beats.empty and not progress.empty:  # a Flight Recorder dump: each group's c
 elif beats.empty:
     st.caption("No heartbeats from this run, and no collective records.")
 else:
-    beats["first_ranks"] = beats["first_ranks"].map(ranksets.compact)
+    beats["which"] = beats["which"].map(ranksets.compact)
     beats["phase"] = beats["phase"].fillna("—")  # between phases, or a job that names none
     st.dataframe(
         beats,
         hide_index=True,
         width="stretch",
         column_config={
-            "first_ranks": st.column_config.TextColumn("ranks (first 16)"),
+            "which": st.column_config.TextColumn("which ranks"),
             "done": st.column_config.CheckboxColumn("collective done"),
         },
     )

@@ -43,7 +43,8 @@ def live() -> None:
     hangs = firing[firing["analyzer"] == "hangs"]
     shown: tuple[int, ...] = ()  # findings the verdict already says, not repeated below it
     if not hangs.empty:
-        st.error(f"**Hung.** {hangs.iloc[0]['summary']}")
+        said = hangs.iloc[0]["summary"]
+        st.error(f"**Hung.** {said[0].upper()}{said[1:]}")
         shown = (int(hangs.iloc[0]["id"]),)
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))

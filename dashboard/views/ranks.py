@@ -30,7 +30,7 @@ columns = st.columns(len(PLACEMENT))
 for (column, what), box in zip(PLACEMENT, columns, strict=True):
     values = sorted(int(v) for v in ranks[column].dropna().unique())
     if len(values) > 1:
-        picked = box.multiselect(what.capitalize(), values, key=f"{column}_filter", placeholder="any")
+        picked = box.multiselect(what[0].upper() + what[1:], values, key=f"{column}_filter", placeholder="any")
         if picked:
             shown = shown[shown[column].isin(picked)]
 if shown.empty:
@@ -84,5 +84,10 @@ st.dataframe(
     shown.drop(columns=[c for c, _ in PLACEMENT if shown[c].isna().all()]),
     hide_index=True,
     width="stretch",
-    column_config={**ui.RANK_COLUMNS, **{c: st.column_config.NumberColumn(what, format="%d") for c, what in PLACEMENT}},
+    column_config={
+        **ui.RANK_COLUMNS,
+        **{c: st.column_config.NumberColumn(what, format="%d") for c, what in PLACEMENT},
+        "local_rank": st.column_config.NumberColumn("local rank", format="%d"),
+        "last_step": st.column_config.NumberColumn("newest step", format="%d"),
+    },
 )

@@ -80,7 +80,7 @@ def _non_finite(run_id: str, steps: pd.DataFrame) -> list[Finding]:
             int(bad["step"].max()),
             "critical",
             float(bad["step"].nunique()),
-            f"loss or gradient norm is not finite from step {first} (ranks {ranks}): training has diverged",
+            f"loss or gradient norm is not finite since step {first} (ranks {ranks}): training has diverged",
             {"first_step": first, "ranks": ranks, "steps_affected": int(bad["step"].nunique())},
             analyzer=ANALYZER,
         )

@@ -640,8 +640,9 @@ def _job_cap_finding(
         "info",
         choice.energy_saving,
         f"cap every GPU at {power(choice.cap_w)} ({policy}): {percent(choice.energy_saving)} less energy per step "
-        f"(±{percent(1.96 * choice.energy_j_se / choice.energy_j)}) for {percent(choice.slowdown - 1, signed=True)} "
-        f"step time (±{percent(1.96 * choice.step_s_se / choice.step_s)}), {how}",
+        f"({percent.margin(choice.energy_saving, 1.96 * choice.energy_j_se / choice.energy_j)}) for "
+        f"{percent(choice.slowdown - 1, signed=True)} step time "
+        f"({percent.margin(choice.slowdown - 1, 1.96 * choice.step_s_se / choice.step_s)}), {how}",
         {
             "cap_w": choice.cap_w,
             "policy": str(policy),
