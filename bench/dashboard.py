@@ -210,6 +210,7 @@ def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
         "step_series": {"points": ui.POINTS},
         "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS, "ranks": []},
         "slowest_ranks": {"limit": 10, "ranks": []},
+        "suspects_vs_peers": {"ranks": [0], "points": ui.POINTS},
         "timeline": {"step": last, "slowest": 8, "typical": 4, "ranks": []},
         "slowest_groups": {"limit": 8},
         "exposed_comm": {"rank_bins": ui.RANK_BINS},

@@ -253,6 +253,27 @@ def top_ranks(values: pd.Series, title: str, top: int) -> alt.Chart:
     )
 
 
+SUSPECT_SERIES_NAMES = {"suspects_s": "their compute", "peers_s": "peers' compute", "step_s": "step time"}
+
+
+def suspects_vs_peers(series: pd.DataFrame, onset: int) -> alt.LayerChart:
+    """A finding's ranks against their peers over its episode (and the steps before it): their median
+    compute, the others', and the median step time, a rule at the onset the finding states."""
+    long = series.melt("step", list(SUSPECT_SERIES_NAMES), "what", "seconds").dropna()
+    long["what"] = long["what"].map(SUSPECT_SERIES_NAMES)
+    base = alt.Chart(long)
+    lines = base.mark_line().encode(
+        x=_x(False),
+        y=alt.Y("seconds:Q", title="seconds (median)", axis=alt.Axis(format=NUMBER)),
+        color=alt.Color(
+            "what:N", title=None, sort=list(SUSPECT_SERIES_NAMES.values()), legend=alt.Legend(orient="bottom")
+        ),
+        tooltip=[alt.Tooltip("step:Q", format="d"), "what", alt.Tooltip("seconds:Q", format=".3f")],
+    )
+    rule = base.transform_sample(1).mark_rule(strokeDash=[4, 3], color="#888").encode(x=alt.datum(onset))
+    return (lines + rule).properties(height=200)
+
+
 def by_step(values: pd.Series, title: str) -> alt.Chart:
     """A per-step value of a finding (a spike and the steps around it)."""
     frame = values.rename_axis("step").reset_index(name="value")

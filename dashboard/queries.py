@@ -180,6 +180,20 @@ WHERE end_s > start_s
 ORDER BY rank, start_s
 """
 
+# A finding's ranks against their peers, step by step from $first to $last (downsampled to about $points
+# points): the median compute of $ranks, of the other ranks, and the median rank's step time.
+SUSPECTS_VS_PEERS = """
+WITH s AS (SELECT step, list_contains($ranks, rank) AS suspect, coalesce(compute_s, duration_s) AS c, duration_s
+           FROM current_steps WHERE run_id = $run AND step BETWEEN $first AND $last),
+per_step AS (SELECT step, median(c) FILTER (WHERE suspect) AS suspects_s,
+                    median(c) FILTER (WHERE NOT suspect) AS peers_s, median(duration_s) AS step_s
+             FROM s GROUP BY step),
+bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
+         FROM per_step)
+SELECT min(step) AS step, avg(suspects_s) AS suspects_s, avg(peers_s) AS peers_s, avg(step_s) AS step_s
+FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
+"""
+
 # The run's first and last step, for step pickers.
 STEP_RANGE = "SELECT min(step) AS first, max(step) AS last FROM current_steps WHERE run_id = $run"
 

@@ -19,6 +19,7 @@ T = TypeVar("T")
 CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
 LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
 RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
+LEAD_STEPS = 10  # steps before a finding's onset its chart against peers shows, at least
 SIMULATED = " · simulated"  # after the label of a figure drawn from simulated GPUs' samples
 # No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
 # and the hang analyzer's shortest stall is as long
@@ -258,6 +259,7 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
         if todo := evidence.next_step(row["analyzer"], row["kind"]):
             st.markdown(f"**What to do:** {todo}")
         _link_to_stragglers(row)
+        _against_peers(row)
         raw = row["evidence"] or {}
         read = evidence.read(raw)
         if not read.figures.empty:
@@ -290,6 +292,29 @@ def _titled(key: str) -> str:
     """An evidence key as a chart's axis title: its words, then the unit of its stored values."""
     found = units.unit(key)
     return units.label(key) + (f", {found.axis}" if found and found.axis else "")
+
+
+def _against_peers(row: pd.Series) -> None:
+    """A slow-rank finding's ranks against their peers, step by step over its episode and as many steps
+    before it (at least LEAD_STEPS), so the onset shows; for the stragglers analyzer's findings of
+    ranks, which say who is slower than whom."""
+    if row["analyzer"] != "stragglers" or not len(row["ranks"]) or pd.isna(row["step_start"]):
+        return
+    start, end = int(row["step_start"]), int(row["step_end"])
+    series = frame(
+        "suspects_vs_peers",
+        run=current_run(),
+        ranks=[int(r) for r in row["ranks"]],
+        first=start - max(LEAD_STEPS, end - start),
+        last=end,
+        points=POINTS,
+    )
+    if series["suspects_s"].notna().any() and series["peers_s"].notna().any():
+        st.altair_chart(charts.suspects_vs_peers(series, start), width="stretch")
+        st.caption(
+            f"{ranksets.phrase(row['ranks'])[0].upper()}{ranksets.phrase(row['ranks'])[1:]} against the other "
+            f"ranks, median compute per step, from before the onset (the dashed line, step {start}) to step {end}."
+        )
 
 
 def _link_to_stragglers(row: pd.Series) -> None:

@@ -214,8 +214,11 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     (slowest,) = at.dataframe
     assert sorted(slowest.value["rank"].head(2)) == suspects
     assert slowest.value["compute_ratio"].iloc[1] > 1.15 > slowest.value["compute_ratio"].iloc[2]
-    assert len(at.get("vega_lite_chart")) == 3  # the finding's top ranks, the heatmap and the timeline
-    (heatmap,) = [spec for spec, _ in map(chart, at.get("vega_lite_chart")) if spec["mark"]["type"] == "rect"]
+    # the finding's top ranks and its ranks against their peers, the heatmap and the timeline
+    assert len(at.get("vega_lite_chart")) == 4
+    (heatmap,) = [
+        spec for spec, _ in map(chart, at.get("vega_lite_chart")) if spec.get("mark", {}).get("type") == "rect"
+    ]
     assert heatmap["encoding"]["x"]["scale"]["zero"] is False  # a run's steps, not 0 to them (two steps at 551)
     assert at.number_input(key="timeline_step").value == FLEET["steps"] - 1
     at.number_input(key="timeline_step").set_value(20).run()
@@ -248,7 +251,7 @@ def test_ranks_and_nodes_lead_with_the_slow_nodes_and_filter_by_host(from_store)
 def drawn(at: AppTest, mark: str) -> list[pd.DataFrame]:
     """The data of each chart of `mark` (bar, rect, line) on the page."""
     found = [chart(c) for c in at.get("vega_lite_chart")]
-    return [data for spec, data in found if spec["mark"]["type"] == mark]
+    return [data for spec, data in found if (spec.get("mark") or spec["layer"][0]["mark"])["type"] == mark]
 
 
 def test_straggler_evidence_reads_as_figures_top_ranks_and_what_to_do_not_raw_json(from_store):
@@ -268,6 +271,15 @@ def test_straggler_evidence_reads_as_figures_top_ranks_and_what_to_do_not_raw_js
     assert figures.loc["lost", "value"].endswith("%")
     (download,) = at.get("download_button")
     assert download.proto.label == "raw evidence (JSON)"
+    # its ranks against their peers, step by step, from before its onset: slower from there on, alike before
+    (against,) = [
+        data for data in drawn(at, "line") if set(data["what"]) == {"their compute", "peers' compute", "step time"}
+    ]
+    onset = int(re.search(r"since step (\d+)", at.main.error[0].value)[1])
+    wide = against.pivot(index="step", columns="what", values="seconds")
+    assert wide.index.min() < onset <= 10 + 6 and wide.index.max() == FLEET["steps"] - 1
+    ratio = wide["their compute"] / wide["peers' compute"]
+    assert (ratio[wide.index >= 12] > 1.1).all() and (ratio[wide.index < 9] < 1.05).all()
 
 
 def test_evidence_is_read_by_shape_whatever_the_job_size():
@@ -355,7 +367,7 @@ def test_a_window_of_steps_narrows_every_steps_chart_and_table_and_is_kept_acros
 
     at.switch_page("views/overview.py").run()  # a link's parameters go; the window stays
     assert at.sidebar.slider(key="steps").value == (20, 29)
-    (series,) = [data for data in drawn(at, "line") if "seconds" in data]  # the step times
+    (series,) = [data for data in drawn(at, "line") if "exposed comm" in set(data["what"])]  # the step times
     assert series["step"].between(20, 29).all() and series["step"].nunique() == 10
 
     at.sidebar.slider(key="steps").set_value((0, FLEET["steps"] - 1)).run()  # the whole run again
@@ -602,11 +614,15 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
 
 def test_overview_step_time_by_wall_clock_with_zoom(from_store):
     at = from_store("overview", FLEET["run"])
-    (spec, data), *_ = [drawn for drawn in map(chart, at.get("vega_lite_chart")) if "what" in drawn[1]]
+    (spec, data), *_ = [
+        drawn for drawn in map(chart, at.get("vega_lite_chart")) if "exposed comm" in set(drawn[1].get("what", ()))
+    ]
     assert spec["encoding"]["x"]["field"] == "step" and spec["params"][0]["bind"] == "scales"  # drag to zoom
     assert set(data["what"]) == {"step time", "compute", "exposed comm"}
     at.radio(key="overview_axis").set_value("wall clock").run()
-    (spec, _), *_ = [drawn for drawn in map(chart, at.get("vega_lite_chart")) if "what" in drawn[1]]
+    (spec, _), *_ = [
+        drawn for drawn in map(chart, at.get("vega_lite_chart")) if "exposed comm" in set(drawn[1].get("what", ()))
+    ]
     assert (spec["encoding"]["x"]["field"], spec["encoding"]["x"]["type"]) == ("end_ts", "temporal")
 
 
