@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from collector import quantities, ranksets
-from collector.analysis.findings import ENDED, ROLLED_BACK, TRACE_ENDED
+from collector.store.schema import ENDED, ROLLED_BACK, TRACE_ENDED
 from dashboard import charts, evidence, queries, source, units
 from dashboard.source import QueryFailed
 

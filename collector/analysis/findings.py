@@ -11,12 +11,7 @@ import duckdb
 from collector.alerts import outbox
 from collector.alerts.config import AlertConfig
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Reads
-
-FIRING, RESOLVED, ENDED = "firing", "resolved", "ended"  # a finding's states: holds, stopped holding, held to the end
-# Why findings stopped firing all at once (their evidence's `resolved`)
-RUN_ENDED = "run ended"  # every rank of the run said its loop ended
-TRACE_ENDED = "trace ended"  # an imported run's findings, drawn over the whole trace
-ROLLED_BACK = "rolled back"  # found on steps a rollback abandoned
+from collector.store.schema import RESOLVED
 
 _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
              WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""

@@ -35,6 +35,7 @@ from collector.analysis.analyzers import hangs, health, power, stragglers
 from collector.analysis.engine import ENDED, Engine, add_steps
 from collector.control import commands
 from collector.reports import powercaps
+from collector.store import schema
 from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.analysis")
@@ -268,7 +269,7 @@ class Analysis:
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
-                findings.end_run(con, run_id, findings.ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
+                findings.end_run(con, run_id, schema.ROLLED_BACK, self.alerts, since_step=judged.rolled_back)
             findings.record_pass(
                 con,
                 run_id,
@@ -300,10 +301,10 @@ class Analysis:
             findings.end_run(
                 con,
                 run_id,
-                findings.RUN_ENDED,
+                schema.RUN_ENDED,
                 self.alerts,
                 keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run),
-                state=findings.ENDED,
+                state=schema.ENDED,
             )
             with self._lock:
                 self._active.pop(run_id, None)

@@ -25,6 +25,7 @@ from collector.analysis.analyzers import Finding, hangs, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.engine import replay
 from collector.receive.imports.flight_recorder import EVENT as DUMP_EVENT
+from collector.store import schema
 from collector.store.runs import unknown_run
 
 _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
@@ -85,7 +86,7 @@ def record(con: duckdb.DuckDBPyConnection, report: Report) -> None:
         drawn[WHATIF].append(_whatif_finding(report.run_id, report.whatif))
     for analyzer, of_analyzer in drawn.items():
         findings.record(con, report.run_id, analyzer, of_analyzer)
-    findings.end_run(con, report.run_id, findings.TRACE_ENDED, state=findings.ENDED)
+    findings.end_run(con, report.run_id, schema.TRACE_ENDED, state=schema.ENDED)
 
 
 def _whatif_finding(run_id: str, w: whatif.WhatIf) -> Finding:

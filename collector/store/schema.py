@@ -213,5 +213,12 @@ CREATE TABLE IF NOT EXISTS telemetry_loss (
 );
 """
 
+# A finding's states (`findings.state`): it holds, it stopped holding, it held to its run's end
+FIRING, RESOLVED, ENDED = "firing", "resolved", "ended"
+# Why findings stopped firing all at once (their evidence's `resolved`)
+RUN_ENDED = "run ended"  # every rank of the run said its loop ended
+TRACE_ENDED = "trace ended"  # an imported run's findings, drawn over the whole trace
+ROLLED_BACK = "rolled back"  # found on steps a rollback abandoned
+
 # Tables that ingest appends Arrow batches to, by OTLP signal.
 TELEMETRY_TABLES = ("steps", "ops", "device_samples", "events")
