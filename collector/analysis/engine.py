@@ -10,6 +10,11 @@ the history its baseline needs (`Reads.history` steps before), each new step jud
 were the newest. Analyzers that read only steps are not called where none came; those that
 judge the passing of time (`Reads.every_pass`: a stall) are called on every pass.
 
+The steps a pass read are kept for the next (`_History`): a run's next pass reads only the steps
+that came after them, not its whole history again (at 65,536 ranks, 96 steps of history are 6.3
+million rank-steps). What was kept is dropped whenever the cursor moves back or jumps, since
+the steps under it may have changed.
+
 A rollback applied to the run moves its cursor back to the restored step: the steps trained
 again are judged again, as the new trajectory they are (`current_steps`). Steps that come at or
 below steps already judged (told by the live collector, which sees each commit) move it back under
@@ -23,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
+import pandas as pd
 
 from agent import semconv as sc
 from collector.analysis.analyzers import Finding, Frames
@@ -35,7 +41,7 @@ _NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND s
              GROUP BY rank"""
 _NTH_STEP = """SELECT DISTINCT step FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
                ORDER BY step LIMIT 1 OFFSET $n"""
-_STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
+_STEPS = """SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, compute_s, comm_wait_s, loss,
                    grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
                    AS non_finite
             FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
@@ -105,6 +111,16 @@ class Cursor:
 
 
 @dataclass
+class _History:
+    """The steps a run's last pass read, for its next: every rank-step after `after` up to `upto`
+    (deduplicated and sorted as Frames.steps), at most the longest history any analyzer reads."""
+
+    after: int
+    upto: int
+    steps: pd.DataFrame
+
+
+@dataclass
 class Judged:
     """One pass over one run: the steps judged (`first_new` to `last`; none where first > last),
     each analyzer's findings, whether steps are left for another pass (`more`) or wait for some
@@ -140,10 +156,22 @@ class Engine:
         self.reads = {a.ANALYZER: a.READS for a in analyzers}
         self.rank_steps = rank_steps
         self.cursors: dict[str, Cursor] = {}
+        self._history: dict[str, _History] = {}
+        self._longest = max((a.READS.history for a in analyzers), default=0)  # the most steps any reads back
+
+    def __getstate__(self) -> dict:
+        """What is pickled to the writer process: settings and cursors, not the steps kept in memory."""
+        return {**self.__dict__, "_history": {}}
+
+    def release(self, run_id: str) -> None:
+        """Drop the steps kept for a run (one that went quiet: memory is for the runs that step); its
+        next pass reads them again."""
+        self._history.pop(run_id, None)
 
     def forget(self, run_id: str) -> None:
         """Drop a run's cursor (a pass that failed to record: the next starts from the stored one)."""
         self.cursors.pop(run_id, None)
+        self.release(run_id)
 
     @property
     def analyzers(self) -> tuple:
@@ -172,6 +200,7 @@ class Engine:
             ).fetchone()
             self.cursors[run_id] = Cursor(*row) if row else Cursor()
         cursor = self.cursors.setdefault(run_id, Cursor())
+        judged_to = cursor.step
         rolled_back = self._rollbacks(con, run_id, cursor)
         if ended_came or final or new or cursor.ended_ns is not None:
             cursor.ended_ns = self._ended(con, run_id)
@@ -180,6 +209,8 @@ class Engine:
         cursor.late = add_steps(cursor.late, arrived)
         self._came_below(con, run_id, cursor)
         self._past_ahead(con, run_id, cursor)
+        if cursor.step != judged_to:  # steps at or under those read may have changed (a rollback, late steps)
+            self.release(run_id)
         before = STEPS_END if cursor.ahead is None else cursor.ahead
         newest = dict(con.execute(_NEWEST, {"run": run_id, "after": cursor.step, "before": before}).fetchall())
         world = max(world, len(newest))
@@ -214,6 +245,8 @@ class Engine:
         cursor.step, cursor.world = last, world
         judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
         judged.ended = cursor.ended_ns is not None and not judged.more
+        if judged.ended:  # judged to its end: nothing more to read
+            self.release(run_id)
         return judged
 
     def _ranks_came(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
@@ -289,12 +322,9 @@ class Engine:
         upto = max(last, first_new - 1)
         reads = [a.READS for a in self.analyzers if a.READS.every_pass or last >= first_new]  # those called
         history = max((r.history for r in reads), default=0)
-        steps = con.execute(_STEPS, {"run": run_id, "after": first_new - 1 - max(history, 1), "upto": upto}).df()
+        steps = self._steps(con, run_id, first_new - 1 - max(history, 1), upto)
         if steps.empty:
             return None
-        # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
-        steps = steps.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
-        steps = steps.sort_values(["step", "rank"], ignore_index=True)
         stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
         frames = Frames(
             run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns, stated
@@ -316,6 +346,28 @@ class Engine:
                 _DEVICES, {"run": run_id, "since": since, "until": until}
             ).df()
         return frames
+
+    def _steps(self, con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> pd.DataFrame:
+        """The run's rank-steps after `after` up to `upto` (Frames.steps): those the last pass read
+        where it ended at the step before this pass's first and read back far enough, and the rest
+        from the store; the longest history any analyzer reads is kept for the next pass."""
+        kept = self._history.get(run_id)
+        start = after
+        if kept is not None and kept.after <= after and kept.upto <= upto and kept.upto + 1 >= after:
+            start = kept.upto
+        fresh = con.execute(_STEPS, {"run": run_id, "after": start, "upto": upto}).df()
+        # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
+        fresh = fresh.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
+        fresh = fresh.sort_values(["step", "rank"], ignore_index=True)
+        fresh.insert(0, "run_id", pd.Categorical.from_codes([0] * len(fresh), [run_id]))  # one value, one string
+        if start != after:
+            assert kept is not None
+            steps = pd.concat([kept.steps[kept.steps["step"] > after], fresh], ignore_index=True)
+        else:
+            steps = fresh
+        keep_after = max(after, upto - max(self._longest, 1))
+        self._history[run_id] = _History(keep_after, upto, steps[steps["step"] > keep_after])
+        return steps
 
 
 def replay(

@@ -162,6 +162,8 @@ class Analysis:
             self._next = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         with self._lock:
+            for run in [run for run, t in self._active.items() if t <= cutoff]:
+                self.engine.release(run)  # gone quiet: its cursor stays, the steps kept for it go
             self._active = {run: t for run, t in self._active.items() if t > cutoff}
             stepped, self._stepped = self._stepped, set()
             self._unpowered |= stepped
