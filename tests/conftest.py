@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from hypothesis import settings
 
 from rankwatch.launch import wait_healthy
 
@@ -60,6 +61,11 @@ TEST_WORKERS = ("--workers", "0")
 def pytest_configure(config) -> None:
     for module in ("conftest", "tests.conftest"):  # pytest loads this file as the first, tests import both
         importlib.import_module(module).Collector.workers = TEST_WORKERS
+    # the property tests draw the same examples on every run, on every machine: a run that passes says
+    # the same as the last (`HYPOTHESIS_PROFILE=explore` draws new ones, to look for failures)
+    settings.register_profile("repeatable", derandomize=True, database=None)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @dataclass

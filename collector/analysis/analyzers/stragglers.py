@@ -265,15 +265,21 @@ def _drawn(
     drawn = _verdict(m, last, s, placement)
     assert drawn is not None  # `last` is a row of the episode: it has a verdict
     kind, suspects, where, w, _ = drawn
-    history = steps[(steps["step"] >= m.steps[max(last + 1 - s.max_window, 0)]) & (steps["step"] <= m.steps[last])]
-    history = history[history["step"].isin(m.steps)]
-    history = history.assign(ratio=history["compute_s"] / history.groupby("step")["compute_s"].transform("median"))
+    # the columns the evidence reads, and only the rows that need leaving out taken (each take copies them all:
+    # at 65,536 ranks the window is 6 million rows)
+    history = steps[[c for c in _EVIDENCE_COLUMNS if c in steps]]
+    kept = history["step"].isin(m.steps[max(last + 1 - s.max_window, 0) : last + 1]).to_numpy()
+    if not kept.all():
+        history = history[kept]
+    ratio = history["compute_s"].to_numpy() / history.groupby("step")["compute_s"].transform("median").to_numpy()
+    history = history.assign(ratio=ratio)
     if kind == "widespread":
         return _widespread(run_id, history[history["step"] >= m.steps[last + 1 - w]], s)
     began = _verdict(m, first, s, placement)
     assert began is not None  # as `last`
     onset = _onset(m, first, began[1], s)
-    recent = history[history["step"] >= m.steps[last + 1 - w]]
+    in_window = history["step"].to_numpy() >= m.steps[last + 1 - w]
+    recent = history if in_window.all() else history[in_window]
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
         ends = recent.get("end_ts")
@@ -286,6 +292,9 @@ def _drawn(
         finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
         finding.evidence["peer_data_s"] = float(recent.loc[~recent["rank"].isin(finding.ranks), "data_s"].median())
     return finding
+
+
+_EVIDENCE_COLUMNS = ("rank", "step", "end_ts", "duration_s", "data_s", "compute_s", "comm_wait_s")
 
 
 def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
@@ -356,10 +365,13 @@ def _suspect_finding(
     run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, kind: str, suspects: list[int], where: str, first: int
 ) -> Finding:
     """The finding for persistently slow ranks, slow since step `first`: their evidence and cost."""
-    peers = recent[~recent["rank"].isin(suspects)]
-    slowdown = float(recent.loc[recent["rank"].isin(suspects), "ratio"].median())
-    lost = _lost_seconds(steps[steps["step"] >= first])
-    cost = _cost(steps[steps["step"] >= first], lost)
+    theirs = recent["rank"].isin(suspects).to_numpy()
+    mine, peers = recent[theirs], recent[~theirs]
+    slowdown = float(mine["ratio"].median())
+    since = steps["step"].to_numpy() >= first
+    episode = steps if since.all() else steps[since]
+    lost = _lost_seconds(episode)
+    cost = _cost(episode, lost)
     severity = "critical" if slowdown >= 1.2 else "warning"
     plural = kind == "rank" and len(suspects) > 1
     computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
@@ -375,9 +387,9 @@ def _suspect_finding(
         f"the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
         f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
         {
-            "compute_s": float(recent.loc[recent["rank"].isin(suspects), "compute_s"].median()),
+            "compute_s": float(mine["compute_s"].median()),
             "peer_compute_s": float(peers["compute_s"].median()),
-            "comm_wait_s": float(recent.loc[recent["rank"].isin(suspects), "comm_wait_s"].median()),
+            "comm_wait_s": float(mine["comm_wait_s"].median()),
             "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
             "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
             **cost,
