@@ -113,11 +113,13 @@ class Cursor:
 @dataclass
 class _History:
     """The steps a run's last pass read, for its next: every rank-step after `after` up to `upto`
-    (deduplicated and sorted as Frames.steps), at most the longest history any analyzer reads."""
+    (deduplicated and sorted as Frames.steps), at most the longest history any analyzer reads; and
+    what the analyzers derived from them (Frames.kept), which goes with them."""
 
     after: int
     upto: int
     steps: pd.DataFrame
+    derived: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -327,7 +329,15 @@ class Engine:
             return None
         stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
         frames = Frames(
-            run_id, steps, first_new, upto, con.execute(_PLACEMENT, [run_id]).df(), now_ns, ended_ns, stated
+            run_id,
+            steps,
+            first_new,
+            upto,
+            con.execute(_PLACEMENT, [run_id]).df(),
+            now_ns,
+            ended_ns,
+            stated,
+            kept=self._history[run_id].derived,
         )
         if any(r.collectives for r in reads):
             history = max(r.history for r in reads if r.collectives)
@@ -366,7 +376,8 @@ class Engine:
         else:
             steps = fresh
         keep_after = max(after, upto - max(self._longest, 1))
-        self._history[run_id] = _History(keep_after, upto, steps[steps["step"] > keep_after])
+        derived = kept.derived if start != after and kept is not None else {}
+        self._history[run_id] = _History(keep_after, upto, steps[steps["step"] > keep_after], derived)
         return steps
 
 

@@ -80,7 +80,10 @@ class Frames:
     value of the device samples then (read only when asked: evidence). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
-    says it has (None: unsaid; the ranks that reported so far may be only the first to)."""
+    says it has (None: unsaid; the ranks that reported so far may be only the first to). `kept`:
+    what an analyzer derived from the steps of the run's last pass, by analyzer, for its next: the
+    engine keeps it with those steps and drops it with them (a rollback, late steps), so what is in
+    it always agrees with `steps`; empty for a pass with nothing kept (the first, after the fact)."""
 
     run_id: str
     steps: pd.DataFrame
@@ -94,6 +97,7 @@ class Frames:
     heartbeats: pd.DataFrame | None = None
     failed_rollbacks: pd.DataFrame | None = None
     devices: Callable[[int, int], pd.DataFrame] | None = None
+    kept: dict[str, dict] = field(default_factory=dict)
 
     @property
     def new_steps(self) -> pd.DataFrame:

@@ -72,7 +72,15 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     if frames.steps["rank"].nunique() < 2:  # a run of one rank says so; one whose peers have yet to report waits
         alone = frames.world_size == 1 and frames.last >= frames.first_new
         return [_alone(frames.run_id, frames.new_steps)] if alone else []
-    return _judge(frames.run_id, frames.steps, frames.first_new, frames.ranks, settings, frames.devices)
+    return _judge(
+        frames.run_id,
+        frames.steps,
+        frames.first_new,
+        frames.ranks,
+        settings,
+        frames.devices,
+        frames.kept.setdefault(ANALYZER, {}),
+    )
 
 
 def analyze(
@@ -122,8 +130,41 @@ def _filled(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.assign(comm_wait_s=wait, compute_s=steps["compute_s"].fillna(steps["duration_s"] - wait - data))
 
 
-def _matrices(steps: pd.DataFrame) -> _Matrices:
-    ranks, step_ids = np.unique(steps["rank"].to_numpy()), np.unique(steps["step"].to_numpy())
+def _matrices(steps: pd.DataFrame, kept: dict | None = None) -> _Matrices:
+    """The complete steps of `steps` as matrices. `kept` (Frames.kept, this analyzer's): the last
+    pass's matrices, whose rows are reused for the steps they hold (a step's row is drawn from that
+    step's rank-steps alone, which the engine keeps unchanged while it keeps them), and this pass's
+    left there for the next."""
+    ranks = np.sort(pd.unique(steps["rank"].to_numpy()))
+    step = steps["step"].to_numpy()
+    last: _Matrices | None = None if kept is None else kept.get("matrices")
+    if last is not None and np.array_equal(last.ranks, ranks) and kept is not None:
+        newer = step > kept["upto"]
+        rows = last.steps >= step.min()
+        m = _stacked(
+            _Matrices(last.steps[rows], ranks, last.compute[rows], last.wait[rows], last.ratio[rows], last.noise[rows]),
+            _rows(steps[newer] if not newer.all() else steps, ranks),
+        )
+    else:
+        m = _rows(steps, ranks)
+    if kept is not None:
+        kept["matrices"], kept["upto"] = m, int(step.max())
+    return m
+
+
+def _stacked(a: _Matrices, b: _Matrices) -> _Matrices:
+    """Rows of the same ranks, `b`'s steps after `a`'s."""
+    return _Matrices(
+        np.concatenate([a.steps, b.steps]),
+        a.ranks,
+        *(np.concatenate([getattr(a, f), getattr(b, f)]) for f in ("compute", "wait", "ratio", "noise")),
+    )
+
+
+def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
+    """The complete steps among `steps`, as rows over `ranks` (those of the whole window: a step some
+    rank of the window did not report is incomplete)."""
+    step_ids = np.unique(steps["step"].to_numpy())
     compute = np.full((len(step_ids), len(ranks)), np.nan)
     wait = compute.copy()
     at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
@@ -196,7 +237,13 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
 
 
 def _judge(
-    run_id: str, steps: pd.DataFrame, first_new: int, ranks: pd.DataFrame | None, s: Settings, devices
+    run_id: str,
+    steps: pd.DataFrame,
+    first_new: int,
+    ranks: pd.DataFrame | None,
+    s: Settings,
+    devices,
+    kept: dict | None = None,
 ) -> list[Finding]:
     """Each complete step from `first_new` on judged on the steps before it; consecutive steps with the same
     verdict are one finding, drawn at the strongest of them, its onset estimated at the first."""
@@ -206,7 +253,7 @@ def _judge(
     if steps["rank"].nunique() < 2:
         return []
     steps = _filled(steps)
-    m, placement = _matrices(steps), _placement(ranks)
+    m, placement = _matrices(steps, kept), _placement(ranks)
     found: list[Finding] = []
     episode: list | None = None  # [(kind, ranks), first row, last row, strongest row, its strength]
     for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
