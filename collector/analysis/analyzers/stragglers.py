@@ -36,6 +36,7 @@ compute minus the median compute, which every other rank waits out.
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -113,7 +114,9 @@ def analyze(
 
 @dataclass
 class _Matrices:
-    """Complete steps as step x rank matrices: compute, exposed wait, compute over the step median."""
+    """Complete steps as step x rank matrices: compute, exposed wait, compute over the step median, data
+    time (None where the steps carry none); and per step: the spread of its ratios, its median step
+    time, its rank-steps' first and last end (None where the steps carry no times)."""
 
     steps: np.ndarray
     ranks: np.ndarray
@@ -121,6 +124,17 @@ class _Matrices:
     wait: np.ndarray
     ratio: np.ndarray
     noise: np.ndarray  # per step: the spread of one step's ratios (with two ranks: rank 0's deviation)
+    step_s: np.ndarray
+    data: np.ndarray | None = None
+    ends: np.ndarray | None = None  # per step: [first end, last end] (ns)
+
+    def taken(self, rows) -> "_Matrices":
+        """These rows (steps) alone."""
+        taken: dict[str, Any] = {f: None if (v := getattr(self, f)) is None else v[rows] for f in _PER_STEP}
+        return _Matrices(self.steps[rows], self.ranks, **taken)
+
+
+_PER_STEP = ("compute", "wait", "ratio", "noise", "step_s", "data", "ends")  # _Matrices' fields by step
 
 
 def _filled(steps: pd.DataFrame) -> pd.DataFrame:
@@ -141,10 +155,7 @@ def _matrices(steps: pd.DataFrame, kept: dict | None = None) -> _Matrices:
     if last is not None and np.array_equal(last.ranks, ranks) and kept is not None:
         newer = step > kept["upto"]
         rows = last.steps >= step.min()
-        m = _stacked(
-            _Matrices(last.steps[rows], ranks, last.compute[rows], last.wait[rows], last.ratio[rows], last.noise[rows]),
-            _rows(steps[newer] if not newer.all() else steps, ranks),
-        )
+        m = _stacked(last.taken(rows), _rows(steps[newer] if not newer.all() else steps, ranks))
     else:
         m = _rows(steps, ranks)
     if kept is not None:
@@ -154,21 +165,25 @@ def _matrices(steps: pd.DataFrame, kept: dict | None = None) -> _Matrices:
 
 def _stacked(a: _Matrices, b: _Matrices) -> _Matrices:
     """Rows of the same ranks, `b`'s steps after `a`'s."""
-    return _Matrices(
-        np.concatenate([a.steps, b.steps]),
-        a.ranks,
-        *(np.concatenate([getattr(a, f), getattr(b, f)]) for f in ("compute", "wait", "ratio", "noise")),
-    )
+    both: dict[str, Any] = {
+        f: None if (x := getattr(a, f)) is None or (y := getattr(b, f)) is None else np.concatenate([x, y])
+        for f in _PER_STEP
+    }
+    return _Matrices(np.concatenate([a.steps, b.steps]), a.ranks, **both)
 
 
 def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
     """The complete steps among `steps`, as rows over `ranks` (those of the whole window: a step some
     rank of the window did not report is incomplete)."""
     step_ids = np.unique(steps["step"].to_numpy())
-    compute = np.full((len(step_ids), len(ranks)), np.nan)
-    wait = compute.copy()
     at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
-    compute[at], wait[at] = steps["compute_s"].to_numpy(), steps["comm_wait_s"].to_numpy()
+
+    def laid_out(column: str, fill: float | int = np.nan) -> np.ndarray:
+        matrix = np.full((len(step_ids), len(ranks)), fill)
+        matrix[at] = steps[column].to_numpy()
+        return matrix
+
+    compute, wait = laid_out("compute_s"), laid_out("comm_wait_s")
     with np.errstate(invalid="ignore"):
         median = np.median(compute, axis=1)
         keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0)  # complete steps only
@@ -178,7 +193,13 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
         noise = ratio[:, 0] - 1.0
     else:
         noise = 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
-    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise)
+    step_s = np.median(laid_out("duration_s")[keep], axis=1)
+    data = laid_out("data_s")[keep] if "data_s" in steps else None
+    ends = None
+    if "end_ts" in steps:
+        end = laid_out("end_ts", fill=0)[keep]  # int64 nanoseconds, exact
+        ends = np.stack([end.min(axis=1), end.max(axis=1)], axis=1)
+    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, data, ends)
 
 
 def _noise(m: _Matrices, i: int, s: Settings) -> float:
@@ -312,36 +333,34 @@ def _drawn(
     drawn = _verdict(m, last, s, placement)
     assert drawn is not None  # `last` is a row of the episode: it has a verdict
     kind, suspects, where, w, _ = drawn
-    # the columns the evidence reads, and only the rows that need leaving out taken (each take copies them all:
-    # at 65,536 ranks the window is 6 million rows)
-    history = steps[[c for c in _EVIDENCE_COLUMNS if c in steps]]
-    kept = history["step"].isin(m.steps[max(last + 1 - s.max_window, 0) : last + 1]).to_numpy()
-    if not kept.all():
-        history = history[kept]
-    ratio = history["compute_s"].to_numpy() / history.groupby("step")["compute_s"].transform("median").to_numpy()
-    history = history.assign(ratio=ratio)
+    history = m.taken(slice(max(last + 1 - s.max_window, 0), last + 1))  # the complete steps of the window
     if kind == "widespread":
-        return _widespread(run_id, history[history["step"] >= m.steps[last + 1 - w]], s)
+        recent = steps[steps["step"].isin(m.steps[last + 1 - w : last + 1])]
+        ratio = recent["compute_s"].to_numpy() / recent.groupby("step")["compute_s"].transform("median").to_numpy()
+        return _widespread(run_id, recent.assign(ratio=ratio), s)
     began = _verdict(m, first, s, placement)
     assert began is not None  # as `last`
     onset = _onset(m, first, began[1], s)
-    in_window = history["step"].to_numpy() >= m.steps[last + 1 - w]
-    recent = history if in_window.all() else history[in_window]
+    recent = m.taken(slice(last + 1 - w, last + 1))
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
-        ends = recent.get("end_ts")
-        samples = devices(None, None) if ends is None else devices(int(ends.min()), int(ends.max()))
+        ends = recent.ends
+        samples = devices(None, None) if ends is None else devices(int(ends[:, 0].min()), int(ends[:, 1].max()))
         finding.evidence.update(_device_evidence(samples, finding.ranks))
         if found := hardware.causes(samples, finding.ranks):  # what the GPUs say of why
             finding.evidence["hardware"] = found
             finding.summary += "; " + hardware.describe(found)
-    if "data_s" in recent:
-        finding.evidence["data_s"] = float(recent.loc[recent["rank"].isin(finding.ranks), "data_s"].median())
-        finding.evidence["peer_data_s"] = float(recent.loc[~recent["rank"].isin(finding.ranks), "data_s"].median())
+    if recent.data is not None:
+        theirs = np.isin(recent.ranks, finding.ranks)
+        finding.evidence["data_s"] = _median(recent.data[:, theirs])
+        finding.evidence["peer_data_s"] = _median(recent.data[:, ~theirs])
     return finding
 
 
-_EVIDENCE_COLUMNS = ("rank", "step", "end_ts", "duration_s", "data_s", "compute_s", "comm_wait_s")
+def _median(values: np.ndarray) -> float:
+    """The median of the values given (NaN left out, as pandas does); NaN for none."""
+    values = values[~np.isnan(values)]
+    return float(np.median(values)) if values.size else math.nan
 
 
 def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
@@ -378,7 +397,9 @@ def _widespread(run_id: str, recent: pd.DataFrame, s: Settings) -> Finding:
             "cross_rank_cv": float(cv),
             "slowest_ranks": sorted(int(r) for r in slowest.unique()),
             "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.loc[slowest.index, "step"], slowest)},
-            **_cost(recent, lost),
+            **_cost(
+                lost.to_numpy(), recent.groupby("step")["duration_s"].median().to_numpy(), recent["rank"].nunique()
+            ),
         },
         analyzer=ANALYZER,
     )
@@ -409,16 +430,15 @@ def _pattern(suspects: tuple[int, ...], elevated: frozenset[int], placement: lis
 
 
 def _suspect_finding(
-    run_id: str, steps: pd.DataFrame, recent: pd.DataFrame, kind: str, suspects: list[int], where: str, first: int
+    run_id: str, history: _Matrices, recent: _Matrices, kind: str, suspects: list[int], where: str, first: int
 ) -> Finding:
-    """The finding for persistently slow ranks, slow since step `first`: their evidence and cost."""
-    theirs = recent["rank"].isin(suspects).to_numpy()
-    mine, peers = recent[theirs], recent[~theirs]
-    slowdown = float(mine["ratio"].median())
-    since = steps["step"].to_numpy() >= first
-    episode = steps if since.all() else steps[since]
-    lost = _lost_seconds(episode)
-    cost = _cost(episode, lost)
+    """The finding for persistently slow ranks, slow since step `first`: their evidence and cost, from
+    the complete steps of the window (`history`) and of the verdict's (`recent`)."""
+    theirs = np.isin(recent.ranks, suspects)
+    slowdown = _median(recent.ratio[:, theirs])
+    episode = history.taken(history.steps >= first)
+    lost = episode.compute.max(axis=1) - np.median(episode.compute, axis=1)  # per step: what the others wait out
+    cost = _cost(lost, episode.step_s, len(episode.ranks))
     severity = "critical" if slowdown >= 1.2 else "warning"
     plural = kind == "rank" and len(suspects) > 1
     computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
@@ -427,18 +447,20 @@ def _suspect_finding(
         kind,
         suspects,
         first,
-        int(steps["step"].max()),
+        int(history.steps[-1]),
         severity,
         slowdown,
         f"{where} {computes} {100 * (slowdown - 1):.0f}% slower than {its} peers since step {first}; "
         f"the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
         f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
         {
-            "compute_s": float(mine["compute_s"].median()),
-            "peer_compute_s": float(peers["compute_s"].median()),
-            "comm_wait_s": float(mine["comm_wait_s"].median()),
-            "peer_comm_wait_s": float(peers["comm_wait_s"].median()),
-            "compute_ratio_by_rank": {int(r): float(v) for r, v in recent.groupby("rank")["ratio"].median().items()},
+            "compute_s": _median(recent.compute[:, theirs]),
+            "peer_compute_s": _median(recent.compute[:, ~theirs]),
+            "comm_wait_s": _median(recent.wait[:, theirs]),
+            "peer_comm_wait_s": _median(recent.wait[:, ~theirs]),
+            "compute_ratio_by_rank": dict(
+                zip(recent.ranks.tolist(), np.median(recent.ratio, axis=0).tolist(), strict=True)
+            ),
             **cost,
         },
         analyzer=ANALYZER,
@@ -475,9 +497,9 @@ def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
     return grouped.max() - grouped.median()
 
 
-def _cost(steps: pd.DataFrame, lost: pd.Series) -> dict:
-    step_time = steps.groupby("step")["duration_s"].median()
-    world = steps["rank"].nunique()
+def _cost(lost: np.ndarray, step_time: np.ndarray, world: int) -> dict:
+    """What the others' wait (`lost`, per step) costs: per step, as a share of the steps' (median) time,
+    in GPU-hours over the `world` ranks."""
     return {
         "lost_s_per_step": float(lost.mean()),
         "lost_percent": float(100 * lost.sum() / step_time.sum()) if step_time.sum() else 0.0,
