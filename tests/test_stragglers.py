@@ -51,6 +51,24 @@ def test_single_slow_rank_is_named_with_its_cost(slowdown):
     assert finding.evidence["comm_wait_s"] < finding.evidence["peer_comm_wait_s"]
 
 
+def test_a_frame_with_timestamps_and_data_times_some_ranks_lack_is_judged_alike():
+    """As a caller may hand one (the demo's summary): steps' ends as timestamps, not nanoseconds, and a
+    data time only some ranks report; the data times are the evidence's, without the missing ones."""
+    steps = frame(slow={5: (1.3, 20)})
+    timed = steps.assign(
+        end_ts=pd.Timestamp("2026-01-01", tz="UTC") + pd.to_timedelta(steps["step"], unit="s"),
+        data_s=np.where(steps["rank"] % 2 == 0, np.nan, 0.004),
+    )
+    (plain,), (finding,) = analyze(steps, PLACEMENT), analyze(timed, PLACEMENT)
+    assert (finding.kind, finding.ranks, finding.step_start, finding.summary) == (
+        plain.kind,
+        plain.ranks,
+        plain.step_start,
+        plain.summary,
+    )
+    assert (finding.evidence["data_s"], finding.evidence["peer_data_s"]) == (0.004, 0.004)
+
+
 def test_loop_without_phase_timings_is_judged_on_step_time_less_wait():
     steps = frame(slow={9: (1.2, 20)}).assign(compute_s=np.nan)
     (finding,) = analyze(steps, PLACEMENT)

@@ -178,12 +178,12 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
     step_ids = np.unique(steps["step"].to_numpy())
     at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
 
-    def laid_out(column: str, fill: float | int = np.nan) -> np.ndarray:
+    def laid_out(values: np.ndarray, fill: float | int = np.nan) -> np.ndarray:
         matrix = np.full((len(step_ids), len(ranks)), fill)
-        matrix[at] = steps[column].to_numpy()
+        matrix[at] = values
         return matrix
 
-    compute, wait = laid_out("compute_s"), laid_out("comm_wait_s")
+    compute, wait = laid_out(steps["compute_s"].to_numpy()), laid_out(steps["comm_wait_s"].to_numpy())
     with np.errstate(invalid="ignore"):
         median = np.median(compute, axis=1)
         keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0)  # complete steps only
@@ -193,11 +193,14 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
         noise = ratio[:, 0] - 1.0
     else:
         noise = 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
-    step_s = np.median(laid_out("duration_s")[keep], axis=1)
-    data = laid_out("data_s")[keep] if "data_s" in steps else None
+    step_s = np.median(laid_out(steps["duration_s"].to_numpy())[keep], axis=1)
+    data = laid_out(steps["data_s"].to_numpy(dtype=float, na_value=np.nan))[keep] if "data_s" in steps else None
     ends = None
-    if "end_ts" in steps:
-        end = laid_out("end_ts", fill=0)[keep]  # int64 nanoseconds, exact
+    if "end_ts" in steps:  # nanoseconds (the engine's), or timestamps (a caller's frame)
+        end_ts = steps["end_ts"]
+        if not pd.api.types.is_integer_dtype(end_ts):
+            end_ts = pd.to_datetime(end_ts, utc=True).astype("int64")
+        end = laid_out(end_ts.to_numpy(), fill=0)[keep]  # int64 nanoseconds, exact
         ends = np.stack([end.min(axis=1), end.max(axis=1)], axis=1)
     return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, data, ends)
 
