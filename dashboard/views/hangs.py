@@ -56,42 +56,39 @@ ui.show_findings(
     shown=() if firing.empty else (int(firing.iloc[0]["id"]),),
 )
 
+
+def grouped(ranks: pd.DataFrame, columns: dict, caption: str) -> None:
+    """Ranks grouped by where they stand, each group's ranks as ranges."""
+    st.dataframe(
+        ranks.assign(which=ranks["which"].map(ranksets.compact)),
+        hide_index=True,
+        width="stretch",
+        column_config={"which": st.column_config.TextColumn("which ranks"), **columns},
+    )
+    st.caption(caption)
+
+
 st.subheader("Where each rank was when last heard from")
 beats = ui.frame("last_heartbeats", run=run)
 progress = ui.frame("collective_progress", run=run) if beats.empty else beats
-if beats.empty and not progress.empty:  # a Flight Recorder dump: each group's collectives, rank by rank
-    progress["which"] = progress["which"].map(ranksets.compact)
-    st.dataframe(
+if not beats.empty:
+    grouped(
+        beats.assign(phase=beats["phase"].fillna("—")),  # between phases, or a job that names none
+        {"done": st.column_config.CheckboxColumn("collective done")},
+        "Ranks grouped by their last heartbeat: the step and phase they were in and the last collective "
+        "they entered. A hung job shows most ranks inside one collective and its culprits elsewhere.",
+    )
+elif not progress.empty:  # a Flight Recorder dump: each group's collectives, rank by rank
+    grouped(
         progress,
-        hide_index=True,
-        width="stretch",
-        column_config={
+        {
             "op": st.column_config.TextColumn("last collective entered"),
             "seq": st.column_config.NumberColumn("its #"),
             "completed": st.column_config.NumberColumn("last # completed"),
-            "which": st.column_config.TextColumn("which ranks"),
         },
-    )
-    st.caption(
         "From the ranks' collective records (Flight Recorder dumps): in each process group, the ranks grouped by "
         "the newest collective they entered and its state. A blocked group shows most members inside one "
-        "collective and its culprits at an earlier one."
+        "collective and its culprits at an earlier one.",
     )
-elif beats.empty:
-    st.caption("No heartbeats from this run, and no collective records.")
 else:
-    beats["which"] = beats["which"].map(ranksets.compact)
-    beats["phase"] = beats["phase"].fillna("—")  # between phases, or a job that names none
-    st.dataframe(
-        beats,
-        hide_index=True,
-        width="stretch",
-        column_config={
-            "which": st.column_config.TextColumn("which ranks"),
-            "done": st.column_config.CheckboxColumn("collective done"),
-        },
-    )
-    st.caption(
-        "Ranks grouped by their last heartbeat: the step and phase they were in and the last collective "
-        "they entered. A hung job shows most ranks inside one collective and its culprits elsewhere."
-    )
+    st.caption("No heartbeats from this run, and no collective records.")
