@@ -116,7 +116,7 @@ def test_simulate_paces_itself_to_a_collector_that_takes_one_request_at_a_time(c
     collector = collector_factory(
         None, "--max-queue-bytes", "1", "--workers", "2"
     )  # a request waits alone; the others get 503
-    ranks, steps = 64, 30  # enough requests from its 4 senders that some overlap, even on a loaded machine
+    ranks, steps = 32, 30  # enough requests from its 4 senders that some overlap, even on a loaded machine
     result = rankwatch_in_process(
         *("simulate", "--ranks", str(ranks), "--tp", "2", "--steps", str(steps), "--run", "paced"),
         *("--collector", collector.url),

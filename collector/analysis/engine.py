@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
@@ -358,9 +359,10 @@ class Engine:
         return frames
 
     def _steps(self, con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> pd.DataFrame:
-        """The run's rank-steps after `after` up to `upto` (Frames.steps): those the last pass read
-        where it ended at the step before this pass's first and read back far enough, and the rest
-        from the store; the longest history any analyzer reads is kept for the next pass."""
+        """The run's rank-steps after `after` up to `upto` (Frames.steps): those the last pass read,
+        where it read back far enough, and the store's after them; the longest history any analyzer
+        reads is kept for the next pass. (Kept steps are never stale: the cursor moving back, the one
+        way the steps under it change, drops them.)"""
         kept = self._history.get(run_id)
         start = after
         if kept is not None and kept.after <= after and kept.upto <= upto and kept.upto + 1 >= after:
@@ -369,7 +371,7 @@ class Engine:
         # a step trained again after a rollback not yet applied: its newest rows are the trajectory's
         fresh = fresh.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
         fresh = fresh.sort_values(["step", "rank"], ignore_index=True)
-        fresh.insert(0, "run_id", pd.Categorical.from_codes([0] * len(fresh), [run_id]))  # one value, one string
+        fresh.insert(0, "run_id", pd.Categorical.from_codes(np.zeros(len(fresh), np.int8), [run_id]))  # one string
         if start != after:
             assert kept is not None
             steps = pd.concat([kept.steps[kept.steps["step"] > after], fresh], ignore_index=True)
