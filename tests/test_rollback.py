@@ -106,11 +106,12 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
     last good snapshot and with that snapshot on disk; the collector names the stop, critical."""
     collector = collector_factory(None, "--analyze-every", "0.5")
     run, ckpt = "run-rollback-budget", tmp_path / "ckpt"
+    second = 90  # past the anomaly analyzer's 20-step baseline of the steps trained again after the first
     status = train(
         nproc=2,
-        steps=200,
+        steps=200,  # it stops at the second spike
         run_id=run,
-        faults=["spike:at=50,scale=50", "spike:at=120,scale=50", PACE],
+        faults=["spike:at=50,scale=50", f"spike:at={second},scale=50", PACE],
         collector=collector.url,
         token=collector.token,
         trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(ckpt), "--max-rollbacks", "1"],
@@ -120,7 +121,7 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
     commands = query(collector.db, "SELECT id, state, args, result FROM commands WHERE run_id = ? ORDER BY id", [run])
     assert [state for _, state, _, _ in commands] == ["applied", "failed"], commands
     result = json.loads(commands[1][3])
-    assert result["restored_step"] <= json.loads(commands[1][2])["before_step"] < 120 < result["from_step"]
+    assert result["restored_step"] <= json.loads(commands[1][2])["before_step"] < second < result["from_step"]
     assert result["why"].startswith(
         f"1 rollbacks within 1000 steps: stopping instead of another, with step {result['restored_step']} durable in "
     )
