@@ -106,6 +106,11 @@ def power_figure(run: str, live: bool) -> PowerFigure:
     )
 
 
+def capitalized(text: str) -> str:
+    """A phrase as a sentence starts: its first letter up, the rest as written ("rank 3 …" → "Rank 3 …")."""
+    return text[:1].upper() + text[1:]
+
+
 def picked_run() -> None:
     """The link names the run picked; another run's window of steps (`step_window`) is not this one's."""
     st.query_params.pop("steps", None)
@@ -312,7 +317,7 @@ def _against_peers(row: pd.Series) -> None:
     if series["suspects_s"].notna().any() and series["peers_s"].notna().any():
         st.altair_chart(charts.suspects_vs_peers(series, start), width="stretch")
         st.caption(
-            f"{ranksets.phrase(row['ranks'])[0].upper()}{ranksets.phrase(row['ranks'])[1:]} against the other "
+            f"{capitalized(ranksets.phrase(row['ranks']))} against the other "
             f"ranks, median compute per step, from before the onset (the dashed line, step {start}) to step {end}."
         )
 

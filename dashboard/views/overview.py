@@ -30,7 +30,7 @@ def _problems(findings: pd.DataFrame) -> pd.DataFrame:
 def live() -> None:
     runs = ui.frame("runs")
     status = ui.run_status(runs[runs["run_id"] == run].iloc[0])
-    st.markdown(f"**{status.words[0].upper()}{status.words[1:]}** · {status.duration} long")
+    st.markdown(f"**{ui.capitalized(status.words)}** · {status.duration} long")
     findings = ui.frame("findings", run=run)
     unjudged = findings[findings["kind"] == "not_judged"]  # what an analyzer could not judge, and why
     firing = findings[(findings["state"] == "firing") & (findings["kind"] != "not_judged")]
@@ -43,8 +43,7 @@ def live() -> None:
     hangs = firing[firing["analyzer"] == "hangs"]
     shown: tuple[int, ...] = ()  # findings the verdict already says, not repeated below it
     if not hangs.empty:
-        said = hangs.iloc[0]["summary"]
-        st.error(f"**Hung.** {said[0].upper()}{said[1:]}")
+        st.error(f"**Hung.** {ui.capitalized(hangs.iloc[0]['summary'])}")
         shown = (int(hangs.iloc[0]["id"]),)
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
@@ -116,7 +115,7 @@ def _telemetry_loss() -> None:
     if loss.any:
         said = loss.summary()
         st.warning(
-            f"**{said[0].upper()}{said[1:]}.** What this page and the analyzers conclude is drawn on partial "
+            f"**{ui.capitalized(said)}.** What this page and the analyzers conclude is drawn on partial "
             "data; the heatmap's blank cells are these rank-steps."
         )
 

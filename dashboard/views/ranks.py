@@ -30,7 +30,7 @@ columns = st.columns(len(PLACEMENT))
 for (column, what), box in zip(PLACEMENT, columns, strict=True):
     values = sorted(int(v) for v in ranks[column].dropna().unique())
     if len(values) > 1:
-        picked = box.multiselect(what[0].upper() + what[1:], values, key=f"{column}_filter", placeholder="any")
+        picked = box.multiselect(ui.capitalized(what), values, key=f"{column}_filter", placeholder="any")
         if picked:
             shown = shown[shown[column].isin(picked)]
 if shown.empty:

@@ -149,17 +149,16 @@ def _matrices(steps: pd.DataFrame, kept: dict | None = None) -> _Matrices:
     pass's matrices, whose rows are reused for the steps they hold (a step's row is drawn from that
     step's rank-steps alone, which the engine keeps unchanged while it keeps them), and this pass's
     left there for the next."""
+    kept = {} if kept is None else kept
     ranks = np.sort(pd.unique(steps["rank"].to_numpy()))
     step = steps["step"].to_numpy()
-    last: _Matrices | None = None if kept is None else kept.get("matrices")
-    if last is not None and np.array_equal(last.ranks, ranks) and kept is not None:
+    last: _Matrices | None = kept.get("matrices")
+    if last is not None and np.array_equal(last.ranks, ranks):
         newer = step > kept["upto"]
-        rows = last.steps >= step.min()
-        m = _stacked(last.taken(rows), _rows(steps[newer] if not newer.all() else steps, ranks))
+        m = _stacked(last.taken(last.steps >= step.min()), _rows(steps if newer.all() else steps[newer], ranks))
     else:
         m = _rows(steps, ranks)
-    if kept is not None:
-        kept["matrices"], kept["upto"] = m, int(step.max())
+    kept["matrices"], kept["upto"] = m, int(step.max())
     return m
 
 
