@@ -171,7 +171,8 @@ def test_overview_of_an_ended_run_tells_what_went_wrong(from_store):
     (item,) = [t for t in texts(at.main.markdown) if t.startswith("- **stragglers / rank**")]
     assert item.startswith(f"- **stragglers / rank** (critical, held to the run's end): rank {ENDED['slow']} computes")
     onset = int(re.search(r"since step (\d+)", item)[1])
-    assert abs(onset - ENDED["from"]) <= 6 and f"Steps {onset}–{ENDED['steps'] - 1}." in item and "Costs " in item
+    assert abs(onset - ENDED["from"]) <= 6 and f"Steps {onset}–{ENDED['steps'] - 1}." in item
+    assert item.count(" ms per step") == item.count("GPU-hours so far") == 1  # its cost, said once
     assert any(t.startswith("Stale (ended ") for t in texts(at.caption))
     headline = texts(from_store("stragglers", ENDED["run"]).markdown)[0]
     assert headline == f"### Suspects until the run's end: rank {ENDED['slow']}, pattern *rank*"

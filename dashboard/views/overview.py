@@ -139,8 +139,7 @@ if not past.empty or not rollbacks.empty:
         steps = "" if pd.isna(row["step_start"]) else f" Steps {int(row['step_start'])}–{int(row['step_end'])}."
         st.markdown(
             f"- **{row['analyzer']} / {row['kind']}** ({row['severity']}, {ui.outcome(row)}): {row['summary']}.{steps}"
-            + (f" {cost}" if (cost := ui.finding_cost(row)) else "")
-        )
+        )  # its cost, where measured, is in its summary: said once
     for _, command in rollbacks.iterrows():
         result = command["result"] or {}
         said = {
