@@ -187,6 +187,7 @@ def test_overview_of_a_hung_run(from_store):
     at = from_store("overview", HANG["run"])
     (verdict,) = texts(at.main.error)  # the hang finding once, in the verdict
     assert verdict.startswith("**Hung.**") and f"which rank {HANG['rank']} never entered" in verdict
+    assert verdict.endswith(f"**What to do:** {evidence.NEXT_STEPS['hangs']}")  # beside it, not a page away
     assert f"ranks 0–{HANG['rank'] - 1}, {HANG['rank'] + 1}–{HANG['ranks'] - 1} are blocked" in verdict
     assert not any("Power recommendations" in t for t in texts(at.main.info))  # no cap reaches a hung job
     assert "No power recommendation: the run is hung, so no cap would reach the job." in texts(at.main.caption)

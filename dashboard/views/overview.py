@@ -8,7 +8,7 @@ import streamlit as st
 
 from collector.analysis.analyzers.gaps import Gaps
 from collector.analysis.losses import Loss
-from dashboard import charts, ui
+from dashboard import charts, evidence, ui
 
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
 
@@ -43,8 +43,10 @@ def live() -> None:
     hangs = firing[firing["analyzer"] == "hangs"]
     shown: tuple[int, ...] = ()  # findings the verdict already says, not repeated below it
     if not hangs.empty:
-        st.error(f"**Hung.** {ui.capitalized(hangs.iloc[0]['summary'])}")
-        shown = (int(hangs.iloc[0]["id"]),)
+        hang = hangs.iloc[0]
+        todo = evidence.next_step(hang["analyzer"], hang["kind"])
+        st.error(f"**Hung.** {ui.capitalized(hang['summary'])}" + (f"\n\n**What to do:** {todo}" if todo else ""))
+        shown = (int(hang["id"]),)
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
         st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing** ({kinds}), below.")
