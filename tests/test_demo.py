@@ -24,7 +24,7 @@ class Demo(Interactive):
         super().__init__(
             "demo",
             "--steps",
-            "120",  # the straggler from step 24, the spike at 90
+            "80",  # the straggler from step 16, the spike at 60
             "--db",
             str(tmp_path / "rankwatch.duckdb"),
             "--port",
@@ -69,7 +69,7 @@ def test_sigterm_mid_job_stops_the_job_and_everything_the_demo_started(tmp_path)
     """As a service manager or `timeout` stops it: no rank, collector or dashboard is orphaned."""
     demo = Demo(tmp_path)
     try:
-        demo.read_until("step    20 ", 300)
+        demo.read_until("step     0 ", 300)  # the job under way
         demo.assert_stops_cleanly_on(signal.SIGTERM)
     finally:
         demo.kill()

@@ -31,13 +31,14 @@ class Reads:
         return self.con.execute(sql, *params)
 
 
-def _store(steps: int = STEPS) -> duckdb.DuckDBPyConnection:
-    """One simulated run: rank 5 computes 1.3x slow from step 60, the loss spikes at step 100."""
+def _store(steps: int = STEPS, faults: tuple[str, ...] = ("straggler:rank=5,slowdown=1.3,from=60",)):
+    """One simulated run: rank 5 computes 1.3x slow from step 60 (or the `faults` given), the loss spikes
+    at step 100."""
     frames = pd.concat(
         simulate.steps(
             simulate.Topology(dp=RANKS // 2, pp=2),
             steps,
-            [parse("straggler:rank=5,slowdown=1.3,from=60")],
+            [parse(f) for f in faults],
             seed=1,
             start_ns=time.time_ns() - steps * 10**9,
         ),
@@ -63,10 +64,11 @@ def _store(steps: int = STEPS) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _passes(con, engine: Engine, forget: bool = False) -> list[tuple]:
-    """The run judged a step a pass (as a collector does at a step a second), to its end: what each
-    pass found. `forget`: every pass reads the whole history (what the engine did before it kept any)."""
-    found, now = [], time.time_ns()
+def _passes(con, engine: Engine, forget: bool = False, now: int | None = None) -> list[tuple]:
+    """The run judged a step a pass (as a collector does at a step a second), to its end, at `now`
+    (default: now): what each pass found. `forget`: every pass reads the whole history (what the
+    engine did before it kept any)."""
+    found, now = [], now or time.time_ns()
     while True:
         if forget:
             engine._history.clear()
@@ -93,6 +95,35 @@ def test_a_pass_reads_the_new_steps_and_concludes_what_reading_everything_does()
     # past the first, each pass read its one new step: from the step the pass before ended at
     for (after, upto), (_, before) in zip(reads.steps[1:], reads.steps, strict=False):
         assert (after, upto) == (before, before + 1)
+
+
+def test_what_is_kept_follows_ranks_that_fall_silent_stalls_and_widespread_slowness():
+    """What each analyzer derives from the kept steps (the stragglers' matrices and the ranks of their
+    window, the anomalies' medians, the hang analyzer's look at the newest steps alone) concludes
+    what reading everything does, where the window's ranks change (rank 31 silent from step 30 on,
+    so out of the window 96 steps later), a stall closes (every end from step 90 on 60 s later) and
+    a different rank is slowest at each step from step 40 (uneven sequence lengths)."""
+    con = _store(faults=("data-skew:cv=0.3,from=40",))
+    con.execute("DELETE FROM steps WHERE rank = 31 AND step >= 30")
+    con.execute("UPDATE steps SET end_ts = end_ts + INTERVAL 60 SECOND WHERE step >= 90")
+    # through the stall the heartbeat of every rank but the silent one says where it is: rank 3 in step 89, the
+    # others in 90
+    con.execute(
+        """INSERT INTO events (run_id, rank, ts, event, step, attrs)
+           SELECT 'r', r, s.stalled + INTERVAL (t) SECOND, 'heartbeat', CASE WHEN r = 3 THEN 89 ELSE 90 END,
+                  '{"rankwatch.phase": "forward"}'
+           FROM range(31) ranks(r), range(5, 60, 5) beats(t),
+                (SELECT max(end_ts) AS stalled FROM steps WHERE step = 89) s"""
+    )
+    now = time.time_ns()  # (the stall under way at the end, judged at one moment both times)
+    kept = _passes(con, Engine(rank_steps=RANKS), now=now)
+    assert kept == _passes(con, Engine(rank_steps=RANKS), forget=True, now=now)
+    found = {f[:2] for drawn in kept for f in drawn}
+    assert {("stragglers", "widespread"), ("anomalies", "loss_spike")} <= found, found
+    # the pass that judged step 90 found the stall it closed (as it stood past its 30 s timeout), rank 3's
+    assert [f[2:5] + f[7:] for f in kept[90] if f[0] == "hangs"] == [
+        ((3,), 90, 90, "no step has finished for 31 s: rank 3 stopped (rank 3: in forward of step 89)")
+    ]
 
 
 def test_what_was_kept_is_read_again_once_a_rollback_changes_the_steps_under_the_cursor():

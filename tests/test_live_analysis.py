@@ -33,16 +33,21 @@ def test_straggler_of_a_live_job_is_found_and_ends_with_the_run(collector_factor
         """SELECT kind, ranks, state, score, step_start, evidence FROM findings
                                   WHERE run_id = 'run-live' AND analyzer = 'stragglers' AND kind <> 'widespread'""",
     )
-    # rank 2 alone, in one episode; or, where a loaded machine's other jobs slowed its peers for a while,
-    # in episodes one after another (tests/test_engine.py judges exactly one on a replayed run)
-    assert rows and {(kind, tuple(ranks)) for kind, ranks, *_ in rows} == {("rank", (2,))}, rows
-    _, _, state, score, step_start, evidence = min(rows, key=lambda row: row[4])
+    # rank 2, in one episode; or, where a loaded machine's other jobs slowed its peers for a while, in episodes
+    # one after another (tests/test_engine.py judges exactly one, and no other rank, on a replayed run)
+    mine = [row for row in rows if (row[0], tuple(row[1])) == ("rank", (2,))]
+    assert mine, rows
+    _, _, state, score, step_start, evidence = min(mine, key=lambda row: row[4])
     assert score > 1.3 and 15 - 12 // 2 <= step_start <= 15 + 12  # the onset, to within half a 12-step window
     assert json.loads(evidence)["lost_s_per_step"] > 0
     # the last held to the run's end (state `ended`, "resolved": "run ended"), or resolved earlier where a
     # loaded machine's last steps no longer showed it; either way nothing of an ended run stays firing
-    _, _, state, _, _, evidence = max(rows, key=lambda row: row[4])
+    _, _, state, _, _, evidence = max(mine, key=lambda row: row[4])
     assert (state, json.loads(evidence).get("resolved")) in [("ended", "run ended"), ("resolved", None)]
+    # a CPU rank the loaded machine really slowed for a while is named truly, but only for that while: it
+    # came and went, weaker than the injected one, and never held to the run's end
+    for kind, _, other_state, other_score, *_ in (row for row in rows if row not in mine):
+        assert kind == "rank" and other_state == "resolved" and other_score < max(row[3] for row in mine), rows
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND state = 'firing'") == [(0,)]
     # no hang was reported for a job that kept stepping
     assert query(collector.db, "SELECT count(*) FROM findings WHERE run_id = 'run-live' AND analyzer = 'hangs'") == [

@@ -16,13 +16,14 @@ pytestmark = pytest.mark.long
 # a 3x straggler paces the tiny CPU job so that the rollback (found by the pass its commit wakes, fetched
 # by a held poll, looked at every 0.25 s) lands well within the steps the memory snapshots reach back (16 or more)
 PACE = "straggler:rank=0,slowdown=3,from=0"
-STEPS = 100  # 50 before the anomaly, and enough after it for the rollback and the trained-on steps
+AT = 30  # the anomaly: past the anomaly analyzer's 20-step warmup and baseline
+STEPS = 64  # 30 steps before the anomaly, and enough after it for the rollback and the trained-on steps
 
 
-@pytest.mark.parametrize("nproc, fault", [(2, "nan:at=50"), (1, "spike:at=50,scale=50")])
+@pytest.mark.parametrize("nproc, fault", [(2, f"nan:at={AT}"), (1, f"spike:at={AT},scale=50")])
 def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp_path, nproc, fault):
     """A NaN or a 50x loss spike: exactly one rollback, served from memory on every rank, so none for the
-    job's 99 clean steps either; every step is kept once per rank and none after the anomaly is bad."""
+    job's clean steps either; every step is kept once per rank and none after the anomaly is bad."""
     collector = collector_factory(None, "--analyze-every", "0.5")
     run = f"run-rollback-{nproc}-" + fault.split(":")[0]
     status = train(
@@ -40,8 +41,8 @@ def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp
     assert len(commands) == 1, commands
     kind, state, args, result = commands[0]
     args, result = json.loads(args), json.loads(result)
-    assert (kind, state, args["before_step"]) == ("rollback", "applied", 45)
-    assert result["restored_step"] <= 45 and result["from_step"] > 50 and result["skipped_batches"] == 20
+    assert (kind, state, args["before_step"]) == ("rollback", "applied", AT - 5)  # the policy's margin of 5 steps
+    assert result["restored_step"] <= AT - 5 and result["from_step"] > AT and result["skipped_batches"] == 20
     events = query(
         collector.db, "SELECT rank, step FROM events WHERE run_id = ? AND event = 'rollback' ORDER BY rank", [run]
     )
@@ -106,12 +107,12 @@ def test_past_its_budget_the_job_stops_with_its_good_state_durable(collector_fac
     last good snapshot and with that snapshot on disk; the collector names the stop, critical."""
     collector = collector_factory(None, "--analyze-every", "0.5")
     run, ckpt = "run-rollback-budget", tmp_path / "ckpt"
-    second = 90  # past the anomaly analyzer's 20-step baseline of the steps trained again after the first
+    second = AT + 40  # past the anomaly analyzer's 20-step baseline of the steps trained again after the first
     status = train(
         nproc=2,
         steps=200,  # it stops at the second spike
         run_id=run,
-        faults=["spike:at=50,scale=50", f"spike:at={second},scale=50", PACE],
+        faults=[f"spike:at={AT},scale=50", f"spike:at={second},scale=50", PACE],
         collector=collector.url,
         token=collector.token,
         trainer_args=["--ckpt-memory", "16", "--ckpt-dir", str(ckpt), "--max-rollbacks", "1"],

@@ -37,6 +37,7 @@ from collector.analysis.analyzers.registry import ANALYZERS
 
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
 RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
+PART_ROWS = 2**16  # the steps kept between passes are kept in parts of about as many rows as this, or a pass's
 
 _NEWEST = """SELECT rank, max(step) FROM current_steps WHERE run_id = $run AND step > $after AND step < $before
              GROUP BY rank"""
@@ -114,12 +115,12 @@ class Cursor:
 @dataclass
 class _History:
     """The steps a run's last pass read, for its next: every rank-step after `after` up to `upto`
-    (deduplicated and sorted as Frames.steps), at most the longest history any analyzer reads; and
+    (deduplicated and sorted as Frames.steps, in parts), at most the longest history any analyzer reads; and
     what the analyzers derived from them (Frames.kept), which goes with them."""
 
     after: int
     upto: int
-    steps: pd.DataFrame
+    parts: list[pd.DataFrame]  # sorted by step, each a pass's (those of small passes put together)
     derived: dict[str, dict] = field(default_factory=dict)
 
 
@@ -325,8 +326,8 @@ class Engine:
         upto = max(last, first_new - 1)
         reads = [a.READS for a in self.analyzers if a.READS.every_pass or last >= first_new]  # those called
         history = max((r.history for r in reads), default=0)
-        steps = self._steps(con, run_id, first_new - 1 - max(history, 1), upto)
-        if steps.empty:
+        steps = [p for p in self._steps(con, run_id, first_new - 1 - max(history, 1), upto) if not p.empty]
+        if not steps:
             return None
         stated = con.execute("SELECT max(world_size) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]
         frames = Frames(
@@ -346,7 +347,7 @@ class Engine:
                 _COLLECTIVES, {"run": run_id, "after": first_new - 1 - history, "upto": upto}
             ).df()
         if any(r.heartbeats for r in reads):
-            since = min(now_ns, int(steps["end_ts"].min())) - HEARTBEATS_S * 10**9
+            since = min(now_ns, min(int(p["end_ts"].min()) for p in steps)) - HEARTBEATS_S * 10**9
             frames.heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": since}).df()
         if any(r.failed_rollbacks for r in reads):
             failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
@@ -358,11 +359,11 @@ class Engine:
             ).df()
         return frames
 
-    def _steps(self, con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> pd.DataFrame:
-        """The run's rank-steps after `after` up to `upto` (Frames.steps): those the last pass read,
-        where it read back far enough, and the store's after them; the longest history any analyzer
-        reads is kept for the next pass. (Kept steps are never stale: the cursor moving back, the one
-        way the steps under it change, drops them.)"""
+    def _steps(self, con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> list[pd.DataFrame]:
+        """The run's rank-steps after `after` up to `upto` (Frames.steps), in parts by step: those the
+        last pass read, where it read back far enough, and the store's after them; the longest history
+        any analyzer reads is kept for the next pass. (Kept steps are never stale: the cursor moving
+        back, the one way the steps under it change, drops them.)"""
         kept = self._history.get(run_id)
         start = after
         if kept is not None and kept.after <= after and kept.upto <= upto and kept.upto + 1 >= after:
@@ -372,15 +373,23 @@ class Engine:
         fresh = fresh.sort_values("end_ts").drop_duplicates(["rank", "step"], keep="last")
         fresh = fresh.sort_values(["step", "rank"], ignore_index=True)
         fresh.insert(0, "run_id", pd.Categorical.from_codes(np.zeros(len(fresh), np.int8), [run_id]))  # one string
-        if start != after:
-            assert kept is not None
-            steps = pd.concat([kept.steps[kept.steps["step"] > after], fresh], ignore_index=True)
-        else:
-            steps = fresh
+        parts = _after(kept.parts, after) if start != after and kept is not None else []
+        if parts and len(parts[-1]) + len(fresh) <= PART_ROWS:  # small steps go on in one part
+            parts[-1] = pd.concat([parts[-1], fresh], ignore_index=True)
+        elif not fresh.empty or not parts:
+            parts.append(fresh)
         keep_after = max(after, upto - max(self._longest, 1))
         derived = kept.derived if start != after and kept is not None else {}
-        self._history[run_id] = _History(keep_after, upto, steps[steps["step"] > keep_after], derived)
-        return steps
+        self._history[run_id] = _History(keep_after, upto, _after(parts, keep_after), derived)
+        return parts
+
+
+def _after(parts: list[pd.DataFrame], step: int) -> list[pd.DataFrame]:
+    """The rows after `step` of parts sorted by step (a part cut by position: no rows copied)."""
+    kept = [p for p in parts if len(p) and p["step"].iat[-1] > step]
+    if kept and kept[0]["step"].iat[0] <= step:
+        kept[0] = kept[0].iloc[int(np.searchsorted(kept[0]["step"].to_numpy(), step, side="right")) :]
+    return kept
 
 
 def replay(

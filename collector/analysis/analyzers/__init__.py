@@ -7,9 +7,11 @@ per episode (a conclusion held over consecutive steps), each spanning the steps 
 """
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
+import numpy as np
 import pandas as pd
 
 NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge; its summary says why
@@ -74,8 +76,12 @@ class Frames:
 
     `steps`: run_id, rank, step, end_ts (ns), duration_s, data_s, compute_s, comm_wait_s, loss,
     grad_norm, non_finite; one row per rank-step of the current trajectory, sorted by step and
-    rank, from `history` steps before `first_new` to `last`. `first_new` ... `last`: the steps
-    this pass judges, each once (none where `first_new > last`: only time has passed).
+    rank, from `history` steps before `first_new` to `last`. Given whole, or in parts by step (the
+    engine's: the steps it kept, a part a pass, then the new ones), which are put together only
+    for an analyzer that reads them whole: at 65,536 ranks, 96 steps are 6.3 million rows, and an
+    analyzer that keeps what it derived (`kept`) reads the new steps alone (`new_steps`,
+    `steps_after`). `first_new` ... `last`: the steps this pass judges, each once (none where
+    `first_new > last`: only time has passed).
     `ranks`: rank, host, pp_stage (placement). `devices(since_ns, until_ns)`: rank, metric,
     value of the device samples then (read only when asked: evidence). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
@@ -86,7 +92,7 @@ class Frames:
     it always agrees with `steps`; empty for a pass with nothing kept (the first, after the fact)."""
 
     run_id: str
-    steps: pd.DataFrame
+    rank_steps: pd.DataFrame | Sequence[pd.DataFrame]  # `steps`, whole or in parts (each sorted by step)
     first_new: int
     last: int
     ranks: pd.DataFrame
@@ -99,6 +105,34 @@ class Frames:
     devices: Callable[[int, int], pd.DataFrame] | None = None
     kept: dict[str, dict] = field(default_factory=dict)
 
-    @property
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
+
+    @cached_property
+    def first_step(self) -> int:
+        """The first step of `steps`: the earliest of the history read."""
+        first = self._parts[0]["step"]
+        return int(first.min() if len(self._parts) == 1 else first.iat[0])
+
+    @cached_property
     def new_steps(self) -> pd.DataFrame:
-        return self.steps[self.steps["step"] >= self.first_new]
+        return self.steps_after(self.first_new - 1)
+
+    def steps_after(self, step: int) -> pd.DataFrame:
+        """The rank-steps after `step`, from the parts that hold them alone."""
+        if len(self._parts) == 1:
+            whole = self._parts[0]
+            return whole[whole["step"] > step]
+        parts = [p for p in self._parts if p["step"].iat[-1] > step]
+        if not parts:
+            return self._parts[0].iloc[:0]
+        parts[0] = parts[0].iloc[int(np.searchsorted(parts[0]["step"].to_numpy(), step, side="right")) :]
+        return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
+
+    @cached_property
+    def _parts(self) -> list[pd.DataFrame]:
+        if isinstance(self.rank_steps, pd.DataFrame):
+            return [self.rank_steps]
+        return [p for p in self.rank_steps if not p.empty] or list(self.rank_steps[:1])

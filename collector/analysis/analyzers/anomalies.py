@@ -39,23 +39,37 @@ READS = Reads(history=Settings().baseline + Settings().patience, linger=Settings
 
 
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
-    """The anomalies of the steps from `frames.first_new` on, each judged on the steps before it."""
-    return _judge(frames.steps, frames.first_new, settings)
+    """The anomalies of the steps from `frames.first_new` on, each judged on the steps before it. The
+    steps' medians are kept for the next pass (`frames.kept`), which takes those of its new steps alone."""
+    if frames.new_steps.empty:
+        return []
+    kept = frames.kept.setdefault(ANALYZER, {})
+    since = frames.first_new - 1 - settings.baseline - settings.patience  # the steps the first new one needs
+    medians: pd.DataFrame | None = kept.get("medians")
+    fresh = _medians(frames.steps_after(since if medians is None else kept["upto"]))
+    medians = fresh if medians is None else pd.concat([medians[medians.index > since], fresh])
+    kept.update(medians=medians, upto=int(medians.index.max()))
+    return _judge(frames.run_id, frames.new_steps, medians, frames.first_new, settings)
 
 
 def analyze(steps: pd.DataFrame, settings: Settings = Settings()) -> list[Finding]:
     """Findings for one run, every step judged. `steps`: run_id, rank, step, loss, grad_norm,
     non_finite (one row per rank-step; non_finite: loss or grad_norm was NaN or infinite, which a
     frame cannot tell from a missing value once both are NaN)."""
-    return _judge(steps, int(steps["step"].min()) if not steps.empty else 0, settings)
-
-
-def _judge(steps: pd.DataFrame, first_new: int, settings: Settings) -> list[Finding]:
     if steps.empty:
         return []
-    run_id = str(steps["run_id"].iloc[0])
-    found = _non_finite(run_id, steps[steps["step"] >= first_new])
-    per_step = steps[~steps["non_finite"]].groupby("step")[["loss", "grad_norm"]].median()
+    return _judge(str(steps["run_id"].iloc[0]), steps, _medians(steps), int(steps["step"].min()), settings)
+
+
+def _medians(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per step, the median loss and gradient norm over its ranks (of the finite values)."""
+    return steps[~steps["non_finite"]].groupby("step")[["loss", "grad_norm"]].median()
+
+
+def _judge(run_id: str, new: pd.DataFrame, per_step: pd.DataFrame, first_new: int, settings: Settings) -> list[Finding]:
+    """The anomalies of the rank-steps `new` (those from `first_new` on), spikes judged on the steps'
+    medians (`per_step`, those before `first_new` the baseline)."""
+    found = _non_finite(run_id, new)
     for column, kind, what, severity in (
         ("loss", "loss_spike", "loss", "critical"),
         ("grad_norm", "grad_spike", "gradient norm", "warning"),

@@ -48,9 +48,10 @@ class Settings:
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     """The stalls the new steps closed, and the one under way at `frames.now_ns` (or, for a run
     that ended, at its end)."""
-    steps = frames.steps
-    if steps.empty:
+    now = frames.now_ns if frames.ended_ns is None else min(frames.now_ns, frames.ended_ns)
+    if _no_stall(frames.steps_after(frames.first_new - 2), now, settings):
         return []
+    steps = frames.steps_after(frames.first_new - 2 - RECENT)  # what a stall's timeout reads back, and a step more
     found = []
     ends = np.sort(steps["end_ts"].to_numpy())
     gaps = np.flatnonzero(np.diff(ends) > settings.floor_s * 1e9)  # a stall lasts the floor at least
@@ -63,8 +64,17 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
             found += analyze(
                 before, frames.heartbeats, int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)), settings
             )
-    now = frames.now_ns if frames.ended_ns is None else min(frames.now_ns, frames.ended_ns)
     return found + analyze(steps, frames.heartbeats, now, settings)
+
+
+def _no_stall(recent: pd.DataFrame, now_ns: int, s: Settings) -> bool:
+    """Whether no stall can be found, from the rank-steps of the newest step judged before and the new
+    ones alone (at 65,536 ranks, those of every history step are millions): no two of their ends, nor
+    the newest and `now_ns`, are the floor apart. (Ends of earlier steps can only narrow the gaps.)"""
+    if recent.empty:
+        return True
+    ends = np.sort(recent["end_ts"].to_numpy())
+    return bool((np.diff(ends) <= s.floor_s * 1e9).all()) and (now_ns - int(ends[-1])) / 1e9 <= s.floor_s
 
 
 def _timeout(steps: pd.DataFrame, s: Settings) -> float:

@@ -48,7 +48,8 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         ends.append(frames.last)
     found: list[Finding] = []
     for end in sorted(set(ends)):
-        steps = frames.steps[(frames.steps["step"] > end - settings.window) & (frames.steps["step"] <= end)]
+        steps = frames.steps_after(end - settings.window)
+        steps = steps[steps["step"] <= end]
         ops = frames.collectives[
             (frames.collectives["step"] > end - settings.window) & (frames.collectives["step"] <= end)
         ]

@@ -70,18 +70,13 @@ READS = Reads(history=Settings().max_window, linger=Settings().window // 2, devi
 
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     """The findings of the steps from `frames.first_new` on, each judged on the steps before it."""
-    if frames.steps["rank"].nunique() < 2:  # a run of one rank says so; one whose peers have yet to report waits
+    if frames.new_steps.empty:
+        return []
+    m = _matrices(frames, frames.kept.setdefault(ANALYZER, {}))
+    if len(m.ranks) < 2:  # a run of one rank says so; one whose peers have yet to report waits
         alone = frames.world_size == 1 and frames.last >= frames.first_new
         return [_alone(frames.run_id, frames.new_steps)] if alone else []
-    return _judge(
-        frames.run_id,
-        frames.steps,
-        frames.first_new,
-        frames.ranks,
-        settings,
-        frames.devices,
-        frames.kept.setdefault(ANALYZER, {}),
-    )
+    return _judge(frames.run_id, m, frames.first_new, frames.ranks, settings, frames.devices)
 
 
 def analyze(
@@ -98,17 +93,16 @@ def analyze(
     `devices`: rank, metric, value: recent device samples, attached as evidence (clocks,
     temperature, throttle reasons of the suspects against their peers).
     """
-    if steps.empty:
+    ranks_seen = np.sort(pd.unique(steps["rank"].to_numpy()))
+    if len(ranks_seen) < 2:
         return []
-    return list(
-        _judge(
-            str(steps["run_id"].iloc[0]),
-            steps,
-            int(steps["step"].max()),
-            ranks,
-            settings,
-            None if devices is None else lambda since, until: devices,
-        )
+    return _judge(
+        str(steps["run_id"].iloc[0]),
+        _rows(steps, ranks_seen),
+        int(steps["step"].max()),
+        ranks,
+        settings,
+        None if devices is None else lambda since, until: devices,
     )
 
 
@@ -116,7 +110,8 @@ def analyze(
 class _Matrices:
     """Complete steps as step x rank matrices: compute, exposed wait, compute over the step median, data
     time (None where the steps carry none); and per step: the spread of its ratios, its median step
-    time, its rank-steps' first and last end (None where the steps carry no times)."""
+    time, the time the others wait out (the slowest compute less the median), its rank-steps' first
+    and last end (None where the steps carry no times)."""
 
     steps: np.ndarray
     ranks: np.ndarray
@@ -125,6 +120,7 @@ class _Matrices:
     ratio: np.ndarray
     noise: np.ndarray  # per step: the spread of one step's ratios (with two ranks: rank 0's deviation)
     step_s: np.ndarray
+    lost: np.ndarray
     data: np.ndarray | None = None
     ends: np.ndarray | None = None  # per step: [first end, last end] (ns)
 
@@ -134,7 +130,7 @@ class _Matrices:
         return _Matrices(self.steps[rows], self.ranks, **taken)
 
 
-_PER_STEP = ("compute", "wait", "ratio", "noise", "step_s", "data", "ends")  # _Matrices' fields by step
+_PER_STEP = ("compute", "wait", "ratio", "noise", "step_s", "lost", "data", "ends")  # _Matrices' fields by step
 
 
 def _filled(steps: pd.DataFrame) -> pd.DataFrame:
@@ -144,36 +140,60 @@ def _filled(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.assign(comm_wait_s=wait, compute_s=steps["compute_s"].fillna(steps["duration_s"] - wait - data))
 
 
-def _matrices(steps: pd.DataFrame, kept: dict | None = None) -> _Matrices:
-    """The complete steps of `steps` as matrices. `kept` (Frames.kept, this analyzer's): the last
-    pass's matrices, whose rows are reused for the steps they hold (a step's row is drawn from that
-    step's rank-steps alone, which the engine keeps unchanged while it keeps them), and this pass's
-    left there for the next."""
-    kept = {} if kept is None else kept
-    ranks = np.sort(pd.unique(steps["rank"].to_numpy()))
-    step = steps["step"].to_numpy()
-    last: _Matrices | None = kept.get("matrices")
+def _matrices(frames: Frames, kept: dict) -> _Matrices:
+    """The complete steps of `frames.steps` as matrices. `kept` (Frames.kept, this analyzer's): the
+    last pass's rows, reused for the steps they hold (a step's row is drawn from that step's
+    rank-steps alone, which the engine keeps unchanged while it keeps them), and when each rank was
+    last seen (the window's ranks are those seen in it); so a pass lays out its new steps alone, and
+    writes them after the kept rows (`_appended`). This pass's are left there for the next."""
+    last: _Matrices | None = kept.get("buffer")
+    steps = frames.steps if last is None else frames.steps_after(kept["upto"])
+    if steps.empty:  # nothing after the kept steps: the window is theirs
+        assert last is not None
+        return _appended(kept, frames.first_step, None)
+    seen = steps.groupby("rank", sort=False)["step"].max()  # (a Series by rank, step values)
+    if last is not None:
+        seen = pd.concat([kept["seen"], seen]).groupby(level=0).max()
+    seen = seen[seen >= frames.first_step]  # the ranks of the window
+    ranks = np.sort(seen.index.to_numpy())
+    kept.update(upto=int(steps["step"].max()), seen=seen)
     if last is not None and np.array_equal(last.ranks, ranks):
-        newer = step > kept["upto"]
-        m = _stacked(last.taken(last.steps >= step.min()), _rows(steps if newer.all() else steps[newer], ranks))
-    else:
-        m = _rows(steps, ranks)
-    kept["matrices"], kept["upto"] = m, int(step.max())
+        new = _rows(steps, ranks)
+        if (new.data is None, new.ends is None) == (last.data is None, last.ends is None):
+            return _appended(kept, frames.first_step, new)
+    m = _rows(frames.steps, ranks)
+    kept.update(buffer=m, rows=(0, len(m.steps)))
     return m
 
 
-def _stacked(a: _Matrices, b: _Matrices) -> _Matrices:
-    """Rows of the same ranks, `b`'s steps after `a`'s."""
-    both: dict[str, Any] = {
-        f: None if (x := getattr(a, f)) is None or (y := getattr(b, f)) is None else np.concatenate([x, y])
-        for f in _PER_STEP
-    }
-    return _Matrices(np.concatenate([a.steps, b.steps]), a.ranks, **both)
+def _appended(kept: dict, first_step: int, new: _Matrices | None) -> _Matrices:
+    """The kept rows from `first_step` on, then `new`'s, as one view of the buffer kept: new rows are
+    written once, after the others, into room left for them (a buffer of half again the window's
+    rows, made again when full: at 96 steps, once in 48 passes), not the window copied with them at
+    every pass."""
+    buffer: _Matrices = kept["buffer"]
+    start, stop = kept["rows"]
+    start += int(np.searchsorted(buffer.steps[start:stop], first_step))
+    n = 0 if new is None else len(new.steps)
+    if stop + n > len(buffer.steps):
+        window, room = buffer.taken(slice(start, stop)), (stop - start + n) * 3 // 2 + 1
+        rows: dict[str, Any] = {
+            f: None if (v := getattr(window, f)) is None else np.resize(v, (room, *v.shape[1:])) for f in _PER_STEP
+        }
+        buffer = _Matrices(np.resize(window.steps, room), window.ranks, **rows)
+        start, stop = 0, stop - start
+    if new is not None:
+        for f in ("steps", *_PER_STEP):
+            if (into := getattr(buffer, f)) is not None:
+                into[stop : stop + n] = getattr(new, f)
+    kept.update(buffer=buffer, rows=(start, stop + n))
+    return buffer.taken(slice(start, stop + n))
 
 
 def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
     """The complete steps among `steps`, as rows over `ranks` (those of the whole window: a step some
     rank of the window did not report is incomplete)."""
+    steps = _filled(steps)
     step_ids = np.unique(steps["step"].to_numpy())
     at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
 
@@ -193,6 +213,7 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
     else:
         noise = 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
     step_s = np.median(laid_out(steps["duration_s"].to_numpy())[keep], axis=1)
+    lost = compute.max(axis=1) - median[keep]
     data = laid_out(steps["data_s"].to_numpy(dtype=float, na_value=np.nan))[keep] if "data_s" in steps else None
     ends = None
     if "end_ts" in steps:  # nanoseconds (the engine's), or timestamps (a caller's frame)
@@ -201,7 +222,7 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
             end_ts = pd.to_datetime(end_ts, utc=True).astype("int64")
         end = laid_out(end_ts.to_numpy(), fill=0)[keep]  # int64 nanoseconds, exact
         ends = np.stack([end.min(axis=1), end.max(axis=1)], axis=1)
-    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, data, ends)
+    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, lost, data, ends)
 
 
 def _noise(m: _Matrices, i: int, s: Settings) -> float:
@@ -260,29 +281,21 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
 
 
 def _judge(
-    run_id: str,
-    steps: pd.DataFrame,
-    first_new: int,
-    ranks: pd.DataFrame | None,
-    s: Settings,
-    devices,
-    kept: dict | None = None,
+    run_id: str, m: _Matrices, first_new: int, ranks: pd.DataFrame | None, s: Settings, devices
 ) -> list[Finding]:
-    """Each complete step from `first_new` on judged on the steps before it; consecutive steps with the same
-    verdict are one finding, drawn at the strongest of them, its onset estimated at the first."""
-    new = steps[steps["step"] >= first_new]
-    if new.empty:
-        return []
-    if steps["rank"].nunique() < 2:
-        return []
-    steps = _filled(steps)
-    m, placement = _matrices(steps, kept), _placement(ranks)
+    """Each complete step from `first_new` on (rows of `m`) judged on the steps before it; consecutive
+    steps with the same verdict are one finding, drawn at the strongest of them, its onset estimated at
+    the first."""
+    placement = _placement(ranks)
     found: list[Finding] = []
+    verdicts: dict[int, tuple] = {}  # by row, those drawn
     episode: list | None = None  # [(kind, ranks), first row, last row, strongest row, its strength]
     for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
         verdict = _verdict(m, i, s, placement) if i + 1 >= s.window else None
+        if verdict:
+            verdicts[i] = verdict
         if episode and (verdict is None or verdict[:2] != episode[0]):
-            found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
+            found.append(_finding(run_id, m, episode[1], episode[2], episode[3], s, verdicts, devices))
             episode = None
         if verdict and episode:
             episode[2] = i
@@ -291,7 +304,7 @@ def _judge(
         elif verdict:
             episode = [verdict[:2], i, i, i, verdict[4]]
     if episode:
-        found.append(_finding(run_id, steps, m, episode[1], episode[2], episode[3], s, placement, devices))
+        found.append(_finding(run_id, m, episode[1], episode[2], episode[3], s, verdicts, devices))
     return found
 
 
@@ -313,36 +326,27 @@ def _alone(run_id: str, new: pd.DataFrame) -> Finding:
 
 def _finding(
     run_id: str,
-    steps: pd.DataFrame,
     m: _Matrices,
     first: int,
     end: int,
     last: int,
     s: Settings,
-    placement: list,
+    verdicts: dict[int, tuple],
     devices,
 ) -> Finding:
     """The finding of an episode from row `first` to row `end`: drawn at row `last` (its strongest),
     since its onset at `first`."""
-    finding = _drawn(run_id, steps, m, first, last, s, placement, devices)
+    finding = _drawn(run_id, m, first, last, s, verdicts, devices)
     finding.step_end = int(m.steps[end])
     return finding
 
 
-def _drawn(
-    run_id: str, steps: pd.DataFrame, m: _Matrices, first: int, last: int, s: Settings, placement: list, devices
-) -> Finding:
-    drawn = _verdict(m, last, s, placement)
-    assert drawn is not None  # `last` is a row of the episode: it has a verdict
-    kind, suspects, where, w, _ = drawn
+def _drawn(run_id: str, m: _Matrices, first: int, last: int, s: Settings, verdicts: dict, devices) -> Finding:
+    kind, suspects, where, w, _ = verdicts[last]  # rows of the episode: each has a verdict
     history = m.taken(slice(max(last + 1 - s.max_window, 0), last + 1))  # the complete steps of the window
     if kind == "widespread":
-        recent = steps[steps["step"].isin(m.steps[last + 1 - w : last + 1])]
-        ratio = recent["compute_s"].to_numpy() / recent.groupby("step")["compute_s"].transform("median").to_numpy()
-        return _widespread(run_id, recent.assign(ratio=ratio), s)
-    began = _verdict(m, first, s, placement)
-    assert began is not None  # as `last`
-    onset = _onset(m, first, began[1], s)
+        return _widespread(run_id, m.taken(slice(last + 1 - w, last + 1)))
+    onset = _onset(m, first, verdicts[first][1], s)
     recent = m.taken(slice(last + 1 - w, last + 1))
     finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
@@ -379,29 +383,27 @@ def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
     return min(max(first, int(mine.index[0])), int(m.steps[i]))
 
 
-def _widespread(run_id: str, recent: pd.DataFrame, s: Settings) -> Finding:
-    last_steps = np.sort(recent["step"].unique())
-    lost = _lost_seconds(recent)
-    slowest = recent.loc[recent.groupby("step")["compute_s"].idxmax(), "rank"]
-    cv = 1.4826 * (recent["ratio"] - 1).abs().median()
+def _widespread(run_id: str, recent: _Matrices) -> Finding:
+    """The finding for time lost to a different slow rank at each step of `recent`."""
+    lost = recent.lost
+    slowest = recent.ranks[np.argmax(recent.compute, axis=1)]  # per step
+    cv = 1.4826 * float(np.median(np.abs(recent.ratio - 1)))
     return Finding(
         run_id,
         "widespread",
         [],
-        int(last_steps[0]),
-        int(last_steps[-1]),  # the job's pattern, no rank's
+        int(recent.steps[0]),
+        int(recent.steps[-1]),  # the job's pattern, no rank's
         "warning",
-        float(recent.groupby("step")["ratio"].max().median()),
+        float(np.median(recent.ratio.max(axis=1))),
         f"compute varies {100 * cv:.0f}% across ranks and a different rank is slowest at each step "
-        f"({slowest.nunique()} ranks in {len(last_steps)} steps), none persistently, as with uneven "
+        f"({len(np.unique(slowest))} ranks in {len(recent.steps)} steps), none persistently, as with uneven "
         f"sequence lengths: {lost.mean() * 1e3:.1f} ms lost per step",
         {
-            "cross_rank_cv": float(cv),
-            "slowest_ranks": sorted(int(r) for r in slowest.unique()),
-            "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.loc[slowest.index, "step"], slowest)},
-            **_cost(
-                lost.to_numpy(), recent.groupby("step")["duration_s"].median().to_numpy(), recent["rank"].nunique()
-            ),
+            "cross_rank_cv": cv,
+            "slowest_ranks": sorted(int(r) for r in np.unique(slowest)),
+            "slowest_rank_by_step": {int(k): int(v) for k, v in zip(recent.steps, slowest, strict=True)},
+            **_cost(lost, recent.step_s, len(recent.ranks)),
         },
         analyzer=ANALYZER,
     )
@@ -438,9 +440,8 @@ def _suspect_finding(
     the complete steps of the window (`history`) and of the verdict's (`recent`)."""
     theirs = np.isin(recent.ranks, suspects)
     slowdown = _median(recent.ratio[:, theirs])
-    episode = history.taken(history.steps >= first)
-    lost = episode.compute.max(axis=1) - np.median(episode.compute, axis=1)  # per step: what the others wait out
-    cost = _cost(lost, episode.step_s, len(episode.ranks))
+    episode = history.taken(slice(int(np.searchsorted(history.steps, first)), None))  # (a view: no copy)
+    cost = _cost(episode.lost, episode.step_s, len(episode.ranks))
     severity = "critical" if slowdown >= 1.2 else "warning"
     plural = kind == "rank" and len(suspects) > 1
     computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
@@ -491,12 +492,6 @@ def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:
         else:
             evidence[metric] = {k: float(v.median()) for k, v in who.items()}
     return {"devices": evidence}
-
-
-def _lost_seconds(steps: pd.DataFrame) -> pd.Series:
-    """Per step: the slowest rank's compute minus the median compute (what the others wait out)."""
-    grouped = steps.groupby("step")["compute_s"]
-    return grouped.max() - grouped.median()
 
 
 def _cost(lost: np.ndarray, step_time: np.ndarray, world: int) -> dict:
