@@ -31,6 +31,12 @@ def faults(steps: int) -> tuple[int, int, list[str]]:
     return slow_from, spike_at, [f"straggler:rank=2,slowdown=2,from={slow_from}", f"spike:at={spike_at},scale=50"]
 
 
+def ckpt_every(steps: int) -> int:
+    """Steps between the checkpoints the demo's job writes to disk: four or more over a short demo (the
+    trainer's default, every 100 steps, would leave a demo of 50 steps none), every 100 steps at most."""
+    return max(10, min(100, steps // 4 // 10 * 10))  # a multiple of the trainer's snapshots, every 10 steps
+
+
 ROLLBACKS = """
 SELECT args->>'$.anomaly' AS anomaly, state, json_extract(result, '$.from_step') AS at_step,
        json_extract(result, '$.restored_step') AS restored_step,
@@ -102,7 +108,16 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
             print(
                 f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {' and '.join(injected)}", flush=True
             )
-            status = train(nproc=4, steps=steps, run_id=run_id, faults=injected, collector=url, token=token, store=db)
+            status = train(
+                nproc=4,
+                steps=steps,
+                run_id=run_id,
+                faults=injected,
+                collector=url,
+                token=token,
+                store=db,
+                trainer_args=["--ckpt-every", str(ckpt_every(steps))],
+            )
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
             time.sleep(2)  # an analysis pass (every 1 s) over the final steps, before the summary reads them

@@ -343,9 +343,9 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     assert (
         train(
             nproc=2,
-            steps=80,
+            steps=60,
             run_id="pair-slow",
-            faults=["straggler:rank=1,slowdown=3,from=30"],
+            faults=["straggler:rank=1,slowdown=3,from=20"],
             collector=collector.url,
             token=collector.token,
             store=collector.db,
@@ -357,9 +357,9 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     collector.stop()
     # what it finds from the slowdown on (before it, a loaded machine's noise may draw findings of its own)
     stragglers = """SELECT kind, ranks, step_start FROM findings WHERE run_id = ? AND analyzer = 'stragglers'
-                    AND severity <> 'info' AND step_end >= 30"""
+                    AND severity <> 'info' AND step_end >= 20"""
     ((kind, ranks, start),) = query(collector.db, stragglers, ["pair-slow"])
-    assert (kind, list(ranks)) == ("rank", [1]) and abs(start - 30) <= WINDOW
+    assert (kind, list(ranks)) == ("rank", [1]) and abs(start - 20) <= WINDOW
     report = rankwatch_in_process("analyze", "alone", "--db", str(collector.db))
     assert report.returncode == 0, report.stderr
     assert "not judged" in report.stdout and "no peers" in report.stdout.replace("\n", " ")
