@@ -622,6 +622,24 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
                 raise UsageError(f"{f.spec!r}: {key}={f.get(key)} is not in the job, whose {what}s are 0..{count - 1}")
 
 
+def cmd_run(args) -> None:
+    from agent.config import collector_url
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("give the job's command after --, e.g. rankwatch run -- torchrun --nproc-per-node 2 train.py")
+    collector, token = collector_url(args.collector), _token(args)
+    _collector_takes(collector, token, unreachable_ok=True)  # before the job starts a rank
+
+    from rankwatch.launch import run
+
+    _stop_on_sigterm()
+    try:
+        sys.exit(run(command, run_id=args.run, collector=collector, token=token))
+    except FileNotFoundError:
+        raise UsageError(f"{command[0]!r}: no such command") from None
+
+
 def cmd_train(args) -> None:
     from agent.config import collector_url
 
@@ -877,6 +895,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _token_file_option(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "run", help="an unmodified training command, instrumented: rankwatch run -- torchrun ... train.py"
+    )
+    p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    p.add_argument("--run", help="run id (default: made from the time)")
+    _token_file_option(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the job's command, after --")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
     p.add_argument("--ranks", type=POSITIVE, required=True)

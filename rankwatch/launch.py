@@ -1,4 +1,5 @@
-"""Starting rankwatch's processes: the reference trainer under torchrun, and waiting for a collector."""
+"""Starting rankwatch's processes: the reference trainer under torchrun, an unmodified job with the agent
+in it (`rankwatch run`), and waiting for a collector."""
 
 import json
 import os
@@ -11,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from agent import config, paths
+import agent.autostart as autostart_package
+from agent import auto, config, paths
 from agent.apiclient import ApiClient, ApiError
 from agent.config import UNDELIVERED_ENV
 
@@ -83,34 +85,62 @@ def train(
     store = (store or paths.store_path()).resolve()  # the ranks' working directory must not matter
     announce("train", run_id, collector, store)
     print(f"rankwatch train: checkpoints in {paths.checkpoint_dir(store, run_id)}", flush=True)
-    undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
     env = {
-        **os.environ,
         "RANKWATCH_RUN_ID": run_id,
         "RANKWATCH_COLLECTOR": collector,
         "OMP_NUM_THREADS": "1",
-        UNDELIVERED_ENV: str(undelivered),
         # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the
         # address its peer had before the restart and fail to connect (pytorch/pytorch#135712)
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        paths.DB_ENV: str(store),
     }
+    command = train_command(nproc, steps, list(faults), model, max_restarts, ["--device", device, *trainer_args])
+    return _job("train", command, env, run_id, collector, token)
+
+
+def run(command: Sequence[str], run_id: str | None = None, collector: str | None = None, token: str | None = None):
+    """Run an unmodified job's command (`torchrun ... train.py`, `python train.py`) with the agent in
+    every Python process it starts (agent/auto.py, through the sitecustomize of agent/autostart/ on
+    its PYTHONPATH); returns its exit status, or TELEMETRY_LOST as `train`. FileNotFoundError where
+    the command is not found."""
+    run_id, collector, token = (
+        run_id or time.strftime("run-%Y%m%d-%H%M%S"),
+        config.collector_url(collector),
+        config.token(token),
+    )
+    announce("run", run_id, collector, paths.store_path().resolve())
+    autostart = str(Path(autostart_package.__file__).parent)
+    env = {
+        "RANKWATCH_RUN_ID": run_id,
+        "RANKWATCH_COLLECTOR": collector,
+        auto.ENV: "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (autostart, os.environ.get("PYTHONPATH")) if p),
+    }
+    return _job("run", list(command), env, run_id, collector, token)
+
+
+def _job(program: str, command: list[str], env: dict, run_id: str, collector: str, token: str | None) -> int:
+    """Run a job's command to its end with `env` added (and the token), stopping it if interrupted; its
+    exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the collector
+    (each rank notes what its exporter dropped in the UNDELIVERED_ENV directory)."""
+    undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
+    env = {**os.environ, **env, UNDELIVERED_ENV: str(undelivered)}
     if token:
         env["RANKWATCH_TOKEN"] = token
-    env[paths.DB_ENV] = str(store)
-    with subprocess.Popen(
-        train_command(nproc, steps, list(faults), model, max_restarts, ["--device", device, *trainer_args]), env=env
-    ) as job:
-        try:
-            status = job.wait()
-        except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (a SIGKILL would orphan them)
-            job.terminate()
-            job.wait()
-            raise
-    notes = [json.loads(f.read_text()) for f in undelivered.iterdir()]  # one per rank process that lost any
-    shutil.rmtree(undelivered, ignore_errors=True)
+    try:
+        with subprocess.Popen(command, env=env) as job:
+            try:
+                status = job.wait()
+            except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (a SIGKILL would orphan them)
+                job.terminate()
+                job.wait()
+                raise
+        notes = [json.loads(f.read_text()) for f in undelivered.iterdir()]  # one per rank process that lost any
+    finally:
+        shutil.rmtree(undelivered, ignore_errors=True)
     if notes:
         totals = {key: sum(note.get(key, 0) for note in notes) for key in ("rank_steps", "spans", "records", "samples")}
-        report_loss("train", run_id, collector, **totals)
+        report_loss(program, run_id, collector, **totals)
         return status or TELEMETRY_LOST
     return status
 

@@ -1,0 +1,190 @@
+"""Zero-code instrumentation: the agent in an unmodified training script (`rankwatch run`).
+
+`rankwatch run -- torchrun ... train.py` puts agent/autostart/ on PYTHONPATH: its sitecustomize
+calls `install()` in every Python process of the job, which waits for the script to import torch
+(a light import hook: a process that never imports torch, such as a tool the script shells out to,
+pays nothing) and then hooks what any PyTorch loop does:
+
+- a step ends with the first optimizer step after a forward (torch's global optimizer hooks), and
+  the next begins there, its data phase lasting until the model's forward;
+- the forward phase is the model's forward (the first module with parameters called outside any
+  other: the DDP or FSDP wrapper, or the model), the backward phase from its end to the optimizer
+  step (the loss, the backward, a DDP job's last gradient all-reduces), the optimizer phase the
+  optimizer step; a step of several forwards (gradient accumulation) has several of each;
+- the loss is the scalar a backward starts from (`Tensor.backward`), the gradient norm what
+  `clip_grad_norm_` returns, both read without a sync (Session.record);
+- collectives as `agent.watch_collectives()` and, for a DDP model, `agent.watch_ddp()` at its
+  first forward, around the comm hook the script registered, if any.
+
+The session starts at the first forward of a rank (after `init_process_group`: its rank and world
+size are torchrun's), so the launcher and the processes that never train start none. What needs
+the script's own code stays out: a rollback (the script's checkpoints) and power caps are not
+applied, and steps are numbered from 0 in each process (a resumed script counts again).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+import agent
+
+ENV = "RANKWATCH_AUTO"  # set by `rankwatch run`: instrument this job
+
+
+class _Driver:
+    """Steps and phases from torch's hooks, on the training thread."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.root: Any = None  # the module whose forward is the step's forward phase
+        self._step_cm: Any = None  # the open step and phase contexts (agent.step / agent.phase)
+        self._phase_cm: Any = None
+        self._forwarded = False  # a forward came since the last step ended
+        self._watched_ddp = False
+
+    def _enter_phase(self, name: str | None) -> None:
+        if self._phase_cm is not None:
+            self._phase_cm.__exit__(None, None, None)
+            self._phase_cm = None
+        if name is not None and self._step_cm is not None:
+            self._phase_cm = agent.phase(name)
+            self._phase_cm.__enter__()
+
+    def forward_pre(self, module, args) -> None:
+        if self.root is None:  # the first forward: the root of the loop's calls, and the session
+            if not any(True for _ in module.parameters()):
+                return
+            self.root = module
+            self._start()
+        elif module is not self.root:
+            return
+        self._watch_ddp(module)
+        if self._step_cm is None:
+            self._step_cm = agent.step(self.step)
+            self._step_cm.__enter__()
+        self._forwarded = True
+        self._enter_phase("forward")
+
+    def forward_post(self, module, args, output) -> None:
+        if module is self.root:
+            self._enter_phase("backward")
+
+    def optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if self._forwarded:
+            self._enter_phase("optimizer")
+
+    def optimizer_post(self, optimizer, args, kwargs) -> None:
+        """The step ends here (a second optimizer of the same step finds it ended: it is not timed)."""
+        if not self._forwarded:
+            return
+        self._forwarded = False
+        self._enter_phase(None)
+        self._step_cm.__exit__(None, None, None)
+        self.step += 1
+        self._step_cm = agent.step(self.step)  # the next, from here: its data phase until the forward
+        self._step_cm.__enter__()
+        self._enter_phase("data")
+
+    def _start(self) -> None:
+        agent.init()
+        if _distributed():
+            agent.watch_collectives()
+
+    def _watch_ddp(self, module) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self._watched_ddp or not isinstance(module, DistributedDataParallel):
+            return
+        self._watched_ddp = True
+        registered = getattr(module, "_rankwatch_hook", None)  # the script's, held back (see install)
+        state, inner = registered or (None, None)
+        if state is None:  # a hook of its own state (PowerSGD's) is registered as it is, untimed
+            agent.watch_ddp(module, inner)
+        else:
+            _register_comm_hook(module, state, inner)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+_register_comm_hook: Any = None  # DDP's own, once install() has wrapped it
+
+
+def _instrument() -> None:
+    """Hook torch, once it is imported."""
+    global _register_comm_hook
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    driver = _Driver()
+    torch.nn.modules.module.register_module_forward_pre_hook(driver.forward_pre)
+    torch.nn.modules.module.register_module_forward_hook(driver.forward_post)
+    register_optimizer_step_pre_hook(driver.optimizer_pre)
+    register_optimizer_step_post_hook(driver.optimizer_post)
+
+    backward = torch.Tensor.backward
+
+    def backward_recorded(self, *args, **kwargs):
+        if self.numel() == 1:
+            agent.record(loss=self.detach())
+        return backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward_recorded  # type: ignore[method-assign]
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_recorded(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        agent.record(grad_norm=norm.detach())
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_recorded
+
+    # the script's comm hook waits for the first forward, to be registered inside the agent's timing
+    _register_comm_hook = DistributedDataParallel.register_comm_hook
+
+    def held_back(self, state, hook):
+        if driver._watched_ddp:
+            return _register_comm_hook(self, state, hook)
+        self._rankwatch_hook = (state, hook)
+
+    DistributedDataParallel.register_comm_hook = held_back  # type: ignore[method-assign]
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Runs `_instrument` once the `torch` package has been imported (the import that finds it runs
+    torch's own loader, then this)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            try:
+                _instrument()
+            except Exception as e:  # never the script's failure: it trains uninstrumented
+                print(f"rankwatch: this job is not instrumented: {e}", file=sys.stderr)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Instrument this process once it imports torch (at once where it already has)."""
+    if "torch" in sys.modules:
+        _instrument()
+    else:
+        sys.meta_path.insert(0, _AfterTorch())

@@ -1,0 +1,2 @@
+"""The directory `rankwatch run` puts on a job's PYTHONPATH: its `sitecustomize` instruments each
+Python process of the job (agent/auto.py)."""

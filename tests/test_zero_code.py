@@ -1,0 +1,88 @@
+"""Zero-code instrumentation end to end: `rankwatch run -- torchrun ... script.py` on an unmodified
+plain-PyTorch DDP script (tests/jobs/plain_ddp.py, which imports nothing of rankwatch; nor does this
+file import the agent) sends a real collector every rank-step with its phases, loss and gradient
+norm, DDP's gradient all-reduces, and the straggler the script makes of its rank 1 is named; the
+launcher and the processes that never train start no session. A command that is missing, or not
+found, is refused in one line."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import rankwatch_cli
+from tests.otlp_payloads import query
+
+pytestmark = pytest.mark.long
+
+SCRIPT = Path(__file__).parent / "jobs" / "plain_ddp.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+STEPS = 40
+
+
+def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(collector):
+    job = rankwatch_cli(
+        "run",
+        "--collector",
+        collector.url,
+        "--run",
+        "zero-code",
+        "--",
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--steps",
+        str(STEPS),
+        "--slow-rank",
+        "1",
+        env={"RANKWATCH_TOKEN": collector.token},
+    )
+    collector.stop()
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "rankwatch run: run zero-code, telemetry to" in job.stdout
+    # every optimizer step is one step of each rank, numbered from 0, with the loss and gradient norm it had
+    steps = query(
+        collector.db,
+        """SELECT rank, list(step ORDER BY step), count(loss), count(grad_norm), median(compute_s), median(comm_wait_s)
+           FROM steps WHERE run_id = 'zero-code' GROUP BY rank ORDER BY rank""",
+    )
+    assert [(rank, numbers, losses, norms) for rank, numbers, losses, norms, *_ in steps] == [
+        (rank, list(range(STEPS)), STEPS, STEPS) for rank in (0, 1)
+    ]
+    (_, _, _, _, fast_compute, fast_wait), (_, _, _, _, slow_compute, slow_wait) = steps
+    assert slow_compute > fast_compute + 0.02 and fast_wait > slow_wait + 0.01  # rank 0 waits out rank 1's 30 ms
+    # the phases of each step: data (from the step before's optimizer step, so none in the first), forward,
+    # backward, optimizer; and one gradient all-reduce per step (the small model is one DDP bucket)
+    ops = query(
+        collector.db,
+        "SELECT kind, name, count(*) FROM ops WHERE run_id = 'zero-code' GROUP BY ALL ORDER BY ALL",
+    )
+    assert ops == [
+        ("comm", "all_reduce", 2 * STEPS),
+        ("phase", "backward", 2 * STEPS),
+        ("phase", "data", 2 * (STEPS - 1)),
+        ("phase", "forward", 2 * STEPS),
+        ("phase", "optimizer", 2 * STEPS),
+    ]
+    assert query(collector.db, "SELECT rank FROM ranks WHERE run_id = 'zero-code' ORDER BY rank") == [(0,), (1,)]
+    # the analyzers judge it as any run: rank 1 is the straggler
+    stragglers = query(
+        collector.db,
+        """SELECT kind, ranks FROM findings
+           WHERE run_id = 'zero-code' AND analyzer = 'stragglers' AND severity <> 'info'""",
+    )
+    assert stragglers and {(kind, tuple(ranks)) for kind, ranks in stragglers} == {("rank", (1,))}, stragglers
+
+
+@pytest.mark.parametrize(
+    "command, said",
+    [
+        ([], "rankwatch: error: give the job's command after --, e.g. rankwatch run -- torchrun"),
+        (["--", "no-such-command-here"], "rankwatch: error: 'no-such-command-here': no such command"),
+    ],
+)
+def test_a_command_that_is_missing_or_not_found_is_refused_in_one_line(collector, command, said):
+    result = rankwatch_cli("run", "--collector", collector.url, *command, env={"RANKWATCH_TOKEN": collector.token})
+    assert result.returncode == 2 and result.stderr.startswith(said) and result.stderr.count("\n") == 1, result.stderr
