@@ -280,8 +280,8 @@ FROM last GROUP BY ALL ORDER BY ranks, step
 COLLECTIVE_PROGRESS = """
 WITH last AS (
     SELECT comm_group, rank, max(seq) AS seq, arg_max(name, seq) AS op, arg_max(attrs->>'$.state', seq) AS state,
-           max(seq) FILTER (WHERE attrs->>'$.state' = 'completed') AS completed
-    FROM ops WHERE run_id = $run AND kind = 'comm' AND seq IS NOT NULL AND attrs->>'$.is_p2p' = 'false'
+           max(seq) FILTER (WHERE (attrs->>'$.state') = 'completed') AS completed
+    FROM ops WHERE run_id = $run AND kind = 'comm' AND seq IS NOT NULL AND (attrs->>'$.is_p2p') = 'false'
     GROUP BY comm_group, rank)
 SELECT comm_group AS "group", op, seq, state, completed, count(*) AS ranks,
        list(rank ORDER BY rank) AS which

@@ -33,7 +33,7 @@ _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, d
 _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.state' AS state,
                       attrs->'$.input_sizes' AS input_sizes, attrs->'$.output_sizes' AS output_sizes,
                       attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes
-               FROM ops WHERE run_id = ? AND kind = 'comm' AND attrs->>'$.is_p2p' = 'false' AND seq IS NOT NULL
+               FROM ops WHERE run_id = ? AND kind = 'comm' AND (attrs->>'$.is_p2p') = 'false' AND seq IS NOT NULL
                ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
 WHATIF = "whatif"  # the analyzer an imported run's what-if finding is recorded under

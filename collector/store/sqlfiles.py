@@ -13,6 +13,7 @@ or a directory to list. What DuckDB reads is the file that passed, whatever the 
 
 import os
 import stat
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,10 @@ class SqlFiles(fsspec.AbstractFileSystem):
             os.close(fd)
         kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
         return {"name": name, "size": st.st_size, "type": kind, "mtime": st.st_mtime}
+
+    def modified(self, path) -> datetime:
+        """When the file last changed (read_text's and read_blob's `last_modified`)."""
+        return datetime.fromtimestamp(self.info(path)["mtime"], UTC)
 
     def ls(self, path, detail=True, **kwargs) -> list:
         name = self._strip_protocol(path)
