@@ -8,7 +8,8 @@ pays nothing) and then hooks what any PyTorch loop does:
 - a step ends with the first optimizer step after a forward (torch's global optimizer hooks), and
   the next begins there, its data phase lasting until the model's forward;
 - the forward phase is the model's forward (the first module with parameters called outside any
-  other: the DDP or FSDP wrapper, or the model), the backward phase from its end to the optimizer
+  other: the DDP or FSDP wrapper, or the model; found by hooks on every module's forward, which
+  then give way to hooks on it alone), the backward phase from its end to the optimizer
   step (the loss, the backward, a DDP job's last gradient all-reduces), the optimizer phase the
   optimizer step; a step of several forwards (gradient accumulation) has several of each;
 - the loss is the scalar a backward starts from (`Tensor.backward`), the gradient norm what
@@ -44,6 +45,7 @@ class _Driver:
         self._phase_cm: Any = None
         self._forwarded = False  # a forward came since the last step ended
         self._watched_ddp = False
+        self.until_root: list = []  # the hooks on every module's forward, until the root is known
 
     def _enter_phase(self, name: str | None) -> None:
         if self._phase_cm is not None:
@@ -57,7 +59,11 @@ class _Driver:
         if self.root is None:  # the first forward: the root of the loop's calls, and the session
             if not any(True for _ in module.parameters()):
                 return
-            self.root = module
+            self.root = module  # from now on its forward alone calls a hook: not every module's of the model
+            for hook in self.until_root:
+                hook.remove()
+            module.register_forward_pre_hook(self.forward_pre)
+            module.register_forward_hook(self.forward_post)
             self._start()
         elif module is not self.root:
             return
@@ -124,8 +130,10 @@ def _instrument() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     driver = _Driver()
-    torch.nn.modules.module.register_module_forward_pre_hook(driver.forward_pre)
-    torch.nn.modules.module.register_module_forward_hook(driver.forward_post)
+    driver.until_root = [
+        torch.nn.modules.module.register_module_forward_pre_hook(driver.forward_pre),
+        torch.nn.modules.module.register_module_forward_hook(driver.forward_post),
+    ]
     register_optimizer_step_pre_hook(driver.optimizer_pre)
     register_optimizer_step_post_hook(driver.optimizer_post)
 

@@ -1,4 +1,5 @@
-"""Agent overhead: the same training run without the agent and with it, alternating; with
+"""Agent overhead: the same training run without the agent, with it (the loop's own calls), and with
+it zero-code (`rankwatch run`: the loop unchanged, agent/auto.py's hooks), alternating; with
 `--baseline DIR`, also with the agent of another checkout (DIR/agent), so that a change to the
 agent is measured against the version before it side by side, in one run.
 
@@ -12,7 +13,8 @@ rounds of (variant / no agent):
   counts), which other load on a shared machine disturbs far less than wall time.
 And the agent's own CPU per step: a loop that does nothing but a tiny DDP step (8 gradient buckets)
 and the agent's calls around it (a step, 4 phases, a record; the shutdown's export included),
-less the same loop without the agent.
+less the same loop without the agent (not for zero-code, whose hooks follow the training run's
+model alone).
 
 Usage: python bench/agent_overhead.py [--rounds 6] [--steps 60] [--model tiny] [--batch 8] [--baseline DIR]
 """
@@ -26,11 +28,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token-0123456789"
 EMPTY_STEPS = 2000
+AUTO = "auto"  # the zero-code variant's worker
+
+
+def _nothing(name):
+    return nullcontext()
 
 
 def free_port() -> int:
@@ -41,7 +49,7 @@ def free_port() -> int:
 
 def worker(agent_dir: str | None, args) -> dict:
     """One run in this process: the training run's median step time and CPU per step, and the
-    empty loop's CPU per step; `agent_dir` None: without the agent."""
+    empty loop's CPU per step; `agent_dir` None: without the agent; AUTO: zero-code."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -54,8 +62,17 @@ def worker(agent_dir: str | None, args) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
+    explicit = agent_dir not in (None, AUTO)  # the loop calls the agent itself
+    step_of, phase_of = (agent.step, agent.phase) if explicit else (_nothing, _nothing)
+    record = agent.record if explicit else (lambda **values: None)
+    if agent_dir == AUTO:  # as `rankwatch run` does: the session starts at the model's first forward
+        from agent import auto
+
+        os.environ.update(RANKWATCH_RUN_ID=args.run, RANKWATCH_COLLECTOR=args.url, RANKWATCH_TOKEN=TOKEN)
+        auto.install()
+
     def start(run_id: str, ddp) -> None:
-        if agent_dir:
+        if explicit:
             agent.init(run_id=run_id, collector=args.url, token=TOKEN, rank=0, world_size=1, cuda=False)
             agent.watch_ddp(ddp)
 
@@ -70,22 +87,25 @@ def worker(agent_dir: str | None, args) -> dict:
         if step == args.warmup:
             cpu_started = time.process_time()
         started = time.perf_counter()
-        with agent.step(step):
-            with agent.phase("data"):
+        with step_of(step):
+            with phase_of("data"):
                 inputs, targets = data.next()
-            with agent.phase("forward"):
+            with phase_of("forward"):
                 loss = ddp(inputs, targets)
-            with agent.phase("backward"):
+            with phase_of("backward"):
                 loss.backward()
-            with agent.phase("optimizer"):
+            with phase_of("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            agent.record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=inputs.numel())
+            record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=inputs.numel())
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
     agent.shutdown()  # the export of the last spans is the agent's cost too
     cpu = (time.process_time() - cpu_started) / args.steps
+    if agent_dir == AUTO:
+        dist.destroy_process_group()
+        return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
 
     tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
     tiny_ddp = DistributedDataParallel(tiny, bucket_cap_mb=1e-5)  # a bucket per layer
@@ -140,7 +160,7 @@ def main() -> None:
 
     if args.baseline and not (args.baseline / "agent" / "__init__.py").is_file():
         parser.error(f"--baseline {args.baseline}: no agent/ package there")
-    variants = {"no agent": "none", "agent": str(ROOT)}
+    variants = {"no agent": "none", "agent": str(ROOT), "agent, zero-code": AUTO}
     if args.baseline:
         variants["baseline agent"] = str(args.baseline.resolve())
     port = free_port()
@@ -206,14 +226,16 @@ def main() -> None:
         def ratio(key: str) -> float:
             return statistics.median(run[key] / base[key] for run, base in zip(runs, none))
 
-        own = statistics.median(run["empty"] - base["empty"] for run, base in zip(runs, none))
+        own = ""  # the agent's own CPU per step: of the loop's own calls
+        if name != "no agent" and runs[0]["empty"] is not None:
+            own = f"{statistics.median(run['empty'] - base['empty'] for run, base in zip(runs, none)) * 1e6:.0f}"
         table.add_row(
             name,
             f"{statistics.median(r['wall'] for r in runs) * 1e3:.2f}",
             f"{ratio('wall'):.4f}",
             f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}",
             f"{ratio('cpu'):.4f}",
-            "" if name == "no agent" else f"{own * 1e6:.0f}",
+            own,
         )
     console.print(table)
     console.print(
