@@ -248,7 +248,7 @@ SELECT CAST(args->>'before_step' AS BIGINT), 'rollback target', 'command ' || id
 FROM commands WHERE run_id = $run AND kind = 'rollback'
 UNION ALL
 SELECT CAST(result->>'restored_step' AS BIGINT), 'rollback restored', 'command ' || id FROM commands
-WHERE run_id = $run AND kind = 'rollback' AND result->>'restored_step' IS NOT NULL
+WHERE run_id = $run AND kind = 'rollback' AND (result->>'restored_step') IS NOT NULL
 UNION ALL
 SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->>{sc.json_path(sc.FAULT_SPEC)}), '')
 FROM events WHERE run_id = $run AND step IS NOT NULL

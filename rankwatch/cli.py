@@ -625,10 +625,10 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
 def cmd_run(args) -> None:
     from agent.config import collector_url
 
+    collector, token = collector_url(args.collector), _token(args)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise UsageError("give the job's command after --, e.g. rankwatch run -- torchrun --nproc-per-node 2 train.py")
-    collector, token = collector_url(args.collector), _token(args)
     _collector_takes(collector, token, unreachable_ok=True)  # before the job starts a rank
 
     from rankwatch.launch import run

@@ -298,6 +298,7 @@ def test_every_collector_url_goes_through_one_parser(url, message, tmp_path, cap
         ("power", "apply"): ["power", "apply", "r", "--watts", "300"],
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("train",): ["train"],
+        ("run",): ["run"],  # (its job's command would follow --collector, after --)
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2"],
     }
     assert set(commands) == options_of("--collector")

@@ -76,7 +76,7 @@ def test_entries_become_ops(hung):
     assert query(
         db,
         "SELECT DISTINCT comm_group, name, group_size, bytes FROM ops WHERE seq = 1 AND "
-        "attrs->>'$.group_desc' = 'tp' AND NOT (attrs->>'$.is_p2p')::BOOLEAN ORDER BY 1",
+        "(attrs->>'$.group_desc') = 'tp' AND NOT (attrs->>'$.is_p2p')::BOOLEAN ORDER BY 1",
     ) == [("1", "all_gather", 2, 1024), ("2", "all_gather", 2, 1024)]
     # point-to-point: numbered by the pair's transfers, named without the peers (kept in attrs)
     assert query(

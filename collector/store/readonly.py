@@ -157,7 +157,10 @@ def _check_calls(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
     (serialized,) = cursor.execute("SELECT json_serialize_sql(?)", [sql]).fetchall()[0]
     tree = json.loads(serialized)
     if tree.get("error"):
-        raise QueryRefused(str(tree.get("error_message") or "the query could not be parsed").splitlines()[0])
+        message = str(tree.get("error_message") or "the query could not be parsed")
+        if message.startswith("Only SELECT statements"):  # DuckDB 1.4 reads a PRAGMA as a SELECT until here
+            raise QueryRefused(f"only SELECT is allowed, not {sql.split(maxsplit=1)[0].upper()}")
+        raise QueryRefused(message.splitlines()[0])
     refused = refused_functions()
     stack: list = [tree]
     while stack:
