@@ -254,7 +254,7 @@ SELECT step, event, count(*) || ' rank(s)' || coalesce(': ' || any_value(attrs->
 FROM events WHERE run_id = $run AND step IS NOT NULL
   AND event IN ('checkpoint_saved', 'checkpoint_restored', 'checkpoint_corrupt', 'fault_injected')
   -- snapshots in memory come every few steps: only those on disk are marked
-  AND (event != 'checkpoint_saved' OR attrs->>{sc.json_path(sc.CKPT_TIER)} IS DISTINCT FROM '{sc.TIER_MEMORY}')
+  AND (event != 'checkpoint_saved' OR (attrs->>{sc.json_path(sc.CKPT_TIER)}) IS DISTINCT FROM '{sc.TIER_MEMORY}')
 GROUP BY step, event
 ORDER BY step
 """
