@@ -2,7 +2,8 @@
 plain-PyTorch DDP script (tests/jobs/plain_ddp.py, which imports nothing of rankwatch; nor does this
 file import the agent) sends a real collector every rank-step with its phases, loss and gradient
 norm, DDP's gradient all-reduces, and the straggler the script makes of its rank 1 is named; the
-launcher and the processes that never train start no session. A command that is missing, or not
+launcher and the processes that never train start no session. An FSDP2 script's all-gathers and
+reduce-scatters are each seen in their step. A command that is missing, or not
 found, is refused in one line."""
 
 import sys
@@ -74,6 +75,46 @@ def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(c
            WHERE run_id = 'zero-code' AND analyzer = 'stragglers' AND severity <> 'info'""",
     )
     assert stragglers and {(kind, tuple(ranks)) for kind, ranks in stragglers} == {("rank", (1,))}, stragglers
+
+
+def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scatters(collector):
+    """FSDP2 (`fully_shard` on each of two layers) issues its collectives from Python: each step of each
+    rank all-gathers each layer for the forward and again for the backward, and reduce-scatters each
+    layer's gradients; all of them are timed, in the step that made them."""
+    steps = 12
+    job = rankwatch_cli(
+        "run",
+        "--collector",
+        collector.url,
+        "--run",
+        "zero-code-fsdp",
+        "--",
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(Path(__file__).parent / "jobs" / "plain_fsdp.py"),
+        "--steps",
+        str(steps),
+        env={"RANKWATCH_TOKEN": collector.token},
+    )
+    collector.stop()
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert query(
+        collector.db,
+        "SELECT rank, count(*), count(loss) FROM steps WHERE run_id = 'zero-code-fsdp' GROUP BY rank ORDER BY rank",
+    ) == [(rank, steps, steps) for rank in (0, 1)]
+    per_step = query(
+        collector.db,
+        """SELECT name, min(n), max(n) FROM (SELECT name, rank, step, count(*) AS n FROM ops
+           WHERE run_id = 'zero-code-fsdp' AND kind = 'comm' GROUP BY ALL) GROUP BY name ORDER BY name""",
+    )
+    assert per_step == [("all_gather", 4, 4), ("reduce_scatter", 2, 2)]
+    ((in_steps,),) = query(
+        collector.db,
+        "SELECT count(*) FROM ops WHERE run_id = 'zero-code-fsdp' AND kind = 'comm' AND step IS NOT NULL",
+    )
+    assert in_steps == 2 * steps * 6
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,33 @@
+"""A plain PyTorch FSDP2 training script that knows nothing of rankwatch (tests/test_zero_code.py runs it
+under `rankwatch run`): two linear layers, each sharded with `fully_shard` over gloo, so that every step
+all-gathers each layer's parameters for its forward and again for its backward, and reduce-scatters
+each layer's gradients."""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(args.steps):
+        loss = model(torch.randn(8, 32)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
