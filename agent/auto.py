@@ -13,7 +13,8 @@ pays nothing) and then hooks what any PyTorch loop does:
   step (the loss, the backward, a DDP job's last gradient all-reduces), the optimizer phase the
   optimizer step; a step of several forwards (gradient accumulation) has several of each;
 - the loss is the scalar a backward starts from (`Tensor.backward`), the gradient norm what
-  `clip_grad_norm_` returns, both read without a sync (Session.record);
+  `clip_grad_norm_` returns, both read without a sync (Session.record), the learning rate the
+  optimizer's first parameter group's;
 - collectives as `agent.watch_collectives()` and, for a DDP model, `agent.watch_ddp()` at its
   first forward, around the comm hook the script registered, if any.
 
@@ -88,6 +89,8 @@ class _Driver:
             return
         self._forwarded = False
         self._enter_phase(None)
+        if (lr := optimizer.param_groups[0].get("lr")) is not None:
+            agent.record(lr=lr)  # (a tensor learning rate is read as the loss is: later, without a sync)
         self._step_cm.__exit__(None, None, None)
         self.step += 1
         self._step_cm = agent.step(self.step)  # the next, from here: its data phase until the forward

@@ -1,9 +1,9 @@
 """Zero-code instrumentation end to end: `rankwatch run -- torchrun ... script.py` on an unmodified
 plain-PyTorch DDP script (tests/jobs/plain_ddp.py, which imports nothing of rankwatch; nor does this
-file import the agent) sends a real collector every rank-step with its phases, loss and gradient
-norm, DDP's gradient all-reduces, and the straggler the script makes of its rank 1 is named; the
-launcher and the processes that never train start no session. An FSDP2 script's all-gathers and
-reduce-scatters are each seen in their step. A command that is missing, or not
+file import the agent) sends a real collector every rank-step with its phases, loss, gradient norm
+and learning rate, DDP's gradient all-reduces, and the straggler the script makes of its rank 1 is
+named; the launcher and the processes that never train start no session. An FSDP2 script's
+all-gathers and reduce-scatters are each seen in their step. A command that is missing, or not
 found, is refused in one line."""
 
 import sys
@@ -46,13 +46,15 @@ def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(c
     # every optimizer step is one step of each rank, numbered from 0, with the loss and gradient norm it had
     steps = query(
         collector.db,
-        """SELECT rank, list(step ORDER BY step), count(loss), count(grad_norm), median(compute_s), median(comm_wait_s)
+        """SELECT rank, list(step ORDER BY step), count(loss), count(grad_norm), list(DISTINCT lr),
+                  median(compute_s), median(comm_wait_s)
            FROM steps WHERE run_id = 'zero-code' GROUP BY rank ORDER BY rank""",
     )
-    assert [(rank, numbers, losses, norms) for rank, numbers, losses, norms, *_ in steps] == [
-        (rank, list(range(STEPS)), STEPS, STEPS) for rank in (0, 1)
+    assert [(rank, numbers, losses, norms, lr) for rank, numbers, losses, norms, lr, *_ in steps] == [
+        (rank, list(range(STEPS)), STEPS, STEPS, [0.01])
+        for rank in (0, 1)  # the script's SGD learning rate
     ]
-    (_, _, _, _, fast_compute, fast_wait), (_, _, _, _, slow_compute, slow_wait) = steps
+    (*_, fast_compute, fast_wait), (*_, slow_compute, slow_wait) = steps
     assert slow_compute > fast_compute + 0.02 and fast_wait > slow_wait + 0.01  # rank 0 waits out rank 1's 30 ms
     # the phases of each step: data (from the step before's optimizer step, so none in the first), forward,
     # backward, optimizer; and one gradient all-reduce per step (the small model is one DDP bucket)
