@@ -22,6 +22,7 @@ recorded in gloo's thread would land on the default stream of device 0.
 import functools
 import inspect
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +60,8 @@ def comm_hook(session: Session, inner=None):
     averaging all-reduce of DDP's allreduce_hook, launched here so that one future callback both
     unpacks the result and marks the end). Register it with `model.register_comm_hook(None, hook)`.
     With `inner`, the end follows the inner hook's own callbacks (a compression hook's
-    decompression): it does not say when the group's stream was free for the next bucket."""
+    decompression): it does not say when the group's stream was free for the next bucket; the
+    collectives it launches are the bucket's, not traced again (trace_collectives)."""
     import torch.distributed as dist
 
     groups = _groups(dist, session)
@@ -74,7 +76,12 @@ def comm_hook(session: Session, inner=None):
                 c.end = mark()
                 return fut.value()
 
-            return inner(process_group, bucket).then(done)
+            _in_bucket.hook = True  # the collectives it launches are this bucket's, timed once: as the bucket
+            try:
+                launched = inner(process_group, bucket)
+            finally:
+                _in_bucket.hook = False
+            return launched.then(done)
 
         def averaged(fut):
             c.end = mark()
@@ -134,6 +141,7 @@ _PEERS = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"), "recv": (
 _PEERS["irecv"] = _PEERS["recv"]
 _TRACED = (*_SIZES, "batch_isend_irecv")
 _NONE = object()  # a parameter the call leaves out that has no default
+_in_bucket = threading.local()  # `hook`: a DDP bucket's inner hook is launching its collectives on this thread
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -231,6 +239,8 @@ def _traced(session: Session, dist, groups, name: str, original):
 
     @functools.wraps(original)
     def call(*args, **kwargs):
+        if getattr(_in_bucket, "hook", False):
+            return original(*args, **kwargs)
         try:
             c, mark, launched = start(args, kwargs)
         except Exception:  # arguments the original refuses, or a group this rank is not in: it says so

@@ -79,6 +79,36 @@ def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(c
     assert stragglers and {(kind, tuple(ranks)) for kind, ranks in stragglers} == {("rank", (1,))}, stragglers
 
 
+def test_a_ddp_scripts_own_comm_hook_is_kept_and_each_bucket_timed_once(collector):
+    """The script registers DDP's fp16 compression hook: the agent's bucket timing goes around it, and the
+    all-reduce the hook launches is the bucket's, not a second collective."""
+    steps = 8
+    job = rankwatch_cli(
+        "run",
+        "--collector",
+        collector.url,
+        "--run",
+        "zero-code-hook",
+        "--",
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--fp16-comm",
+        env={"RANKWATCH_TOKEN": collector.token},
+    )
+    collector.stop()
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert query(
+        collector.db,
+        """SELECT rank, count(DISTINCT step), count(*) FROM ops
+           WHERE run_id = 'zero-code-hook' AND kind = 'comm' GROUP BY rank ORDER BY rank""",
+    ) == [(rank, steps, steps) for rank in (0, 1)]
+
+
 def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scatters(collector):
     """FSDP2 (`fully_shard` on each of two layers) issues its collectives from Python: each step of each
     rank all-gathers each layer for the forward and again for the backward, and reduce-scatters each
