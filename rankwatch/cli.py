@@ -650,9 +650,15 @@ def cmd_train(args) -> None:
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
     from trainer.model import CONFIGS
+    from trainer.train import SNAPSHOT_EVERY
 
     if args.model not in CONFIGS:
         raise UsageError(f"unknown --model {args.model!r}; models: {', '.join(CONFIGS)}")
+    if args.ckpt_every is not None and args.ckpt_every % SNAPSHOT_EVERY:
+        raise UsageError(
+            f"--ckpt-every {args.ckpt_every} is not a multiple of {SNAPSHOT_EVERY}: the job writes to disk one "
+            f"of its snapshots, taken every {SNAPSHOT_EVERY} steps"
+        )
     try:
         faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
     except ValueError as e:
@@ -672,6 +678,7 @@ def cmd_train(args) -> None:
                 device=args.device,
                 store=store,
                 token=token,
+                trainer_args=[] if args.ckpt_every is None else ["--ckpt-every", str(args.ckpt_every)],
             )
         )
     except DeviceError as e:
@@ -886,6 +893,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=NON_NEGATIVE,
         default=0,
         help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=POSITIVE,
+        metavar="STEPS",
+        help="write a checkpoint to disk every STEPS steps (default 100; a multiple of 10: one of the job's snapshots)",
     )
     p.add_argument(
         "--device",

@@ -339,13 +339,15 @@ def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path
         "--nproc",
         "2",
         "--steps",
-        "120",
+        "40",
+        "--ckpt-every",
+        "20",
         "--max-restarts",
         "1",
         "--run",
         RUN,
         "--inject",
-        "crash:rank=1,at=115",
+        "crash:rank=1,at=35",
         "--collector",
         collector.url,
         env={"RANKWATCH_TOKEN": collector.token},
@@ -353,7 +355,7 @@ def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path
     )
     collector.stop()
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed at step 100" in result.stdout
+    assert "resumed at step 20" in result.stdout
 
     def events(name: str) -> list[tuple]:
         return query(
@@ -362,23 +364,23 @@ def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path
             [RUN, name],
         )
 
-    # The first attempt's only durable checkpoint. Rank 0's event may not have left before torchrun
-    # stopped it; rank 1, the one that crashed, sent everything first.
+    # The first attempt's only durable checkpoint, step 20 (rank 0's event may not have left before torchrun
+    # stopped it; rank 1, the one that crashed, sent everything first), then the resumed attempt's at its end.
     disk = [
         (rank, step)
         for rank, step, attrs in events("checkpoint_saved")
         if json.loads(attrs)["rankwatch.checkpoint.tier"] == "disk"
     ]
-    assert (1, 100) in disk and {step for _, step in disk} == {100}, disk
+    assert {(1, 20), (0, 40), (1, 40)} <= set(disk) and {step for _, step in disk} == {20, 40}, disk
     restored = [
         (rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"])
         for rank, step, attrs in events("checkpoint_restored")
     ]
-    assert restored == [(0, 100, "disk"), (1, 100, "disk")]
-    assert [(rank, step) for rank, step, _ in events("fault_injected")] == [(1, 115)]  # the restart does not crash
+    assert restored == [(0, 20, "disk"), (1, 20, "disk")]
+    assert [(rank, step) for rank, step, _ in events("fault_injected")] == [(1, 35)]  # the restart does not crash
     for rank in (0, 1):
         assert (
-            tmp_path / "rankwatch-data" / "runs" / RUN / "checkpoints" / f"rank-{rank}" / "step-00000100" / MANIFEST
+            tmp_path / "rankwatch-data" / "runs" / RUN / "checkpoints" / f"rank-{rank}" / "step-00000020" / MANIFEST
         ).exists()
 
     losses = query(
@@ -387,9 +389,9 @@ def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path
         "GROUP BY step ORDER BY step",
         [RUN],
     )
-    assert [step for step, _ in losses] == list(range(120))
-    for step, attempts in losses:  # steps 100..114 ran twice, and the resumed attempt repeated them exactly
-        assert len(attempts) == (2 if 100 <= step < 115 else 1), (step, attempts)
+    assert [step for step, _ in losses] == list(range(40))
+    for step, attempts in losses:  # steps 20..34 ran twice, and the resumed attempt repeated them exactly
+        assert len(attempts) == (2 if 20 <= step < 35 else 1), (step, attempts)
         assert len(set(attempts)) == 1, (step, attempts)
 
 

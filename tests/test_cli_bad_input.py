@@ -152,6 +152,13 @@ def test_unknown_model_is_refused_before_torchrun():
     assert result.stdout == ""  # nothing was started
 
 
+def test_a_checkpoint_interval_that_is_no_snapshot_is_refused_before_torchrun():
+    result = rankwatch_cli("train", "--ckpt-every", "25", "--steps", "2")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--ckpt-every 25 is not a multiple of 10: the job writes to disk one of its snapshots" in result.stderr
+    assert result.stdout == ""  # nothing was started
+
+
 def test_dashboard_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

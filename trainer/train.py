@@ -33,6 +33,8 @@ from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
 from trainer.progress import Progress
 
+SNAPSHOT_EVERY = 10  # steps between the snapshots in memory, by default (--snapshot-every)
+
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,7 +57,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--snapshot-every",
         type=int,
-        default=10,
+        default=SNAPSHOT_EVERY,
         metavar="STEPS",
         help="copy the training state to host memory every STEPS steps",
     )
