@@ -21,26 +21,30 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS = 40
 
 
-def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(collector):
+def two_ranks(collector, run_id: str, script: Path, *args: str):
+    """`rankwatch run -- torchrun` of `script` on two ranks, sending to `collector`; the collector
+    stopped after it, so that its store can be read."""
     job = rankwatch_cli(
         "run",
         "--collector",
         collector.url,
         "--run",
-        "zero-code",
+        run_id,
         "--",
         TORCHRUN,
         "--standalone",
         "--nproc-per-node",
         "2",
-        str(SCRIPT),
-        "--steps",
-        str(STEPS),
-        "--slow-rank",
-        "1",
+        str(script),
+        *args,
         env={"RANKWATCH_TOKEN": collector.token},
     )
     collector.stop()
+    return job
+
+
+def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(collector):
+    job = two_ranks(collector, "zero-code", SCRIPT, "--steps", str(STEPS), "--slow-rank", "1")
     assert job.returncode == 0, job.stderr[-3000:]
     assert "rankwatch run: run zero-code, telemetry to" in job.stdout
     # every optimizer step is one step of each rank, numbered from 0, with the loss and gradient norm it had
@@ -83,24 +87,7 @@ def test_a_ddp_scripts_own_comm_hook_is_kept_and_each_bucket_timed_once(collecto
     """The script registers DDP's fp16 compression hook: the agent's bucket timing goes around it, and the
     all-reduce the hook launches is the bucket's, not a second collective."""
     steps = 8
-    job = rankwatch_cli(
-        "run",
-        "--collector",
-        collector.url,
-        "--run",
-        "zero-code-hook",
-        "--",
-        TORCHRUN,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--fp16-comm",
-        env={"RANKWATCH_TOKEN": collector.token},
-    )
-    collector.stop()
+    job = two_ranks(collector, "zero-code-hook", SCRIPT, "--steps", str(steps), "--fp16-comm")
     assert job.returncode == 0, job.stderr[-3000:]
     assert query(
         collector.db,
@@ -114,23 +101,9 @@ def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scat
     rank all-gathers each layer for the forward and again for the backward, and reduce-scatters each
     layer's gradients; all of them are timed, in the step that made them."""
     steps = 12
-    job = rankwatch_cli(
-        "run",
-        "--collector",
-        collector.url,
-        "--run",
-        "zero-code-fsdp",
-        "--",
-        TORCHRUN,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(Path(__file__).parent / "jobs" / "plain_fsdp.py"),
-        "--steps",
-        str(steps),
-        env={"RANKWATCH_TOKEN": collector.token},
+    job = two_ranks(
+        collector, "zero-code-fsdp", Path(__file__).parent / "jobs" / "plain_fsdp.py", "--steps", str(steps)
     )
-    collector.stop()
     assert job.returncode == 0, job.stderr[-3000:]
     assert query(
         collector.db,
