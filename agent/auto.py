@@ -45,7 +45,6 @@ class _Driver:
         self._step_cm: Any = None  # the open step and phase contexts (agent.step / agent.phase)
         self._phase_cm: Any = None
         self._forwarded = False  # a forward came since the last step ended
-        self._watched_ddp = False
         self.until_root: list = []  # the hooks on every module's forward, until the root is known
 
     def _enter_phase(self, name: str | None) -> None:
@@ -65,10 +64,9 @@ class _Driver:
                 hook.remove()
             module.register_forward_pre_hook(self.forward_pre)
             module.register_forward_hook(self.forward_post)
-            self._start()
+            self._start(module)
         elif module is not self.root:
             return
-        self._watch_ddp(module)
         if self._step_cm is None:
             self._step_cm = agent.step(self.step)
             self._step_cm.__enter__()
@@ -97,23 +95,21 @@ class _Driver:
         self._step_cm.__enter__()
         self._enter_phase("data")
 
-    def _start(self) -> None:
+    def _start(self, root) -> None:
+        """The session, at the root's first forward; a DDP root's buckets timed from here on."""
+        from torch.nn.parallel import DistributedDataParallel
+
         agent.init()
         if _distributed():
             agent.watch_collectives()
-
-    def _watch_ddp(self, module) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if self._watched_ddp or not isinstance(module, DistributedDataParallel):
+        if not isinstance(root, DistributedDataParallel):
             return
-        self._watched_ddp = True
-        registered = getattr(module, "_rankwatch_hook", None)  # the script's, held back (see install)
+        registered = getattr(root, "_rankwatch_hook", None)  # the script's, held back (see install)
         state, inner = registered or (None, None)
         if state is None:  # a hook of its own state (PowerSGD's) is registered as it is, untimed
-            agent.watch_ddp(module, inner)
+            agent.watch_ddp(root, inner)
         else:
-            _register_comm_hook(module, state, inner)
+            _register_comm_hook(root, state, inner)
 
 
 def _distributed() -> bool:
@@ -162,7 +158,7 @@ def _instrument() -> None:
     _register_comm_hook = DistributedDataParallel.register_comm_hook
 
     def held_back(self, state, hook):
-        if driver._watched_ddp:
+        if driver.root is not None:  # the buckets' timing is in place (or this is not the root)
             return _register_comm_hook(self, state, hook)
         self._rankwatch_hook = (state, hook)
 
