@@ -96,10 +96,18 @@ class _Driver:
         self._enter_phase("data")
 
     def _start(self, root) -> None:
-        """The session, at the root's first forward; a DDP root's buckets timed from here on."""
+        """The session, at the root's first forward, timed where the model runs (CUDA events on its
+        GPU, the host's clock for a model on the CPU, whatever GPUs the machine has); a DDP root's
+        buckets timed from here on."""
+        import torch
         from torch.nn.parallel import DistributedDataParallel
 
-        agent.init()
+        device = next(root.parameters()).device
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                agent.init(cuda=True)
+        else:
+            agent.init(cuda=False)
         if _distributed():
             agent.watch_collectives()
         if not isinstance(root, DistributedDataParallel):

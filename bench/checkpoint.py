@@ -284,7 +284,7 @@ def run(method: str, mb: float, steps: int, every: int, work: int, directory: Pa
     }
 
 
-GPU_METHODS = ("none", "torch.save", "dcp.async_save", "dcp.async_save pinned", "rankwatch")
+GPU_METHODS = ("none", "rankwatch", "torch.save", "dcp.async_save", "dcp.async_save pinned")  # ours first
 
 
 class GpuSaver:
@@ -403,11 +403,16 @@ def run_gpu(
     }
 
 
-def child(what: str, *argv: str, env: dict | None = None) -> dict:
-    """One method's figures, measured in a fresh process of this script (and echoed as they come)."""
+def child(what: str, *argv: str, env: dict | None = None, failed: dict | None = None) -> dict:
+    """One method's figures, measured in a fresh process of this script (and echoed as they come). A
+    run that fails ends the bench, or, given `failed`, is that row with its last error line."""
     out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, check=False)
-    if out.returncode:
+    if out.returncode and failed is None:
         sys.exit(f"{what} failed:\n{out.stderr[-3000:]}")
+    if out.returncode:
+        error = next((line for line in reversed(out.stderr.splitlines()) if line.strip()), "no output")
+        print(f"{what} failed: {error}", flush=True)
+        return {**failed, "failed": error.removeprefix("[rank0]: ")}
     row = json.loads(out.stdout.splitlines()[-1])
     print(json.dumps(row), flush=True)
     return row
@@ -436,6 +441,7 @@ def gpu_main(args: argparse.Namespace) -> None:
                 str(args.batch),
                 "--dir",
                 str(directory),
+                failed={"method": method, "every": every} if every else None,  # a failed method: said; the rest go on
             )
         )
         shutil.rmtree(directory)
@@ -449,6 +455,9 @@ def gpu_main(args: argparse.Namespace) -> None:
     for column in ("method", "snapshot every", "training time", "vs none", "step", "host time before/after update"):
         t.add_column(column, justify="left" if column == "method" else "right")
     for r in rows:
+        if "failed" in r:
+            t.add_row(r["method"], f"{r['every']} steps", f"failed: {r['failed']}")
+            continue
         t.add_row(
             r["method"],
             f"{r['every']} steps" if r["every"] else "—",

@@ -88,12 +88,17 @@ def test_one_gpu_ddp_exposes_almost_no_wait(collector, nccl):
 
 
 def test_a_blocking_all_reduce_lasts_what_cuda_events_around_it_read(collector, nccl):
+    """The GPU is kept busy ahead of the call, as in training, so that the events read the GPU's time,
+    not the host's (on an idle GPU an event reads when the host recorded it, and the first call's
+    NCCL set-up and the wrapper's own Python would show)."""
+    x = torch.ones(64 * 2**20, device="cuda")  # 256 MiB
+    dist.all_reduce(x)  # NCCL's communicator made, untraced
     session = cuda_session(collector)
     trace_collectives(session)
-    x = torch.ones(64 * 2**20, device="cuda")  # 256 MiB
     before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with session.step(0), session.phase("optimizer"):
-        x.mul_(2)  # work ahead of it on the stream
+        for _ in range(50):  # milliseconds of work ahead of it on the stream
+            x.mul_(1.0)
         before.record()
         dist.all_reduce(x)
         after.record()

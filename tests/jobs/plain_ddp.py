@@ -1,9 +1,12 @@
 """A plain PyTorch DDP training script that knows nothing of rankwatch (tests/test_zero_code.py runs it
 under `rankwatch run`): a small MLP on random data over gloo, SGD with gradient clipping, with
---fp16-comm DDP's own fp16 compression hook. Rank --slow-rank sleeps in its forward: the script's own
+--fp16-comm DDP's own fp16 compression hook; with --cuda on its local rank's GPU over NCCL, and
+--sync-check makes any host-device sync after its first steps an error (torch's sync debug mode), so
+that whatever instruments it must never sync. Rank --slow-rank sleeps in its forward: the script's own
 slowness, as a slow GPU's would be."""
 
 import argparse
+import os
 import time
 
 import torch
@@ -29,22 +32,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--fp16-comm", action="store_true", help="gradients all-reduced in fp16 (DDP's own hook)")
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
+    parser.add_argument("--sync-check", action="store_true", help="a host-device sync after step 3 is an error")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    model = DistributedDataParallel(Net(rank == args.slow_rank))
+    model = DistributedDataParallel(Net(rank == args.slow_rank).to(device))
     if args.fp16_comm:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.MSELoss()
-    for _ in range(args.steps):
-        x, y = torch.randn(32, 64), torch.randn(32, 1)
+    for step in range(args.steps):
+        if args.sync_check and step == 3:
+            torch.cuda.set_sync_debug_mode("error")
+        x, y = torch.randn(32, 64, device=device), torch.randn(32, 1, device=device)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+    if args.sync_check:
+        torch.cuda.set_sync_debug_mode("default")
     dist.destroy_process_group()
 
 
