@@ -41,6 +41,7 @@ from collector.receive.ingest import Ingestor
 from collector.reports import queryapi
 from collector.store.db import connect
 from collector.store.handle import Overloaded, Store
+from collector.store.lake import Lake, open_lake
 from collector.store.writer import MEMORY_HEADROOM
 
 log = logging.getLogger("rankwatch.collector")
@@ -68,6 +69,7 @@ class Config:
     power_every_s: float | None = 60.0  # how often power recommendations are redrawn; None: never
     metrics_runs: int = MAX_RUNS  # active runs with /metrics series of their own; the rest counted as one
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
+    lake: Lake | None = None  # store into this lake (collector/store/lake.py), shared with other collectors
 
 
 def create_app(config: Config) -> Starlette:
@@ -95,6 +97,7 @@ def create_app(config: Config) -> Starlette:
             tasks=(analysis, Delivery(config.alerts)),
             on_failure=stop_failed,
             memory_headroom=config.writer_memory,
+            lake=config.lake,
         )
         metrics.queue_bytes.set_function(lambda: store.queued_bytes)
         state["ingestor"] = Ingestor(store, config.workers)
@@ -201,7 +204,10 @@ def preflight(config: Config) -> None:
     """What would stop the server from starting, as one exception before it starts:
     StoreLocked when another collector holds the store, OSError when the address is taken."""
     config.db.parent.mkdir(parents=True, exist_ok=True)
-    connect(config.db).close()
+    if config.lake:
+        open_lake(config.lake).close()
+    else:
+        connect(config.db).close()
     check_address(config.host, config.port)
 
 
@@ -225,7 +231,8 @@ def serve(config: Config) -> None:
     up on its writer (Store.failure), for a supervisor to start it again."""
     bound_heap()
     app = create_app(config)
-    print(f"rankwatch collector on http://{config.host}:{config.port}  store {config.db}", flush=True)
+    store = f"lake {config.lake.catalog!r}, data {config.lake.data_path}" if config.lake else f"store {config.db}"
+    print(f"rankwatch collector on http://{config.host}:{config.port}  {store}", flush=True)
     print(describe_decoder(), flush=True)
     http = connections.protocol(connections.usable_connections(config.max_connections), config.header_timeout_s)
     app.state.server = _Server(

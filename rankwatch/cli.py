@@ -116,10 +116,11 @@ def _preflight(config) -> None:
     """What would stop a collector from starting (collector/server.py), as a one-line usage error."""
     from collector.server import preflight
     from collector.store.db import StoreLocked
+    from collector.store.lake import LakeError
 
     try:
         preflight(config)
-    except StoreLocked as e:
+    except (StoreLocked, LakeError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
@@ -195,9 +196,24 @@ def cmd_collector(args) -> None:
         rollback_on=frozenset() if args.no_auto_rollback else args.rollback_on,
         power_every_s=args.power_every or None,
         alerts=_alert_config(args),
+        lake=_lake(args),
     )
     _preflight(config)
     serve(config)
+
+
+def _lake(args):
+    """The lake named by --lake and --data-path (both or neither), or None: the store file."""
+    if (args.lake is None) != (args.data_path is None):
+        raise UsageError("--lake and --data-path go together: the lake's catalog database and its data directory")
+    if args.lake is None:
+        return None
+    from collector.store.lake import Lake, LakeError
+
+    try:
+        return Lake(args.lake, Path(args.data_path).resolve())
+    except LakeError as e:
+        raise UsageError(str(e)) from None
 
 
 def _alert_config(args):
@@ -1043,6 +1059,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)",
     )
+    p.add_argument(
+        "--lake",
+        metavar="CATALOG",
+        help="store into a lake shared with other collectors, whose catalog is this PostgreSQL database "
+        "(a libpq connection string: 'host=H port=P dbname=D user=U'); --db's directory keeps this "
+        "collector's own files (token, alerts file)",
+    )
+    p.add_argument("--data-path", metavar="DIR", help="with --lake: the directory of the lake's Parquet files")
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("alerts", help="alert webhooks")

@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from collector.alerts import outbox, webhook
 from collector.alerts.config import AlertConfig
+from collector.store import lake
 
 log = logging.getLogger("rankwatch.alerts")
 POLL_S = 0.5
@@ -47,7 +48,7 @@ class Delivery:
         """Post from a cursor of `con`, on a thread of its own, until close()."""
         if self._config.receivers:
             self._stop = threading.Event()
-            self._con = con.cursor()
+            self._con = lake.cursor(con)
             self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
             self._thread.start()
 

@@ -11,6 +11,7 @@ import duckdb
 from collector.alerts import outbox
 from collector.alerts.config import AlertConfig
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Reads
+from collector.store.lake import next_id
 from collector.store.schema import RESOLVED
 
 _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
@@ -156,10 +157,12 @@ class _transaction:
 
 
 def _insert(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Finding) -> int:
-    return con.execute(
-        """INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score,
-                          summary, evidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id""",
+    fid = next_id(con, "findings_id")
+    con.execute(
+        """INSERT INTO findings (id, run_id, analyzer, kind, ranks, step_start, step_end, severity, score,
+                          summary, evidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         [
+            fid,
             run_id,
             analyzer,
             f.kind,
@@ -171,7 +174,8 @@ def _insert(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Findi
             f.summary,
             json.dumps(f.evidence, default=str),
         ],
-    ).fetchall()[0][0]
+    )
+    return fid
 
 
 def _update(con: duckdb.DuckDBPyConnection, fid: int, f: Finding) -> int:

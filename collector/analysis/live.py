@@ -35,7 +35,7 @@ from collector.analysis.analyzers import hangs, health, power, stragglers
 from collector.analysis.engine import ENDED, Engine, add_steps
 from collector.control import commands
 from collector.reports import powercaps
-from collector.store import schema
+from collector.store import lake, schema
 from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.analysis")
@@ -110,7 +110,9 @@ class Analysis:
     def start(self, con: duckdb.DuckDBPyConnection) -> None:
         """Run the passes on a thread of their own, on a cursor of `con` (a snapshot reader and a
         writer of findings beside the commit loop), until close()."""
-        self._thread = threading.Thread(target=self._loop, args=(con.cursor(),), name="rankwatch-analysis", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(lake.cursor(con),), name="rankwatch-analysis", daemon=True
+        )
         self._thread.start()
 
     def touched(self, run_ids, steps: bool, ended=()) -> None:
@@ -323,7 +325,7 @@ class Analysis:
             return
         if self._power_thread is None:
             self._power_thread = ThreadPoolExecutor(1, thread_name_prefix="rankwatch-power")
-        self._power_drawing[run_id] = self._power_thread.submit(_power_report, con.cursor(), run_id)
+        self._power_drawing[run_id] = self._power_thread.submit(_power_report, lake.cursor(con), run_id)
 
     def _record_power(self, con: duckdb.DuckDBPyConnection) -> None:
         """The findings of the power reports drawn since the last pass."""

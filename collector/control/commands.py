@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import duckdb
 
 from collector.analysis.analyzers import anomalies
+from collector.store.lake import next_id
 from collector.store.requests import Context, Request, handles
 
 KINDS = ("rollback", "power_cap")
@@ -65,10 +66,11 @@ def create(
         existing = _select(con, "WHERE finding_id = ? AND kind = ?", [finding_id, kind])
         if existing:
             return existing[0]
-    (command_id,) = con.execute(
-        "INSERT INTO commands (run_id, kind, args, created_by, finding_id) VALUES (?, ?, ?, ?, ?) RETURNING id",
-        [run_id, kind, json.dumps(args), created_by, finding_id],
-    ).fetchall()[0]
+    command_id = next_id(con, "commands_id")
+    con.execute(
+        "INSERT INTO commands (id, run_id, kind, args, created_by, finding_id) VALUES (?, ?, ?, ?, ?, ?)",
+        [command_id, run_id, kind, json.dumps(args), created_by, finding_id],
+    )
     return get(con, command_id)
 
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 from collector import children
 from collector.store import writer
 from collector.store.db import StoreLocked
+from collector.store.lake import Lake
 from collector.store.requests import Request
 
 log = logging.getLogger("rankwatch.collector")
@@ -53,17 +54,21 @@ class Store:
         tasks: Sequence[writer.Task] = (),
         on_failure: Callable[[], None] | None = None,
         memory_headroom: int = writer.MEMORY_HEADROOM,
+        lake: Lake | None = None,
     ):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`.
         `tasks`: what the writer runs beside its commits (writer.Task), handed to each writer started.
         `on_failure`: called once the store has given up on its writer. `memory_headroom`: the
-        writer's address space past what it maps once the store is open (writer.MEMORY_HEADROOM)."""
+        writer's address space past what it maps once the store is open (writer.MEMORY_HEADROOM).
+        `lake`: the writer stores into this lake (collector/store/lake.py), `path`'s directory holding
+        this collector's own files (its token, the files its queries may read)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_queue_bytes = max_queue_bytes
         self._on_commit, self._on_failure = on_commit, on_failure
         self._tasks = tuple(tasks)
         self._memory_headroom = memory_headroom
+        self._lake = lake
         self._context = multiprocessing.get_context("spawn")
         for name, value in children.RETURN_ADDRESS_SPACE.items():  # for the writer's memory cap
             os.environ.setdefault(name, value)
@@ -92,7 +97,7 @@ class Store:
         self._acks = self._context.Queue()
         self._process = self._context.Process(
             target=writer.main,
-            args=(self.path, self._tasks, self.requests, self._acks, self._memory_headroom),
+            args=(self.path, self._tasks, self.requests, self._acks, self._memory_headroom, self._lake),
             name="rankwatch-writer",
             daemon=True,
         )

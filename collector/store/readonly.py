@@ -37,7 +37,7 @@ from pathlib import Path
 import duckdb
 
 from agent.paths import SQL_FILES_DIR
-from collector.store import sqlfiles
+from collector.store import lake, sqlfiles
 from collector.store.requests import Context, Request, handles
 from collector.store.sqlfiles import SqlFiles
 
@@ -93,11 +93,11 @@ def files_dir(data_dir: Path) -> Path:
     return data_dir / SQL_FILES_DIR
 
 
-def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
+def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path, lake_data: Path | None = None) -> None:
     """Confine every connection of `con`'s database to `sql-files://` (the files of `files_dir(data_dir)`,
     opened by collector/store/sqlfiles.py), for good: no local path, since DuckDB checks one and then
-    opens it again by name. Its own files (the store, its WAL and spill directory) stay readable: they
-    hold nothing a query cannot select.
+    opens it again by name. Its own files (the store, its WAL and spill directory; a lake's Parquet
+    files, under `lake_data`) stay readable: they hold nothing a query cannot select.
 
     These settings are global to the DuckDB instance: the collector's writer
     shares them, which costs it nothing (it reads Arrow batches it was
@@ -106,7 +106,8 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
     con.register_filesystem(SqlFiles(files_dir(data_dir)))
-    con.execute("SET allowed_directories = ?", [[f"{sqlfiles.PROTOCOL}://"]])
+    allowed = [f"{sqlfiles.PROTOCOL}://"] + ([f"{lake_data}/"] if lake_data else [])
+    con.execute("SET allowed_directories = ?", [allowed])
     con.execute("SET memory_limit = ?", [f"{MEMORY_LIMIT}B"])
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET enable_external_access = false")
@@ -127,7 +128,7 @@ def one_statement(sql: str) -> duckdb.Statement:
 def check(sql: str) -> None:
     """Raise QueryRefused unless `sql` is exactly one SELECT statement."""
     kind = one_statement(sql).type
-    if kind != duckdb.StatementType.SELECT:
+    if kind.name != "SELECT":  # (by name: DuckDB's type stubs have differed in how they spell the member)
         raise QueryRefused(f"only SELECT is allowed, not {kind.name}")
 
 
@@ -220,7 +221,7 @@ def _answer(
     """Run the query on a cursor of its own, interrupted at `deadline` and again until it gives up,
     and settle `answer` once DuckDB is done with the cursor: a process that exits on the answer must
     not find this thread inside DuckDB (its C++ aborts when Python ends a daemon thread there)."""
-    cursor = con.cursor()
+    cursor = lake.cursor(con)
     finished = threading.Event()
     watchdog = threading.Thread(target=_watch, args=(cursor, finished, deadline), daemon=True)
     watchdog.start()

@@ -222,3 +222,26 @@ ROLLED_BACK = "rolled back"  # found on steps a rollback abandoned
 
 # Tables that ingest appends Arrow batches to, by OTLP signal.
 TELEMETRY_TABLES = ("steps", "ops", "device_samples", "events")
+
+# A lake (collector/store/lake.py) holds what is appended in its Parquet files, and the other tables, which
+# are keyed and updated in place, in its catalog database (PostgreSQL), with two tables of its own:
+LAKE_TABLES = (*TELEMETRY_TABLES, "exports")
+LAKE_ONLY_DDL = """
+-- Which collector may store an export (by its digest): the first to claim it, or one that takes over a
+-- claim older than the claim's lease (its collector died). The export is stored once its digest is in
+-- `exports`, in the transaction of its rows.
+CREATE TABLE IF NOT EXISTS claims (
+    digest      BLOB PRIMARY KEY,
+    holder      VARCHAR NOT NULL,
+    claimed_at  TIMESTAMPTZ NOT NULL
+);
+
+-- Which collector leads a run's analysis (`name`: the run id), or delivers the alerts (`name`: a
+-- name no run can have), until `expires_at`: it renews the lease as it works, another takes it once
+-- it has expired.
+CREATE TABLE IF NOT EXISTS leases (
+    name        VARCHAR PRIMARY KEY,
+    holder      VARCHAR NOT NULL,
+    expires_at  TIMESTAMPTZ NOT NULL
+);
+"""

@@ -26,7 +26,9 @@ without writing again. Digests are kept, in the `exports` table and in
 memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
+import os
 import queue
+import socket
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
@@ -41,12 +43,15 @@ import numpy as np
 import pyarrow as pa
 
 from collector.children import bound_heap, cap_memory, die_with_parent
-from collector.store import readonly, requests
+from collector.store import lake, readonly, requests
 from collector.store.batch import Decoded
 from collector.store.db import StoreLocked, connect, create_tables
 from collector.store.schema import TELEMETRY_TABLES
 
 DIGEST_RETENTION = timedelta(hours=1)
+# In a lake, how long a collector's claim on an export (collector/store/lake.py) holds before another may
+# take it over: far longer than a commit takes, so that only a collector that died loses its claims.
+CLAIM_HELD = timedelta(seconds=30)
 # How long the writer collects requests into one transaction. A commit costs
 # milliseconds however small it is, so under load a group must be large;
 # 10 ms of added latency is nothing to an exporter that batches for seconds.
@@ -155,13 +160,15 @@ class _Writer:
     """The writer process's side: owns the connection, commits groups, answers calls, and runs the
     tasks and the query threads (it alone can read the store while the collector runs)."""
 
-    def __init__(self, path: Path, tasks: Sequence[Task]):
+    def __init__(self, path: Path, tasks: Sequence[Task], into: lake.Lake | None = None):
         self._tasks = tasks
-        self._con = connect(path)
+        self._lake = into
+        self._holder = f"{socket.gethostname()}:{os.getpid()}"  # who claims exports and leads runs, in a lake
+        self._con = lake.open_lake(into) if into else connect(path)
         # One DuckDB thread: the writer shares the machine with decoding, and a
         # parallel insert of a few thousand rows costs more than it gains.
         self._con.execute("SET threads TO 1")
-        create_tables(self._con)
+        (lake.create_tables if into else create_tables)(self._con)
         self._digests: OrderedDict[bytes, float] = OrderedDict(
             (d, t)
             for d, t in self._con.execute(
@@ -174,7 +181,7 @@ class _Writer:
         columns = [d[0] for d in cursor.description]
         self._placements = {row[:2]: dict(zip(columns, row)) for row in cursor.fetchall()}
         readonly.files_dir(path.parent).mkdir(exist_ok=True)  # where a user puts files for SQL to read
-        readonly.lock_down(self._con, path.parent)
+        readonly.lock_down(self._con, path.parent, into.data_path if into else None)
         self._queries = ThreadPoolExecutor(QUERY_THREADS, thread_name_prefix="rankwatch-query")
         for task in tasks:
             task.start(self._con)
@@ -194,7 +201,8 @@ class _Writer:
             calls = [g for g in group if isinstance(g, Call)]
             group = [g for g in group if g is not None and not isinstance(g, Call)]
             if group:
-                acks.put(self._commit(group))
+                for done in self._commit(group):
+                    acks.put(done)
             for call in calls:
                 if requests.beside(call.request):  # on a query thread: a slow read never holds up commits
                     self._queries.submit(self._read, call, acks)
@@ -204,7 +212,8 @@ class _Writer:
                 self._queries.shutdown()  # queries end within their time limit
                 for task in self._tasks:  # the analysis's last pass covers every commit above
                     task.close()
-                self._con.execute("CHECKPOINT")
+                if not self._lake:  # (a lake's commits are its files: there is no log to fold in)
+                    self._con.execute("CHECKPOINT")
                 self._con.close()
                 acks.put(Closed())
                 return
@@ -217,52 +226,40 @@ class _Writer:
 
     def _read(self, call: Call, acks) -> None:
         """Answer a call on a cursor of its own (a snapshot beside the commits) and put its answer."""
-        cursor = self._con.cursor()
+        cursor = lake.cursor(self._con)
         try:
             acks.put(self._answer(requests.Context(cursor, self._tasks), call))
         finally:
             cursor.close()
 
-    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> Committed | CommitFailed:
+    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> list:
         """Append a group of decoded batches in one transaction, leaving out requests already
-        stored, and tell the tasks what was appended."""
+        stored, and tell the tasks what was appended: Committed, and CommitFailed for requests that
+        another collector of the lake is storing (each client sends again)."""
         started = time.perf_counter()
         fresh: dict[bytes, tuple[int, str, int]] = {}  # digest -> (request id, signal, rows)
-        tables: dict[str, list[pa.Table]] = defaultdict(list)
         for stored, decoded in group:
-            keep = []
             for request_id, digest, rows in stored:
-                keep.append(digest not in self._digests and digest not in fresh)
-                if keep[-1]:
+                if digest not in self._digests and digest not in fresh:
                     fresh[digest] = (request_id, decoded.signal, sum(rows.values()))
-            for name, table in decoded.tables.items():
-                if not all(keep):  # a retried request: its rows are left out
-                    table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
-                tables[name].append(table)
-        appended = 0
+        busy: set[bytes] = set()
         try:
-            self._con.begin()
-            for table in TELEMETRY_TABLES:
-                if tables[table]:
-                    batch = pa.concat_tables(tables[table], promote_options="default")
-                    appended += batch.num_rows
-                    if batch.num_rows:
-                        self._append(table, batch)
+            if self._lake and fresh:
+                busy, elsewhere = self._claim(list(fresh))
+                fresh = {digest: v for digest, v in fresh.items() if digest not in busy | elsewhere}
+            tables: dict[str, list[pa.Table]] = defaultdict(list)
+            for stored, decoded in group:
+                keep = [fresh.get(digest, (None,))[0] == request_id for request_id, digest, _ in stored]
+                for name, table in decoded.tables.items():
+                    if not all(keep):  # a retried request: its rows are left out
+                        table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
+                    tables[name].append(table)
             ranks = self._changed_placements(r for _, d in group for r in d.ranks)
-            if ranks:
-                self._con.register("new_ranks", pa.Table.from_pylist(ranks))
-                self._con.execute(_UPSERT_RANKS)
-                self._con.execute(_UPSERT_RUNS)
-                self._con.unregister("new_ranks")
-            if fresh:
-                self._con.execute(
-                    "INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
-                    [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)],
-                )
-            self._con.commit()
+            if ranks and self._lake:  # the catalog database's rows, beside the lake's transaction
+                self._upsert_placements(ranks)
+            appended = self._append_group(tables, fresh, [] if self._lake else ranks)
         except Exception as e:  # the whole group fails; each client retries
-            self._con.rollback()
-            return CommitFailed([request_id for stored, _ in group for request_id, _, _ in stored], str(e))
+            return [CommitFailed([request_id for stored, _ in group for request_id, _, _ in stored], str(e))]
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
         for task in self._tasks:
@@ -272,8 +269,75 @@ class _Writer:
             self._digests[digest] = now
         self._forget_old_digests(now)
         written = {request_id for request_id, _, _ in fresh.values()}
-        acknowledged = [(request_id, request_id in written) for stored, _ in group for request_id, _, _ in stored]
-        return Committed(acknowledged, time.perf_counter() - started, appended)
+        waiting = {request_id for stored, _ in group for request_id, digest, _ in stored if digest in busy}
+        acknowledged = [
+            (request_id, request_id in written)
+            for stored, _ in group
+            for request_id, _, _ in stored
+            if request_id not in waiting
+        ]
+        done: list = [Committed(acknowledged, time.perf_counter() - started, appended)]
+        if waiting:
+            done.append(CommitFailed(sorted(waiting), "another collector of the lake is storing it"))
+        return done
+
+    def _append_group(self, tables: Mapping[str, list[pa.Table]], fresh: Mapping, ranks: list[dict]) -> int:
+        """The group's rows, its new placements and its exports' digests, in one transaction; the rows appended."""
+        appended = 0
+        try:
+            self._con.begin()
+            for table in TELEMETRY_TABLES:
+                if tables.get(table):
+                    batch = pa.concat_tables(tables[table], promote_options="default")
+                    appended += batch.num_rows
+                    if batch.num_rows:
+                        self._append(table, batch)
+            if ranks:
+                self._upsert_placements(ranks)
+            if fresh:
+                self._con.execute(
+                    "INSERT INTO exports VALUES " + ", ".join(["(?, ?, ?, now())"] * len(fresh)),
+                    [v for digest, (_, signal, items) in fresh.items() for v in (digest, signal, items)],
+                )
+            self._con.commit()
+        except Exception:
+            self._con.rollback()
+            raise
+        return appended
+
+    def _upsert_placements(self, ranks: list[dict]) -> None:
+        self._con.register("new_ranks", pa.Table.from_pylist(ranks))
+        try:
+            self._con.execute(_UPSERT_RANKS)
+            self._con.execute(_UPSERT_RUNS)
+        finally:
+            self._con.unregister("new_ranks")
+
+    def _claim(self, digests: list[bytes]) -> tuple[set[bytes], set[bytes]]:
+        """In a lake: claim each export for this collector, which alone may then store it. Returns the
+        digests another live collector holds (`busy`: it is storing them; their clients send again) and
+        those already stored (by a collector that took them before, perhaps one that died since)."""
+        self._con.execute(
+            "INSERT INTO claims VALUES "
+            + ", ".join(["(?, ?, now())"] * len(digests))
+            + " ON CONFLICT (digest) DO UPDATE SET holder = excluded.holder, claimed_at = excluded.claimed_at"
+            " WHERE claims.holder = excluded.holder OR claims.claimed_at < now() - ?::INTERVAL",
+            [v for digest in digests for v in (digest, self._holder)] + [CLAIM_HELD],
+        )
+        mine = {
+            digest
+            for (digest,) in self._con.execute(
+                "SELECT digest FROM claims WHERE holder = ? AND digest IN (SELECT unnest(?::BLOB[]))",
+                [self._holder, digests],
+            ).fetchall()
+        }
+        stored = {
+            digest
+            for (digest,) in self._con.execute(
+                "SELECT digest FROM exports WHERE digest IN (SELECT unnest(?::BLOB[]))", [list(mine)]
+            ).fetchall()
+        }
+        return set(digests) - mine, stored
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
@@ -292,15 +356,25 @@ class _Writer:
             while self._digests and next(iter(self._digests.values())) < horizon:
                 self._digests.popitem(last=False)
             self._con.execute("DELETE FROM exports WHERE received_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
+            if self._lake:
+                self._con.execute("DELETE FROM claims WHERE claimed_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
 
 
-def main(path: Path, tasks: Sequence[Task], queued, acks, memory_headroom: int = MEMORY_HEADROOM) -> None:
-    """The writer process: open the store, say Ready (or StartFailed), then run until told to stop, its
-    address space capped at what it maps once the store is open plus `memory_headroom`."""
+def main(
+    path: Path,
+    tasks: Sequence[Task],
+    queued,
+    acks,
+    memory_headroom: int = MEMORY_HEADROOM,
+    into: lake.Lake | None = None,
+) -> None:
+    """The writer process: open the store (the file at `path`, or the lake `into`), say Ready (or
+    StartFailed), then run until told to stop, its address space capped at what it maps once the store
+    is open plus `memory_headroom`."""
     die_with_parent()
     bound_heap()
     try:
-        writer = _Writer(path, tasks)
+        writer = _Writer(path, tasks, into)
     except Exception as e:
         acks.put(StartFailed(str(e), isinstance(e, StoreLocked)))
         return

@@ -1,0 +1,168 @@
+"""The store as a lake shared by several collectors (`rankwatch collector --lake`): DuckLake, DuckDB's own
+lakehouse format, whose catalog lives in a PostgreSQL database and whose data are Parquet files under
+a path every collector reaches (a parallel file system or an object store mount in production).
+
+What is appended (the telemetry tables and the digests of the exports they came in) is in the lake:
+each commit of a collector is one DuckLake snapshot, atomic, and any DuckDB (or Spark, Trino,
+Polars) reads it. What is keyed and updated in place (runs, ranks, findings, commands, alerts, the
+outbox, the analysis cursors, telemetry loss) is in ordinary tables of the same PostgreSQL database,
+which DuckLake's tables cannot be (no primary keys, no sequences): every collector sees one row per
+key, updated under PostgreSQL's own locks. Two tables exist only here (schema.LAKE_ONLY_DDL): the
+claims by which one collector at a time may store an export, so that a retry sent to another
+collector is never stored twice, and the leases by which one collector at a time leads a run's
+analysis.
+
+Both databases are attached to one in-memory DuckDB (`lake` and `pg`), with the search path set so
+that the collector's SQL names its tables as it does in a store file. A DuckDB transaction may
+write one attached database only: the writer writes a group's telemetry in one lake transaction and
+its keyed rows in PostgreSQL beside it (collector/store/writer.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from collector.store.schema import DDL, LAKE_ONLY_DDL, LAKE_TABLES
+
+LAKE, KEYED = "lake", "pg"  # the names the two databases are attached under
+SCHEMA = "rankwatch"  # the catalog database's schema of the keyed tables (DuckLake's own are in `public`)
+# DuckDB types the PostgreSQL tables spell otherwise: JSON is kept as text (DuckDB's JSON operators
+# read text alike, and the postgres extension cannot write a value into a PostgreSQL json column).
+_PG_TYPES = {"BLOB": "BYTEA", "JSON": "TEXT", "VARCHAR": "TEXT", "DOUBLE": "DOUBLE PRECISION"}
+# What a statement that lost a race with another collector's says (it is tried again).
+_RACED = re.compile(r"conflict|already exists|duplicate key", re.IGNORECASE)
+_STATEMENT = re.compile(r"CREATE (?:OR REPLACE )?(TABLE|SEQUENCE|VIEW)(?: IF NOT EXISTS)? (\w+)", re.IGNORECASE)
+
+
+class LakeError(Exception):
+    """The lake cannot be opened: its catalog database refuses or its extensions are missing (one line)."""
+
+
+@dataclass(frozen=True)
+class Lake:
+    """Where a lake is: `catalog`, a PostgreSQL connection string (libpq's `key=value` form, as
+    `host=db1 port=5432 dbname=rankwatch user=rankwatch`), and `data_path`, the directory of its
+    Parquet files."""
+
+    catalog: str
+    data_path: Path
+
+    def __post_init__(self) -> None:
+        if "'" in self.catalog or "'" in str(self.data_path):
+            raise LakeError("a lake's catalog and data path may not contain a quote")
+
+
+def extensions() -> Path:
+    """The directory DuckDB loads the ducklake and postgres extensions from: the one the
+    `duckdb-ext-ducklake` and `duckdb-ext-postgres` wheels install (no download at run time)."""
+    spec = importlib.util.find_spec("duckdb_ext")
+    if spec is None or not spec.submodule_search_locations:
+        raise LakeError(
+            "the lake needs the duckdb-ext-ducklake and duckdb-ext-postgres packages: pip install 'rankwatch[lake]'"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "extensions"
+
+
+def open_lake(lake: Lake, tries: int = 5) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with the lake (`lake`, its default) and its catalog database (`pg`) attached,
+    the collector's tables found by their bare names. Collectors opening a new lake at once race to
+    make its catalog: a loser tries again."""
+    for attempt in range(tries):
+        con = duckdb.connect(config={"extension_directory": str(extensions()), "autoinstall_known_extensions": False})
+        try:
+            con.execute("LOAD ducklake; LOAD postgres")
+            lake.data_path.mkdir(parents=True, exist_ok=True)
+            con.execute(f"ATTACH 'ducklake:postgres:{lake.catalog}' AS {LAKE} (DATA_PATH '{lake.data_path}/')")
+            con.execute(f"ATTACH '{lake.catalog}' AS {KEYED} (TYPE postgres)")
+            _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"])
+            con.execute("CALL pg_clear_cache()")
+        except duckdb.Error as e:
+            con.close()
+            if attempt < tries - 1 and _RACED.search(str(e)):
+                time.sleep(0.1 * (attempt + 1) + (os.getpid() % 7) / 50)
+                continue
+            raise LakeError(f"cannot open the lake {lake.catalog!r}: {str(e).splitlines()[0]}") from None
+        _name_tables(con)
+        return con
+    raise AssertionError("unreachable")
+
+
+def cursor(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """A cursor of `con` (a connection of its own to the same database) that finds the tables by their
+    bare names as `con` does: in a lake, a connection's search path is its own."""
+    made = con.cursor()
+    if attached(made):
+        _name_tables(made)
+    return made
+
+
+def _name_tables(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(f"USE {LAKE}")
+    con.execute(f"SET search_path = '{LAKE}.main,{KEYED}.{SCHEMA}'")
+
+
+def attached(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether `con` is a lake's (else a store file's)."""
+    return bool(
+        con.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name = ?", [KEYED]).fetchall()[0][0]
+    )
+
+
+def create_tables(con: duckdb.DuckDBPyConnection) -> None:
+    """The schema's tables each where it belongs, those missing created (several collectors starting at
+    once may race: a loser's DDL conflicts and is tried again), and its views on this connection."""
+    for kind, name, sql in _statements(DDL + LAKE_ONLY_DDL):
+        if kind == "VIEW":  # in the lake, its tables named in full: a connection reading it may name them otherwise
+            _retried(con, _qualified(sql))
+        elif name in LAKE_TABLES:
+            _retried(con, sql.replace(" PRIMARY KEY", ""))
+        else:
+            _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"SET search_path TO {SCHEMA}; {_postgres(sql)}"])
+    con.execute("CALL pg_clear_cache()")  # tables another collector made are seen
+
+
+def next_id(con: duckdb.DuckDBPyConnection, sequence: str) -> int:
+    """The next value of one of the schema's sequences, in a store file or a lake's catalog alike."""
+    if attached(con):
+        query = f"SELECT nextval('{SCHEMA}.{sequence}')"
+        return con.execute("SELECT * FROM postgres_query(?, ?)", [KEYED, query]).fetchall()[0][0]
+    return con.execute("SELECT nextval(?)", [sequence]).fetchall()[0][0]
+
+
+def _statements(ddl: str) -> list[tuple[str, str, str]]:
+    """(kind, name, statement) of each statement of `ddl`, comments left out."""
+    text = "\n".join(line for line in ddl.splitlines() if not line.lstrip().startswith("--"))
+    matches = [(_STATEMENT.match(statement), statement) for statement in (s.strip() for s in text.split(";"))]
+    return [(match[1].upper(), match[2], statement) for match, statement in matches if match]
+
+
+def _qualified(view: str) -> str:
+    """A view's DDL with each table it reads named with its database and schema."""
+    return re.sub(
+        r"\b(FROM|JOIN) (\w+)\b",
+        lambda m: f"{m[1]} {LAKE if m[2] in LAKE_TABLES else KEYED}.{'main' if m[2] in LAKE_TABLES else SCHEMA}.{m[2]}",
+        view,
+    )
+
+
+def _postgres(sql: str) -> str:
+    """A table's DuckDB DDL as PostgreSQL's (the few types spelled otherwise)."""
+    return re.sub(r"\b(BLOB|JSON|VARCHAR|DOUBLE)\b", lambda m: _PG_TYPES[m[1]], sql)
+
+
+def _retried(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None, tries: int = 5) -> None:
+    for attempt in range(tries):
+        try:
+            con.execute(sql, params)
+            return
+        except duckdb.Error as e:
+            if attempt == tries - 1 or not _RACED.search(str(e)):
+                raise
+            time.sleep(0.05 * (attempt + 1) + (os.getpid() % 7) / 100)
