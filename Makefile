@@ -30,13 +30,17 @@ lint: $(BIN)/rankwatch
 
 # System packages some tests use (they skip without them): Debian's prometheus brings promtool
 # and the server that tests/test_prometheus.py scrapes the collector with; chromium and its
-# driver the headless browser of tests/test_dashboard_browser.py. Needs root.
+# driver the headless browser of tests/test_dashboard_browser.py; postgresql the catalog database
+# of the lake that tests/test_lake.py's collectors share. Needs root.
 test-tools:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
 		|| echo "prometheus not installed: its tests in tests/test_prometheus.py will skip"
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || [ "$$(id -u)" != 0 ] \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver) \
 		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql) \
+		|| echo "postgresql not installed: tests/test_lake.py will skip"
 
 bench: $(BIN)/rankwatch
 	$(BIN)/python bench/ingest.py

@@ -72,7 +72,7 @@ def init(
                 timer = CudaTimer(torch.cuda.current_device())
         except ImportError:
             pass
-    _commands, _control = None, (config.collector_url(collector), config.token(token))
+    _commands, _control = None, (config.collector_urls(collector), config.token(token))
     check_token(*_control)
     _session = Session(
         run_id=config.run_id(run_id),

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from agent.apiclient import ApiClient, ApiError
+from agent.route import Route
 
 log = logging.getLogger("rankwatch.agent")
 # Seconds of training between two looks at most (or one step, when steps are longer): a command
@@ -74,10 +75,13 @@ class Commands:
         look_s: float = LOOK_S,
         wait_s: float = WAIT_S,
     ):
-        """`poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
+        """`collector`: its URL, or several comma-separated (a lake's collectors, any of which has the
+        run's commands: the one this node's route picks, agent/route.py, then the next that answers).
+        `poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
         most training between two looks (each look is a broadcast over the job's ranks); `wait_s`: how
         long the collector may hold a poll."""
-        self._api, self._run_id, self._rank = ApiClient(collector, token, 5), run_id, rank
+        self._route = Route.of(collector)
+        self._api, self._run_id, self._rank = ApiClient(self._route.url, token, 5), run_id, rank
         self._looks, self._until_look = Looks(look_s), 1  # at_step calls until the next look
         self._fetched: deque[dict] = deque()
         self._seen: set[int] = set()
@@ -148,6 +152,7 @@ class Commands:
         started = -math.inf
         while not self._stop.wait(max(started + every_s - time.monotonic(), 0.0)):
             started = time.monotonic()
+            self._api.url = self._route.reachable() or self._route.url
             try:
                 pending = self._api.get("/v1/commands", query, timeout_s=wait_s + 5)
             except ApiError as e:  # the command waits there until a poll gets it

@@ -18,14 +18,20 @@ class UrlError(ValueError):
     """A collector address that is no http(s) URL; the message says which and where, in one line."""
 
 
+def collector_urls(explicit: str | None = None) -> str:
+    """Given, $RANKWATCH_COLLECTOR, or the default: one collector URL, or several comma-separated (the
+    collectors of one lake: a rank sends to one of them, agent/route.py); each checked (`checked_url`),
+    so that a typo is one line here rather than a connection error from deep inside a client."""
+    given, where = (explicit, "--collector") if explicit else (os.environ.get(COLLECTOR_ENV), f"${COLLECTOR_ENV}")
+    if not given:
+        return DEFAULT_COLLECTOR
+    return ",".join(checked_url(url, where) for url in given.split(","))
+
+
 def collector_url(explicit: str | None = None) -> str:
-    """Given, $RANKWATCH_COLLECTOR, or the default; checked (`checked_url`), so that a typo is one line
-    here rather than a connection error from deep inside a client."""
-    if explicit:
-        return checked_url(explicit, "--collector")
-    if os.environ.get(COLLECTOR_ENV):
-        return checked_url(os.environ[COLLECTOR_ENV], f"${COLLECTOR_ENV}")
-    return DEFAULT_COLLECTOR
+    """The first of `collector_urls`: the collector a command asks (any collector of a lake answers for
+    all of it)."""
+    return collector_urls(explicit).split(",")[0]
 
 
 def checked_url(url: str, where: str) -> str:

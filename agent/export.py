@@ -26,16 +26,15 @@ import itertools
 import logging
 import os
 import random
-import socket
 import struct
 import threading
 import time
+import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.error import HTTPError, URLError
-from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from opentelemetry._logs import SeverityNumber
@@ -52,6 +51,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from agent import semconv as sc
 from agent.config import TokenRefused
+from agent.route import Route
 
 SCOPE = "rankwatch.agent"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -352,11 +352,13 @@ def refusal(endpoint: str, status: int) -> str:
     return f"the collector at {endpoint} refused the token (HTTP {status}: missing or wrong bearer token)"
 
 
-def check_token(endpoint: str, token: str | None, timeout_s: float = 5.0) -> bool:
-    """Whether the collector at `endpoint` takes `token`, by an empty (and so free) authenticated OTLP
-    export: True when it does, False when it cannot be reached (a job goes on; its telemetry waits),
-    TokenRefused when it answers 401 or 403, which no retry would change."""
-    if not reachable(endpoint):
+def check_token(endpoints: str, token: str | None, timeout_s: float = 5.0) -> bool:
+    """Whether the collector at `endpoints` (one URL, or several comma-separated: the one this rank's
+    route picks) takes `token`, by an empty (and so free) authenticated OTLP export: True when it does,
+    False when none can be reached (a job goes on; its telemetry waits), TokenRefused when it answers
+    401 or 403, which no retry would change."""
+    endpoint = Route.of(endpoints).reachable()
+    if endpoint is None:
         return False
     headers = {"Content-Type": "application/x-protobuf"} | ({"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -381,14 +383,14 @@ class SpanExporter:
     """OTLP/HTTP protobuf export of `Span` records: one gzipped POST a batch, no retries (the
     Backlog around it keeps and retries a batch that failed)."""
 
-    def __init__(self, url: str, headers: dict, timeout_s: float, on_token_refused: Callable[[int], None]):
-        self._url, self._timeout_s, self._on_token_refused = url, timeout_s, on_token_refused
+    def __init__(self, headers: dict, timeout_s: float, on_token_refused: Callable[[int], None]):
+        self._timeout_s, self._on_token_refused = timeout_s, on_token_refused
         self._headers = {**headers, "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}
 
-    def export(self, spans: Sequence[Span]) -> Sent:
+    def export(self, spans: Sequence[Span], endpoint: str) -> Sent:
         body = gzip.compress(encode_spans(spans), compresslevel=6)
         try:
-            with urlopen(Request(self._url, body, self._headers), timeout=self._timeout_s) as response:
+            with urlopen(Request(f"{endpoint}/v1/traces", body, self._headers), timeout=self._timeout_s) as response:
                 answer = ExportTraceServiceResponse.FromString(response.read())  # 2xx: urlopen raises for the others
                 return Sent(True, answer.partial_success.rejected_spans)
         except HTTPError as e:
@@ -410,27 +412,28 @@ class SpanExporter:
 
 
 class _LogExporter:
-    """The SDK's OTLP/HTTP log exporter, its result as a `Sent`: it retries 5xx itself within its timeout."""
+    """The SDK's OTLP/HTTP log exporter (one per collector sent to), its result as a `Sent`: it retries
+    5xx itself within its timeout."""
 
-    def __init__(self, url: str, headers: dict, timeout_s: float):
-        self._exporter = OTLPLogExporter(endpoint=url, headers=headers, timeout=timeout_s, compression=Compression.Gzip)
+    def __init__(self, headers: dict, timeout_s: float):
+        self._headers, self._timeout_s = headers, timeout_s
+        self._exporters: dict[str, OTLPLogExporter] = {}
 
-    def export(self, records: Sequence[ReadableLogRecord]) -> Sent:
-        return Sent(True) if self._exporter.export(records) is LogRecordExportResult.SUCCESS else _RETRY_LATER
+    def export(self, records: Sequence[ReadableLogRecord], endpoint: str) -> Sent:
+        if endpoint not in self._exporters:
+            self._exporters[endpoint] = OTLPLogExporter(
+                endpoint=f"{endpoint}/v1/logs",
+                headers=self._headers,
+                timeout=self._timeout_s,
+                compression=Compression.Gzip,
+            )
+        return (
+            Sent(True) if self._exporters[endpoint].export(records) is LogRecordExportResult.SUCCESS else _RETRY_LATER
+        )
 
     def shutdown(self) -> None:
-        self._exporter.shutdown()
-
-
-def reachable(endpoint: str, timeout_s: float = 0.5) -> bool:
-    """Whether something accepts TCP connections at the endpoint: a refused connection is
-    known in microseconds, where the SDK's exporter would retry it for seconds."""
-    url = urlsplit(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
-        return True
-    except OSError:
-        return False
+        for exporter in self._exporters.values():
+            exporter.shutdown()
 
 
 class Backlog:
@@ -448,7 +451,7 @@ class Backlog:
         self,
         exporter,
         max_items: int,
-        endpoint: str,
+        route: Route,
         on_drop: Callable[[list], None],
         on_refused: Callable[[list, int], None],
         on_first_failure=None,
@@ -458,7 +461,7 @@ class Backlog:
         token_refused: Callable[[], object] = lambda: None,
     ):
         self._exporter = exporter
-        self._endpoint = endpoint
+        self._route = route
         self._max_items = max_items
         self._on_drop, self._on_refused = on_drop, on_refused
         self._on_first_failure = on_first_failure
@@ -503,12 +506,13 @@ class Backlog:
         """One export, or with `paced` as many as a collector that answers needs to take it."""
         give_up = time.monotonic() + self._patience_s
         while True:
-            sent = self._exporter.export(batch) if reachable(self._endpoint) else _RETRY_LATER
+            endpoint = self._route.reachable()  # (the next collector of several, when this one is gone)
+            sent = self._exporter.export(batch, endpoint) if endpoint else _RETRY_LATER
             if sent.answered or not self._paced or self._closed or time.monotonic() > give_up:
                 return sent
             if self._token_refused():  # a refused token is no busy collector: no wait mends it
                 return Sent(True, len(batch))
-            if sent.retry_after_s is None and not reachable(self._endpoint):
+            if sent.retry_after_s is None and self._route.reachable() is None:
                 return sent  # gone, not busy: the batch waits in the backlog
             time.sleep(min(sent.retry_after_s or 1.0, 5.0))
 
@@ -567,7 +571,7 @@ class Exporter:
         senders: int = 1,
     ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        endpoint = self._endpoint = endpoint.rstrip("/")
+        self.route = Route.of(endpoint)  # one collector, or one of several (agent/route.py)
         self.resource = Resource.create(dict(resource))
         self._paced = paced
         self.losses = Losses()
@@ -582,28 +586,28 @@ class Exporter:
                 log.warning(
                     "rankwatch: collector at %s unreachable; training goes on, telemetry "
                     "waits (up to %d spans) and is sent when it is back",
-                    endpoint,
+                    ", ".join(self.route.urls),
                     backlog_items,
                 )
 
         self._span_backlogs = [
             Backlog(
-                SpanExporter(f"{endpoint}/v1/traces", headers, timeout_s, self._refused_token),
+                SpanExporter(headers, timeout_s, self._refused_token),
                 backlog_items // senders,
-                endpoint,
+                Route(self.route.urls, offset=i) if i else self.route,
                 on_drop=self.losses.spans,
                 on_refused=self.losses.refused,
                 on_first_failure=unreachable,
                 paced=paced,
                 token_refused=lambda: self.token_refused,
             )
-            for _ in range(senders)
+            for i in range(senders)
         ]
         self.spans_backlog = self._span_backlogs[0]  # a rank's one (its telemetry_backlog event reads it)
         self.logs_backlog = Backlog(
-            _LogExporter(f"{endpoint}/v1/logs", headers, timeout_s),
+            _LogExporter(headers, timeout_s),
             backlog_items // 10,
-            endpoint,
+            self.route,
             on_drop=self._records_dropped,
             on_refused=lambda batch, count: self._records_dropped(batch[:count]),
             paced=paced,
@@ -625,7 +629,14 @@ class Exporter:
             )
             for i, backlog in enumerate(self._span_backlogs)
         ]
-        self._next_queue = itertools.cycle([queue.put for queue in self._trace_queues]).__next__
+        puts = [queue.put for queue in self._trace_queues]
+        self._next_queue = itertools.cycle(puts).__next__
+        # several collectors (a lake's): a node's traces go through one sender, and so to one collector
+        self._node_queue = (
+            (lambda host: puts[zlib.crc32(host.encode()) % senders])
+            if senders > 1 and len(self.route.urls) > 1
+            else None
+        )
         # the queue holds a round of heartbeats from each of 16k ranks (the fleet simulator sends them at once)
         self._records = Batcher(
             self.logs_backlog.export,
@@ -640,15 +651,14 @@ class Exporter:
         self._logger_provider = LoggerProvider(resource=self.resource)
         self._logger_provider.add_log_record_processor(_LogRecords(self._records, self.resource))
         self._logger = self._logger_provider.get_logger(SCOPE)
-        self._metric_exporter = OTLPMetricExporter(
-            endpoint=f"{endpoint}/v1/metrics", headers=headers, timeout=timeout_s, compression=Compression.Gzip
-        )
+        self._metric_exporters: dict[str, OTLPMetricExporter] = {}  # one per collector sent to
+        self._headers, self._timeout_s = headers, timeout_s
         self.samples_refused = 0  # device samples the collector never took
 
     def _refused_token(self, status: int) -> None:
         """A 401 or 403: said once, apart from an unreachable collector, since waiting will not mend it."""
         if self.token_refused is None:
-            self.token_refused = refusal(self._endpoint, status)
+            self.token_refused = refusal(self.route.url, status)
             log.warning("rankwatch: %s; the spans it refuses are counted as lost", self.token_refused)
 
     def _export_traces(self, backlog: Backlog, traces: Sequence[Trace]) -> None:
@@ -675,7 +685,11 @@ class Exporter:
         if self._paced and self.token_refused:  # a simulator has no training to keep going: it stops here
             raise TokenRefused(self.token_refused)
         trace_id, root_id = self._ids.getrandbits(128), self._ids.getrandbits(64)
-        self._next_queue()(Trace(trace_id, root_id, tuple(spans), resource or self.resource))
+        resource = resource or self.resource
+        put = (
+            self._node_queue(str(resource.attributes.get(sc.HOST_NAME, ""))) if self._node_queue else self._next_queue()
+        )
+        put(Trace(trace_id, root_id, tuple(spans), resource))
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def event(
@@ -715,9 +729,17 @@ class Exporter:
         ]
         data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
         for _ in range(12 if self._paced else 1):  # paced: a minute or two of a collector's 503s
-            if not reachable(self._endpoint) or self.token_refused:
+            endpoint = self.route.reachable()
+            if endpoint is None or self.token_refused:
                 break
-            if self._metric_exporter.export(data).name == "SUCCESS":
+            if endpoint not in self._metric_exporters:
+                self._metric_exporters[endpoint] = OTLPMetricExporter(
+                    f"{endpoint}/v1/metrics",
+                    headers=self._headers,
+                    timeout=self._timeout_s,
+                    compression=Compression.Gzip,
+                )
+            if self._metric_exporters[endpoint].export(data).name == "SUCCESS":
                 return True
         self.samples_refused += sum(map(len, by_metric.values()))
         return False
@@ -786,4 +808,5 @@ class Exporter:
         for backlog in (*self._span_backlogs, self.logs_backlog):
             backlog.shutdown()
         self._logger_provider.shutdown()
-        self._metric_exporter.shutdown()
+        for exporter in self._metric_exporters.values():
+            exporter.shutdown()

@@ -717,7 +717,7 @@ def cmd_simulate(args) -> None:
     if args.collector:
         from agent import config
 
-        store, exporter_url = _db(args), config.collector_url(args.collector)
+        store, exporter_url = _db(args), config.collector_urls(args.collector)
         token = _token(args)  # a bad token: one line now
         _collector_takes(exporter_url, token, unreachable_ok=True)  # a refused one too, before minutes of refusals
     topology = simulate.Topology(dp, pp, tp)

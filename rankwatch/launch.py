@@ -79,7 +79,7 @@ def train(
         print(f"rankwatch: {notice}", file=sys.stderr, flush=True)
     run_id, collector, token = (
         run_id or time.strftime("run-%Y%m%d-%H%M%S"),
-        config.collector_url(collector),
+        config.collector_urls(collector),
         config.token(token),
     )
     store = (store or paths.store_path()).resolve()  # the ranks' working directory must not matter
@@ -105,7 +105,7 @@ def run(command: Sequence[str], run_id: str | None = None, collector: str | None
     the command is not found."""
     run_id, collector, token = (
         run_id or time.strftime("run-%Y%m%d-%H%M%S"),
-        config.collector_url(collector),
+        config.collector_urls(collector),
         config.token(token),
     )
     announce("run", run_id, collector, paths.store_path().resolve())

@@ -33,6 +33,9 @@ from collector.store import lake
 log = logging.getLogger("rankwatch.alerts")
 POLL_S = 0.5
 EXPIRE_AFTER = timedelta(days=1)
+# In a lake shared by several collectors (collector/store/lake.py) one of them posts the outbox at a time:
+# the holder of the alerts lease, renewed at every poll, taken over once it has been let expire this long.
+LEASE_HELD = timedelta(seconds=5)
 
 
 class Delivery:
@@ -49,6 +52,7 @@ class Delivery:
         if self._config.receivers:
             self._stop = threading.Event()
             self._con = lake.cursor(con)
+            self._shared = lake.attached(con)
             self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
             self._thread.start()
 
@@ -78,6 +82,8 @@ class Delivery:
                     log.exception("alert delivery: the outbox could not be read or updated")
 
     def _deliver_due(self, client: httpx.Client, con: duckdb.DuckDBPyConnection) -> None:
+        if self._shared and not lake.lease(con, "alerts", "", LEASE_HELD):
+            return  # another collector of the lake posts them
         failed: set[str] = set()  # receivers that failed in this pass: their later notifications wait
         expired_before = datetime.now(UTC) - EXPIRE_AFTER
         for notification in outbox.due(con):

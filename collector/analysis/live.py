@@ -14,6 +14,14 @@ its last steps are judged.
 
 The power analyzer, which costs seconds at a thousand ranks, runs on a second thread, so that a
 pass does not wait for it either.
+
+In a lake shared by several collectors (collector/store/lake.py) a run's ranks may send to any of them,
+so each collector follows every collector's commits, not only its own: every FOLLOW_S it reads the
+steps and events the lake's new snapshots inserted. Each run is judged by one collector at a time, the
+holder of its lease in the lake's catalog database, taken at a pass and renewed at every pass after
+(a timer pass comes every RENEW_S at least): when that collector dies, its lease expires within
+LEASE_HELD and the next collector's pass takes it over, from the cursor the last stored. A collector
+stopping gives its leases up at once.
 """
 
 import collections
@@ -23,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import duckdb
 import numpy as np
@@ -47,6 +56,12 @@ LAST_PASS_S = 20.0
 # redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
 POWER_STEPS = 100
 POWER_POLICY = power.Policy("max-slowdown", 0.02)
+
+# In a lake: how often every collector's new commits are read, how long a run's lease holds, and how often
+# a collector judges (and so renews the leases of) every run it follows, new steps or not.
+FOLLOW_S = 0.5
+LEASE_HELD = timedelta(seconds=6)
+RENEW_S = 2.0
 
 _HAS_POWER = """SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples
                                          WHERE run_id = $run AND metric IN $metrics LIMIT 1)"""
@@ -90,6 +105,10 @@ class Analysis:
         self._arrived: dict[str, list[tuple[int, int]]] = {}  # run -> the steps committed since its pass (ranges)
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
+        self._lake = False  # the store is a lake shared with other collectors
+        self._snapshot: int | None = None  # in a lake: the newest snapshot whose commits were read
+        self._led: set[str] = set()  # in a lake: the runs whose lease this collector holds
+        self._health_run = health.RUN_ID  # the run the collector's own findings are recorded under
         self._threading()
 
     def _threading(self) -> None:
@@ -110,6 +129,10 @@ class Analysis:
     def start(self, con: duckdb.DuckDBPyConnection) -> None:
         """Run the passes on a thread of their own, on a cursor of `con` (a snapshot reader and a
         writer of findings beside the commit loop), until close()."""
+        if lake.attached(con):
+            self._lake = True
+            self.interval_s = min(self.interval_s, RENEW_S)
+            self._health_run = f"collector {lake.holder()}"  # each collector's own health, apart
         self._thread = threading.Thread(
             target=self._loop, args=(lake.cursor(con),), name="rankwatch-analysis", daemon=True
         )
@@ -129,7 +152,29 @@ class Analysis:
 
     def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
         """The writer's word of a commit (a store task's): the runs it brought steps or events for, and
-        the steps it brought each (the engine judges those that came below steps already judged)."""
+        the steps it brought each (the engine judges those that came below steps already judged). In a
+        lake every commit is read from the lake's snapshots instead (_follow), this one's too."""
+        if not self._lake:
+            self._take(tables)
+
+    def _follow(self, con: duckdb.DuckDBPyConnection) -> None:
+        """In a lake: what the commits of every collector since the last call inserted, taken as the
+        writer's word of a commit (the first call only notes where the lake stands)."""
+        (newest,) = con.execute(f"SELECT id FROM {lake.LAKE}.current_snapshot()").fetchone() or (None,)
+        if newest is None:
+            return
+        if self._snapshot is not None and newest > self._snapshot:
+            inserted = {
+                table: con.execute(
+                    f"SELECT {columns} FROM ducklake_table_changes(?, 'main', ?, ?, ?) WHERE change_type = 'insert'",
+                    [lake.LAKE, table, self._snapshot + 1, newest],
+                ).fetch_arrow_table()
+                for table, columns in (("steps", "run_id, step"), ("events", "run_id, event"))
+            }
+            self._take({table: [rows] for table, rows in inserted.items()})
+        self._snapshot = newest
+
+    def _take(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
         for part in tables.get("steps", ()):
             for run_id, ranges in _step_ranges(part).items():
                 self._arrive(run_id, ranges)
@@ -175,6 +220,8 @@ class Analysis:
             else:  # the last pass: only runs with steps not yet judged (the timer pass judged the others' stalls)
                 waiting = stepped | ended | self._behind | (set(self._active) - set(self.engine.cursors))
                 runs = sorted(waiting & set(self._active))
+        if self._lake:
+            runs = self._lead(con, runs)
         self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         self._record_power(con)
         until = time.monotonic() + LAST_PASS_S
@@ -194,7 +241,8 @@ class Analysis:
                 log.exception("analysis of run %s failed", run_id)
                 self.failures += 1
         if last:  # the runs judged before: nothing more comes, so their telemetry loss settles too
-            for run_id in sorted(set(self._active) - set(runs)):
+            judged_before = set(self._active) - set(runs)
+            for run_id in sorted(judged_before & self._led if self._lake else judged_before):
                 if time.monotonic() > until:
                     break
                 try:
@@ -202,6 +250,28 @@ class Analysis:
                 except Exception:
                     log.exception("telemetry loss of run %s not settled", run_id)
                     self.failures += 1
+
+    def _lead(self, con: duckdb.DuckDBPyConnection, runs: list[str]) -> list[str]:
+        """In a lake: the runs of `runs` this collector leads, their leases taken or renewed. A run
+        whose lease it takes (again) is judged from its stored cursor, since another collector may
+        have judged it meanwhile; one it does not lead is not kept in memory."""
+        led = []
+        for run_id in runs:
+            try:
+                holds = lake.lease(con, "run", run_id, LEASE_HELD)
+            except duckdb.Error:
+                log.exception("the lease of run %s could not be taken", run_id)
+                holds = False
+            if holds != (run_id in self._led):
+                self.engine.forget(run_id)
+            if holds:
+                self._led.add(run_id)
+                led.append(run_id)
+            else:
+                self._led.discard(run_id)
+                with self._lock:
+                    self._arrived.pop(run_id, None)
+        return led
 
     def due_in(self) -> float:
         return max(self._next - time.monotonic(), 0.0)
@@ -223,8 +293,10 @@ class Analysis:
     def _loop(self, con: duckdb.DuckDBPyConnection) -> None:
         try:
             while not self._stopping:
-                self._wake.wait(self.due_in())
+                self._wake.wait(min(self.due_in(), FOLLOW_S) if self._lake else self.due_in())
                 self._wake.clear()
+                if self._lake:
+                    self._following(con)
                 self._judge_reported_health(con)
                 if not self._stopping:
                     self.run(con, every=not self.due_in())
@@ -232,9 +304,20 @@ class Analysis:
             if self._power_thread is not None:
                 self._power_thread.shutdown(cancel_futures=True)
             self._judge_reported_health(con)
+            if self._lake:
+                self._following(con)
             self.run(con, last=True)
+            if self._lake:
+                lake.give_up(con, "run", sorted(self._led))
         finally:
             con.close()
+
+    def _following(self, con: duckdb.DuckDBPyConnection) -> None:
+        try:
+            self._follow(con)
+        except Exception:
+            log.exception("the lake's new commits could not be read")
+            self.failures += 1
 
     def _judge_reported_health(self, con: duckdb.DuckDBPyConnection) -> None:
         with self._lock:
@@ -256,7 +339,7 @@ class Analysis:
         while snapshot.at - self._health[0].at > settings.window_s:
             self._health.popleft()
         found = health.analyze(self._health[0], snapshot, con.execute(_OUTBOX).df(), settings)
-        findings.record(con, health.RUN_ID, health.ANALYZER, found, self.alerts)
+        findings.record(con, self._health_run, health.ANALYZER, found, self.alerts)
 
     def _analyze(self, con: duckdb.DuckDBPyConnection, run_id: str, timed: bool, ended: bool, last: bool) -> bool:
         """One pass of the engine over a run, its findings recorded, rollbacks sent for its anomalies,

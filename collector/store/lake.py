@@ -23,8 +23,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import duckdb
@@ -134,6 +136,33 @@ def next_id(con: duckdb.DuckDBPyConnection, sequence: str) -> int:
         query = f"SELECT nextval('{SCHEMA}.{sequence}')"
         return con.execute("SELECT * FROM postgres_query(?, ?)", [KEYED, query]).fetchall()[0][0]
     return con.execute("SELECT nextval(?)", [sequence]).fetchall()[0][0]
+
+
+def holder() -> str:
+    """This collector, as its claims and leases name it: its writer process (a writer started again is
+    another holder, and waits for the leases of the one that died to expire)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def lease(con: duckdb.DuckDBPyConnection, kind: str, name: str, held: timedelta) -> bool:
+    """Take or renew the lease (`kind`, `name`) for `held` from now: True where this collector holds it
+    (it did, or nobody did, or its holder let it expire), False where another holds it."""
+    (changed,) = con.execute(
+        "INSERT INTO leases VALUES (?, ?, ?, now() + ?::INTERVAL) ON CONFLICT (kind, name) DO UPDATE"
+        " SET holder = excluded.holder, expires_at = excluded.expires_at"
+        " WHERE leases.holder = excluded.holder OR leases.expires_at < now()",
+        [kind, name, holder(), held],
+    ).fetchall()[0]
+    return changed > 0
+
+
+def give_up(con: duckdb.DuckDBPyConnection, kind: str, names: list[str]) -> None:
+    """Let these leases go now, for another collector to take at once (a collector stopping)."""
+    if names:
+        con.execute(
+            "DELETE FROM leases WHERE kind = ? AND holder = ? AND name IN (SELECT unnest(?::VARCHAR[]))",
+            [kind, holder(), names],
+        )
 
 
 def _statements(ddl: str) -> list[tuple[str, str, str]]:

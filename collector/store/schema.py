@@ -236,12 +236,14 @@ CREATE TABLE IF NOT EXISTS claims (
     claimed_at  TIMESTAMPTZ NOT NULL
 );
 
--- Which collector leads a run's analysis (`name`: the run id), or delivers the alerts (`name`: a
--- name no run can have), until `expires_at`: it renews the lease as it works, another takes it once
--- it has expired.
+-- Which collector does a job that one alone may do, until `expires_at`: lead a run's analysis (`kind`
+-- 'run', `name` its id), deliver the alerts (`kind` 'alerts'). It renews the lease as it works; another
+-- takes it once it has expired.
 CREATE TABLE IF NOT EXISTS leases (
-    name        VARCHAR PRIMARY KEY,
+    kind        VARCHAR NOT NULL,
+    name        VARCHAR NOT NULL,
     holder      VARCHAR NOT NULL,
-    expires_at  TIMESTAMPTZ NOT NULL
+    expires_at  TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (kind, name)
 );
 """

@@ -26,9 +26,7 @@ without writing again. Digests are kept, in the `exports` table and in
 memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
-import os
 import queue
-import socket
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
@@ -163,7 +161,7 @@ class _Writer:
     def __init__(self, path: Path, tasks: Sequence[Task], into: lake.Lake | None = None):
         self._tasks = tasks
         self._lake = into
-        self._holder = f"{socket.gethostname()}:{os.getpid()}"  # who claims exports and leads runs, in a lake
+        self._holder = lake.holder()  # who claims exports, in a lake
         self._con = lake.open_lake(into) if into else connect(path)
         # One DuckDB thread: the writer shares the machine with decoding, and a
         # parallel insert of a few thousand rows costs more than it gains.

@@ -1,0 +1,135 @@
+"""Collectors sharing one lake (collector/store/lake.py): a real PostgreSQL server on loopback holds the
+catalog, the Parquet files are in a directory, and real collector processes store into it.
+
+A simulated job sent to two collectors at once (`--collector A,B`: each node's ranks to one of them)
+is one run, stored once, judged once, and read whole from either. When the collector that leads a
+run's analysis is killed (-9) mid-run, its ranks move to the other with what they had not had
+acknowledged, nothing is lost or stored twice, and the other takes the run's analysis over within
+10 s: the hang the job then makes is named by it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.apiclient import ApiClient
+from tests import postgres
+from tests.conftest import free_port, rankwatch_cli, wait_until
+
+pytestmark = pytest.mark.long
+
+
+@pytest.fixture(scope="module")
+def catalog_server():
+    server = postgres.start(free_port())
+    yield server
+    postgres.stop(server)
+
+
+@pytest.fixture
+def shards(catalog_server, collector_factory, tmp_path, request):
+    """Start `n` collectors on one new lake: shards(n, *extra_args)."""
+    catalog = catalog_server.database(request.node.name.replace("[", "_").replace("]", "")[:60].lower())
+
+    def start(n: int, *extra: str):
+        lake = ("--lake", catalog, "--data-path", str(tmp_path / "lake"))
+        return [collector_factory(tmp_path / f"shard-{i}" / "rankwatch.duckdb", *lake, *extra) for i in range(n)]
+
+    return start
+
+
+def simulate(shards, run_id: str, *args: str, background: bool = False):
+    command = ("simulate", "--run", run_id, "--collector", ",".join(s.url for s in shards), *args)
+    env = {"RANKWATCH_TOKEN": shards[0].token}
+    if background:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", *command],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return rankwatch_cli(*command, env=env)
+
+
+def rows(collector, sql: str) -> list:
+    """A query's rows, through a collector's query API (any collector of a lake reads all of it)."""
+    return ApiClient(collector.url, collector.token).post("/api/v1/query", {"sql": sql})["rows"]
+
+
+def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(shards):
+    a, b = shards(2, "--analyze-every", "1")
+    ranks, steps = 256, 30
+    job = simulate(
+        [a, b], "spread", "--ranks", str(ranks), "--steps", str(steps), "--inject", "straggler:rank=77,slowdown=1.5"
+    )
+    assert job.returncode == 0, job.stderr[-2000:]
+    # both collectors took a share of the job's nodes
+    for shard in (a, b):
+        ((exports,),) = rows(shard, "SELECT count(*) FROM exports WHERE signal = 'traces'")
+        assert exports > 0
+    counts = "SELECT count(*), count(DISTINCT (rank, step)), count(DISTINCT rank) FROM steps WHERE run_id = 'spread'"
+    assert rows(a, counts) == rows(b, counts) == [[ranks * steps, ranks * steps, ranks]]
+    finding = """SELECT ranks, count(*) FROM findings WHERE run_id = 'spread' AND analyzer = 'stragglers'
+                 AND severity <> 'info' GROUP BY ranks"""
+    wait_until(lambda: rows(a, finding), "the straggler judged")
+    assert rows(a, finding) == rows(b, finding) == [[[77], 1]]  # one finding, whichever collector drew it
+    ((holder,),) = rows(a, "SELECT count(DISTINCT holder) FROM leases WHERE kind = 'run' AND name = 'spread'")
+    assert holder == 1
+
+
+def _collector_of(holder: str, shards) -> object:
+    """The shard whose writer process is `holder` (host:pid): the writer's parent is the collector."""
+    pid = int(holder.rsplit(":", 1)[1])
+    parent = int(
+        next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("PPid:")).split()[
+            1
+        ]
+    )
+    return next(s for s in shards if s.process.pid == parent)
+
+
+def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards):
+    a, b = shards(2, "--analyze-every", "1", "--hang-after", "4")
+    ranks, steps, hang_at = 128, 12, 8
+    job = simulate(
+        [a, b],
+        "failover",
+        "--ranks",
+        str(ranks),
+        "--steps",
+        str(steps),
+        "--inject",
+        f"hang:rank=9,at={hang_at}",
+        "--hang-for",
+        "12",
+        background=True,
+    )
+    lease = "SELECT holder FROM leases WHERE kind = 'run' AND name = 'failover' AND expires_at > now()"
+    wait_until(lambda: rows(a, lease), "a collector leading the run", timeout_s=60)
+    ((holder,),) = rows(a, lease)
+    leader = _collector_of(holder, (a, b))
+    survivor = b if leader is a else a
+    wait_until(lambda: rows(survivor, "SELECT count(*) FROM steps WHERE run_id = 'failover'")[0][0] > 0, "steps stored")
+    leader.stop(signal.SIGKILL)
+    killed = time.monotonic()
+
+    def taken_over() -> bool:
+        held = rows(survivor, lease)
+        return bool(held) and held != [[holder]]
+
+    wait_until(taken_over, "the lease taken over", timeout_s=15)
+    taken_over_s = time.monotonic() - killed
+    assert taken_over_s <= 10.0, taken_over_s
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-2000:]  # every span delivered (the simulator exits 3 on any loss)
+    counts = "SELECT count(*), count(DISTINCT (rank, step)) FROM steps WHERE run_id = 'failover'"
+    assert rows(survivor, counts) == [[ranks * hang_at, ranks * hang_at]]  # none lost, none twice
+    hangs = "SELECT ranks FROM findings WHERE run_id = 'failover' AND analyzer = 'hangs' AND severity <> 'info'"
+    wait_until(lambda: rows(survivor, hangs), "the hang named by the collector that took over", timeout_s=30)
+    assert [9] in [r[0] for r in rows(survivor, hangs)]
