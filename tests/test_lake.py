@@ -133,3 +133,26 @@ def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards
     hangs = "SELECT ranks FROM findings WHERE run_id = 'failover' AND analyzer = 'hangs' AND severity <> 'info'"
     wait_until(lambda: rows(survivor, hangs), "the hang named by the collector that took over", timeout_s=30)
     assert [9] in [r[0] for r in rows(survivor, hangs)]
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--lake", "host=127.0.0.1 dbname=x"], "rankwatch: error: --lake and --data-path go together"),
+        (["--data-path", "lake"], "rankwatch: error: --lake and --data-path go together"),
+        (
+            [
+                "--lake",
+                f"host=127.0.0.1 port={free_port()} dbname=x user=nobody connect_timeout=2",
+                "--data-path",
+                "lake",
+            ],
+            "rankwatch: error: cannot open the lake 'host=127.0.0.1 port=",
+        ),
+    ],
+)
+def test_a_lake_the_collector_cannot_open_is_refused_in_one_line(tmp_path, args, said):
+    result = rankwatch_cli(
+        "collector", "--db", str(tmp_path / "rankwatch.duckdb"), "--port", str(free_port()), *args, cwd=tmp_path
+    )
+    assert result.returncode == 2 and result.stderr.startswith(said) and result.stderr.count("\n") == 1, result.stderr
