@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -42,6 +42,7 @@ from collector.reports import queryapi
 from collector.store.db import connect
 from collector.store.handle import Overloaded, Store
 from collector.store.lake import Lake, open_lake
+from collector.store.upkeep import Upkeep
 from collector.store.writer import MEMORY_HEADROOM
 
 log = logging.getLogger("rankwatch.collector")
@@ -70,6 +71,7 @@ class Config:
     metrics_runs: int = MAX_RUNS  # active runs with /metrics series of their own; the rest counted as one
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
     lake: Lake | None = None  # store into this lake (collector/store/lake.py), shared with other collectors
+    upkeep: Upkeep = field(default_factory=Upkeep)  # a lake's compaction and retention (collector/store/upkeep.py)
 
 
 def create_app(config: Config) -> Starlette:
@@ -89,12 +91,12 @@ def create_app(config: Config) -> Starlette:
             alerts=config.alerts,
             power_every_s=config.power_every_s,
         )
-        # the writer's tasks, run between its commits: the analysis, then the alert delivery
+        # the writer's tasks, run between its commits: the analysis, the alert delivery, a lake's upkeep
         store = Store(
             config.db,
             config.max_queue_bytes,
             on_commit=metrics.observe_commit,
-            tasks=(analysis, Delivery(config.alerts)),
+            tasks=(analysis, Delivery(config.alerts), config.upkeep),
             on_failure=stop_failed,
             memory_headroom=config.writer_memory,
             lake=config.lake,

@@ -172,6 +172,7 @@ def cmd_collector(args) -> None:
     from collector import private
     from collector.receive.auth import load_or_create_token
     from collector.server import Config, serve
+    from collector.store.upkeep import Upkeep
 
     private.restrict(_db(args))
     given = args.token or args.token_file or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)
@@ -197,6 +198,7 @@ def cmd_collector(args) -> None:
         power_every_s=args.power_every or None,
         alerts=_alert_config(args),
         lake=_lake(args),
+        upkeep=Upkeep(args.compact_every, args.retain_days),
     )
     _preflight(config)
     serve(config)
@@ -1067,6 +1069,20 @@ def build_parser() -> argparse.ArgumentParser:
         "collector's own files (token, alerts file)",
     )
     p.add_argument("--data-path", metavar="DIR", help="with --lake: the directory of the lake's Parquet files")
+    p.add_argument(
+        "--compact-every",
+        type=_quantity(allow_zero=False),
+        default=600.0,
+        metavar="SECONDS",
+        help="with --lake: how often one of the lake's collectors merges its small files and drops what no "
+        "snapshot of the last hour reads (default 600)",
+    )
+    p.add_argument(
+        "--retain-days",
+        type=_quantity(allow_zero=False),
+        metavar="DAYS",
+        help="with --lake: telemetry older than this is deleted at each compaction (default: kept)",
+    )
     p.set_defaults(func=cmd_collector)
 
     p = sub.add_parser("alerts", help="alert webhooks")

@@ -156,3 +156,30 @@ def test_a_lake_the_collector_cannot_open_is_refused_in_one_line(tmp_path, args,
         "collector", "--db", str(tmp_path / "rankwatch.duckdb"), "--port", str(free_port()), *args, cwd=tmp_path
     )
     assert result.returncode == 2 and result.stderr.startswith(said) and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_upkeep_merges_the_small_files_of_many_commits_and_drops_what_is_past_retention(catalog_server, tmp_path):
+    """What one collector's upkeep round does to a lake: many small commits become one file a table, and
+    telemetry older than the retention goes, newer stays."""
+    from collector.store import lake
+    from collector.store.upkeep import Upkeep
+
+    con = lake.open_lake(lake.Lake(catalog_server.database("upkeep"), tmp_path / "lake"))
+    lake.create_tables(con)
+    now_ns = time.time_ns()
+    for i in range(12):  # twelve commits: twelve files
+        at = now_ns - (i % 2) * 3 * 86_400 * 10**9  # every other one three days old
+        con.execute(
+            "INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s) "
+            "VALUES ('r', ?, 0, make_timestamp_ns(?), make_timestamp_ns(?), 1.0)",
+            [i, at, at],
+        )
+    live = (
+        "SELECT count(*) FROM __ducklake_metadata_lake.public.ducklake_data_file f "
+        "JOIN __ducklake_metadata_lake.public.ducklake_table t USING (table_id) "
+        "WHERE t.table_name = 'steps' AND f.end_snapshot IS NULL AND t.end_snapshot IS NULL"
+    )
+    assert con.execute(live).fetchall() == [(12,)]
+    Upkeep(retain_days=2).once(con)
+    assert con.execute("SELECT count(*), min(rank % 2) FROM steps").fetchall() == [(6, 0)]
+    assert con.execute(live).fetchall() == [(1,)]  # merged into one
