@@ -204,6 +204,30 @@ def cmd_collector(args) -> None:
     serve(config)
 
 
+def _reader(args):
+    """A read-only connection to the store: the lake of --lake and --data-path, else the file of --db."""
+    from collector.store.db import connect
+    from collector.store.lake import LakeError, open_lake
+
+    lake = _lake(args)
+    if lake is None:
+        return connect(_db(args, existing=True), read_only=True)
+    try:
+        return open_lake(lake, read_only=True)
+    except LakeError as e:
+        raise UsageError(str(e)) from None
+
+
+def _lake_options(p, what: str) -> None:
+    p.add_argument(
+        "--lake",
+        metavar="CATALOG",
+        help=f"{what} a lake shared by several collectors, whose catalog is this PostgreSQL database "
+        "(a libpq connection string: 'host=H port=P dbname=D user=U')",
+    )
+    p.add_argument("--data-path", metavar="DIR", help="with --lake: the directory of the lake's Parquet files")
+
+
 def _lake(args):
     """The lake named by --lake and --data-path (both or neither), or None: the store file."""
     if (args.lake is None) != (args.data_path is None):
@@ -291,12 +315,11 @@ def cmd_analyze(args) -> None:
 
     from collector.analysis.analyzers import hangs
     from collector.reports.postmortem import analyze_run
-    from collector.store.db import StoreLocked, connect
+    from collector.store.db import StoreLocked
     from collector.store.runs import UnknownRun
 
-    db = _db(args, existing=True)
     try:
-        con = connect(db, read_only=True)
+        con = _reader(args)
         report = analyze_run(con, args.run, hang_settings=hangs.Settings(floor_s=args.hang_after))
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
@@ -389,16 +412,15 @@ def cmd_power_recommend(args) -> None:
 
     from collector.analysis.analyzers.power import POWER_METRICS, Policy
     from collector.reports.powercaps import document, recommend
-    from collector.store.db import StoreLocked, connect
+    from collector.store.db import StoreLocked
     from collector.store.runs import UnknownRun
 
     try:
         policy = Policy.parse(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    db = _db(args, existing=True)
     try:
-        con = connect(db, read_only=True)
+        con = _reader(args)
         report = recommend(con, args.run, policy, args.facility_watts)
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
@@ -1061,14 +1083,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="alert receivers, TOML or JSON (default: alerts.toml beside the store, if it exists)",
     )
-    p.add_argument(
-        "--lake",
-        metavar="CATALOG",
-        help="store into a lake shared with other collectors, whose catalog is this PostgreSQL database "
-        "(a libpq connection string: 'host=H port=P dbname=D user=U'); --db's directory keeps this "
-        "collector's own files (token, alerts file)",
-    )
-    p.add_argument("--data-path", metavar="DIR", help="with --lake: the directory of the lake's Parquet files")
+    _lake_options(p, "store into (--db's directory keeps this collector's token and alerts file)")
     p.add_argument(
         "--compact-every",
         type=_quantity(allow_zero=False),
@@ -1121,6 +1136,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="least stall judged a hang, as the collector's --hang-after (default 30)",
     )
+    _lake_options(p, "read the run from")
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("power", help="power-cap recommendations")
@@ -1145,6 +1161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.add_argument("--plot", metavar="FILE.png", type=_output_file, help="also draw the time/energy trade-off")
+    _lake_options(p, "read the run from")
     p.set_defaults(func=cmd_power_recommend)
     p = power.add_parser("apply", help="send a running job power caps through the collector's control API")
     p.add_argument("run", help="run id")

@@ -8,11 +8,14 @@ acknowledged, nothing is lost or stored twice, and the other takes the run's ana
 10 s: the hang the job then makes is named by it.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,16 +34,25 @@ def catalog_server():
     postgres.stop(server)
 
 
+@dataclass
+class Shards:
+    """Collectors on one new lake: `start(n, *extra_args)` starts n of them."""
+
+    catalog: str
+    data_path: Path
+    factory: Callable
+
+    def start(self, n: int, *extra: str) -> list:
+        lake = ("--lake", self.catalog, "--data-path", str(self.data_path))
+        return [
+            self.factory(self.data_path.parent / f"shard-{i}" / "rankwatch.duckdb", *lake, *extra) for i in range(n)
+        ]
+
+
 @pytest.fixture
-def shards(catalog_server, collector_factory, tmp_path, request):
-    """Start `n` collectors on one new lake: shards(n, *extra_args)."""
-    catalog = catalog_server.database(request.node.name.replace("[", "_").replace("]", "")[:60].lower())
-
-    def start(n: int, *extra: str):
-        lake = ("--lake", catalog, "--data-path", str(tmp_path / "lake"))
-        return [collector_factory(tmp_path / f"shard-{i}" / "rankwatch.duckdb", *lake, *extra) for i in range(n)]
-
-    return start
+def shards(catalog_server, collector_factory, tmp_path, request) -> Shards:
+    name = request.node.name.replace("[", "_").replace("]", "")[:60].lower()
+    return Shards(catalog_server.database(name), tmp_path / "lake", collector_factory)
 
 
 def simulate(shards, run_id: str, *args: str, background: bool = False):
@@ -63,7 +75,7 @@ def rows(collector, sql: str) -> list:
 
 
 def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(shards):
-    a, b = shards(2, "--analyze-every", "1")
+    a, b = shards.start(2, "--analyze-every", "1")
     ranks, steps = 256, 30
     job = simulate(
         [a, b], "spread", "--ranks", str(ranks), "--steps", str(steps), "--inject", "straggler:rank=77,slowdown=1.5"
@@ -81,6 +93,13 @@ def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(sha
     assert rows(a, finding) == rows(b, finding) == [[[77], 1]]  # one finding, whichever collector drew it
     ((holder,),) = rows(a, "SELECT count(DISTINCT holder) FROM leases WHERE kind = 'run' AND name = 'spread'")
     assert holder == 1
+    # after the fact, the whole run read from the lake itself
+    report = rankwatch_cli(
+        "analyze", "spread", "--json", "--lake", shards.catalog, "--data-path", str(shards.data_path)
+    )
+    assert report.returncode == 0, report.stderr[-2000:]
+    found = json.loads(report.stdout)["findings"]
+    assert [f["ranks"] for f in found if f["analyzer"] == "stragglers" and f["severity"] != "info"] == [[77]]
 
 
 def _collector_of(holder: str, shards) -> object:
@@ -95,7 +114,7 @@ def _collector_of(holder: str, shards) -> object:
 
 
 def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards):
-    a, b = shards(2, "--analyze-every", "1", "--hang-after", "4")
+    a, b = shards.start(2, "--analyze-every", "1", "--hang-after", "4")
     ranks, steps, hang_at = 128, 12, 8
     job = simulate(
         [a, b],

@@ -72,18 +72,22 @@ def extensions() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "extensions"
 
 
-def open_lake(lake: Lake, tries: int = 5) -> duckdb.DuckDBPyConnection:
+def open_lake(lake: Lake, read_only: bool = False, tries: int = 5) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with the lake (`lake`, its default) and its catalog database (`pg`) attached,
-    the collector's tables found by their bare names. Collectors opening a new lake at once race to
-    make its catalog: a loser tries again."""
+    the collector's tables found by their bare names (`read_only`: both attached read-only, for a
+    reader after the fact; the lake must exist). Collectors opening a new lake at once race to make
+    its catalog: a loser tries again."""
+    only = ", READ_ONLY" if read_only else ""
     for attempt in range(tries):
         con = duckdb.connect(config={"extension_directory": str(extensions()), "autoinstall_known_extensions": False})
         try:
             con.execute("LOAD ducklake; LOAD postgres")
-            lake.data_path.mkdir(parents=True, exist_ok=True)
-            con.execute(f"ATTACH 'ducklake:postgres:{lake.catalog}' AS {LAKE} (DATA_PATH '{lake.data_path}/')")
-            con.execute(f"ATTACH '{lake.catalog}' AS {KEYED} (TYPE postgres)")
-            _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"])
+            if not read_only:
+                lake.data_path.mkdir(parents=True, exist_ok=True)
+            con.execute(f"ATTACH 'ducklake:postgres:{lake.catalog}' AS {LAKE} (DATA_PATH '{lake.data_path}/'{only})")
+            con.execute(f"ATTACH '{lake.catalog}' AS {KEYED} (TYPE postgres{only})")
+            if not read_only:
+                _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"])
             con.execute("CALL pg_clear_cache()")
         except duckdb.Error as e:
             con.close()
@@ -91,7 +95,11 @@ def open_lake(lake: Lake, tries: int = 5) -> duckdb.DuckDBPyConnection:
                 time.sleep(0.1 * (attempt + 1) + (os.getpid() % 7) / 50)
                 continue
             raise LakeError(f"cannot open the lake {lake.catalog!r}: {str(e).splitlines()[0]}") from None
-        _name_tables(con)
+        try:
+            _name_tables(con)
+        except duckdb.Error:  # read-only, a catalog no collector has stored into
+            con.close()
+            raise LakeError(f"the lake {lake.catalog!r} holds no rankwatch store yet") from None
         return con
     raise AssertionError("unreachable")
 
