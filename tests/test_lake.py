@@ -93,6 +93,12 @@ def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(sha
     assert rows(a, finding) == rows(b, finding) == [[[77], 1]]  # one finding, whichever collector drew it
     ((holder,),) = rows(a, "SELECT count(DISTINCT holder) FROM leases WHERE kind = 'run' AND name = 'spread'")
     assert holder == 1
+    # a command made through one collector is the job's through the other (rank 0 polls the one it sends to)
+    made = ApiClient(a.url, a.token).post(
+        "/v1/commands", {"run_id": "spread", "kind": "power_cap", "args": {"watts": 500}}
+    )
+    pending = ApiClient(b.url, b.token).get("/v1/commands", {"run_id": "spread", "state": "pending"})
+    assert [c["id"] for c in pending] == [made["id"]]
     # after the fact, the whole run read from the lake itself
     report = rankwatch_cli(
         "analyze", "spread", "--json", "--lake", shards.catalog, "--data-path", str(shards.data_path)
