@@ -315,8 +315,9 @@ class Analysis:
     def _following(self, con: duckdb.DuckDBPyConnection) -> None:
         try:
             self._follow(con)
-        except Exception:
-            log.exception("the lake's new commits could not be read")
+        except Exception:  # (snapshots expired under a collector that fell an hour behind, say)
+            log.exception("the lake's new commits could not be read; following it from its newest snapshot")
+            self._snapshot = None
             self.failures += 1
 
     def _judge_reported_health(self, con: duckdb.DuckDBPyConnection) -> None:
