@@ -1,7 +1,8 @@
 """Collectors sharing one lake (collector/store/lake.py): what N collectors commit together, how soon a step
 is judged after its commit, and what a collector killed mid-run costs.
 
-For each count of collectors (`--shards`, default 1 2 4): a PostgreSQL server on loopback (the lake's
+For each count of collectors (`--shards`, default 0 1 2 4; 0 is the baseline, one collector storing into
+its DuckDB file, no lake): a PostgreSQL server on loopback (the lake's
 catalog; tests/postgres.py), N `rankwatch collector --lake` processes on one data directory, and a
 simulated job of `--ranks` ranks x `--steps` steps sent to all of them (`--collector A,B,...`: each
 node's ranks to one collector), rank 3 a straggler. The simulator sends as fast as the collectors take
@@ -18,7 +19,7 @@ shards, ranks, steps, spans_per_s, spans_per_s_per_shard (the spans each collect
 run's time), cpu_us_per_span, judge_lag_s (median), judge_lag_p95_s, lost_rows, duplicate_rows,
 files_before, files_after, killed.
 
-Usage: python bench/scaleout.py [--shards 1 2 4] [--ranks 16384] [--steps 20]
+Usage: python bench/scaleout.py [--shards 0 1 2 4] [--ranks 16384] [--steps 20]
 """
 
 import argparse
@@ -83,16 +84,17 @@ def _rows(url: str, sql: str) -> list:
 
 
 def one(server, shards: int, ranks: int, steps: int, work: Path) -> dict:
+    """One count of collectors; 0: the baseline, one collector and its DuckDB file, no lake."""
     catalog = server.database(f"scaleout_{shards}_{time.monotonic_ns() % 10**9}")
     data = work / f"lake-{shards}"
+    store = ["--lake", catalog, "--data-path", str(data)] if shards else []
     collectors, cpu, rows = [], {}, {}
-    for i in range(shards):
+    for i in range(max(shards, 1)):
         port = free_port()
         log = open(work / f"collector-{shards}-{i}.log", "w")  # noqa: SIM115 - closed with the process
         process = subprocess.Popen(
             [sys.executable, "-m", "rankwatch", "collector", "--db", str(work / f"shard-{shards}-{i}" / "rw.duckdb"),
-             "--port", str(port), f"--token={TOKEN}", "--analyze-every", "1",
-             "--lake", catalog, "--data-path", str(data)],
+             "--port", str(port), f"--token={TOKEN}", "--analyze-every", "1", *store],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_healthy(f"http://127.0.0.1:{port}", process)
@@ -146,13 +148,14 @@ def one(server, shards: int, ranks: int, steps: int, work: Path) -> dict:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
         log.close()
-    files_before = _files(data)
-    con = lake.open_lake(lake.Lake(catalog, data))
-    con.execute(f"CALL ducklake_merge_adjacent_files('{lake.LAKE}')")
-    con.execute(f"CALL ducklake_expire_snapshots('{lake.LAKE}', older_than => now())")
-    con.execute(f"CALL ducklake_cleanup_old_files('{lake.LAKE}', cleanup_all => true)")
-    con.close()
-    files_after = _files(data)
+    files_before = files_after = _files(data)
+    if shards:
+        con = lake.open_lake(lake.Lake(catalog, data))
+        con.execute(f"CALL ducklake_merge_adjacent_files('{lake.LAKE}')")
+        con.execute(f"CALL ducklake_expire_snapshots('{lake.LAKE}', older_than => now())")
+        con.execute(f"CALL ducklake_cleanup_old_files('{lake.LAKE}', cleanup_all => true)")
+        con.close()
+        files_after = _files(data)
     lags = sorted(judged_at[s] - committed_at[s] for s in committed_at if s in judged_at)
     spans = stored * SPANS_PER_RANK_STEP
     return {
@@ -185,7 +188,7 @@ def _parent(pid: int) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--shards", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--ranks", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
@@ -200,12 +203,13 @@ def main() -> None:
             r = one(server, shards, args.ranks, args.steps, work)
             results.append(r)
             print(
-                f"{shards} collector(s), {args.ranks:,} ranks x {args.steps} steps: "
+                f"{shards or 'a file store, 1'} collector(s), {args.ranks:,} ranks x {args.steps} steps: "
                 f"{r['spans_per_s']:,.0f} spans/s (by collector: {r['spans_per_s_per_shard']}), "
                 f"{r['cpu_us_per_span']:.1f} µs of collector CPU per span, judged {r['judge_lag_s']} s "
                 f"(p95 {r['judge_lag_p95_s']} s) after commit, lost {r['lost_rows']}, stored twice "
                 f"{r['duplicate_rows']}, Parquet files {r['files_before']} -> {r['files_after']}"
-                + (f", killed {r['killed']}" if r["killed"] else ""),
+                + (f", killed {r['killed']}" if r["killed"] else "")
+                + (f"; the job exited {r['job_exit']}: {r['job_said']}" if r["job_exit"] else ""),
                 flush=True,
             )
     finally:

@@ -151,3 +151,15 @@ def test_simulate_against_a_collector_gone_for_good_counts_what_the_store_lacks(
     assert 0 < stored < ranks * steps
     assert f"rankwatch simulate: error: run gone: {lost} rank-steps ({2 * lost} spans)" in err, err
     assert f"never reached {collector.url}" in err and "sent to" not in out
+
+
+def test_a_round_of_samples_larger_than_a_request_may_carry_is_sent_whole(module_collector):
+    """A collector refuses a request of more than 100,000 entries whole: the exporter sends a larger
+    round of device samples (16,384 simulated GPUs' ten readings) in slices, every one stored."""
+    run_id = "many-samples"
+    exporter = Exporter(module_collector.url, module_collector.token, {sc.RUN_ID: run_id, sc.RANK: 0})
+    points = [("DCGM_FI_DEV_POWER_USAGE", T0 + i, 300.0, {sc.RANK: i % 16384}) for i in range(120_001)]
+    assert exporter.samples(points)
+    exporter.shutdown()
+    assert exporter.samples_refused == 0
+    assert _rows(module_collector, "SELECT count(*) FROM device_samples WHERE run_id = ?", run_id) == [[120_001]]

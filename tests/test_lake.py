@@ -208,3 +208,19 @@ def test_upkeep_merges_the_small_files_of_many_commits_and_drops_what_is_past_re
     Upkeep(retain_days=2).once(con)
     assert con.execute("SELECT count(*), min(rank % 2) FROM steps").fetchall() == [(6, 0)]
     assert con.execute(live).fetchall() == [(1,)]  # merged into one
+
+
+def test_four_collectors_find_what_one_collector_finds(shards, collector_factory, tmp_path):
+    """The same simulated job (same seed), once into one collector's file and once spread over four
+    collectors of a lake: the same findings, each once."""
+    job = ("--ranks", "256", "--steps", "24", "--seed", "3", "--inject", "slow-node:node=5,slowdown=1.4,from=4")
+    alone = collector_factory(tmp_path / "alone" / "rankwatch.duckdb", "--analyze-every", "1")
+    spread = shards.start(4, "--analyze-every", "1")
+    for collectors in ([alone], spread):
+        result = simulate(collectors, "same", *job)
+        assert result.returncode == 0, result.stderr[-2000:]
+    found = """SELECT analyzer, kind, ranks, count(*) FROM findings WHERE run_id = 'same' AND severity <> 'info'
+               AND analyzer <> 'power' GROUP BY ALL ORDER BY ALL"""
+    wait_until(lambda: rows(alone, found) and rows(alone, found) == rows(spread[0], found), "the same findings")
+    assert [f[:2] for f in rows(alone, found)] == [["stragglers", "node"]]
+    assert all(f[3] == 1 for f in rows(spread[0], found))
