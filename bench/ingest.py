@@ -7,10 +7,11 @@ as separate processes on loopback and receive the same bodies:
 
   rankwatch  `rankwatch collector`: decode to Arrow, group commit to DuckDB, ack
              (twice: with the C trace decoder, and with its twin on the protobuf
-             runtime that a collector without the C build uses)
+             runtime that a collector without the C build uses; with --lake a third
+             time, C decoder, committing into a lake as one of its collectors)
   baseline   the same HTTP stack that only gunzips and parses the protobuf
 
-Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 40] [--concurrency 64]
+Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 40] [--concurrency 64] [--lake]
 """
 
 import argparse
@@ -213,6 +214,11 @@ def main() -> None:
     parser.add_argument("--steps-per-request", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--workers", type=int, help="collector decode processes (default: one per core)")
+    parser.add_argument(
+        "--lake",
+        action="store_true",
+        help="also a collector storing into a lake (a PostgreSQL catalog on loopback, Parquet files): one shard",
+    )
     args = parser.parse_args()
 
     warm_up, _ = build_bodies(args.ranks, 1, 1, seed=1)
@@ -223,7 +229,14 @@ def main() -> None:
         f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores"
     )
     results = []
-    for decoder, env in (("C decoder", {}), ("Python decoder", {"RANKWATCH_DECODER": "python"})):
+    variants = [("C decoder", {}, None), ("Python decoder", {"RANKWATCH_DECODER": "python"}, None)]
+    catalog_server = None
+    if args.lake:
+        from tests import postgres
+
+        catalog_server = postgres.start(free_port())
+        variants.append(("C decoder, a lake shard", {}, catalog_server.database("ingest")))
+    for decoder, env, catalog in variants:
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()
             collector = [
@@ -236,11 +249,13 @@ def main() -> None:
                 "--port",
                 str(port),
             ]
+            if catalog:
+                collector += ["--lake", catalog, "--data-path", f"{tmp}/lake"]
             if args.workers is not None:
                 collector += ["--workers", str(args.workers)]
             results.append(
                 measure(
-                    f"rankwatch, {decoder} (decode + DuckDB commit)",
+                    f"rankwatch, {decoder} (decode + {'DuckLake' if catalog else 'DuckDB'} commit)",
                     collector,
                     port,
                     warm_up,
@@ -250,6 +265,8 @@ def main() -> None:
                     env,
                 )
             )
+    if catalog_server:
+        postgres.stop(catalog_server)
     port = free_port()
     results.append(
         measure(
