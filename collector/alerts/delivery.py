@@ -18,17 +18,15 @@ those still undelivered after EXPIRE_AFTER expire.
 
 import logging
 import random
-import threading
-from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 import duckdb
 import httpx
-import pyarrow as pa
 
 from collector.alerts import outbox, webhook
 from collector.alerts.config import AlertConfig
 from collector.store import lake
+from collector.store.writer import PeriodicTask
 
 log = logging.getLogger("rankwatch.alerts")
 POLL_S = 0.5
@@ -38,48 +36,39 @@ EXPIRE_AFTER = timedelta(days=1)
 LEASE_HELD = timedelta(seconds=5)
 
 
-class Delivery:
+class Delivery(PeriodicTask):
     """The posting thread, a task of the store's writer; it runs only when a receiver is configured."""
 
+    every_s = POLL_S
+    thread_name = "rankwatch-alerts"
+
     def __init__(self, config: AlertConfig):
-        """Handed to the writer process pickled: the thread and the cursor are made there, in start()."""
         self._config = config
         self._receivers = {r.name: r for r in config.receivers}
-        self._con: duckdb.DuckDBPyConnection | None = None
-
-    def start(self, con: duckdb.DuckDBPyConnection) -> None:
-        """Post from a cursor of `con`, on a thread of its own, until close()."""
-        if self._config.receivers:
-            self._stop = threading.Event()
-            self._con = lake.cursor(con)
-            self._shared = lake.attached(con)
-            self._thread = threading.Thread(target=self._run, name="rankwatch-alerts", daemon=True)
-            self._thread.start()
-
-    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
-        """Nothing: notifications are polled for (they commit with an analysis pass, not with telemetry)."""
+        self._client: httpx.Client | None = None  # made on the posting thread
 
     def close(self) -> None:
-        """Stop after the attempt in flight (at most timeout_s) and close the cursor."""
-        if self._con is not None:
-            self._stop.set()
-            self._thread.join()
-            self._con.close()
+        """Stop after the attempt in flight (at most timeout_s)."""
+        super().close()
+        if self._client is not None:
+            self._client.close()
+
+    def wanted(self, con: duckdb.DuckDBPyConnection) -> bool:
+        self._shared = lake.attached(con)  # a lake's collectors: one posts at a time
+        return bool(self._config.receivers)
 
     def backoff_s(self, attempts: int) -> float:
         """The wait after a receiver's `attempts`-th failure in a row (counting from 0)."""
         cap = min(self._config.backoff_max_s, self._config.backoff_initial_s * 2 ** min(attempts, 32))
         return cap * random.uniform(0.5, 1.0)
 
-    def _run(self) -> None:
-        con = self._con
-        assert con is not None  # the thread starts only with receivers, and so with a cursor
-        with httpx.Client(timeout=self._config.timeout_s) as client:
-            while not self._stop.wait(POLL_S):
-                try:
-                    self._deliver_due(client, con)
-                except duckdb.Error:
-                    log.exception("alert delivery: the outbox could not be read or updated")
+    def tick(self, con: duckdb.DuckDBPyConnection) -> None:
+        if self._client is None:
+            self._client = httpx.Client(timeout=self._config.timeout_s)
+        try:
+            self._deliver_due(self._client, con)
+        except duckdb.Error:
+            log.exception("alert delivery: the outbox could not be read or updated")
 
     def _deliver_due(self, client: httpx.Client, con: duckdb.DuckDBPyConnection) -> None:
         if self._shared and not lake.lease(con, "alerts", "", LEASE_HELD):
@@ -87,7 +76,7 @@ class Delivery:
         failed: set[str] = set()  # receivers that failed in this pass: their later notifications wait
         expired_before = datetime.now(UTC) - EXPIRE_AFTER
         for notification in outbox.due(con):
-            if self._stop.is_set():
+            if self.stopping:
                 return
             receiver = self._receivers.get(notification.receiver)
             if receiver is None:

@@ -13,15 +13,13 @@ store file it does nothing (DuckDB's own checkpoints keep one file).
 """
 
 import logging
-import threading
-from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import duckdb
-import pyarrow as pa
 
 from collector.store import lake
 from collector.store.schema import TELEMETRY_TABLES
+from collector.store.writer import PeriodicTask
 
 log = logging.getLogger("rankwatch.upkeep")
 SNAPSHOTS_KEPT = timedelta(hours=1)
@@ -31,37 +29,23 @@ _TIME = {"steps": "end_ts", "ops": "end_ts", "device_samples": "ts", "events": "
 assert set(_TIME) == set(TELEMETRY_TABLES)
 
 
-class Upkeep:
+class Upkeep(PeriodicTask):
     """The writer's upkeep task; idle unless its store is a lake."""
+
+    thread_name = "rankwatch-upkeep"
 
     def __init__(self, every_s: float = 600.0, retain_days: float | None = None):
         self.every_s, self.retain_days = every_s, retain_days
-        self._con: duckdb.DuckDBPyConnection | None = None
 
-    def start(self, con: duckdb.DuckDBPyConnection) -> None:
-        if lake.attached(con):
-            self._stop = threading.Event()
-            self._con = lake.cursor(con)
-            self._thread = threading.Thread(target=self._run, name="rankwatch-upkeep", daemon=True)
-            self._thread.start()
+    def wanted(self, con: duckdb.DuckDBPyConnection) -> bool:
+        return lake.attached(con)
 
-    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
-        """Nothing: upkeep keeps its own time."""
-
-    def close(self) -> None:
-        if self._con is not None:
-            self._stop.set()
-            self._thread.join()
-            self._con.close()
-
-    def _run(self) -> None:
-        assert self._con is not None
-        while not self._stop.wait(self.every_s):
-            try:
-                if lake.lease(self._con, "upkeep", "", timedelta(seconds=self.every_s * 2)):
-                    self.once(self._con)
-            except duckdb.Error:
-                log.exception("the lake's upkeep failed; it is tried again in %g s", self.every_s)
+    def tick(self, con: duckdb.DuckDBPyConnection) -> None:
+        try:
+            if lake.lease(con, "upkeep", "", timedelta(seconds=self.every_s * 2)):
+                self.once(con)
+        except duckdb.Error:
+            log.exception("the lake's upkeep failed; it is tried again in %g s", self.every_s)
 
     def once(self, con: duckdb.DuckDBPyConnection) -> None:
         """One round of upkeep, on `con` (a lake's connection)."""

@@ -27,6 +27,7 @@ memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
 import queue
+import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
@@ -152,6 +153,50 @@ class Task(Protocol):
 
     def close(self) -> None:
         """Finish (a last pass over what was committed, say) and stop."""
+
+
+class PeriodicTask:
+    """A Task that works beside the commits on a thread and a cursor of its own, every `every_s`, where
+    `wanted` says the store needs it (the alert delivery, a lake's upkeep). Handed to the writer
+    process pickled: the thread and the cursor are made there, in start()."""
+
+    every_s: float = 1.0
+    thread_name = "rankwatch-task"
+
+    def wanted(self, con: duckdb.DuckDBPyConnection) -> bool:
+        return True
+
+    def tick(self, con: duckdb.DuckDBPyConnection) -> None:
+        """One round of the work, on the task's cursor."""
+
+    def start(self, con: duckdb.DuckDBPyConnection) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.wanted(con):
+            cursor = lake.cursor(con)
+            self._thread = threading.Thread(target=self._run, args=(cursor,), name=self.thread_name, daemon=True)
+            self._thread.start()
+
+    def committed(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
+        """Nothing: a periodic task keeps its own time."""
+
+    def close(self) -> None:
+        """Stop after the round in flight; the thread closes its cursor."""
+        thread = getattr(self, "_thread", None)  # (None: never started, or not wanted)
+        if thread is not None:
+            self._stop.set()
+            thread.join()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self, cursor: duckdb.DuckDBPyConnection) -> None:
+        try:
+            while not self._stop.wait(self.every_s):
+                self.tick(cursor)
+        finally:
+            cursor.close()
 
 
 class _Writer:
