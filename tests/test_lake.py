@@ -166,6 +166,10 @@ def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards
         (["--lake", "host=127.0.0.1 dbname=x"], "rankwatch: error: --lake and --data-path go together"),
         (["--data-path", "lake"], "rankwatch: error: --lake and --data-path go together"),
         (
+            ["--lake", "host=db1 dbname=x user=u password=hunter2", "--data-path", "lake"],
+            "rankwatch: error: keep the catalog's password out of --lake: put it in ~/.pgpass or $PGPASSWORD",
+        ),
+        (
             [
                 "--lake",
                 f"host=127.0.0.1 port={free_port()} dbname=x user=nobody connect_timeout=2",

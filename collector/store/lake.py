@@ -59,6 +59,8 @@ class Lake:
     def __post_init__(self) -> None:
         if "'" in self.catalog or "'" in str(self.data_path):
             raise LakeError("a lake's catalog and data path may not contain a quote")
+        if re.search(r"\bpassword\s*=", self.catalog):  # it would show in `ps`, logs and duckdb_databases()
+            raise LakeError("keep the catalog's password out of --lake: put it in ~/.pgpass or $PGPASSWORD")
 
 
 def extensions() -> Path:
@@ -126,8 +128,8 @@ def attached(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def create_tables(con: duckdb.DuckDBPyConnection) -> None:
-    """The schema's tables each where it belongs, those missing created (several collectors starting at
-    once may race: a loser's DDL conflicts and is tried again), and its views on this connection."""
+    """The schema's tables each where it belongs and its views in the lake, those missing created
+    (several collectors starting at once may race: a loser's DDL conflicts and is tried again)."""
     for kind, name, sql in _statements(DDL + LAKE_ONLY_DDL):
         if kind == "VIEW":  # in the lake, its tables named in full: a connection reading it may name them otherwise
             _retried(con, _qualified(sql))
