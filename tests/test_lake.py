@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.apiclient import ApiClient
+from agent.apiclient import ApiClient, ApiError
 from tests import postgres
 from tests.conftest import free_port, rankwatch_cli, wait_until
 
@@ -99,6 +99,11 @@ def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(sha
     )
     pending = ApiClient(b.url, b.token).get("/v1/commands", {"run_id": "spread", "state": "pending"})
     assert [c["id"] for c in pending] == [made["id"]]
+    # a query reads the lake, and cannot reach through to its catalog database's SQL
+    for sql in ("SELECT * FROM postgres_query('pg', 'DROP SCHEMA rankwatch CASCADE')", "CALL pg_clear_cache()"):
+        with pytest.raises(ApiError) as refused:
+            rows(b, sql)
+        assert refused.value.status == 400, refused.value
     # after the fact, the whole run read from the lake itself
     report = rankwatch_cli(
         "analyze", "spread", "--json", "--lake", shards.catalog, "--data-path", str(shards.data_path)
