@@ -136,6 +136,8 @@ def _instrument() -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    from agent import meshes
+
     driver = _Driver()
     driver.until_root = [
         torch.nn.modules.module.register_module_forward_pre_hook(driver.forward_pre),
@@ -143,6 +145,7 @@ def _instrument() -> None:
     ]
     register_optimizer_step_pre_hook(driver.optimizer_pre)
     register_optimizer_step_post_hook(driver.optimizer_post)
+    meshes.watch()  # before the script makes its DeviceMesh: the dimensions its groups stand for
 
     backward = torch.Tensor.backward
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent import meshes
 from agent.session import ASYNC, BUCKET, SYNC, Session
 
 
@@ -50,6 +51,8 @@ def _groups(dist, session: Session):
             name = "world" if group is dist.group.WORLD else str(getattr(group, "group_name", None) or id(group))
             mark = time.monotonic_ns if host else session.timer.mark
             found = known[group] = (name, dist.get_world_size(group), host, mark)
+            if role := meshes.role(group):
+                session.roles[name] = role
         return found
 
     return info
@@ -184,6 +187,7 @@ def trace_collectives(session: Session) -> None:
             setattr(dist, name, _traced(session, dist, groups, name, original))
     if not getattr(dist.P2POp, "__rankwatch__", False):
         _p2p_takes_originals(dist.P2POp)
+    meshes.watch()
 
 
 def untrace_collectives() -> None:
@@ -199,6 +203,7 @@ def untrace_collectives() -> None:
         for method, original in zip(("__new__", "__init__"), originals):
             setattr(dist.P2POp, method, original)
         delattr(dist.P2POp, "__rankwatch__")
+    meshes.unwatch()
 
 
 def _p2p_takes_originals(cls) -> None:

@@ -37,6 +37,7 @@ STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its
 # on `comm` spans
 COMM_GROUP = "rankwatch.comm.group"
 COMM_GROUP_SIZE = "rankwatch.comm.group_size"
+COMM_ROLE = "rankwatch.comm.role"  # the DeviceMesh dimension the group is (dp, tp, pp, ...), where known
 COMM_SEQ = "rankwatch.comm.seq"
 COMM_BYTES = "rankwatch.comm.bytes"
 # on heartbeat events: the last collective the rank entered, and whether it completed

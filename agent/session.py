@@ -84,6 +84,7 @@ class Session:
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
         self.timer: Timer = timer or CpuTimer()
+        self.roles: dict[str, str] = {}  # process group name -> its DeviceMesh dimension (agent/collectives.py)
         attributes = {
             sc.RUN_ID: run_id,
             sc.RANK: rank,
@@ -303,6 +304,7 @@ class Session:
                     sc.COMM_GROUP_SIZE: c.group_size,
                     sc.COMM_SEQ: c.seq,
                     sc.COMM_BYTES: c.nbytes,
+                    **({sc.COMM_ROLE: self.roles[c.group]} if c.group in self.roles else {}),
                 },
             )
             for c, _, a, b in comm

@@ -115,6 +115,12 @@ def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scat
            WHERE run_id = 'zero-code-fsdp' AND kind = 'comm' GROUP BY ALL) GROUP BY name ORDER BY name""",
     )
     assert per_step == [("all_gather", 4, 4), ("reduce_scatter", 2, 2)]
+    # each with the DeviceMesh dimension it runs over (the script's mesh names its one dimension "dp")
+    assert query(
+        collector.db,
+        """SELECT DISTINCT attrs->>'$."rankwatch.comm.role"' FROM ops
+           WHERE run_id = 'zero-code-fsdp' AND kind = 'comm'""",
+    ) == [("dp",)]
     ((in_steps,),) = query(
         collector.db,
         "SELECT count(*) FROM ops WHERE run_id = 'zero-code-fsdp' AND kind = 'comm' AND step IS NOT NULL",
