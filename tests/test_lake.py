@@ -23,6 +23,7 @@ import pytest
 from agent.apiclient import ApiClient, ApiError
 from tests import postgres
 from tests.conftest import free_port, rankwatch_cli, wait_until
+from tests.otlp_payloads import post, step_spans, trace_body
 
 pytestmark = pytest.mark.long
 
@@ -233,3 +234,15 @@ def test_four_collectors_find_what_one_collector_finds(shards, collector_factory
     wait_until(lambda: rows(alone, found) and rows(alone, found) == rows(spread[0], found), "the same findings")
     assert [f[:2] for f in rows(alone, found)] == [["stragglers", "node"]]
     assert all(f[3] == 1 for f in rows(spread[0], found))
+
+
+def test_an_export_sent_again_to_another_collector_is_stored_once(shards):
+    """A client that got no answer from one collector sends the same export to another: the second
+    acknowledges it without storing it again, whether the first is alive or killed since."""
+    a, b, c = shards.start(3)
+    body = trace_body(step_spans("again", 0, range(10), spans_per_step=2))
+    assert post(a, "traces", body).status_code == 200
+    assert post(b, "traces", body).status_code == 200  # the first is alive: its digest is in the lake
+    a.stop(signal.SIGKILL)
+    assert post(c, "traces", body).status_code == 200  # and after it died
+    assert rows(b, "SELECT count(*), count(DISTINCT step) FROM steps WHERE run_id = 'again'") == [[10, 10]]

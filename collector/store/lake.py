@@ -38,6 +38,16 @@ SCHEMA = "rankwatch"  # the catalog database's schema of the keyed tables (DuckL
 # DuckDB types the PostgreSQL tables spell otherwise: JSON is kept as text (DuckDB's JSON operators
 # read text alike, and the postgres extension cannot write a value into a PostgreSQL json column).
 _PG_TYPES = {"BLOB": "BYTEA", "JSON": "TEXT", "VARCHAR": "TEXT", "DOUBLE": "DOUBLE PRECISION"}
+# Claims taken in PostgreSQL in one statement (claim()): a row inserted, or updated where this collector
+# held it or its holder let it go stale; `again`: it had been claimed before.
+_CLAIM = f"""
+CREATE OR REPLACE FUNCTION {SCHEMA}.claim(digests bytea[], claimant text, held interval)
+RETURNS TABLE (digest bytea, again boolean) LANGUAGE sql AS $$
+    INSERT INTO {SCHEMA}.claims AS c SELECT d, claimant, now() FROM unnest(digests) AS d
+    ON CONFLICT (digest) DO UPDATE SET holder = excluded.holder, claimed_at = excluded.claimed_at
+    WHERE c.holder = excluded.holder OR c.claimed_at < now() - held
+    RETURNING c.digest, c.xmax <> 0
+$$"""
 # What a statement that lost a race with another collector's says (it is tried again).
 _RACED = re.compile(r"conflict|already exists|duplicate key", re.IGNORECASE)
 _STATEMENT = re.compile(r"CREATE (?:OR REPLACE )?(TABLE|SEQUENCE|VIEW)(?: IF NOT EXISTS)? (\w+)", re.IGNORECASE)
@@ -137,7 +147,21 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
             _retried(con, sql.replace(" PRIMARY KEY", ""))
         else:
             _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"SET search_path TO {SCHEMA}; {_postgres(sql)}"])
+    _retried(con, "CALL postgres_execute(?, ?)", [KEYED, _CLAIM])
     con.execute("CALL pg_clear_cache()")  # tables another collector made are seen
+
+
+def claim(con: duckdb.DuckDBPyConnection, digests: list[bytes], held: timedelta) -> tuple[set[bytes], set[bytes]]:
+    """Claim exports (by digest) for this collector, in one statement run by PostgreSQL itself (through
+    DuckDB, an upsert read the whole claims table first: 130 ms at 300,000 claims, against 3 ms here).
+    Returns the digests this collector now holds, and those of them that had been claimed before
+    (by a collector that died, or by this one): only those may be stored already."""
+    digest_array = "ARRAY[" + ",".join(f"decode('{d.hex()}','hex')" for d in digests) + "]::bytea[]"
+    claimant = holder().replace("'", "''")
+    held_s = f"{held.total_seconds()} seconds"
+    query = f"SELECT * FROM {SCHEMA}.claim({digest_array}, '{claimant}', interval '{held_s}')"
+    rows = con.execute("SELECT * FROM postgres_query(?, ?)", [KEYED, query]).fetchall()
+    return {bytes(d) for d, _ in rows}, {bytes(d) for d, again in rows if again}
 
 
 def next_id(con: duckdb.DuckDBPyConnection, sequence: str) -> int:

@@ -358,29 +358,20 @@ class _Writer:
 
     def _claim(self, digests: list[bytes]) -> tuple[set[bytes], set[bytes]]:
         """In a lake: claim each export for this collector, which alone may then store it. Returns the
-        digests another live collector holds (`busy`: it is storing them; their clients send again) and
-        those already stored (by a collector that took them before, perhaps one that died since)."""
-        self._con.execute(
-            "INSERT INTO claims VALUES "
-            + ", ".join(["(?, ?, now())"] * len(digests))
-            + " ON CONFLICT (digest) DO UPDATE SET holder = excluded.holder, claimed_at = excluded.claimed_at"
-            " WHERE claims.holder = excluded.holder OR claims.claimed_at < now() - ?::INTERVAL",
-            [v for digest in digests for v in (digest, self._holder)] + [CLAIM_HELD],
-        )
-        mine = {
-            digest
-            for (digest,) in self._con.execute(
-                "SELECT digest FROM claims WHERE holder = ? AND digest IN (SELECT unnest(?::BLOB[]))",
-                [self._holder, digests],
-            ).fetchall()
-        }
-        stored = {
-            digest
-            for (digest,) in self._con.execute(
-                "SELECT digest FROM exports WHERE digest IN (SELECT unnest(?::BLOB[]))", [list(mine)]
-            ).fetchall()
-        }
-        return set(digests) - mine, stored
+        digests another live collector holds and has not stored yet (`busy`: it is storing them; their
+        clients send again) and those already stored (by the collector that claimed them, perhaps one
+        that died since: acknowledged without writing)."""
+        mine, again = lake.claim(self._con, digests, CLAIM_HELD)
+        held = set(digests) - mine
+        stored = set()
+        if again | held:  # (a claim taken for the first time cannot have been stored)
+            stored = {
+                digest
+                for (digest,) in self._con.execute(
+                    "SELECT digest FROM exports WHERE digest IN (SELECT unnest(?::BLOB[]))", [list(again | held)]
+                ).fetchall()
+            }
+        return held - stored, stored
 
     def _append(self, table: str, batch: pa.Table) -> None:
         self._con.from_arrow(batch).insert_into(table)  # decode built it column for column
