@@ -33,6 +33,8 @@ MFU = "rankwatch.mfu"
 DATA_S = "rankwatch.data_s"
 COMPUTE_S = "rankwatch.compute_s"
 COMM_WAIT_S = "rankwatch.comm_wait_s"
+# a step's exposed communication wait of one DeviceMesh dimension's groups (COMM_ROLE): COMM_WAIT_S_OF + role
+COMM_WAIT_S_OF = "rankwatch.comm_wait_s."
 STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its energy counter
 # on `comm` spans
 COMM_GROUP = "rankwatch.comm.group"

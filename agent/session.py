@@ -260,7 +260,7 @@ class Session:
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
-        comm_wait = self._exposed_comm_wait((start, end), phases, comm, s.stream)
+        comm_wait, by_role = self._exposed_comm_wait((start, end), phases, comm, s.stream, self.roles)
         self.timer.release(
             [
                 s.start,
@@ -278,6 +278,7 @@ class Session:
             sc.DATA_S: seconds["data"],
             sc.COMPUTE_S: compute,
             sc.COMM_WAIT_S: comm_wait,
+            **{sc.COMM_WAIT_S_OF + role: wait for role, wait in by_role.items()},
         }
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
@@ -331,11 +332,14 @@ class Session:
         return [(c, a, starts[i], b) for i, (c, a, b) in enumerate(done)]
 
     @staticmethod
-    def _exposed_comm_wait(window: tuple[int, int], phases: list, comm: list, stream: int | None) -> float:
+    def _exposed_comm_wait(
+        window: tuple[int, int], phases: list, comm: list, stream: int | None, roles: dict[str, str]
+    ) -> tuple[float, dict[str, float]]:
         """Seconds of the step during which communication was in flight and no compute hid it
-        (docs/telemetry.md). Compute is the compute phases less the stretches in which the training
-        stream (`stream`, the phases') waits for communication: a blocking collective called on it
-        from its launch to its end (one called on a side stream, as FSDP's, stalls that stream
+        (docs/telemetry.md), in all and for each DeviceMesh dimension (`roles`: group -> dimension)
+        whose groups communicated. Compute is the compute phases less the stretches in which the
+        training stream (`stream`, the phases') waits for communication: a blocking collective called
+        on it from its launch to its end (one called on a side stream, as FSDP's, stalls that stream
         only), and DDP's wait at the end of backward, from the last bucket's launch on."""
         waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC and c.stream == stream]
         buckets = [a for c, a, _, _ in comm if c.waits == BUCKET]
@@ -343,7 +347,12 @@ class Session:
         if buckets and backward:
             waits.append((max(buckets), backward[-1]))
         compute = subtract([(a, b) for name, a, b in phases if name in COMPUTE_PHASES], waits)
-        return exposed([(a, b) for _, _, a, b in comm], compute, window) / 1e9
+        of_role: dict[str, list] = {}
+        for c, _, a, b in comm:
+            if c.group in roles:
+                of_role.setdefault(roles[c.group], []).append((a, b))
+        by_role = {role: exposed(spans, compute, window) / 1e9 for role, spans in of_role.items()}
+        return exposed([(a, b) for _, _, a, b in comm], compute, window) / 1e9, by_role
 
     def _beat(self, every_s: float) -> None:
         """Progress, even when no step finishes: the step and phase this rank is in, and the

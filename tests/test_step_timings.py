@@ -321,3 +321,20 @@ def test_gpu_values_reach_the_collector_without_being_read_on_the_gpu(collector)
     collector.stop()
     assert query(collector.db, "SELECT loss, grad_norm, tokens FROM steps") == [(2.5, 0.75, 64)]
     assert loss.copies == norm.copies == [("cpu", True)]
+
+
+def test_the_exposed_wait_is_split_by_the_mesh_dimension_of_each_collectives_group():
+    """A tensor-parallel all-reduce hidden under compute exposes nothing; a data-parallel one that runs
+    past the compute exposes its tail: the step's exposed wait is the tail, all of it `dp`'s, none `tp`'s;
+    a group of no mesh counts in the whole alone."""
+    from agent.session import ASYNC, Collective
+
+    def comm(group: str, a: int, b: int):
+        return (Collective("all_reduce", group, 2, 0, 0, a, ASYNC, b), a, a, b)
+
+    phases = [("forward", 0, 100), ("backward", 100, 200)]
+    collectives = [comm("tp-group", 50, 150), comm("dp-group", 180, 260), comm("other", 250, 270)]
+    total, by_role = Session._exposed_comm_wait(
+        (0, 300), phases, collectives, None, {"tp-group": "tp", "dp-group": "dp"}
+    )
+    assert (round(total * 1e9), {role: round(s * 1e9) for role, s in by_role.items()}) == (70, {"tp": 0, "dp": 60})

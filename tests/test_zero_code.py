@@ -121,6 +121,14 @@ def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scat
         """SELECT DISTINCT attrs->>'$."rankwatch.comm.role"' FROM ops
            WHERE run_id = 'zero-code-fsdp' AND kind = 'comm'""",
     ) == [("dp",)]
+    # and each step's exposed communication wait, that of its one dimension's groups
+    ((steps_with_it, differing),) = query(
+        collector.db,
+        """SELECT count(attrs->>'$."rankwatch.comm_wait_s.dp"'),
+                  count(*) FILTER (WHERE abs((attrs->>'$."rankwatch.comm_wait_s.dp"')::DOUBLE - comm_wait_s) > 1e-9)
+           FROM steps WHERE run_id = 'zero-code-fsdp'""",
+    )
+    assert (steps_with_it, differing) == (2 * steps, 0)
     ((in_steps,),) = query(
         collector.db,
         "SELECT count(*) FROM ops WHERE run_id = 'zero-code-fsdp' AND kind = 'comm' AND step IS NOT NULL",
