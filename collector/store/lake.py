@@ -21,6 +21,7 @@ its keyed rows in PostgreSQL beside it (collector/store/writer.py).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -47,6 +48,26 @@ RETURNS TABLE (digest bytea, again boolean) LANGUAGE sql AS $$
     ON CONFLICT (digest) DO UPDATE SET holder = excluded.holder, claimed_at = excluded.claimed_at
     WHERE c.holder = excluded.holder OR c.claimed_at < now() - held
     RETURNING c.digest, c.xmax <> 0
+$$"""
+# Placements (`ranks`, and `runs`' world size) upserted in PostgreSQL in one statement (place()): as the
+# writer's _UPSERT_RANKS and _UPSERT_RUNS do in a store file, a value given replacing the one kept.
+_PLACE = f"""
+CREATE OR REPLACE FUNCTION {SCHEMA}.place(placements jsonb) RETURNS int LANGUAGE sql AS $$
+    INSERT INTO {SCHEMA}.ranks AS r (run_id, rank, host, local_rank, dp_rank, pp_stage, tp_rank, device, pid,
+                                     first_seen)
+    SELECT run_id, rank, host, local_rank, dp_rank, pp_stage, tp_rank, device, pid, now()
+    FROM jsonb_to_recordset(placements) AS p(run_id text, rank int, host text, local_rank int, dp_rank int,
+                                             pp_stage int, tp_rank int, device text, pid bigint)
+    ON CONFLICT (run_id, rank) DO UPDATE SET
+        host = coalesce(excluded.host, r.host), local_rank = coalesce(excluded.local_rank, r.local_rank),
+        dp_rank = coalesce(excluded.dp_rank, r.dp_rank), pp_stage = coalesce(excluded.pp_stage, r.pp_stage),
+        tp_rank = coalesce(excluded.tp_rank, r.tp_rank), device = coalesce(excluded.device, r.device),
+        pid = coalesce(excluded.pid, r.pid);
+    INSERT INTO {SCHEMA}.runs AS u (run_id, world_size, first_seen)
+    SELECT run_id, max(world_size), now() FROM jsonb_to_recordset(placements) AS p(run_id text, world_size int)
+    GROUP BY run_id
+    ON CONFLICT (run_id) DO UPDATE SET world_size = coalesce(excluded.world_size, u.world_size);
+    SELECT 1;
 $$"""
 # What a statement that lost a race with another collector's says (it is tried again).
 _RACED = re.compile(r"conflict|already exists|duplicate key", re.IGNORECASE)
@@ -147,7 +168,8 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
             _retried(con, sql.replace(" PRIMARY KEY", ""))
         else:
             _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"SET search_path TO {SCHEMA}; {_postgres(sql)}"])
-    _retried(con, "CALL postgres_execute(?, ?)", [KEYED, _CLAIM])
+    for function in (_CLAIM, _PLACE):
+        _retried(con, "CALL postgres_execute(?, ?)", [KEYED, function])
     con.execute("CALL pg_clear_cache()")  # tables another collector made are seen
 
 
@@ -162,6 +184,16 @@ def claim(con: duckdb.DuckDBPyConnection, digests: list[bytes], held: timedelta)
     query = f"SELECT * FROM {SCHEMA}.claim({digest_array}, '{claimant}', interval '{held_s}')"
     rows = con.execute("SELECT * FROM postgres_query(?, ?)", [KEYED, query]).fetchall()
     return {bytes(d) for d, _ in rows}, {bytes(d) for d, again in rows if again}
+
+
+def place(con: duckdb.DuckDBPyConnection, placements: list[dict]) -> None:
+    """Upsert ranks' placements (and their runs' world sizes) in one statement run by PostgreSQL
+    (through DuckDB's postgres extension an upsert reads the whole table first: every rank of every
+    run the lake holds)."""
+    document = json.dumps(placements, default=str).replace("'", "''")
+    con.execute(
+        "SELECT * FROM postgres_query(?, ?)", [KEYED, f"SELECT {SCHEMA}.place('{document}'::jsonb) AS placed"]
+    ).fetchall()
 
 
 def next_id(con: duckdb.DuckDBPyConnection, sequence: str) -> int:

@@ -299,7 +299,7 @@ class _Writer:
                     tables[name].append(table)
             ranks = self._changed_placements(r for _, d in group for r in d.ranks)
             if ranks and self._lake:  # the catalog database's rows, beside the lake's transaction
-                self._upsert_placements(ranks)
+                lake.place(self._con, ranks)
             appended = self._append_group(tables, fresh, [] if self._lake else ranks)
         except Exception as e:  # the whole group fails; each client retries
             return [CommitFailed([request_id for stored, _ in group for request_id, _, _ in stored], str(e))]
