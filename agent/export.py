@@ -413,29 +413,38 @@ class SpanExporter:
         """Nothing to stop: an export in flight ends within its timeout."""
 
 
+class _PerCollector:
+    """One of the SDK's OTLP/HTTP exporters (`kind`, at `path`) for each collector sent to, made when first
+    sent to (a route moves to another collector when its own is gone)."""
+
+    def __init__(self, kind: type, path: str, headers: dict, timeout_s: float):
+        self._make = lambda endpoint: kind(
+            endpoint=f"{endpoint}{path}", headers=headers, timeout=timeout_s, compression=Compression.Gzip
+        )
+        self._exporters: dict = {}
+
+    def __call__(self, endpoint: str):
+        if endpoint not in self._exporters:
+            self._exporters[endpoint] = self._make(endpoint)
+        return self._exporters[endpoint]
+
+    def shutdown(self) -> None:
+        for exporter in self._exporters.values():
+            exporter.shutdown()
+
+
 class _LogExporter:
     """The SDK's OTLP/HTTP log exporter (one per collector sent to), its result as a `Sent`: it retries
     5xx itself within its timeout."""
 
     def __init__(self, headers: dict, timeout_s: float):
-        self._headers, self._timeout_s = headers, timeout_s
-        self._exporters: dict[str, OTLPLogExporter] = {}
+        self._to = _PerCollector(OTLPLogExporter, "/v1/logs", headers, timeout_s)
 
     def export(self, records: Sequence[ReadableLogRecord], endpoint: str) -> Sent:
-        if endpoint not in self._exporters:
-            self._exporters[endpoint] = OTLPLogExporter(
-                endpoint=f"{endpoint}/v1/logs",
-                headers=self._headers,
-                timeout=self._timeout_s,
-                compression=Compression.Gzip,
-            )
-        return (
-            Sent(True) if self._exporters[endpoint].export(records) is LogRecordExportResult.SUCCESS else _RETRY_LATER
-        )
+        return Sent(True) if self._to(endpoint).export(records) is LogRecordExportResult.SUCCESS else _RETRY_LATER
 
     def shutdown(self) -> None:
-        for exporter in self._exporters.values():
-            exporter.shutdown()
+        self._to.shutdown()
 
 
 class Backlog:
@@ -653,8 +662,7 @@ class Exporter:
         self._logger_provider = LoggerProvider(resource=self.resource)
         self._logger_provider.add_log_record_processor(_LogRecords(self._records, self.resource))
         self._logger = self._logger_provider.get_logger(SCOPE)
-        self._metric_exporters: dict[str, OTLPMetricExporter] = {}  # one per collector sent to
-        self._headers, self._timeout_s = headers, timeout_s
+        self._metric_exporter = _PerCollector(OTLPMetricExporter, "/v1/metrics", headers, timeout_s)
         self.samples_refused = 0  # device samples the collector never took
 
     def _refused_token(self, status: int) -> None:
@@ -741,14 +749,7 @@ class Exporter:
             endpoint = self.route.reachable()
             if endpoint is None or self.token_refused:
                 break
-            if endpoint not in self._metric_exporters:
-                self._metric_exporters[endpoint] = OTLPMetricExporter(
-                    f"{endpoint}/v1/metrics",
-                    headers=self._headers,
-                    timeout=self._timeout_s,
-                    compression=Compression.Gzip,
-                )
-            if self._metric_exporters[endpoint].export(data).name == "SUCCESS":
+            if self._metric_exporter(endpoint).export(data).name == "SUCCESS":
                 return True
         self.samples_refused += len(points)
         return False
@@ -817,5 +818,4 @@ class Exporter:
         for backlog in (*self._span_backlogs, self.logs_backlog):
             backlog.shutdown()
         self._logger_provider.shutdown()
-        for exporter in self._metric_exporters.values():
-            exporter.shutdown()
+        self._metric_exporter.shutdown()

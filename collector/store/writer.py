@@ -206,7 +206,6 @@ class _Writer:
     def __init__(self, path: Path, tasks: Sequence[Task], into: lake.Lake | None = None):
         self._tasks = tasks
         self._lake = into
-        self._holder = lake.holder()  # who claims exports, in a lake
         self._con = lake.open_lake(into) if into else connect(path)
         # One DuckDB thread: the writer shares the machine with decoding, and a
         # parallel insert of a few thousand rows costs more than it gains.
