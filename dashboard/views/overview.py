@@ -85,10 +85,11 @@ def live() -> None:
         f"{int(complete['step'].iloc[-1])}",
         help=f"of {int(complete['ranks'].iloc[-1])} ranks, ended {complete['end_ts'].iloc[-1]:%Y-%m-%d %H:%M:%S} UTC",
     )
+    change = 100 * (step_s / earlier - 1) if step_s is not None and earlier else None
     cols[1].metric(
         "Step time",
         f"{step_s:.3f} s",
-        f"{100 * (step_s / earlier - 1):+.1f}%" if step_s is not None and earlier else None,
+        f"{change:+.1f}%" if change is not None and abs(change) >= 0.05 else None,  # no arrow for "+0.0%"
         delta_color="inverse",
         help=f"median rank, mean of the last {RECENT} steps",
     )
@@ -158,7 +159,8 @@ if commands.empty:
 else:
     st.dataframe(commands, hide_index=True, width="stretch")
 notes = earlier[~earlier["id"].isin(past["id"])]  # recommendations that no longer stand, what was not judged
-with st.expander(f"{len(notes)} earlier recommendation{'s' * (len(notes) != 1)} and note{'s' * (len(notes) != 1)}"):
-    ui.show_findings(notes, "None.")
+if len(notes):  # (none: no empty box to open)
+    with st.expander(f"{len(notes)} earlier recommendation{'s' * (len(notes) != 1)} and note{'s' * (len(notes) != 1)}"):
+        ui.show_findings(notes, "None.")
 with st.expander("All runs"):
     st.dataframe(ui.runs_table(ui.frame("runs")), hide_index=True, width="stretch")
