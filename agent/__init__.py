@@ -145,6 +145,14 @@ def watch_collectives() -> None:
     trace_collectives(_started())
 
 
+def watch_pipeline(schedule) -> None:
+    """Time a torch.distributed.pipelining schedule's steps, its stages' forward and backward chunks and
+    so its bubble (call watch_collectives too, for the sends and receives between stages)."""
+    from agent import pipeline
+
+    pipeline.watch(_started(), schedule)
+
+
 def _started() -> Session:
     """The session `init` started: without one, a watched collective would fail inside training."""
     if _session is None:

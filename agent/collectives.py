@@ -17,6 +17,15 @@ callback runs at once, on the launching thread. Groups whose backend is not
 NCCL (gloo, even in a CUDA job) are marked with monotonic readings at the
 call and in the callback, which runs when the work completes: a CUDA event
 recorded in gloo's thread would land on the default stream of device 0.
+A work that has no future (gloo's point to point) ends when it is waited for:
+the caller gets it back wrapped, its `wait()` marking the end.
+
+Point to point: `isend` and `irecv` are wrapped in torch.distributed and in
+distributed_c10d both, so that a P2POp (which accepts only the function
+distributed_c10d names) holds the traced one and pipeline schedules, which
+call `P2POp.op` themselves, are traced; `batch_isend_irecv` is one operation
+(NCCL coalesces it), a send or a receive where all its ops are one of them
+with one peer, and the ops it runs inside are not traced again.
 """
 
 import functools
@@ -35,7 +44,7 @@ def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _groups(dist, session: Session):
+def group_info(dist, session: Session):
     """group -> (name, size, host, mark), worked out once per group. The default group is "world"
     whichever object stands for it (None, or dist.group.WORLD as DDP's allreduce_hook passes), so
     that its collectives form one sequence; `host`: its collectives are marked with the host clock
@@ -67,7 +76,7 @@ def comm_hook(session: Session, inner=None):
     collectives it launches are the bucket's, not traced again (trace_collectives)."""
     import torch.distributed as dist
 
-    groups = _groups(dist, session)
+    groups = group_info(dist, session)
 
     def hook(process_group, bucket):
         name, size, host, mark = groups(process_group)
@@ -79,11 +88,11 @@ def comm_hook(session: Session, inner=None):
                 c.end = mark()
                 return fut.value()
 
-            _in_bucket.hook = True  # the collectives it launches are this bucket's, timed once: as the bucket
+            _inside.untraced = True  # the collectives it launches are this bucket's, timed once: as the bucket
             try:
                 launched = inner(process_group, bucket)
             finally:
-                _in_bucket.hook = False
+                _inside.untraced = False
             return launched.then(done)
 
         def averaged(fut):
@@ -143,8 +152,11 @@ _OPS = {
 _PEERS = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"), "recv": ("src", "group_src")}
 _PEERS["irecv"] = _PEERS["recv"]
 _TRACED = (*_SIZES, "batch_isend_irecv")
+_P2P = ("isend", "irecv")
 _NONE = object()  # a parameter the call leaves out that has no default
-_in_bucket = threading.local()  # `hook`: a DDP bucket's inner hook is launching its collectives on this thread
+# `untraced`: what is called on this thread launches collectives already traced as one (a DDP bucket's inner
+# hook, a batch of point-to-point ops)
+_inside = threading.local()
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -175,8 +187,11 @@ def trace_collectives(session: Session) -> None:
     """Wrap torch.distributed's collectives so that each call is recorded in the current step.
     Functions torch.distributed calls internally (all_gather_object's all_gathers) stay untraced."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    groups = _groups(dist, session)
+    from agent import functional
+
+    groups = group_info(dist, session)
     for name in _TRACED:
         original = getattr(dist, name, None)
         if original is None or getattr(original, "__rankwatch__", False):
@@ -185,38 +200,27 @@ def trace_collectives(session: Session) -> None:
             setattr(dist, name, _traced_batch(session, groups, original))
         else:
             setattr(dist, name, _traced(session, dist, groups, name, original))
-    if not getattr(dist.P2POp, "__rankwatch__", False):
-        _p2p_takes_originals(dist.P2POp)
+    for name in _P2P:  # what a P2POp accepts and a pipeline schedule calls
+        setattr(distributed_c10d, name, getattr(dist, name))
+    functional.trace(session, groups)
     meshes.watch()
 
 
 def untrace_collectives() -> None:
     """Put back what trace_collectives wrapped."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from agent import functional
 
     for name in _TRACED:
         wrapped = getattr(dist, name, None)
         if getattr(wrapped, "__rankwatch__", False):
             setattr(dist, name, wrapped.__wrapped__)  # type: ignore[union-attr]
-    originals = getattr(dist.P2POp, "__rankwatch__", None)
-    if originals:
-        for method, original in zip(("__new__", "__init__"), originals):
-            setattr(dist.P2POp, method, original)
-        delattr(dist.P2POp, "__rankwatch__")
+    for name in _P2P:
+        setattr(distributed_c10d, name, getattr(dist, name))
+    functional.untrace()
     meshes.unwatch()
-
-
-def _p2p_takes_originals(cls) -> None:
-    """P2POp accepts only torch's own isend and irecv (`op is isend`), and batch_isend_irecv calls
-    them: a P2POp built with the wrapped ones holds the originals (the batch is timed as one)."""
-    new, init = cls.__dict__["__new__"], cls.__dict__["__init__"]
-
-    def unwrap(op):
-        return op.__wrapped__ if getattr(op, "__rankwatch__", False) else op
-
-    cls.__new__ = staticmethod(lambda c, op, *a, **k: new.__func__(c, unwrap(op), *a, **k))
-    cls.__init__ = lambda self, op, *a, **k: init(self, unwrap(op), *a, **k)
-    cls.__rankwatch__ = (new, init)
 
 
 def _traced(session: Session, dist, groups, name: str, original):
@@ -244,55 +248,98 @@ def _traced(session: Session, dist, groups, name: str, original):
 
     @functools.wraps(original)
     def call(*args, **kwargs):
-        if getattr(_in_bucket, "hook", False):
+        if getattr(_inside, "untraced", False):
             return original(*args, **kwargs)
         try:
             c, mark, launched = start(args, kwargs)
         except Exception:  # arguments the original refuses, or a group this rank is not in: it says so
             return original(*args, **kwargs)
-        work = original(*args, **kwargs)
-        # a blocking call returns once the calling stream waits for it (on CUDA) or it is done
-        _mark_end(c, mark, (work,) if launched and work is not None else ())
-        return work
+        _inside.untraced = True  # what it calls itself (send calls isend) is this call
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            _inside.untraced = False
+        if not launched or work is None:  # returned once the calling stream waits for it (CUDA) or it is done
+            c.end = mark()
+            return work
+        return _mark_end(c, mark, [work])[0]
 
     call.__rankwatch__ = True  # type: ignore[attr-defined]  # marks it wrapped (see trace_collectives)
     return call
 
 
 def _traced_batch(session: Session, groups, original):
-    """batch_isend_irecv as one collective: NCCL runs the batch as one coalesced launch. Which
-    communicator's stream runs it is not the agent's to know, so it is not ordered after others."""
+    """batch_isend_irecv as one operation: NCCL runs the batch as one coalesced launch. Which
+    communicator's stream runs it is not the agent's to know, so it is not ordered after others.
+    A batch of sends alone (or receives alone) to one peer is a send (a receive) with that peer."""
 
     @functools.wraps(original)
     def call(p2p_op_list):
         try:
             name, size, host, mark = groups(p2p_op_list[0].group)
             nbytes = sum(_nbytes(p.tensor) for p in p2p_op_list)
-            c = session.collective("batch_isend_irecv", name, size, nbytes, ASYNC, host=host, ordered=False)
+            kinds = {"send" if p.op.__name__ == "isend" else "recv" for p in p2p_op_list}
+            peers = {p.peer for p in p2p_op_list}
+            op, peer = (kinds.pop(), peers.pop()) if len(kinds) == len(peers) == 1 else ("batch_isend_irecv", None)
+            c = session.collective(op, name, size, nbytes, ASYNC, host=host, peer=peer, ordered=False)
         except Exception:  # an empty or malformed list: the original says what is wrong
             return original(p2p_op_list)
-        works = original(p2p_op_list)
-        _mark_end(c, mark, works)  # one coalesced Work on NCCL; one an op on gloo
-        return works
+        _inside.untraced = True
+        try:
+            works = original(p2p_op_list)
+        finally:
+            _inside.untraced = False
+        return _mark_end(c, mark, works)  # one coalesced Work on NCCL; one an op on gloo
 
     call.__rankwatch__ = True  # type: ignore[attr-defined]
     return call
 
 
-def _mark_end(c, mark, works) -> None:
-    """`c.end`, marked in a callback once `works` are done (at once without works to wait on). A
-    Work without a future (gloo's point to point and reduce_scatter) has its end marked at once: it
-    is not seen. The callback of one Work's future runs on streams that wait for it (CUDA), that of
-    several's (gloo, on the host) once all are done."""
+def _mark_end(c, mark, works: list) -> list:
+    """`works`, with `c.end` marked in a callback once they are done (at once where there are none).
+    The callback of one Work's future runs on streams that wait for it (CUDA), that of several's (gloo,
+    on the host) once all are done. Works without a future (gloo's point to point and reduce_scatter)
+    come back wrapped: the end is marked when the last of them is waited for."""
+    if not works:
+        c.end = mark()
+        return works
     try:
         futures = [w.get_future() for w in works]
     except RuntimeError:
-        futures = []
-    if not futures:
-        c.end = mark()
-        return
+        waited = _Waited(c, mark, len(works))
+        return [_WaitedWork(w, waited) for w in works]
     if len(futures) > 1:
         import torch
 
         futures = [torch.futures.collect_all(futures)]
     futures[0].then(lambda _: setattr(c, "end", mark()))
+    return works
+
+
+class _Waited:
+    """Marks `c.end` once `count` works have been waited for."""
+
+    def __init__(self, c, mark, count: int):
+        self.c, self.mark, self.left = c, mark, count
+
+    def one_done(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.c.end = self.mark()
+
+
+class _WaitedWork:
+    """A Work that says when it has been waited for (everything else is the Work's own)."""
+
+    def __init__(self, work, waited: _Waited):
+        self._work, self._waited, self._done = work, waited, False
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if not self._done:
+            self._done = True
+            self._waited.one_done()
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)

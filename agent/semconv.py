@@ -35,12 +35,16 @@ COMPUTE_S = "rankwatch.compute_s"
 COMM_WAIT_S = "rankwatch.comm_wait_s"
 # a step's exposed communication wait of one DeviceMesh dimension's groups (COMM_ROLE): COMM_WAIT_S_OF + role
 COMM_WAIT_S_OF = "rankwatch.comm_wait_s."
+# the time a pipeline stage waited in its schedule's step, computing nothing (its `pipeline` phase less its
+# forward and backward chunks)
+PIPELINE_BUBBLE_S = "rankwatch.pipeline_bubble_s"
 STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its energy counter
 # on `comm` spans
 COMM_GROUP = "rankwatch.comm.group"
 COMM_GROUP_SIZE = "rankwatch.comm.group_size"
 COMM_ROLE = "rankwatch.comm.role"  # the DeviceMesh dimension the group is (dp, tp, pp, ...), where known
 COMM_SEQ = "rankwatch.comm.seq"
+COMM_PEER = "rankwatch.comm.peer"  # the other rank (global) of a point-to-point operation
 COMM_BYTES = "rankwatch.comm.bytes"
 # on heartbeat events: the last collective the rank entered, and whether it completed
 COMM_OP = "rankwatch.comm.op"

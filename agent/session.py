@@ -25,10 +25,12 @@ from agent.export import Attributes, AttributeValue, Exporter, log
 from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.timeline import exposed, serialized, subtract
+from agent.timeline import exposed, length, serialized, subtract
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
+# the phase a pipeline schedule's step runs in; the forward and backward chunks of the stage inside it
+PIPELINE = "pipeline"
 # how the training stream waits for a collective: DDP waits for its buckets at the end of backward,
 # a blocking call at once, an async_op=True call where the code waits (unknown here)
 BUCKET, SYNC, ASYNC = "bucket", "sync", "async"
@@ -41,7 +43,8 @@ class Collective:
     were ready) and `end` once it completed (on CUDA an event on a stream that waited for it); or two
     monotonic readings (`stream` None) where its group is not NCCL's. `stream`: the calling stream
     where the marks are stream events. `lane`: the queue it runs in, one at a time in issue order,
-    where the agent knows it (None: not ordered after any other)."""
+    where the agent knows it (None: not ordered after any other). `peer`: the other rank (global) of a
+    point-to-point operation."""
 
     op: str
     group: str
@@ -53,6 +56,7 @@ class Collective:
     end: object = None
     stream: int | None = None
     lane: tuple | None = None
+    peer: int | None = None
 
 
 @dataclass
@@ -141,12 +145,13 @@ class Session:
 
     @contextmanager
     def phase(self, name: str):
-        start = self.timer.mark()
+        """A phase of the step; phases may nest (a pipeline schedule's forward and backward chunks)."""
+        start, outer = self.timer.mark(), self._phase
         self._phase = name
         try:
             yield
         finally:
-            self._phase = None
+            self._phase = outer
             if self._current is not None:
                 self._current.phases.append((name, start, self.timer.mark()))
 
@@ -180,7 +185,7 @@ class Session:
         else:
             start, stream = self.timer.mark(), self.timer.current_stream()
         lane = (group, peer, stream) if ordered and stream is not None else None
-        c = Collective(op, group, group_size, seq, nbytes, start, waits, None, stream, lane)
+        c = Collective(op, group, group_size, seq, nbytes, start, waits, None, stream, lane, peer)
         self._last_collective = c
         if self._current is not None:
             self._current.collectives.append(c)
@@ -280,6 +285,8 @@ class Session:
             sc.COMM_WAIT_S: comm_wait,
             **{sc.COMM_WAIT_S_OF + role: wait for role, wait in by_role.items()},
         }
+        if PIPELINE in seconds:
+            attributes[sc.PIPELINE_BUBBLE_S] = self._bubble(phases)
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
             attributes[sc.STEP_ENERGY_J] = energy
@@ -306,6 +313,7 @@ class Session:
                     sc.COMM_SEQ: c.seq,
                     sc.COMM_BYTES: c.nbytes,
                     **({sc.COMM_ROLE: self.roles[c.group]} if c.group in self.roles else {}),
+                    **({sc.COMM_PEER: c.peer} if c.peer is not None else {}),
                 },
             )
             for c, _, a, b in comm
@@ -354,6 +362,14 @@ class Session:
         by_role = {role: exposed(spans, compute, window) / 1e9 for role, spans in of_role.items()}
         return exposed([(a, b) for _, _, a, b in comm], compute, window) / 1e9, by_role
 
+    @staticmethod
+    def _bubble(phases: list) -> float:
+        """Seconds of the step's pipeline schedule in which the stage computed nothing (no forward or
+        backward chunk ran): waiting for the stages before and after it, the pipeline's bubble."""
+        windows = [(a, b) for name, a, b in phases if name == PIPELINE]
+        chunks = [(a, b) for name, a, b in phases if name in COMPUTE_PHASES]
+        return length(subtract(windows, chunks)) / 1e9
+
     def _beat(self, every_s: float) -> None:
         """Progress, even when no step finishes: the step and phase this rank is in, and the
         last collective it entered (a hang's culprits are the ranks that did not enter the
@@ -369,6 +385,8 @@ class Session:
                         sc.COMM_GROUP: last.group,
                         sc.COMM_SEQ: last.seq,
                         sc.COMM_DONE: last.end is not None,
+                        **({sc.COMM_ROLE: self.roles[last.group]} if last.group in self.roles else {}),
+                        **({sc.COMM_PEER: last.peer} if last.peer is not None else {}),
                     }
                 )
             self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **attributes)

@@ -690,7 +690,8 @@ def cmd_train(args) -> None:
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
     from trainer.model import CONFIGS
-    from trainer.train import SNAPSHOT_EVERY
+    from trainer.parallel import Layout
+    from trainer.train import SNAPSHOT_EVERY, unfit
 
     if args.model not in CONFIGS:
         raise UsageError(f"unknown --model {args.model!r}; models: {', '.join(CONFIGS)}")
@@ -703,7 +704,17 @@ def cmd_train(args) -> None:
         faults = [parse(spec, TRAINER_KINDS) for spec in args.inject]
     except ValueError as e:
         raise UsageError(str(e)) from None
-    _check_targets(faults, args.nproc, args.steps)
+    try:
+        layout = Layout.of(args.nproc, args.dp, args.tp, args.pp) if args.dp or args.tp > 1 or args.pp > 1 else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_targets(faults, args.nproc, args.steps, stages=layout.pp if layout else 1)
+    for f in faults:
+        if problem := unfit(f, layout):
+            raise UsageError(f"{f.spec!r}: {problem}")
+    trainer_args = [] if args.ckpt_every is None else ["--ckpt-every", str(args.ckpt_every)]
+    if layout:
+        trainer_args += ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp)]
     _stop_on_sigterm()
     try:
         sys.exit(
@@ -718,7 +729,7 @@ def cmd_train(args) -> None:
                 device=args.device,
                 store=store,
                 token=token,
-                trainer_args=[] if args.ckpt_every is None else ["--ckpt-every", str(args.ckpt_every)],
+                trainer_args=trainer_args,
             )
         )
     except DeviceError as e:
@@ -928,6 +939,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the collector's store file, beside which checkpoints are kept in runs/RUN/checkpoints ({_DEFAULT_DB})",
     )
     p.add_argument("--model", default="tiny", help="tiny, small, gpt2 or 1b")
+    p.add_argument(
+        "--dp", type=POSITIVE, help="data-parallel degree, with FSDP2 (default: what --tp and --pp leave of --nproc)"
+    )
+    p.add_argument("--tp", type=POSITIVE, default=1, help="tensor-parallel degree (DTensor)")
+    p.add_argument("--pp", type=POSITIVE, default=1, help="pipeline stages (a 1F1B schedule)")
     p.add_argument(
         "--max-restarts",
         type=NON_NEGATIVE,

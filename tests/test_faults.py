@@ -129,7 +129,7 @@ def test_trainer_crashes_on_the_first_attempt_only(monkeypatch):
     assert arguments(["--inject", "crash:rank=1,at=5"]).faults == []
 
 
-@pytest.mark.parametrize("spec", ["thermal:rank=0", "slow-stage:stage=1,slowdown=1.2", "data-skew:cv=0.3"])
+@pytest.mark.parametrize("spec", ["thermal:rank=0", "slow-node:node=0,slowdown=1.2", "data-skew:cv=0.3"])
 def test_trainer_arguments_refuse_simulator_faults(spec, capsys):
     from trainer.train import arguments
 
@@ -138,6 +138,54 @@ def test_trainer_arguments_refuse_simulator_faults(spec, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert spec.split(":")[0] in err and "`rankwatch simulate`" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--inject", "slow-stage:stage=1,slowdown=1.2"], ["1 pipeline stage(s)"]),
+        (["--pp", "2", "--inject", "slow-stage:stage=2,slowdown=1.2"], ["2 pipeline stage(s)"]),
+        (["--tp", "2", "--inject", "slow-link:rank=1,factor=2"], ["group=tp"]),
+        (["--inject", "slow-link:rank=1,factor=2,group=tp"], ["no group="]),
+        (["--dp", "1", "--inject", "slow-link:rank=0,factor=2,group=tp"], ["--tp 2 or more"]),
+        (["--inject", "slow-link:rank=1,factor=2,group=pp"], ["group must be one of tp"]),
+        (["--tp", "3"], ["--tp 3 x --pp 1 = 3 ranks do not divide the job's 2"]),
+        (["--dp", "2", "--pp", "2"], ["--dp 2 x --tp 1 x --pp 2 = 4 ranks, but the job has 2"]),
+    ],
+)
+def test_trainer_arguments_refuse_what_the_layout_cannot_inject(argv, words, capsys, monkeypatch):
+    """A fault the job's layout has no place for (a stage it lacks, a tensor-parallel link without
+    tensor parallelism) and a layout that is not the world's size are refused, in one line."""
+    from trainer.train import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "2" if {"--pp", "--tp"} & set(argv) else "1")
+    with pytest.raises(SystemExit) as e:
+        arguments(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    for word in words:
+        assert word in err, err
+
+
+def test_trainer_arguments_accept_a_3d_layout_and_its_faults(monkeypatch):
+    from trainer.parallel import Layout
+    from trainer.train import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = arguments(
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--inject",
+            "slow-stage:stage=1,slowdown=2",
+            "--inject",
+            "slow-link:rank=3,factor=3,group=tp",
+        ]
+    )
+    assert args.layout == Layout(dp=2, tp=2, pp=2)
+    assert [(f.kind, f.get("group")) for f in args.faults] == [("slow-stage", None), ("slow-link", "tp")]
 
 
 @pytest.mark.parametrize(

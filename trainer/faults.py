@@ -8,7 +8,8 @@ nan:at=150                                       the loss of one step is NaN
 crash:rank=1,at=50                               a rank's process exits with an error (torchrun's first
                                                  attempt only: a restart resumes from a checkpoint)
 thermal:rank=3,from=60                           a GPU throttles (clocks down, slower)
-slow-link:rank=5,factor=2[,from=0]               a rank's collectives take `factor` times longer
+slow-link:rank=5,factor=2[,from=0][,group=tp]    a rank's collectives take `factor` times longer (the trainer:
+                                                 DDP's all-reduces, or with group=tp its tensor-parallel ones)
 slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
 data-skew:cv=0.3                                 per-step work varies (sequence lengths)
 power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
@@ -17,7 +18,7 @@ power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, a
 import math
 from dataclasses import dataclass
 
-_KEYS: dict[str, dict[str, tuple[type[int] | type[float], bool]]] = {  # kind -> {key: (type, required)}
+_KEYS: dict[str, dict[str, tuple[type[int] | type[float] | type[str], bool]]] = {  # kind -> {key: (type, required)}
     "straggler": {"rank": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "hang": {"rank": (int, True), "at": (int, True), "seconds": (float, False)},
     "spike": {"at": (int, True), "scale": (float, True)},
@@ -25,13 +26,20 @@ _KEYS: dict[str, dict[str, tuple[type[int] | type[float], bool]]] = {  # kind ->
     "crash": {"rank": (int, True), "at": (int, True)},
     "slow-node": {"node": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "thermal": {"rank": (int, True), "from": (int, False), "to": (int, False)},
-    "slow-link": {"rank": (int, True), "factor": (float, True), "from": (int, False), "to": (int, False)},
+    "slow-link": {
+        "rank": (int, True),
+        "factor": (float, True),
+        "from": (int, False),
+        "to": (int, False),
+        "group": (str, False),
+    },
     "slow-stage": {"stage": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "data-skew": {"cv": (float, True), "from": (int, False), "to": (int, False)},
     "power-cap": {"watts": (float, True), "rank": (int, False), "from": (int, False), "to": (int, False)},
 }
 
 
+_CHOICES = {"group": ("tp",)}  # the values a word may take: the process groups whose link the trainer slows
 # the least each value may be, and whether it may equal it: a slowdown below 1 would be a speed-up
 _LEAST = {
     "rank": (0, True),
@@ -48,7 +56,8 @@ _LEAST = {
     "watts": (0.0, False),
 }
 
-TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash")  # the rest need the fleet simulator
+# the rest need the fleet simulator; slow-stage a pipeline-parallel job (rankwatch train --pp)
+TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash", "slow-stage")
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class Fault:
 
     kind: str
     spec: str
-    params: tuple[tuple[str, float | int], ...]
+    params: tuple[tuple[str, float | int | str], ...]
 
     def get(self, key: str, default=None):
         return dict(self.params).get(key, default)
@@ -79,7 +88,7 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
     if kind not in _KEYS:
         raise ValueError(f"unknown fault {kind!r} in {spec!r}; known: {', '.join(_KEYS)}")
     allowed = _KEYS[kind]
-    params: dict[str, float | int] = {}
+    params: dict[str, float | int | str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, raw = item.partition("=")
         key = key.strip()
@@ -92,12 +101,16 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
         except ValueError:
             raise ValueError(f"{spec!r}: {key} must be {allowed[key][0].__name__}, got {raw!r}") from None
     for key, value in params.items():
+        if isinstance(value, str):
+            if value not in _CHOICES[key]:
+                raise ValueError(f"{spec!r}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+            continue
         least, inclusive = _LEAST[key]
         if not math.isfinite(value) or not (value >= least if inclusive else value > least):
             raise ValueError(
                 f"{spec!r}: {key} must be {'at least' if inclusive else 'more than'} {least:g}, got {value:g}"
             )
-    if params.get("to") is not None and params["to"] <= params.get("from", 0):
+    if "to" in params and float(params["to"]) <= float(params.get("from", 0)):
         raise ValueError(f"{spec!r}: to must come after from")
     missing = [k for k, (_, required) in allowed.items() if required and k not in params]
     if missing:

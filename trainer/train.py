@@ -1,4 +1,5 @@
-"""The reference trainer: a GPT trained with DDP, instrumented with the agent.
+"""The reference trainer: a GPT trained with DDP, or with FSDP2, tensor and
+pipeline parallelism (`--dp/--tp/--pp`: trainer/parallel.py), instrumented with the agent.
 
 Run by `rankwatch train` under torchrun (one process per rank); gloo on CPU,
 nccl on CUDA. Faults from `--inject` are applied by trainer/faults.py's
@@ -23,15 +24,18 @@ from torch.nn.parallel import DistributedDataParallel
 import agent
 from agent import paths
 from agent import semconv as sc
-from trainer import rollback
+from trainer import parallel, rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.delays import Delay, WorkTime
 from trainer.device import DEVICES, DeviceError, choose
 from trainer.faults import TRAINER_KINDS, Fault, parse
+from trainer.inject import slow_link_hook, slow_tp_link
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
 from trainer.progress import Progress
+from trainer.sharded import Local
+from trainer.threed import ThreeD
 
 SNAPSHOT_EVERY = 10  # steps between the snapshots in memory, by default (--snapshot-every)
 
@@ -45,6 +49,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--inject", action="append", default=[], metavar="SPEC")
+    p.add_argument("--dp", type=int, help="data-parallel degree, FSDP2 (default: what --tp and --pp leave)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (DTensor)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a 1F1B schedule)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument(
         "--ckpt-dir",
@@ -121,33 +128,27 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     args.faults = [f for f in faults if not (f.kind == "crash" and restarted)]  # a crash happens once
+    args.layout = None  # DDP
+    if args.dp is not None or args.tp > 1 or args.pp > 1:
+        try:
+            args.layout = parallel.Layout.of(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.tp, args.pp)
+        except ValueError as e:
+            p.error(str(e))
+    for f in faults:
+        if problem := unfit(f, args.layout):
+            p.error(f"{f.spec!r}: {problem}")
     return args
 
 
-def slow_link_hook(faults: list[Fault], rank: int, step_of, cuda: bool):
-    """A DDP comm hook that stretches this rank's all-reduces `factor` times while a slow-link fault is
-    active: a delay after each, where it runs (trainer/delays.py), sized from the all-reduces' own time."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    delay, took = Delay(cuda), WorkTime(cuda)
-
-    def hook(process_group, bucket):
-        factor = max(
-            (f.get("factor") for f in faults if f.kind == "slow-link" and f.rank == rank and f.active(step_of())),
-            default=1.0,
-        )
-        if factor <= 1:
-            return default_hooks.allreduce_hook(process_group, bucket)
-        started = took.start()
-
-        def stretch(done):  # gloo: once the all-reduce is done; NCCL: at once, on a stream that waits for it
-            took.stop(started)
-            delay((factor - 1) * (took.last_s or 0.0))
-            return done.value()
-
-        return default_hooks.allreduce_hook(process_group, bucket).then(stretch)
-
-    return hook
+def unfit(fault: Fault, layout: parallel.Layout | None) -> str | None:
+    """Why the job cannot inject `fault` (None: it can)."""
+    if fault.kind == "slow-stage" and (layout is None or not fault.get("stage") < layout.pp):
+        return f"the job has {layout.pp if layout else 1} pipeline stage(s) (--pp)"
+    if fault.kind == "slow-link" and (fault.get("group") == "tp") != (layout is not None):
+        return "a DDP job slows its gradient all-reduces (no group=), a 3D job its tensor-parallel ones (group=tp)"
+    if fault.kind == "slow-link" and layout is not None and layout.tp < 2:
+        return "group=tp needs tensor parallelism (--tp 2 or more)"
+    return None
 
 
 def apply_power_cap(command: dict, device, rank: int) -> None:
@@ -208,9 +209,20 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    model = GPT(CONFIGS[args.model]).to(device)
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    model = GPT(CONFIGS[args.model])
+    c, params = model.config, model.num_params()
+    current: dict = {"step": 0, "faults": []}
+    if args.layout is None:  # DDP: every rank a replica of the model
+        ddp: torch.nn.Module = DistributedDataParallel(model.to(device))
+        threed = None
+        replica, replicate, where = rank, list(range(world)), {sc.DP_RANK: rank}
+    else:
+        threed = ThreeD(model, args.layout, device, args.batch, lambda: current["faults"])
+        ddp, params = threed.module, threed.params_per_rank
+        # each rank holds shards no other rank holds: it alone writes and reads them
+        replica, replicate, where = threed.replica, [rank], threed.resource
+        slow_tp_link(args.faults, rank, lambda: current["step"], threed.mesh["tp"].get_group(), cuda)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: (
@@ -218,17 +230,17 @@ def main(argv: list[str] | None = None) -> None:
             * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / max(args.steps, 1), 1.0))))
         ),
     )
-    c = model.config
-    data = TokenStream(c.vocab, c.seq_len, args.batch, rank, args.seed)
+    # a data-parallel replica's ranks (its stages, its tensor-parallel ranks) read the same batches
+    data = TokenStream(c.vocab, c.seq_len, args.batch, replica, args.seed)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    session = agent.init(cuda=cuda, resource={sc.DP_RANK: rank, sc.DEVICE: device_name})  # CPU ranks: CPU marks
+    session = agent.init(cuda=cuda, resource={**where, sc.DEVICE: device_name})  # CPU ranks: CPU marks
     ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
     # The replicate group: the ranks holding the same tensors, each writing its share of them. Under DDP
-    # that is every rank; under FSDP, TP or ZeRO it would be only the ranks holding this rank's shards.
-    replicate = range(world)
+    # that is every rank; sharded (FSDP, TP, stages), the rank alone, its state its shards (Local).
+    shards = Local if threed else lambda obj: obj
     ckpt = Checkpointer(
         ckpt_dir / f"rank-{rank}",
-        {"model": model, "optimizer": optimizer, "schedule": schedule, "data": data},
+        {"model": shards(ddp if threed else model), "optimizer": shards(optimizer), "schedule": schedule, "data": data},
         memory=args.ckpt_memory,
         disk_every=args.ckpt_every,
         keep=args.ckpt_keep,
@@ -237,22 +249,27 @@ def main(argv: list[str] | None = None) -> None:
         host_limit=local_share(args.ckpt_host_memory, "SC_PHYS_PAGES"),
     )
     start = resume(ckpt)
-    current = {"step": 0}
-    agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
-    # a straggler's delay is sized from its clean compute, timed only where one is injected (2 events a step)
+    if threed:
+        threed.watch()
+    else:
+        agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
+    # DDP: a straggler's delay is sized from its clean compute, timed only where one is injected (2 events
+    # a step); 3D: from each forward of the stage (trainer/inject.py)
     delay = Delay(cuda)
-    compute = WorkTime(cuda) if any(f.kind == "straggler" for f in args.faults) else None
-    peak, params = peak_flops(device), model.num_params()
+    compute = WorkTime(cuda) if not threed and any(f.kind == "straggler" for f in args.faults) else None
+    peak = peak_flops(device)
     announced: set[str] = set()
+    layout = f", dp {threed.layout.dp} x tp {threed.layout.tp} x pp {threed.layout.pp}" if threed else ""
     if rank == 0:
         print(
-            f"rankwatch train: {world} ranks, GPT {args.model} ({params / 1e6:.1f}M parameters), "
+            f"rankwatch train: {world} ranks{layout}, GPT {args.model} ({model.num_params() / 1e6:.1f}M parameters), "
             f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""),
             flush=True,
         )
 
     budget, reach, step = rollback.Budget(args.max_rollbacks, args.rollback_window), rollback.Reach(), start
-    progress = Progress(args.log_every, args.steps - 1) if rank == 0 else None
+    # the loss is the last stage's: its last rank reports progress
+    progress = Progress(args.log_every, args.steps - 1) if rank == (world - 1 if threed else 0) else None
     while step < args.steps:
         command = agent.command(step)  # the same on every rank, at the same step
         if command is not None and command["kind"] == "rollback":
@@ -277,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             if f.spec not in announced:
                 announced.add(f.spec)
                 agent.event(sc.EVENT_FAULT, step, **{sc.FAULT_SPEC: f.spec})
+        current["faults"] = faults
         started = time.perf_counter()
         reach.step_started(step)
         injected = 0.0
@@ -284,27 +302,30 @@ def main(argv: list[str] | None = None) -> None:
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
             compute_started, computing = time.perf_counter(), compute.start() if compute else None
-            with agent.phase("forward"):
-                with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-                    loss = ddp(inputs, targets)
-                for f in faults:
-                    if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
-                        extra = (f.get("slowdown") - 1) * ((compute and compute.last_s) or 0.0)
-                        delay(extra)
-                        injected += extra
-                    elif f.kind == "hang":
-                        threading.Event().wait(f.get("seconds"))  # None: for ever
-                    elif f.kind == "spike":
-                        loss = loss * f.get("scale")
-                    elif f.kind == "nan":
-                        loss = loss * float("nan")
-                    elif f.kind == "crash":
-                        agent.shutdown()  # the fault_injected event still reaches the collector
-                        os._exit(1)
-            with agent.phase("backward"):
-                loss.backward()
+            if threed:
+                loss = threed.forward_backward(inputs, targets, faults)
+            else:
+                with agent.phase("forward"):
+                    with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+                        loss = ddp(inputs, targets)
+                    for f in faults:
+                        if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
+                            extra = (f.get("slowdown") - 1) * ((compute and compute.last_s) or 0.0)
+                            delay(extra)
+                            injected += extra
+                        elif f.kind == "hang":
+                            threading.Event().wait(f.get("seconds"))  # None: for ever
+                        elif f.kind == "spike":
+                            loss = loss * f.get("scale")
+                        elif f.kind == "nan":
+                            loss = loss * float("nan")
+                        elif f.kind == "crash":
+                            agent.shutdown()  # the fault_injected event still reaches the collector
+                            os._exit(1)
+                with agent.phase("backward"):
+                    loss.backward()
             with agent.phase("optimizer"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                grad_norm = threed.clip() if threed else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 ckpt.wait_until_safe()
                 optimizer.step()
                 schedule.step()
@@ -320,13 +341,13 @@ def main(argv: list[str] | None = None) -> None:
                 compute.stop(computing, injected)
             tokens = inputs.numel()
             agent.record(
-                loss=loss.detach(),
+                loss=None if loss is None else loss.detach(),
                 grad_norm=grad_norm.detach(),
                 tokens=tokens,
                 lr=schedule.get_last_lr()[0],
                 mfu=mfu(params, tokens, time.perf_counter() - started, peak),
             )
-        if progress:
+        if progress and loss is not None:
             progress.step(step, loss, (time.perf_counter() - started) * 1e3)
         step += 1
     if progress:
