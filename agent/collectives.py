@@ -298,29 +298,37 @@ def _traced_batch(session: Session, groups, original):
 def _mark_end(c, mark, works: list) -> list:
     """`works`, with `c.end` marked in a callback once they are done (at once where there are none).
     The callback of one Work's future runs on streams that wait for it (CUDA), that of several's (gloo,
-    on the host) once all are done. Works without a future (gloo's point to point and reduce_scatter)
-    come back wrapped: the end is marked when the last of them is waited for."""
+    on the host) once all are done. The works come back wrapped, so that the moment the caller first
+    waits for them is marked (`c.waited`: from there its stream is blocked, not computing); where they
+    have no future (gloo's point to point and reduce_scatter) the end is marked when the last of them
+    has been waited for."""
     if not works:
         c.end = mark()
         return works
     try:
         futures = [w.get_future() for w in works]
     except RuntimeError:
-        waited = _Waited(c, mark, len(works))
-        return [_WaitedWork(w, waited) for w in works]
+        futures = []
     if len(futures) > 1:
         import torch
 
         futures = [torch.futures.collect_all(futures)]
-    futures[0].then(lambda _: setattr(c, "end", mark()))
-    return works
+    if futures:
+        futures[0].then(lambda _: setattr(c, "end", mark()))
+    waits = _Waits(c, mark, 0 if futures else len(works))
+    return [_WaitedWork(w, waits) for w in works]
 
 
-class _Waited:
-    """Marks `c.end` once `count` works have been waited for."""
+class _Waits:
+    """The waits for a collective's works: the first marks `c.waited`; the last of `count` marks
+    `c.end` (0: the end is marked elsewhere)."""
 
     def __init__(self, c, mark, count: int):
         self.c, self.mark, self.left = c, mark, count
+
+    def started(self) -> None:
+        if self.c.waited is None:
+            self.c.waited = self.mark()
 
     def one_done(self) -> None:
         self.left -= 1
@@ -329,16 +337,18 @@ class _Waited:
 
 
 class _WaitedWork:
-    """A Work that says when it has been waited for (everything else is the Work's own)."""
+    """A Work that says when it is waited for (everything else is the Work's own)."""
 
-    def __init__(self, work, waited: _Waited):
-        self._work, self._waited, self._done = work, waited, False
+    def __init__(self, work, waits: _Waits):
+        self._work, self._waits, self._done = work, waits, False
 
     def wait(self, *args, **kwargs):
+        if self._done:
+            return self._work.wait(*args, **kwargs)
+        self._waits.started()
         result = self._work.wait(*args, **kwargs)
-        if not self._done:
-            self._done = True
-            self._waited.one_done()
+        self._done = True
+        self._waits.one_done()
         return result
 
     def __getattr__(self, name: str):

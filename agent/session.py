@@ -25,7 +25,7 @@ from agent.export import Attributes, AttributeValue, Exporter, log
 from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.timeline import exposed, length, serialized, subtract
+from agent.timeline import clip, exposed, length, serialized, subtract
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
@@ -44,7 +44,8 @@ class Collective:
     monotonic readings (`stream` None) where its group is not NCCL's. `stream`: the calling stream
     where the marks are stream events. `lane`: the queue it runs in, one at a time in issue order,
     where the agent knows it (None: not ordered after any other). `peer`: the other rank (global) of a
-    point-to-point operation."""
+    point-to-point operation. `waited`: where the calling stream (or thread) began to wait for an
+    async_op=True call's work, if it has."""
 
     op: str
     group: str
@@ -57,6 +58,7 @@ class Collective:
     stream: int | None = None
     lane: tuple | None = None
     peer: int | None = None
+    waited: object = None  # where the caller first waited for an async_op=True call (same clock as start)
 
 
 @dataclass
@@ -265,16 +267,17 @@ class Session:
         for name, a, b in phases:
             seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
-        comm_wait, by_role = self._exposed_comm_wait((start, end), phases, comm, s.stream, self.roles)
+        blocked = [(wall(c.waited), b) for c, _, _, b in comm if c.waited is not None and c.stream == s.stream]
+        compute, comm_wait, by_role = self._exposed_comm_wait((start, end), phases, comm, blocked, s.stream, self.roles)
         self.timer.release(
             [
                 s.start,
                 s.end,
                 *(m for _, a, b in s.phases for m in (a, b)),
                 *(m for c in s.collectives if c.end is not None for m in (c.start, c.end)),
+                *(c.waited for c in s.collectives if c.end is not None and c.waited is not None),
             ]
         )
-        compute = max(sum(seconds[p] for p in COMPUTE_PHASES) - comm_wait, 0.0)
         if not self.exporter:
             return
         attributes: dict[str, AttributeValue] = {
@@ -341,26 +344,31 @@ class Session:
 
     @staticmethod
     def _exposed_comm_wait(
-        window: tuple[int, int], phases: list, comm: list, stream: int | None, roles: dict[str, str]
-    ) -> tuple[float, dict[str, float]]:
-        """Seconds of the step during which communication was in flight and no compute hid it
-        (docs/telemetry.md), in all and for each DeviceMesh dimension (`roles`: group -> dimension)
-        whose groups communicated. Compute is the compute phases less the stretches in which the
-        training stream (`stream`, the phases') waits for communication: a blocking collective called
-        on it from its launch to its end (one called on a side stream, as FSDP's, stalls that stream
-        only), and DDP's wait at the end of backward, from the last bucket's launch on."""
-        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC and c.stream == stream]
+        window: tuple[int, int], phases: list, comm: list, blocked: list, stream: int | None, roles: dict[str, str]
+    ) -> tuple[float, float, dict[str, float]]:
+        """(compute, exposed wait, the exposed wait of each DeviceMesh dimension (`roles`: group ->
+        dimension)) in seconds. The exposed wait is the time communication was in flight and nothing
+        computed (docs/telemetry.md): outside the compute phases, or inside them where the training
+        stream (`stream`, the phases') waited for it: a blocking collective called on it from its launch
+        to its end (one called on a side stream stalls that stream only), an async_op=True one from
+        where it was waited for on it (`blocked`) to its end, DDP's wait at the end of backward from the
+        last bucket's launch on. Compute is the compute phases less the exposed wait within them, so
+        that data, compute and the wait tile the step (a pipeline's bubble, outside its chunks, takes
+        nothing from compute)."""
+        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC and c.stream == stream] + blocked
         buckets = [a for c, a, _, _ in comm if c.waits == BUCKET]
         backward = [b for name, _, b in phases if name == "backward"]
         if buckets and backward:
             waits.append((max(buckets), backward[-1]))
-        compute = subtract([(a, b) for name, a, b in phases if name in COMPUTE_PHASES], waits)
+        computing = [(a, b) for name, a, b in phases if name in COMPUTE_PHASES]
+        compute = subtract(computing, waits)
         of_role: dict[str, list] = {}
         for c, _, a, b in comm:
             if c.group in roles:
                 of_role.setdefault(roles[c.group], []).append((a, b))
         by_role = {role: exposed(spans, compute, window) / 1e9 for role, spans in of_role.items()}
-        return exposed([(a, b) for _, _, a, b in comm], compute, window) / 1e9, by_role
+        exposed_spans = clip(subtract([(a, b) for _, _, a, b in comm], compute), window)
+        return length(subtract(computing, exposed_spans)) / 1e9, length(exposed_spans) / 1e9, by_role
 
     @staticmethod
     def _bubble(phases: list) -> float:

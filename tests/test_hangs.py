@@ -61,6 +61,42 @@ def test_rank_that_never_entered_the_collective_is_the_culprit():
     assert finding.step_start == 10 and "never entered" in finding.summary
 
 
+def test_in_a_3d_job_the_waits_lead_through_groups_and_pipeline_peers_to_the_hung_rank():
+    """8 ranks as (pp, dp, tp) = 2 x 2 x 2 (rank = 4 pp + 2 dp + tp): rank 5 hangs in its forward; its
+    tensor-parallel peer 4 blocks in their all-reduce; stage 0's ranks 0 and 1 block receiving from 4 and
+    5; the other replica's ranks block in data-parallel collectives of groups they share with those. The
+    waits lead to rank 5 alone, and the pair blocked on it is named; no rank of another group is blamed
+    for not entering a collective it is not in."""
+    now = 20 * S + 45 * S
+    rows = [  # rank, op, group, seq, done, peer, role
+        (0, "recv", "pp0", 7, False, 4, "pp"),
+        (1, "recv", "pp1", 7, False, 5, "pp"),
+        (2, "reduce_scatter", "dp0", 3, False, None, "dp"),
+        (3, "reduce_scatter", "dp1", 3, False, None, "dp"),
+        (4, "all_reduce", "tp2", 12, False, None, "tp"),
+        (5, "all_reduce", "tp2", 11, True, None, "tp"),
+        (6, "all_gather", "dp2", 5, False, None, "dp"),
+        (7, "all_gather", "dp3", 5, False, None, "dp"),
+    ]
+    hb = pd.DataFrame(
+        [(r, now - S, 10, "forward", op, g, seq, done, peer, role) for r, op, g, seq, done, peer, role in rows],
+        columns=["rank", "ts", "step", "phase", "op", "group", "seq", "done", "peer", "role"],
+    )
+    placement = pd.DataFrame(
+        [(r, "h", (r // 2) % 2, r // 4, r % 2) for r in range(8)],
+        columns=["rank", "host", "dp_rank", "pp_stage", "tp_rank"],
+    )
+    st = pd.DataFrame(
+        [("r", rank, step, (step + 1) * 2 * S, 2.0) for step in range(10) for rank in range(8)],
+        columns=["run_id", "rank", "step", "end_ts", "duration_s"],
+    )
+    (finding,) = analyze(st, hb, now_ns=now, placement=placement)
+    assert finding.ranks == [5]
+    assert finding.evidence["waiting_pairs"] == [[1, 5, "recv", "pp1"]]
+    assert "rank 1 is blocked in recv with rank 5 (group pp1)" in finding.summary
+    assert "rank 5: in forward of step 10" in finding.summary
+
+
 def test_rank_whose_heartbeats_stopped_is_the_culprit():
     now = 20 * S + 60 * S
     hb = beats(

@@ -55,7 +55,9 @@ _DEVICES = """SELECT rank, metric, value FROM device_samples
 _HEARTBEATS = f"""SELECT rank, epoch_ns(ts) AS ts, step, attrs->>{sc.json_path(sc.PHASE)} AS phase,
                          attrs->>{sc.json_path(sc.COMM_OP)} AS op, attrs->>{sc.json_path(sc.COMM_GROUP)} AS "group",
                          TRY_CAST(attrs->>{sc.json_path(sc.COMM_SEQ)} AS BIGINT) AS seq,
-                         TRY_CAST(attrs->>{sc.json_path(sc.COMM_DONE)} AS BOOLEAN) AS done
+                         TRY_CAST(attrs->>{sc.json_path(sc.COMM_DONE)} AS BOOLEAN) AS done,
+                         TRY_CAST(attrs->>{sc.json_path(sc.COMM_PEER)} AS BIGINT) AS peer,
+                         attrs->>{sc.json_path(sc.COMM_ROLE)} AS role
                   FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > make_timestamp_ns($since)"""
 _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
@@ -66,7 +68,7 @@ _WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
                             (SELECT coalesce(max(world_size), 0) FROM runs WHERE run_id = $1))"""
 _FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
                          (SELECT rank FROM ranks WHERE run_id = ? ORDER BY first_seen DESC LIMIT ?)"""
-_PLACEMENT = "SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?"
+_PLACEMENT = "SELECT rank, host, dp_rank, pp_stage, tp_rank FROM ranks WHERE run_id = ?"
 _FIRST_JUDGED_AFTER = """SELECT min(step) FROM current_steps WHERE run_id = $run AND step > $after
                           AND (step <= $cursor OR step BETWEEN $ahead AND $top)"""
 # (counts of at most one row: EXISTS over current_steps answers false wrongly in DuckDB 2.0.1)

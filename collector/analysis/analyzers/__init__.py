@@ -82,7 +82,7 @@ class Frames:
     analyzer that keeps what it derived (`kept`) reads the new steps alone (`new_steps`,
     `steps_after`). `first_new` ... `last`: the steps this pass judges, each once (none where
     `first_new > last`: only time has passed).
-    `ranks`: rank, host, pp_stage (placement). `devices(since_ns, until_ns)`: rank, metric,
+    `ranks`: rank, host, dp_rank, pp_stage, tp_rank (placement). `devices(since_ns, until_ns)`: rank, metric,
     value of the device samples then (read only when asked: evidence). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run

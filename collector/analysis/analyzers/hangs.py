@@ -7,8 +7,13 @@ found as PyTorch's Flight Recorder analysis finds them: each rank's heartbeat
 says the last collective it entered (group and sequence number) and whether
 it completed; the ranks blocked in a collective are waiting for the ranks of
 the same group that have not entered it (their last sequence number is
-lower). Ranks whose heartbeats stopped are culprits too (a dead process),
-while the others still send theirs: when every rank has gone quiet together with
+lower), and a rank blocked in a send or receive (a pipeline's) waits for its
+peer. The culprits are where these waits lead: the ranks waited for that wait
+for nobody (a rank hung in its compute). A group's members are every rank, or,
+for a group of one DeviceMesh dimension (dp, tp or pp), the ranks that share
+the rank's coordinates in the others (the ranks' placement). Ranks whose
+heartbeats stopped are culprits too (a dead process), while the others still
+send theirs: when every rank has gone quiet together with
 the steps, the job has ended (or was killed), and nobody is waiting on anybody.
 Silence that falls on a job already hung is no recovery: the hang stays, judged
 as it stood when the ranks were last heard from, its finding saying since when
@@ -62,9 +67,13 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         timeout = _timeout(before, settings)
         if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
             found += analyze(
-                before, frames.heartbeats, int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)), settings
+                before,
+                frames.heartbeats,
+                int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)),
+                settings,
+                frames.ranks,
             )
-    return found + analyze(steps, frames.heartbeats, now, settings)
+    return found + analyze(steps, frames.heartbeats, now, settings, frames.ranks)
 
 
 def _no_stall(recent: pd.DataFrame, now_ns: int, s: Settings) -> bool:
@@ -84,12 +93,18 @@ def _timeout(steps: pd.DataFrame, s: Settings) -> float:
 
 
 def analyze(
-    steps: pd.DataFrame, heartbeats: pd.DataFrame, now_ns: int, settings: Settings = Settings()
+    steps: pd.DataFrame,
+    heartbeats: pd.DataFrame,
+    now_ns: int,
+    settings: Settings = Settings(),
+    placement: pd.DataFrame | None = None,
 ) -> list[Finding]:
     """At most one finding: the stall, and the ranks the others wait for.
 
     `steps`: run_id, rank, step, end_ts (ns), duration_s.
-    `heartbeats`: rank, ts (ns), step, phase, op, group, seq, done (the last four may be null).
+    `heartbeats`: rank, ts (ns), step, phase, op, group, seq, done, and optionally peer (of a send or
+    receive) and role (the group's DeviceMesh dimension); all but rank, ts and step may be null.
+    `placement`: rank, dp_rank, pp_stage, tp_rank: whom a group of one mesh dimension holds.
     """
     if steps.empty:
         return []
@@ -114,7 +129,7 @@ def analyze(
         if heard is None or pd.isna(heard) or (heard - last_end) / 1e9 <= timeout:
             return []
         # ...unless it was hung while they still spoke: still hung, as it stood then, silent since
-        found = analyze(steps, heartbeats[heartbeats["ts"] <= heard], int(heard), settings)
+        found = analyze(steps, heartbeats[heartbeats["ts"] <= heard], int(heard), settings, placement)
         for f in found:
             f.score = stalled_s / timeout
             f.summary = f"{_stalled(stalled_s)}{f.summary.removeprefix(_stalled(f.evidence['stalled_s']))}; "
@@ -125,18 +140,18 @@ def analyze(
     if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
-    culprits, collective = list(silent), None
+    culprits, collective, pairs = list(silent), None, []
     if not blocked.empty:
+        waits = _waits(alive, blocked, placement)
+        culprits = sorted(set(culprits) | _waited_for(waits, set(blocked.index)))
+        pairs = [
+            [int(r), int(blocked.at[r, "peer"]), str(blocked.at[r, "op"]), str(blocked.at[r, "group"])]
+            for r in sorted(waits)
+            if "peer" in blocked and pd.notna(blocked.at[r, "peer"]) and int(blocked.at[r, "peer"]) in culprits
+        ]
         group, seq = blocked.sort_values("seq").iloc[-1][["group", "seq"]]
         op = blocked[(blocked["group"] == group) & (blocked["seq"] == seq)]["op"].iloc[0]
         waiting = sorted(int(r) for r in blocked.index[(blocked["group"] == group) & (blocked["seq"] == seq)])
-        behind = sorted(
-            int(r)
-            for r in alive.index
-            if int(r) not in waiting
-            and (alive.at[r, "group"] != group or pd.isna(alive.at[r, "seq"]) or alive.at[r, "seq"] < seq)
-        )
-        culprits = sorted(set(culprits) | set(behind))
         collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
     elif not culprits and not alive.empty:  # no collective information: the ranks at the lowest step
         lowest = alive["step"].min()
@@ -147,7 +162,14 @@ def analyze(
         for r in culprits
         if r in beats.index
     }
-    if collective and culprits:
+    if pairs:
+        summary = (
+            f"{_stalled(stalled_s)}: "
+            + ", ".join(f"rank {w} is blocked in {op} with rank {p} (group {g})" for w, p, op, g in pairs)
+            + f"; {ranksets.phrase(culprits)} never reached {'it' if len(pairs) == 1 else 'them'}"
+            + f" ({_describe(where, silent)})"
+        )
+    elif collective and culprits:
         summary = (
             f"{_stalled(stalled_s)}: {ranksets.phrase(collective['waiting_ranks'])} "
             f"{'is' if len(collective['waiting_ranks']) == 1 else 'are'} blocked in {collective['op']} "
@@ -174,12 +196,65 @@ def analyze(
                 "typical_step_s": typical,
                 "last_step_end_ns": last_end,
                 "collective": collective,
+                "waiting_pairs": pairs,
                 "silent_ranks": silent,
                 "culprit_last_seen": where,
             },
             analyzer=ANALYZER,
         )
     ]
+
+
+_COORDINATES = {"dp": ("pp_stage", "tp_rank"), "tp": ("pp_stage", "dp_rank"), "pp": ("dp_rank", "tp_rank")}
+
+
+def _members(rank: int, role, placement: pd.DataFrame | None) -> set[int] | None:
+    """The ranks of `rank`'s group of DeviceMesh dimension `role`: those with its coordinates in the other
+    dimensions (None where the role or the placement does not say)."""
+    if placement is None or role not in _COORDINATES or placement.empty:
+        return None
+    placed = placement.drop_duplicates("rank").set_index("rank")
+    others = list(_COORDINATES[role])
+    if rank not in placed.index or any(c not in placed for c in others) or placed[others].isna().any().any():
+        return None
+    mine = placed.loc[rank, others]
+    return {int(r) for r in placed.index[(placed[others] == mine).all(axis=1)]}
+
+
+def _waits(alive: pd.DataFrame, blocked: pd.DataFrame, placement: pd.DataFrame | None) -> dict[int, set[int]]:
+    """Whom each blocked rank waits for: the peer of its send or receive, or the members of its group
+    that have not entered its collective (their last is of another group, or an earlier one of it)."""
+    waits: dict[int, set[int]] = {}
+    for r in blocked.index:
+        peer = blocked.at[r, "peer"] if "peer" in blocked else None
+        if peer is not None and pd.notna(peer):
+            waits[int(r)] = {int(peer)}
+            continue
+        group, seq = blocked.at[r, "group"], blocked.at[r, "seq"]
+        role = blocked.at[r, "role"] if "role" in blocked else None
+        members = _members(int(r), role, placement) or {int(m) for m in alive.index}
+        waits[int(r)] = {
+            m
+            for m in members - {int(r)}
+            if m not in alive.index
+            or alive.at[m, "group"] != group
+            or pd.isna(alive.at[m, "seq"])
+            or alive.at[m, "seq"] < seq
+        }
+    return waits
+
+
+def _waited_for(waits: dict[int, set[int]], blocked: set) -> set[int]:
+    """The ranks the waits lead to that wait for nobody; where they only go round (a deadlock), the
+    ranks of the round."""
+    seen, todo = set(), [p for peers in waits.values() for p in peers]
+    while todo:
+        r = todo.pop()
+        if r not in seen:
+            seen.add(r)
+            todo += waits.get(r, ())
+    ends = {r for r in seen if r not in blocked}
+    return ends or seen
 
 
 def _stalled(seconds: float) -> str:

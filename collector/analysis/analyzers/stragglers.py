@@ -31,6 +31,13 @@ host), a pipeline stage (all ranks of a stage), or widespread (time lost to
 a different slow rank at each step, as uneven sequence lengths make it). The
 cost is the step time lost to the slow ranks: per step, the slowest rank's
 compute minus the median compute, which every other rank waits out.
+
+In a pipeline-parallel job the stages do different work (the first embeds,
+the last computes the loss), so a rank is compared with the ranks of its own
+stage (its data- and tensor-parallel peers: the median of its stage is its
+step's median), and the stages with each other as if each were one rank (the
+median compute and wait of its ranks): a slow stage is found by the same
+rules, two stages by the rule of two ranks (the other stage waits for it).
 """
 
 import math
@@ -79,6 +86,16 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     return _judge(frames.run_id, m, frames.first_new, frames.ranks, settings, frames.devices)
 
 
+def _stages(placement: pd.DataFrame | None, ranks: np.ndarray) -> np.ndarray | None:
+    """The pipeline stage of each of `ranks`, where the job has two stages or more and every rank's is known."""
+    if placement is None or placement.empty or "pp_stage" not in placement:
+        return None
+    stage = placement.drop_duplicates("rank").set_index("rank")["pp_stage"].reindex(ranks)
+    if stage.isna().any() or stage.nunique() < 2:
+        return None
+    return stage.to_numpy(dtype=np.int64)
+
+
 def analyze(
     steps: pd.DataFrame,
     ranks: pd.DataFrame | None = None,
@@ -98,7 +115,7 @@ def analyze(
         return []
     return _judge(
         str(steps["run_id"].iloc[0]),
-        _rows(steps, ranks_seen),
+        _rows(steps, ranks_seen, _stages(ranks, ranks_seen)),
         int(steps["step"].max()),
         ranks,
         settings,
@@ -123,11 +140,24 @@ class _Matrices:
     lost: np.ndarray
     data: np.ndarray | None = None
     ends: np.ndarray | None = None  # per step: [first end, last end] (ns)
+    stages: np.ndarray | None = None  # the pipeline stage of each rank, where ranks are compared within stages
 
     def taken(self, rows) -> "_Matrices":
         """These rows (steps) alone."""
         taken: dict[str, Any] = {f: None if (v := getattr(self, f)) is None else v[rows] for f in _PER_STEP}
-        return _Matrices(self.steps[rows], self.ranks, **taken)
+        return _Matrices(self.steps[rows], self.ranks, **taken, stages=self.stages)
+
+    def by_stage(self) -> "_Matrices":
+        """The stages as if each were one rank: per step, the median compute and wait of its ranks."""
+        assert self.stages is not None
+        ids = np.unique(self.stages)
+        compute = np.stack([np.median(self.compute[:, self.stages == k], axis=1) for k in ids], axis=1)
+        wait = np.stack([np.median(self.wait[:, self.stages == k], axis=1) for k in ids], axis=1)
+        median = np.median(compute, axis=1)
+        ratio = compute / median[:, None]
+        return _Matrices(
+            self.steps, ids, compute, wait, ratio, _spread(ratio), self.step_s, compute.max(axis=1) - median
+        )
 
 
 _PER_STEP = ("compute", "wait", "ratio", "noise", "step_s", "lost", "data", "ends")  # _Matrices' fields by step
@@ -156,14 +186,21 @@ def _matrices(frames: Frames, kept: dict) -> _Matrices:
         seen = pd.concat([kept["seen"], seen]).groupby(level=0).max()
     seen = seen[seen >= frames.first_step]  # the ranks of the window
     ranks = np.sort(seen.index.to_numpy())
+    stages = _stages(frames.ranks, ranks)
     kept.update(upto=int(steps["step"].max()), seen=seen)
-    if last is not None and np.array_equal(last.ranks, ranks):
-        new = _rows(steps, ranks)
+    if last is not None and np.array_equal(last.ranks, ranks) and _same(last.stages, stages):
+        new = _rows(steps, ranks, stages)
         if (new.data is None, new.ends is None) == (last.data is None, last.ends is None):
             return _appended(kept, frames.first_step, new)
-    m = _rows(frames.steps, ranks)
+    m = _rows(frames.steps, ranks, stages)
     kept.update(buffer=m, rows=(0, len(m.steps)))
     return m
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
 
 
 def _appended(kept: dict, first_step: int, new: _Matrices | None) -> _Matrices:
@@ -180,7 +217,7 @@ def _appended(kept: dict, first_step: int, new: _Matrices | None) -> _Matrices:
         rows: dict[str, Any] = {
             f: None if (v := getattr(window, f)) is None else np.resize(v, (room, *v.shape[1:])) for f in _PER_STEP
         }
-        buffer = _Matrices(np.resize(window.steps, room), window.ranks, **rows)
+        buffer = _Matrices(np.resize(window.steps, room), window.ranks, **rows, stages=window.stages)
         start, stop = 0, stop - start
     if new is not None:
         for f in ("steps", *_PER_STEP):
@@ -190,9 +227,17 @@ def _appended(kept: dict, first_step: int, new: _Matrices | None) -> _Matrices:
     return buffer.taken(slice(start, stop + n))
 
 
-def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
+def _spread(ratio: np.ndarray) -> np.ndarray:
+    """Per step, the spread of its ratios (with two ranks: rank 0's deviation)."""
+    if ratio.shape[1] == 2:
+        return ratio[:, 0] - 1.0
+    return 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
+
+
+def _rows(steps: pd.DataFrame, ranks: np.ndarray, stages: np.ndarray | None = None) -> _Matrices:
     """The complete steps among `steps`, as rows over `ranks` (those of the whole window: a step some
-    rank of the window did not report is incomplete)."""
+    rank of the window did not report is incomplete); each rank's ratio is to the median of its step,
+    or of its stage's ranks in its step (`stages`: each rank's)."""
     steps = _filled(steps)
     step_ids = np.unique(steps["step"].to_numpy())
     at = (np.searchsorted(step_ids, steps["step"].to_numpy()), np.searchsorted(ranks, steps["rank"].to_numpy()))
@@ -204,16 +249,18 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
 
     compute, wait = laid_out(steps["compute_s"].to_numpy()), laid_out(steps["comm_wait_s"].to_numpy())
     with np.errstate(invalid="ignore"):
-        median = np.median(compute, axis=1)
-        keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0)  # complete steps only
-    compute, wait = compute[keep], wait[keep]
-    ratio = compute / median[keep, None]
-    if len(ranks) == 2:
-        noise = ratio[:, 0] - 1.0
-    else:
-        noise = 1.4826 * np.median(np.abs(ratio - np.median(ratio, axis=1, keepdims=True)), axis=1)
+        if stages is None:
+            median = np.median(compute, axis=1, keepdims=True)
+        else:
+            median = np.empty_like(compute)
+            for k in np.unique(stages):
+                median[:, stages == k] = np.median(compute[:, stages == k], axis=1, keepdims=True)
+        keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0).all(axis=1)  # complete
+    compute, wait, median = compute[keep], wait[keep], median[keep]
+    ratio = compute / median
+    noise = _spread(ratio)
     step_s = np.median(laid_out(steps["duration_s"].to_numpy())[keep], axis=1)
-    lost = compute.max(axis=1) - median[keep]
+    lost = (compute - median).max(axis=1)
     data = laid_out(steps["data_s"].to_numpy(dtype=float, na_value=np.nan))[keep] if "data_s" in steps else None
     ends = None
     if "end_ts" in steps:  # nanoseconds (the engine's), or timestamps (a caller's frame)
@@ -222,7 +269,7 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray) -> _Matrices:
             end_ts = pd.to_datetime(end_ts, utc=True).astype("int64")
         end = laid_out(end_ts.to_numpy(), fill=0)[keep]  # int64 nanoseconds, exact
         ends = np.stack([end.min(axis=1), end.max(axis=1)], axis=1)
-    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, lost, data, ends)
+    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, lost, data, ends, stages)
 
 
 def _noise(m: _Matrices, i: int, s: Settings) -> float:
@@ -280,6 +327,17 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
     return None
 
 
+def _stage_verdict(stages: _Matrices, m: _Matrices, i: int, s: Settings) -> tuple | None:
+    """At row i, a slow stage: the stages judged as ranks are (one stage's ranks, ..., `stages`, its column)."""
+    verdict = _verdict(stages, i, s, [])
+    if verdict is None or verdict[0] != "rank":
+        return None
+    (stage,) = verdict[1]
+    assert m.stages is not None
+    members = tuple(int(r) for r in m.ranks[m.stages == stage])
+    return ("stage", members, f"stage {stage} ({ranksets.phrase(members)})", *verdict[3:], stages, (stage,))
+
+
 def _judge(
     run_id: str, m: _Matrices, first_new: int, ranks: pd.DataFrame | None, s: Settings, devices
 ) -> list[Finding]:
@@ -287,11 +345,17 @@ def _judge(
     steps with the same verdict are one finding, drawn at the strongest of them, its onset estimated at
     the first."""
     placement = _placement(ranks)
+    stages = m.by_stage() if m.stages is not None else None
     found: list[Finding] = []
-    verdicts: dict[int, tuple] = {}  # by row, those drawn
+    verdicts: dict[int, tuple] = {}  # by row, those drawn, each with the matrices and columns it was drawn from
     episode: list | None = None  # [(kind, ranks), first row, last row, strongest row, its strength]
     for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
-        verdict = _verdict(m, i, s, placement) if i + 1 >= s.window else None
+        verdict = None
+        if i + 1 >= s.window:
+            verdict = _verdict(m, i, s, placement)
+            verdict = verdict and (*verdict, m, verdict[1])
+            if verdict is None and stages is not None:
+                verdict = _stage_verdict(stages, m, i, s)
         if verdict:
             verdicts[i] = verdict
         if episode and (verdict is None or verdict[:2] != episode[0]):
@@ -342,13 +406,16 @@ def _finding(
 
 
 def _drawn(run_id: str, m: _Matrices, first: int, last: int, s: Settings, verdicts: dict, devices) -> Finding:
-    kind, suspects, where, w, _ = verdicts[last]  # rows of the episode: each has a verdict
-    history = m.taken(slice(max(last + 1 - s.max_window, 0), last + 1))  # the complete steps of the window
+    # rows of the episode: each has a verdict, drawn from `source`'s columns (ranks; stages for a stage's)
+    kind, suspects, where, w, _, source, columns = verdicts[last]
+    history = source.taken(slice(max(last + 1 - s.max_window, 0), last + 1))  # the complete steps of the window
     if kind == "widespread":
         return _widespread(run_id, m.taken(slice(last + 1 - w, last + 1)))
-    onset = _onset(m, first, verdicts[first][1], s)
-    recent = m.taken(slice(last + 1 - w, last + 1))
-    finding = _suspect_finding(run_id, history, recent, kind, list(suspects), where, min(onset, int(m.steps[first])))
+    onset = _onset(source, first, verdicts[first][6], s)
+    recent = source.taken(slice(last + 1 - w, last + 1))
+    finding = _suspect_finding(
+        run_id, history, recent, kind, list(columns), where, min(onset, int(m.steps[first])), list(suspects)
+    )
     if devices is not None:  # the samples of the judged steps' time (rank-steps without times: all given)
         ends = recent.ends
         samples = devices(None, None) if ends is None else devices(int(ends[:, 0].min()), int(ends[:, 1].max()))
@@ -434,11 +501,19 @@ def _pattern(suspects: tuple[int, ...], elevated: frozenset[int], placement: lis
 
 
 def _suspect_finding(
-    run_id: str, history: _Matrices, recent: _Matrices, kind: str, suspects: list[int], where: str, first: int
+    run_id: str,
+    history: _Matrices,
+    recent: _Matrices,
+    kind: str,
+    columns: list[int],
+    where: str,
+    first: int,
+    suspects: list[int],
 ) -> Finding:
-    """The finding for persistently slow ranks, slow since step `first`: their evidence and cost, from
-    the complete steps of the window (`history`) and of the verdict's (`recent`)."""
-    theirs = np.isin(recent.ranks, suspects)
+    """The finding for persistently slow ranks (`suspects`), slow since step `first`: their evidence and
+    cost, from the complete steps of the window (`history`) and of the verdict's (`recent`), whose
+    `columns` they are (their ranks; a stage's, the stage)."""
+    theirs = np.isin(recent.ranks, columns)
     slowdown = _median(recent.ratio[:, theirs])
     episode = history.taken(slice(int(np.searchsorted(history.steps, first)), None))  # (a view: no copy)
     cost = _cost(episode.lost, episode.step_s, len(episode.ranks))
@@ -461,7 +536,7 @@ def _suspect_finding(
             "peer_compute_s": _median(recent.compute[:, ~theirs]),
             "comm_wait_s": _median(recent.wait[:, theirs]),
             "peer_comm_wait_s": _median(recent.wait[:, ~theirs]),
-            "compute_ratio_by_rank": dict(
+            f"compute_ratio_by_{'stage' if columns != suspects else 'rank'}": dict(
                 zip(recent.ranks.tolist(), np.median(recent.ratio, axis=0).tolist(), strict=True)
             ),
             **cost,
