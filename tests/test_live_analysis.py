@@ -2,12 +2,16 @@
 and the collector's last pass, on shutdown, covers the steps that came just before it."""
 
 import json
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from collector.analysis.analyzers.hangs import Settings, analyze
 from rankwatch.launch import train
-from tests.conftest import simulated_store
+from tests.conftest import Collector, free_port, simulated_store
 from tests.otlp_payloads import query
+from tests.test_hangs import beats
 
 pytestmark = pytest.mark.long
 
@@ -58,24 +62,42 @@ def test_straggler_of_a_live_job_is_found_and_ends_with_the_run(collector_factor
     ]
 
 
-def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
-    """Rank 1 stops for 30 s at step 4; the collector (stall floor 12 s) names it while the others are
+@pytest.fixture(scope="module")
+def hang_job(tmp_path_factory) -> Path:
+    """Rank 1 of 3 stops for 25 s at step 4 of 8, sending to a collector with a stall floor of 12 s
+    (analysis every second); the store, once the job ended and the collector stopped. One job for the
+    live verdict below and the analyzer's verdict on the stored steps and heartbeats after it."""
+    directory = tmp_path_factory.mktemp("live-hang")
+    with open(directory / "collector.log", "w") as log:
+        collector = Collector(
+            directory / "rankwatch.duckdb",
+            free_port(),
+            "test-token-0123456",
+            extra_args=("--analyze-every", "1", "--hang-after", "12"),
+            log=log,
+        ).start()
+        try:
+            status = train(
+                nproc=3,
+                steps=8,
+                run_id="run-live-hang",
+                faults=["hang:rank=1,at=4,seconds=25"],
+                collector=collector.url,
+                token=collector.token,
+                store=collector.db,
+            )
+        finally:
+            collector.stop()
+    assert status == 0
+    return collector.db
+
+
+def test_hang_of_a_live_job_fires_then_resolves(hang_job):
+    """Rank 1 stops for 25 s at step 4; the collector (stall floor 12 s) names it while the others are
     blocked, and resolves the finding once the job moves again (the floor is above what the job's
     teardown, checkpoint flush and exports, may take on a loaded machine: that is no hang)."""
-    collector = collector_factory(None, "--analyze-every", "1", "--hang-after", "12")
-    status = train(
-        nproc=3,
-        steps=8,
-        run_id="run-live-hang",
-        faults=["hang:rank=1,at=4,seconds=30"],
-        collector=collector.url,
-        token=collector.token,
-        store=collector.db,
-    )
-    assert status == 0
-    collector.stop()
     rows = query(
-        collector.db,
+        hang_job,
         """SELECT kind, ranks, state, step_start, evidence FROM findings
                                   WHERE run_id = 'run-live-hang' AND analyzer = 'hangs'""",
     )
@@ -86,6 +108,38 @@ def test_hang_of_a_live_job_fires_then_resolves(collector_factory):
     assert (kind, list(ranks), state, step_start) == ("hang", [1], "resolved", 4)
     collective = json.loads(evidence)["collective"]
     assert (collective["op"], collective["waiting_ranks"]) == ("all_reduce", [0, 2])
+
+
+def test_real_torchrun_hang_is_blamed_on_the_hung_rank(hang_job):
+    """The same job read back by the hang analyzer itself (tests/test_hangs.py judges small frames): from
+    the store's steps and heartbeats at a moment inside the stall, it names rank 1 and the all-reduce the
+    others are blocked in."""
+    st = pd.DataFrame(
+        query(
+            hang_job,
+            "SELECT run_id, rank, step, epoch_ns(end_ts), duration_s FROM steps WHERE run_id = 'run-live-hang'",
+        ),
+        columns=["run_id", "rank", "step", "end_ts", "duration_s"],
+    )
+    hb = beats(
+        query(
+            hang_job,
+            """
+        SELECT rank, epoch_ns(ts), step, attrs->>'$."rankwatch.phase"', attrs->>'$."rankwatch.comm.op"',
+               attrs->>'$."rankwatch.comm.group"', (attrs->>'$."rankwatch.comm.seq"')::BIGINT,
+               (attrs->>'$."rankwatch.comm.done"')::BOOLEAN
+        FROM events WHERE run_id = 'run-live-hang' AND event = 'heartbeat'""",
+        )
+    )
+    stall_end = int(st.loc[st["step"] == 4, "end_ts"].min())  # when the hung rank came back
+    during = hb[(hb["step"] == 4) & (hb["ts"] < stall_end)]
+    assert not during.empty, "no heartbeat arrived during the stall"
+    now = int(during["ts"].max())
+    (finding,) = analyze(st[st["end_ts"] <= now], hb, now_ns=now, settings=Settings(floor_s=10))
+    assert finding.ranks == [1]
+    collective = finding.evidence["collective"]
+    assert (collective["op"], collective["waiting_ranks"]) == ("all_reduce", [0, 2])
+    assert finding.evidence["culprit_last_seen"][1]["phase"] == "forward"
 
 
 def test_the_collectors_last_pass_covers_what_came_just_before_it_stopped(tmp_path):
