@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rankwatch_cli
+from conftest import Collector, free_port, rankwatch_cli
 from otlp_payloads import query
 
 import agent
@@ -333,27 +333,41 @@ def test_trainer_refuses_checkpoint_settings_it_cannot_keep(argv, words, capsys)
 RUN = "run-checkpoint-restart"
 
 
-def test_torchrun_restart_resumes_from_the_last_durable_step(collector, tmp_path):
-    result = rankwatch_cli(
-        "train",
-        "--nproc",
-        "2",
-        "--steps",
-        "40",
-        "--ckpt-every",
-        "20",
-        "--max-restarts",
-        "1",
-        "--run",
-        RUN,
-        "--inject",
-        "crash:rank=1,at=35",
-        "--collector",
-        collector.url,
-        env={"RANKWATCH_TOKEN": collector.token},
-        cwd=tmp_path,
-    )
-    collector.stop()
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """`rankwatch train --max-restarts 1` of a 2-rank job of 40 steps, a checkpoint on disk every 20, whose
+    rank 1 crashes at step 35, sending to a real collector, stopped after it: its store, the command's
+    result and the directory it ran in (its checkpoints beside the store it made there)."""
+    tmp_path = tmp_path_factory.mktemp("restart")
+    with open(tmp_path / "collector.log", "w") as log:
+        collector = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
+        try:
+            result = rankwatch_cli(
+                "train",
+                "--nproc",
+                "2",
+                "--steps",
+                "40",
+                "--ckpt-every",
+                "20",
+                "--max-restarts",
+                "1",
+                "--run",
+                RUN,
+                "--inject",
+                "crash:rank=1,at=35",
+                "--collector",
+                collector.url,
+                env={"RANKWATCH_TOKEN": collector.token},
+                cwd=tmp_path,
+            )
+        finally:
+            collector.stop()
+    return collector, result, tmp_path
+
+
+def test_torchrun_restart_resumes_from_the_last_durable_step(restarted):
+    collector, result, tmp_path = restarted
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 20" in result.stdout
 
@@ -507,37 +521,39 @@ def test_measured_detection_latency_grows_the_reach():
     assert reach.ring(every=10) == rollback.ring_size(step_s, reach.latency_s, 10) > rollback.ring_size(step_s, 0, 10)
 
 
-def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, capfd):
+def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, restarted):
     """A 2-rank DDP job's checkpoints take under 1.3x the bytes of a 1-rank job's (each rank writes half
-    the tensors), and a start under the same run id resumes on every rank from the shares of both."""
-
-    def run(nproc: int, name: str, steps: int) -> int:
-        return train(
-            nproc=nproc,
-            steps=steps,
-            run_id=name,
+    the tensors), and a start under the same run id resumes on every rank from the shares of both: the
+    2-rank job is the restart test's (its checkpoints of steps 20 and 40, the second attempt started
+    under the same run id and loading step 20 on both ranks), the 1-rank one trains as long."""
+    assert (
+        train(
+            nproc=1,
+            steps=40,
+            run_id="run-replicas-1",
             collector=collector.url,
             token=collector.token,
-            trainer_args=["--ckpt-every", "10", "--ckpt-dir", str(tmp_path / name)],
+            trainer_args=["--ckpt-every", "20", "--ckpt-dir", str(tmp_path / "run-replicas-1")],
         )
+        == 0
+    )
 
     def size(directory: Path) -> int:
         return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
-    for nproc in (1, 2):
-        assert run(nproc, f"run-replicas-{nproc}", 20) == 0
-    one, two = size(tmp_path / "run-replicas-1"), size(tmp_path / "run-replicas-2")
+    store, result, directory = restarted
+    assert result.returncode == 0, result.stderr[-3000:]
+    shares = directory / "rankwatch-data" / "runs" / RUN / "checkpoints"
+    for rank_dir in (shares / "rank-0", shares / "rank-1", tmp_path / "run-replicas-1" / "rank-0"):  # the same steps
+        assert sorted(p.name for p in rank_dir.iterdir()) == ["step-00000020", "step-00000040"], rank_dir
+    one, two = size(tmp_path / "run-replicas-1"), size(shares)
     assert one < two < 1.3 * one, (one, two)
 
-    capfd.readouterr()
-    assert run(2, "run-replicas-2", 30) == 0  # started again: both ranks load step 20 from the two shares
-    assert "resumed at step 20" in capfd.readouterr().out
-    collector.stop()
+    assert "resumed at step 20" in result.stdout  # the second attempt: both ranks load step 20 from the two shares
     restored = query(
-        collector.db,
-        "SELECT rank, step, attrs FROM events WHERE run_id = 'run-replicas-2' "
-        "AND event = 'checkpoint_restored' ORDER BY rank",
-        [],
+        store.db,
+        "SELECT rank, step, attrs FROM events WHERE run_id = ? AND event = 'checkpoint_restored' ORDER BY rank",
+        [RUN],
     )
     assert [(rank, step, json.loads(attrs)["rankwatch.checkpoint.tier"]) for rank, step, attrs in restored] == [
         (0, 20, "disk"),
