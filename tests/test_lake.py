@@ -22,7 +22,7 @@ import pytest
 
 from agent.apiclient import ApiClient, ApiError
 from tests import postgres
-from tests.conftest import free_port, rankwatch_cli, wait_until
+from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, wait_until
 from tests.otlp_payloads import post, step_spans, trace_body
 
 pytestmark = pytest.mark.long
@@ -67,7 +67,7 @@ def simulate(shards, run_id: str, *args: str, background: bool = False):
             stderr=subprocess.PIPE,
             text=True,
         )
-    return rankwatch_cli(*command, env=env)
+    return rankwatch_in_process(*command, env=env)
 
 
 def rows(collector, sql: str) -> list:
@@ -77,7 +77,7 @@ def rows(collector, sql: str) -> list:
 
 def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(shards):
     a, b = shards.start(2, "--analyze-every", "1")
-    ranks, steps = 256, 30
+    ranks, steps = 128, 30  # 16 nodes of 8 ranks
     job = simulate(
         [a, b], "spread", "--ranks", str(ranks), "--steps", str(steps), "--inject", "straggler:rank=77,slowdown=1.5"
     )
@@ -106,7 +106,7 @@ def test_a_job_sent_to_two_collectors_is_one_run_stored_once_and_judged_once(sha
             rows(b, sql)
         assert refused.value.status == 400, refused.value
     # after the fact, the whole run read from the lake itself
-    report = rankwatch_cli(
+    report = rankwatch_in_process(
         "analyze", "spread", "--json", "--lake", shards.catalog, "--data-path", str(shards.data_path)
     )
     assert report.returncode == 0, report.stderr[-2000:]
@@ -223,7 +223,7 @@ def test_upkeep_merges_the_small_files_of_many_commits_and_drops_what_is_past_re
 def test_four_collectors_find_what_one_collector_finds(shards, collector_factory, tmp_path):
     """The same simulated job (same seed), once into one collector's file and once spread over four
     collectors of a lake: the same findings, each once."""
-    job = ("--ranks", "256", "--steps", "24", "--seed", "3", "--inject", "slow-node:node=5,slowdown=1.4,from=4")
+    job = ("--ranks", "128", "--steps", "24", "--seed", "3", "--inject", "slow-node:node=5,slowdown=1.4,from=4")
     alone = collector_factory(tmp_path / "alone" / "rankwatch.duckdb", "--analyze-every", "1")
     spread = shards.start(4, "--analyze-every", "1")
     for collectors in ([alone], spread):
