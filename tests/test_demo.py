@@ -24,7 +24,7 @@ class Demo(Interactive):
         super().__init__(
             "demo",
             "--steps",
-            "80",  # the straggler from step 16, the spike at 60
+            "60",  # the straggler from step 12, the spike at 45
             "--db",
             str(tmp_path / "rankwatch.duckdb"),
             "--port",
