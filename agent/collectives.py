@@ -24,8 +24,8 @@ Point to point: `isend` and `irecv` are wrapped in torch.distributed and in
 distributed_c10d both, so that a P2POp (which accepts only the function
 distributed_c10d names) holds the traced one and pipeline schedules, which
 call `P2POp.op` themselves, are traced; `batch_isend_irecv` is one operation
-(NCCL coalesces it), a send or a receive where all its ops are one of them
-with one peer, and the ops it runs inside are not traced again.
+(NCCL coalesces it), a send or a receive where all its ops are one of them,
+with its peer where it has one, and the ops it runs inside are not traced again.
 """
 
 import functools
@@ -271,7 +271,7 @@ def _traced(session: Session, dist, groups, name: str, original):
 def _traced_batch(session: Session, groups, original):
     """batch_isend_irecv as one operation: NCCL runs the batch as one coalesced launch. Which
     communicator's stream runs it is not the agent's to know, so it is not ordered after others.
-    A batch of sends alone (or receives alone) to one peer is a send (a receive) with that peer."""
+    A batch of sends alone (or receives alone) is a send (a receive); a batch with one peer has it."""
 
     @functools.wraps(original)
     def call(p2p_op_list):
@@ -280,7 +280,8 @@ def _traced_batch(session: Session, groups, original):
             nbytes = sum(_nbytes(p.tensor) for p in p2p_op_list)
             kinds = {"send" if p.op.__name__ == "isend" else "recv" for p in p2p_op_list}
             peers = {p.peer for p in p2p_op_list}
-            op, peer = (kinds.pop(), peers.pop()) if len(kinds) == len(peers) == 1 else ("batch_isend_irecv", None)
+            op = kinds.pop() if len(kinds) == 1 else "batch_isend_irecv"
+            peer = peers.pop() if len(peers) == 1 else None
             c = session.collective(op, name, size, nbytes, ASYNC, host=host, peer=peer, ordered=False)
         except Exception:  # an empty or malformed list: the original says what is wrong
             return original(p2p_op_list)

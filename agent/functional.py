@@ -43,7 +43,7 @@ def trace(session: Session, groups: Callable[[Any], tuple]) -> None:
 
     if getattr(funcol.wait_tensor, "__rankwatch__", False):
         return
-    pending: dict[int, tuple[weakref.ref, Any, Callable[[], Any]]] = {}
+    pending: dict[int, tuple[weakref.ref, Any, Callable[[], Any]]] = {}  # by the result's storage
     for name, (op, at, size_of) in _FUNCTIONS.items():
         if (original := getattr(funcol, name, None)) is not None:
             setattr(
@@ -54,8 +54,8 @@ def trace(session: Session, groups: Callable[[Any], tuple]) -> None:
     @functools.wraps(wait_tensor)
     def waited(tensor):
         out = wait_tensor(tensor)
-        found = pending.pop(id(tensor), None)
-        if found is not None and found[0]() is tensor:
+        found = pending.pop(tensor.untyped_storage().data_ptr(), None)
+        if found is not None and found[0]() is not None:
             found[1].end = found[2]()
         return out
 
@@ -101,7 +101,8 @@ def _traced(session: Session, funcol, c10d, groups, pending: dict, op: str, at: 
         else:
             if len(pending) >= _MAX_PENDING:
                 pending.pop(next(iter(pending)))
-            pending[id(elem)] = (weakref.ref(elem), c, mark)
+            # waited for through the result or a view of it (a reshape in DTensor's redistribution): its storage
+            pending[elem.untyped_storage().data_ptr()] = (weakref.ref(elem), c, mark)
         return out
 
     call.__rankwatch__ = True  # type: ignore[attr-defined]

@@ -91,8 +91,12 @@ def test_in_a_3d_job_the_waits_lead_through_groups_and_pipeline_peers_to_the_hun
     )
     (finding,) = analyze(st, hb, now_ns=now, placement=placement)
     assert finding.ranks == [5]
-    assert finding.evidence["waiting_pairs"] == [[1, 5, "recv", "pp1"]]
-    assert "rank 1 is blocked in recv with rank 5 (group pp1)" in finding.summary
+    assert finding.evidence["waiting_pairs"] == [
+        [1, 5, "recv", "pp1"],
+        [4, 5, "all_reduce", "tp2"],
+        [7, 5, "all_gather", "dp3"],
+    ]
+    assert "rank 1 is blocked in recv of group pp1 with rank 5" in finding.summary
     assert "rank 5: in forward of step 10" in finding.summary
 
 

@@ -6,6 +6,7 @@ hides. So a fault's delay is a busy-wait kernel on the stream (`torch.cuda._slee
 from the device time of the same work measured by CUDA events read once passed (no sync).
 """
 
+import statistics
 import time
 from collections import deque
 
@@ -49,6 +50,7 @@ class WorkTime:
     def __init__(self, cuda: bool):
         self._cuda = cuda
         self._pending: deque = deque()  # (start, end, injected s), oldest first
+        self._recent: deque[float] = deque(maxlen=16)
         self.last_s: float | None = None
 
     def start(self):
@@ -60,6 +62,13 @@ class WorkTime:
             a, b, injected = self._pending.popleft()
             took = a.elapsed_time(b) / 1e3 if self._cuda else b - a
             self.last_s = max(took - injected, 0.0)
+            self._recent.append(self.last_s)
+
+    @property
+    def typical_s(self) -> float:
+        """The median of the last 16 stretches (0 before the first): a collective that waited for a late
+        or hung peer does not size the next delay."""
+        return statistics.median(self._recent) if self._recent else 0.0
 
     def _mark(self):
         if not self._cuda:

@@ -29,7 +29,7 @@ def _factor(faults: list[Fault], rank: int, step: int, group: str | None) -> flo
 
 def slow_link_hook(faults: list[Fault], rank: int, step_of: StepOf, cuda: bool):
     """A DDP comm hook that stretches this rank's all-reduces `factor` times while a slow-link fault is
-    active: a delay after each, where it runs, sized from the all-reduces' own time."""
+    active: a delay after each, where it runs, sized from the all-reduces' typical time."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     delay, took = Delay(cuda), WorkTime(cuda)
@@ -42,7 +42,7 @@ def slow_link_hook(faults: list[Fault], rank: int, step_of: StepOf, cuda: bool):
 
         def stretch(done):  # gloo: once the all-reduce is done; NCCL: at once, on a stream that waits for it
             took.stop(started)
-            delay((factor - 1) * (took.last_s or 0.0))
+            delay((factor - 1) * took.typical_s)
             return done.value()
 
         return default_hooks.allreduce_hook(process_group, bucket).then(stretch)
@@ -53,7 +53,7 @@ def slow_link_hook(faults: list[Fault], rank: int, step_of: StepOf, cuda: bool):
 def slow_tp_link(faults: list[Fault], rank: int, step_of: StepOf, tp_group, cuda: bool) -> None:
     """Stretch this rank's tensor-parallel all-reduces (DTensor's functional all_reduce over `tp_group`)
     `factor` times while a slow-link fault with group=tp is active: each waited for, then a delay of
-    (factor - 1) times its own time. Installed before the agent traces the functional collectives, so
+    (factor - 1) times their typical time. Installed before the agent traces the functional collectives, so
     that the agent times the stretched collective, as it would a slow link's."""
     if not any(f.kind == "slow-link" and f.rank == rank and f.get("group") == "tp" for f in faults):
         return
@@ -70,7 +70,7 @@ def slow_tp_link(faults: list[Fault], rank: int, step_of: StepOf, tp_group, cuda
         out = all_reduce(tensor, reduceOp, group, tag)
         out = out.wait() if hasattr(out, "wait") else out
         took.stop(started)
-        delay((factor - 1) * (took.last_s or 0.0))
+        delay((factor - 1) * took.typical_s)
         return out
 
     funcol.all_reduce = stretched
@@ -85,6 +85,7 @@ class ComputeFaults:
         self.active, self.stage = active, stage
         self.delay, self.took = Delay(cuda), WorkTime(cuda)
         self._started = None
+        self._hung: set[str] = set()  # a hang stops the step once, not at each of its forwards
         module.register_forward_pre_hook(self._pre)
         module.register_forward_hook(self._post)
 
@@ -98,7 +99,8 @@ class ComputeFaults:
                 # backward takes about twice the forward: the chunk's compute stretched `slowdown` times
                 extra = 3 * (f.get("slowdown") - 1) * (self.took.last_s or 0.0)
                 self.delay(extra)
-            elif f.kind == "hang":
+            elif f.kind == "hang" and f.spec not in self._hung:
+                self._hung.add(f.spec)
                 threading.Event().wait(f.get("seconds"))  # None: for ever
             elif f.kind == "crash":
                 agent.shutdown()  # the fault_injected event still reaches the collector

@@ -140,16 +140,19 @@ def analyze(
     if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
-    culprits, collective, pairs = list(silent), None, []
+    culprits, collective = list(silent), None
+    pairs: list[tuple[int, int, str, str]] = []  # the blocked ranks that wait for a culprit itself, in what
     if not blocked.empty:
         waits = _waits(alive, blocked, placement)
         culprits = sorted(set(culprits) | _waited_for(waits, set(blocked.index)))
         pairs = [
-            [int(r), int(blocked.at[r, "peer"]), str(blocked.at[r, "op"]), str(blocked.at[r, "group"])]
+            (r, c, str(blocked.at[r, "op"]), str(blocked.at[r, "group"]))
             for r in sorted(waits)
-            if "peer" in blocked and pd.notna(blocked.at[r, "peer"]) and int(blocked.at[r, "peer"]) in culprits
+            for c in sorted(waits[r] & set(culprits))
         ]
-        group, seq = blocked.sort_values("seq").iloc[-1][["group", "seq"]]
+        # the collective shown: where ranks wait for a culprit itself, the most of them; else the newest
+        direct = blocked.loc[[w for w, *_ in pairs]] if pairs else blocked.sort_values("seq").tail(1)
+        group, seq = direct.groupby(["group", "seq"]).size().sort_values().index[-1]
         op = blocked[(blocked["group"] == group) & (blocked["seq"] == seq)]["op"].iloc[0]
         waiting = sorted(int(r) for r in blocked.index[(blocked["group"] == group) & (blocked["seq"] == seq)])
         collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
@@ -162,10 +165,12 @@ def analyze(
         for r in culprits
         if r in beats.index
     }
-    if pairs:
+    p2p = "peer" in blocked and any(pd.notna(blocked.at[w, "peer"]) for w, *_ in pairs)
+    if pairs and (p2p or len({(g, _seq(blocked, w)) for w, _, _, g in pairs}) > 1):
+        shown = ", ".join(f"rank {w} is blocked in {op} of group {g} with rank {p}" for w, p, op, g in pairs[:3])
         summary = (
-            f"{_stalled(stalled_s)}: "
-            + ", ".join(f"rank {w} is blocked in {op} with rank {p} (group {g})" for w, p, op, g in pairs)
+            f"{_stalled(stalled_s)}: {shown}"
+            + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
             + f"; {ranksets.phrase(culprits)} never reached {'it' if len(pairs) == 1 else 'them'}"
             + f" ({_describe(where, silent)})"
         )
@@ -196,7 +201,7 @@ def analyze(
                 "typical_step_s": typical,
                 "last_step_end_ns": last_end,
                 "collective": collective,
-                "waiting_pairs": pairs,
+                "waiting_pairs": [list(p) for p in pairs],
                 "silent_ranks": silent,
                 "culprit_last_seen": where,
             },
@@ -255,6 +260,10 @@ def _waited_for(waits: dict[int, set[int]], blocked: set) -> set[int]:
             todo += waits.get(r, ())
     ends = {r for r in seen if r not in blocked}
     return ends or seen
+
+
+def _seq(blocked: pd.DataFrame, rank: int) -> int:
+    return int(blocked.at[rank, "seq"])
 
 
 def _stalled(seconds: float) -> str:

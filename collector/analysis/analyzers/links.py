@@ -6,8 +6,11 @@ link is judged per group: its bus bandwidth (nccl-tests busbw, comparable
 across group sizes; of each collective, the best its members saw, since the
 others also waited for late entrants) against peer groups running the same collective on the
 same number of ranks, such as the data-parallel groups of the other pipeline
-stages, by robust statistics (median and MAD, the MAD floored at a relative
-jitter). A rank's link serves every group the rank is in, so when slow groups
+stages: each step, a group's bandwidth over its peers' median in that step
+(a loaded host or a busy network slows every group of a step alike, and this
+ratio leaves that out), then over the window the median of those ratios,
+compared across groups by robust statistics (median and MAD, the MAD floored
+at a relative jitter). A rank's link serves every group the rank is in, so when slow groups
 share ranks (its data-parallel and its tensor-parallel group, say) those
 ranks are named; otherwise each slow group is a finding of its own, naming
 its members. Compute is untouched by a slow link, which is how this differs
@@ -43,7 +46,8 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     if frames.collectives is None or frames.collectives.empty:
         return []
     stride = max(settings.window // 2, 1)
-    ends = [e for e in frames.new_steps["step"].unique() if e % stride == 0]
+    # a window is judged once full: the first steps (process groups set up, caches warmed) are no baseline
+    ends = [e for e in frames.new_steps["step"].unique() if e % stride == 0 and e + 1 >= settings.window]
     if frames.ended_ns is not None and frames.last >= frames.first_new:
         ends.append(frames.last)
     found: list[Finding] = []
@@ -75,12 +79,14 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
 def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings = Settings()) -> list[Finding]:
     """Findings for one run from its collectives over the last `settings.window` steps.
 
-    `ops`: run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps (rows
-    without a group or a bandwidth are ignored). `step_s`: the typical step time, for the cost
+    `ops`: run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps, and optionally
+    role (the group's DeviceMesh dimension: peers are groups of one dimension); rows without a group or
+    a bandwidth are ignored. `step_s`: the typical step time, for the cost
     as a share of it."""
     ops = ops.dropna(subset=["comm_group", "group_size", "busbw_gbps"])
     if ops.empty:
         return []
+    ops = ops.assign(role=ops["role"].fillna("") if "role" in ops else "")
     s = settings
     last_steps = sorted(ops["step"].unique())[-s.window :]
     recent = ops[ops["step"].isin(last_steps)]
@@ -88,22 +94,32 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     # for the last one. The rank that entered last saw the transfer alone, so each collective's
     # bandwidth is its members' best, and its time their shortest.
     each = recent.groupby(["comm_group", "step", "name"]).agg(
-        size=("group_size", "first"), busbw=("busbw_gbps", "max"), seconds=("duration_s", "min")
+        size=("group_size", "first"),
+        role=("role", "first"),
+        busbw=("busbw_gbps", "max"),
+        seconds=("duration_s", "min"),
     )
     each = each.reset_index()
+    each["ratio"] = each["busbw"] / each.groupby(["step", "name", "size", "role"])["busbw"].transform("median")
     groups = each.groupby("comm_group").agg(
-        name=("name", "first"), size=("size", "first"), busbw=("busbw", "median"), seconds=("seconds", "sum")
+        name=("name", "first"),
+        size=("size", "first"),
+        role=("role", "first"),
+        busbw=("busbw", "median"),
+        ratio=("ratio", "median"),
+        seconds=("seconds", "sum"),
     )
     groups["per_step_s"] = groups["seconds"] / len(last_steps)
     groups["members"] = recent.groupby("comm_group")["rank"].agg(lambda r: frozenset(int(x) for x in r))
     slow = []
-    for _, peers in groups.groupby(["name", "size"]):
+    for _, peers in groups.groupby(["name", "size", "role"]):
         if len(peers) < s.min_peers:
             continue
-        center = peers["busbw"].median()
-        spread = max(1.4826 * (peers["busbw"] - center).abs().median(), s.jitter_floor * center)
-        low = peers[((center - peers["busbw"]) / spread > s.z) & (peers["busbw"] < (1 - s.min_drop) * center)]
-        slow += [(group, row, center, peers["per_step_s"].median()) for group, row in low.iterrows()]
+        center = peers["ratio"].median()
+        spread = max(1.4826 * (peers["ratio"] - center).abs().median(), s.jitter_floor * center)
+        low = peers[((center - peers["ratio"]) / spread > s.z) & (peers["ratio"] < (1 - s.min_drop) * center)]
+        busbw = peers["busbw"].median()
+        slow += [(group, row, busbw, peers["per_step_s"].median()) for group, row in low.iterrows()]
     if not slow:
         return []
     run_id, first, end = str(ops["run_id"].iloc[0]), int(last_steps[0]), int(last_steps[-1])
@@ -118,7 +134,7 @@ def _finding(run_id: str, first: int, end: int, ranks: list[int], slow: list, st
     factor = max(center / row["busbw"] for _, row, center, _ in slow)
     where = f"rank {ranks[0]}'s link" if len(ranks) == 1 else f"a link among {ranksets.phrase(ranks)}"
     groups = "; ".join(
-        f"{row['name']} in group {group} runs at {row['busbw']:.1f} GB/s busbw against {center:.1f} for its peers"
+        f"{row['name']} in group {group} runs at {row['busbw']:.3g} GB/s busbw against {center:.3g} for its peers"
         for group, row, center, _ in slow
     )
     cost = f"{lost * 1e3:.1f} ms of collective time per step"

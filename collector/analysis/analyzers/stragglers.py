@@ -341,21 +341,31 @@ def _stage_verdict(stages: _Matrices, m: _Matrices, i: int, s: Settings) -> tupl
 def _judge(
     run_id: str, m: _Matrices, first_new: int, ranks: pd.DataFrame | None, s: Settings, devices
 ) -> list[Finding]:
-    """Each complete step from `first_new` on (rows of `m`) judged on the steps before it; consecutive
-    steps with the same verdict are one finding, drawn at the strongest of them, its onset estimated at
-    the first."""
+    """Each complete step from `first_new` on (rows of `m`) judged on the steps before it: its ranks, and
+    apart its stages (a job may have a straggler and a slow stage at once); consecutive steps with the
+    same verdict are one finding, drawn at the strongest of them, its onset estimated at the first."""
     placement = _placement(ranks)
-    stages = m.by_stage() if m.stages is not None else None
+    start = int(np.searchsorted(m.steps, first_new))
+
+    def of_ranks(i: int) -> tuple | None:
+        verdict = _verdict(m, i, s, placement)
+        return verdict and (*verdict, m, verdict[1])
+
+    found = _episodes(run_id, m, start, of_ranks, s, devices)
+    if m.stages is not None:
+        stages = m.by_stage()
+        found += _episodes(run_id, m, start, lambda i: _stage_verdict(stages, m, i, s), s, devices)
+    return found
+
+
+def _episodes(run_id: str, m: _Matrices, start: int, judged, s: Settings, devices) -> list[Finding]:
+    """The findings of the verdicts `judged(row)` draws from row `start` on (each with the matrices and
+    columns it was drawn from)."""
     found: list[Finding] = []
-    verdicts: dict[int, tuple] = {}  # by row, those drawn, each with the matrices and columns it was drawn from
+    verdicts: dict[int, tuple] = {}  # by row, those drawn
     episode: list | None = None  # [(kind, ranks), first row, last row, strongest row, its strength]
-    for i in range(int(np.searchsorted(m.steps, first_new)), len(m.steps)):
-        verdict = None
-        if i + 1 >= s.window:
-            verdict = _verdict(m, i, s, placement)
-            verdict = verdict and (*verdict, m, verdict[1])
-            if verdict is None and stages is not None:
-                verdict = _stage_verdict(stages, m, i, s)
+    for i in range(start, len(m.steps)):
+        verdict = judged(i) if i + 1 >= s.window else None
         if verdict:
             verdicts[i] = verdict
         if episode and (verdict is None or verdict[:2] != episode[0]):
