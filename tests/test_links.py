@@ -81,3 +81,32 @@ def test_a_group_without_peers_is_not_judged():
 def test_ops_without_group_or_bandwidth_are_ignored():
     ops = frame().assign(comm_group=None)
     assert analyze(ops) == []
+
+
+def test_among_few_noisy_peers_a_group_at_a_third_of_their_bandwidth_is_slow():
+    """Four tensor-parallel groups (a 2 x 2 x 2 job's) whose bandwidth jitters 25% from step to step:
+    the MAD of four is too loose for the z-score, but a group at a third of its peers' bandwidth is
+    slow; a noisy group at 80% of them is not."""
+
+    def job(slow: float):
+        ops = frame(pp=2, dp=2, tp=2, jitter=0.25, slow={5: slow}, seed=1)
+        return ops[ops["comm_group"].str.startswith("tp")].assign(role="tp")
+
+    (finding,) = analyze(job(3.0))
+    assert finding.ranks == [4, 5] and set(finding.evidence["groups"]) == {"tp1.0"}
+    assert analyze(job(1.25)) == []
+
+
+def test_groups_of_different_mesh_dimensions_are_not_each_others_peers():
+    """A 2 x 2 x 2 job's data- and tensor-parallel groups both have 2 ranks; the tensor-parallel ones run
+    at 3x the bandwidth: compared with each other as peers, every data-parallel group would look slow."""
+    ops = frame(pp=2, dp=2, tp=2, jitter=0.03)
+    assert analyze(ops.assign(role=ops["comm_group"].str[:2])) == []
+
+
+def test_latency_bound_and_point_to_point_operations_are_not_judged():
+    """A gradient norm's 4-byte all-reduce and a pipeline's receives (which last until the peer sends)
+    say nothing of a link's bandwidth, however slow they look."""
+    ops = frame(slow={21: 3.0}).assign(bytes=4)
+    assert analyze(ops) == []
+    assert analyze(frame(slow={21: 3.0}).assign(name="recv")) == []

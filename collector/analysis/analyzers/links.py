@@ -10,21 +10,30 @@ stages: each step, a group's bandwidth over its peers' median in that step
 (a loaded host or a busy network slows every group of a step alike, and this
 ratio leaves that out), then over the window the median of those ratios,
 compared across groups by robust statistics (median and MAD, the MAD floored
-at a relative jitter). A rank's link serves every group the rank is in, so when slow groups
+at a relative jitter, and at what the step-to-step jitter of the ratios leaves
+in a median of the window's steps); with few peers, whose MAD a noisy one inflates, a group
+at under half its peers' bandwidth is slow whatever the spread. Either way it
+must run well below its peers. Collectives of a few bytes (a gradient norm's
+all-reduce) take as long as the link's latency whatever its bandwidth, and a
+send or receive lasts until its peer reaches it (a pipeline's bubble): both
+are left out. A rank's link serves every group the rank is in, so when slow groups
 share ranks (its data-parallel and its tensor-parallel group, say) those
 ranks are named; otherwise each slow group is a finding of its own, naming
 its members. Compute is untouched by a slow link, which is how this differs
 from a straggler. The cost is the collective time beyond the peers', per step.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 import pandas as pd
 
 from collector import ranksets
 from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers.stragglers import MEDIAN_NOISE
 
 ANALYZER = "links"
+_POINT_TO_POINT = ("send", "recv", "batch_isend_irecv")
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,8 @@ class Settings:
     min_drop: float = 0.2  # and at least this much below the peers' median
     jitter_floor: float = 0.02  # the MAD is floored at this fraction of the median
     min_peers: int = 3  # groups of one shape needed to judge any of them
+    severe_drop: float = 0.5  # or, whatever the spread, at under this share of its peers' bandwidth
+    min_bytes: int = 4096  # smaller collectives are latency-bound: their bandwidth says nothing of the link
 
 
 # judged every half window (windows overlap by half, so each step is in one): a link's bandwidth moves slowly
@@ -84,6 +95,9 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     a bandwidth are ignored. `step_s`: the typical step time, for the cost
     as a share of it."""
     ops = ops.dropna(subset=["comm_group", "group_size", "busbw_gbps"])
+    if "bytes" in ops:
+        ops = ops[ops["bytes"] >= settings.min_bytes]
+    ops = ops[~ops["name"].isin(_POINT_TO_POINT)]
     if ops.empty:
         return []
     ops = ops.assign(role=ops["role"].fillna("") if "role" in ops else "")
@@ -112,12 +126,20 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     groups["per_step_s"] = groups["seconds"] / len(last_steps)
     groups["members"] = recent.groupby("comm_group")["rank"].agg(lambda r: frozenset(int(x) for x in r))
     slow = []
-    for _, peers in groups.groupby(["name", "size", "role"]):
+    for (name, _, _), peers in groups.groupby(["name", "size", "role"]):
         if len(peers) < s.min_peers:
             continue
         center = peers["ratio"].median()
-        spread = max(1.4826 * (peers["ratio"] - center).abs().median(), s.jitter_floor * center)
-        low = peers[((center - peers["ratio"]) / spread > s.z) & (peers["ratio"] < (1 - s.min_drop) * center)]
+        rows = each[(each["name"] == name) & each["comm_group"].isin(peers.index)]
+        deviation = (rows["ratio"] - rows.groupby("step")["ratio"].transform("median")).abs()
+        jitter = 1.4826 * float(deviation.groupby(rows["step"]).median().median())  # of one step's ratios
+        spread = max(
+            1.4826 * (peers["ratio"] - center).abs().median(),
+            MEDIAN_NOISE * jitter / math.sqrt(len(last_steps)),
+            s.jitter_floor * center,
+        )
+        unlike = ((center - peers["ratio"]) / spread > s.z) | (peers["ratio"] < s.severe_drop * center)
+        low = peers[unlike & (peers["ratio"] < (1 - s.min_drop) * center)]
         busbw = peers["busbw"].median()
         slow += [(group, row, busbw, peers["per_step_s"].median()) for group, row in low.iterrows()]
     if not slow:

@@ -36,8 +36,8 @@ In a pipeline-parallel job the stages do different work (the first embeds,
 the last computes the loss), so a rank is compared with the ranks of its own
 stage (its data- and tensor-parallel peers: the median of its stage is its
 step's median), and the stages with each other as if each were one rank (the
-median compute and wait of its ranks): a slow stage is found by the same
-rules, two stages by the rule of two ranks (the other stage waits for it).
+compute of its faster ranks, the median wait): a slow stage is found by the
+same rules, two stages by the rule of two ranks (the other stage waits for it).
 """
 
 import math
@@ -148,10 +148,12 @@ class _Matrices:
         return _Matrices(self.steps[rows], self.ranks, **taken, stages=self.stages)
 
     def by_stage(self) -> "_Matrices":
-        """The stages as if each were one rank: per step, the median compute and wait of its ranks."""
+        """The stages as if each were one rank: per step, the compute of its faster ranks (the lower
+        quartile: a stage is slow when its ranks are slow alike, not when some of them are, a node or a
+        straggler among them) and the median wait of its ranks."""
         assert self.stages is not None
         ids = np.unique(self.stages)
-        compute = np.stack([np.median(self.compute[:, self.stages == k], axis=1) for k in ids], axis=1)
+        compute = np.stack([np.quantile(self.compute[:, self.stages == k], 0.25, axis=1) for k in ids], axis=1)
         wait = np.stack([np.median(self.wait[:, self.stages == k], axis=1) for k in ids], axis=1)
         median = np.median(compute, axis=1)
         ratio = compute / median[:, None]
