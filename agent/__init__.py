@@ -153,6 +153,11 @@ def watch_pipeline(schedule) -> None:
     pipeline.watch(_started(), schedule)
 
 
+def current_session() -> Session | None:
+    """The session `init` started (None before, and after `shutdown`)."""
+    return _session
+
+
 def _started() -> Session:
     """The session `init` started: without one, a watched collective would fail inside training."""
     if _session is None:

@@ -15,13 +15,19 @@ pays nothing) and then hooks what any PyTorch loop does:
 - the loss is the scalar a backward starts from (`Tensor.backward`), the gradient norm what
   `clip_grad_norm_` returns, both read without a sync (Session.record), the learning rate the
   optimizer's first parameter group's;
-- collectives as `agent.watch_collectives()` and, for a DDP model, `agent.watch_ddp()` at its
-  first forward, around the comm hook the script registered, if any.
+- collectives as `agent.watch_collectives()` (torch.distributed's, the functional ones of tensor
+  parallelism, a pipeline's sends and receives) and, for a DDP model, `agent.watch_ddp()` at its
+  first forward, around the comm hook the script registered, if any;
+- a pipeline schedule's step (torch.distributed.pipelining) as the `pipeline` phase, with its stages'
+  forward and backward chunks inside it as `agent.watch_pipeline()` times them, from the schedule's
+  second step (its first starts the session, at the stage's first forward): the data phase ends
+  where the schedule starts, and the stage module's forwards then mark no phase of their own.
 
 The session starts at the first forward of a rank (after `init_process_group`: its rank and world
 size are torchrun's), so the launcher and the processes that never train start none. What needs
 the script's own code stays out: a rollback (the script's checkpoints) and power caps are not
-applied, and steps are numbered from 0 in each process (a resumed script counts again).
+applied, steps are numbered from 0 in each process (a resumed script counts again), and a pipeline
+stage's loss, which the schedule computes and back-propagates itself, is not recorded.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class _Driver:
         self._step_cm: Any = None  # the open step and phase contexts (agent.step / agent.phase)
         self._phase_cm: Any = None
         self._forwarded = False  # a forward came since the last step ended
+        self._pipelined = False  # in a pipeline schedule's step: its chunks are the phases
         self.until_root: list = []  # the hooks on every module's forward, until the root is known
 
     def _enter_phase(self, name: str | None) -> None:
@@ -59,23 +66,55 @@ class _Driver:
         if self.root is None:  # the first forward: the root of the loop's calls, and the session
             if not any(True for _ in module.parameters()):
                 return
-            self.root = module  # from now on its forward alone calls a hook: not every module's of the model
-            for hook in self.until_root:
-                hook.remove()
-            module.register_forward_pre_hook(self.forward_pre)
-            module.register_forward_hook(self.forward_post)
-            self._start(module)
+            self._adopt(module)
         elif module is not self.root:
             return
         if self._step_cm is None:
             self._step_cm = agent.step(self.step)
             self._step_cm.__enter__()
         self._forwarded = True
-        self._enter_phase("forward")
+        if not self._pipelined:
+            self._enter_phase("forward")
+
+    def _adopt(self, root) -> None:
+        """`root`'s forward is the step's forward from now on (its alone calls a hook, not every module's
+        of the model); the session starts."""
+        self.root = root
+        for hook in self.until_root:
+            hook.remove()
+        root.register_forward_pre_hook(self.forward_pre)
+        root.register_forward_hook(self.forward_post)
+        self._start(root)
 
     def forward_post(self, module, args, output) -> None:
-        if module is self.root:
+        if module is self.root and not self._pipelined:
             self._enter_phase("backward")
+
+    def pipeline_step(self, step, schedule, args, kwargs):
+        """A pipeline schedule's `step`: the `pipeline` phase, its stages' chunks inside it."""
+        from agent import pipeline
+
+        try:
+            if self.root is None:  # the session starts here, on every rank alike (its clock's alignment is a
+                # collective, which a later stage, waiting for its first activations, would enter too late)
+                self._adopt((getattr(schedule, "_stages", None) or [schedule._stage])[0].submod)
+            session = agent.current_session()
+            if session is None:
+                raise RuntimeError("no session started")
+            pipeline.watch_stages(session, schedule)
+        except Exception as e:  # a schedule of a shape this does not know: its steps stay untimed
+            print(f"rankwatch: this pipeline schedule is not timed: {e}", file=sys.stderr)
+            return step(schedule, *args, **kwargs)
+        if self._step_cm is None:
+            self._step_cm = agent.step(self.step)
+            self._step_cm.__enter__()
+        self._enter_phase(None)
+        self._pipelined = True
+        try:
+            with session.phase(pipeline.PIPELINE):
+                return step(schedule, *args, **kwargs)
+        finally:
+            self._pipelined = False
 
     def optimizer_pre(self, optimizer, args, kwargs) -> None:
         if self._forwarded:
@@ -129,6 +168,22 @@ def _distributed() -> bool:
 _register_comm_hook: Any = None  # DDP's own, once install() has wrapped it
 
 
+def _watch_schedules(driver: _Driver) -> None:
+    """Every pipeline schedule's `step` through the driver (the schedules' classes wrapped)."""
+    import functools
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        step = cls.step
+
+        @functools.wraps(step)
+        def stepped(self, *args, _step=step, **kwargs):
+            return driver.pipeline_step(_step, self, args, kwargs)
+
+        cls.step = stepped  # type: ignore[method-assign]
+
+
 def _instrument() -> None:
     """Hook torch, once it is imported."""
     global _register_comm_hook
@@ -155,6 +210,8 @@ def _instrument() -> None:
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = backward_recorded  # type: ignore[method-assign]
+    # pipelining costs an import most jobs never make: its schedules are wrapped if the script imports it
+    _after("torch.distributed.pipelining.schedules", lambda: _watch_schedules(driver))
 
     clip = torch.nn.utils.clip_grad_norm_
 
@@ -176,12 +233,15 @@ def _instrument() -> None:
     DistributedDataParallel.register_comm_hook = held_back  # type: ignore[method-assign]
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Runs `_instrument` once the `torch` package has been imported (the import that finds it runs
-    torch's own loader, then this)."""
+class _After(importlib.abc.MetaPathFinder):
+    """Runs `then` once the module `name` has been imported (the import that finds it runs the module's
+    own loader, then this)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -192,7 +252,7 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         def exec_module(module):
             load(module)
             try:
-                _instrument()
+                self.then()
             except Exception as e:  # never the script's failure: it trains uninstrumented
                 print(f"rankwatch: this job is not instrumented: {e}", file=sys.stderr)
 
@@ -200,9 +260,14 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _after(name: str, then) -> None:
+    """`then()` once `name` is imported (at once where it already is)."""
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _After(name, then))
+
+
 def install() -> None:
     """Instrument this process once it imports torch (at once where it already has)."""
-    if "torch" in sys.modules:
-        _instrument()
-    else:
-        sys.meta_path.insert(0, _AfterTorch())
+    _after("torch", _instrument)

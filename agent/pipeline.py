@@ -14,15 +14,21 @@ _CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "ba
 
 def watch(session: Session, schedule) -> None:
     """Time `schedule`'s steps and its stages' chunks (its own methods wrapped, once)."""
+    if watch_stages(session, schedule):
+        schedule.step = _in_phase(session, PIPELINE, schedule.step)
+
+
+def watch_stages(session: Session, schedule) -> bool:
+    """Time the chunks of `schedule`'s stages (once: False when they already are)."""
     if getattr(schedule, "_rankwatch_", False):
-        return
+        return False
     schedule._rankwatch_ = True
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
         for method, phase in _CHUNKS.items():
             if (original := getattr(stage, method, None)) is not None:
                 setattr(stage, method, _in_phase(session, phase, original))
-    schedule.step = _in_phase(session, PIPELINE, schedule.step)
+    return True
 
 
 def _in_phase(session: Session, phase: str, method):

@@ -16,7 +16,16 @@ and the agent's calls around it (a step, 4 phases, a record; the shutdown's expo
 less the same loop without the agent (not for zero-code, whose hooks follow the training run's
 model alone).
 
+`--job 3d`: the run is an 8-rank torchrun job of the reference trainer's 3D code (FSDP2 over dp, tensor
+parallelism over tp, a 1F1B pipeline over pp: 2 x 2 x 2, trainer/threed.py), each rank's figures
+(median step time, CPU per step) the median over its ranks; with the agent every collective (FSDP's,
+the functional ones of tensor parallelism, the stages' sends and receives) and the pipeline's chunks
+are traced and exported. The agent's own CPU per step is then the run's CPU per step less the run
+without the agent's, per rank, next to the step time: what the agent costs a rank, as a share of
+its step.
+
 Usage: python bench/agent_overhead.py [--rounds 6] [--steps 60] [--model tiny] [--batch 8] [--baseline DIR]
+       [--job ddp|3d]
 """
 
 import argparse
@@ -131,6 +140,79 @@ def worker(agent_dir: str | None, args) -> dict:
     return {"wall": statistics.median(times), "cpu": cpu, "empty": empty}
 
 
+def worker_3d(agent_dir: str | None, args) -> dict:
+    """One rank of the 3D job (under torchrun): its median step time and CPU per step."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, agent_dir or str(ROOT))
+    import agent
+    from trainer.data import TokenStream
+    from trainer.model import CONFIGS, GPT
+    from trainer.parallel import Layout
+    from trainer.threed import ThreeD
+
+    torch.set_num_threads(1)
+    explicit = agent_dir not in (None, AUTO)
+    if agent_dir == AUTO:
+        from agent import auto
+
+        os.environ.update(RANKWATCH_RUN_ID=args.run, RANKWATCH_COLLECTOR=args.url, RANKWATCH_TOKEN=TOKEN)
+        auto.install()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    job = ThreeD(GPT(CONFIGS[args.model]), Layout(dp=2, tp=2, pp=2), torch.device("cpu"), args.batch, list)
+    optimizer = torch.optim.AdamW(job.module.parameters(), lr=1e-3)
+    data = TokenStream(job.module.config.vocab, job.module.config.seq_len, args.batch, job.replica)
+    step_of, phase_of = (agent.step, agent.phase) if explicit else (_nothing, _nothing)
+    if explicit:
+        agent.init(run_id=args.run, collector=args.url, token=TOKEN, cuda=False, resource=job.resource)
+        job.watch()
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu_started = time.process_time()
+        started = time.perf_counter()
+        with step_of(step):
+            with phase_of("data"):
+                inputs, targets = data.next()
+            loss = job.forward_backward(inputs, targets, [])
+            with phase_of("optimizer"):
+                job.clip()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if loss is not None and explicit:
+                agent.record(loss=loss.detach(), tokens=inputs.numel())
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    agent.shutdown()
+    cpu = (time.process_time() - cpu_started) / args.steps
+    dist.destroy_process_group()
+    return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
+
+
+def run_3d(variant: str, url: str, run: str, args, out: Path) -> dict:
+    """The 8-rank job of one variant: per figure, the median over its ranks."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=8",
+        __file__,
+        # (not --run: torchrun takes it for an abbreviation of its --run-path)
+        *("--worker3d", variant, "--url", url, "--job-run", run, "--steps", str(args.steps)),
+        *("--warmup", str(args.warmup), "--model", args.model, "--batch", str(args.batch), "--out", str(out)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        sys.exit(f"{variant} run failed:\n{done.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    for p in out.glob("rank-*.json"):
+        p.unlink()
+    return {key: statistics.median(r[key] for r in ranks) for key in ("wall", "cpu")} | {"empty": None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -144,12 +226,20 @@ def main() -> None:
         metavar="DIR",
         help="a checkout whose agent/ is measured beside this one's (e.g. git archive of a commit)",
     )
+    parser.add_argument("--job", choices=("ddp", "3d"), default="ddp", help="one DDP rank, or an 8-rank 3D job")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "none" or the agent's directory
+    parser.add_argument("--worker3d", help=argparse.SUPPRESS)  # the same, one rank of the 3D job
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--job-run", dest="run", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(None if args.worker == "none" else args.worker, args)))
+        return
+    if args.worker3d:
+        found = worker_3d(None if args.worker3d == "none" else args.worker3d, args)
+        (args.out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(found))
         return
 
     from rich.console import Console
@@ -187,6 +277,10 @@ def main() -> None:
             names = list(variants)
             for r in range(args.rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
+                    run = f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-').replace(',', '')}"
+                    if args.job == "3d":
+                        results[name].append(run_3d(variants[name], url, run, args, Path(tmp)))
+                        continue
                     out = subprocess.run(
                         [
                             sys.executable,
@@ -220,6 +314,9 @@ def main() -> None:
 
     console = Console()
     none = results["no agent"]
+    if args.job == "3d":
+        report_3d(console, results, args)
+        return
     table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step", "CPU ratio", "agent CPU µs/step")
     for name, runs in results.items():
 
@@ -242,6 +339,31 @@ def main() -> None:
         f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios "
         f"and the agent's CPU per step (a tiny DDP step with 8 buckets, 4 phases, a record, export "
         f"included; less the same without the agent) are medians over rounds"
+    )
+
+
+def report_3d(console, results: dict[str, list[dict]], args) -> None:
+    from rich.table import Table
+
+    none = results["no agent"]
+    table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step (a rank)", "agent CPU ms/step", "of step time")
+    for name, runs in results.items():
+        extra = [run["cpu"] - base["cpu"] for run, base in zip(runs, none)]
+        share = statistics.median(e / run["wall"] for e, run in zip(extra, runs))
+        wall = statistics.median(run["wall"] / base["wall"] for run, base in zip(runs, none))
+        table.add_row(
+            name,
+            f"{statistics.median(r['wall'] for r in runs) * 1e3:.1f}",
+            f"{wall:.3f}",
+            f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}",
+            "" if name == "no agent" else f"{statistics.median(extra) * 1e3:.2f}",
+            "" if name == "no agent" else f"{100 * share:.2f}%",
+        )
+    console.print(table)
+    console.print(
+        f"8 ranks, dp 2 x tp 2 x pp 2, GPT {args.model}, batch {args.batch} (4 microbatches), {args.steps} steps "
+        f"per run, {args.rounds} rounds; each figure the median over a run's ranks, then over rounds; the "
+        f"agent's CPU: a rank's CPU per step less the same round's run without the agent"
     )
 
 

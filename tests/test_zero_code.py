@@ -136,6 +136,56 @@ def test_an_unmodified_fsdp2_script_is_seen_with_its_all_gathers_and_reduce_scat
     assert in_steps == 2 * steps * 6
 
 
+def test_an_unmodified_tensor_and_pipeline_parallel_script_is_seen_with_its_mesh(collector):
+    """4 ranks, a ("pp", "tp") mesh of 2 x 2 (tests/jobs/plain_3d.py): every step of every rank has its
+    tensor-parallel functional all-reduces (forward and backward, 4 microbatches) over tp and its
+    stage's sends and receives over pp with the peer stage's rank; from the schedule's second step each
+    step's `pipeline` phase holds its 4 forward and 4 backward chunks, and the step its bubble."""
+    steps = 10
+    job = two_ranks(
+        collector, "zero-code-3d", Path(__file__).parent / "jobs" / "plain_3d.py", "--steps", str(steps), nproc=4
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "not instrumented" not in job.stderr, job.stderr[-3000:]
+    assert query(collector.db, "SELECT count(*), count(DISTINCT rank) FROM steps WHERE run_id = 'zero-code-3d'") == [
+        (4 * steps, 4)
+    ]
+    per_step = query(
+        collector.db,
+        """SELECT name, role, min(n), max(n), min(peer), max(peer) FROM (
+               SELECT rank, step, name, attrs->>'$."rankwatch.comm.role"' AS role, count(*) AS n,
+                      min(CAST(attrs->>'$."rankwatch.comm.peer"' AS INTEGER) - rank) AS peer
+               FROM ops WHERE run_id = 'zero-code-3d' AND kind = 'comm' AND step > 0 GROUP BY ALL)
+           GROUP BY ALL ORDER BY ALL""",
+    )
+    assert [row[2:4] for row in per_step if row[:2] == ("all_reduce", "tp")] == [(4, 8)], per_step
+    # by stage: stage 0's input needs no gradient, so its backward all-reduces none
+    by_stage = query(
+        collector.db,
+        """SELECT rank // 2, count(*) // count(DISTINCT (rank, step)) FROM ops WHERE run_id = 'zero-code-3d'
+           AND kind = 'comm' AND step > 0 AND (attrs->>'$."rankwatch.comm.role"') = 'tp' GROUP BY ALL ORDER BY 1""",
+    )
+    assert by_stage == [(0, 4), (1, 8)]
+    p2p = [row for row in per_step if row[1] == "pp"]
+    assert p2p and all(abs(lo) == abs(hi) == 2 for *_, lo, hi in p2p), per_step  # rank r and r +- 2 (pp peers)
+    phases = query(
+        collector.db,
+        """SELECT name, min(n), max(n) FROM (SELECT rank, step, name, count(*) AS n FROM ops
+           WHERE run_id = 'zero-code-3d' AND kind = 'phase' AND step > 0 GROUP BY ALL) GROUP BY name ORDER BY name""",
+    )
+    assert {name: (lo, hi) for name, lo, hi in phases if name in ("pipeline", "forward", "backward")} == {
+        "pipeline": (1, 1),
+        "forward": (4, 4),
+        "backward": (4, 4),
+    }, phases
+    ((bubbles,),) = query(
+        collector.db,
+        """SELECT count(*) FROM steps WHERE run_id = 'zero-code-3d' AND step > 0
+           AND CAST(attrs->>'$."rankwatch.pipeline_bubble_s"' AS DOUBLE) > 0""",
+    )
+    assert bubbles == 4 * (steps - 1)
+
+
 @pytest.mark.cuda
 def test_an_unmodified_gpu_script_is_timed_on_its_gpu_without_a_sync(collector):
     """On a GPU (NCCL, one rank): the script makes any host-device sync from its fourth step an error,
