@@ -56,6 +56,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def timed(one_step, args) -> tuple[list[float], float]:
+    """`args.warmup` steps, then `args.steps` timed: their wall times, and the process's CPU per step
+    (the agent's shutdown, which exports the last spans, included: its cost too)."""
+    import agent
+
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu_started = time.process_time()
+        started = time.perf_counter()
+        one_step(step)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    agent.shutdown()
+    return times, (time.process_time() - cpu_started) / args.steps
+
+
 def worker(agent_dir: str | None, args) -> dict:
     """One run in this process: the training run's median step time and CPU per step, and the
     empty loop's CPU per step; `agent_dir` None: without the agent; AUTO: zero-code."""
@@ -91,11 +108,8 @@ def worker(agent_dir: str | None, args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = TokenStream(model.config.vocab, model.config.seq_len, args.batch, 0)
     start(args.run, ddp)
-    times = []
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            cpu_started = time.process_time()
-        started = time.perf_counter()
+
+    def one_step(step: int) -> None:
         with step_of(step):
             with phase_of("data"):
                 inputs, targets = data.next()
@@ -108,10 +122,8 @@ def worker(agent_dir: str | None, args) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=inputs.numel())
-        if step >= args.warmup:
-            times.append(time.perf_counter() - started)
-    agent.shutdown()  # the export of the last spans is the agent's cost too
-    cpu = (time.process_time() - cpu_started) / args.steps
+
+    times, cpu = timed(one_step, args)
     if agent_dir == AUTO:
         dist.destroy_process_group()
         return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
@@ -168,11 +180,8 @@ def worker_3d(agent_dir: str | None, args) -> dict:
     if explicit:
         agent.init(run_id=args.run, collector=args.url, token=TOKEN, cuda=False, resource=job.resource)
         job.watch()
-    times = []
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            cpu_started = time.process_time()
-        started = time.perf_counter()
+
+    def one_step(step: int) -> None:
         with step_of(step):
             with phase_of("data"):
                 inputs, targets = data.next()
@@ -183,10 +192,8 @@ def worker_3d(agent_dir: str | None, args) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             if loss is not None and explicit:
                 agent.record(loss=loss.detach(), tokens=inputs.numel())
-        if step >= args.warmup:
-            times.append(time.perf_counter() - started)
-    agent.shutdown()
-    cpu = (time.process_time() - cpu_started) / args.steps
+
+    times, cpu = timed(one_step, args)
     dist.destroy_process_group()
     return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
 
