@@ -74,10 +74,25 @@ def untrace() -> None:
 
 
 def _traced(session: Session, funcol, c10d, groups, pending: dict, op: str, at: int, size_of, original):
+    resolved: dict = {}  # (id of the group or mesh given, dimension, tag) -> (it, its group's (name, size, host, mark))
+
+    def group_of(group, tag: str) -> tuple:
+        """The group's (name, size, host, mark), resolved once per object given (DTensor passes a new
+        (mesh, dimension) tuple each call, of the same mesh)."""
+        target, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
+        if isinstance(target, list):  # ranks listed anew at each call: not kept
+            return groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag)))
+        key = (id(target), dim, tag)
+        found = resolved.get(key)
+        if found is None or found[0] is not target:  # new, or another object at a reused address
+            info = groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag)))
+            found = resolved[key] = (target, info)
+        return found[1]
+
     def start(args: tuple, kwargs: dict):
         group = args[at] if at < len(args) else kwargs["group"]
         tag = args[at + 1] if at + 1 < len(args) else kwargs.get("tag", "")
-        name, size, host, mark = groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag)))
+        name, size, host, mark = group_of(group, tag)
         tensor = args[0] if args else kwargs["self"]
         nbytes = size_of(tensor.numel() * tensor.element_size(), size)
         return session.collective(op, name, size, nbytes, SYNC, host=host), mark

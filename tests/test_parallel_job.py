@@ -7,7 +7,7 @@ analyzer in turn:
   steps 18-    rank 2 computes 3x longer                  (straggler: one rank of one dp replica)
   step  24     the loss spikes 50x                        (rolled back by the collector, restored sharded)
   steps 30-    rank 5's tensor-parallel all-reduces 4x    (slow-link:group=tp)
-  step  40     rank 6 stops for 16 s in its forward       (hang: the stages and groups around it block)
+  step  40     rank 6 stops for 12 s in its forward       (hang: the stages and groups around it block)
 
 Each test reads what it checks from the store after the job: every collective of the job with its
 mesh dimension, the pipeline's bubble, each analyzer's finding, the rollback, the what-if. The
@@ -32,7 +32,7 @@ FAULTS = [
     "straggler:rank=2,slowdown=3,from=18",
     "spike:at=24,scale=50",
     "slow-link:rank=5,factor=4,group=tp,from=30",
-    "hang:rank=6,at=40,seconds=16",
+    "hang:rank=6,at=40,seconds=12",
 ]
 
 
@@ -49,7 +49,7 @@ def job(tmp_path_factory):
             tmp / "rankwatch.duckdb",
             free_port(),
             "test-token-0123456",
-            extra_args=("--analyze-every", "0.5", "--hang-after", "10"),
+            extra_args=("--analyze-every", "0.5", "--hang-after", "8"),
             log=log,
         ).start()
         try:
@@ -196,7 +196,7 @@ def test_the_spike_is_rolled_back_and_the_sharded_state_restored_on_every_rank(j
 
 
 def test_the_what_if_analysis_runs_on_the_jobs_own_ops(job):
-    """The post-mortem replays the job's own rank-steps: the hung rank's 16 s step makes it the worst
+    """The post-mortem replays the job's own rank-steps: the hung rank's 12 s step makes it the worst
     worker; the straggler explains more than its clean peer of the same stage; each stage has its share."""
     result = rankwatch_in_process("analyze", "--db", str(job), "--json", RUN)
     assert result.returncode == 0, result.stderr

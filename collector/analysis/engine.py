@@ -47,7 +47,7 @@ _STEPS = """SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, data_s, c
                    grad_norm, coalesce(NOT isfinite(loss), false) OR coalesce(NOT isfinite(grad_norm), false)
                    AS non_finite
             FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
-_COLLECTIVES = f"""SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps, bytes,
+_COLLECTIVES = f"""SELECT run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps, bytes, seq,
                          attrs->>{sc.json_path(sc.COMM_ROLE)} AS role FROM ops
                   WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
                     AND step > $after AND step <= $upto"""

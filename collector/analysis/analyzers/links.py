@@ -91,9 +91,9 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     """Findings for one run from its collectives over the last `settings.window` steps.
 
     `ops`: run_id, rank, step, name, comm_group, group_size, duration_s, busbw_gbps, and optionally
-    role (the group's DeviceMesh dimension: peers are groups of one dimension); rows without a group or
-    a bandwidth are ignored. `step_s`: the typical step time, for the cost
-    as a share of it."""
+    seq (the collective's in its group), bytes and role (the group's DeviceMesh dimension: peers are
+    groups of one dimension); rows without a group or a bandwidth are ignored. `step_s`: the typical
+    step time, for the cost as a share of it."""
     ops = ops.dropna(subset=["comm_group", "group_size", "busbw_gbps"])
     if "bytes" in ops:
         ops = ops[ops["bytes"] >= settings.min_bytes]
@@ -106,14 +106,22 @@ def analyze(ops: pd.DataFrame, step_s: float | None = None, settings: Settings =
     recent = ops[ops["step"].isin(last_steps)]
     # A rank's collective lasts from its entry to the end: the ranks that came early also waited
     # for the last one. The rank that entered last saw the transfer alone, so each collective's
-    # bandwidth is its members' best, and its time their shortest.
-    each = recent.groupby(["comm_group", "step", "name"]).agg(
-        size=("group_size", "first"),
-        role=("role", "first"),
-        busbw=("busbw_gbps", "max"),
-        seconds=("duration_s", "min"),
+    # bandwidth is its members' best, and its time their shortest (a collective: one sequence number
+    # of its group, where the rows carry it); a step's, the median of its collectives' bandwidths
+    # (tensor parallelism runs dozens a step) and the sum of their times.
+    one = ["comm_group", "step", "name", *(["seq"] if "seq" in recent else [])]
+    each = (
+        recent.groupby(one)
+        .agg(
+            size=("group_size", "first"),
+            role=("role", "first"),
+            busbw=("busbw_gbps", "max"),
+            seconds=("duration_s", "min"),
+        )
+        .groupby(["comm_group", "step", "name"])
+        .agg(size=("size", "first"), role=("role", "first"), busbw=("busbw", "median"), seconds=("seconds", "sum"))
+        .reset_index()
     )
-    each = each.reset_index()
     each["ratio"] = each["busbw"] / each.groupby(["step", "name", "size", "role"])["busbw"].transform("median")
     groups = each.groupby("comm_group").agg(
         name=("name", "first"),
