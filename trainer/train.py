@@ -211,18 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     model = GPT(CONFIGS[args.model])
     c, params = model.config, model.num_params()
+    total = params  # the whole model's: a 3D rank computes its stage's share (params below, for MFU)
     current: dict = {"step": 0, "faults": []}
     if args.layout is None:  # DDP: every rank a replica of the model
-        ddp: torch.nn.Module = DistributedDataParallel(model.to(device))
+        trained: torch.nn.Module = DistributedDataParallel(model.to(device))
         threed = None
         replica, replicate, where = rank, list(range(world)), {sc.DP_RANK: rank}
     else:
         threed = ThreeD(model, args.layout, device, args.batch, lambda: current["faults"])
-        ddp, params = threed.module, threed.params_per_rank
+        trained, params = threed.module, threed.params_per_rank
         # each rank holds shards no other rank holds: it alone writes and reads them
         replica, replicate, where = threed.replica, [rank], threed.resource
         slow_tp_link(args.faults, rank, lambda: current["step"], threed.mesh["tp"].get_group(), cuda)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: (
@@ -240,7 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     shards = Local if threed else lambda obj: obj
     ckpt = Checkpointer(
         ckpt_dir / f"rank-{rank}",
-        {"model": shards(ddp if threed else model), "optimizer": shards(optimizer), "schedule": schedule, "data": data},
+        {
+            "model": shards(trained if threed else model),
+            "optimizer": shards(optimizer),
+            "schedule": schedule,
+            "data": data,
+        },
         memory=args.ckpt_memory,
         disk_every=args.ckpt_every,
         keep=args.ckpt_keep,
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     if threed:
         threed.watch()
     else:
-        agent.watch_ddp(ddp, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
+        agent.watch_ddp(trained, slow_link_hook(args.faults, rank, lambda: current["step"], cuda))
     # DDP: a straggler's delay is sized from its clean compute, timed only where one is injected (2 events
     # a step); 3D: from each forward of the stage (trainer/inject.py)
     delay = Delay(cuda)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = f", dp {threed.layout.dp} x tp {threed.layout.tp} x pp {threed.layout.pp}" if threed else ""
     if rank == 0:
         print(
-            f"rankwatch train: {world} ranks{layout}, GPT {args.model} ({model.num_params() / 1e6:.1f}M parameters), "
+            f"rankwatch train: {world} ranks{layout}, GPT {args.model} ({total / 1e6:.1f}M parameters), "
             f"{args.steps} steps on {device_name}" + (f", resumed at step {start}" if start else ""),
             flush=True,
         )
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 with agent.phase("forward"):
                     with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-                        loss = ddp(inputs, targets)
+                        loss = trained(inputs, targets)
                     for f in faults:
                         if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
                             extra = (f.get("slowdown") - 1) * ((compute and compute.last_s) or 0.0)
