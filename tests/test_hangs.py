@@ -146,3 +146,31 @@ def test_silence_after_a_hang_is_no_recovery():
     assert finding.evidence["silent_since_ns"] == heard and finding.evidence["stalled_s"] == pytest.approx(3600)
     assert finding.summary.startswith("no step has finished for 3600 s: ranks 0, 2, 3 are blocked in all_reduce")
     assert finding.summary.endswith("every rank silent since 1970-01-01 00:01:20 UTC")
+
+
+def test_a_stall_under_way_keeps_the_culprits_it_was_first_judged_with():
+    """Rank 1 never entered all-reduce #10: the pass past the timeout names it. Then it comes back and
+    the others run on while rank 3 lags behind them: the same stall, judged by later passes of the live
+    engine, still names rank 1 (rank 3 is catching up, not hung), with the stall's length as of then."""
+    from collector.analysis.analyzers import Frames
+    from collector.analysis.analyzers.hangs import judge
+
+    st, kept = steps(), {}
+    first = beats(
+        [(r, 20 * S + 40 * S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 2, 3)]
+        + [(1, 20 * S + 40 * S, 10, "forward", "all_reduce", "world", 9, True)]
+    )
+    later = beats(
+        [(r, 20 * S + 58 * S, 10, "backward", "all_reduce", "world", 12, False) for r in (0, 1, 2)]
+        + [(3, 20 * S + 58 * S, 10, "forward", "all_reduce", "world", 11, True)]
+    )
+
+    def judged(heartbeats, now):
+        frames = Frames("r", st, 10, 9, pd.DataFrame({"rank": list(RANKS)}), now, heartbeats=heartbeats, kept=kept)
+        return judge(frames)
+
+    (found,) = judged(first, 20 * S + 41 * S)
+    assert found.ranks == [1]
+    (again,) = judged(pd.concat([first, later]), 20 * S + 59 * S)
+    assert again.ranks == [1] and again.evidence["stalled_s"] == pytest.approx(59)
+    assert again.summary.startswith("no step has finished for 59 s: ranks 0, 2, 3 are blocked in all_reduce #10")

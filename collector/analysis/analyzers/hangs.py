@@ -23,12 +23,14 @@ checkpoint written to a slow disk, the teardown) is no stall. Nor is a job whose
 ranks' heartbeats say they are steps past the newest step judged: those steps'
 telemetry is late or lost (analyzers/gaps.py counts it), the job is not stuck.
 
-Each stall is judged once: the one under way at the moment judged, and each
+Each stall is judged once: the one under way at the moment judged (with the
+culprits a pass first named for it, kept for the run's next passes: once the
+hung rank is back, the ranks catching up with it are no culprits), and each
 stall the new steps closed (a gap between one step's end and the next longer
 than the timeout), judged as it stood when it first passed the timeout.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -73,7 +75,32 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
                 settings,
                 frames.ranks,
             )
-    return found + analyze(steps, frames.heartbeats, now, settings, frames.ranks)
+    return found + _as_first_judged(analyze(steps, frames.heartbeats, now, settings, frames.ranks), frames.kept)
+
+
+def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
+    """The stall under way, with the culprits it was first judged with (kept for the run's next passes):
+    once the hung rank is back, the ranks still catching up with it would be named in its stead until
+    the step ends. Its length and score are now's."""
+    if not current:
+        return current
+    (finding,) = current
+    first = kept.setdefault(ANALYZER, {}).get("stall")
+    if "silent_since_ns" in finding.evidence:  # every rank gone quiet: judged as it stood when last heard from
+        return current
+    if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
+        kept[ANALYZER]["stall"] = finding
+        return current
+    stalled_s = finding.evidence["stalled_s"]
+    summary = _stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"]))
+    return [
+        replace(
+            first,
+            score=finding.score,
+            summary=summary,
+            evidence={**first.evidence, "stalled_s": stalled_s, "first_judged_stalled_s": first.evidence["stalled_s"]},
+        )
+    ]
 
 
 def _no_stall(recent: pd.DataFrame, now_ns: int, s: Settings) -> bool:
