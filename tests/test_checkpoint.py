@@ -248,6 +248,8 @@ def test_damaged_checkpoint_is_reported_and_skipped(tmp_path, how, caplog):
     j = job(tmp_path, disk_every=2)
     for step in range(4):
         j.step(step)
+        if step == 1:  # step 2's written before step 4's comes (a busy writer would take the newer one instead)
+            j.ckpt.make_durable(2)
     j.ckpt.close()
     damage, why = DAMAGE[how]
     damage(tmp_path / "step-00000004")
