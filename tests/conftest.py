@@ -160,6 +160,20 @@ def collector(collector_factory) -> Collector:
     return collector_factory()
 
 
+@contextlib.contextmanager
+def job_collector(directory: Path, *extra_args: str):
+    """A collector on a store in `directory` (its log beside it) for a module's job, stopped after it,
+    so that the store can then be read."""
+    with open(directory / "collector.log", "w") as log:
+        collector = Collector(
+            directory / "rankwatch.duckdb", free_port(), "test-token-0123456", extra_args=extra_args, log=log
+        ).start()
+        try:
+            yield collector
+        finally:
+            collector.stop()
+
+
 @pytest.fixture(scope="module")
 def module_collector(tmp_path_factory) -> Collector:
     """One collector for a whole module, for tests that only need answers (fuzzing posts many requests,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Collector, free_port, rankwatch_cli
+from conftest import job_collector, rankwatch_cli
 from otlp_payloads import query
 
 import agent
@@ -341,30 +341,14 @@ def restarted(tmp_path_factory):
     rank 1 crashes at step 35, sending to a real collector, stopped after it: its store, the command's
     result and the directory it ran in (its checkpoints beside the store it made there)."""
     tmp_path = tmp_path_factory.mktemp("restart")
-    with open(tmp_path / "collector.log", "w") as log:
-        collector = Collector(tmp_path / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
-        try:
-            result = rankwatch_cli(
-                "train",
-                "--nproc",
-                "2",
-                "--steps",
-                "40",
-                "--ckpt-every",
-                "20",
-                "--max-restarts",
-                "1",
-                "--run",
-                RUN,
-                "--inject",
-                "crash:rank=1,at=35",
-                "--collector",
-                collector.url,
-                env={"RANKWATCH_TOKEN": collector.token},
-                cwd=tmp_path,
-            )
-        finally:
-            collector.stop()
+    with job_collector(tmp_path) as collector:
+        result = rankwatch_cli(
+            "train",
+            *("--nproc", "2", "--steps", "40", "--ckpt-every", "20", "--max-restarts", "1", "--run", RUN),
+            *("--inject", "crash:rank=1,at=35", "--collector", collector.url),
+            env={"RANKWATCH_TOKEN": collector.token},
+            cwd=tmp_path,
+        )
     return collector, result, tmp_path
 
 

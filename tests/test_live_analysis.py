@@ -9,7 +9,7 @@ import pytest
 
 from collector.analysis.analyzers.hangs import Settings, analyze
 from rankwatch.launch import train
-from tests.conftest import Collector, free_port, simulated_store
+from tests.conftest import job_collector, simulated_store
 from tests.otlp_payloads import query
 from tests.test_hangs import beats
 
@@ -67,27 +67,16 @@ def hang_job(tmp_path_factory) -> Path:
     """Rank 1 of 3 stops for 25 s at step 4 of 8, sending to a collector with a stall floor of 12 s
     (analysis every second); the store, once the job ended and the collector stopped. One job for the
     live verdict below and the analyzer's verdict on the stored steps and heartbeats after it."""
-    directory = tmp_path_factory.mktemp("live-hang")
-    with open(directory / "collector.log", "w") as log:
-        collector = Collector(
-            directory / "rankwatch.duckdb",
-            free_port(),
-            "test-token-0123456",
-            extra_args=("--analyze-every", "1", "--hang-after", "12"),
-            log=log,
-        ).start()
-        try:
-            status = train(
-                nproc=3,
-                steps=8,
-                run_id="run-live-hang",
-                faults=["hang:rank=1,at=4,seconds=25"],
-                collector=collector.url,
-                token=collector.token,
-                store=collector.db,
-            )
-        finally:
-            collector.stop()
+    with job_collector(tmp_path_factory.mktemp("live-hang"), "--analyze-every", "1", "--hang-after", "12") as collector:
+        status = train(
+            nproc=3,
+            steps=8,
+            run_id="run-live-hang",
+            faults=["hang:rank=1,at=4,seconds=25"],
+            collector=collector.url,
+            token=collector.token,
+            store=collector.db,
+        )
     assert status == 0
     return collector.db
 

@@ -18,7 +18,7 @@ slow in most of any window the analyzer judges it over (stragglers.py grows its 
 import json
 
 import pytest
-from conftest import Collector, free_port, rankwatch_in_process
+from conftest import job_collector, rankwatch_in_process
 from otlp_payloads import query
 
 from rankwatch.launch import train
@@ -44,28 +44,18 @@ def coordinates(rank: int) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parallel-job")
-    with open(tmp / "collector.log", "w") as log:
-        collector = Collector(
-            tmp / "rankwatch.duckdb",
-            free_port(),
-            "test-token-0123456",
-            extra_args=("--analyze-every", "0.5", "--hang-after", "7"),
-            log=log,
-        ).start()
-        try:
-            status = train(
-                nproc=8,
-                steps=STEPS,
-                run_id=RUN,
-                faults=FAULTS,
-                collector=collector.url,
-                token=collector.token,
-                store=collector.db,
-                trainer_args=["--dp", "2", "--tp", "2", "--pp", "2", "--snapshot-every", "2", "--ckpt-every", "20"],
-            )
-        finally:
-            collector.stop()
+    directory = tmp_path_factory.mktemp("parallel-job")
+    with job_collector(directory, "--analyze-every", "0.5", "--hang-after", "7") as collector:
+        status = train(
+            nproc=8,
+            steps=STEPS,
+            run_id=RUN,
+            faults=FAULTS,
+            collector=collector.url,
+            token=collector.token,
+            store=collector.db,
+            trainer_args=["--dp", "2", "--tp", "2", "--pp", "2", "--snapshot-every", "2", "--ckpt-every", "20"],
+        )
     assert status == 0
     return collector.db
 

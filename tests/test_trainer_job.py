@@ -27,7 +27,7 @@ import signal
 import statistics
 
 import pytest
-from conftest import Collector, Interactive, free_port, rankwatch_cli
+from conftest import Interactive, job_collector, rankwatch_cli
 from otlp_payloads import query
 
 from collector.nccl import bus_factor, canonical_op
@@ -63,26 +63,12 @@ def expected_lr(step: int) -> float:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Run the job through the CLI against a real collector, stop the collector, return the store."""
-    tmp = tmp_path_factory.mktemp("trainer-job")
-    with open(tmp / "collector.log", "w") as log:
-        collector = Collector(tmp / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
-        try:
-            result = rankwatch_cli(
-                "train",
-                "--nproc",
-                "2",
-                "--steps",
-                str(STEPS),
-                "--run",
-                RUN,
-                "--inject",
-                FAULT,
-                "--collector",
-                collector.url,
-                env={"RANKWATCH_TOKEN": "test-token-0123456"},
-            )
-        finally:
-            collector.stop()
+    with job_collector(tmp_path_factory.mktemp("trainer-job")) as collector:
+        result = rankwatch_cli(
+            "train",
+            *("--nproc", "2", "--steps", str(STEPS), "--run", RUN, "--inject", FAULT, "--collector", collector.url),
+            env={"RANKWATCH_TOKEN": "test-token-0123456"},
+        )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 ranks, GPT tiny" in result.stdout
     return collector.db
