@@ -174,3 +174,30 @@ def test_a_stall_under_way_keeps_the_culprits_it_was_first_judged_with():
     (again,) = judged(pd.concat([first, later]), 20 * S + 59 * S)
     assert again.ranks == [1] and again.evidence["stalled_s"] == pytest.approx(59)
     assert again.summary.startswith("no step has finished for 59 s: ranks 0, 2, 3 are blocked in all_reduce #10")
+
+
+def test_a_hang_of_16384_ranks_is_judged_in_seconds():
+    """Every rank but one blocked in the same all-reduce: whom they wait for is worked out once for the
+    collective, not once per rank over every other (which at this size takes minutes)."""
+    import time
+
+    import numpy as np
+
+    n = 16384
+    st = pd.DataFrame(
+        {
+            "run_id": "r",
+            "rank": np.tile(np.arange(n), 10),
+            "step": np.repeat(np.arange(10), n),
+            "end_ts": (np.repeat(np.arange(10), n) + 1) * 2 * S,
+            "duration_s": 2.0,
+        }
+    )
+    now = 20 * S + 45 * S
+    hb = beats([(r, now - S, 10, "backward", "all_reduce", "world", 10, False) for r in range(n)])
+    hb.loc[7, ["seq", "done", "phase"]] = [9, True, "forward"]
+    started = time.process_time()
+    (finding,) = analyze(st, hb, now_ns=now)
+    assert finding.ranks == [7] and len(finding.evidence["waiting_pairs"]) == 64  # the first 64 of them
+    assert "are blocked in all_reduce #10 of group world, which rank 7 never entered" in finding.summary
+    assert time.process_time() - started < 10

@@ -41,6 +41,7 @@ from collector.analysis.analyzers import Finding, Frames, Reads
 
 ANALYZER = "hangs"
 RECENT = 20  # steps whose typical duration sets the timeout
+MAX_PAIRS = 64  # pairs of waiting rank and culprit a finding lists
 READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True)
 
 
@@ -172,11 +173,12 @@ def analyze(
     if not blocked.empty:
         waits = _waits(alive, blocked, placement)
         culprits = sorted(set(culprits) | _waited_for(waits, set(blocked.index)))
-        pairs = [
-            (r, c, str(blocked.at[r, "op"]), str(blocked.at[r, "group"]))
-            for r in sorted(waits)
-            for c in sorted(waits[r] & set(culprits))
-        ]
+        named = frozenset(culprits)
+        for r in sorted(waits):  # the first MAX_PAIRS: at scale, tens of thousands of ranks may wait for one
+            pairs += [(r, c, str(blocked.at[r, "op"]), str(blocked.at[r, "group"])) for c in sorted(waits[r] & named)]
+            if len(pairs) >= MAX_PAIRS:
+                del pairs[MAX_PAIRS:]
+                break
         # the collective shown: where ranks wait for a culprit itself, the most of them; else the newest
         direct = blocked.loc[[w for w, *_ in pairs]] if pairs else blocked.sort_values("seq").tail(1)
         group, seq = direct.groupby(["group", "seq"]).size().sort_values().index[-1]
@@ -193,7 +195,7 @@ def analyze(
         if r in beats.index
     }
     p2p = "peer" in blocked and any(pd.notna(blocked.at[w, "peer"]) for w, *_ in pairs)
-    if pairs and (p2p or len({(g, _seq(blocked, w)) for w, _, _, g in pairs}) > 1):
+    if pairs and (p2p or len({(g, int(blocked.at[w, "seq"])) for w, _, _, g in pairs}) > 1):
         shown = ", ".join(f"rank {w} is blocked in {op} of group {g} with rank {p}" for w, p, op, g in pairs[:3])
         summary = (
             f"{_stalled(stalled_s)}: {shown}"
@@ -240,57 +242,59 @@ def analyze(
 _COORDINATES = {"dp": ("pp_stage", "tp_rank"), "tp": ("pp_stage", "dp_rank"), "pp": ("dp_rank", "tp_rank")}
 
 
-def _members(rank: int, role, placement: pd.DataFrame | None) -> set[int] | None:
-    """The ranks of `rank`'s group of DeviceMesh dimension `role`: those with its coordinates in the other
-    dimensions (None where the role or the placement does not say)."""
-    if placement is None or role not in _COORDINATES or placement.empty:
-        return None
+def _mesh_groups(placement: pd.DataFrame | None) -> dict[str, pd.Series]:
+    """For each DeviceMesh dimension the placement tells, each rank's group of it: its coordinates in the
+    other dimensions (a group of one dimension holds the ranks that share them)."""
+    if placement is None or placement.empty:
+        return {}
     placed = placement.drop_duplicates("rank").set_index("rank")
-    others = list(_COORDINATES[role])
-    if rank not in placed.index or any(c not in placed for c in others) or placed[others].isna().any().any():
-        return None
-    mine = placed.loc[rank, others]
-    return {int(r) for r in placed.index[(placed[others] == mine).all(axis=1)]}
+    return {
+        role: pd.Series(list(zip(*(placed[c] for c in others), strict=True)), index=placed.index)
+        for role, others in _COORDINATES.items()
+        if all(c in placed for c in others) and placed[list(others)].notna().all().all()
+    }
 
 
-def _waits(alive: pd.DataFrame, blocked: pd.DataFrame, placement: pd.DataFrame | None) -> dict[int, set[int]]:
+def _waits(alive: pd.DataFrame, blocked: pd.DataFrame, placement: pd.DataFrame | None) -> dict[int, frozenset[int]]:
     """Whom each blocked rank waits for: the peer of its send or receive, or the members of its group
-    that have not entered its collective (their last is of another group, or an earlier one of it)."""
-    waits: dict[int, set[int]] = {}
-    for r in blocked.index:
-        peer = blocked.at[r, "peer"] if "peer" in blocked else None
+    that have not entered its collective (their last is of another group, or an earlier one of it;
+    the group's members by its mesh dimension and the placement, else every rank). Worked out once per
+    collective and group, whatever the ranks blocked in it (at 65,536 ranks, most of them)."""
+    mesh = _mesh_groups(placement)
+    members = {role: groups.groupby(groups).groups for role, groups in mesh.items()}  # group -> its ranks
+    missing: dict[tuple, frozenset[int]] = {}  # (group, seq, role, mesh group) -> who has not entered
+    peers = blocked["peer"] if "peer" in blocked else pd.Series(None, index=blocked.index, dtype=object)
+    roles = blocked["role"] if "role" in blocked else pd.Series(None, index=blocked.index, dtype=object)
+    waits: dict[int, frozenset[int]] = {}
+    for r, group, seq, peer, role in zip(blocked.index, blocked["group"], blocked["seq"], peers, roles, strict=True):
         if peer is not None and pd.notna(peer):
-            waits[int(r)] = {int(peer)}
+            waits[int(r)] = frozenset({int(peer)})
             continue
-        group, seq = blocked.at[r, "group"], blocked.at[r, "seq"]
-        role = blocked.at[r, "role"] if "role" in blocked else None
-        members = _members(int(r), role, placement) or {int(m) for m in alive.index}
-        waits[int(r)] = {
-            m
-            for m in members - {int(r)}
-            if m not in alive.index
-            or alive.at[m, "group"] != group
-            or pd.isna(alive.at[m, "seq"])
-            or alive.at[m, "seq"] < seq
-        }
+        of = mesh[role].get(r) if role in mesh else None
+        key = (group, seq, role if of is not None else None, of)
+        if key not in missing:
+            sub = alive.reindex(members[role][of] if of is not None else alive.index)
+            behind = sub["group"].ne(group) | sub["seq"].isna() | (sub["seq"] < seq)
+            missing[key] = frozenset(int(m) for m in sub.index[behind.to_numpy()])
+        waits[int(r)] = missing[key]
     return waits
 
 
-def _waited_for(waits: dict[int, set[int]], blocked: set) -> set[int]:
+def _waited_for(waits: dict[int, frozenset[int]], blocked: set) -> set[int]:
     """The ranks the waits lead to that wait for nobody; where they only go round (a deadlock), the
-    ranks of the round."""
-    seen, todo = set(), [p for peers in waits.values() for p in peers]
+    ranks of the round. (Ranks share their sets: each set is walked once.)"""
+    seen: set[int] = set()
+    walked: set[int] = set()
+    todo = list({id(peers): peers for peers in waits.values()}.values())
     while todo:
-        r = todo.pop()
-        if r not in seen:
+        peers = todo.pop()
+        for r in peers - seen:
             seen.add(r)
-            todo += waits.get(r, ())
+            if (next_ := waits.get(r)) is not None and id(next_) not in walked:
+                walked.add(id(next_))
+                todo.append(next_)
     ends = {r for r in seen if r not in blocked}
     return ends or seen
-
-
-def _seq(blocked: pd.DataFrame, rank: int) -> int:
-    return int(blocked.at[rank, "seq"])
 
 
 def _stalled(seconds: float) -> str:
