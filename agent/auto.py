@@ -69,12 +69,16 @@ class _Driver:
             self._adopt(module)
         elif module is not self.root:
             return
-        if self._step_cm is None:
-            self._step_cm = agent.step(self.step)
-            self._step_cm.__enter__()
+        self._open_step()
         self._forwarded = True
         if not self._pipelined:
             self._enter_phase("forward")
+
+    def _open_step(self) -> None:
+        """The step, where none is open (the first of the process, opened by its first forward)."""
+        if self._step_cm is None:
+            self._step_cm = agent.step(self.step)
+            self._step_cm.__enter__()
 
     def _adopt(self, root) -> None:
         """`root`'s forward is the step's forward from now on (its alone calls a hook, not every module's
@@ -105,9 +109,7 @@ class _Driver:
         except Exception as e:  # a schedule of a shape this does not know: its steps stay untimed
             print(f"rankwatch: this pipeline schedule is not timed: {e}", file=sys.stderr)
             return step(schedule, *args, **kwargs)
-        if self._step_cm is None:
-            self._step_cm = agent.step(self.step)
-            self._step_cm.__enter__()
+        self._open_step()
         self._enter_phase(None)
         self._pipelined = True
         try:

@@ -78,15 +78,14 @@ def _traced(session: Session, funcol, c10d, groups, pending: dict, op: str, at: 
 
     def group_of(group, tag: str) -> tuple:
         """The group's (name, size, host, mark), resolved once per object given (DTensor passes a new
-        (mesh, dimension) tuple each call, of the same mesh)."""
+        (mesh, dimension) tuple each call, of the same mesh; ranks listed anew at each call are not kept)."""
         target, dim = group if isinstance(group, tuple) and len(group) == 2 else (group, None)
-        if isinstance(target, list):  # ranks listed anew at each call: not kept
-            return groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag)))
         key = (id(target), dim, tag)
         found = resolved.get(key)
         if found is None or found[0] is not target:  # new, or another object at a reused address
-            info = groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag)))
-            found = resolved[key] = (target, info)
+            found = (target, groups(c10d._resolve_process_group(funcol._resolve_group_name(group, tag))))
+            if not isinstance(target, list):
+                resolved[key] = found
         return found[1]
 
     def start(args: tuple, kwargs: dict):

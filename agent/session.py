@@ -263,12 +263,9 @@ class Session:
         wall = lambda mark: start + self.timer.between(s.start, mark)  # noqa: E731  # durations from the step's start
         end = wall(s.end)
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
-        seconds = dict.fromkeys(("data", *COMPUTE_PHASES), 0.0)
-        for name, a, b in phases:
-            seconds[name] = seconds.get(name, 0.0) + (b - a) / 1e9
         comm = self._comm_intervals(s, wall)
         blocked = [(wall(c.waited), b) for c, _, _, b in comm if c.waited is not None and c.stream == s.stream]
-        compute, comm_wait, by_role = self._exposed_comm_wait((start, end), phases, comm, blocked, s.stream, self.roles)
+        compute, comm_wait, by_role = self._compute_and_wait((start, end), phases, comm, blocked, s.stream, self.roles)
         self.timer.release(
             [
                 s.start,
@@ -283,12 +280,12 @@ class Session:
         attributes: dict[str, AttributeValue] = {
             sc.KIND: sc.KIND_STEP,
             sc.STEP: s.step,
-            sc.DATA_S: seconds["data"],
+            sc.DATA_S: sum(b - a for name, a, b in phases if name == "data") / 1e9,
             sc.COMPUTE_S: compute,
             sc.COMM_WAIT_S: comm_wait,
             **{sc.COMM_WAIT_S_OF + role: wait for role, wait in by_role.items()},
         }
-        if PIPELINE in seconds:
+        if any(name == PIPELINE for name, _, _ in phases):
             attributes[sc.PIPELINE_BUBBLE_S] = self._bubble(phases)
         energy = self.sampler.energy_between(start, end) if self.sampler else None
         if energy is not None:
@@ -343,7 +340,7 @@ class Session:
         return [(c, a, starts[i], b) for i, (c, a, b) in enumerate(done)]
 
     @staticmethod
-    def _exposed_comm_wait(
+    def _compute_and_wait(
         window: tuple[int, int], phases: list, comm: list, blocked: list, stream: int | None, roles: dict[str, str]
     ) -> tuple[float, float, dict[str, float]]:
         """(compute, exposed wait, the exposed wait of each DeviceMesh dimension (`roles`: group ->

@@ -334,7 +334,7 @@ def test_the_exposed_wait_is_split_by_the_mesh_dimension_of_each_collectives_gro
 
     phases = [("forward", 0, 100), ("backward", 100, 200)]
     collectives = [comm("tp-group", 50, 150), comm("dp-group", 180, 260), comm("other", 250, 270)]
-    compute, total, by_role = Session._exposed_comm_wait(
+    compute, total, by_role = Session._compute_and_wait(
         (0, 300), phases, collectives, [], None, {"tp-group": "tp", "dp-group": "dp"}
     )
     assert (round(total * 1e9), {role: round(s * 1e9) for role, s in by_role.items()}) == (70, {"tp": 0, "dp": 60})
@@ -349,7 +349,7 @@ def test_an_async_collective_waited_for_on_the_training_stream_is_not_compute():
 
     gather = Collective("all_gather", "dp-group", 2, 0, 0, 10, ASYNC, 70, waited=40)
     phases = [("forward", 0, 100)]
-    compute, total, by_role = Session._exposed_comm_wait(
+    compute, total, by_role = Session._compute_and_wait(
         (0, 100), phases, [(gather, 10, 10, 70)], [(40, 70)], None, {"dp-group": "dp"}
     )
     assert (round(compute * 1e9), round(total * 1e9), round(by_role["dp"] * 1e9)) == (70, 30, 30)
