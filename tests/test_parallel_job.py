@@ -110,7 +110,9 @@ def test_every_collective_is_recorded_with_its_mesh_dimension(job):
 
 def test_each_step_has_its_bubble_and_exposed_wait_per_dimension(job):
     """While stage 1 is slow, stage 0 waits for it in the schedule: its bubble is most of its step, and
-    stage 1's is small; the exposed wait is split by dimension, pp's the largest on stage 0."""
+    stage 1's is small, its step spent computing rather than waiting on the pipeline; the exposed wait
+    is split by dimension, pp's the largest on stage 0. (Stage 1's dp and tp waits grow with the load of
+    this 2-core machine, so its compute is compared with the pipeline's part, not with the whole step.)"""
     rows = query(
         job,
         """SELECT rank, median(CAST(attrs->>'$."rankwatch.pipeline_bubble_s"' AS DOUBLE)),
@@ -126,7 +128,7 @@ def test_each_step_has_its_bubble_and_exposed_wait_per_dimension(job):
         if coordinates(rank)[0] == 0:
             assert bubble > 0.5 * duration and pp_wait > 0.5 * duration, (rank, bubble, pp_wait, duration)
         else:
-            assert bubble < 0.2 * duration and compute > 0.4 * duration, (rank, bubble, compute, duration)
+            assert bubble < 0.2 * duration and compute > 2 * bubble + pp_wait, (rank, bubble, pp_wait, compute)
     losses = query(job, "SELECT rank, count(loss) FROM steps WHERE run_id = ? GROUP BY rank ORDER BY rank", [RUN])
     assert [n > 0 for _, n in losses] == [False] * 4 + [True] * 4  # the loss is the last stage's
 

@@ -1,0 +1,97 @@
+"""NCPP against its baselines on PerfCastDB: a server's benchmark score from its hardware.
+
+Trains NCPP's group-attention network (collector/predict) and each baseline on --train. With --test,
+each is fitted on the whole of --train and judged on --test; without, on --train's own servers held
+out one at a time (pod-grouped: a server's repeats of a test never sit on both sides of a split).
+
+Printed per predictor: MAPE, P90 of the absolute percentage error, the share within 5% and R² of log
+scores, over every held-out row and over the rows whose test some training server ran (a test no
+training server ran is predicted from its workload's median only, by every method). The last line is
+one JSON object: ncpp_mape, best_baseline, best_baseline_mape and the rest of the figures.
+
+Usage: python bench/ncpp.py --train FILE [--test FILE] [--epochs 600] [--seed 0]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from collector.predict import perfcastdb
+from collector.predict.baselines import Boosted, Median, Ncpp, Ridge
+from collector.predict.evaluate import held_out, metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", type=Path, required=True)
+    parser.add_argument("--test", type=Path)
+    parser.add_argument("--epochs", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        train, score = perfcastdb.load(args.train)
+        test, test_score = perfcastdb.load(args.test) if args.test else (train, score)
+    except perfcastdb.DataError as e:
+        parser.exit(2, f"ncpp.py: error: {e}\n")
+    groups = perfcastdb.groups(list(train.columns))
+    predictors = [
+        lambda: Ncpp(groups, epochs=args.epochs, seed=args.seed),
+        lambda: Median(perfcastdb.CONFIGURATION),
+        lambda: Ridge(groups),
+        lambda: Boosted(groups, seed=args.seed),
+    ]
+    if args.test:
+        predicted = {p.name: p.predict(test) for p in (make().fit(train, score) for make in predictors)}
+        seen = (
+            test[perfcastdb.CONFIGURATION]
+            .apply(tuple, axis=1)
+            .isin(set(train[perfcastdb.CONFIGURATION].apply(tuple, axis=1)))
+        )
+        how = f"fitted on {args.train} ({len(train)} rows), judged on {args.test} ({len(test)} rows)"
+    else:
+        servers = train[perfcastdb.SERVER].astype(str)
+        predicted = held_out(train, score, servers, predictors)
+        # a row's test is seen when another server ran it too
+        seen = train.groupby(perfcastdb.CONFIGURATION)[perfcastdb.SERVER].transform("nunique") > 1
+        how = f"{args.train}: {len(train)} rows, {servers.nunique()} servers, each held out in turn"
+    seen = seen.to_numpy()
+    figures = {
+        name: {"all": metrics(test_score, p), "seen": metrics(test_score[seen], p[seen]) if seen.any() else None}
+        for name, p in predicted.items()
+    }
+    console = Console(width=110)
+    console.print(how)
+    for subset, title in (
+        ("all", "every held-out row"),
+        ("seen", f"rows whose test a training server ran ({seen.sum()} of {len(seen)})"),
+    ):
+        table = Table("predictor", "MAPE %", "P90 %", "within 5%", "R² (log)", title=title)
+        for name, f in figures.items():
+            if f[subset]:
+                m = f[subset]
+                table.add_row(name, f"{m['mape']:.1f}", f"{m['p90']:.1f}", f"{m['within5']:.0%}", f"{m['r2_log']:.3f}")
+        console.print(table)
+    baselines = {name: f["all"]["mape"] for name, f in figures.items() if name != "ncpp"}
+    best = min(baselines, key=baselines.__getitem__)
+    print(
+        json.dumps(
+            {
+                "ncpp_mape": figures["ncpp"]["all"]["mape"],
+                "best_baseline": best,
+                "best_baseline_mape": baselines[best],
+                "ncpp_beats_baseline": figures["ncpp"]["all"]["mape"] < baselines[best],
+                "rows": len(test_score),
+                "seen_rows": int(seen.sum()),
+                "figures": figures,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""NCPP's group-attention regressor, evaluated with numpy: the collector's side of the model.
+
+Each feature becomes a token (a number scales its own learned vector; a category looks up its own
+embedding). Each group's tokens, with a learned summary token, go through one pre-norm attention
+block; the group's summary tokens then attend to each other in a second block, and their mean is read
+out as the standardized log of the target. `fit.py` trains the same network in torch and saves its
+weights under the names read here; tests hold the two forward passes equal.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from collector.predict.groups import Encoded, Encoder
+
+BLOCK = ("ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "w1", "b1", "w2", "b2")
+
+
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-5) * w + b
+
+
+def _block(x: np.ndarray, p: dict[str, np.ndarray]) -> np.ndarray:
+    """One pre-norm single-head attention block over tokens x (rows, tokens, width)."""
+    h = _layer_norm(x, p["ln1.w"], p["ln1.b"])
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    x = x + (scores / scores.sum(-1, keepdims=True)) @ v @ p["wo"]
+    h = _layer_norm(x, p["ln2.w"], p["ln2.b"])
+    return x + np.maximum(h @ p["w1"] + p["b1"], 0.0) @ p["w2"] + p["b2"]
+
+
+def token_groups(encoder: Encoder) -> list[np.ndarray]:
+    """Per group, the indices of its tokens among all tokens (the numeric ones first, then categories)."""
+    numeric, categorical = encoder.numeric, encoder.categorical
+    return [
+        np.array(
+            [i for i, f in enumerate(numeric) if f.group == g]
+            + [len(numeric) + i for i, f in enumerate(categorical) if f.group == g],
+            dtype=np.int64,
+        )
+        for g in encoder.groups
+    ]
+
+
+def category_offsets(encoder: Encoder) -> np.ndarray:
+    """Where each category's embeddings start in the one embedding table (code 0, unseen, included)."""
+    sizes = [len(f.vocabulary) + 1 for f in encoder.categorical]
+    return np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+
+
+@dataclass
+class Model:
+    """A fitted NCPP network: its encoder, weights, and the standardization of log(target)."""
+
+    encoder: Encoder
+    weights: dict[str, np.ndarray]
+    log_mean: float
+    log_std: float
+    target: str  # what it predicts, in words ("score", "compute_s")
+
+    def __post_init__(self) -> None:
+        self._groups = token_groups(self.encoder)
+        self._offsets = category_offsets(self.encoder)
+
+    def forward(self, encoded: Encoded) -> np.ndarray:
+        """The standardized log target of each row."""
+        w = self.weights
+        n = encoded.numbers.shape[0]
+        width = w["head.w"].shape[0]
+        tokens = np.empty((n, encoded.numbers.shape[1] + encoded.codes.shape[1], width), dtype=np.float32)
+        tokens[:, : encoded.numbers.shape[1]] = encoded.numbers[:, :, None] * w["num.scale"] + w["num.shift"]
+        tokens[:, encoded.numbers.shape[1] :] = w["cat.table"][encoded.codes + self._offsets]
+        summaries = []
+        for g, index in enumerate(self._groups):
+            p = {name: w[f"g{g}.{name}"] for name in BLOCK}
+            x = np.concatenate([np.broadcast_to(w[f"g{g}.cls"], (n, 1, width)), tokens[:, index]], axis=1)
+            summaries.append(_block(x, p)[:, 0])
+        x = np.stack(summaries, axis=1) + w["x.group"]
+        x = _block(x, {name: w[f"x.{name}"] for name in BLOCK}).mean(1)
+        x = _layer_norm(x, w["head.ln.w"], w["head.ln.b"])
+        return (x @ w["head.w"] + w["head.b"])[:, 0]
+
+    def predict(self, table: pd.DataFrame) -> np.ndarray:
+        """The target for each row of `table`."""
+        return np.exp(self.forward(self.encoder.encode(table)) * self.log_std + self.log_mean)
+
+    def save(self, path: Path, **meta: object) -> None:
+        """One .npz: the weights, and the encoder and target as JSON (with `meta`: how it was judged)."""
+        header = {
+            "encoder": self.encoder.to_json(),
+            "log_mean": self.log_mean,
+            "log_std": self.log_std,
+            "target": self.target,
+            **meta,
+        }
+        with open(path, "wb") as f:
+            arrays: dict[str, Any] = {"__meta__": np.array(json.dumps(header)), **self.weights}
+            np.savez_compressed(f, **arrays)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple["Model", dict]:
+        """The model saved at `path`, and the rest of what was saved with it."""
+        with np.load(path, allow_pickle=False) as data:
+            header = json.loads(str(data["__meta__"]))
+            weights = {k: data[k] for k in data.files if k != "__meta__"}
+        model = cls(
+            Encoder.from_json(header.pop("encoder")),
+            weights,
+            header.pop("log_mean"),
+            header.pop("log_std"),
+            header.pop("target"),
+        )
+        return model, header
