@@ -1,6 +1,6 @@
 """Device samples in the background, and the energy of any stretch of time.
 
-A thread reads the readers (the rank's GPU, the host's RAPL zones) every
+A thread reads the readers (the rank's GPU, its process and host, the RAPL zones) every
 `period_s`, stamps their readings with the agent's clock and hands them over
 about every `flush_s` to a second thread, which passes them to `emit`
 (`Exporter.samples`): a slow or absent collector never delays sampling, and

@@ -30,6 +30,7 @@ GRAD_NORM = "rankwatch.grad_norm"
 TOKENS = "rankwatch.tokens"
 LR = "rankwatch.lr"
 MFU = "rankwatch.mfu"
+STEP_FLOPS = "rankwatch.flops"  # the model FLOPs of the rank's step (6 x parameters x tokens): its work
 DATA_S = "rankwatch.data_s"
 COMPUTE_S = "rankwatch.compute_s"
 COMM_WAIT_S = "rankwatch.comm_wait_s"
@@ -96,6 +97,7 @@ SOURCE = "rankwatch.source"  # "nvml", "simulated" or "rapl"
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
 SOURCE_RAPL = "rapl"
+SOURCE_HOST = "host"  # the rank's process and its host, from /proc (agent/host.py)
 # on power samples: which power NVML gave, the instantaneous field or its windowed average
 POWER_KIND = "rankwatch.power.kind"
 POWER_KIND_INSTANT = "instant"
@@ -158,6 +160,15 @@ def clock_event_words(mask: float) -> list[str]:
 # Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.
 HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
 HOST_POWER_W = "hw.power"  # W, averaged since the previous reading
+
+# The rank's process and its host (agent/host.py), what a step's compute time depends on outside the GPU:
+# OpenTelemetry's process and system conventions, and Linux's pressure stall information (PSI) as the
+# share of time some task on the host waited for the CPU, for memory or for I/O since the last reading.
+PROCESS_CPU_UTIL = "process.cpu.utilization"  # the rank's CPU time per second, per CPU it may run on
+SYSTEM_MEMORY_UTIL = "system.memory.utilization"  # the host's memory in use (not available), a fraction
+PRESSURE_CPU = "rankwatch.host.pressure.cpu"
+PRESSURE_MEMORY = "rankwatch.host.pressure.memory"
+PRESSURE_IO = "rankwatch.host.pressure.io"
 
 # Rollbacks (trainer/rollback.py): a command from the collector, carried out by every rank.
 EVENT_ROLLBACK = "rollback"  # the state went back to a checkpoint, with what follows

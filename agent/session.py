@@ -22,6 +22,7 @@ from agent import semconv as sc
 from agent.clock import Clock, CpuTimer, Timer
 from agent.config import UNDELIVERED_ENV
 from agent.export import Attributes, AttributeValue, Exporter, log
+from agent.host import HostState
 from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
@@ -105,7 +106,7 @@ class Session:
         local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
         # a simulated GPU is busy while the rank computes
         self.device = open_device(local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES))
-        readers: list = [self.device]
+        readers: list = [self.device, HostState()]
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
         # a step held for its energy goes out once sampled past, not only at the next step's end
@@ -402,4 +403,11 @@ def _on_host(value):
     return value.detach().to("cpu", non_blocking=True) if getattr(value, "is_cuda", False) else value
 
 
-_VALUE_KEYS = {"loss": sc.LOSS, "grad_norm": sc.GRAD_NORM, "tokens": sc.TOKENS, "lr": sc.LR, "mfu": sc.MFU}
+_VALUE_KEYS = {
+    "loss": sc.LOSS,
+    "grad_norm": sc.GRAD_NORM,
+    "tokens": sc.TOKENS,
+    "lr": sc.LR,
+    "mfu": sc.MFU,
+    "flops": sc.STEP_FLOPS,
+}

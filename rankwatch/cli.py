@@ -318,9 +318,10 @@ def cmd_analyze(args) -> None:
     from collector.store.db import StoreLocked
     from collector.store.runs import UnknownRun
 
+    model = _model(args.model) if args.model else None
     try:
         con = _reader(args)
-        report = analyze_run(con, args.run, hang_settings=hangs.Settings(floor_s=args.hang_after))
+        report = analyze_run(con, args.run, hang_settings=hangs.Settings(floor_s=args.hang_after), model=model)
     except (StoreLocked, UnknownRun) as e:
         raise UsageError(str(e)) from None
     if args.heatmap and report.whatif is None:
@@ -332,9 +333,9 @@ def cmd_analyze(args) -> None:
     if args.json:
         whatif = asdict(report.whatif) if report.whatif else {}  # a run without steps has no what-if part
         loss = {"telemetry_loss": report.loss.as_dict()} if report.loss else {}
-        print(
-            json.dumps({"run": args.run, **whatif, **loss, "findings": [asdict(f) for f in report.findings]}, indent=2)
-        )
+        prediction = {"prediction": report.prediction.as_dict()} if report.prediction else {}
+        findings = {"findings": [asdict(f) for f in report.findings]}
+        print(json.dumps({"run": args.run, **whatif, **loss, **prediction, **findings}, indent=2))
     else:
         _print_report(report)
 
@@ -369,7 +370,55 @@ def _print_report(report) -> None:
         )
         explained.add_row(f"rank {worker['rank']}" + (f" ({placed})" if placed else ""), f"{worker['slowdown']:.3f}x")
     console.print(explained)
+    if report.prediction is not None:
+        _print_prediction(report.prediction, console)
     _print_findings(report.findings, console)
+
+
+def _model(path: str):
+    """The step-time model saved at `path` by `rankwatch model fit`; a usage error where it is not one."""
+    from collector.predict.stepmodel import Fitted
+
+    try:
+        return Fitted.load(Path(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {path}: not a model saved by `rankwatch model fit` ({e})") from None
+
+
+def _print_prediction(prediction, console) -> None:
+    """Each rank's compute time, measured against what its state predicts (the slowest first)."""
+    from rich.table import Table
+
+    console.print(f"step-time model: {prediction.verdict}")
+    if not prediction.trusted:
+        return
+    ranks = prediction.ranks.assign(ratio=prediction.ranks["measured_s"] / prediction.ranks["predicted_s"])
+    table = Table("rank", "compute, measured", "predicted", "measured / predicted", title="compute time per rank")
+    for row in ranks.sort_values("ratio", ascending=False).head(8).itertuples():
+        table.add_row(
+            str(row.rank), f"{row.measured_s * 1e3:.1f} ms", f"{row.predicted_s * 1e3:.1f} ms", f"{row.ratio:.2f}"
+        )
+    console.print(table)
+
+
+def cmd_model_fit(args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from collector.predict.stepmodel import TooLittleData, fit
+    from collector.store.db import StoreLocked
+
+    try:
+        fitted = fit(_reader(args), args.run, epochs=args.epochs)
+    except (StoreLocked, TooLittleData) as e:
+        raise UsageError(str(e)) from None
+    fitted.save(Path(args.out))
+    console = Console()
+    table = Table("predictor", "MAPE %", "P90 %", "within 5%", "R² (log)", title="each run held out in turn")
+    for name, m in fitted.figures.items():
+        table.add_row(name, f"{m['mape']:.1f}", f"{m['p90']:.1f}", f"{m['within5']:.0%}", f"{m['r2_log']:.3f}")
+    console.print(table)
+    print(f"saved {args.out}: {fitted.verdict}")
 
 
 def _print_findings(found: list, console) -> None:
@@ -1152,8 +1201,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="least stall judged a hang, as the collector's --hang-after (default 30)",
     )
+    p.add_argument(
+        "--model",
+        metavar="FILE",
+        help="a step-time model (`rankwatch model fit`): how much of each straggler's slowdown its state "
+        "explains, and whether the whole job computes slower than predicted",
+    )
     _lake_options(p, "read the run from")
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("model", help="the step-time model: NCPP fitted on stored runs, judged on runs it did not see")
+    model = p.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
+    p = model.add_parser("fit", help="fit it on stored runs, judge it against its baselines, save it")
+    p.add_argument("--run", action="append", required=True, help="a run to learn from (3 or more; repeatable)")
+    p.add_argument("--out", required=True, metavar="FILE", type=_output_file, help="where to save the model")
+    p.add_argument("--epochs", type=POSITIVE, default=60, help="passes over the rank-steps (default 60)")
+    p.add_argument("--db", help=f"store file ({_DEFAULT_DB})")
+    _lake_options(p, "read the runs from")
+    p.set_defaults(func=cmd_model_fit)
 
     p = sub.add_parser("power", help="power-cap recommendations")
     power = p.add_subparsers(dest="power_command", required=True, parser_class=_Parser)

@@ -436,6 +436,18 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel
     )
 
 
+def tables(
+    topology: Topology, n_steps: int, faults: list[Fault], seed: int = 0, timing: Timing = Timing()
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A whole simulated run as the store would hold it, without a collector: its rank-steps (rank,
+    step, end_ts ns, duration_s, compute_s, ...), its device samples (rank, ts ns, metric, value) and
+    its placement (rank, host, dp_rank, pp_stage, tp_rank, world_size)."""
+    frames = list(steps(topology, n_steps, faults, timing, seed, start_ns=10**18))
+    run_steps = pd.concat(frames, ignore_index=True).rename(columns={"end_ns": "end_ts"})
+    samples = pd.concat([device_samples(f, timing) for f in frames], ignore_index=True)
+    return run_steps, samples, topology.placement().assign(world_size=topology.ranks)
+
+
 def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:
     """A gradient all-reduce span, with the attributes the agent's collective wrappers record."""
     from agent import semconv as sc

@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokens=tokens,
                 lr=schedule.get_last_lr()[0],
                 mfu=mfu(params, tokens, time.perf_counter() - started, peak),
+                flops=6 * params * tokens,  # the rank's work, whatever the time it took
             )
         if progress and loss is not None:
             progress.step(step, loss, (time.perf_counter() - started) * 1e3)

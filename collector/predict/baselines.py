@@ -1,6 +1,7 @@
 """The baselines NCPP must beat, each fitted on log(target) as NCPP is: the median of the same
 configuration, ridge regression, and gradient-boosted trees (scikit-learn's histogram GBRT, native
-categories). A baseline and NCPP share one surface: `fit(table, target)`, then `predict(table)`."""
+categories); for step time also the analytic model (analytic.py). A baseline and NCPP share one
+surface: `fit(table, target)`, then `predict(table)`."""
 
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -8,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
+from collector.predict.analytic import Analytic
 from collector.predict.groups import Encoder, as_text
 
 
@@ -29,6 +31,7 @@ class Median:
         self.keys = list(keys)
 
     def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Median":
+        self.keys = [k for k in self.keys if k in table]  # a table without one is judged on the rest
         log = pd.Series(np.log(target), index=table.index)
         self.levels = [
             log.groupby([as_text(table[k]) for k in self.keys[:depth]]).median().to_dict()
@@ -41,7 +44,8 @@ class Median:
         out = np.full(len(table), self.overall)
         known = np.zeros(len(table), dtype=bool)
         for depth, level in zip(range(len(self.keys), 0, -1), self.levels, strict=True):
-            keys = zip(*(as_text(table[k]) for k in self.keys[:depth]), strict=True)
+            columns = [as_text(table[k]) if k in table else [""] * len(table) for k in self.keys[:depth]]
+            keys = zip(*columns, strict=True)
             for i, key in enumerate(keys):
                 value = level.get(key[0] if depth == 1 else key)
                 if not known[i] and value is not None:
@@ -128,15 +132,18 @@ class Ncpp:
 
     name = "ncpp"
 
-    def __init__(self, groups: Mapping[str, Sequence[str]], epochs: int = 600, seed: int = 0):
-        self.groups, self.epochs, self.seed = groups, epochs, seed
+    def __init__(
+        self, groups: Mapping[str, Sequence[str]], epochs: int = 600, seed: int = 0, prior: Analytic | None = None
+    ):
+        """`prior`: an analytic model the network learns to correct (fitted anew with it)."""
+        self.groups, self.epochs, self.seed, self.prior = groups, epochs, seed, prior
 
     def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Ncpp":
         from collector.predict.fit import fit
 
-        self.model = fit(
-            table, target, {g: list(c) for g, c in self.groups.items()}, epochs=self.epochs, seed=self.seed
-        )
+        groups = {g: list(c) for g, c in self.groups.items()}
+        prior = None if self.prior is None else Analytic(self.prior.log_work, self.prior.clock)
+        self.model = fit(table, target, groups, epochs=self.epochs, seed=self.seed, prior=prior)
         return self
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:

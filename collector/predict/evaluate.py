@@ -28,7 +28,7 @@ def metrics(actual: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
 def held_out(
     table: pd.DataFrame,
     target: np.ndarray,
-    by: Sequence[str],
+    by: Sequence[str] | np.ndarray,
     predictors: Sequence[Callable[[], Predictor]],
     folds: int = 0,
 ) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from collector.predict.analytic import Analytic
 from collector.predict.groups import UNSEEN, Encoder
 from collector.predict.ncpp import BLOCK, Model, category_offsets, token_groups
 
@@ -113,12 +114,17 @@ def fit(
     name: str = "target",
     epochs: int = 600,
     seed: int = 0,
+    prior: Analytic | None = None,
 ) -> Model:
-    """NCPP fitted to predict `target` (positive) from `table`'s grouped columns."""
+    """NCPP fitted to predict `target` (positive) from `table`'s grouped columns; with `prior`, to
+    predict the target over the prior's prediction (the prior fitted first, on the same rows)."""
     torch.manual_seed(seed)
     encoder = Encoder.fit(table, groups)
     encoded = encoder.encode(table)
-    log = np.log(np.asarray(target, dtype=float))
+    target = np.asarray(target, dtype=float)
+    if prior is not None:
+        target = target / prior.fit(table, target).predict(table)
+    log = np.log(target)
     mean, std = float(log.mean()), float(log.std()) or 1.0
     numbers, codes = torch.from_numpy(encoded.numbers), torch.from_numpy(encoded.codes)
     y = torch.from_numpy(((log - mean) / std).astype(np.float32))
@@ -129,7 +135,7 @@ def fit(
         _train(net, numbers, codes, y, epochs)
     finally:
         torch.set_num_threads(threads)
-    return Model(encoder, net.export(), mean, std, name)
+    return Model(encoder, net.export(), mean, std, name, prior)
 
 
 def _train(net: GroupAttention, numbers: torch.Tensor, codes: torch.Tensor, y: torch.Tensor, epochs: int) -> None:

@@ -3,7 +3,8 @@
 Each feature becomes a token (a number scales its own learned vector; a category looks up its own
 embedding). Each group's tokens, with a learned summary token, go through one pre-norm attention
 block; the group's summary tokens then attend to each other in a second block, and their mean is read
-out as the standardized log of the target. `fit.py` trains the same network in torch and saves its
+out as the standardized log of the target (or, with an analytic prior, of the target over the prior's
+prediction: what the hardware's state adds to work / clock). `fit.py` trains the same network in torch and saves its
 weights under the names read here; tests hold the two forward passes equal.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from collector.predict.analytic import Analytic
 from collector.predict.groups import Encoded, Encoder
 
 BLOCK = ("ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "w1", "b1", "w2", "b2")
@@ -65,6 +67,7 @@ class Model:
     log_mean: float
     log_std: float
     target: str  # what it predicts, in words ("score", "compute_s")
+    prior: Analytic | None = None  # the network predicts the target over this model's prediction
 
     def __post_init__(self) -> None:
         self._groups = token_groups(self.encoder)
@@ -90,15 +93,17 @@ class Model:
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:
         """The target for each row of `table`."""
-        return np.exp(self.forward(self.encoder.encode(table)) * self.log_std + self.log_mean)
+        predicted = np.exp(self.forward(self.encoder.encode(table)) * self.log_std + self.log_mean)
+        return predicted if self.prior is None else predicted * self.prior.predict(table)
 
     def save(self, path: Path, **meta: object) -> None:
-        """One .npz: the weights, and the encoder and target as JSON (with `meta`: how it was judged)."""
+        """One .npz: the weights, and the encoder, target and prior as JSON (with `meta`: how it was judged)."""
         header = {
             "encoder": self.encoder.to_json(),
             "log_mean": self.log_mean,
             "log_std": self.log_std,
             "target": self.target,
+            "prior": None if self.prior is None else vars(self.prior),
             **meta,
         }
         with open(path, "wb") as f:
@@ -117,5 +122,6 @@ class Model:
             header.pop("log_mean"),
             header.pop("log_std"),
             header.pop("target"),
+            None if (prior := header.pop("prior", None)) is None else Analytic(**prior),
         )
         return model, header

@@ -21,9 +21,11 @@ import duckdb
 import pandas as pd
 
 from collector.analysis import findings, losses
-from collector.analysis.analyzers import Finding, hangs, stragglers, whatif
+from collector.analysis.analyzers import Finding, hangs, predicted, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.engine import replay
+from collector.predict import steptime
+from collector.predict.stepmodel import Fitted
 from collector.receive.imports.flight_recorder import EVENT as DUMP_EVENT
 from collector.store import schema
 from collector.store.runs import unknown_run
@@ -49,6 +51,20 @@ class Report:
     findings: list[Finding]
     steps: pd.DataFrame  # the rank-steps it was drawn from
     loss: losses.Loss | None = None  # the telemetry that never arrived (None: a run without steps)
+    prediction: "Prediction | None" = None  # with a step-time model: each rank's measured and predicted compute
+
+
+@dataclass
+class Prediction:
+    """The step-time model's view of a run: what it is worth, and each rank's median compute time,
+    measured and predicted (`ranks`: rank, measured_s, predicted_s)."""
+
+    verdict: str
+    trusted: bool
+    ranks: pd.DataFrame
+
+    def as_dict(self) -> dict:
+        return {"verdict": self.verdict, "trusted": self.trusted, "ranks": self.ranks.to_dict("records")}
 
 
 def analyze_run(
@@ -56,9 +72,12 @@ def analyze_run(
     run_id: str,
     straggler_settings: stragglers.Settings = stragglers.Settings(),
     hang_settings: hangs.Settings = hangs.Settings(),
+    model: Fitted | None = None,
 ) -> Report:
     """The what-if analysis of the run and every finding of its history, in step order; for a run
-    without steps, the findings from its Flight Recorder dumps alone."""
+    without steps, the findings from its Flight Recorder dumps alone. With a step-time `model`, the
+    straggler findings say how much of their slowdown the ranks' state explains, and a slowdown of the
+    whole job against its predicted step time is a finding too."""
     steps = con.execute(_STEPS, [run_id]).df()
     ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
     if steps.empty:
@@ -69,9 +88,32 @@ def analyze_run(
             )
         raise unknown_run(con, run_id)
     found = replay(con, run_id, {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings})
+    prediction = None
+    if model is not None:
+        found, prediction = _predicted(con, run_id, found, model)
     found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
-    return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id))
+    return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id), prediction)
+
+
+def _predicted(con: duckdb.DuckDBPyConnection, run_id: str, found: list[Finding], model: Fitted):
+    """The findings with what the model explains of each rank or node straggler, and its own; the
+    model's view of each rank."""
+    steps, features = steptime.read(con, run_id)
+    expected = predicted.predict(model, features)
+    found = [
+        predicted.explain(f, steps, features, model)
+        if f.analyzer == stragglers.ANALYZER and f.kind in ("rank", "node")
+        else f
+        for f in found
+    ]
+    found += predicted.judge(run_id, steps, expected, model)
+    ranks = (
+        pd.DataFrame({"rank": steps["rank"], "measured_s": steps["compute_s"], "predicted_s": expected})
+        .groupby("rank", as_index=False)
+        .median()
+    )
+    return found, Prediction(model.verdict, model.trusted, ranks)
 
 
 def record(con: duckdb.DuckDBPyConnection, report: Report) -> None:

@@ -1,0 +1,112 @@
+"""The step-time model fitted on stored runs and judged on runs it did not see: what
+`rankwatch model fit` saves, and what tells the collector whether to trust it.
+
+Each run is one configuration (model, batch, threads, load on the host, ...): held out one at a
+time, so a run's near-identical rank-steps never sit on both sides. NCPP is judged beside the
+median of the same workload, ridge, boosted trees and the analytic model; the file keeps the figures,
+and a model that did not beat every baseline is kept but not used (`Fitted.trusted`)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from agent import semconv as sc
+from collector.predict import steptime
+from collector.predict.analytic import Analytic
+from collector.predict.baselines import Boosted, Median, Ncpp, Ridge
+from collector.predict.evaluate import held_out, metrics
+from collector.predict.ncpp import Model
+
+MIN_RUNS = 3  # held out one at a time, a fit sees at least two
+
+
+class TooLittleData(ValueError):
+    """Not enough runs or rank-steps to fit and judge a model: said in one line."""
+
+
+@dataclass
+class Fitted:
+    """A saved step-time model and how it did on held-out runs."""
+
+    model: Model
+    figures: dict[str, dict[str, float]]  # predictor: metrics (evaluate.metrics), on held-out runs
+    best_baseline: str
+
+    @property
+    def trusted(self) -> bool:
+        """Whether NCPP beat every baseline on held-out runs (else nothing is drawn from it)."""
+        return self.figures["ncpp"]["mape"] < self.figures[self.best_baseline]["mape"]
+
+    @property
+    def verdict(self) -> str:
+        ncpp, best = self.figures["ncpp"]["mape"], self.figures[self.best_baseline]["mape"]
+        if self.trusted:
+            return (
+                f"NCPP predicts held-out runs within {ncpp:.1f}% (MAPE; "
+                f"{self.best_baseline}, the best baseline: {best:.1f}%)"
+            )
+        return (
+            f"NCPP ({ncpp:.1f}% MAPE on held-out runs) does no better than {self.best_baseline} ({best:.1f}%): "
+            "no prediction is drawn from it"
+        )
+
+    def save(self, path: Path) -> None:
+        self.model.save(path, figures=self.figures, best_baseline=self.best_baseline)
+
+    @classmethod
+    def load(cls, path: Path) -> "Fitted":
+        model, meta = Model.load(path)
+        if "figures" not in meta or "best_baseline" not in meta:
+            raise ValueError(f"{path}: a model without its held-out figures (not saved by `rankwatch model fit`)")
+        return cls(model, meta["figures"], meta["best_baseline"])
+
+
+def table(con, run_ids: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """The runs' rank-steps as features, their compute times, and the run of each."""
+    parts, targets, runs = [], [], []
+    for run_id in run_ids:
+        steps, features = steptime.read(con, run_id)
+        parts.append(features)
+        targets.append(steps[steptime.TARGET].to_numpy(dtype=float))
+        runs.append(np.full(len(steps), run_id, dtype=object))
+    return pd.concat(parts, ignore_index=True), np.concatenate(targets), np.concatenate(runs)
+
+
+def predictors(epochs: int, seed: int) -> list:
+    """NCPP and its baselines, each made afresh for every fit."""
+    groups = steptime.GROUPS
+    return [
+        lambda: Ncpp(groups, epochs=epochs, seed=seed, prior=_analytic()),
+        lambda: Median(["log_flops", "log_tokens", "world_size"]),
+        lambda: Ridge(groups),
+        lambda: Boosted(groups, seed=seed),
+        _analytic,
+    ]
+
+
+def _analytic() -> Analytic:
+    return Analytic("log_flops", sc.SM_CLOCK_MHZ)
+
+
+def judge(features: pd.DataFrame, target: np.ndarray, runs: np.ndarray, epochs: int = 60, seed: int = 0):
+    """Every predictor's held-out figures (each run held out in turn), and the best baseline's name."""
+    made = predictors(epochs, seed)
+    predicted: dict[str, np.ndarray] = held_out(features, target, runs, made)
+    figures = {name: metrics(target, p) for name, p in predicted.items()}
+    baselines = {name: f["mape"] for name, f in figures.items() if name != "ncpp"}
+    return figures, min(baselines, key=baselines.__getitem__)
+
+
+def fit(con, run_ids: list[str], epochs: int = 60, seed: int = 0) -> Fitted:
+    """NCPP fitted on every rank-step of `run_ids`, with its figures on each run held out."""
+    if len(set(run_ids)) < MIN_RUNS:
+        raise TooLittleData(f"a model is judged on runs it did not see: give at least {MIN_RUNS} runs")
+    features, target, runs = table(con, sorted(set(run_ids)))
+    empty = sorted(set(run_ids) - set(runs))
+    if empty:
+        raise TooLittleData(f"run(s) {', '.join(empty)} have no step with a compute time")
+    figures, best = judge(features, target, runs, epochs, seed)
+    model: Ncpp = Ncpp(steptime.GROUPS, epochs=epochs, seed=seed, prior=_analytic()).fit(features, target)
+    return Fitted(model.model, figures, best)
