@@ -27,13 +27,14 @@ from agent.config import checked_token
 from agent.paths import DEFAULT_DB
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
-from collector.analysis.analyzers import hangs
+from collector.analysis.analyzers import hangs, predicted
 from collector.analysis.live import Analysis, HealthCounters
 from collector.children import bound_heap
 from collector.control import api as control
 from collector.control.commands import ROLLBACK_ON, RollbackPolicy
 from collector.metrics.collector import SelfMetrics
 from collector.metrics.runs import MAX_RUNS, RunMetrics
+from collector.predict.stepmodel import Fitted
 from collector.receive import bodies, connections, otlp
 from collector.receive.auth import CHALLENGE, load_or_create_token, refusal
 from collector.receive.decode import describe_decoder
@@ -72,6 +73,7 @@ class Config:
     alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
     lake: Lake | None = None  # store into this lake (collector/store/lake.py), shared with other collectors
     upkeep: Upkeep = field(default_factory=Upkeep)  # a lake's compaction and retention (collector/store/upkeep.py)
+    model: Fitted | None = None  # the step-time model (`rankwatch model fit`): explained stragglers, slow jobs
 
 
 def create_app(config: Config) -> Starlette:
@@ -90,6 +92,7 @@ def create_app(config: Config) -> Starlette:
             rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
             alerts=config.alerts,
             power_every_s=config.power_every_s,
+            predicted_settings=predicted.Settings(model=config.model),
         )
         # the writer's tasks, run between its commits: the analysis, the alert delivery, a lake's upkeep
         store = Store(

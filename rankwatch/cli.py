@@ -199,6 +199,7 @@ def cmd_collector(args) -> None:
         alerts=_alert_config(args),
         lake=_lake(args),
         upkeep=Upkeep(args.compact_every, args.retain_days),
+        model=_model(args.model) if args.model else None,
     )
     _preflight(config)
     serve(config)
@@ -1121,6 +1122,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="the shortest stall reported as a hang; slower steps stretch it (default 30)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="FILE",
+        help="a step-time model (`rankwatch model fit`): what each straggler's state explains, and when the "
+        "whole job computes slower than predicted",
     )
     p.add_argument(
         "--power-every",

@@ -210,6 +210,7 @@ def store_commands(tmp_path) -> dict[tuple[str, ...], list[str]]:
         ("query",): ["query", "SELECT 1"],
         ("analyze",): ["analyze", "r"],
         ("power", "recommend"): ["power", "recommend", "r"],
+        ("model", "fit"): ["model", "fit", "--run", "r", "--out", str(tmp_path / "model.npz")],
         ("import",): ["import", "ops", str(trace), "--run", "r"],
         ("collector",): ["collector", "--port", str(free_port())],
         ("demo",): ["demo", "--port", str(free_port()), "--no-dashboard"],
@@ -248,7 +249,8 @@ def test_every_store_option_refuses_what_is_no_store(tmp_path, capsys):
 
 def test_reading_commands_refuse_a_missing_store(tmp_path, capsys):
     missing = tmp_path / "none" / "rankwatch.duckdb"
-    for argv in (["query", "SELECT 1"], ["analyze", "r"], ["power", "recommend", "r"]):
+    model = ["model", "fit", "--run", "r", "--out", str(tmp_path / "model.npz")]
+    for argv in (["query", "SELECT 1"], ["analyze", "r"], ["power", "recommend", "r"], model):
         assert f"no store at {missing}" in refused([*argv, "--db", str(missing)], capsys)
     assert not missing.parent.exists()
 
@@ -260,6 +262,7 @@ def test_every_output_file_is_checked_before_any_work(tmp_path, capsys):
         ("analyze",): (["analyze", "r", "--db", str(tmp_path / "none.duckdb")], "--heatmap"),
         ("power", "recommend"): (["power", "recommend", "r", "--db", str(tmp_path / "none.duckdb")], "--plot"),
         ("simulate",): (["simulate", "--ranks", "2", "--steps", "2"], "--out"),
+        ("model", "fit"): (["model", "fit", "--run", "r", "--db", str(tmp_path / "none.duckdb")], "--out"),
     }
     found = set()
 

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import rankwatch_in_process, simulated_store
+from otlp_payloads import query
 
 from agent import semconv as sc
 from agent.host import HostState
@@ -25,6 +26,7 @@ from trainer.faults import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = simulate.Topology(dp=8)
+SETTINGS = predicted.Settings()
 THERMAL_SLOWDOWN = simulate.GpuModel().clock_max_mhz / simulate.GpuModel().thermal_clock_mhz
 
 
@@ -132,19 +134,26 @@ def test_an_untrusted_model_explains_nothing_and_finds_nothing(fitted):
     assert not worse.trusted and "no prediction is drawn" in worse.verdict
     assert predicted.explain(finding, rank_steps, features, worse) == finding
     slow, features, _ = run(["slow-node:node=0,slowdown=1.4,from=20"], 9)
-    assert predicted.judge("sim-9", slow, predicted.predict(worse, features), worse) == []
+    assert (
+        predicted.slower("sim-9", predicted.per_step(slow, predicted.predict(worse, features)), worse, SETTINGS) == []
+    )
 
 
 def test_the_whole_job_slower_than_predicted_is_a_finding_with_both_times(fitted):
     """Every rank (one host) computes 40% slower from step 20, its GPUs' state unchanged: no rank stands
     out from the others, but the model's prediction does."""
     rank_steps, features, _ = run(["slow-node:node=0,slowdown=1.4,from=20"], 9)
-    (found,) = predicted.judge("sim-9", rank_steps, predicted.predict(fitted, features), fitted)
+    (found,) = predicted.slower(
+        "sim-9", predicted.per_step(rank_steps, predicted.predict(fitted, features)), fitted, SETTINGS
+    )
     assert found.kind == predicted.SLOWER and found.step_start == 20 and found.step_end == 39
     assert found.evidence["measured_s"] / found.evidence["predicted_s"] == pytest.approx(1.4, rel=0.1)
     assert "40% slower than its predicted step time since step 20" in found.summary
     clean, features, _ = run([], 9)
-    assert predicted.judge("sim-9", clean, predicted.predict(fitted, features), fitted) == []
+    assert (
+        predicted.slower("sim-9", predicted.per_step(clean, predicted.predict(fitted, features)), fitted, SETTINGS)
+        == []
+    )
 
 
 def test_attribution_on_seeded_runs_and_its_cost_at_a_thousand_ranks():
@@ -203,3 +212,26 @@ def test_model_fit_and_analyze_model_through_the_cli(tmp_path):
     (tmp_path / "not-a-model.npz").write_text("no")
     bad = rankwatch_in_process("analyze", "fit-clean", "--db", str(db), "--model", str(tmp_path / "not-a-model.npz"))
     assert bad.returncode == 2 and "not a model saved by `rankwatch model fit`" in bad.stderr
+
+
+def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_slower_live(tmp_path, fitted):
+    """`rankwatch collector --model FILE`: the same conclusions drawn live, by the engine's passes."""
+    fitted.save(tmp_path / "model.npz")
+    db = simulated_store(
+        tmp_path,
+        {"live-thermal": ["thermal:rank=5,from=8"], "live-slow": ["slow-node:node=0,slowdown=1.4,from=10"]},
+        ["--ranks", "8", "--steps", "30"],
+        ("--model", str(tmp_path / "model.npz"), "--analyze-every", "1"),
+    )
+    rows = query(
+        db,
+        "SELECT run_id, analyzer, kind, ranks, step_start, summary, evidence FROM findings "
+        "WHERE analyzer IN ('stragglers', 'predicted') AND severity != 'info' ORDER BY id",
+    )
+    thermal = [r for r in rows if r[0] == "live-thermal"]
+    assert [(a, k, list(ranks)) for _, a, k, ranks, *_ in thermal] == [("stragglers", "rank", [5])], thermal
+    explained = json.loads(thermal[0][6])["explained"]
+    assert explained["cause"] == "hardware" and "(the hardware's)" in thermal[0][5]
+    slow = [r for r in rows if r[0] == "live-slow"]
+    assert [(a, k) for _, a, k, *_ in slow] == [("predicted", predicted.SLOWER)], slow
+    assert 10 <= slow[0][4] <= 16 and "slower than its predicted step time" in slow[0][5]

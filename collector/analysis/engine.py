@@ -51,8 +51,10 @@ _COLLECTIVES = f"""SELECT run_id, rank, step, name, comm_group, group_size, dura
                          attrs->>{sc.json_path(sc.COMM_ROLE)} AS role FROM ops
                   WHERE run_id = $run AND kind = 'comm' AND busbw_gbps IS NOT NULL
                     AND step > $after AND step <= $upto"""
-_DEVICES = """SELECT rank, metric, value FROM device_samples
+_DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
+_WORKLOAD = f"""SELECT rank, step, tokens, TRY_CAST(attrs->>{sc.json_path(sc.STEP_FLOPS)} AS DOUBLE) AS flops
+                FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
 _HEARTBEATS = f"""SELECT rank, epoch_ns(ts) AS ts, step, attrs->>{sc.json_path(sc.PHASE)} AS phase,
                          attrs->>{sc.json_path(sc.COMM_OP)} AS op, attrs->>{sc.json_path(sc.COMM_GROUP)} AS "group",
                          TRY_CAST(attrs->>{sc.json_path(sc.COMM_SEQ)} AS BIGINT) AS seq,
@@ -249,6 +251,10 @@ class Engine:
                 if last >= first_new or reads.every_pass:
                     settings = self.settings.get(analyzer.ANALYZER)
                     judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
+            for analyzer in self.analyzers:  # those that speak to the others' findings, once all judged
+                settings = self.settings.get(analyzer.ANALYZER)
+                if hasattr(analyzer, "revise") and settings:
+                    judged.found = analyzer.revise(judged.found, frames, settings)
         cursor.step, cursor.world = last, world
         judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
         judged.ended = cursor.ended_ns is not None and not judged.more
@@ -356,6 +362,10 @@ class Engine:
             failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
             failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
             frames.failed_rollbacks = failed
+        if any(r.workload for r in reads):
+            history = max(r.history for r in reads if r.workload)
+            after = first_new - 1 - history
+            frames.workload = lambda: con.execute(_WORKLOAD, {"run": run_id, "after": after, "upto": upto}).df()
         if any(r.devices for r in reads):
             frames.devices = lambda since, until: con.execute(
                 _DEVICES, {"run": run_id, "since": since, "until": until}

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 
 from collector.alerts.config import AlertConfig
 from collector.analysis import findings, losses
-from collector.analysis.analyzers import hangs, health, power, stragglers
+from collector.analysis.analyzers import hangs, health, power, predicted, stragglers
 from collector.analysis.engine import ENDED, Engine, add_steps
 from collector.control import commands
 from collector.reports import powercaps
@@ -80,15 +80,23 @@ class Analysis:
         rollback: commands.RollbackPolicy | None = commands.RollbackPolicy(),
         alerts: AlertConfig = AlertConfig(),
         power_every_s: float | None = 60.0,
+        predicted_settings: predicted.Settings = predicted.Settings(),
     ):
         """`interval_s`: how often every active run is judged, new steps or not (a stall shows so).
         `rollback`: how anomalies are rolled back; None: they are reported, not rolled back.
         `alerts`: where the alerts that findings raise are sent (the writer's delivery thread reads it too).
         `power_every_s`: how often a run's power recommendations are redrawn; None: never (`rankwatch power
-        recommend` still draws them)."""
+        recommend` still draws them). `predicted_settings`: the step-time model, where one was given."""
         self.interval_s = interval_s
         self.alerts = alerts
-        self.engine = Engine({stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}, stored=True)
+        self.engine = Engine(
+            {
+                stragglers.ANALYZER: straggler_settings,
+                hangs.ANALYZER: hang_settings,
+                predicted.ANALYZER: predicted_settings,
+            },
+            stored=True,
+        )
         self._rollback = rollback
         self._power_every_s = power_every_s
         self._power_due: dict[str, float] = {}  # run -> when its power recommendations are next drawn

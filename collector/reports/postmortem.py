@@ -87,33 +87,26 @@ def analyze_run(
                 run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id), ranks["rank"]), steps
             )
         raise unknown_run(con, run_id)
-    found = replay(con, run_id, {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings})
-    prediction = None
+    settings = {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}
     if model is not None:
-        found, prediction = _predicted(con, run_id, found, model)
+        settings[predicted.ANALYZER] = predicted.Settings(model=model)
+    found = replay(con, run_id, settings)
     found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
+    prediction = None if model is None else _prediction(con, run_id, model)
     return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id), prediction)
 
 
-def _predicted(con: duckdb.DuckDBPyConnection, run_id: str, found: list[Finding], model: Fitted):
-    """The findings with what the model explains of each rank or node straggler, and its own; the
-    model's view of each rank."""
+def _prediction(con: duckdb.DuckDBPyConnection, run_id: str, model: Fitted) -> Prediction:
+    """The model's view of each rank of the run: its median compute time, measured and predicted."""
     steps, features = steptime.read(con, run_id)
-    expected = predicted.predict(model, features)
-    found = [
-        predicted.explain(f, steps, features, model)
-        if f.analyzer == stragglers.ANALYZER and f.kind in ("rank", "node")
-        else f
-        for f in found
-    ]
-    found += predicted.judge(run_id, steps, expected, model)
     ranks = (
-        pd.DataFrame({"rank": steps["rank"], "measured_s": steps["compute_s"], "predicted_s": expected})
+        pd.DataFrame({"rank": steps["rank"], "measured_s": steps["compute_s"]})
+        .assign(predicted_s=predicted.predict(model, features))
         .groupby("rank", as_index=False)
         .median()
     )
-    return found, Prediction(model.verdict, model.trusted, ranks)
+    return Prediction(model.verdict, model.trusted, ranks)
 
 
 def record(con: duckdb.DuckDBPyConnection, report: Report) -> None:

@@ -3,7 +3,10 @@
 The contract the analysis engine (collector/analysis/engine.py) runs them under: an analyzer module
 names itself (`ANALYZER`), declares what it reads (`READS`) and judges a run's `Frames`
 (`judge(frames, settings)`), returning the findings its judgement of the new steps draws, one
-per episode (a conclusion held over consecutive steps), each spanning the steps it held at.
+per episode (a conclusion held over consecutive steps), each spanning the steps it held at. An
+analyzer that speaks to the others' findings of a pass also has `revise(found, frames, settings)`,
+run after every analyzer judged, given their findings by analyzer and returning them (the step-time
+model's: how much of a straggler's slowdown its state explains).
 """
 
 import re
@@ -59,6 +62,7 @@ class Reads:
     devices: bool = False
     heartbeats: bool = False
     failed_rollbacks: bool = False
+    workload: bool = False
 
     def continues(self, episode_end: int, finding: Finding) -> bool:
         """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
@@ -82,8 +86,9 @@ class Frames:
     analyzer that keeps what it derived (`kept`) reads the new steps alone (`new_steps`,
     `steps_after`). `first_new` ... `last`: the steps this pass judges, each once (none where
     `first_new > last`: only time has passed).
-    `ranks`: rank, host, dp_rank, pp_stage, tp_rank (placement). `devices(since_ns, until_ns)`: rank, metric,
-    value of the device samples then (read only when asked: evidence). `now_ns`: the moment
+    `ranks`: rank, host, dp_rank, pp_stage, tp_rank (placement). `devices(since_ns, until_ns)`: rank, ts (ns), metric,
+    value of the device samples then (read only when asked: evidence). `workload()`: rank, step, tokens,
+    flops of the rank-steps of `steps` (what each rank-step's work was; read only when asked). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
     says it has (None: unsaid; the ranks that reported so far may be only the first to). `kept`:
@@ -103,6 +108,7 @@ class Frames:
     heartbeats: pd.DataFrame | None = None
     failed_rollbacks: pd.DataFrame | None = None
     devices: Callable[[int, int], pd.DataFrame] | None = None
+    workload: Callable[[], pd.DataFrame] | None = None
     kept: dict[str, dict] = field(default_factory=dict)
 
     @cached_property

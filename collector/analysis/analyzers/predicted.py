@@ -1,36 +1,43 @@
 """What each rank-step's compute should have taken, from the state it ran in (NCPP's step-time model,
-collector/predict), against what it took.
+collector/predict), against what it took. Runs only where the collector (or `rankwatch analyze`) was
+given a model (`--model FILE`), and draws nothing from a model that did not beat every baseline on
+held-out runs (`Fitted.trusted`).
 
-Two conclusions, pure functions of the rank-steps, their features and a fitted model:
+Two conclusions:
 
-- `explain`: a straggler finding gains how much of its slowdown the rank's own state explains, and
-  through which group: each group of the rank's features set to its peers' in turn, the drop in
-  predicted compute time is that group's share, in points of the slowdown. A slowdown the GPU's state
-  (compute, memory, power/thermal, interconnect) explains for the most part is the hardware's; else its
-  cause lies outside the GPU (the host, the data, the software).
 - `judge`: the whole job computing slower than its predicted step time for `patience` steps in a row,
-  by more than the model's own held-out error: a slowdown every rank shares, which comparing ranks
-  cannot see. Its finding gives the predicted and measured times.
+  by more than the margin and the model's own held-out error: a slowdown every rank shares, which
+  comparing ranks cannot see. Its finding gives the predicted and measured times (median rank).
+- `revise`: a straggler finding (a rank's or a node's) gains how much of its slowdown the slow ranks'
+  own state explains, and through which group: each group of their features set to their peers' in
+  turn, the drop in predicted compute time is that group's share, in points of the slowdown. A
+  slowdown the GPU's state (compute, memory, power/thermal, interconnect) explains for the most part is
+  the hardware's; else its cause lies outside the GPU (the host, the data, the software).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
 
-from collector.analysis.analyzers import Finding
+from collector.analysis.analyzers import Finding, Frames, Reads
 from collector.predict import steptime
 from collector.predict.stepmodel import Fitted
 
 ANALYZER = "predicted"
 SLOWER = "slower_than_predicted"
+EXPLAINED = ("stragglers", ("rank", "node"))  # the findings `revise` explains: analyzer, kinds
 
 
 @dataclass(frozen=True)
 class Settings:
+    model: Fitted | None = field(default=None, compare=False)
     margin: float = 0.10  # slower than predicted by at least this share...
     error_multiple: float = 2.0  # ...and by this many times the model's held-out MAPE
     patience: int = 5  # steps in a row
+
+
+READS = Reads(history=Settings().patience, linger=Settings().patience, devices=True, workload=True)
 
 
 def predict(fitted: Fitted, features: pd.DataFrame) -> np.ndarray:
@@ -38,31 +45,27 @@ def predict(fitted: Fitted, features: pd.DataFrame) -> np.ndarray:
     return fitted.model.predict(features)
 
 
-def judge(
-    run_id: str, steps: pd.DataFrame, predicted: np.ndarray, fitted: Fitted, s: Settings = Settings()
-) -> list[Finding]:
-    """The stretches of at least `patience` steps whose median rank computed slower than predicted by
-    more than the margin. `steps`: step, compute_s (one row per rank-step, `predicted` aligned)."""
+def per_step(steps: pd.DataFrame, predicted: np.ndarray) -> pd.DataFrame:
+    """Per step, the median rank's measured and predicted compute time (index: step)."""
+    frame = pd.DataFrame({"step": steps["step"].to_numpy(), "measured": steps["compute_s"].to_numpy()})
+    return frame.assign(predicted=predicted).groupby("step").median()
+
+
+def slower(run_id: str, steps: pd.DataFrame, fitted: Fitted, s: Settings, after: int | None = None) -> list[Finding]:
+    """The stretches of at least `patience` steps of `steps` (per_step's) whose median rank computed
+    slower than predicted by more than the margin, those reaching past step `after`."""
     if not fitted.trusted or steps.empty:
         return []
-    per_step = (
-        pd.DataFrame(
-            {"step": steps["step"].to_numpy(), "measured": steps["compute_s"].to_numpy(), "predicted": predicted}
-        )
-        .groupby("step")
-        .median()
-    )
     margin = max(s.margin, s.error_multiple * fitted.figures["ncpp"]["mape"] / 100)
-    slow = (per_step["measured"] > (1 + margin) * per_step["predicted"]).to_numpy()
-    found = []
+    slow = (steps["measured"] > (1 + margin) * steps["predicted"]).to_numpy()
     edges = np.flatnonzero(np.diff(np.r_[0, slow.astype(np.int8), 0]))
+    found = []
     for start, stop in zip(edges[::2], edges[1::2], strict=True):
-        if stop - start < s.patience:
+        stretch = steps.iloc[start:stop]
+        if stop - start < s.patience or (after is not None and stretch.index[-1] <= after):
             continue
-        stretch = per_step.iloc[start:stop]
         measured, expected = float(stretch["measured"].median()), float(stretch["predicted"].median())
-        first, last = int(stretch.index[0]), int(stretch.index[-1])
-        ratio = measured / expected
+        first, last, ratio = int(stretch.index[0]), int(stretch.index[-1]), measured / expected
         found.append(
             Finding(
                 run_id,
@@ -84,9 +87,9 @@ def judge(
 
 
 def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitted: Fitted) -> Finding:
-    """A straggler finding (of a rank or a node) with how much of its slowdown each group of the slow
-    ranks' state explains, in points (`evidence["explained"]`) and in its summary. `steps`: rank, step,
-    compute_s; `features` aligned with it."""
+    """A straggler finding with how much of its slowdown each group of the slow ranks' state explains,
+    in points (`evidence["explained"]`) and in its summary. `steps`: rank, step, compute_s; `features`
+    aligned with it."""
     if not fitted.trusted or not finding.ranks or finding.step_start is None or finding.step_end is None:
         return finding
     during = steps["step"].between(finding.step_start, finding.step_end).to_numpy()
@@ -94,20 +97,21 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
     if not (during & theirs).any() or not (during & ~theirs).any():
         return finding
     measured, peers_measured = (float(steps["compute_s"][during & w].median()) for w in (theirs, ~theirs))
-    slower = 100 * (measured / peers_measured - 1)
-    mine, peers = features[during & theirs], features[during & ~theirs]
-    predicted, peers_predicted, shares = steptime.explain(fitted.model, mine, peers)
+    slower_by = 100 * (measured / peers_measured - 1)
+    predicted, peers_predicted, shares = steptime.explain(
+        fitted.model, features[during & theirs], features[during & ~theirs]
+    )
     points = {group: 100 * share / peers_measured for group, share in shares.items()}
     hardware = sum(p for g, p in points.items() if g in steptime.HARDWARE)
     top = steptime.named(shares)
-    cause = "hardware" if hardware >= slower / 2 else "outside the GPU"
+    cause = "hardware" if hardware >= slower_by / 2 else "outside the GPU"
     if top and points[top] >= 0.5:
-        said = f"; its {top} state explains {points[top]:.1f} of its {slower:.1f} points"
+        said = f"; its {top} state explains {points[top]:.1f} of its {slower_by:.1f} points"
         said += " (the hardware's)" if cause == "hardware" else " (not the GPU's: look at the host, data, software)"
     else:
-        said = f"; its state explains none of its {slower:.1f} points: the cause is outside what the model reads"
+        said = f"; its state explains none of its {slower_by:.1f} points: the cause is outside what the model reads"
     explained = {
-        "slower_percent": slower,
+        "slower_percent": slower_by,
         "predicted_s": predicted,
         "peer_predicted_s": peers_predicted,
         "points_by_group": points,
@@ -115,3 +119,50 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
         "cause": cause,
     }
     return replace(finding, summary=finding.summary + said, evidence={**finding.evidence, "explained": explained})
+
+
+def features(frames: Frames, steps: pd.DataFrame) -> pd.DataFrame:
+    """The features of rank-steps of `frames` (`steps`: some of its steps), from its device samples
+    around them and its workload."""
+    assert frames.devices is not None and frames.workload is not None, "READS asks for both"
+    if steps.empty:
+        return pd.DataFrame(index=steps.index)
+    since = int((steps["end_ts"] - steps["duration_s"] * 1e9).min() - steptime.STALE_S * 1e9)
+    samples = frames.devices(since, int(steps["end_ts"].max()))
+    work = steps[["rank", "step"]].merge(frames.workload(), on=["rank", "step"], how="left").set_index(steps.index)
+    ranks = frames.ranks.assign(world_size=frames.world_size or len(frames.ranks))
+    return steptime.features(steps.assign(tokens=work["tokens"], flops=work["flops"]), samples, ranks)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The stretches of steps slower than predicted that the new steps extend. Each step's medians are
+    kept for the next pass (`frames.kept`), which predicts its new steps alone."""
+    fitted = settings.model
+    if fitted is None or not fitted.trusted or frames.new_steps.empty:
+        return []
+    kept = frames.kept.setdefault(ANALYZER, {})
+    since = frames.first_new - 1 - settings.patience
+    medians: pd.DataFrame | None = kept.get("per_step")
+    fresh = frames.steps_after(since if medians is None else kept["upto"])
+    fresh = fresh[fresh["compute_s"] > 0]
+    medians_new = per_step(fresh, predict(fitted, features(frames, fresh))) if not fresh.empty else None
+    parts = [p for p in (None if medians is None else medians[medians.index > since], medians_new) if p is not None]
+    if not parts:
+        return []
+    medians = pd.concat(parts)
+    kept.update(per_step=medians, upto=int(medians.index.max()))
+    return slower(frames.run_id, medians, fitted, settings, after=frames.first_new - 1)
+
+
+def revise(found: dict[str, list[Finding]], frames: Frames, settings: Settings) -> dict[str, list[Finding]]:
+    """The pass's findings, its rank and node stragglers with what their state explains."""
+    fitted = settings.model
+    analyzer, kinds = EXPLAINED
+    if fitted is None or not fitted.trusted or not any(f.kind in kinds for f in found.get(analyzer, [])):
+        return found
+    steps = frames.steps[frames.steps["compute_s"] > 0]
+    drawn = features(frames, steps)
+    return {
+        **found,
+        analyzer: [explain(f, steps, drawn, fitted) if f.kind in kinds else f for f in found[analyzer]],
+    }
