@@ -62,7 +62,8 @@ def training(topology: simulate.Topology, steps: int, epochs: int) -> Fitted:
 
 
 def label(topology, steps: int, fitted: Fitted, seed: int) -> tuple[bool, str, dict]:
-    """One judged run: whether the faulty rank was named and labelled right, the label, the evidence."""
+    """One judged run: whether the faulty rank was named and labelled right, the label, the points of
+    the slowdown each group explains."""
     rng = np.random.default_rng(seed)
     rank = int(rng.integers(topology.ranks))
     hardware = seed % 2 == 0
@@ -75,9 +76,9 @@ def label(topology, steps: int, fitted: Fitted, seed: int) -> tuple[bool, str, d
     found = [f for f in stragglers.analyze(rank_steps, ranks) if f.kind == "rank"]
     if not found or found[0].ranks != [rank]:
         return False, "not found", {}
-    explained = predicted.explain(found[0], rank_steps, features, fitted).evidence["explained"]
-    right = explained["cause"] == ("hardware" if hardware else "outside the GPU")
-    return right, explained["cause"], explained
+    evidence = predicted.explain(found[0], rank_steps, features, fitted).evidence
+    right = evidence["explained"]["cause"] == ("hardware" if hardware else "outside the GPU")
+    return right, evidence["explained"]["cause"], evidence["explained_points"]
 
 
 def cost(fitted: Fitted, ranks: int) -> dict:
@@ -107,9 +108,8 @@ def main() -> None:
     fitted = training(topology, args.steps, args.epochs)
     results = [label(topology, args.steps, fitted, seed) for seed in range(args.runs)]
     right = sum(r for r, _, _ in results)
-    for seed, (ok, cause, explained) in enumerate(results):
+    for seed, (ok, cause, points) in enumerate(results):
         truth = "hardware" if seed % 2 == 0 else "outside the GPU"
-        points = explained.get("points_by_group", {})
         top = max(points, key=points.__getitem__) if points else "-"
         print(f"seed {seed:3d}: truth {truth:16s} labelled {cause:16s} {'ok' if ok else 'WRONG'}  top group {top}")
     timing = cost(fitted, args.cost_ranks)

@@ -41,6 +41,9 @@ NEXT_STEPS: dict[str, str] = {
     "power / per_rank_caps": "Apply the per-rank caps (`rankwatch power recommend --json`, then `power apply "
     "--caps`) while the job runs.",
     "power / headroom": "Size the next job or the facility's budget from the nodes' p99 draw (Power page).",
+    "predicted": "Every rank computes slower than its devices' and hosts' state predicts: look for what they "
+    "share and the model does not read (a new software version or setting, the data pipeline, a job sharing "
+    "the hosts); compare a step's profile with one from a run at the predicted speed.",
     "whatif": "Open the named ranks' steps in the trace (Perfetto, Holistic Trace Analysis) and compare their "
     "kernels with a peer's; launch delay and idle well above 1x the ops back to back point at the host side "
     "(data loading, Python overhead, synchronisations) rather than the GPU.",

@@ -125,7 +125,7 @@ def test_the_bench_judges_ncpp_and_the_baselines_on_perfcastdb_by_server(tmp_pat
     """The real file, each server held out in turn; then the same file cut by server into a training
     and a test file, as another file of the same format would come."""
     run = subprocess.run(
-        [sys.executable, "bench/ncpp.py", "--train", str(PERFCASTDB), "--epochs", "20"],
+        [sys.executable, "bench/ncpp.py", "--train", str(PERFCASTDB), "--epochs", "5"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -152,7 +152,7 @@ def test_the_bench_judges_ncpp_and_the_baselines_on_perfcastdb_by_server(tmp_pat
             "--test",
             str(tmp_path / "test.csv"),
             "--epochs",
-            "20",
+            "5",
         ],
         cwd=ROOT,
         capture_output=True,

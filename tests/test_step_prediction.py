@@ -113,12 +113,12 @@ def test_a_stragglers_slowdown_is_explained_by_its_gpus_state_or_said_to_lie_out
     rank_steps, features, ranks = run([fault], 7)
     (finding,) = [f for f in stragglers.analyze(rank_steps, ranks) if f.kind == "rank"]
     explained = predicted.explain(finding, rank_steps, features, fitted)
-    said = explained.evidence["explained"]
+    said, points = explained.evidence["explained"], explained.evidence["explained_points"]
     slower = 100 * (THERMAL_SLOWDOWN - 1)
     assert said["slower_percent"] == pytest.approx(slower, rel=0.1)
     if hardware:
         assert said["cause"] == "hardware" and said["hardware_points"] > 0.7 * slower
-        assert f"state explains {said['points_by_group']['compute']:.1f} of its" in explained.summary or (
+        assert f"state explains {points['compute']:.1f} of its" in explained.summary or (
             "power/thermal state explains" in explained.summary
         )
     else:
@@ -196,7 +196,7 @@ def test_model_fit_and_analyze_model_through_the_cli(tmp_path):
     )
     out = tmp_path / "model.npz"
     runs = ["--run", "fit-clean", "--run", "fit-thermal", "--run", "fit-capped"]
-    fitted = rankwatch_in_process("model", "fit", "--db", str(db), *runs, "--out", str(out), "--epochs", "10")
+    fitted = rankwatch_in_process("model", "fit", "--db", str(db), *runs, "--out", str(out), "--epochs", "5")
     assert fitted.returncode == 0, fitted.stderr
     assert "each run held out in turn" in fitted.stdout and f"saved {out}" in fitted.stdout
     model = Fitted.load(out)

@@ -88,8 +88,8 @@ def slower(run_id: str, steps: pd.DataFrame, fitted: Fitted, s: Settings, after:
 
 def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitted: Fitted) -> Finding:
     """A straggler finding with how much of its slowdown each group of the slow ranks' state explains,
-    in points (`evidence["explained"]`) and in its summary. `steps`: rank, step, compute_s; `features`
-    aligned with it."""
+    in points (`evidence["explained"]`, `evidence["explained_points"]` by group) and in its summary.
+    `steps`: rank, step, compute_s; `features` aligned with it."""
     if not fitted.trusted or not finding.ranks or finding.step_start is None or finding.step_end is None:
         return finding
     during = steps["step"].between(finding.step_start, finding.step_end).to_numpy()
@@ -114,11 +114,11 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
         "slower_percent": slower_by,
         "predicted_s": predicted,
         "peer_predicted_s": peers_predicted,
-        "points_by_group": points,
         "hardware_points": hardware,
         "cause": cause,
     }
-    return replace(finding, summary=finding.summary + said, evidence={**finding.evidence, "explained": explained})
+    evidence = {**finding.evidence, "explained": explained, "explained_points": points}
+    return replace(finding, summary=finding.summary + said, evidence=evidence)
 
 
 def features(frames: Frames, steps: pd.DataFrame) -> pd.DataFrame:
