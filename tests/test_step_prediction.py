@@ -230,8 +230,18 @@ def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_s
     )
     thermal = [r for r in rows if r[0] == "live-thermal"]
     assert [(a, k, list(ranks)) for _, a, k, ranks, *_ in thermal] == [("stragglers", "rank", [5])], thermal
-    explained = json.loads(thermal[0][6])["explained"]
-    assert explained["cause"] == "hardware" and "(the hardware's)" in thermal[0][5]
+    evidence = json.loads(thermal[0][6])
+    assert evidence["explained"]["cause"] == "hardware" and "(the hardware's)" in thermal[0][5]
+    # per rank, measured and predicted: the slow rank's prediction is the highest, as its time is
+    measured, expected = evidence["measured_s_by_rank"], evidence["predicted_s_by_rank"]
+    assert sorted(measured, key=int) == [str(r) for r in range(8)]
+    assert max(expected, key=expected.get) == max(measured, key=measured.get) == "5"
     slow = [r for r in rows if r[0] == "live-slow"]
     assert [(a, k) for _, a, k, *_ in slow] == [("predicted", predicted.SLOWER)], slow
     assert 10 <= slow[0][4] <= 16 and "slower than its predicted step time" in slow[0][5]
+    over_time = json.loads(slow[0][6])
+    ratios = [
+        over_time["measured_s_by_step"][k] / over_time["predicted_s_by_step"][k]
+        for k in over_time["measured_s_by_step"]
+    ]
+    assert len(ratios) >= 5 and all(r > 1.2 for r in ratios)

@@ -27,6 +27,7 @@ from collector.predict.stepmodel import Fitted
 ANALYZER = "predicted"
 SLOWER = "slower_than_predicted"
 EXPLAINED = ("stragglers", ("rank", "node"))  # the findings `revise` explains: analyzer, kinds
+SERIES = 256  # steps of a slow stretch its evidence keeps, the newest
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,24 @@ def slower(run_id: str, steps: pd.DataFrame, fitted: Fitted, s: Settings, after:
                 f"{first} ({measured * 1e3:.1f} ms measured, {expected * 1e3:.1f} ms predicted from its devices' "
                 "and hosts' state, median rank): every rank at once, so no rank stands out; the cause is one "
                 "they share that the model does not read (software, data, the input pipeline, a job beside it)",
-                {"measured_s": measured, "predicted_s": expected, "margin": margin, "model": fitted.verdict},
+                {
+                    "measured_s": measured,
+                    "predicted_s": expected,
+                    "margin": margin,
+                    "model": fitted.verdict,
+                    # the stretch over time (its last SERIES steps), as the dashboard draws a `*_by_step` series
+                    "measured_s_by_step": _series(stretch["measured"]),
+                    "predicted_s_by_step": _series(stretch["predicted"]),
+                },
                 analyzer=ANALYZER,
             )
         )
     return found
+
+
+def _series(values: pd.Series, last: int = SERIES) -> dict[int, float]:
+    """The `last` values of a series by step (or rank), as evidence keeps them."""
+    return {int(key): float(v) for key, v in values.iloc[-last:].items()}
 
 
 def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitted: Fitted) -> Finding:
@@ -117,7 +131,19 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
         "hardware_points": hardware,
         "cause": cause,
     }
-    evidence = {**finding.evidence, "explained": explained, "explained_points": points}
+    by_rank = (
+        pd.DataFrame({"rank": steps["rank"][during], "measured": steps["compute_s"][during]})
+        .assign(predicted=fitted.model.predict(features[during]))
+        .groupby("rank")
+        .median()
+    )
+    evidence = {
+        **finding.evidence,
+        "explained": explained,
+        "explained_points": points,
+        "measured_s_by_rank": _series(by_rank["measured"], len(by_rank)),
+        "predicted_s_by_rank": _series(by_rank["predicted"], len(by_rank)),
+    }
     return replace(finding, summary=finding.summary + said, evidence=evidence)
 
 
