@@ -4,6 +4,7 @@ import contextlib
 import gc
 import importlib
 import io
+import json
 import os
 import signal
 import socket
@@ -196,6 +197,19 @@ def rankwatch_cli(*args: str, env: dict | None = None, cwd: Path | None = None) 
         cwd=cwd,
         timeout=300,
     )
+
+
+def bench(script: str, *args: str) -> tuple[dict, str]:
+    """Run bench/`script` as a user would; its last line's JSON object, and all it printed."""
+    run = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stdout
 
 
 def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

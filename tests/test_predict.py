@@ -3,7 +3,6 @@ collector runs is the torch network's, a saved model predicts the same after loa
 side never imports torch, and bench/ncpp.py judges every predictor on servers it did not train on,
 on PerfCastDB's real file."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import bench
 
 from collector.predict import perfcastdb
 from collector.predict.baselines import Median
@@ -124,17 +124,10 @@ def test_held_out_never_fits_on_the_group_it_predicts():
 def test_the_bench_judges_ncpp_and_the_baselines_on_perfcastdb_by_server(tmp_path):
     """The real file, each server held out in turn; then the same file cut by server into a training
     and a test file, as another file of the same format would come."""
-    run = subprocess.run(
-        [sys.executable, "bench/ncpp.py", "--train", str(PERFCASTDB), "--epochs", "5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, printed = bench("ncpp.py", "--train", str(PERFCASTDB), "--epochs", "5")
     assert {"ncpp_mape", "best_baseline", "best_baseline_mape"} <= result.keys()
     assert result["best_baseline"] in {"median", "ridge", "boosted trees"} and result["rows"] == 145
-    assert "each held out in turn" in run.stdout and "7 servers" in run.stdout
+    assert "each held out in turn" in printed and "7 servers" in printed
     # repeats of one test on one server are nearly equal: the median of the same test on other servers
     # is what any method must match where the test was seen
     assert result["figures"]["median"]["seen"]["mape"] < 2
@@ -143,23 +136,9 @@ def test_the_bench_judges_ncpp_and_the_baselines_on_perfcastdb_by_server(tmp_pat
     servers = sorted(rows[perfcastdb.SERVER].unique())
     rows[rows[perfcastdb.SERVER].isin(servers[:5])].to_csv(tmp_path / "train.csv", index=False)
     rows[rows[perfcastdb.SERVER].isin(servers[5:])].to_csv(tmp_path / "test.csv", index=False)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "bench/ncpp.py",
-            "--train",
-            str(tmp_path / "train.csv"),
-            "--test",
-            str(tmp_path / "test.csv"),
-            "--epochs",
-            "5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+    result, _ = bench(
+        "ncpp.py", "--train", str(tmp_path / "train.csv"), "--test", str(tmp_path / "test.csv"), "--epochs", "5"
     )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["rows"] == int(rows[perfcastdb.SERVER].isin(servers[5:]).sum())
 
 

@@ -5,15 +5,15 @@ slower than predicted. The fleet simulator plays the runs here: it tests the plu
 attribution, not the model's accuracy on hardware (bench/steptime.py measures that on real runs)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import rankwatch_in_process, simulated_store
+import streamlit as st
+from conftest import bench, rankwatch_in_process, simulated_store
 from otlp_payloads import query
+from streamlit.testing.v1 import AppTest
 
 from agent import semconv as sc
 from agent.host import HostState
@@ -21,6 +21,7 @@ from collector.analysis.analyzers import predicted, stragglers
 from collector.predict import steptime
 from collector.predict.baselines import Ncpp
 from collector.predict.stepmodel import Fitted
+from dashboard.source import COLLECTOR_ENV, DB_ENV
 from trainer import simulate
 from trainer.faults import parse
 
@@ -158,71 +159,54 @@ def test_the_whole_job_slower_than_predicted_is_a_finding_with_both_times(fitted
 
 def test_attribution_on_seeded_runs_and_its_cost_at_a_thousand_ranks():
     """bench/attribution.py, small: half thermal throttling, half software stragglers, labelled."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "bench/attribution.py",
-            "--runs",
-            "6",
-            "--ranks",
-            "8",
-            "--epochs",
-            "20",
-            "--cost-ranks",
-            "1024",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result, _ = bench("attribution.py", "--runs", "6", "--ranks", "8", "--epochs", "20", "--cost-ranks", "1024")
     assert result["runs"] == 6 and result["accuracy"] >= 0.9
     assert result["features_s"] + result["predict_s"] < 0.5  # the bench's own figure is the claim; this, a bound
 
 
-def test_model_fit_and_analyze_model_through_the_cli(tmp_path):
-    """Runs through a real collector; `rankwatch model fit` judges NCPP on each run held out and saves
-    it with its figures; `rankwatch analyze --model` says what the model is worth and, trusted or not,
-    what it draws."""
-    db = simulated_store(
-        tmp_path,
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, fitted) -> Path:
+    """A store filled through `rankwatch collector --model FILE`: the conclusions drawn live."""
+    directory = tmp_path_factory.mktemp("live")
+    fitted.save(directory / "model.npz")
+    return simulated_store(
+        directory,
         {
-            "fit-clean": [],
-            "fit-thermal": ["thermal:rank=1,from=8"],
-            "fit-capped": ["power-cap:rank=2,watts=300,from=8"],
+            "live-thermal": ["thermal:rank=5,from=8"],
+            "live-slow": ["slow-node:node=0,slowdown=1.4,from=10"],
+            "live-capped": ["power-cap:rank=2,watts=300,from=8"],
         },
-        ["--ranks", "8", "--steps", "24"],
+        ["--ranks", "8", "--steps", "30"],
+        ("--model", str(directory / "model.npz"), "--analyze-every", "1"),
     )
-    out = tmp_path / "model.npz"
-    runs = ["--run", "fit-clean", "--run", "fit-thermal", "--run", "fit-capped"]
+
+
+def test_model_fit_and_analyze_model_through_the_cli(live, tmp_path):
+    """`rankwatch model fit` judges NCPP on each stored run held out and saves it with its figures;
+    `rankwatch analyze --model` says what the model is worth and, trusted or not, what it draws."""
+    db, out = live, tmp_path / "model.npz"
+    runs = ["--run", "live-thermal", "--run", "live-slow", "--run", "live-capped"]
     fitted = rankwatch_in_process("model", "fit", "--db", str(db), *runs, "--out", str(out), "--epochs", "5")
     assert fitted.returncode == 0, fitted.stderr
     assert "each run held out in turn" in fitted.stdout and f"saved {out}" in fitted.stdout
     model = Fitted.load(out)
     assert set(model.figures) == {"ncpp", "median", "ridge", "boosted trees", "analytic"}
-    report = rankwatch_in_process("analyze", "fit-thermal", "--db", str(db), "--model", str(out), "--json")
+    report = rankwatch_in_process("analyze", "live-thermal", "--db", str(db), "--model", str(out), "--json")
     assert report.returncode == 0, report.stderr
     prediction = json.loads(report.stdout)["prediction"]
     assert prediction["verdict"] == model.verdict and prediction["trusted"] == model.trusted
     assert sorted(r["rank"] for r in prediction["ranks"]) == list(range(8))
 
-    too_few = rankwatch_in_process("model", "fit", "--db", str(db), "--run", "fit-clean", "--out", str(out))
+    too_few = rankwatch_in_process("model", "fit", "--db", str(db), "--run", "live-slow", "--out", str(out))
     assert too_few.returncode == 2 and "at least 3 runs" in too_few.stderr and too_few.stderr.count("\n") == 1
     (tmp_path / "not-a-model.npz").write_text("no")
-    bad = rankwatch_in_process("analyze", "fit-clean", "--db", str(db), "--model", str(tmp_path / "not-a-model.npz"))
+    bad = rankwatch_in_process("analyze", "live-slow", "--db", str(db), "--model", str(tmp_path / "not-a-model.npz"))
     assert bad.returncode == 2 and "not a model saved by `rankwatch model fit`" in bad.stderr
 
 
-def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_slower_live(tmp_path, fitted):
-    """`rankwatch collector --model FILE`: the same conclusions drawn live, by the engine's passes."""
-    fitted.save(tmp_path / "model.npz")
-    db = simulated_store(
-        tmp_path,
-        {"live-thermal": ["thermal:rank=5,from=8"], "live-slow": ["slow-node:node=0,slowdown=1.4,from=10"]},
-        ["--ranks", "8", "--steps", "30"],
-        ("--model", str(tmp_path / "model.npz"), "--analyze-every", "1"),
-    )
+def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_slower_live(live):
+    """The engine's passes explain the straggler and find the whole job slower than predicted."""
+    db = live
     rows = query(
         db,
         "SELECT run_id, analyzer, kind, ranks, step_start, summary, evidence FROM findings "
@@ -239,9 +223,40 @@ def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_s
     slow = [r for r in rows if r[0] == "live-slow"]
     assert [(a, k) for _, a, k, *_ in slow] == [("predicted", predicted.SLOWER)], slow
     assert 10 <= slow[0][4] <= 16 and "slower than its predicted step time" in slow[0][5]
+    # the model's view of each run, as advice: the median rank over time and every rank, measured
+    # against predicted (what the dashboard draws)
+    views = query(
+        db,
+        "SELECT run_id, evidence FROM findings WHERE analyzer = 'predicted' AND kind = ? ORDER BY run_id",
+        [predicted.TRACKING],
+    )
+    assert [run for run, _ in views] == ["live-capped", "live-slow", "live-thermal"]
+    for _, evidence in views:
+        view = json.loads(evidence)
+        assert len(view["measured_s_by_step"]) >= 20 and sorted(view["predicted_s_by_rank"], key=int) == [
+            str(r) for r in range(8)
+        ]
     over_time = json.loads(slow[0][6])
     ratios = [
         over_time["measured_s_by_step"][k] / over_time["predicted_s_by_step"][k]
         for k in over_time["measured_s_by_step"]
     ]
     assert len(ratios) >= 5 and all(r > 1.2 for r in ratios)
+
+
+def test_the_dashboards_overview_shows_measured_against_predicted(live, monkeypatch):
+    monkeypatch.setenv(DB_ENV, str(live))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=60)
+    at.run()
+    at.selectbox(key="run").set_value("live-slow")
+    at.switch_page("views/overview.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("state predicts" in c.value for c in at.caption)
+    said = [i.value for i in at.info]
+    assert any("predicted / prediction" in t and "ms predicted from its state" in t for t in said), said
+    assert not any("Power recommendations" in t for t in said)  # the model's view is no power advice
+    series = [c.value for c in at.caption if "ranks" in c.value or "step" in c.value]
+    assert any("Measured s by rank" in t or "measured" in t.lower() for t in series), series

@@ -35,6 +35,8 @@ def live() -> None:
     unjudged = findings[findings["kind"] == "not_judged"]  # what an analyzer could not judge, and why
     firing = findings[(findings["state"] == "firing") & (findings["kind"] != "not_judged")]
     advice = firing[firing["severity"] == "info"]  # recommendations (power caps), not trouble
+    prediction = advice[advice["analyzer"] == "predicted"]  # the step-time model's view, with a model
+    advice = advice[advice["analyzer"] != "predicted"]
     firing = firing[firing["severity"] != "info"]
     past = _problems(findings[findings["state"] != "firing"])
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
@@ -102,6 +104,9 @@ def live() -> None:
     cols[4].metric(power.label, power.value, help=power.help)
     if len(firing) > len(shown):
         ui.show_findings(firing, "No finding fires.", shown)
+    if not prediction.empty:  # measured against predicted, over time and per rank (its evidence's charts)
+        st.caption("Compute time against what the devices' and hosts' state predicts (the collector's --model):")
+        ui.show_findings(prediction, "")
     if not advice.empty and not_live is None:
         st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
     elif not advice.empty:

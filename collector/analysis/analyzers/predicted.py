@@ -3,7 +3,9 @@ collector/predict), against what it took. Runs only where the collector (or `ran
 given a model (`--model FILE`), and draws nothing from a model that did not beat every baseline on
 held-out runs (`Fitted.trusted`).
 
-Two conclusions:
+Two conclusions, and the model's view of the run as advice redrawn every pass (`tracking`: the
+median rank's compute measured and predicted over recent steps, and each rank's; the dashboard draws
+them):
 
 - `judge`: the whole job computing slower than its predicted step time for `patience` steps in a row,
   by more than the margin and the model's own held-out error: a slowdown every rank shares, which
@@ -26,6 +28,7 @@ from collector.predict.stepmodel import Fitted
 
 ANALYZER = "predicted"
 SLOWER = "slower_than_predicted"
+TRACKING = "prediction"  # the model's view of a run, measured against predicted: advice, every pass
 EXPLAINED = ("stragglers", ("rank", "node"))  # the findings `revise` explains: analyzer, kinds
 SERIES = 256  # steps of a slow stretch its evidence keeps, the newest
 
@@ -161,23 +164,54 @@ def features(frames: Frames, steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
-    """The stretches of steps slower than predicted that the new steps extend. Each step's medians are
-    kept for the next pass (`frames.kept`), which predicts its new steps alone."""
+    """The stretches of steps slower than predicted that the new steps extend, and the model's view
+    of the run (`tracking`). Each step's medians are kept for the next pass (`frames.kept`), which
+    predicts its new steps alone."""
     fitted = settings.model
     if fitted is None or not fitted.trusted or frames.new_steps.empty:
         return []
     kept = frames.kept.setdefault(ANALYZER, {})
-    since = frames.first_new - 1 - settings.patience
     medians: pd.DataFrame | None = kept.get("per_step")
-    fresh = frames.steps_after(since if medians is None else kept["upto"])
+    fresh = frames.steps_after(frames.first_new - 1 - settings.patience if medians is None else kept["upto"])
     fresh = fresh[fresh["compute_s"] > 0]
-    medians_new = per_step(fresh, predict(fitted, features(frames, fresh))) if not fresh.empty else None
-    parts = [p for p in (None if medians is None else medians[medians.index > since], medians_new) if p is not None]
-    if not parts:
+    if fresh.empty:
         return []
-    medians = pd.concat(parts)
+    expected = predict(fitted, features(frames, fresh))
+    medians = per_step(fresh, expected) if medians is None else pd.concat([medians, per_step(fresh, expected)])
+    medians = medians.iloc[-SERIES:]
     kept.update(per_step=medians, upto=int(medians.index.max()))
-    return slower(frames.run_id, medians, fitted, settings, after=frames.first_new - 1)
+    found = slower(frames.run_id, medians, fitted, settings, after=frames.first_new - 1)
+    return [*found, tracking(frames.run_id, medians, fresh, expected, fitted)]
+
+
+def tracking(run_id: str, medians: pd.DataFrame, steps: pd.DataFrame, expected: np.ndarray, fitted: Fitted) -> Finding:
+    """The model's view of a run, as advice (severity info) redrawn every pass: the median rank's
+    compute, measured and predicted, over its recent steps (`medians`, per_step's), and each rank's
+    over the newest (`steps`, predicted `expected`)."""
+    first, last = int(medians.index[0]), int(medians.index[-1])
+    measured, predicted = float(medians["measured"].median()), float(medians["predicted"].median())
+    by_rank = pd.DataFrame({"rank": steps["rank"], "measured": steps["compute_s"], "predicted": expected})
+    by_rank = by_rank.groupby("rank").median()
+    return Finding(
+        run_id,
+        TRACKING,
+        [],
+        first,
+        last,
+        "info",
+        0.0,  # every pass's speaks for the episode: the newest
+        f"the median rank computes in {measured * 1e3:.1f} ms a step against {predicted * 1e3:.1f} ms predicted "
+        f"from its state over steps {first}-{last} ({measured / predicted:.2f}x); {fitted.verdict}",
+        {
+            "measured_s": measured,
+            "predicted_s": predicted,
+            "measured_s_by_step": _series(medians["measured"]),
+            "predicted_s_by_step": _series(medians["predicted"]),
+            "measured_s_by_rank": _series(by_rank["measured"], len(by_rank)),
+            "predicted_s_by_rank": _series(by_rank["predicted"], len(by_rank)),
+        },
+        analyzer=ANALYZER,
+    )
 
 
 def revise(found: dict[str, list[Finding]], frames: Frames, settings: Settings) -> dict[str, list[Finding]]:
