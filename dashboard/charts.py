@@ -274,16 +274,21 @@ def suspects_vs_peers(series: pd.DataFrame, onset: int) -> alt.LayerChart:
     return (lines + rule).properties(height=200)
 
 
-def by_step(values: pd.Series, title: str) -> alt.Chart:
-    """A per-step value of a finding (a spike and the steps around it)."""
-    frame = values.rename_axis("step").reset_index(name="value")
-    return (
+def by_step(series: dict[str, pd.Series], title: str) -> alt.Chart:
+    """Per-step values of a finding, a line each, named where there are several in one unit (a spike
+    and the steps around it; a job's compute measured against its prediction)."""
+    frame = pd.concat(
+        [values.rename_axis("step").reset_index(name="value").assign(what=name) for name, values in series.items()],
+        ignore_index=True,
+    )
+    chart = (
         alt.Chart(frame)
         .mark_line(point=True)
         .encode(
             x=_x(False),
             y=alt.Y("value:Q", title=title, scale=value_scale(frame["value"]), axis=alt.Axis(format=NUMBER)),
-            tooltip=[alt.Tooltip("step:Q", format="d"), alt.Tooltip("value:Q", format=NUMBER)],
+            tooltip=[alt.Tooltip("step:Q", format="d"), alt.Tooltip("value:Q", format=NUMBER), "what"],
         )
         .properties(height=180)
     )
+    return chart.encode(color=alt.Color("what:N", title=None)) if len(series) > 1 else chart

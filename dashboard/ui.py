@@ -275,8 +275,13 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
             st.caption(f"{title}: the {min(len(values), evidence.TOP_RANKS)} highest ranks")
             if rest := evidence.rest_of_ranks(key, values):
                 st.caption(f"and {rest}")
+        in_unit: dict[str, list[tuple[str, pd.Series]]] = {}  # series of one unit share a chart (measured, predicted)
         for key, values in read.by_step:
-            st.altair_chart(charts.by_step(values, _titled(key)), width="stretch")
+            found = units.unit(key)
+            in_unit.setdefault(found.axis if found and found.axis else key, []).append((key, values))
+        for axis, members in in_unit.items():
+            title = _titled(members[0][0]) if len(members) == 1 else axis
+            st.altair_chart(charts.by_step({units.label(k): v for k, v in members}, title), width="stretch")
         for key, table in read.tables:
             st.caption(
                 units.label(key)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 import streamlit as st
 from conftest import bench, rankwatch_in_process, simulated_store
@@ -258,5 +259,9 @@ def test_the_dashboards_overview_shows_measured_against_predicted(live, monkeypa
     said = [i.value for i in at.info]
     assert any("predicted / prediction" in t and "ms predicted from its state" in t for t in said), said
     assert not any("Power recommendations" in t for t in said)  # the model's view is no power advice
-    series = [c.value for c in at.caption if "ranks" in c.value or "step" in c.value]
-    assert any("Measured s by rank" in t or "measured" in t.lower() for t in series), series
+    # the median rank's compute over time, measured and predicted, in one chart
+    drawn = [pa.ipc.open_stream(c.proto.datasets[0].data.data).read_pandas() for c in at.get("vega_lite_chart")]
+    together = [d for d in drawn if "what" in d and d["what"].nunique() == 2]
+    assert together, [list(d.columns) for d in drawn]
+    named = sorted(together[0]["what"].unique())
+    assert [n.lower().split()[0] for n in named] == ["measured", "predicted"], named
