@@ -11,7 +11,7 @@ the rank's state explains (collector/analysis/analyzers/predicted.py): "hardware
 GPU". A run counts as labelled right when the analyzer named the faulty rank and the label matches.
 
 Cost: the features and the prediction of one analysis pass's new rank-steps at `--cost-ranks` ranks
-(one step each), and one explanation.
+(one step each), and one explanation: the median of 5 calls after a first.
 
 Usage: python bench/attribution.py [--runs 40] [--ranks 16] [--steps 40] [--epochs 40] [--cost-ranks 1024]
 """
@@ -81,19 +81,24 @@ def label(topology, steps: int, fitted: Fitted, seed: int) -> tuple[bool, str, d
     return right, evidence["explained"]["cause"], evidence["explained_points"]
 
 
-def cost(fitted: Fitted, ranks: int) -> dict:
-    """Seconds to draw the features of one step of `ranks` ranks, to predict them, and one explanation."""
+def cost(fitted: Fitted, ranks: int, repeats: int = 5) -> dict:
+    """Seconds to draw the features of one step of `ranks` ranks, to predict them, and one explanation:
+    the median of `repeats` (a collector does this every pass; the first call warms pandas up)."""
     topology = simulate.Topology(dp=ranks)
     rank_steps, samples, placement = simulate.tables(topology, 3, [parse("thermal:rank=7,from=0")], 7)
     last = rank_steps[rank_steps["step"] == rank_steps["step"].max()]
-    started = time.perf_counter()
-    features = steptime.features(last, samples, placement)
-    drawn = time.perf_counter()
-    predicted.predict(fitted, features)
-    done = time.perf_counter()
-    mine = features[last["rank"].to_numpy() == 7]
-    steptime.explain(fitted.model, mine, features[last["rank"].to_numpy() != 7])
-    return {"features_s": drawn - started, "predict_s": done - drawn, "explain_s": time.perf_counter() - done}
+    mine = last["rank"].to_numpy() == 7
+    timings = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        features = steptime.features(last, samples, placement)
+        drawn = time.perf_counter()
+        predicted.predict(fitted, features)
+        done = time.perf_counter()
+        steptime.explain(fitted.model, features[mine], features[~mine])
+        timings.append((drawn - started, done - drawn, time.perf_counter() - done))
+    features_s, predict_s, explain_s = np.median(timings[1:], axis=0)
+    return {"features_s": float(features_s), "predict_s": float(predict_s), "explain_s": float(explain_s)}
 
 
 def main() -> None:
