@@ -40,7 +40,7 @@ def main() -> None:
         parser.exit(2, f"ncpp.py: error: {e}\n")
     groups = perfcastdb.groups(list(train.columns))
     predictors = [
-        lambda: Ncpp(groups, epochs=args.epochs, seed=args.seed),
+        lambda: Ncpp(groups, epochs=args.epochs, seed=args.seed, target="score"),
         lambda: Median(perfcastdb.CONFIGURATION),
         lambda: Ridge(groups),
         lambda: Boosted(groups, seed=args.seed),

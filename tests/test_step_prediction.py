@@ -19,7 +19,7 @@ from streamlit.testing.v1 import AppTest
 from agent import semconv as sc
 from agent.host import HostState
 from collector.analysis.analyzers import predicted, stragglers
-from collector.predict import steptime
+from collector.predict import stepmodel, steptime
 from collector.predict.baselines import Ncpp
 from collector.predict.stepmodel import Fitted
 from dashboard.source import COLLECTOR_ENV, DB_ENV
@@ -53,7 +53,7 @@ def fitted() -> Fitted:
     ]
     features = pd.concat([f for _, f, _ in made], ignore_index=True)
     target = pd.concat([s for s, _, _ in made], ignore_index=True)["compute_s"].to_numpy()
-    return trusted(Ncpp(steptime.GROUPS, epochs=30).fit(features, target).model)
+    return trusted(Ncpp(steptime.GROUPS, epochs=30, prior=stepmodel.analytic_prior()).fit(features, target).model)
 
 
 def test_a_metrics_feature_is_its_mean_within_the_step_else_the_latest_before_it():

@@ -133,17 +133,23 @@ class Ncpp:
     name = "ncpp"
 
     def __init__(
-        self, groups: Mapping[str, Sequence[str]], epochs: int = 600, seed: int = 0, prior: Analytic | None = None
+        self,
+        groups: Mapping[str, Sequence[str]],
+        epochs: int = 600,
+        seed: int = 0,
+        prior: Analytic | None = None,
+        target: str = "target",
     ):
-        """`prior`: an analytic model the network learns to correct (fitted anew with it)."""
-        self.groups, self.epochs, self.seed, self.prior = groups, epochs, seed, prior
+        """`prior`: an analytic model the network learns to correct (fitted anew with it); `target`: what
+        it predicts, in words (saved with it)."""
+        self.groups, self.epochs, self.seed, self.prior, self.target = groups, epochs, seed, prior, target
 
     def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Ncpp":
         from collector.predict.fit import fit
 
         groups = {g: list(c) for g, c in self.groups.items()}
         prior = None if self.prior is None else Analytic(self.prior.log_work, self.prior.clock)
-        self.model = fit(table, target, groups, epochs=self.epochs, seed=self.seed, prior=prior)
+        self.model = fit(table, target, groups, name=self.target, epochs=self.epochs, seed=self.seed, prior=prior)
         return self
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:

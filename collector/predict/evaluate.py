@@ -30,19 +30,17 @@ def held_out(
     target: np.ndarray,
     by: Sequence[str] | np.ndarray,
     predictors: Sequence[Callable[[], Predictor]],
-    folds: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Each predictor's prediction of every row from a fit that did not see the row's group `by`:
-    one fold per group, or `folds` folds of whole groups."""
-    from sklearn.model_selection import GroupKFold, LeaveOneGroupOut
+    """Each predictor's prediction of every row from a fit that did not see the row's group `by`
+    (each group held out in turn), by the predictor's name."""
+    from sklearn.model_selection import LeaveOneGroupOut
 
     groups = np.asarray(by)
-    splitter = GroupKFold(n_splits=folds) if folds else LeaveOneGroupOut()
     out = {}
     for make in predictors:
         predicted = np.full(len(table), np.nan)
-        for train, test in splitter.split(table, target, groups):
+        for train, test in LeaveOneGroupOut().split(table, target, groups):
             model = make().fit(table.iloc[train], target[train])
             predicted[test] = model.predict(table.iloc[test])
-        out[make().name] = predicted
+        out[model.name] = predicted
     return out

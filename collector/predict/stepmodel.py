@@ -78,19 +78,23 @@ def predictors(epochs: int, seed: int) -> list:
     """NCPP and its baselines, each made afresh for every fit."""
     groups = steptime.GROUPS
     return [
-        lambda: Ncpp(groups, epochs=epochs, seed=seed, prior=_analytic()),
+        lambda: Ncpp(groups, epochs=epochs, seed=seed, prior=analytic_prior(), target=steptime.TARGET),
         lambda: Median(["log_flops", "log_tokens", "world_size"]),
         lambda: Ridge(groups),
         lambda: Boosted(groups, seed=seed),
-        _analytic,
+        analytic_prior,
     ]
 
 
-def _analytic() -> Analytic:
+def analytic_prior() -> Analytic:
+    """The analytic model of a rank-step's compute time (work / clock), unfitted: a baseline, and the
+    prior NCPP corrects."""
     return Analytic("log_flops", sc.SM_CLOCK_MHZ)
 
 
-def judge(features: pd.DataFrame, target: np.ndarray, runs: np.ndarray, epochs: int = 60, seed: int = 0):
+def judge(
+    features: pd.DataFrame, target: np.ndarray, runs: np.ndarray, epochs: int = 60, seed: int = 0
+) -> tuple[dict[str, dict[str, float]], str]:
     """Every predictor's held-out figures (each run held out in turn), and the best baseline's name."""
     made = predictors(epochs, seed)
     predicted: dict[str, np.ndarray] = held_out(features, target, runs, made)
@@ -108,5 +112,6 @@ def fit(con, run_ids: list[str], epochs: int = 60, seed: int = 0) -> Fitted:
     if empty:
         raise TooLittleData(f"run(s) {', '.join(empty)} have no step with a compute time")
     figures, best = judge(features, target, runs, epochs, seed)
-    model: Ncpp = Ncpp(steptime.GROUPS, epochs=epochs, seed=seed, prior=_analytic()).fit(features, target)
+    made = Ncpp(steptime.GROUPS, epochs=epochs, seed=seed, prior=analytic_prior(), target=steptime.TARGET)
+    model = made.fit(features, target)
     return Fitted(model.model, figures, best)
