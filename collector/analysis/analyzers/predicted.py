@@ -172,7 +172,9 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         return []
     kept = frames.kept.setdefault(ANALYZER, {})
     medians: pd.DataFrame | None = kept.get("per_step")
-    fresh = frames.steps_after(frames.first_new - 1 - settings.patience if medians is None else kept["upto"])
+    # a first pass, or one after the engine dropped what was kept (late steps, a quiet run): all the
+    # history the pass has, so the view over time starts as far back as it can
+    fresh = frames.steps if medians is None else frames.steps_after(kept["upto"])
     fresh = fresh[fresh["compute_s"] > 0]
     if fresh.empty:
         return []
