@@ -169,6 +169,18 @@ SYSTEM_MEMORY_UTIL = "system.memory.utilization"  # the host's memory in use (no
 PRESSURE_CPU = "rankwatch.host.pressure.cpu"
 PRESSURE_MEMORY = "rankwatch.host.pressure.memory"
 PRESSURE_IO = "rankwatch.host.pressure.io"
+PROCESS_READ_BPS = "rankwatch.process.read_bytes_per_s"  # the rank's storage reads (page cache misses), bytes/s
+PROCESS_WRITE_BPS = "rankwatch.process.write_bytes_per_s"  # and the writes it caused to storage
+PROCESS_MAJOR_FAULTS = "rankwatch.process.major_faults_per_s"  # page faults that had to read from storage
+# read by one rank per host (agent/host.py's `host_wide`): the host's disks and the pages waiting for them
+DISK_READ_BPS = "rankwatch.host.disk.read_bytes_per_s"  # all disks together
+DISK_WRITE_BPS = "rankwatch.host.disk.write_bytes_per_s"
+DISK_BUSY = "rankwatch.host.disk.busy"  # the busiest disk's share of time with I/O in flight
+MEMORY_DIRTY_BYTES = "rankwatch.host.memory.dirty_bytes"  # written pages not yet on disk
+MEMORY_WRITEBACK_BYTES = "rankwatch.host.memory.writeback_bytes"  # being written now
+HOST_WIDE_METRICS = frozenset(
+    {DISK_READ_BPS, DISK_WRITE_BPS, DISK_BUSY, MEMORY_DIRTY_BYTES, MEMORY_WRITEBACK_BYTES}
+)  # the collector gives each to every rank of the host that read it
 
 # Rollbacks (trainer/rollback.py): a command from the collector, carried out by every rank.
 EVENT_ROLLBACK = "rollback"  # the state went back to a checkpoint, with what follows

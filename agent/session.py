@@ -106,7 +106,7 @@ class Session:
         local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
         # a simulated GPU is busy while the rank computes
         self.device = open_device(local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES))
-        readers: list = [self.device, HostState()]
+        readers: list = [self.device, HostState(host_wide=local_rank == 0)]  # the host's disks: one rank per host
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
         # a step held for its energy goes out once sampled past, not only at the next step's end

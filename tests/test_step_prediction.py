@@ -88,25 +88,60 @@ def test_a_metrics_feature_is_its_mean_within_the_step_else_the_latest_before_it
     assert f["tp_rank"].tolist() == [0, 0, 0, 1]
 
 
-def test_the_host_is_read_from_proc_its_stalls_as_shares_of_time(tmp_path):
-    """A /proc tree written here (the kernel's files are the hardware boundary): PSI's `some` totals
-    are microseconds stalled since boot, so a reading is their growth over the time between two."""
-    (tmp_path / "pressure").mkdir()
+def proc_tree(root: Path, cpu_us: int, read_sectors: int, io_ms: int, faults: int, read_bytes: int) -> None:
+    """A /proc tree as the kernel writes it (its files are the hardware boundary), and /sys/block."""
     psi = "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    for name, total in (("cpu", 1_000_000), ("io", 0)):
-        (tmp_path / "pressure" / name).write_text(psi.format(total))
-    (tmp_path / "meminfo").write_text("MemTotal:  1000 kB\nMemFree:  100 kB\nMemAvailable:  250 kB\n")
+    (root / "pressure").mkdir(exist_ok=True)
+    for name, total in (("cpu", cpu_us), ("io", 0)):
+        (root / "pressure" / name).write_text(psi.format(total))
+    (root / "meminfo").write_text(
+        "MemTotal:  1000 kB\nMemFree:  100 kB\nMemAvailable:  250 kB\nDirty:  8 kB\nWriteback:  2 kB\n"
+    )
+    (root / "self").mkdir(exist_ok=True)
+    (root / "self" / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {read_bytes}\nwrite_bytes: 4096\n")
+    fields = " ".join(["S", *["0"] * 6, "1", "0", str(faults), *["0"] * 40])  # field 12 is majflt
+    (root / "self" / "stat").write_text(f"42 (a (name)) {fields}\n")
+    disk = f"   8  0 sda 5 0 {read_sectors} 7 3 0 16 9 0 {io_ms} 20 0 0 0 0\n"
+    (root / "diskstats").write_text(
+        disk + "   8  1 sda1 5 0 99999 7 3 0 99999 9 0 999 20 0 0 0 0\n"
+        "   7  0 loop0 1 0 99999 0 0 0 0 0 0 999 0 0 0 0 0\n"
+    )
+    for name in ("sda", "loop0"):
+        (root / "block" / name).mkdir(parents=True, exist_ok=True)
+
+
+def test_the_host_is_read_from_proc_its_stalls_and_io_as_rates(tmp_path):
+    """PSI's `some` totals are microseconds stalled since boot, /proc/diskstats counts 512-byte sectors
+    and milliseconds of I/O, /proc/self/io bytes: a reading is their growth over the time between two.
+    The disks (whole ones: no partition, no loop device) and dirty pages are one rank's per host."""
+    proc_tree(tmp_path, cpu_us=1_000_000, read_sectors=0, io_ms=0, faults=3, read_bytes=0)
     clock = [0]
-    host = HostState(tmp_path, every_s=1.0, clock_ns=lambda: clock[0])
+    host = HostState(tmp_path, every_s=1.0, clock_ns=lambda: clock[0], host_wide=True, disks=tmp_path / "block")
+    rank = HostState(tmp_path, every_s=1.0, clock_ns=lambda: clock[0])
     clock[0] = 5 * 10**8
     assert host.read() == []  # within a second of the last reading: nothing
-    (tmp_path / "pressure" / "cpu").write_text(psi.format(1_000_000 + 500_000))
+    proc_tree(tmp_path, cpu_us=1_500_000, read_sectors=4096, io_ms=500, faults=5, read_bytes=2 * 2**20)
     clock[0] = 2 * 10**9
     readings = {metric: value for metric, value, attrs in host.read()}
     assert readings[sc.PRESSURE_CPU] == pytest.approx(0.25) and readings[sc.PRESSURE_IO] == 0.0
     assert sc.PRESSURE_MEMORY not in readings  # no such file on this "kernel": left out
     assert readings[sc.SYSTEM_MEMORY_UTIL] == pytest.approx(0.75)
     assert 0 <= readings[sc.PROCESS_CPU_UTIL] <= 1
+    assert readings[sc.PROCESS_READ_BPS] == 2**20 and readings[sc.PROCESS_MAJOR_FAULTS] == 1.0
+    assert readings[sc.DISK_READ_BPS] == 4096 * 512 / 2 and readings[sc.DISK_BUSY] == pytest.approx(0.25)
+    assert readings[sc.MEMORY_DIRTY_BYTES] == 8 * 1024 and readings[sc.MEMORY_WRITEBACK_BYTES] == 2 * 1024
+    theirs = {metric for metric, _, _ in rank.read()}
+    assert sc.PROCESS_READ_BPS in theirs and not theirs & sc.HOST_WIDE_METRICS  # one rank per host reads those
+
+
+def test_a_hosts_disk_readings_are_every_rank_of_the_hosts():
+    s = 10**9
+    steps = pd.DataFrame({"rank": [0, 1, 2], "step": [1, 1, 1], "end_ts": [2 * s] * 3, "duration_s": [1.0] * 3})
+    samples = pd.DataFrame(
+        {"rank": [0, 2], "ts": [int(1.5 * s)] * 2, "metric": [sc.DISK_BUSY] * 2, "value": [0.9, 0.1]}
+    )
+    ranks = pd.DataFrame({"rank": [0, 1, 2], "host": ["a", "a", "b"]})
+    assert steptime.features(steps, samples, ranks)[sc.DISK_BUSY].tolist() == [0.9, 0.9, 0.1]
 
 
 @pytest.mark.parametrize("hardware", [True, False])

@@ -27,7 +27,17 @@ GROUPS: dict[str, list[str]] = {
     "memory": [sc.FB_USED_MIB, sc.MEM_CLOCK_MHZ, sc.ECC_SBE_VOLATILE, sc.ECC_DBE_VOLATILE],
     "power/thermal": [sc.POWER_INSTANT_W, sc.POWER_W, sc.GPU_TEMP_C],
     "interconnect": [sc.PCIE_TX_BPS, sc.PCIE_RX_BPS, sc.NVLINK_TX_BPS, sc.NVLINK_RX_BPS],
-    "host": [sc.PROCESS_CPU_UTIL, sc.SYSTEM_MEMORY_UTIL, sc.PRESSURE_CPU, sc.PRESSURE_MEMORY, sc.PRESSURE_IO],
+    "host": [
+        sc.PROCESS_CPU_UTIL,
+        sc.SYSTEM_MEMORY_UTIL,
+        sc.PRESSURE_CPU,
+        sc.PRESSURE_MEMORY,
+        sc.PRESSURE_IO,
+        sc.PROCESS_READ_BPS,
+        sc.PROCESS_WRITE_BPS,
+        sc.PROCESS_MAJOR_FAULTS,
+        *sorted(sc.HOST_WIDE_METRICS),
+    ],
     "workload": ["log_flops", "log_tokens", "world_size", "pp_stage", "tp_rank", "device"],
 }
 HARDWARE = ("compute", "memory", "power/thermal", "interconnect")  # the GPU's own state
@@ -37,7 +47,8 @@ STEPS_SQL = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compu
                 FROM current_steps WHERE run_id = $run AND compute_s > 0 ORDER BY step, rank"""
 SAMPLES_SQL = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
                  WHERE run_id = $run AND metric IN (SELECT unnest($metrics))"""
-RANKS_SQL = """SELECT rank, pp_stage, tp_rank, device, (SELECT count(*) FROM ranks WHERE run_id = $run) AS world_size
+RANKS_SQL = """SELECT rank, host, pp_stage, tp_rank, device,
+                      (SELECT count(*) FROM ranks WHERE run_id = $run) AS world_size
                FROM ranks WHERE run_id = $run"""
 
 
@@ -69,12 +80,23 @@ def _per_step(steps: pd.DataFrame, samples: pd.DataFrame, latest_only: bool = Fa
         return pd.Series(np.where((within > 0) & (not latest_only), total / within, latest), index=steps.index)
 
 
+def _hosts_shared(samples: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
+    """The samples with those of a host's disks and dirty pages, which one rank per host reads, given
+    to every rank of the host (`ranks`' host column; as they are where it has none)."""
+    wide = samples["metric"].isin(sc.HOST_WIDE_METRICS).to_numpy()
+    if "host" not in ranks or not wide.any():
+        return samples
+    hosts = ranks[["rank", "host"]].dropna()
+    shared = samples[wide].merge(hosts, on="rank").drop(columns="rank").merge(hosts, on="host")
+    return pd.concat([samples[~wide], shared.drop(columns="host")], ignore_index=True)
+
+
 def features(steps: pd.DataFrame, samples: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
     """The grouped features of each rank-step. `steps`: rank, step, end_ts (ns), duration_s, tokens,
-    flops; `samples`: rank, ts (ns), metric, value; `ranks`: rank and any of pp_stage, tp_rank, device,
-    world_size. Rows keep `steps`' index."""
+    flops; `samples`: rank, ts (ns), metric, value; `ranks`: rank and any of host, pp_stage, tp_rank,
+    device, world_size. Rows keep `steps`' index."""
     out = pd.DataFrame(index=steps.index)
-    for metric, of_metric in samples.groupby("metric", sort=False):
+    for metric, of_metric in _hosts_shared(samples, ranks).groupby("metric", sort=False):
         if metric == sc.CLOCK_EVENT_REASONS:
             mask = _per_step(steps, of_metric, latest_only=True).fillna(0).astype(np.int64)
             for name, bits in THROTTLES.items():
