@@ -121,12 +121,11 @@ def read(con, run_id: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     return steps, features(steps, samples, ranks)
 
 
-def explain(model: Model, mine: pd.DataFrame, peers: pd.DataFrame) -> tuple[float, float, dict[str, float]]:
-    """How much of a rank's predicted slowdown against its peers each group explains: the rank's
-    predicted compute time (median over its rank-steps `mine`), its peers' (`peers`), and per group the
-    seconds the prediction drops when that group's features are set to the peers' (medians; a category
-    to their most common value), one group at a time."""
-    predicted = float(np.median(model.predict(mine)))
+def explain(model: Model, mine: pd.DataFrame, peers: pd.DataFrame, predicted: float) -> dict[str, float]:
+    """How much of a rank's predicted compute time (`predicted`, the median over its rank-steps `mine`)
+    each group explains against its peers (`peers`): the seconds the prediction drops when the group's
+    features are set to the peers' (medians; a category to their most common value), one group at a
+    time."""
     typical = {}
     for f in model.encoder.features:
         if f.name in peers:
@@ -140,7 +139,7 @@ def explain(model: Model, mine: pd.DataFrame, peers: pd.DataFrame) -> tuple[floa
             if f.group == group and f.name in typical:
                 swapped[f.name] = typical[f.name]
         shares[group] = predicted - float(np.median(model.predict(swapped)))
-    return predicted, float(np.median(model.predict(peers))), shares
+    return shares
 
 
 def named(shares: Mapping[str, float]) -> str:

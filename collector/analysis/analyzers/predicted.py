@@ -31,6 +31,8 @@ SLOWER = "slower_than_predicted"
 TRACKING = "prediction"  # the model's view of a run, measured against predicted: advice, every pass
 EXPLAINED = ("stragglers", ("rank", "node"))  # the findings `revise` explains: analyzer, kinds
 SERIES = 256  # steps of a slow stretch its evidence keeps, the newest
+EXPLAINED_STEPS = 16  # the newest steps of a straggler's episode its explanation reads
+HISTORY = 32  # steps a first pass (or one after the engine dropped what was kept) predicts
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,19 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
     theirs = steps["rank"].isin(finding.ranks).to_numpy()
     if not (during & theirs).any() or not (during & ~theirs).any():
         return finding
+    # the newest EXPLAINED_STEPS steps of the episode: what its state is now, at a bounded cost
+    during = during & (steps["step"].to_numpy() > steps["step"][during].max() - EXPLAINED_STEPS)
     measured, peers_measured = (float(steps["compute_s"][during & w].median()) for w in (theirs, ~theirs))
     slower_by = 100 * (measured / peers_measured - 1)
-    predicted, peers_predicted, shares = steptime.explain(
-        fitted.model, features[during & theirs], features[during & ~theirs]
+    by_rank = (
+        pd.DataFrame({"rank": steps["rank"][during], "measured": steps["compute_s"][during]})
+        .assign(predicted=fitted.model.predict(features[during]))  # each rank-step predicted once
+        .groupby("rank")
+        .median()
     )
+    slow = by_rank.index.isin(finding.ranks)
+    predicted, peers_predicted = float(by_rank["predicted"][slow].median()), float(by_rank["predicted"][~slow].median())
+    shares = steptime.explain(fitted.model, features[during & theirs], features[during & ~theirs], predicted)
     points = {group: 100 * share / peers_measured for group, share in shares.items()}
     hardware = sum(p for g, p in points.items() if g in steptime.HARDWARE)
     top = steptime.named(shares)
@@ -134,12 +144,6 @@ def explain(finding: Finding, steps: pd.DataFrame, features: pd.DataFrame, fitte
         "hardware_points": hardware,
         "cause": cause,
     }
-    by_rank = (
-        pd.DataFrame({"rank": steps["rank"][during], "measured": steps["compute_s"][during]})
-        .assign(predicted=fitted.model.predict(features[during]))
-        .groupby("rank")
-        .median()
-    )
     evidence = {
         **finding.evidence,
         "explained": explained,
@@ -172,9 +176,9 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         return []
     kept = frames.kept.setdefault(ANALYZER, {})
     medians: pd.DataFrame | None = kept.get("per_step")
-    # a first pass, or one after the engine dropped what was kept (late steps, a quiet run): all the
-    # history the pass has, so the view over time starts as far back as it can
-    fresh = frames.steps if medians is None else frames.steps_after(kept["upto"])
+    # a first pass, or one after the engine dropped what was kept (late steps, a quiet run): up to
+    # HISTORY steps of the history the pass has, so the view over time does not restart at the newest
+    fresh = frames.steps_after(frames.last - HISTORY if medians is None else kept["upto"])
     fresh = fresh[fresh["compute_s"] > 0]
     if fresh.empty:
         return []
@@ -222,7 +226,9 @@ def revise(found: dict[str, list[Finding]], frames: Frames, settings: Settings) 
     analyzer, kinds = EXPLAINED
     if fitted is None or not fitted.trusted or not any(f.kind in kinds for f in found.get(analyzer, [])):
         return found
-    steps = frames.steps[frames.steps["compute_s"] > 0]
+    ends = [f.step_end for f in found[analyzer] if f.kind in kinds and f.step_end is not None]
+    steps = frames.steps_after(min(ends, default=frames.last) - EXPLAINED_STEPS)
+    steps = steps[steps["compute_s"] > 0]  # the features of the steps the explanations read, no more
     drawn = features(frames, steps)
     return {
         **found,
