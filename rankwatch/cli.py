@@ -201,6 +201,8 @@ def cmd_collector(args) -> None:
         upkeep=Upkeep(args.compact_every, args.retain_days),
         model=_model(args.model) if args.model else None,
     )
+    if config.model is not None:  # an untrusted model draws nothing: say so where the collector starts
+        print(f"rankwatch collector: step-time model {args.model}: {config.model.verdict}", file=sys.stderr)
     _preflight(config)
     serve(config)
 

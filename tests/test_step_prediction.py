@@ -241,8 +241,11 @@ def test_model_fit_and_analyze_model_through_the_cli(live, tmp_path):
 
 
 def test_a_collector_given_a_model_explains_stragglers_and_finds_the_whole_job_slower_live(live):
-    """The engine's passes explain the straggler and find the whole job slower than predicted."""
+    """The engine's passes explain the straggler and find the whole job slower than predicted; the
+    collector said at its start what the model is worth."""
     db = live
+    assert "step-time model" in (db.parent / "collector.log").read_text()
+    assert "NCPP predicts held-out runs within 1.0% (MAPE" in (db.parent / "collector.log").read_text()
     rows = query(
         db,
         "SELECT run_id, analyzer, kind, ranks, step_start, summary, evidence FROM findings "
