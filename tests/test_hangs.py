@@ -176,6 +176,35 @@ def test_a_stall_under_way_keeps_the_culprits_it_was_first_judged_with():
     assert again.summary.startswith("no step has finished for 59 s: ranks 0, 2, 3 are blocked in all_reduce #10")
 
 
+def test_culprits_judged_before_the_stalls_heartbeats_came_are_not_kept():
+    """The pass past the timeout has only the heartbeats sent before the stall (delayed, or a collector
+    that took the run over): every rank was in the last step's all-reduce then, alike. It says so,
+    and keeps nothing: the next pass, with the stall's heartbeats come, names rank 1, never in all-reduce
+    #10, and a pass after that keeps naming it."""
+    from collector.analysis.analyzers import Frames
+    from collector.analysis.analyzers.hangs import judge
+
+    st, kept = steps(), {}
+    last_end = int(st["end_ts"].max())
+    before = beats([(r, last_end - S, 9, "backward", "all_reduce", "world", 9, False) for r in RANKS])
+    during = beats(
+        [(r, last_end + 11 * S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 2, 3)]
+        + [(1, last_end + 11 * S, 10, "forward", "all_reduce", "world", 9, True)]
+    )
+
+    def judged(heartbeats, now):  # a 4 s floor: the 2 s steps' 10 s timeout, well within the heartbeats' 15 s
+        frames = Frames("r", st, 10, 9, pd.DataFrame({"rank": list(RANKS)}), now, heartbeats=heartbeats, kept=kept)
+        return judge(frames, Settings(floor_s=4.0))
+
+    (early,) = judged(before, last_end + 11 * S)
+    assert early.ranks == [] and not early.evidence["heard_in_stall"]
+    assert early.summary.endswith("not every rank has been heard from since the stall began")
+    (found,) = judged(pd.concat([before, during]), last_end + 12 * S)
+    assert found.ranks == [1] and found.evidence["heard_in_stall"]
+    (again,) = judged(pd.concat([before, during]), last_end + 14 * S)
+    assert again.ranks == [1] and again.evidence["first_judged_stalled_s"] == pytest.approx(12)
+
+
 def test_a_hang_of_16384_ranks_is_judged_in_seconds():
     """Every rank but one blocked in the same all-reduce: whom they wait for is worked out once for the
     collective, not once per rank over every other (which at this size takes minutes)."""

@@ -162,8 +162,8 @@ def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards
     counts = "SELECT count(*), count(DISTINCT (rank, step)) FROM steps WHERE run_id = 'failover'"
     assert rows(survivor, counts) == [[ranks * hang_at, ranks * hang_at]]  # none lost, none twice
     hangs = "SELECT ranks FROM findings WHERE run_id = 'failover' AND analyzer = 'hangs' AND severity <> 'info'"
-    wait_until(lambda: rows(survivor, hangs), "the hang named by the collector that took over", timeout_s=30)
-    assert [9] in [r[0] for r in rows(survivor, hangs)]
+    # (a pass before the stall's heartbeats reached the survivor says the stall without culprits, and keeps none)
+    wait_until(lambda: [9] in [r[0] for r in rows(survivor, hangs)], "rank 9 named by the collector that took over", 30)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,11 @@ Each stall is judged once: the one under way at the moment judged (with the
 culprits a pass first named for it, kept for the run's next passes: once the
 hung rank is back, the ranks catching up with it are no culprits), and each
 stall the new steps closed (a gap between one step's end and the next longer
-than the timeout), judged as it stood when it first passed the timeout.
+than the timeout), judged as it stood when it first passed the timeout. A pass
+whose ranks have not all been heard from since the stall began (heartbeats
+delayed, a collector taking the run over) judges from where they stood before
+it: its culprits are said, and not kept, until every rank's heartbeat from the
+stall has come.
 """
 
 from dataclasses import dataclass, replace
@@ -90,7 +94,8 @@ def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
     if "silent_since_ns" in finding.evidence:  # every rank gone quiet: judged as it stood when last heard from
         return current
     if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
-        kept[ANALYZER]["stall"] = finding
+        if finding.evidence["heard_in_stall"]:  # a judgement from heartbeats sent before the stall is not kept
+            kept[ANALYZER]["stall"] = finding
         return current
     stalled_s = finding.evidence["stalled_s"]
     summary = _stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"]))
@@ -165,6 +170,9 @@ def analyze(
             f.evidence.update(stalled_s=stalled_s, silent_since_ns=int(heard), silent_ranks=ranks)
         return found
     alive = beats.drop(index=[r for r in silent if r in beats.index])
+    # whether every rank still heard from was heard since the stall began: until then (their heartbeats
+    # delayed, a collector taking the run over) the culprits are judged from where the ranks were before it
+    heard_in_stall = bool((alive["ts"] > last_end).all())
     if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
@@ -214,6 +222,8 @@ def analyze(
         summary = f"{_stalled(stalled_s)}: {ranksets.phrase(culprits)} stopped ({_describe(where, silent)})"
     else:
         summary = f"{_stalled(stalled_s)}; no rank stands out (all blocked alike)"
+    if not heard_in_stall:
+        summary += "; not every rank has been heard from since the stall began"
     return [
         Finding(
             run_id,
@@ -233,6 +243,7 @@ def analyze(
                 "waiting_pairs": [list(p) for p in pairs],
                 "silent_ranks": silent,
                 "culprit_last_seen": where,
+                "heard_in_stall": heard_in_stall,
             },
             analyzer=ANALYZER,
         )
