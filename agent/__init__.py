@@ -97,6 +97,19 @@ def phase(name: str):
     return _session.phase(name) if _session else nullcontext()
 
 
+def transfer(src: str, dst: str, nbytes: int, what: str = ""):
+    """Context for a copy of `nbytes` between memory tiers, "gpu", "host", "pinned" or "disk" (a swap,
+    an offloaded optimizer's state read back, a parameter copied to the GPU), from any thread; `what`
+    moved: "optimizer_state", "parameters", "gradients", "activations". Enter it on the copying stream."""
+    return _session.transfer(src, dst, nbytes, what) if _session else nullcontext()
+
+
+def host_work(name: str):
+    """Context for work on the host's CPUs that training waits for ("optimizer": an offloaded
+    optimizer's step), from any thread."""
+    return _session.host_work(name) if _session else nullcontext()
+
+
 def record(**values) -> None:
     """Values of the current step: loss, grad_norm, tokens, lr, mfu (others kept as attributes)."""
     if _session:

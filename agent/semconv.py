@@ -40,6 +40,17 @@ COMM_WAIT_S_OF = "rankwatch.comm_wait_s."
 # forward and backward chunks)
 PIPELINE_BUBBLE_S = "rankwatch.pipeline_bubble_s"
 STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its energy counter
+# the time some copy between memory tiers (TRANSFER spans) was in flight and no compute phase covered it
+TRANSFER_EXPOSED_S = "rankwatch.transfer.exposed_s"
+TRANSFER_S = "rankwatch.transfer_s"  # the time some copy between memory tiers was in flight, overlapped or not
+HOST_OPTIMIZER_S = "rankwatch.host_optimizer_s"  # the time an optimizer stepped on the host's CPUs (offloaded)
+# on `transfer` spans (their name: "<source>-><destination>")
+TRANSFER_SRC = "rankwatch.transfer.src"  # a memory tier: one of TIERS
+TRANSFER_DST = "rankwatch.transfer.dst"
+TRANSFER_BYTES = "rankwatch.transfer.bytes"
+TRANSFER_FOR = "rankwatch.transfer.for"  # what moved: optimizer state, parameters, gradients, activations
+# on `host` spans: work on the host's CPUs the step waits for (an offloaded optimizer's step)
+HOST_WORK = "rankwatch.host.work"
 # on `comm` spans
 COMM_GROUP = "rankwatch.comm.group"
 COMM_GROUP_SIZE = "rankwatch.comm.group_size"
@@ -59,7 +70,18 @@ KIND_COMM = "comm"
 KIND_COMPUTE = "compute"
 KIND_DATA = "data"
 KIND_OTHER = "other"
-OP_KINDS = (KIND_PHASE, KIND_COMM, KIND_COMPUTE, KIND_DATA, KIND_OTHER)
+KIND_TRANSFER = "transfer"  # a copy between memory tiers (agent.transfer)
+KIND_HOST = "host"  # work on the host's CPUs (agent.host_work)
+OP_KINDS = (KIND_PHASE, KIND_COMM, KIND_COMPUTE, KIND_DATA, KIND_OTHER, KIND_TRANSFER, KIND_HOST)
+# Memory tiers a transfer moves between: GPU memory, host memory (pageable, or pinned: the GPU's copy engines
+# read it directly) and local disk.
+TIER_GPU, TIER_HOST, TIER_PINNED, TIER_DISK = "gpu", "host", "pinned", "disk"
+TIERS = (TIER_GPU, TIER_HOST, TIER_PINNED, TIER_DISK)
+# A probe of the disk a job swaps to, timed at its start: what the disk gives to large sequential I/O
+EVENT_DISK_PROBE = "disk_probe"
+DISK_PROBE_READ_BPS = "rankwatch.disk_probe.read_bytes_per_s"
+DISK_PROBE_WRITE_BPS = "rankwatch.disk_probe.write_bytes_per_s"
+DISK_PROBE_PATH = "rankwatch.disk_probe.path"
 
 # Log records: the event name, plus the step it happened at.
 EVENT = "rankwatch.event"
@@ -85,11 +107,11 @@ CKPT_TIER = "rankwatch.checkpoint.tier"
 CKPT_BYTES = "rankwatch.checkpoint.bytes"
 CKPT_BLOCKED_S = "rankwatch.checkpoint.blocked_s"  # training-loop time the snapshot cost
 CKPT_DURABLE_S = "rankwatch.checkpoint.durable_s"  # from the snapshot's start until it was safe in its tier
+CKPT_WRITE_S = "rankwatch.checkpoint.write_s"  # a disk checkpoint's write, until durable: the disk was busy
 CKPT_PATH = "rankwatch.checkpoint.path"
 CKPT_WHY = "rankwatch.checkpoint.why"
 CKPT_SKIPPED = "rankwatch.checkpoint.skipped"  # int: snapshots and disk writes a rank skipped so far
-TIER_MEMORY = "memory"
-TIER_DISK = "disk"
+TIER_MEMORY = "memory"  # a checkpoint's tiers (CKPT_TIER): host memory, or TIER_DISK
 
 # Data point attributes of device metrics.
 GPU = "gpu"  # device index on the host, as in DCGM exporter labels

@@ -62,6 +62,20 @@ class Collective:
     waited: object = None  # where the caller first waited for an async_op=True call (same clock as start)
 
 
+@dataclass(slots=True)
+class Transfer:
+    """One copy between memory tiers (semconv.TIERS): two marks of the session's timer where a GPU is
+    one end (CUDA events on the copying stream), else two monotonic readings (host and disk I/O, from
+    any thread). `what`: what moved (optimizer state, parameters, gradients, activations)."""
+
+    src: str
+    dst: str
+    nbytes: int
+    what: str
+    start: object
+    end: object = None
+
+
 @dataclass
 class _Step:
     step: int
@@ -71,6 +85,8 @@ class _Step:
     phases: list = field(default_factory=list)  # (name, start mark, end mark)
     collectives: list[Collective] = field(default_factory=list)
     values: dict = field(default_factory=dict)
+    transfers: list[Transfer] = field(default_factory=list)
+    host_work: list = field(default_factory=list)  # (name, start, end) in monotonic ns, from any thread
 
 
 class Session:
@@ -116,6 +132,7 @@ class Session:
             else None
         )
         self._pending: deque[_Step] = deque()
+        self._between: tuple[list[Transfer], list] = ([], [])  # transfers and host work done between steps
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None
         self._lock = threading.Lock()
@@ -134,11 +151,15 @@ class Session:
     # -- the training loop's side -------------------------------------------------------------------
     @contextmanager
     def step(self, step: int):
-        self._current = _Step(step, self.timer.mark(), self.timer.current_stream())
+        current = _Step(step, self.timer.mark(), self.timer.current_stream())
+        with self._lock:  # what another thread did between steps counts in this one
+            (current.transfers, current.host_work), self._between = self._between, ([], [])
+            self._current = current
         try:
-            yield self._current
+            yield current
         finally:
-            current, self._current = self._current, None
+            with self._lock:
+                self._current = None
             current.end = self.timer.mark()
             self._pending.append(current)
             self._emit_ready()
@@ -157,6 +178,31 @@ class Session:
             self._phase = outer
             if self._current is not None:
                 self._current.phases.append((name, start, self.timer.mark()))
+
+    @contextmanager
+    def transfer(self, src: str, dst: str, nbytes: int, what: str = ""):
+        """A copy of `nbytes` from tier `src` to tier `dst` (semconv.TIERS), timed around the block: on the
+        current stream's events where a GPU is one end (enter it on the copying stream), else on the host's
+        monotonic clock (disk and host copies, from any thread: a swap worker's too)."""
+        on_gpu = sc.TIER_GPU in (src, dst)
+        t = Transfer(src, dst, nbytes, what, self.timer.mark() if on_gpu else time.monotonic_ns())
+        try:
+            yield t
+        finally:
+            t.end = self.timer.mark() if on_gpu else time.monotonic_ns()
+            with self._lock:
+                (self._current.transfers if self._current else self._between[0]).append(t)
+
+    @contextmanager
+    def host_work(self, name: str):
+        """Work on the host's CPUs that training waits for (an offloaded optimizer's step), from any thread."""
+        start = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            work = (name, start, time.monotonic_ns())
+            with self._lock:
+                (self._current.host_work if self._current else self._between[1]).append(work)
 
     def record(self, **values) -> None:
         """Values of the step; a tensor on the GPU is copied to the host on its stream without waiting
@@ -256,6 +302,7 @@ class Session:
             self.timer.ready(s.end)
             and all(self.timer.ready(end) for _, _, end in s.phases)
             and all(c.end is None or self.timer.ready(c.end) for c in s.collectives)
+            and all(self.timer.ready(t.end) for t in s.transfers)
             and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end)))
         )
 
@@ -266,7 +313,11 @@ class Session:
         phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
         comm = self._comm_intervals(s, wall)
         blocked = [(wall(c.waited), b) for c, _, _, b in comm if c.waited is not None and c.stream == s.stream]
-        compute, comm_wait, by_role = self._compute_and_wait((start, end), phases, comm, blocked, s.stream, self.roles)
+        computing, comm_wait, by_role = self._compute_and_wait(
+            (start, end), phases, comm, blocked, s.stream, self.roles
+        )
+        transfers = [(t, wall(t.start), wall(t.end)) for t in s.transfers]
+        host = [(name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work]
         self.timer.release(
             [
                 s.start,
@@ -274,6 +325,7 @@ class Session:
                 *(m for _, a, b in s.phases for m in (a, b)),
                 *(m for c in s.collectives if c.end is not None for m in (c.start, c.end)),
                 *(c.waited for c in s.collectives if c.end is not None and c.waited is not None),
+                *(m for t in s.transfers for m in (t.start, t.end)),
             ]
         )
         if not self.exporter:
@@ -282,10 +334,16 @@ class Session:
             sc.KIND: sc.KIND_STEP,
             sc.STEP: s.step,
             sc.DATA_S: sum(b - a for name, a, b in phases if name == "data") / 1e9,
-            sc.COMPUTE_S: compute,
+            sc.COMPUTE_S: length(computing) / 1e9,
             sc.COMM_WAIT_S: comm_wait,
             **{sc.COMM_WAIT_S_OF + role: wait for role, wait in by_role.items()},
         }
+        if transfers:  # what compute hid of the copies between tiers, and what it did not
+            moving = [(a, b) for _, a, b in transfers]
+            attributes[sc.TRANSFER_S] = length(clip(moving, (start, end))) / 1e9
+            attributes[sc.TRANSFER_EXPOSED_S] = exposed(moving, computing, (start, end)) / 1e9
+        if host:
+            attributes[sc.HOST_OPTIMIZER_S] = length(clip([(a, b) for _, a, b in host], (start, end))) / 1e9
         if any(name == PIPELINE for name, _, _ in phases):
             attributes[sc.PIPELINE_BUBBLE_S] = self._bubble(phases)
         energy = self.sampler.energy_between(start, end) if self.sampler else None
@@ -319,6 +377,23 @@ class Session:
             )
             for c, _, a, b in comm
         ]
+        spans += [
+            (
+                f"{t.src}->{t.dst}",
+                a,
+                b,
+                {
+                    sc.KIND: sc.KIND_TRANSFER,
+                    sc.STEP: s.step,
+                    sc.TRANSFER_SRC: t.src,
+                    sc.TRANSFER_DST: t.dst,
+                    sc.TRANSFER_BYTES: t.nbytes,
+                    **({sc.TRANSFER_FOR: t.what} if t.what else {}),
+                },
+            )
+            for t, a, b in transfers
+        ]
+        spans += [(name, a, b, {sc.KIND: sc.KIND_HOST, sc.STEP: s.step, sc.HOST_WORK: name}) for name, a, b in host]
         self.exporter.trace(spans)
 
     @staticmethod
@@ -343,9 +418,9 @@ class Session:
     @staticmethod
     def _compute_and_wait(
         window: tuple[int, int], phases: list, comm: list, blocked: list, stream: int | None, roles: dict[str, str]
-    ) -> tuple[float, float, dict[str, float]]:
-        """(compute, exposed wait, the exposed wait of each DeviceMesh dimension (`roles`: group ->
-        dimension)) in seconds. The exposed wait is the time communication was in flight and nothing
+    ) -> tuple[list, float, dict[str, float]]:
+        """(compute as intervals, exposed wait and the exposed wait of each DeviceMesh dimension (`roles`:
+        group -> dimension) in seconds). The exposed wait is the time communication was in flight and nothing
         computed (docs/telemetry.md): outside the compute phases, or inside them where the training
         stream (`stream`, the phases') waited for it: a blocking collective called on it from its launch
         to its end (one called on a side stream stalls that stream only), an async_op=True one from
@@ -366,7 +441,7 @@ class Session:
                 of_role.setdefault(roles[c.group], []).append((a, b))
         by_role = {role: exposed(spans, compute, window) / 1e9 for role, spans in of_role.items()}
         exposed_spans = clip(subtract([(a, b) for _, _, a, b in comm], compute), window)
-        return length(subtract(computing, exposed_spans)) / 1e9, length(exposed_spans) / 1e9, by_role
+        return subtract(computing, exposed_spans), length(exposed_spans) / 1e9, by_role
 
     @staticmethod
     def _bubble(phases: list) -> float:

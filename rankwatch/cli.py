@@ -742,6 +742,7 @@ def cmd_train(args) -> None:
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
     from trainer.model import CONFIGS
+    from trainer.offload import Spec
     from trainer.parallel import Layout
     from trainer.train import SNAPSHOT_EVERY, unfit
 
@@ -761,10 +762,18 @@ def cmd_train(args) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_targets(faults, args.nproc, args.steps, stages=layout.pp if layout else 1)
+    try:
+        offload = Spec.parse(args.offload, args.offload_schedule) if args.offload else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if offload and layout:
+        raise UsageError("--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)")
     for f in faults:
-        if problem := unfit(f, layout):
+        if problem := unfit(f, layout, offload):
             raise UsageError(f"{f.spec!r}: {problem}")
     trainer_args = [] if args.ckpt_every is None else ["--ckpt-every", str(args.ckpt_every)]
+    if offload:
+        trainer_args += ["--offload", f"optimizer={offload.optimizer}", "--offload-schedule", offload.schedule]
     if layout:
         trainer_args += ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp)]
     _stop_on_sigterm()
@@ -1001,6 +1010,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=NON_NEGATIVE,
         default=0,
         help="torchrun starts a failed job again up to this many times; it resumes from its checkpoint",
+    )
+    p.add_argument(
+        "--offload",
+        metavar="optimizer=host|disk",
+        help="the optimizer's state on the host, or swapped to a local disk every step, and stepped on the CPUs",
+    )
+    p.add_argument(
+        "--offload-schedule",
+        default="serial",
+        metavar="serial|overlap",
+        help="swaps and the host optimizer after backward, or overlapped with compute (default serial)",
     )
     p.add_argument(
         "--ckpt-every",

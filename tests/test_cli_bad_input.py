@@ -145,6 +145,24 @@ def test_simulate_refuses_faults_the_job_cannot_have(spec, message, capsys, tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--offload", "optimizer=gpu"], "--offload 'optimizer=gpu': expected optimizer=host or optimizer=disk"),
+        (["--offload", "optimizer=disk", "--offload-schedule", "later"], "--offload-schedule 'later': expected serial"),
+        (["--inject", "slow-disk:rank=0,mbps=20"], "a slow disk slows the swaps of --offload optimizer=disk"),
+        (
+            ["--offload", "optimizer=host", "--inject", "slow-disk:rank=0,mbps=20"],
+            "a slow disk slows the swaps of --offload optimizer=disk",
+        ),
+        (["--offload", "optimizer=disk", "--inject", "slow-disk:rank=0,mbps=0"], "mbps must be more than 0"),
+        (["--tp", "2", "--offload", "optimizer=host"], "--offload steps a DDP job's optimizer on the host"),
+    ],
+)
+def test_train_refuses_an_offload_it_cannot_run(argv, message, capsys):
+    assert message in refused(["train", "--nproc", "2", "--steps", "10", *argv], capsys)
+
+
 def test_unknown_model_is_refused_before_torchrun():
     result = rankwatch_cli("train", "--model", "gpt5", "--steps", "2")
     assert result.returncode == 2 and result.stderr.count("\n") == 1

@@ -850,7 +850,7 @@ class Checkpointer:
     def _write(self, slot: _Snapshot, step: int) -> None:
         """Files first, each complete under its name, then the manifest that vouches for them; then prune.
         The tensors file holds this replica's share of the tensors."""
-        path = self.directory / f"step-{step:08d}"
+        path, started = self.directory / f"step-{step:08d}", time.perf_counter()
         path.mkdir(parents=True, exist_ok=True)
         _fsync_dir(path.parent)
         (path / MANIFEST).unlink(missing_ok=True)  # a rewrite: the old manifest must not vouch for new files
@@ -885,6 +885,7 @@ class Checkpointer:
                 sc.CKPT_BYTES: hi - lo + files[META]["bytes"],
                 sc.CKPT_BLOCKED_S: slot.blocked_s,
                 sc.CKPT_DURABLE_S: durable_s,
+                sc.CKPT_WRITE_S: time.perf_counter() - started,
             },
         )
         complete = [p for _, p in sorted(self._on_disk().items()) if (p / MANIFEST).exists()]

@@ -13,6 +13,7 @@ slow-link:rank=5,factor=2[,from=0][,group=tp]    a rank's collectives take `fact
 slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is slower
 data-skew:cv=0.3                                 per-step work varies (sequence lengths)
 power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
+slow-disk:rank=1,mbps=50[,from=20][,to=40]       a rank's swaps to disk get `mbps` MB/s (the trainer's --offload)
 """
 
 import math
@@ -36,6 +37,7 @@ _KEYS: dict[str, dict[str, tuple[type[int] | type[float] | type[str], bool]]] = 
     "slow-stage": {"stage": (int, True), "slowdown": (float, True), "from": (int, False), "to": (int, False)},
     "data-skew": {"cv": (float, True), "from": (int, False), "to": (int, False)},
     "power-cap": {"watts": (float, True), "rank": (int, False), "from": (int, False), "to": (int, False)},
+    "slow-disk": {"rank": (int, True), "mbps": (float, True), "from": (int, False), "to": (int, False)},
 }
 
 
@@ -54,10 +56,12 @@ _LEAST = {
     "cv": (0.0, True),
     "seconds": (0.0, False),
     "watts": (0.0, False),
+    "mbps": (0.0, False),
 }
 
-# the rest need the fleet simulator; slow-stage a pipeline-parallel job (rankwatch train --pp)
-TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash", "slow-stage")
+# the rest need the fleet simulator; slow-stage a pipeline-parallel job (rankwatch train --pp), slow-disk
+# one that swaps to disk (--offload optimizer=disk)
+TRAINER_KINDS = ("straggler", "hang", "spike", "nan", "slow-link", "crash", "slow-stage", "slow-disk")
 
 
 @dataclass(frozen=True)

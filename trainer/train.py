@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 import agent
 from agent import paths
 from agent import semconv as sc
-from trainer import parallel, rollback
+from trainer import offload, parallel, rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.delays import Delay, WorkTime
@@ -103,6 +103,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "good state on disk",
     )
     p.add_argument("--rollback-window", type=int, default=1000, metavar="STEPS")
+    p.add_argument("--offload", metavar="optimizer=host|disk", help="the optimizer's state off the device")
+    p.add_argument("--offload-schedule", default="serial", choices=offload.SCHEDULES)
     p.add_argument(
         "--device",
         choices=DEVICES,
@@ -134,14 +136,22 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
             args.layout = parallel.Layout.of(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.tp, args.pp)
         except ValueError as e:
             p.error(str(e))
+    try:
+        args.offload = offload.Spec.parse(args.offload, args.offload_schedule) if args.offload else None
+    except ValueError as e:
+        p.error(str(e))
+    if args.offload and args.layout:
+        p.error("--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)")
     for f in faults:
-        if problem := unfit(f, args.layout):
+        if problem := unfit(f, args.layout, args.offload):
             p.error(f"{f.spec!r}: {problem}")
     return args
 
 
-def unfit(fault: Fault, layout: parallel.Layout | None) -> str | None:
+def unfit(fault: Fault, layout: parallel.Layout | None, offloaded: offload.Spec | None = None) -> str | None:
     """Why the job cannot inject `fault` (None: it can)."""
+    if fault.kind == "slow-disk" and (offloaded is None or offloaded.optimizer != "disk"):
+        return "a slow disk slows the swaps of --offload optimizer=disk"
     if fault.kind == "slow-stage" and (layout is None or not fault.get("stage") < layout.pp):
         return f"the job has {layout.pp if layout else 1} pipeline stage(s) (--pp)"
     if fault.kind == "slow-link" and (fault.get("group") == "tp") != (layout is not None):
@@ -200,6 +210,28 @@ def lowest(value: int) -> int:
     return min(values)
 
 
+def offloaded(
+    spec: offload.Spec, model: torch.nn.Module, directory: Path, lr: float, current: dict
+) -> offload.OffloadedAdamW:
+    """The offloaded AdamW, its swaps paced by this rank's `slow-disk` fault while it is active; where
+    the state goes to disk, the disk probed first and the probe said (what its swaps are compared with)."""
+    if spec.optimizer == "disk":
+        read, write = offload.probe(directory)
+        agent.event(
+            sc.EVENT_DISK_PROBE,
+            None,
+            **{sc.DISK_PROBE_READ_BPS: read, sc.DISK_PROBE_WRITE_BPS: write, sc.DISK_PROBE_PATH: str(directory)},
+        )
+    return offload.OffloadedAdamW(
+        offload.groups_of(model),
+        spec,
+        directory,
+        lr,
+        weight_decay=0.1,
+        rate_mbps=lambda: next((f.get("mbps") for f in current["faults"] if f.kind == "slow-disk"), None),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     cuda = args.device == "cuda"
@@ -223,7 +255,15 @@ def main(argv: list[str] | None = None) -> None:
         # each rank holds shards no other rank holds: it alone writes and reads them
         replica, replicate, where = threed.replica, [rank], threed.resource
         slow_tp_link(args.faults, rank, lambda: current["step"], threed.mesh["tp"].get_group(), cuda)
-    optimizer = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1)
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    session = agent.init(cuda=cuda, resource={**where, sc.DEVICE: device_name})  # CPU ranks: CPU marks
+    ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
+    swapped = (
+        offloaded(args.offload, model, ckpt_dir / "offload" / f"rank-{rank}", args.lr, current)
+        if args.offload
+        else None
+    )
+    optimizer = swapped or torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: (
@@ -233,9 +273,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     # a data-parallel replica's ranks (its stages, its tensor-parallel ranks) read the same batches
     data = TokenStream(c.vocab, c.seq_len, args.batch, replica, args.seed)
-    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    session = agent.init(cuda=cuda, resource={**where, sc.DEVICE: device_name})  # CPU ranks: CPU marks
-    ckpt_dir = args.ckpt_dir or paths.checkpoint_dir(paths.store_path(), session.run_id)
     # The replicate group: the ranks holding the same tensors, each writing its share of them. Under DDP
     # that is every rank; sharded (FSDP, TP, stages), the rank alone, its state its shards (Local).
     shards = Local if threed else lambda obj: obj
@@ -274,6 +311,19 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     budget, reach, step = rollback.Budget(args.max_rollbacks, args.rollback_window), rollback.Reach(), start
+
+    def settle(step: int, compute_started: float) -> None:
+        """The step's optimizer step done: the schedule on, gradients off, the state snapshotted when due."""
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == start:  # the state complete (AdamW's moments exist): its ring made in the background
+            ckpt.reserve()
+        if (step + 1) % args.snapshot_every == 0:
+            grow_ring(ckpt, reach, args.snapshot_every)
+            ckpt.snapshot(step + 1)
+        # a capped or throttled simulated GPU computes slower (a real one: scale 1)
+        time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
+
     # the loss is the last stage's: its last rank reports progress
     progress = Progress(args.log_every, args.steps - 1) if rank == (world - 1 if threed else 0) else None
     while step < args.steps:
@@ -305,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         reach.step_started(step)
         injected = 0.0
         with agent.step(step):
+            if swapped:
+                swapped.prefetch()  # with overlap, the state is read back while the step computes
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
             compute_started, computing = time.perf_counter(), compute.start() if compute else None
@@ -333,16 +385,13 @@ def main(argv: list[str] | None = None) -> None:
             with agent.phase("optimizer"):
                 grad_norm = threed.clip() if threed else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 ckpt.wait_until_safe()
+                if swapped is None:
+                    optimizer.step()
+                    settle(step, compute_started)
+            if swapped:  # on the host: its swaps are transfers and its step host work, no device's compute
                 optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-                if step == start:  # the state complete (AdamW's moments exist): its ring made in the background
-                    ckpt.reserve()
-                if (step + 1) % args.snapshot_every == 0:
-                    grow_ring(ckpt, reach, args.snapshot_every)
-                    ckpt.snapshot(step + 1)
-                # a capped or throttled simulated GPU computes slower (a real one: scale 1)
-                time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
+                with agent.phase("optimizer"):
+                    settle(step, compute_started)
             if compute:
                 compute.stop(computing, injected)
             tokens = inputs.numel()
@@ -361,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         progress.flush(wait=True)
     agent.end()  # before the last checkpoint's write, which may outlast the collector's stall timeout
     ckpt.close()
+    if swapped:
+        swapped.close()
     agent.shutdown()
     dist.destroy_process_group()
 

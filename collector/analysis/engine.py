@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from agent import semconv as sc
-from collector.analysis.analyzers import Finding, Frames
+from collector.analysis.analyzers import Finding, Frames, Tiers
 from collector.analysis.analyzers.registry import ANALYZERS
 
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
@@ -55,6 +55,29 @@ _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
 _WORKLOAD = f"""SELECT rank, step, tokens, TRY_CAST(attrs->>{sc.json_path(sc.STEP_FLOPS)} AS DOUBLE) AS flops
                 FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
+_TIER_STEPS = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compute_s,
+                         TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_S)} AS DOUBLE) AS transfer_s,
+                         TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) AS exposed_s,
+                         TRY_CAST(attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)} AS DOUBLE) AS host_s
+                  FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
+                    AND ((attrs->>{sc.json_path(sc.TRANSFER_S)}) IS NOT NULL
+                         OR (attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)}) IS NOT NULL)"""
+_TRANSFERS = f"""SELECT rank, step, attrs->>{sc.json_path(sc.TRANSFER_SRC)} AS src,
+                        attrs->>{sc.json_path(sc.TRANSFER_DST)} AS dst,
+                        TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_BYTES)} AS BIGINT) AS bytes,
+                        duration_s AS seconds, epoch_ns(start_ts) AS start_ns, epoch_ns(end_ts) AS end_ns
+                 FROM ops WHERE run_id = $run AND kind = '{sc.KIND_TRANSFER}' AND step > $after AND step <= $upto"""
+_PROBES = f"""SELECT rank, TRY_CAST(attrs->>{sc.json_path(sc.DISK_PROBE_READ_BPS)} AS DOUBLE) AS read_bps,
+                     TRY_CAST(attrs->>{sc.json_path(sc.DISK_PROBE_WRITE_BPS)} AS DOUBLE) AS write_bps
+              FROM events WHERE run_id = $run AND event = '{sc.EVENT_DISK_PROBE}'"""
+_DISK_CHECKPOINTS = f"""SELECT rank, step,
+                               epoch_ns(ts) - CAST(TRY_CAST(attrs->>{sc.json_path(sc.CKPT_WRITE_S)} AS DOUBLE) * 1e9
+                                                   AS BIGINT) AS start_ns,
+                               epoch_ns(ts) AS end_ns
+                        FROM events WHERE run_id = $run AND event = '{sc.EVENT_CHECKPOINT_SAVED}'
+                          AND (attrs->>{sc.json_path(sc.CKPT_TIER)}) = '{sc.TIER_DISK}'
+                          AND (attrs->>{sc.json_path(sc.CKPT_WRITE_S)}) IS NOT NULL
+                          AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
 _HEARTBEATS = f"""SELECT rank, epoch_ns(ts) AS ts, step, attrs->>{sc.json_path(sc.PHASE)} AS phase,
                          attrs->>{sc.json_path(sc.COMM_OP)} AS op, attrs->>{sc.json_path(sc.COMM_GROUP)} AS "group",
                          TRY_CAST(attrs->>{sc.json_path(sc.COMM_SEQ)} AS BIGINT) AS seq,
@@ -366,6 +389,9 @@ class Engine:
             history = max(r.history for r in reads if r.workload)
             after = first_new - 1 - history
             frames.workload = lambda: con.execute(_WORKLOAD, {"run": run_id, "after": after, "upto": upto}).df()
+        if any(r.tiers for r in reads):
+            history = max(r.history for r in reads if r.tiers)
+            frames.tiers = lambda: _tiers(con, run_id, first_new - 1 - history, upto)
         if any(r.devices for r in reads):
             frames.devices = lambda since, until: con.execute(
                 _DEVICES, {"run": run_id, "since": since, "until": until}
@@ -395,6 +421,22 @@ class Engine:
         derived = kept.derived if start != after and kept is not None else {}
         self._history[run_id] = _History(keep_after, upto, _after(parts, keep_after), derived)
         return parts
+
+
+def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> Tiers:
+    """What moved between memory tiers in the run's steps after `after` up to `upto` (Frames.tiers)."""
+    span = {"run": run_id, "after": after, "upto": upto}
+    steps = con.execute(_TIER_STEPS, span).df()
+    if steps.empty:  # a run that swaps nothing: no more to read
+        empty = pd.DataFrame()
+        return Tiers(steps, empty, empty, empty)
+    since, until = int(steps["end_ts"].min() - steps["duration_s"].max() * 1e9), int(steps["end_ts"].max())
+    return Tiers(
+        steps,
+        con.execute(_TRANSFERS, span).df(),
+        con.execute(_PROBES, {"run": run_id}).df(),
+        con.execute(_DISK_CHECKPOINTS, {"run": run_id, "since": since - 600 * 10**9, "until": until}).df(),
+    )
 
 
 def _after(parts: list[pd.DataFrame], step: int) -> list[pd.DataFrame]:

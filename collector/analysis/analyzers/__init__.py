@@ -63,6 +63,7 @@ class Reads:
     heartbeats: bool = False
     failed_rollbacks: bool = False
     workload: bool = False
+    tiers: bool = False
 
     def continues(self, episode_end: int, finding: Finding) -> bool:
         """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
@@ -72,6 +73,20 @@ class Reads:
     def holds(self, episode_end: int, last: int, redrawn: bool) -> bool:
         """Whether an episode is still firing once the steps up to `last` are judged."""
         return (redrawn or self.linger > 0) and episode_end + self.linger > last
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """A run's memory tiers over the steps a pass reads (`Reads.tiers`). `steps`: rank, step, end_ts (ns),
+    duration_s, compute_s, transfer_s, exposed_s, host_s of the rank-steps that moved data between tiers or
+    stepped on the host (docs/telemetry.md); `transfers`: rank, step, src, dst, bytes, seconds, start_ns,
+    end_ns; `probes`: rank, read_bps, write_bps of the disk each rank swaps to, timed at its start;
+    `checkpoints`: rank, step, start_ns, end_ns of the checkpoints written to disk then."""
+
+    steps: pd.DataFrame
+    transfers: pd.DataFrame
+    probes: pd.DataFrame
+    checkpoints: pd.DataFrame
 
 
 @dataclass
@@ -88,7 +103,8 @@ class Frames:
     `first_new > last`: only time has passed).
     `ranks`: rank, host, dp_rank, pp_stage, tp_rank (placement). `devices(since_ns, until_ns)`: rank, ts (ns), metric,
     value of the device samples then (read only when asked: evidence). `workload()`: rank, step, tokens,
-    flops of the rank-steps of `steps` (what each rank-step's work was; read only when asked). `now_ns`: the moment
+    flops of the rank-steps of `steps` (what each rank-step's work was; read only when asked). `tiers()`: what
+    moved between memory tiers over `steps` (Tiers; read only when asked). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
     says it has (None: unsaid; the ranks that reported so far may be only the first to). `kept`:
@@ -109,6 +125,7 @@ class Frames:
     failed_rollbacks: pd.DataFrame | None = None
     devices: Callable[[int, int], pd.DataFrame] | None = None
     workload: Callable[[], pd.DataFrame] | None = None
+    tiers: Callable[[], Tiers] | None = None
     kept: dict[str, dict] = field(default_factory=dict)
 
     @cached_property

@@ -1,0 +1,340 @@
+"""Memory-tier analysis: when training waits on copies between GPU, host memory and disk, which tier
+limits them, and what overlapping them with compute would give (after Fuyou, which overlaps SSD-CPU
+swaps with the GPU's compute, and ZeRO-Infinity, which runs them after backward).
+
+A pure function of the run's newest `window` steps (and the steps before them, a rank's own baseline),
+judged once a pass at its newest step:
+
+- `swap_bound`: ranks whose steps wait on transfers (time a copy was in flight and no compute phase
+  covered it, the agent's interval arithmetic) for a large share of the step. Its summary says which
+  tier limits the copies: the bandwidth each direction achieved against the disk's own, probed with large
+  sequential I/O at the job's start; near the probe the disk is the limit, far below it the access
+  pattern is (small blocks, no prefetch). And what overlap would give: the step predicted with its
+  swaps, the host optimizer and the rest of the step overlapped (the longest of the three) against run
+  back to back (their sum), the slowest rank setting each step.
+- `slow_disk`: ranks whose swaps to and from disk run at a fraction of their peers' bandwidth, or of
+  their own before (a disk that slowed, or another job on it); alone and slow from the start, a
+  fraction of the disk's probe.
+- `checkpoint_contention`: a checkpoint written to disk while ranks swapped there (the ranks of its
+  host) cut the swaps' bandwidth: the bandwidth lost is the checkpoint's, not the disk's.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from agent import semconv as sc
+from collector import ranksets
+from collector.analysis.analyzers import Finding, Frames, Reads, Tiers
+
+ANALYZER = "tiers"
+SWAP_BOUND, SLOW_DISK, CONTENTION = "swap_bound", "slow_disk", "checkpoint_contention"
+MAX_RANKS = 64  # ranks whose figures a finding's evidence lists
+MAX_JUDGED = 64  # steps of one pass judged as the newest, at most
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = 8  # steps a verdict reads: one noisy step is no episode
+    swap_share: float = 0.3  # a step waits on transfers for at least this share of it
+    slow_ratio: float = 1 / 3  # a slow disk gives at most this share of the bandwidth its peers' (its own) did
+    probe_floor: float = 0.1  # alone and slow from the start: at most this share of the probe's bandwidth
+    pattern_share: float = 0.5  # below this share of the probe, the access pattern limits the copies
+    contention_loss: float = 0.2  # a checkpoint cut the swaps' bandwidth by at least this share
+
+
+READS = Reads(history=4 * Settings().window, linger=Settings().window // 2, tiers=True)
+
+
+def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
+    """The new steps' verdicts, each step judged as if it were the newest (at most `MAX_JUDGED` of them,
+    evenly, where a pass brings more: a run judged after the fact), a finding per episode of the pass."""
+    if frames.tiers is None or frames.new_steps.empty:
+        return []
+    tiers = frames.tiers()
+    if tiers.steps.empty:
+        return []
+    first = max(frames.first_new, int(tiers.steps["step"].min()))
+    ends = range(frames.last, first - 1, -max(1, -(-(frames.last - first + 1) // MAX_JUDGED)))
+    episodes: dict[tuple, Finding] = {}
+    for end in sorted(ends):
+        for f in analyze(frames.run_id, tiers, frames.ranks, end, settings):
+            key = (f.kind, tuple(f.ranks))
+            earlier = episodes.get(key)
+            assert f.step_start is not None and f.step_end is not None  # over steps, all of them
+            episodes[key] = f if earlier is None else f.spanning(min(earlier.step_start or 0, f.step_start), f.step_end)
+    return list(episodes.values())
+
+
+def analyze(run_id: str, tiers: Tiers, placement: pd.DataFrame, last: int, s: Settings = Settings()) -> list[Finding]:
+    """The findings of the window of steps ending at `last` (see the module's docstring)."""
+    steps = tiers.steps[tiers.steps["step"].between(last - s.window + 1, last)]
+    if steps.empty:
+        return []
+    first = int(steps["step"].min())
+    transfers = tiers.transfers[tiers.transfers["step"] <= last] if not tiers.transfers.empty else tiers.transfers
+    tiers = Tiers(steps, transfers, tiers.probes, tiers.checkpoints)
+    disk = _disk(transfers)
+    recent, before = disk[disk["step"] >= first], disk[disk["step"] < first]
+    slow = _slow(recent, before, tiers.probes, s)
+    found = []
+    if slow:
+        found.append(_slow_finding(run_id, slow, steps, first, last))
+    share = steps["exposed_s"].fillna(0.0) / steps["duration_s"]
+    shares = share.groupby(steps["rank"]).median()
+    bound = sorted(int(r) for r in shares.index[shares >= s.swap_share])
+    if bound:
+        onset = int(steps.loc[steps["rank"].isin(bound) & (share >= s.swap_share), "step"].min())
+        found.append(_swap_finding(run_id, bound, shares, steps, tiers, recent, slow, onset, last, s))
+    found += _contention(run_id, recent, tiers.checkpoints, placement, first, last, s)
+    return found
+
+
+def whatif(steps: pd.DataFrame) -> dict[str, float]:
+    """The step time predicted with swaps, host optimizer and the rest of the step run back to back
+    (`serial_s`: their sum) and overlapped (`overlap_s`: the longest), the slowest rank setting each step,
+    medians over steps; the parts are the slowest rank's. The rest is what is neither an exposed transfer
+    nor the host optimizer: compute, data, communication."""
+    host = steps["host_s"].fillna(0.0).to_numpy()
+    moving = steps["transfer_s"].fillna(0.0).to_numpy()
+    rest = np.clip(steps["duration_s"].to_numpy() - steps["exposed_s"].fillna(0.0).to_numpy() - host, 0.0, None)
+    parts = pd.DataFrame(
+        {
+            "step": steps["step"].to_numpy(),
+            "serial": rest + moving + host,
+            "overlap": np.maximum(np.maximum(rest, moving), host),
+            "rest": rest,
+            "transfer": moving,
+            "host": host,
+            "measured": steps["duration_s"].to_numpy(),
+        }
+    )
+    slowest = parts.loc[parts.groupby("step")["serial"].idxmax()]
+    return {
+        "serial_s": float(slowest["serial"].median()),
+        "overlap_s": float(parts.groupby("step")["overlap"].max().median()),
+        "rest_s": float(slowest["rest"].median()),
+        "transfer_s": float(slowest["transfer"].median()),
+        "host_optimizer_s": float(slowest["host"].median()),
+        "measured_s": float(parts.groupby("step")["measured"].max().median()),
+    }
+
+
+def bandwidths(transfers: pd.DataFrame) -> pd.DataFrame:
+    """Bytes/s each rank achieved in each direction ("src->dst") over `transfers` (index rank, columns directions)."""
+    if transfers.empty:
+        return pd.DataFrame()
+    moved = transfers.assign(direction=transfers["src"] + "->" + transfers["dst"])
+    sums = moved.groupby(["rank", "direction"])[["bytes", "seconds"]].sum()
+    return (sums["bytes"] / sums["seconds"]).unstack("direction")
+
+
+def _disk(transfers: pd.DataFrame) -> pd.DataFrame:
+    if transfers.empty:
+        return transfers
+    return transfers[
+        ((transfers["src"] == sc.TIER_DISK) | (transfers["dst"] == sc.TIER_DISK)) & (transfers["seconds"] > 0)
+    ]
+
+
+def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: Settings) -> dict[int, dict]:
+    """The ranks whose disk swaps are slow over the window (the median of its steps' bandwidths): rank ->
+    its bandwidth, the reference it fell below (its peers' or its own before, the higher; a rank alone, also
+    a fraction of the probe's, which it falls below when slow from the start) and the first step of its slow
+    stretch."""
+    if recent.empty:
+        return {}
+    rates = _per_step(pd.concat([before, recent]))
+    first = int(recent["step"].min())
+    now = rates[rates.index.get_level_values("step") >= first].groupby("rank").median()
+    earlier = rates[rates.index.get_level_values("step") < first].groupby("rank").median()
+    probed = probes.groupby("rank")["read_bps"].max() if not probes.empty else pd.Series(dtype=float)
+    slow = {}
+    for rank, rate in now.items():
+        peers = now.drop(index=rank)
+        references = {"peers": float(peers.median())} if len(peers) else {}
+        if rank in earlier.index:
+            references["before"] = float(earlier[rank])
+        limits = {of: s.slow_ratio * v for of, v in references.items()}
+        if not len(peers) and rank in probed.index and pd.notna(probed[rank]):  # alone: its past may be slow too
+            limits["probe"] = s.probe_floor * float(probed[rank])
+        if not limits:
+            continue
+        of = max(limits, key=lambda k: limits[k])
+        if rate >= limits[of]:
+            continue
+        mine = rates.loc[rank]
+        fast = mine.index[mine >= limits[of]]
+        onset = int(mine.index[mine.index > fast.max()].min()) if len(fast) else int(mine.index.min())
+        reference = references.get(of, float(probed.get(rank, float("nan"))))
+        slow[int(rank)] = {"bps": float(rate), "reference_bps": reference, "reference": of, "since_step": onset}
+    return slow
+
+
+def _per_step(transfers: pd.DataFrame) -> pd.Series:
+    """Each rank-step's bytes/s over `transfers` (index rank, step)."""
+    sums = transfers.groupby(["rank", "step"])[["bytes", "seconds"]].sum()
+    return sums["bytes"] / sums["seconds"]
+
+
+_AGAINST = {"peers": "its peers'", "before": "its own before", "probe": "the disk's probe at start"}
+
+
+def _slow_finding(run_id: str, slow: dict[int, dict], steps: pd.DataFrame, first: int, last: int) -> Finding:
+    ranks = sorted(slow)
+    worst = min(ranks, key=lambda r: slow[r]["bps"] / slow[r]["reference_bps"])
+    w = slow[worst]
+    since = min(v["since_step"] for v in slow.values())
+    step_s = steps.groupby("rank")["duration_s"].median()
+    others = step_s.drop(index=ranks, errors="ignore")
+    took = f"; its steps take {step_s.get(worst, float('nan')) * 1e3:.0f} ms" + (
+        f" where the others' take {others.median() * 1e3:.0f} ms" if len(others) else ""
+    )
+    return Finding(
+        run_id,
+        SLOW_DISK,
+        ranks,
+        since,
+        last,
+        "warning",
+        float(w["reference_bps"] / max(w["bps"], 1.0)),
+        f"{ranksets.phrase(ranks)} swap{'s' if len(ranks) == 1 else ''} to disk at {_mbps(w['bps'])} since step "
+        f"{since}, against {_mbps(w['reference_bps'])} {_AGAINST[w['reference']]}: the disk slowed, or another "
+        f"job uses it{took}",
+        {
+            "by_rank": {str(r): slow[r] for r in ranks[:MAX_RANKS]},
+            "window": [first, last],
+        },
+        analyzer=ANALYZER,
+    )
+
+
+def _swap_finding(
+    run_id: str,
+    bound: list[int],
+    shares: pd.Series,
+    steps: pd.DataFrame,
+    tiers: Tiers,
+    disk: pd.DataFrame,
+    slow: dict[int, dict],
+    first: int,
+    last: int,
+    s: Settings,
+) -> Finding:
+    mine = tiers.transfers[tiers.transfers["rank"].isin(bound) & (tiers.transfers["step"] >= first)]
+    achieved = bandwidths(mine).median()  # each direction's, over the bound ranks
+    limit = _limit(disk[disk["rank"].isin(bound)], tiers.probes, slow, s)
+    what = whatif(steps)
+    share = float(shares[bound].median())
+    directions = ", ".join(f"{d} {_mbps(v)}" for d, v in achieved.items() if pd.notna(v))
+    gain = what["serial_s"] - what["overlap_s"]
+    summary = (
+        f"{ranksets.phrase(bound)} wait{'s' if len(bound) == 1 else ''} on copies between memory tiers for "
+        f"{share:.0%} of each step since step {first} ({directions}){limit['said']}; with the swaps overlapped "
+        f"with compute a step would take {what['overlap_s'] * 1e3:.0f} ms against {what['serial_s'] * 1e3:.0f} ms "
+        f"run back to back (predicted: the longest of the rest of the step {what['rest_s'] * 1e3:.0f} ms, the "
+        f"transfers {what['transfer_s'] * 1e3:.0f} ms and the host optimizer {what['host_optimizer_s'] * 1e3:.0f} ms)"
+    )
+    return Finding(
+        run_id,
+        SWAP_BOUND,
+        bound,
+        first,
+        last,
+        "warning",
+        share,
+        summary,
+        {
+            "exposed_share": share,
+            "exposed_share_by_rank": {str(r): float(shares[r]) for r in bound[:MAX_RANKS]},
+            "bandwidth_bps": {d: float(v) for d, v in achieved.items() if pd.notna(v)},
+            "limit": limit,
+            "whatif": what,
+            "saved_s": gain,
+        },
+        analyzer=ANALYZER,
+    )
+
+
+def _limit(disk: pd.DataFrame, probes: pd.DataFrame, slow: dict[int, dict], s: Settings) -> dict:
+    """Which tier limits the disk copies: the disk (near its probe), a disk that slowed, or the access
+    pattern (far below the probe: small blocks, no prefetch)."""
+    if disk.empty or probes.empty:
+        return {"tier": None, "said": ""}
+    reads, writes = disk[disk["src"] == sc.TIER_DISK], disk[disk["dst"] == sc.TIER_DISK]
+    probe_read, probe_write = float(probes["read_bps"].median()), float(probes["write_bps"].median())
+    efficiency = {}
+    if not reads.empty:
+        efficiency["read"] = float(reads["bytes"].sum() / reads["seconds"].sum()) / probe_read
+    if not writes.empty:
+        efficiency["write"] = float(writes["bytes"].sum() / writes["seconds"].sum()) / probe_write
+    block = float(disk["bytes"].mean())
+    probed = f"the disk probed {_mbps(probe_read)} read, {_mbps(probe_write)} write at start"
+    if set(disk["rank"].unique()) <= set(slow):
+        said, tier = f"; {probed}, and slowed since (slow_disk)", "slow_disk"
+    elif min(efficiency.values()) >= s.pattern_share:
+        said, tier = f"; the disk is the limit ({probed})", "disk"
+    else:
+        said = (
+            f"; the access pattern is the limit, not the disk ({probed}; "
+            f"the swaps move {block / 1e6:.2f} MB at a time: larger blocks or prefetch would help)"
+        )
+        tier = "access_pattern"
+    return {"tier": tier, "efficiency": efficiency, "block_bytes": block, "said": said}
+
+
+def _contention(
+    run_id: str,
+    disk: pd.DataFrame,
+    checkpoints: pd.DataFrame,
+    placement: pd.DataFrame,
+    first: int,
+    last: int,
+    s: Settings,
+) -> list[Finding]:
+    """A checkpoint written to disk while its host's ranks swapped there, and the bandwidth it cost them."""
+    if disk.empty or checkpoints.empty:
+        return []
+    hosts = placement.drop_duplicates("rank").set_index("rank")["host"] if "host" in placement else pd.Series()
+    found = []
+    for ckpt in checkpoints.itertuples():
+        host = hosts.get(ckpt.rank)
+        ranks = hosts.index[hosts == host] if host is not None else pd.Index([ckpt.rank])
+        theirs = disk[disk["rank"].isin(ranks)]
+        during = (theirs["start_ns"] < ckpt.end_ns) & (theirs["end_ns"] > ckpt.start_ns)
+        if not during.any() or during.all():
+            continue
+        inside = float(theirs.loc[during, "bytes"].sum() / theirs.loc[during, "seconds"].sum())
+        outside = float(theirs.loc[~during, "bytes"].sum() / theirs.loc[~during, "seconds"].sum())
+        if inside >= (1 - s.contention_loss) * outside:
+            continue
+        affected = sorted(int(r) for r in theirs.loc[during, "rank"].unique())
+        lost_s = float((theirs.loc[during, "bytes"] / inside - theirs.loc[during, "bytes"] / outside).sum())
+        found.append(
+            Finding(
+                run_id,
+                CONTENTION,
+                affected,
+                max(first, int(theirs.loc[during, "step"].min())),
+                last,
+                "info",
+                1 - inside / outside,
+                f"the checkpoint of step {ckpt.step}, written to the disk {ranksets.phrase(affected)} swap"
+                f"{'s' if len(affected) == 1 else ''} to, cut the swaps to {_mbps(inside)} from {_mbps(outside)} "
+                f"while it wrote ({(ckpt.end_ns - ckpt.start_ns) / 1e9:.1f} s): {lost_s:.2f} s of swapping lost to it",
+                {
+                    "checkpoint_step": int(ckpt.step),
+                    "checkpoint_rank": int(ckpt.rank),
+                    "during_bps": inside,
+                    "outside_bps": outside,
+                    "lost_s": lost_s,
+                },
+                analyzer=ANALYZER,
+            )
+        )
+    return found
+
+
+def _mbps(bps: float) -> str:
+    return f"{bps / 1e9:.2f} GB/s" if bps >= 1e9 else f"{bps / 1e6:.0f} MB/s"

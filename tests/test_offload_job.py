@@ -1,0 +1,104 @@
+"""Offloaded training end to end: real 2-rank torchrun jobs (`rankwatch train --offload optimizer=disk`,
+gloo on CPU, the `tiny` GPT) exporting to a live collector.
+
+A serial job whose rank 1's disk slows to 20 MB/s at step 8 (`slow-disk`): every rank-step reads and
+writes its optimizer state between disk and host as transfer spans of the state's bytes, the disk's probe
+is said, the slow rank's steps wait on their swaps, and the collector names rank 1's disk, not rank 0's.
+An overlapped job of the same model on a healthy disk hides most of what the serial one waits for.
+"""
+
+import json
+import statistics
+
+import pytest
+from conftest import job_collector, rankwatch_cli
+from otlp_payloads import query
+
+from agent import semconv as sc
+
+pytestmark = pytest.mark.long
+
+SLOW_FROM, STEPS = 8, 24
+
+
+def _job(directory, run: str, *args: str):
+    with job_collector(directory, "--analyze-every", "0.5") as collector:
+        result = rankwatch_cli(
+            "train",
+            *("--nproc", "2", "--run", run, "--collector", collector.url, "--offload", "optimizer=disk", *args),
+            env={"RANKWATCH_TOKEN": collector.token, "RANKWATCH_DB": str(collector.db)},  # the swap files beside it
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return collector.db
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    return _job(
+        tmp_path_factory.mktemp("offload-serial"),
+        "run-serial",
+        *("--steps", str(STEPS), "--inject", f"slow-disk:rank=1,mbps=20,from={SLOW_FROM}"),
+    )
+
+
+def state_bytes() -> int:
+    """What AdamW keeps per parameter, both moments in fp32: what a step reads and writes."""
+    from trainer.model import CONFIGS, GPT
+
+    return 2 * 4 * GPT(CONFIGS["tiny"]).num_params()
+
+
+def test_every_step_swaps_the_optimizer_state_through_the_disk(serial):
+    rows = query(
+        serial,
+        f"""SELECT rank, step, name, sum(CAST(attrs->>{sc.json_path(sc.TRANSFER_BYTES)} AS BIGINT)), count(*)
+            FROM ops WHERE run_id = 'run-serial' AND kind = 'transfer' GROUP BY ALL ORDER BY ALL""",
+    )
+    by = {(rank, step, name): nbytes for rank, step, name, nbytes, _ in rows}
+    size = state_bytes()
+    for rank in (0, 1):
+        for step in range(1, STEPS):  # (step 0 also holds the state's first write, before training)
+            assert by[(rank, step, "host->disk")] == size
+            # a snapshot (every 10 steps) reads the state back once more
+            assert by[(rank, step, "disk->host")] == size * (2 if (step + 1) % 10 == 0 else 1), (rank, step)
+    probes = query(serial, "SELECT rank, attrs FROM events WHERE run_id = 'run-serial' AND event = 'disk_probe'")
+    assert sorted(rank for rank, _ in probes) == [0, 1]
+    assert all(json.loads(a)[sc.DISK_PROBE_READ_BPS] > 0 for _, a in probes)
+
+
+def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
+    shares = query(
+        serial,
+        f"""SELECT rank, step >= {SLOW_FROM} + 2,
+                   median(CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) / duration_s)
+            FROM steps WHERE run_id = 'run-serial' GROUP BY ALL ORDER BY ALL""",
+    )
+    share = {(rank, slowed): s for rank, slowed, s in shares}
+    assert share[(1, True)] > 0.6 > share[(1, False)], share
+    found = query(
+        serial,
+        "SELECT kind, ranks, step_start, summary FROM findings WHERE run_id = 'run-serial' AND analyzer = 'tiers'",
+    )
+    slow = [f for f in found if f[0] == "slow_disk"]
+    assert slow and all(ranks == [1] for _, ranks, *_ in slow), found
+    assert SLOW_FROM <= min(start for _, _, start, _ in slow) <= SLOW_FROM + 20, slow
+    assert "rank 1 swaps to disk at 20 MB/s" in slow[0][3]
+
+
+def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):
+    overlapped = _job(
+        tmp_path_factory.mktemp("offload-overlap"), "run-overlap", "--steps", "12", "--offload-schedule", "overlap"
+    )
+
+    def exposed(db, run: str) -> float:
+        return statistics.median(
+            v
+            for (v,) in query(
+                db,
+                f"""SELECT CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) FROM steps
+                    WHERE run_id = ? AND step BETWEEN 1 AND {SLOW_FROM - 1}""",
+                [run],
+            )
+        )
+
+    assert exposed(overlapped, "run-overlap") < 0.5 * exposed(serial, "run-serial")

@@ -1,0 +1,326 @@
+"""Optimizer offload, the reference for swap-bound training (ZeRO-Offload and ZeRO-Infinity, Fuyou).
+
+The optimizer's state lives on the host (`optimizer=host`), or is spilled to a local file per parameter
+group (`optimizer=disk`) and read back from the disk at every step: written, synced and dropped from the
+page cache, so that each read is the disk's. AdamW steps on the host's CPUs, a group at a time, on flat
+fp32 buffers. Two schedules:
+
+- `serial`: after backward, each group's state is read, stepped and written in turn (ZeRO-Infinity's
+  order): the step waits for every swap and for the host optimizer.
+- `overlap`: a worker thread reads each group's state back while the step computes, steps the groups
+  once their gradients are final, and writes their state out while the next step computes (Fuyou's
+  idea): the step waits only for what compute could not hide.
+
+Every copy between tiers is an `agent.transfer`, every group's step an `agent.host_work("optimizer")`.
+A `slow-disk` fault caps this rank's swap bandwidth (`rate_mbps`). `probe` times the disk with large
+sequential I/O at start: what the analysis compares the bandwidth achieved with.
+"""
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import agent
+from agent import semconv as sc
+
+SCHEDULES = ("serial", "overlap")
+PROBE_BYTES = 32 << 20  # large enough to time the disk, not its cache or its latency
+STATE = "optimizer_state"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What `--offload` moves off the GPU, and how its swaps are scheduled."""
+
+    optimizer: str  # "host" or "disk"
+    schedule: str = "serial"
+
+    @classmethod
+    def parse(cls, text: str, schedule: str = "serial") -> "Spec":
+        """`optimizer=host|disk`; ValueError says what is wrong, in one line."""
+        fields = dict(part.partition("=")[::2] for part in text.split(",") if part)
+        where = fields.pop("optimizer", None)
+        if fields or where not in ("host", "disk"):
+            raise ValueError(f"--offload {text!r}: expected optimizer=host or optimizer=disk")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--offload-schedule {schedule!r}: expected serial or overlap")
+        return cls(where, schedule)
+
+
+class Disk:
+    """Files of one rank's swapped state, each read and written whole, past the page cache. `rate_mbps`:
+    the bandwidth a slow disk gives (None: what the disk gives), enforced by waiting out the rest."""
+
+    def __init__(self, directory: Path, rate_mbps: Callable[[], float | None] = lambda: None):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self._rate = directory, rate_mbps
+        self._files: dict[str, int] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        started, data = time.perf_counter(), _bytes(tensor)
+        fd = self._fd(name)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read is the disk's
+        self._pace(len(data), started)
+
+    def read(self, name: str, into: torch.Tensor) -> None:
+        started, data = time.perf_counter(), _bytes(into)
+        fd = self._fd(name)
+        done = 0
+        while done < len(data):
+            got = os.preadv(fd, [data[done:]], done)
+            if got == 0:
+                raise EOFError(f"{self.directory / name}: {done} of {len(data)} bytes")
+            done += got
+        self._pace(len(data), started)
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+    def _fd(self, name: str) -> int:
+        if name not in self._files:
+            self._files[name] = os.open(self.directory / name, os.O_RDWR | os.O_CREAT, 0o600)
+        return self._files[name]
+
+    def _pace(self, nbytes: int, started: float) -> None:
+        if (rate := self._rate()) is not None:
+            time.sleep(max(0.0, nbytes / (rate * 1e6) - (time.perf_counter() - started)))
+
+
+def probe(directory: Path, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(read, write) bytes/s of the disk under `directory` for large sequential I/O past the page cache."""
+    disk = Disk(directory)
+    block = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    try:
+        started = time.perf_counter()
+        disk.write("probe", block)
+        write = nbytes / (time.perf_counter() - started)
+        started = time.perf_counter()
+        disk.read("probe", block)
+        return nbytes / (time.perf_counter() - started), write
+    finally:
+        disk.close()
+        (directory / "probe").unlink(missing_ok=True)
+
+
+class _Group:
+    """One parameter group's flat fp32 buffers on the host: its parameters (the master copy), gradients
+    and AdamW moments (where the state is on disk, read into at each step and written out after it)."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], pinned: bool):
+        self.name, self.params = f"group-{index:03d}", params
+        n = sum(p.numel() for p in params)
+        make = lambda: torch.zeros(n, dtype=torch.float32, pin_memory=pinned)  # noqa: E731
+        self.master, self.grads, self.moments = make(), make(), torch.zeros(2 * n, dtype=torch.float32)
+        torch.cat([p.detach().reshape(-1).float().cpu() for p in params], out=self.master)
+        self.nbytes = self.moments.numel() * 4
+
+    def adamw(self, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """torch.optim.AdamW's update, on the flat buffers."""
+        exp_avg, exp_avg_sq = self.moments.chunk(2)
+        self.master.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(self.grads, 1 - betas[0])
+        exp_avg_sq.mul_(betas[1]).addcmul_(self.grads, self.grads, value=1 - betas[1])
+        denominator = (exp_avg_sq.sqrt() / (1 - betas[1] ** step) ** 0.5).add_(eps)
+        self.master.addcdiv_(exp_avg, denominator, value=-lr / (1 - betas[0] ** step))
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW whose state and step are off the GPU (`spec`), its groups one module each of `groups`."""
+
+    def __init__(
+        self,
+        groups: Iterable[list[torch.nn.Parameter]],
+        spec: Spec,
+        directory: Path,
+        lr: float,
+        weight_decay: float,
+        rate_mbps: Callable[[], float | None] = lambda: None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
+        groups = [g for g in groups if g]
+        super().__init__([p for g in groups for p in g], {"lr": lr, "weight_decay": weight_decay})
+        self.spec, self.betas, self.eps, self.steps = spec, betas, eps, 0
+        self._device = groups[0][0].device
+        cuda = self._device.type == "cuda"
+        self._groups = [_Group(i, g, pinned=cuda) for i, g in enumerate(groups)]
+        self._host_tier = sc.TIER_PINNED if cuda else sc.TIER_HOST
+        self._disk = Disk(directory, rate_mbps) if spec.optimizer == "disk" else None
+        for g in self._groups:
+            self._write(g)
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        if spec.schedule == "overlap":
+            self._worker = threading.Thread(target=self._work, name="rankwatch-offload", daemon=True)
+            self._worker.start()
+        self._read_ahead: list[threading.Event] = []
+        self._written: threading.Event = threading.Event()
+        self._written.set()
+
+    @property
+    def state_bytes(self) -> int:
+        """The optimizer state's bytes, what a step reads and writes where it is on disk."""
+        return sum(g.nbytes for g in self._groups)
+
+    def prefetch(self) -> None:
+        """At a step's start: with `overlap`, the worker reads every group's state back while it computes."""
+        if self._worker is not None and self._disk is not None:
+            self._read_ahead = [threading.Event() for _ in self._groups]
+            for g, done in zip(self._groups, self._read_ahead, strict=True):
+                self._jobs.put((self._read, g, done))
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: AdamW needs none
+        """Step every group on the host; returns once the parameters are updated (with `overlap`, the
+        state's writes go on while the next step computes)."""
+        self.steps += 1
+        group = self.param_groups[0]
+        settings = (self.steps, group["lr"], self.betas, self.eps, group["weight_decay"])
+        for g in self._groups:
+            self._gradients(g)
+        if self._worker is None:
+            for g in self._groups:
+                self._read(g)
+                self._update(g, settings)
+                self._write(g)
+            return
+        read: list[threading.Event | None] = list(self._read_ahead) or [None] * len(self._groups)
+        updated = [threading.Event() for _ in self._groups]
+        self._written = threading.Event()
+        for g, was_read, done in zip(self._groups, read, updated, strict=True):
+            self._jobs.put((self._update_after, g, (was_read, settings), done))
+        for g in self._groups:
+            self._jobs.put((self._write, g, None))
+        self._jobs.put((self._written.set,))
+        self._read_ahead = []
+        for done in updated:
+            done.wait()
+        for g in self._groups:
+            self._parameters(g)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    def drain(self) -> None:
+        """Wait for the worker's writes (before the state is read whole: a snapshot, a restore)."""
+        self._written.wait()
+        for done in self._read_ahead:
+            done.wait()
+
+    def state_dict(self) -> dict:
+        self.drain()
+        for g in self._groups:
+            self._read(g)
+        return {
+            "steps": self.steps,
+            "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}],
+            "moments": [g.moments.clone() for g in self._groups],
+            "master": [g.master.clone() for g in self._groups],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drain()
+        self.steps = state["steps"]
+        self.param_groups[0].update(state["param_groups"][0])
+        for g, moments, master in zip(self._groups, state["moments"], state["master"], strict=True):
+            g.moments.copy_(moments)
+            g.master.copy_(master)
+            self._write(g)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self.drain()
+            self._jobs.put(None)
+            self._worker.join()
+        if self._disk is not None:
+            self._disk.close()
+
+    # -- a group's part of a step ---------------------------------------------------------------------
+    def _gradients(self, g: _Group) -> None:
+        """The group's gradients into its flat host buffer (a copy from the GPU where it trains on one)."""
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in g.params]
+        if self._device.type == "cuda":
+            with agent.transfer(sc.TIER_GPU, self._host_tier, g.grads.numel() * 4, "gradients"):
+                g.grads.copy_(torch.cat(grads).float(), non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+        else:
+            torch.cat([t.float() for t in grads], out=g.grads)
+
+    def _parameters(self, g: _Group) -> None:
+        """The group's updated master copy into the model's parameters."""
+        if self._device.type == "cuda":
+            with agent.transfer(self._host_tier, sc.TIER_GPU, g.master.numel() * 4, "parameters"):
+                on_gpu = g.master.to(self._device, non_blocking=True)
+        else:
+            on_gpu = g.master
+        offset = 0
+        for p in g.params:
+            p.copy_(on_gpu[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _read(self, g: _Group, done: threading.Event | None = None) -> None:
+        if self._disk is not None:
+            with agent.transfer(sc.TIER_DISK, sc.TIER_HOST, g.nbytes, STATE):
+                self._disk.read(g.name, g.moments)
+        if done is not None:
+            done.set()
+
+    def _write(self, g: _Group, done: threading.Event | None = None) -> None:
+        if self._disk is not None:
+            with agent.transfer(sc.TIER_HOST, sc.TIER_DISK, g.nbytes, STATE):
+                self._disk.write(g.name, g.moments)
+        if done is not None:
+            done.set()
+
+    def _update(self, g: _Group, settings: tuple) -> None:
+        with agent.host_work("optimizer"):
+            g.adamw(*settings)
+        if self._worker is None:
+            self._parameters(g)
+
+    def _update_after(self, g: _Group, ready: tuple, done: threading.Event) -> None:
+        was_read, settings = ready
+        if was_read is None:  # not prefetched (the first step): read now
+            self._read(g)
+        with agent.host_work("optimizer"):
+            g.adamw(*settings)
+        done.set()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job[0](*job[1:])
+
+
+def groups_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """The model's trainable parameters by top-level module, a ModuleList's (a transformer's blocks) one
+    group each, in order; each parameter once (tied weights in the first group that holds them)."""
+    seen: set[int] = set()
+
+    def take(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        return params
+
+    out: list[list[torch.nn.Parameter]] = []
+    for child in model.children():
+        out += [take(block) for block in child] if isinstance(child, torch.nn.ModuleList) else [take(child)]
+    out.append(take(model))  # the model's own parameters
+    return [g for g in out if g]
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes (no copy): what the disk reads into and writes from."""
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
