@@ -74,6 +74,8 @@ class Transfer:
     what: str
     start: object
     end: object = None
+    stream: int | None = None  # the copying stream, where a GPU is one end
+    thread: int = 0  # the thread that copied
 
 
 @dataclass
@@ -87,6 +89,7 @@ class _Step:
     values: dict = field(default_factory=dict)
     transfers: list[Transfer] = field(default_factory=list)
     host_work: list = field(default_factory=list)  # (name, start, end) in monotonic ns, from any thread
+    thread: int = 0  # the training loop's
 
 
 class Session:
@@ -151,7 +154,7 @@ class Session:
     # -- the training loop's side -------------------------------------------------------------------
     @contextmanager
     def step(self, step: int):
-        current = _Step(step, self.timer.mark(), self.timer.current_stream())
+        current = _Step(step, self.timer.mark(), self.timer.current_stream(), thread=threading.get_ident())
         with self._lock:  # what another thread did between steps counts in this one
             (current.transfers, current.host_work), self._between = self._between, ([], [])
             self._current = current
@@ -186,6 +189,7 @@ class Session:
         monotonic clock (disk and host copies, from any thread: a swap worker's too)."""
         on_gpu = sc.TIER_GPU in (src, dst)
         t = Transfer(src, dst, nbytes, what, self.timer.mark() if on_gpu else time.monotonic_ns())
+        t.stream, t.thread = self.timer.current_stream() if on_gpu else None, threading.get_ident()
         try:
             yield t
         finally:
@@ -318,6 +322,11 @@ class Session:
         )
         transfers = [(t, wall(t.start), wall(t.end)) for t in s.transfers]
         host = [(name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work]
+        # a copy the training loop itself made (on its stream, or on the host) stalled it: no compute then
+        computing = subtract(
+            computing,
+            [(a, b) for t, a, b in transfers if t.thread == s.thread and t.stream in (None, s.stream)],
+        )
         self.timer.release(
             [
                 s.start,

@@ -773,7 +773,7 @@ def cmd_train(args) -> None:
             raise UsageError(f"{f.spec!r}: {problem}")
     trainer_args = [] if args.ckpt_every is None else ["--ckpt-every", str(args.ckpt_every)]
     if offload:
-        trainer_args += ["--offload", f"optimizer={offload.optimizer}", "--offload-schedule", offload.schedule]
+        trainer_args += ["--offload", str(offload), "--offload-schedule", offload.schedule]
     if layout:
         trainer_args += ["--dp", str(layout.dp), "--tp", str(layout.tp), "--pp", str(layout.pp)]
     _stop_on_sigterm()
@@ -1013,8 +1013,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--offload",
-        metavar="optimizer=host|disk",
-        help="the optimizer's state on the host, or swapped to a local disk every step, and stepped on the CPUs",
+        metavar="optimizer=host|disk[,activations=disk]",
+        help="the optimizer's state on the host, or swapped to a local disk every step, and stepped on the CPUs; "
+        "the activations saved for backward swapped to disk too",
     )
     p.add_argument(
         "--offload-schedule",

@@ -11,7 +11,9 @@ fp32 buffers. Two schedules:
   once their gradients are final, and writes their state out while the next step computes (Fuyou's
   idea): the step waits only for what compute could not hide.
 
-Every copy between tiers is an `agent.transfer`, every group's step an `agent.host_work("optimizer")`.
+With `activations=disk` the activations autograd saves in forward go to disk and come back in backward
+(`ActivationsToDisk`), the swap ZeRO-Infinity and Fuyou make of activations too. Every copy between tiers
+is an `agent.transfer`, every group's step an `agent.host_work("optimizer")`.
 A `slow-disk` fault caps this rank's swap bandwidth (`rate_mbps`). `probe` times the disk with large
 sequential I/O at start: what the analysis compares the bandwidth achieved with.
 """
@@ -40,17 +42,21 @@ class Spec:
 
     optimizer: str  # "host" or "disk"
     schedule: str = "serial"
+    activations: bool = False  # saved activations to disk in forward, back in backward
 
     @classmethod
     def parse(cls, text: str, schedule: str = "serial") -> "Spec":
-        """`optimizer=host|disk`; ValueError says what is wrong, in one line."""
+        """`optimizer=host|disk[,activations=disk]`; ValueError says what is wrong, in one line."""
         fields = dict(part.partition("=")[::2] for part in text.split(",") if part)
-        where = fields.pop("optimizer", None)
-        if fields or where not in ("host", "disk"):
-            raise ValueError(f"--offload {text!r}: expected optimizer=host or optimizer=disk")
+        where, activations = fields.pop("optimizer", None), fields.pop("activations", None)
+        if fields or where not in ("host", "disk") or activations not in (None, "disk"):
+            raise ValueError(f"--offload {text!r}: expected optimizer=host or optimizer=disk[,activations=disk]")
         if schedule not in SCHEDULES:
             raise ValueError(f"--offload-schedule {schedule!r}: expected serial or overlap")
-        return cls(where, schedule)
+        return cls(where, schedule, activations == "disk")
+
+    def __str__(self) -> str:
+        return f"optimizer={self.optimizer}" + (",activations=disk" if self.activations else "")
 
 
 class Disk:
@@ -304,6 +310,50 @@ class OffloadedAdamW(torch.optim.Optimizer):
             job[0](*job[1:])
 
 
+class ActivationsToDisk:
+    """The activations autograd saves for backward, those of `least_bytes` or more, written to disk as the
+    forward makes them and read back as the backward needs them (`saved_tensors_hooks`), past the page
+    cache; parameters stay where they are. `start()` at each step: its files are reused step after step."""
+
+    def __init__(self, disk: Disk, least_bytes: int = 256 << 10):
+        self._disk, self._least, self._count = disk, least_bytes, 0
+
+    def start(self) -> None:
+        self._count = 0
+
+    def saving(self):
+        """The context the forward runs in."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self._least or (tensor.is_leaf and tensor.requires_grad):
+            return tensor
+        name, self._count = f"activation-{self._count:04d}", self._count + 1
+        on_gpu = tensor.device.type == "cuda"
+        if on_gpu:
+            with agent.transfer(sc.TIER_GPU, sc.TIER_HOST, nbytes, "activations"):
+                host = tensor.detach().to("cpu")
+        else:
+            host = tensor.detach().contiguous()
+        with agent.transfer(sc.TIER_HOST, sc.TIER_DISK, nbytes, "activations"):
+            self._disk.write(name, host)
+        return name, tensor.shape, tensor.dtype, tensor.device
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        name, shape, dtype, device = packed
+        host = torch.empty(shape, dtype=dtype)
+        nbytes = host.numel() * host.element_size()
+        with agent.transfer(sc.TIER_DISK, sc.TIER_HOST, nbytes, "activations"):
+            self._disk.read(name, host)
+        if device.type != "cuda":
+            return host
+        with agent.transfer(sc.TIER_HOST, sc.TIER_GPU, nbytes, "activations"):
+            return host.to(device)
+
+
 def groups_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """The model's trainable parameters by top-level module, a ModuleList's (a transformer's blocks) one
     group each, in order; each parameter once (tied weights in the first group that holds them)."""
@@ -322,5 +372,6 @@ def groups_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes (no copy): what the disk reads into and writes from."""
-    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+    """A contiguous tensor's memory as bytes, whatever its dtype (no copy): what the disk reads into and
+    writes from."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer

@@ -9,6 +9,7 @@ The training state is checkpointed by trainer/checkpoint.py, and a start
 """
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -103,7 +104,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "good state on disk",
     )
     p.add_argument("--rollback-window", type=int, default=1000, metavar="STEPS")
-    p.add_argument("--offload", metavar="optimizer=host|disk", help="the optimizer's state off the device")
+    p.add_argument(
+        "--offload", metavar="optimizer=host|disk[,activations=disk]", help="the optimizer's state off the device"
+    )
     p.add_argument("--offload-schedule", default="serial", choices=offload.SCHEDULES)
     p.add_argument(
         "--device",
@@ -264,6 +267,12 @@ def main(argv: list[str] | None = None) -> None:
         else None
     )
     optimizer = swapped or torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1)
+    activations = (
+        offload.ActivationsToDisk(offload.Disk(ckpt_dir / "offload" / f"rank-{rank}" / "activations"))
+        if args.offload and args.offload.activations
+        else None
+    )
+    saving = activations.saving if activations else contextlib.nullcontext
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: (
@@ -357,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         with agent.step(step):
             if swapped:
                 swapped.prefetch()  # with overlap, the state is read back while the step computes
+            if activations:
+                activations.start()
             with agent.phase("data"):
                 inputs, targets = (t.to(device, non_blocking=True) for t in data.next())
             compute_started, computing = time.perf_counter(), compute.start() if compute else None
@@ -364,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss = threed.forward_backward(inputs, targets, faults)
             else:
                 with agent.phase("forward"):
-                    with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+                    with torch.autocast(device.type, torch.bfloat16, enabled=cuda), saving():
                         loss = trained(inputs, targets)
                     for f in faults:
                         if f.kind == "straggler":  # this rank's compute `slowdown` times its clean length
