@@ -15,6 +15,7 @@ PAGES = [
     st.Page("views/collectives.py", title="Collectives", icon=":material/hub:"),
     st.Page("views/checkpoints.py", title="Checkpoints & rollbacks", icon=":material/history:"),
     st.Page("views/hangs.py", title="Hangs", icon=":material/hourglass_disabled:"),
+    st.Page("views/tiers.py", title="Memory & I/O", icon=":material/swap_vert:"),
     st.Page("views/power.py", title="Power", icon=":material/bolt:"),
     st.Page("views/compare.py", title="Compare runs", icon=":material/compare_arrows:"),
     st.Page("views/sql.py", title="SQL", icon=":material/database:"),

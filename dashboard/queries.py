@@ -369,4 +369,41 @@ FROM per_rank, b
 GROUP BY bin ORDER BY bin
 """
 
+# Memory tiers, per step in the window, downsampled: the time steps waited on copies between tiers no compute
+# hid (mean over ranks), its share of the step, the copies' time and the host optimizer's (docs/telemetry.md).
+TIER_SERIES = f"""
+WITH per_step AS (
+    SELECT step, avg(TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE)) AS exposed_s,
+           avg(TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) / duration_s) AS exposed_share,
+           avg(TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_S)} AS DOUBLE)) AS transfer_s,
+           avg(TRY_CAST(attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)} AS DOUBLE)) AS host_optimizer_s,
+           max(duration_s) AS step_s
+    FROM current_steps WHERE run_id = $run AND step BETWEEN $first AND $last
+      AND ((attrs->>{sc.json_path(sc.TRANSFER_S)}) IS NOT NULL
+           OR (attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)}) IS NOT NULL)
+    GROUP BY step),
+bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
+         FROM per_step)
+SELECT min(step) AS step, avg(exposed_s) AS exposed_s, avg(exposed_share) AS exposed_share,
+       avg(transfer_s) AS transfer_s, avg(host_optimizer_s) AS host_optimizer_s, avg(step_s) AS step_s
+FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
+"""
+
+# Each direction's bandwidth (bytes over the copies' time, all ranks) per step in the window, downsampled.
+TIER_BANDWIDTH = f"""
+WITH t AS (SELECT step, name AS direction, TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_BYTES)} AS BIGINT) AS bytes,
+                  duration_s
+           FROM ops WHERE run_id = $run AND kind = '{sc.KIND_TRANSFER}' AND step BETWEEN $first AND $last),
+bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width FROM t)
+SELECT lo + (step - lo) // width * width AS step, direction, sum(bytes) / sum(duration_s) AS bytes_per_s
+FROM t, bins WHERE duration_s > 0 GROUP BY ALL ORDER BY step, direction
+"""
+
+# What the disk the ranks swap to gave large sequential I/O at the job's start (the median rank's).
+DISK_PROBE = f"""
+SELECT median(TRY_CAST(attrs->>{sc.json_path(sc.DISK_PROBE_READ_BPS)} AS DOUBLE)) AS read_bps,
+       median(TRY_CAST(attrs->>{sc.json_path(sc.DISK_PROBE_WRITE_BPS)} AS DOUBLE)) AS write_bps, count(*) AS ranks
+FROM events WHERE run_id = $run AND event = '{sc.EVENT_DISK_PROBE}'
+"""
+
 QUERIES = {name.lower(): sql for name, sql in globals().items() if name.isupper() and isinstance(sql, str)}

@@ -31,7 +31,7 @@ from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, NA
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
-PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
+PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "tiers", "power", "compare", "sql")
 RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"], IMPORTED["run"], FLIGHT["run"])
 
 

@@ -10,6 +10,7 @@ An overlapped job of the same model on a healthy disk hides most of what the ser
 import json
 import statistics
 
+import pandas as pd
 import pytest
 from conftest import job_collector, rankwatch_cli
 from otlp_payloads import query
@@ -102,3 +103,25 @@ def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):
         )
 
     assert exposed(overlapped, "run-overlap") < 0.5 * exposed(serial, "run-serial")
+
+
+def test_the_memory_page_shows_the_findings_the_what_if_and_each_directions_bandwidth(serial, monkeypatch):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.source import COLLECTOR_ENV, DB_ENV
+    from tests.test_dashboard import APP, drawn
+
+    monkeypatch.setenv(DB_ENV, str(serial))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_data.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.run()
+    at.selectbox(key="run").set_value("run-serial")
+    at.switch_page("views/tiers.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("tiers / slow_disk** on rank 1" in w.value for w in [*at.warning, *at.info]), at.warning
+    labels = [m.label for m in at.metric]
+    assert labels == ["step now", "swaps back to back", "swaps overlapped"], labels
+    lines = pd.concat(drawn(at, "line"))
+    assert {"disk->host", "host->disk", "disk probe, read", "exposed (no compute hid it)"} <= set(lines["what"])
