@@ -165,7 +165,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._host_tier = sc.TIER_PINNED if cuda else sc.TIER_HOST
         self._disk = Disk(directory, rate_mbps) if spec.optimizer == "disk" else None
         for g in self._groups:
-            self._write(g)
+            self._move(g, True)
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
         if spec.schedule == "overlap":
@@ -185,7 +185,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._worker is not None and self._disk is not None:
             self._read_ahead = [threading.Event() for _ in self._groups]
             for g, done in zip(self._groups, self._read_ahead, strict=True):
-                self._jobs.put((self._read, g, done))
+                self._jobs.put((self._move, g, False, done))
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: AdamW needs none
@@ -198,9 +198,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._gradients(g)
         if self._worker is None:
             for g in self._groups:
-                self._read(g)
+                self._move(g, False)
                 self._update(g, settings)
-                self._write(g)
+                self._move(g, True)
             return
         read: list[threading.Event | None] = list(self._read_ahead) or [None] * len(self._groups)
         updated = [threading.Event() for _ in self._groups]
@@ -208,7 +208,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for g, was_read, done in zip(self._groups, read, updated, strict=True):
             self._jobs.put((self._update_after, g, (was_read, settings), done))
         for g in self._groups:
-            self._jobs.put((self._write, g, None))
+            self._jobs.put((self._move, g, True))
         self._jobs.put((self._written.set,))
         self._read_ahead = []
         for done in updated:
@@ -229,7 +229,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self.drain()
         for g in self._groups:
-            self._read(g)
+            self._move(g, False)
         return {
             "steps": self.steps,
             "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}],
@@ -244,7 +244,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for g, moments, master in zip(self._groups, state["moments"], state["master"], strict=True):
             g.moments.copy_(moments)
             g.master.copy_(master)
-            self._write(g)
+            self._move(g, True)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -277,17 +277,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             p.copy_(on_gpu[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _read(self, g: _Group, done: threading.Event | None = None) -> None:
+    def _move(self, g: _Group, to_disk: bool, done: threading.Event | None = None) -> None:
+        """The group's moments written out to its file (`to_disk`) or read back from it; with the state on the
+        host, nothing moves. `done`: set once it is done (a prefetch the update waits for)."""
         if self._disk is not None:
-            with agent.transfer(sc.TIER_DISK, sc.TIER_HOST, g.nbytes, STATE):
-                self._disk.read(g.name, g.moments)
-        if done is not None:
-            done.set()
-
-    def _write(self, g: _Group, done: threading.Event | None = None) -> None:
-        if self._disk is not None:
-            with agent.transfer(sc.TIER_HOST, sc.TIER_DISK, g.nbytes, STATE):
-                self._disk.write(g.name, g.moments)
+            src, dst = (sc.TIER_HOST, sc.TIER_DISK) if to_disk else (sc.TIER_DISK, sc.TIER_HOST)
+            with agent.transfer(src, dst, g.nbytes, STATE):
+                (self._disk.write if to_disk else self._disk.read)(g.name, g.moments)
         if done is not None:
             done.set()
 
@@ -300,7 +296,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _update_after(self, g: _Group, ready: tuple, done: threading.Event) -> None:
         was_read, settings = ready
         if was_read is None:  # not prefetched (the first step): read now
-            self._read(g)
+            self._move(g, False)
         with agent.host_work("optimizer"):
             g.adamw(*settings)
         done.set()
