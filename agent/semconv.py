@@ -43,6 +43,7 @@ STEP_ENERGY_J = "rankwatch.energy_j"  # the GPU's energy over the step, from its
 # the time some copy between memory tiers (TRANSFER spans) was in flight and no compute phase covered it
 TRANSFER_EXPOSED_S = "rankwatch.transfer.exposed_s"
 TRANSFER_S = "rankwatch.transfer_s"  # the time some copy between memory tiers was in flight, overlapped or not
+TRANSFER_CPU_S = "rankwatch.transfer.cpu_s"  # the CPU time the copies took on the threads that made them
 HOST_OPTIMIZER_S = "rankwatch.host_optimizer_s"  # the time an optimizer stepped on the host's CPUs (offloaded)
 # on `transfer` spans (their name: "<source>-><destination>")
 TRANSFER_SRC = "rankwatch.transfer.src"  # a memory tier: one of TIERS

@@ -76,6 +76,7 @@ class Transfer:
     end: object = None
     stream: int | None = None  # the copying stream, where a GPU is one end
     thread: int = 0  # the thread that copied
+    cpu_ns: int = 0  # that thread's CPU time over the copy (a copy of page-cache data is the CPU's work)
 
 
 @dataclass
@@ -190,10 +191,12 @@ class Session:
         on_gpu = sc.TIER_GPU in (src, dst)
         t = Transfer(src, dst, nbytes, what, self.timer.mark() if on_gpu else time.monotonic_ns())
         t.stream, t.thread = self.timer.current_stream() if on_gpu else None, threading.get_ident()
+        cpu = time.thread_time_ns()
         try:
             yield t
         finally:
             t.end = self.timer.mark() if on_gpu else time.monotonic_ns()
+            t.cpu_ns = time.thread_time_ns() - cpu
             with self._lock:
                 (self._current.transfers if self._current else self._between[0]).append(t)
 
@@ -351,6 +354,7 @@ class Session:
             moving = [(a, b) for _, a, b in transfers]
             attributes[sc.TRANSFER_S] = length(clip(moving, (start, end))) / 1e9
             attributes[sc.TRANSFER_EXPOSED_S] = exposed(moving, computing, (start, end)) / 1e9
+            attributes[sc.TRANSFER_CPU_S] = sum(t.cpu_ns for t, _, _ in transfers) / 1e9
         if host:
             attributes[sc.HOST_OPTIMIZER_S] = length(clip([(a, b) for _, a, b in host], (start, end))) / 1e9
         if any(name == PIPELINE for name, _, _ in phases):

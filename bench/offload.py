@@ -9,9 +9,11 @@ analyzer concludes, on real offloaded runs of the reference trainer (gloo on thi
   slowed to 50 MB/s on both ranks: the overlapped step time predicted from the serial run (the tiers
   analyzer's `whatif`: the longest of the rest of the step, the transfers and the host optimizer) against
   the one the overlapped run measured (medians over steps 5 on, the slowest rank each step).
-- `detection`: `--runs` runs with `slow-disk` on a seeded rank (20-150 MB/s, from a seeded step 10-25) and as
-  many healthy ones; a detection is a `slow_disk` finding naming that rank alone within 20 steps of the
-  fault, a false one any `slow_disk` finding of a healthy run.
+- `detection`: `--runs` runs (50 steps) with `slow-disk` on a seeded rank (20-150 MB/s, from a seeded step
+  10-25) and as many healthy ones, through a live collector; a detection is a `slow_disk` finding naming
+  that rank alone, drawn by the time 20 steps after the fault had ended (its latency: the newest step
+  ended when the finding was written, less the fault's), a false one any `slow_disk` finding of a
+  healthy run.
 - `overhead`: the agent's cost of recording 10 transfers and one host work in a step (a live session),
   against a step without.
 
@@ -194,21 +196,36 @@ def detection(directory: Path, runs: int, steps: int) -> dict:
             assert job(collector, f"healthy-{seed}", steps, "serial", seed=seed) == 0
     finally:
         collector.stop()
-    found = {}
-    for run, ranks, start in query(
-        collector.db, "SELECT run_id, ranks, step_start FROM findings WHERE analyzer = 'tiers' AND kind = 'slow_disk'"
-    ):
-        found.setdefault(run, []).append((list(ranks), start))
-    detected, late = 0, []
+    # when a finding was first drawn, in steps: the newest step of its run that had ended by then
+    rows = query(
+        collector.db,
+        """SELECT f.run_id, f.ranks, f.step_start,
+                  (SELECT max(step) FROM steps s WHERE s.run_id = f.run_id AND s.end_ts <= f.created_at) AS seen_at
+           FROM findings f WHERE analyzer = 'tiers' AND kind = 'slow_disk'""",
+    )
+    found: dict[str, list] = {}
+    for run, ranks, onset, seen_at in rows:
+        found.setdefault(run, []).append((list(ranks), onset, seen_at))
+    detected, missed, latency = 0, [], []
     for run, rank, start, fault in cases:
         mine = found.get(run, [])
-        named = [s for r, s in mine if r == [rank]]
-        if named and not [r for r, _ in mine if r != [rank]] and min(named) <= start + 20:
+        named = [seen for r, _, seen in mine if r == [rank]]
+        if named and all(r == [rank] for r, _, _ in mine) and min(named) - start <= 20:
             detected += 1
+            latency.append(min(named) - start)
         else:
-            late.append({"fault": fault, "found": mine})
+            missed.append({"fault": fault, "found": mine})
+    onsets = [onset - start for run, rank, start, _ in cases for r, onset, _ in found.get(run, []) if r == [rank]]
     false = [run for run in found if run.startswith("healthy-")]
-    return {"runs": runs, "detected": detected, "missed": late, "false_runs": len(false), "false": false}
+    return {
+        "runs": runs,
+        "detected": detected,
+        "latency_steps": {"median": statistics.median(latency), "max": max(latency)} if latency else None,
+        "onset_error_steps": {"min": min(onsets), "max": max(onsets)} if onsets else None,
+        "missed": missed,
+        "false_runs": len(false),
+        "false": false,
+    }
 
 
 def overhead(directory: Path) -> dict:

@@ -116,3 +116,22 @@ def test_a_checkpoint_written_while_its_hosts_ranks_swap_is_charged_with_the_ban
     assert contention.evidence["outside_bps"] == pytest.approx(600 * MB)
     assert contention.summary.startswith("the checkpoint of step 20, written to the disk ranks 0, 1 swap to")
     assert kinds(found) >= {(CONTENTION, (0, 1))}
+
+
+def test_on_cpus_that_compute_the_copies_cpu_time_and_the_host_optimizer_do_not_hide():
+    """A rank computing on the host's CPUs: overlapped, its page-cache copies' CPU time and its host
+    optimizer stay on the compute's side; the copies' waiting (the disk's) still hides under it."""
+    steps = pd.DataFrame(
+        {
+            "rank": [0, 0],
+            "step": [0, 1],
+            "duration_s": [0.10, 0.10],
+            "exposed_s": [0.04, 0.04],
+            "transfer_s": [0.04, 0.04],
+            "transfer_cpu_s": [0.01, 0.01],
+            "host_s": [0.01, 0.01],
+            "on_cpu": [True, True],
+        }
+    )
+    assert whatif(steps)["overlap_s"] == pytest.approx(0.05 + 0.01 + 0.01)  # the rest, the copies' CPU, the host's
+    assert whatif(steps.assign(on_cpu=False))["overlap_s"] == pytest.approx(0.05)  # a device computes: all hidden

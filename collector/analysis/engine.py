@@ -58,10 +58,17 @@ _WORKLOAD = f"""SELECT rank, step, tokens, TRY_CAST(attrs->>{sc.json_path(sc.STE
 _TIER_STEPS = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compute_s,
                          TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_S)} AS DOUBLE) AS transfer_s,
                          TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) AS exposed_s,
-                         TRY_CAST(attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)} AS DOUBLE) AS host_s
-                  FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
+                         TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_CPU_S)} AS DOUBLE) AS transfer_cpu_s,
+                         TRY_CAST(attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)} AS DOUBLE) AS host_s,
+                         coalesce((SELECT device = 'cpu' FROM ranks r WHERE r.run_id = $run AND r.rank = s.rank), false)
+                           AS on_cpu
+                  FROM current_steps s WHERE run_id = $run AND step > $after AND step <= $upto
                     AND ((attrs->>{sc.json_path(sc.TRANSFER_S)}) IS NOT NULL
                          OR (attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)}) IS NOT NULL)"""
+# (a count of at most one row: EXISTS over current_steps answers false wrongly in DuckDB 2.0.1)
+_SWAPPED = f"""SELECT count(*) FROM (SELECT 1 FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto
+                                       AND ((attrs->>{sc.json_path(sc.TRANSFER_S)}) IS NOT NULL
+                                            OR (attrs->>{sc.json_path(sc.HOST_OPTIMIZER_S)}) IS NOT NULL) LIMIT 1)"""
 _TRANSFERS = f"""SELECT rank, step, attrs->>{sc.json_path(sc.TRANSFER_SRC)} AS src,
                         attrs->>{sc.json_path(sc.TRANSFER_DST)} AS dst,
                         TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_BYTES)} AS BIGINT) AS bytes,
@@ -391,7 +398,7 @@ class Engine:
             frames.workload = lambda: con.execute(_WORKLOAD, {"run": run_id, "after": after, "upto": upto}).df()
         if any(r.tiers for r in reads):
             history = max(r.history for r in reads if r.tiers)
-            frames.tiers = lambda: _tiers(con, run_id, first_new - 1 - history, upto)
+            frames.tiers = lambda: _tiers(con, run_id, first_new, first_new - 1 - history, upto)
         if any(r.devices for r in reads):
             frames.devices = lambda since, until: con.execute(
                 _DEVICES, {"run": run_id, "since": since, "until": until}
@@ -423,13 +430,14 @@ class Engine:
         return parts
 
 
-def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, after: int, upto: int) -> Tiers:
-    """What moved between memory tiers in the run's steps after `after` up to `upto` (Frames.tiers)."""
+def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, after: int, upto: int) -> Tiers:
+    """What moved between memory tiers in the run's steps after `after` up to `upto` (Frames.tiers); nothing
+    where the new steps (from `first_new`) moved nothing: a run that swaps nothing costs one look at them."""
+    empty = pd.DataFrame()
+    if not con.execute(_SWAPPED, {"run": run_id, "after": first_new - 1, "upto": upto}).fetchall()[0][0]:
+        return Tiers(empty, empty, empty, empty)
     span = {"run": run_id, "after": after, "upto": upto}
     steps = con.execute(_TIER_STEPS, span).df()
-    if steps.empty:  # a run that swaps nothing: no more to read
-        empty = pd.DataFrame()
-        return Tiers(steps, empty, empty, empty)
     since, until = int(steps["end_ts"].min() - steps["duration_s"].max() * 1e9), int(steps["end_ts"].max())
     return Tiers(
         steps,

@@ -10,8 +10,9 @@ judged once a pass at its newest step:
   tier limits the copies: the bandwidth each direction achieved against the disk's own, probed with large
   sequential I/O at the job's start; near the probe the disk is the limit, far below it the access
   pattern is (small blocks, no prefetch). And what overlap would give: the step predicted with its
-  swaps, the host optimizer and the rest of the step overlapped (the longest of the three) against run
-  back to back (their sum), the slowest rank setting each step.
+  swaps, the host optimizer and the rest of the step overlapped (the longest of the three; on ranks that
+  compute on the host's CPUs, the copies' CPU time and the host optimizer stay on the compute's side)
+  against run back to back (their sum), the slowest rank setting each step.
 - `slow_disk`: ranks whose swaps to and from disk run at a fraction of their peers' bandwidth, or of
   their own before (a disk that slowed, or another job on it); alone and slow from the start, a
   fraction of the disk's probe.
@@ -93,17 +94,23 @@ def analyze(run_id: str, tiers: Tiers, placement: pd.DataFrame, last: int, s: Se
 
 def whatif(steps: pd.DataFrame) -> dict[str, float]:
     """The step time predicted with swaps, host optimizer and the rest of the step run back to back
-    (`serial_s`: their sum) and overlapped (`overlap_s`: the longest), the slowest rank setting each step,
-    medians over steps; the parts are the slowest rank's. The rest is what is neither an exposed transfer
-    nor the host optimizer: compute, data, communication."""
+    (`serial_s`: their sum) and overlapped (`overlap_s`), the slowest rank setting each step, medians over
+    steps; the parts are the slowest rank's. The rest is what is neither an exposed transfer nor the host
+    optimizer: compute, data, communication. Overlapped, a rank whose device computes takes the longest of
+    the three; a rank that computes on the host's CPUs (`on_cpu`) cannot hide the CPU work of its copies
+    (`transfer_cpu_s`: page-cache copies) nor its host optimizer under its compute, which needs the same
+    CPUs: it takes the longer of the rest with them and the copies."""
     host = steps["host_s"].fillna(0.0).to_numpy()
     moving = steps["transfer_s"].fillna(0.0).to_numpy()
     rest = np.clip(steps["duration_s"].to_numpy() - steps["exposed_s"].fillna(0.0).to_numpy() - host, 0.0, None)
+    copying = steps["transfer_cpu_s"].fillna(0.0).to_numpy() if "transfer_cpu_s" in steps else np.zeros(len(steps))
+    on_cpu = steps["on_cpu"].to_numpy(dtype=bool) if "on_cpu" in steps else np.zeros(len(steps), dtype=bool)
+    overlap = np.where(on_cpu, np.maximum(rest + np.minimum(copying, moving) + host, moving), np.maximum(rest, moving))
     parts = pd.DataFrame(
         {
             "step": steps["step"].to_numpy(),
             "serial": rest + moving + host,
-            "overlap": np.maximum(np.maximum(rest, moving), host),
+            "overlap": np.maximum(overlap, host),
             "rest": rest,
             "transfer": moving,
             "host": host,
@@ -117,6 +124,7 @@ def whatif(steps: pd.DataFrame) -> dict[str, float]:
         "rest_s": float(slowest["rest"].median()),
         "transfer_s": float(slowest["transfer"].median()),
         "host_optimizer_s": float(slowest["host"].median()),
+        "transfer_cpu_s": float(np.median(copying)),
         "measured_s": float(parts.groupby("step")["measured"].max().median()),
     }
 
@@ -233,8 +241,14 @@ def _swap_finding(
         f"{ranksets.phrase(bound)} wait{'s' if len(bound) == 1 else ''} on copies between memory tiers for "
         f"{share:.0%} of each step since step {first} ({directions}){limit['said']}; with the swaps overlapped "
         f"with compute a step would take {what['overlap_s'] * 1e3:.0f} ms against {what['serial_s'] * 1e3:.0f} ms "
-        f"run back to back (predicted: the longest of the rest of the step {what['rest_s'] * 1e3:.0f} ms, the "
-        f"transfers {what['transfer_s'] * 1e3:.0f} ms and the host optimizer {what['host_optimizer_s'] * 1e3:.0f} ms)"
+        f"run back to back (predicted from the rest of the step {what['rest_s'] * 1e3:.0f} ms, the transfers "
+        f"{what['transfer_s'] * 1e3:.0f} ms and the host optimizer {what['host_optimizer_s'] * 1e3:.0f} ms"
+        + (
+            f"; on CPUs that also compute the step, the copies' {what['transfer_cpu_s'] * 1e3:.0f} ms of CPU and the "
+            "host optimizer do not hide under it)"
+            if "on_cpu" in steps and bool(steps["on_cpu"].all())
+            else ": the longest of them)"
+        )
     )
     return Finding(
         run_id,
