@@ -200,7 +200,7 @@ def detection(directory: Path, runs: int, steps: int) -> dict:
     rows = query(
         collector.db,
         """SELECT f.run_id, f.ranks, f.step_start,
-                  (SELECT max(step) FROM steps s WHERE s.run_id = f.run_id AND s.end_ts <= f.created_at) AS seen_at
+                  (SELECT max(step) FROM steps s WHERE s.run_id = f.run_id AND epoch_ns(s.end_ts) <= epoch_ns(f.created_at)) AS seen_at
            FROM findings f WHERE analyzer = 'tiers' AND kind = 'slow_disk'""",
     )
     found: dict[str, list] = {}
