@@ -15,7 +15,8 @@ analyzer concludes, on real offloaded runs of the reference trainer (gloo on thi
   ended when the finding was written, less the fault's), a false one any `slow_disk` finding of a
   healthy run.
 - `overhead`: the agent's cost of recording 10 transfers and one host work in a step (a live session),
-  against a step without.
+  against a step without; and of one reading of the process's and host's I/O and memory (agent/host.py,
+  read once a second, the host's disks included).
 
 The last line is one JSON object. Usage: python bench/offload.py [--parts io,whatif,detection,overhead]
 [--runs 20] [--steps 40]
@@ -200,7 +201,8 @@ def detection(directory: Path, runs: int, steps: int) -> dict:
     rows = query(
         collector.db,
         """SELECT f.run_id, f.ranks, f.step_start,
-                  (SELECT max(step) FROM steps s WHERE s.run_id = f.run_id AND epoch_ns(s.end_ts) <= epoch_ns(f.created_at)) AS seen_at
+                  (SELECT max(step) FROM steps s
+                   WHERE s.run_id = f.run_id AND epoch_ns(s.end_ts) <= epoch_ns(f.created_at)) AS seen_at
            FROM findings f WHERE analyzer = 'tiers' AND kind = 'slow_disk'""",
     )
     found: dict[str, list] = {}
@@ -230,6 +232,7 @@ def detection(directory: Path, runs: int, steps: int) -> dict:
 
 def overhead(directory: Path) -> dict:
     from agent import semconv as sc
+    from agent.host import HostState
     from agent.session import Session
 
     collector = Collector(directory)
@@ -251,7 +254,16 @@ def overhead(directory: Path) -> dict:
     finally:
         collector.stop()
     base, copies = min(per[False]), min(per[True])
-    return {"step_us": base * 1e6, "step_with_copies_us": copies * 1e6, "added_us": (copies - base) * 1e6}
+    host = HostState(every_s=0.0, host_wide=True)  # every call reads: the cost of one reading, each second
+    started = time.perf_counter()
+    for _ in range(500):
+        host.read()
+    return {
+        "step_us": base * 1e6,
+        "step_with_copies_us": copies * 1e6,
+        "added_us": (copies - base) * 1e6,
+        "host_reading_us": (time.perf_counter() - started) / 500 * 1e6,
+    }
 
 
 def main() -> None:
