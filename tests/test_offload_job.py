@@ -1,10 +1,10 @@
 """Offloaded training end to end: real 2-rank torchrun jobs (`rankwatch train --offload optimizer=disk`,
 gloo on CPU, the `tiny` GPT) exporting to a live collector.
 
-A serial job whose rank 1's disk slows to 20 MB/s at step 8 (`slow-disk`): every rank-step reads and
+A serial job whose rank 1's disk slows to 40 MB/s at step 6 (`slow-disk`): every rank-step reads and
 writes its optimizer state between disk and host as transfer spans of the state's bytes, the disk's probe
 is said, the slow rank's steps wait on their swaps, and the collector names rank 1's disk, not rank 0's.
-An overlapped job of the same model on a healthy disk hides most of what the serial one waits for.
+An overlapped job of the same model (one rank) on a healthy disk hides most of what the serial one waits for.
 """
 
 import json
@@ -19,14 +19,15 @@ from agent import semconv as sc
 
 pytestmark = pytest.mark.long
 
-SLOW_FROM, STEPS = 8, 24
+SLOW_FROM, STEPS = 6, 20
 
 
-def _job(directory, run: str, *args: str):
+def _job(directory, run: str, *args: str, nproc: int = 2):
     with job_collector(directory, "--analyze-every", "0.5") as collector:
         result = rankwatch_cli(
             "train",
-            *("--nproc", "2", "--run", run, "--collector", collector.url, "--offload", "optimizer=disk", *args),
+            *("--nproc", str(nproc), "--run", run, "--collector", collector.url, "--offload", "optimizer=disk"),
+            *args,
             env={"RANKWATCH_TOKEN": collector.token, "RANKWATCH_DB": str(collector.db)},  # the swap files beside it
         )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -38,7 +39,7 @@ def serial(tmp_path_factory):
     return _job(
         tmp_path_factory.mktemp("offload-serial"),
         "run-serial",
-        *("--steps", str(STEPS), "--inject", f"slow-disk:rank=1,mbps=20,from={SLOW_FROM}"),
+        *("--steps", str(STEPS), "--inject", f"slow-disk:rank=1,mbps=40,from={SLOW_FROM}"),
     )
 
 
@@ -83,12 +84,18 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
     slow = [f for f in found if f[0] == "slow_disk"]
     assert slow and all(ranks == [1] for _, ranks, *_ in slow), found
     assert SLOW_FROM <= min(start for _, _, start, _ in slow) <= SLOW_FROM + 20, slow
-    assert "rank 1 swaps to disk at 20 MB/s" in slow[0][3]
+    assert "rank 1 swaps to disk at 40 MB/s" in slow[0][3]
 
 
 def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):
     overlapped = _job(
-        tmp_path_factory.mktemp("offload-overlap"), "run-overlap", "--steps", "12", "--offload-schedule", "overlap"
+        tmp_path_factory.mktemp("offload-overlap"),
+        "run-overlap",
+        "--steps",
+        "8",
+        "--offload-schedule",
+        "overlap",
+        nproc=1,
     )
 
     def exposed(db, run: str) -> float:

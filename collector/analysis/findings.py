@@ -18,6 +18,17 @@ _FIRING = """SELECT id, kind, ranks, step_start, step_end, score FROM findings
              WHERE run_id = ? AND analyzer = ? AND state = 'firing'"""
 _FIRING_OF_RUN = """SELECT id, analyzer, kind, ranks, step_start, step_end, score FROM findings
                     WHERE run_id = ? AND state = 'firing'"""
+# An episode that stopped of itself (not ended by a rollback or the run's end) holding a finding's steps, with no
+# rollback applied since that went back to them: steps judged again since late steps came under them (a rank's
+# batch committed after later ones) draw what it recorded, not a new episode.
+_RECORDED = """SELECT count(*) FROM findings f
+               WHERE run_id = $run AND analyzer = $analyzer AND kind = $kind AND ranks = $ranks::INTEGER[]
+                 AND state = 'resolved' AND (evidence->>'resolved') IS NULL
+                 AND step_start <= $start AND step_end >= $end
+                 AND (SELECT count(*) FROM commands c
+                      WHERE c.run_id = f.run_id AND c.kind = 'rollback' AND c.state = 'applied'
+                        AND TRY_CAST(c.result->>'restored_step' AS BIGINT) <= $end
+                        AND c.updated_at >= f.created_at) = 0"""
 
 
 def record(
@@ -57,7 +68,8 @@ def record_pass(
 ) -> None:
     """One pass of the engine over a run, in one transaction: each finding goes on the firing row
     of its episode (same analyzer, kind and ranks, and `Reads.continues`; its span widened to both,
-    the strongest finding speaking for it) or starts one, and the episodes of the analyzers that
+    the strongest finding speaking for it) or starts one, unless an episode that stopped holds it
+    already (its steps judged again: `_RECORDED`), and the episodes of the analyzers that
     judged resolve where `Reads.holds` says they no longer fire once the steps up to `last` are
     judged (collector/analysis/engine.py's `merge`, on rows). `cursor`: (step, rollback, world) the engine stands at
     after the pass, recorded with its findings (a step is judged once, across restarts too)."""
@@ -89,6 +101,8 @@ def record_pass(
                     else:
                         changed.append((_update(con, row[0], f), f))
                 else:
+                    if _recorded(con, run_id, analyzer, f):
+                        continue
                     if row is not None:
                         ended.append(row[0])
                     row = [_insert(con, run_id, analyzer, f), f.step_start, f.step_end, False, f.score]
@@ -109,6 +123,14 @@ def record_pass(
                     [(fid, f) for fid, f in changed if fid not in ended and f.kind != NOT_JUDGED],
                     ended,
                 )
+
+
+def _recorded(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Finding) -> bool:
+    """Whether `f` is an episode already recorded that stopped of itself (`_RECORDED`)."""
+    if f.step_start is None or f.step_end is None:
+        return False
+    span = {"run": run_id, "analyzer": analyzer, "kind": f.kind, "ranks": list(f.ranks)}
+    return bool(con.execute(_RECORDED, {**span, "start": f.step_start, "end": f.step_end}).fetchall()[0][0])
 
 
 def end_run(

@@ -30,8 +30,8 @@ stall the new steps closed (a gap between one step's end and the next longer
 than the timeout), judged as it stood when it first passed the timeout. A pass
 whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
-it: its culprits are said, and not kept, until every rank's heartbeat from the
-stall has come.
+it, and says so; where that names no culprit (every rank was in the same
+collective then), nothing is kept, and the passes that follow judge again.
 """
 
 from dataclasses import dataclass, replace
@@ -94,7 +94,9 @@ def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
     if "silent_since_ns" in finding.evidence:  # every rank gone quiet: judged as it stood when last heard from
         return current
     if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
-        if finding.evidence["heard_in_stall"]:  # a judgement from heartbeats sent before the stall is not kept
+        # kept once it names culprits, or judged from every rank's heartbeats since the stall began: from those
+        # of before it alone (delayed, a collector taking the run over), every rank may look blocked alike
+        if finding.ranks or finding.evidence["heard_in_stall"]:
             kept[ANALYZER]["stall"] = finding
         return current
     stalled_s = finding.evidence["stalled_s"]
