@@ -8,6 +8,7 @@ An overlapped job of the same model (one rank) on a healthy disk hides most of w
 """
 
 import json
+import re
 import statistics
 
 import pandas as pd
@@ -84,7 +85,8 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
     slow = [f for f in found if f[0] == "slow_disk"]
     assert slow and all(ranks == [1] for _, ranks, *_ in slow), found
     assert SLOW_FROM <= min(start for _, _, start, _ in slow) <= SLOW_FROM + 20, slow
-    assert "rank 1 swaps to disk at 40 MB/s" in slow[0][3]
+    paced = re.match(r"rank 1 swaps to disk at (\d+) MB/s since step \d+, against", slow[0][3])
+    assert paced and 30 <= int(paced.group(1)) <= 40, slow[0][3]  # the fault's cap, less its sleeps' overshoot
 
 
 def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):
