@@ -106,7 +106,9 @@ def test_whatif_takes_the_slowest_rank_of_each_step():
 def test_a_checkpoint_written_while_its_hosts_ranks_swap_is_charged_with_the_bandwidth_it_cost():
     slowed = {(r, s) for r in (0, 1) for s in (20, 21)}
     tiers = run(ranks=3, bw=lambda rank, step: 150 * MB if (rank, step) in slowed else 600 * MB)
-    checkpoint = pd.DataFrame([(1, 20, 20 * S, 22 * S)], columns=["rank", "step", "start_ns", "end_ns"])
+    checkpoint = pd.DataFrame(  # both ranks of the host write their share of it: one write of its disk
+        [(0, 20, 20 * S, 21 * S), (1, 20, 20 * S + S // 2, 22 * S)], columns=["rank", "step", "start_ns", "end_ns"]
+    )
     tiers = Tiers(tiers.steps, tiers.transfers, tiers.probes, checkpoint)
     found = analyze("r", tiers, placement(3, per_host=2), 23)
     (contention,) = [f for f in found if f.kind == CONTENTION]
@@ -135,3 +137,14 @@ def test_on_cpus_that_compute_the_copies_cpu_time_and_the_host_optimizer_do_not_
     )
     assert whatif(steps)["overlap_s"] == pytest.approx(0.05 + 0.01 + 0.01)  # the rest, the copies' CPU, the host's
     assert whatif(steps.assign(on_cpu=False))["overlap_s"] == pytest.approx(0.05)  # a device computes: all hidden
+
+
+def test_each_ranks_peers_median_is_the_median_of_the_others():
+    import numpy as np
+
+    from collector.analysis.analyzers.tiers import _others_median
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 4, 5, 10, 11, 64):
+        values = np.round(rng.random(n), 1)  # ties too
+        assert np.allclose(_others_median(values), [np.median(np.delete(values, i)) for i in range(n)])

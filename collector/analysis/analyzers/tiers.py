@@ -60,7 +60,7 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     ends = range(frames.last, first - 1, -max(1, -(-(frames.last - first + 1) // MAX_JUDGED)))
     episodes: dict[tuple, Finding] = {}
     for end in sorted(ends):
-        for f in analyze(frames.run_id, tiers, frames.ranks, end, settings):
+        for f in analyze(frames.run_id, tiers, frames.ranks, end, settings, contention=end == frames.last):
             key = (f.kind, tuple(f.ranks))
             earlier = episodes.get(key)
             assert f.step_start is not None and f.step_end is not None  # over steps, all of them
@@ -68,8 +68,11 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
     return list(episodes.values())
 
 
-def analyze(run_id: str, tiers: Tiers, placement: pd.DataFrame, last: int, s: Settings = Settings()) -> list[Finding]:
-    """The findings of the window of steps ending at `last` (see the module's docstring)."""
+def analyze(
+    run_id: str, tiers: Tiers, placement: pd.DataFrame, last: int, s: Settings = Settings(), contention: bool = True
+) -> list[Finding]:
+    """The findings of the window of steps ending at `last` (see the module's docstring); `contention`: with
+    the checkpoints' cost to the swaps (a pass draws it once, at its newest step)."""
     steps = tiers.steps[tiers.steps["step"].between(last - s.window + 1, last)]
     if steps.empty:
         return []
@@ -88,7 +91,8 @@ def analyze(run_id: str, tiers: Tiers, placement: pd.DataFrame, last: int, s: Se
     if bound:
         onset = int(steps.loc[steps["rank"].isin(bound) & (share >= s.swap_share), "step"].min())
         found.append(_swap_finding(run_id, bound, shares, steps, tiers, recent, slow, onset, last, s))
-    found += _contention(run_id, recent, tiers.checkpoints, placement, first, last, s)
+    if contention:
+        found += _contention(run_id, recent, tiers.checkpoints, placement, first, last, s)
     return found
 
 
@@ -158,26 +162,46 @@ def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: S
     now = rates[rates.index.get_level_values("step") >= first].groupby("rank").median()
     earlier = rates[rates.index.get_level_values("step") < first].groupby("rank").median()
     probed = probes.groupby("rank")["read_bps"].max() if not probes.empty else pd.Series(dtype=float)
+    references = pd.DataFrame(
+        {"peers": _others_median(now.to_numpy()), "before": earlier.reindex(now.index).to_numpy()}, index=now.index
+    )
+    limits = references * s.slow_ratio
+    if len(now) == 1:  # alone: its past may be slow too
+        limits["probe"] = probed.reindex(now.index) * s.probe_floor
+    limits = limits.dropna(axis=1, how="all")
+    if limits.empty or limits.columns.empty:
+        return {}
+    worst = limits.fillna(-1.0).idxmax(axis=1)
+    limit = limits.max(axis=1)
     slow = {}
-    for rank, rate in now.items():
-        peers = now.drop(index=rank)
-        references = {"peers": float(peers.median())} if len(peers) else {}
-        if rank in earlier.index:
-            references["before"] = float(earlier[rank])
-        limits = {of: s.slow_ratio * v for of, v in references.items()}
-        if not len(peers) and rank in probed.index and pd.notna(probed[rank]):  # alone: its past may be slow too
-            limits["probe"] = s.probe_floor * float(probed[rank])
-        if not limits:
-            continue
-        of = max(limits, key=lambda k: limits[k])
-        if rate >= limits[of]:
-            continue
+    for rank in now.index[(now < limit).to_numpy()]:
+        of, bound = worst[rank], float(limit[rank])
         mine = rates.loc[rank]
-        fast = mine.index[mine >= limits[of]]
+        fast = mine.index[mine >= bound]
         onset = int(mine.index[mine.index > fast.max()].min()) if len(fast) else int(mine.index.min())
-        reference = references.get(of, float(probed.get(rank, float("nan"))))
-        slow[int(rank)] = {"bps": float(rate), "reference_bps": reference, "reference": of, "since_step": onset}
+        reference = float(references.at[rank, of]) if of in references else float(probed[rank])
+        slow[int(rank)] = {"bps": float(now[rank]), "reference_bps": reference, "reference": of, "since_step": onset}
     return slow
+
+
+def _others_median(values: np.ndarray) -> np.ndarray:
+    """For each value, the median of the others (NaN where there are none): from the sorted values, each
+    one's removal shifting the middle by one place at most, so thousands of ranks cost one sort."""
+    n = len(values)
+    if n < 2:
+        return np.full(n, np.nan)
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    m = n - 1  # the others
+
+    def others_at(k: int) -> np.ndarray:  # the k-th of the others, for each value removed
+        return np.where(k < position, ranked[k], ranked[min(k + 1, n - 1)])
+
+    if m % 2:
+        return others_at((m - 1) // 2)
+    return (others_at(m // 2 - 1) + others_at(m // 2)) / 2
 
 
 def _per_step(transfers: pd.DataFrame) -> pd.Series:
@@ -311,11 +335,21 @@ def _contention(
     if disk.empty or checkpoints.empty:
         return []
     hosts = placement.drop_duplicates("rank").set_index("rank")["host"] if "host" in placement else pd.Series()
+
+    def host_of(ranks: pd.Series) -> pd.Series:  # a rank of no known host is a host of its own
+        return ranks.map(hosts).fillna(ranks.map(lambda r: f"rank {r}"))
+
+    swaps = dict(tuple(disk.groupby(host_of(disk["rank"]))))
+    # the ranks of a host write their checkpoint of a step together: one write of the host's disk
+    written = checkpoints.groupby([host_of(checkpoints["rank"]), "step"]).agg(
+        rank=("rank", "min"), start_ns=("start_ns", "min"), end_ns=("end_ns", "max")
+    )
     found = []
-    for ckpt in checkpoints.itertuples():
-        host = hosts.get(ckpt.rank)
-        ranks = hosts.index[hosts == host] if host is not None else pd.Index([ckpt.rank])
-        theirs = disk[disk["rank"].isin(ranks)]
+    for ckpt in written.itertuples():
+        host, step = ckpt.Index
+        theirs = swaps.get(host)
+        if theirs is None:
+            continue
         during = (theirs["start_ns"] < ckpt.end_ns) & (theirs["end_ns"] > ckpt.start_ns)
         if not during.any() or during.all():
             continue
@@ -334,11 +368,11 @@ def _contention(
                 last,
                 "info",
                 1 - inside / outside,
-                f"the checkpoint of step {ckpt.step}, written to the disk {ranksets.phrase(affected)} swap"
+                f"the checkpoint of step {step}, written to the disk {ranksets.phrase(affected)} swap"
                 f"{'s' if len(affected) == 1 else ''} to, cut the swaps to {_mbps(inside)} from {_mbps(outside)} "
                 f"while it wrote ({(ckpt.end_ns - ckpt.start_ns) / 1e9:.1f} s): {lost_s:.2f} s of swapping lost to it",
                 {
-                    "checkpoint_step": int(ckpt.step),
+                    "checkpoint_step": int(step),
                     "checkpoint_rank": int(ckpt.rank),
                     "during_bps": inside,
                     "outside_bps": outside,
