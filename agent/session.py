@@ -156,9 +156,10 @@ class Session:
     @contextmanager
     def step(self, step: int):
         current = _Step(step, self.timer.mark(), self.timer.current_stream(), thread=threading.get_ident())
-        with self._lock:  # what another thread did between steps counts in this one
-            (current.transfers, current.host_work), self._between = self._between, ([], [])
-            self._current = current
+        if self._between[0] or self._between[1]:  # what another thread did between steps counts in this one
+            with self._lock:
+                (current.transfers, current.host_work), self._between = self._between, ([], [])
+        self._current = current  # (one done from here on goes in it; one done just before, in the next)
         try:
             yield current
         finally:
@@ -298,7 +299,9 @@ class Session:
             while self._pending and (wait or self._readable(self._pending[0])):
                 step = self._pending.popleft()
                 # CUDA events: the one wait, at the end of the job; a collective's end is on a stream of its own
-                for mark in (step.end, *(c.end for c in step.collectives)) if wait else ():
+                for mark in (
+                    (step.end, *(c.end for c in step.collectives), *(t.end for t in step.transfers)) if wait else ()
+                ):
                     if hasattr(mark, "synchronize"):
                         mark.synchronize()
                 self._emit(step)
@@ -325,11 +328,9 @@ class Session:
         )
         transfers = [(t, wall(t.start), wall(t.end)) for t in s.transfers]
         host = [(name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work]
-        # a copy the training loop itself made (on its stream, or on the host) stalled it: no compute then
-        computing = subtract(
-            computing,
-            [(a, b) for t, a, b in transfers if t.thread == s.thread and t.stream in (None, s.stream)],
-        )
+        stalled = [(a, b) for t, a, b in transfers if t.thread == s.thread and t.stream in (None, s.stream)]
+        if stalled:  # a copy the training loop itself made (on its stream, or on the host): no compute then
+            computing = subtract(computing, stalled)
         self.timer.release(
             [
                 s.start,

@@ -766,8 +766,8 @@ def cmd_train(args) -> None:
         offload = Spec.parse(args.offload, args.offload_schedule) if args.offload else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if offload and layout:
-        raise UsageError("--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)")
+    if offload and (problem := offload.refuses(layout is not None)):
+        raise UsageError(problem)
     for f in faults:
         if problem := unfit(f, layout, offload):
             raise UsageError(f"{f.spec!r}: {problem}")

@@ -62,8 +62,7 @@ def test_every_step_swaps_the_optimizer_state_through_the_disk(serial):
     for rank in (0, 1):
         for step in range(1, STEPS):  # (step 0 also holds the state's first write, before training)
             assert by[(rank, step, "host->disk")] == size
-            # a snapshot (every 10 steps) reads the state back once more
-            assert by[(rank, step, "disk->host")] == size * (2 if (step + 1) % 10 == 0 else 1), (rank, step)
+            assert by[(rank, step, "disk->host")] == size, (rank, step)  # a snapshot reads nothing more from disk
     probes = query(serial, "SELECT rank, attrs FROM events WHERE run_id = 'run-serial' AND event = 'disk_probe'")
     assert sorted(rank for rank, _ in probes) == [0, 1]
     assert all(json.loads(a)[sc.DISK_PROBE_READ_BPS] > 0 for _, a in probes)
@@ -85,8 +84,8 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
     slow = [f for f in found if f[0] == "slow_disk"]
     assert slow and all(ranks == [1] for _, ranks, *_ in slow), found
     assert SLOW_FROM <= min(start for _, _, start, _ in slow) <= SLOW_FROM + 20, slow
-    paced = re.match(r"rank 1 swaps to disk at (\d+) MB/s since step \d+, against", slow[0][3])
-    assert paced and 30 <= int(paced.group(1)) <= 40, slow[0][3]  # the fault's cap, less its sleeps' overshoot
+    paced = re.match(r"rank 1 swaps to disk at ([\d.]+) MB/s since step \d+, against", slow[0][3])
+    assert paced and 30 <= float(paced.group(1)) <= 40, slow[0][3]  # the fault's cap, less its sleeps' overshoot
 
 
 def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):

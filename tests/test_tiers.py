@@ -6,6 +6,7 @@ import pytest
 
 from collector.analysis.analyzers import Tiers
 from collector.analysis.analyzers.tiers import CONTENTION, SLOW_DISK, SWAP_BOUND, analyze, whatif
+from collector.quantities import duration
 
 MB = 1e6
 S = 10**9
@@ -60,6 +61,12 @@ def test_a_slow_disk_is_named_against_its_peers_since_it_slowed():
     }
 
 
+def test_a_slow_disk_that_recovered_within_the_window_is_named_since_it_slowed():
+    tiers = run(ranks=4, bw=lambda rank, step: 20 * MB if rank == 2 and 10 <= step <= 20 else 600 * MB)
+    (slow,) = [f for f in analyze("r", tiers, placement(4), 23) if f.kind == SLOW_DISK]  # steps 16-20 of 16-23
+    assert (slow.ranks, slow.step_start) == ([2], 10)
+
+
 def test_a_lone_rank_is_judged_against_its_own_past_and_from_the_start_against_the_probe():
     slowed = run(ranks=1, bw=lambda rank, step: 20 * MB if step >= 12 else 600 * MB)
     (slow,) = [f for f in analyze("r", slowed, placement(1), 23) if f.kind == SLOW_DISK]
@@ -83,9 +90,7 @@ def test_a_swap_bound_run_is_told_which_tier_limits_it_and_what_overlap_would_gi
     what = bound.evidence["whatif"]
     assert what["serial_s"] == pytest.approx(0.05 + swaps + 0.002, rel=1e-3)
     assert what["overlap_s"] == pytest.approx(max(0.05, swaps), rel=1e-3)
-    assert (
-        f"a step would take {what['overlap_s'] * 1e3:.0f} ms against {what['serial_s'] * 1e3:.0f} ms" in bound.summary
-    )
+    assert f"a step would take {duration(what['overlap_s'])} against {duration(what['serial_s'])}" in bound.summary
 
 
 def test_whatif_takes_the_slowest_rank_of_each_step():

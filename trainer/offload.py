@@ -55,6 +55,10 @@ class Spec:
             raise ValueError(f"--offload-schedule {schedule!r}: expected serial or overlap")
         return cls(where, schedule, activations == "disk")
 
+    def refuses(self, parallel: bool) -> str | None:
+        """Why a job cannot run with this offload (None: it can): the reference steps a DDP job's optimizer."""
+        return "--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)" if parallel else None
+
     def __str__(self) -> str:
         return f"optimizer={self.optimizer}" + (",activations=disk" if self.activations else "")
 
@@ -174,6 +178,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._read_ahead: list[threading.Event] = []
         self._written: threading.Event = threading.Event()
         self._written.set()
+        self._failed: BaseException | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -202,17 +207,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._update(g, settings)
                 self._move(g, True)
             return
-        read: list[threading.Event | None] = list(self._read_ahead) or [None] * len(self._groups)
-        updated = [threading.Event() for _ in self._groups]
+        prefetched, updated = bool(self._read_ahead), [threading.Event() for _ in self._groups]
         self._written = threading.Event()
-        for g, was_read, done in zip(self._groups, read, updated, strict=True):
-            self._jobs.put((self._update_after, g, (was_read, settings), done))
+        for g, done in zip(self._groups, updated, strict=True):  # after the reads queued before them
+            self._jobs.put((self._update_after, g, prefetched, settings, done))
         for g in self._groups:
             self._jobs.put((self._move, g, True))
         self._jobs.put((self._written.set,))
         self._read_ahead = []
         for done in updated:
             done.wait()
+        self._raise_failed()
         for g in self._groups:
             self._parameters(g)
 
@@ -225,11 +230,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._written.wait()
         for done in self._read_ahead:
             done.wait()
+        self._raise_failed()
 
     def state_dict(self) -> dict:
+        """The state as of the last step (each group's buffers hold what its file holds)."""
         self.drain()
-        for g in self._groups:
-            self._move(g, False)
         return {
             "steps": self.steps,
             "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}],
@@ -257,7 +262,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- a group's part of a step ---------------------------------------------------------------------
     def _gradients(self, g: _Group) -> None:
         """The group's gradients into its flat host buffer (a copy from the GPU where it trains on one)."""
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in g.params]
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in g.params]
         if self._device.type == "cuda":
             with agent.transfer(sc.TIER_GPU, self._host_tier, g.grads.numel() * 4, "gradients"):
                 g.grads.copy_(torch.cat(grads).float(), non_blocking=True)
@@ -293,9 +298,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._worker is None:
             self._parameters(g)
 
-    def _update_after(self, g: _Group, ready: tuple, done: threading.Event) -> None:
-        was_read, settings = ready
-        if was_read is None:  # not prefetched (the first step): read now
+    def _update_after(self, g: _Group, prefetched: bool, settings: tuple, done: threading.Event) -> None:
+        if not prefetched:  # the first step, or one after a drain: read now
             self._move(g, False)
         with agent.host_work("optimizer"):
             g.adamw(*settings)
@@ -303,7 +307,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job[0](*job[1:])
+            try:
+                job[0](*job[1:])
+            except BaseException as e:  # a full disk, a short file: the training loop raises it where it waits
+                self._failed = self._failed or e
+                for arg in job[1:]:
+                    if isinstance(arg, threading.Event):
+                        arg.set()
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"the offload worker failed: {self._failed}") from self._failed
 
 
 class ActivationsToDisk:
@@ -316,6 +330,9 @@ class ActivationsToDisk:
 
     def start(self) -> None:
         self._count = 0
+
+    def close(self) -> None:
+        self._disk.close()
 
     def saving(self):
         """The context the forward runs in."""

@@ -143,8 +143,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         args.offload = offload.Spec.parse(args.offload, args.offload_schedule) if args.offload else None
     except ValueError as e:
         p.error(str(e))
-    if args.offload and args.layout:
-        p.error("--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)")
+    if args.offload and (problem := args.offload.refuses(args.layout is not None)):
+        p.error(problem)
     for f in faults:
         if problem := unfit(f, args.layout, args.offload):
             p.error(f"{f.spec!r}: {problem}")
@@ -231,8 +231,13 @@ def offloaded(
         directory,
         lr,
         weight_decay=0.1,
-        rate_mbps=lambda: next((f.get("mbps") for f in current["faults"] if f.kind == "slow-disk"), None),
+        rate_mbps=lambda: disk_rate(current),
     )
+
+
+def disk_rate(current: dict) -> float | None:
+    """The MB/s this rank's active `slow-disk` fault leaves its swaps (None: the disk's own)."""
+    return next((f.get("mbps") for f in current["faults"] if f.kind == "slow-disk"), None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,7 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     optimizer = swapped or torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1)
     activations = (
-        offload.ActivationsToDisk(offload.Disk(ckpt_dir / "offload" / f"rank-{rank}" / "activations"))
+        offload.ActivationsToDisk(
+            offload.Disk(ckpt_dir / "offload" / f"rank-{rank}" / "activations", lambda: disk_rate(current))
+        )
         if args.offload and args.offload.activations
         else None
     )
@@ -423,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     ckpt.close()
     if swapped:
         swapped.close()
+    if activations:
+        activations.close()
     agent.shutdown()
     dist.destroy_process_group()
 

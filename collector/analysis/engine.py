@@ -55,7 +55,7 @@ _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
 _WORKLOAD = f"""SELECT rank, step, tokens, TRY_CAST(attrs->>{sc.json_path(sc.STEP_FLOPS)} AS DOUBLE) AS flops
                 FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
-_TIER_STEPS = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s, compute_s,
+_TIER_STEPS = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s,
                          TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_S)} AS DOUBLE) AS transfer_s,
                          TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) AS exposed_s,
                          TRY_CAST(attrs->>{sc.json_path(sc.TRANSFER_CPU_S)} AS DOUBLE) AS transfer_cpu_s,

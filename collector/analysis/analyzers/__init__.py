@@ -78,10 +78,11 @@ class Reads:
 @dataclass(frozen=True)
 class Tiers:
     """A run's memory tiers over the steps a pass reads (`Reads.tiers`). `steps`: rank, step, end_ts (ns),
-    duration_s, compute_s, transfer_s, exposed_s, host_s of the rank-steps that moved data between tiers or
-    stepped on the host (docs/telemetry.md); `transfers`: rank, step, src, dst, bytes, seconds, start_ns,
-    end_ns; `probes`: rank, read_bps, write_bps of the disk each rank swaps to, timed at its start;
-    `checkpoints`: rank, step, start_ns, end_ns of the checkpoints written to disk then."""
+    duration_s, transfer_s, exposed_s, transfer_cpu_s, host_s, on_cpu (the rank computes on the host's CPUs)
+    of the rank-steps that moved data between tiers or stepped on the host (docs/telemetry.md); `transfers`:
+    rank, step, src, dst, bytes, seconds, start_ns, end_ns; `probes`: rank, read_bps, write_bps of the disk
+    each rank swaps to, timed at its start; `checkpoints`: rank, step, start_ns, end_ns of the checkpoints
+    written to disk then."""
 
     steps: pd.DataFrame
     transfers: pd.DataFrame

@@ -28,6 +28,7 @@ import pandas as pd
 from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import Finding, Frames, Reads, Tiers
+from collector.quantities import bandwidth, data_size, duration, percent
 
 ANALYZER = "tiers"
 SWAP_BOUND, SLOW_DISK, CONTENTION = "swap_bound", "slow_disk", "checkpoint_contention"
@@ -177,8 +178,11 @@ def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: S
     for rank in now.index[(now < limit).to_numpy()]:
         of, bound = worst[rank], float(limit[rank])
         mine = rates.loc[rank]
-        fast = mine.index[mine >= bound]
-        onset = int(mine.index[mine.index > fast.max()].min()) if len(fast) else int(mine.index.min())
+        # its slow stretch: from the first slow step after the last fast one before its newest slow step (the
+        # window's median is slow, so some step is; the newest may be fast again: a fault that ended)
+        slow_steps = mine.index[(mine < bound).to_numpy()]
+        fast_before = mine.index[(mine >= bound).to_numpy() & (mine.index < slow_steps.max())]
+        onset = int(slow_steps[slow_steps > fast_before.max()].min()) if len(fast_before) else int(slow_steps.min())
         reference = float(references.at[rank, of]) if of in references else float(probed[rank])
         slow[int(rank)] = {"bps": float(now[rank]), "reference_bps": reference, "reference": of, "since_step": onset}
     return slow
@@ -220,8 +224,8 @@ def _slow_finding(run_id: str, slow: dict[int, dict], steps: pd.DataFrame, first
     since = min(v["since_step"] for v in slow.values())
     step_s = steps.groupby("rank")["duration_s"].median()
     others = step_s.drop(index=ranks, errors="ignore")
-    took = f"; its steps take {step_s.get(worst, float('nan')) * 1e3:.0f} ms" + (
-        f" where the others' take {others.median() * 1e3:.0f} ms" if len(others) else ""
+    took = f"; its steps take {duration(step_s.get(worst, float('nan')))}" + (
+        f" where the others' take {duration(others.median())}" if len(others) else ""
     )
     return Finding(
         run_id,
@@ -231,8 +235,8 @@ def _slow_finding(run_id: str, slow: dict[int, dict], steps: pd.DataFrame, first
         last,
         "warning",
         float(w["reference_bps"] / max(w["bps"], 1.0)),
-        f"{ranksets.phrase(ranks)} swap{'s' if len(ranks) == 1 else ''} to disk at {_mbps(w['bps'])} since step "
-        f"{since}, against {_mbps(w['reference_bps'])} {_AGAINST[w['reference']]}: the disk slowed, or another "
+        f"{ranksets.phrase(ranks)} swap{'s' if len(ranks) == 1 else ''} to disk at {bandwidth(w['bps'])} since step "
+        f"{since}, against {bandwidth(w['reference_bps'])} {_AGAINST[w['reference']]}: the disk slowed, or another "
         f"job uses it{took}",
         {
             "by_rank": {str(r): slow[r] for r in ranks[:MAX_RANKS]},
@@ -259,16 +263,16 @@ def _swap_finding(
     limit = _limit(disk[disk["rank"].isin(bound)], tiers.probes, slow, s)
     what = whatif(steps)
     share = float(shares[bound].median())
-    directions = ", ".join(f"{d} {_mbps(v)}" for d, v in achieved.items() if pd.notna(v))
+    directions = ", ".join(f"{d} {bandwidth(v)}" for d, v in achieved.items() if pd.notna(v))
     gain = what["serial_s"] - what["overlap_s"]
     summary = (
         f"{ranksets.phrase(bound)} wait{'s' if len(bound) == 1 else ''} on copies between memory tiers for "
-        f"{share:.0%} of each step since step {first} ({directions}){limit['said']}; with the swaps overlapped "
-        f"with compute a step would take {what['overlap_s'] * 1e3:.0f} ms against {what['serial_s'] * 1e3:.0f} ms "
-        f"run back to back (predicted from the rest of the step {what['rest_s'] * 1e3:.0f} ms, the transfers "
-        f"{what['transfer_s'] * 1e3:.0f} ms and the host optimizer {what['host_optimizer_s'] * 1e3:.0f} ms"
+        f"{percent(share)} of each step since step {first} ({directions}){limit['said']}; with the swaps overlapped "
+        f"with compute a step would take {duration(what['overlap_s'])} against {duration(what['serial_s'])} "
+        f"run back to back (predicted from the rest of the step {duration(what['rest_s'])}, the transfers "
+        f"{duration(what['transfer_s'])} and the host optimizer {duration(what['host_optimizer_s'])}"
         + (
-            f"; on CPUs that also compute the step, the copies' {what['transfer_cpu_s'] * 1e3:.0f} ms of CPU and the "
+            f"; on CPUs that also compute the step, the copies' {duration(what['transfer_cpu_s'])} of CPU and the "
             "host optimizer do not hide under it)"
             if "on_cpu" in steps and bool(steps["on_cpu"].all())
             else ": the longest of them)"
@@ -308,7 +312,7 @@ def _limit(disk: pd.DataFrame, probes: pd.DataFrame, slow: dict[int, dict], s: S
     if not writes.empty:
         efficiency["write"] = float(writes["bytes"].sum() / writes["seconds"].sum()) / probe_write
     block = float(disk["bytes"].mean())
-    probed = f"the disk probed {_mbps(probe_read)} read, {_mbps(probe_write)} write at start"
+    probed = f"the disk probed {bandwidth(probe_read)} read, {bandwidth(probe_write)} write at start"
     if set(disk["rank"].unique()) <= set(slow):
         said, tier = f"; {probed}, and slowed since (slow_disk)", "slow_disk"
     elif min(efficiency.values()) >= s.pattern_share:
@@ -316,7 +320,7 @@ def _limit(disk: pd.DataFrame, probes: pd.DataFrame, slow: dict[int, dict], s: S
     else:
         said = (
             f"; the access pattern is the limit, not the disk ({probed}; "
-            f"the swaps move {block / 1e6:.2f} MB at a time: larger blocks or prefetch would help)"
+            f"the swaps move {data_size(block)} at a time: larger blocks or prefetch would help)"
         )
         tier = "access_pattern"
     return {"tier": tier, "efficiency": efficiency, "block_bytes": block, "said": said}
@@ -369,8 +373,9 @@ def _contention(
                 "info",
                 1 - inside / outside,
                 f"the checkpoint of step {step}, written to the disk {ranksets.phrase(affected)} swap"
-                f"{'s' if len(affected) == 1 else ''} to, cut the swaps to {_mbps(inside)} from {_mbps(outside)} "
-                f"while it wrote ({(ckpt.end_ns - ckpt.start_ns) / 1e9:.1f} s): {lost_s:.2f} s of swapping lost to it",
+                f"{'s' if len(affected) == 1 else ''} to, cut the swaps to {bandwidth(inside)} from "
+                f"{bandwidth(outside)} while it wrote ({duration((ckpt.end_ns - ckpt.start_ns) / 1e9)}): "
+                f"{duration(lost_s)} of swapping lost to it",
                 {
                     "checkpoint_step": int(step),
                     "checkpoint_rank": int(ckpt.rank),
@@ -382,7 +387,3 @@ def _contention(
             )
         )
     return found
-
-
-def _mbps(bps: float) -> str:
-    return f"{bps / 1e9:.2f} GB/s" if bps >= 1e9 else f"{bps / 1e6:.0f} MB/s"
