@@ -181,17 +181,41 @@ def test_power_page_leads_with_why_a_stored_run_gets_no_cap(dashboard, browser, 
 def test_every_chart_exports_its_data_and_its_picture(dashboard, browser, screenshots):
     """A chart's toolbar (Streamlit's) downloads it as PNG and shows the rows it draws, as a table
     that downloads as CSV."""
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        ElementNotInteractableException,
+        StaleElementReferenceException,
+    )
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{dashboard}/compare?run={NAN['run']}")
     page = WebDriverWait(browser, 60, poll_frequency=0.5)
-    chart = page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-testid='stVegaLiteChart']"))[0]
-    ActionChains(browser).move_to_element(chart).perform()
-    for label in ("Download as PNG", "Show data"):
-        page.until(lambda b, label=label: b.find_elements(By.CSS_SELECTOR, f"button[aria-label='{label}']"))
-    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Show data']").click()
+    drawn = "[data-testid='stVegaLiteChart'] svg.marks, [data-testid='stVegaLiteChart'] canvas"
+    page.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, drawn)) >= 3)  # the page has settled
+
+    def show_data(b) -> bool:
+        """Hover the first chart and press its toolbar's "Show data", as a person would; a chart
+        still moving when pressed (the page's layout settling) is hovered and pressed again."""
+        chart = b.find_elements(By.CSS_SELECTOR, "[data-testid='stVegaLiteChart']")[0]
+        ActionChains(b).move_to_element(chart).perform()
+        for label in ("Download as PNG", "Show data"):
+            if not b.find_elements(By.CSS_SELECTOR, f"button[aria-label='{label}']"):
+                return False
+        b.find_element(By.CSS_SELECTOR, "button[aria-label='Show data']").click()
+        return True
+
+    WebDriverWait(
+        browser,
+        60,
+        poll_frequency=0.5,
+        ignored_exceptions=(
+            ElementClickInterceptedException,
+            ElementNotInteractableException,
+            StaleElementReferenceException,
+        ),
+    ).until(show_data)
     table = page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "[data-testid='stDataFrame']"))[0]
     ActionChains(browser).move_to_element(table).perform()
     page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "button[aria-label='Download as CSV']"))
