@@ -23,29 +23,19 @@ pytestmark = pytest.mark.long
 ACK_BOUND_S = 0.5  # the p99 acknowledgement latency analysis may never push exports past
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of every thread of `pid` (the collector starts a writer again from a thread)."""
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children += [int(p) for p in f.read().split()]
-        except FileNotFoundError:
-            continue
-    return children
-
-
 def _writer_pid(collector) -> int | None:
-    """The collector's child process that holds the store file open."""
-    for child in _children(collector.process.pid):
+    """The process that holds the collector's store file open: its writer (the path is the test's own).
+    Every process is looked at: /proc's list of a thread's children may miss a child its thread
+    started just then, and the collector starts a writer again from a thread."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
         try:
-            fds = os.listdir(f"/proc/{child}/fd")
-        except FileNotFoundError:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
             continue
         for fd in fds:
             try:
-                if os.readlink(f"/proc/{child}/fd/{fd}") == str(collector.db):
-                    return child
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(collector.db):
+                    return pid
             except OSError:
                 continue
     return None

@@ -32,10 +32,14 @@ def _store() -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _commit(con, run: str, rows: list[tuple[int, int]]) -> None:
-    """Rank-steps as the writer appends them (with the ranks they come from)."""
+def _commit(con, run: str, rows: list[tuple[int, int]], start_ns: int | None = None) -> None:
+    """Rank-steps as the writer appends them (with the ranks they come from), 100 ms each: step N at
+    N/10 s (or from `start_ns` on, the first step of `rows` first)."""
     frame = pd.DataFrame(rows, columns=["rank", "step"]).assign(run_id=run)
-    frame["start_ts"] = pd.to_datetime(10**18 + frame["step"].clip(upper=10**9) * 10**8, unit="ns")
+    if start_ns is None:
+        frame["start_ts"] = pd.to_datetime(10**18 + frame["step"].clip(upper=10**9) * 10**8, unit="ns")
+    else:
+        frame["start_ts"] = pd.to_datetime(start_ns + (frame["step"] - frame["step"].min()) * 10**8, unit="ns")
     frame["end_ts"] = frame["start_ts"] + pd.Timedelta(100, "ms")
     frame = frame.assign(duration_s=0.1, compute_s=0.08, comm_wait_s=0.02, loss=3.0)
     con.execute(
@@ -378,3 +382,56 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     assert any("not every analyzer could judge" in t and "no peers" in t for t in texts(overview.main.info))
     page = open_page("stragglers", "alone")
     assert any(m.value.startswith("### Not judged") for m in page.main.markdown)
+
+
+def test_an_analyzer_that_raises_loses_its_own_findings_and_no_more(monkeypatch, caplog):
+    """An analyzer raising on a run's steps (a defect, data it cannot read) costs its own findings of
+    the pass, which the log and the report then name, not the other analyzers' nor the next passes:
+    the cursor moves on, where the failed pass would judge the same steps, and fail, again and again."""
+    from collector.analysis.analyzers import hangs
+    from collector.analysis.engine import replay
+
+    def broken(frames, settings):
+        raise ValueError("cannot read this")
+
+    con, engine = _store(), Engine()
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(rank, step) for step in range(40) for rank in (0, 1)])
+    con.execute("UPDATE steps SET loss = 'nan' WHERE step = 30")
+    monkeypatch.setattr(hangs, "judge", broken)
+    judged = engine.judge(con, "r", 10**18 + 41 * 10**8)
+    assert (judged.first_new, judged.last, judged.failed) == (0, 39, ["hangs"])
+    assert "hangs" not in judged.found and [f.step_start for f in judged.found["anomalies"]] == [30]
+    assert "the hangs analyzer failed on steps 0-39 of run r" in caplog.text
+    _commit(con, "r", [(rank, step) for step in range(40, 45) for rank in (0, 1)])
+    assert engine.judge(con, "r", 10**18 + 46 * 10**8).first_new == 40  # the next pass judges the next steps
+    (failure,) = [f for f in replay(con, "r") if f.kind == "analysis_failing"]
+    assert (failure.analyzer, failure.step_start, failure.step_end) == ("collector", 0, 44)
+    assert failure.summary.startswith("the hangs analyzer failed on steps 0–44: its findings there are missing")
+
+
+def test_a_rollbacks_restore_is_no_stall_and_its_heartbeats_between_steps_are_read():
+    """A rollback abandons steps 16-23 (no longer the run's steps) and the job restores step 16 while
+    its ranks' heartbeats name no step: measured from step 15's end, the ranks would look stalled for
+    longer than the timeout, and stalled again until the new step 16 ended. The steps abandoned and
+    the resume were progress: no stall, then or after."""
+    from collector.analysis.analyzers.hangs import Settings as HangSettings
+
+    con, engine = _store(), Engine({"hangs": HangSettings(floor_s=1.0)})
+    t0, ms = 10**18, 10**6
+
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(r, s) for s in range(24) for r in (0, 1)])  # step 15 ends at 1.6 s, step 23 at 2.4 s
+    assert engine.judge(con, "r", t0 + 2400 * ms).last == 23
+    resumed = t0 + 3000 * ms
+    con.execute(
+        "INSERT INTO commands (run_id, kind, state, created_by, result) VALUES ('r', 'rollback', 'applied', 'test', ?)",
+        [json.dumps({"restored_step": 16, "resumed_ns": resumed})],
+    )
+    beats = [("r", r, pd.Timestamp(resumed + 400 * ms), "heartbeat", None, json.dumps({sc.PHASE: ""})) for r in (0, 1)]
+    con.executemany("INSERT INTO events (run_id, rank, ts, event, step, attrs) VALUES (?, ?, ?, ?, ?, ?)", beats)
+    restoring = engine.judge(con, "r", resumed + 500 * ms)
+    assert restoring.rolled_back == 16 and restoring.found.get("hangs") == [] and not restoring.failed
+    _commit(con, "r", [(r, s) for s in range(16, 24) for r in (0, 1)], resumed)
+    after = engine.judge(con, "r", resumed + 900 * ms)
+    assert (after.first_new, after.last, after.found["hangs"], after.failed) == (16, 23, [], [])

@@ -132,6 +132,21 @@ def test_without_collective_information_the_rank_behind_is_named():
     assert finding.ranks == [2]
 
 
+def test_ranks_between_steps_are_placed_after_the_last_step_they_finished():
+    """A heartbeat sent between two steps (a restore, a checkpoint, a data loader that hangs) names no
+    step: the store's nullable column holds NA there. Such a rank is behind the ranks already in the
+    next step; when every rank is between steps, none stands out."""
+    now = 20 * S + 45 * S
+    between = beats([(r, now - S, None, "", None, None, None, None) for r in RANKS])
+    between["step"] = between["step"].astype("Int64")
+    (finding,) = analyze(steps(), between, now_ns=now, settings=Settings())
+    assert finding.ranks == [] and "no step has finished" in finding.summary
+    one_behind = beats([(r, now - S, 10 if r != 2 else None, "forward", None, None, None, None) for r in RANKS])
+    one_behind["step"] = one_behind["step"].astype("Int64")
+    (finding,) = analyze(steps(), one_behind, now_ns=now, settings=Settings())
+    assert finding.ranks == [2] and "rank 2: between steps, after step 9" in finding.summary, finding.summary
+
+
 def test_silence_after_a_hang_is_no_recovery():
     """Rank 1 never entered all-reduce #10 and the others waited in it for 60 s; then every rank went
     quiet (killed, or its heartbeat thread gone): an hour later the job is hung still, as it stood when

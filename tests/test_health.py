@@ -19,9 +19,13 @@ MIB = 2**20
 
 
 def snapshot(
-    at: float = 0.0, requests: dict | None = None, queue_bytes: int = 0, commits: tuple = (0,) * 5, failures: int = 0
+    at: float = 0.0,
+    requests: dict | None = None,
+    queue_bytes: int = 0,
+    commits: tuple = (0,) * 5,
+    failures: dict | None = None,
 ) -> health.Snapshot:
-    return health.Snapshot(at, requests or {}, queue_bytes, 1000 * MIB, dict(zip(BUCKETS, commits)), failures)
+    return health.Snapshot(at, requests or {}, queue_bytes, 1000 * MIB, dict(zip(BUCKETS, commits)), failures or {})
 
 
 def kinds(found) -> dict[str, tuple[str, str]]:
@@ -47,8 +51,10 @@ def test_refused_exports_by_share_with_401_critical():
 
 
 def test_queue_filling_slow_commits_and_failing_analysis():
-    first = snapshot(0, commits=(100, 100, 100, 100, 100))
-    last = snapshot(30, queue_bytes=900 * MIB, commits=(100, 150, 190, 200, 200), failures=2)  # 10 of 100 commits > 1 s
+    first = snapshot(0, commits=(100, 100, 100, 100, 100), failures={"hangs": 3, "power": 1})
+    last = snapshot(
+        30, queue_bytes=900 * MIB, commits=(100, 150, 190, 200, 200), failures={"hangs": 5, "power": 1}
+    )  # 10 of 100 commits > 1 s
     too_few = snapshot(30, commits=(100, 140, 190, 199, 199))  # 99 commits in the window
     assert health.analyze(first, too_few, NO_OUTBOX) == []
     found = kinds(health.analyze(first, last, NO_OUTBOX))
@@ -63,7 +69,10 @@ def test_queue_filling_slow_commits_and_failing_analysis():
         ),
         "analysis_failing": (
             "warning",
-            ("an analyzer failed 2 time(s) in the last 30 s: findings may be missing (the collector's log says why)"),
+            (
+                "analysis failed in the last 30 s: hangs 2 time(s); "
+                "findings may be missing (the collector's log says why)"
+            ),
         ),
     }
 

@@ -534,7 +534,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
         ).fetchall()
     }
     assert kinds == {"job_cap", "per_rank_caps"}
-    assert live.failures == 0
+    assert not live.failures, live.failures
     con.close()
 
 

@@ -22,9 +22,11 @@ them too, the steps judged above them kept apart, so that one step sent far ahea
 the run's own steps unjudged.
 """
 
+import contextlib
 import importlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
@@ -34,6 +36,8 @@ import pandas as pd
 from agent import semconv as sc
 from collector.analysis.analyzers import Finding, Frames, Tiers
 from collector.analysis.analyzers.registry import ANALYZERS
+
+log = logging.getLogger("rankwatch.analysis")
 
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
 RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
@@ -92,6 +96,11 @@ _HEARTBEATS = f"""SELECT rank, epoch_ns(ts) AS ts, step, attrs->>{sc.json_path(s
                          TRY_CAST(attrs->>{sc.json_path(sc.COMM_PEER)} AS BIGINT) AS peer,
                          attrs->>{sc.json_path(sc.COMM_ROLE)} AS role
                   FROM events WHERE run_id = $run AND event = 'heartbeat' AND ts > make_timestamp_ns($since)"""
+_RESUMED = """SELECT CAST(result->>'restored_step' AS BIGINT), CAST(result->>'resumed_ns' AS BIGINT) FROM commands
+               WHERE run_id = $run AND kind = 'rollback' AND state = 'applied'
+                 AND CAST(result->>'resumed_ns' AS BIGINT) > $since"""
+_ABANDONED = """SELECT max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run AND step >= $restored
+                  AND end_ts < make_timestamp_ns($resumed)"""
 _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
@@ -174,6 +183,7 @@ class Judged:
     ended: bool = False
     rolled_back: int | None = None
     behind: bool = False  # steps were reported after `last` that not every rank has yet
+    failed: list[str] = field(default_factory=list)  # the analyzers that raised: none of their findings
 
 
 class Engine:
@@ -280,11 +290,13 @@ class Engine:
                 reads = analyzer.READS
                 if last >= first_new or reads.every_pass:
                     settings = self.settings.get(analyzer.ANALYZER)
-                    judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
+                    with _failing(judged, analyzer.ANALYZER):
+                        judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
             for analyzer in self.analyzers:  # those that speak to the others' findings, once all judged
                 settings = self.settings.get(analyzer.ANALYZER)
-                if hasattr(analyzer, "revise") and settings:
-                    judged.found = analyzer.revise(judged.found, frames, settings)
+                if hasattr(analyzer, "revise") and settings and analyzer.ANALYZER not in judged.failed:
+                    with _failing(judged, analyzer.ANALYZER):
+                        judged.found = analyzer.revise(judged.found, frames, settings)
         cursor.step, cursor.world = last, world
         judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
         judged.ended = cursor.ended_ns is not None and not judged.more
@@ -388,6 +400,7 @@ class Engine:
         if any(r.heartbeats for r in reads):
             since = min(now_ns, min(int(p["end_ts"].min()) for p in steps)) - HEARTBEATS_S * 10**9
             frames.heartbeats = con.execute(_HEARTBEATS, {"run": run_id, "since": since}).df()
+            frames.resumed = _resumed(con, run_id, since)
         if any(r.failed_rollbacks for r in reads):
             failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
             failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
@@ -430,6 +443,18 @@ class Engine:
         return parts
 
 
+def _resumed(con: duckdb.DuckDBPyConnection, run_id: str, since: int) -> np.ndarray:
+    """Frames.resumed: for each rollback applied after `since`, the end of the last step it abandoned
+    and when training resumed (the steps it abandoned are read only where one was)."""
+    marks = []
+    for restored, resumed in con.execute(_RESUMED, {"run": run_id, "since": since}).fetchall():
+        if restored is None or resumed is None:
+            continue
+        abandoned = con.execute(_ABANDONED, {"run": run_id, "restored": restored, "resumed": resumed}).fetchall()[0][0]
+        marks += [resumed] if abandoned is None else [abandoned, resumed]
+    return np.sort(np.array(marks, np.int64))
+
+
 def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, after: int, upto: int) -> Tiers:
     """What moved between memory tiers in the run's steps after `after` up to `upto` (Frames.tiers); nothing
     where the new steps (from `first_new`) moved nothing: a run that swaps nothing costs one look at them."""
@@ -445,6 +470,20 @@ def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, after: i
         con.execute(_PROBES, {"run": run_id}).df(),
         con.execute(_DISK_CHECKPOINTS, {"run": run_id, "since": since - 600 * 10**9, "until": until}).df(),
     )
+
+
+@contextlib.contextmanager
+def _failing(judged: Judged, analyzer: str) -> Iterator[None]:
+    """An analyzer that raises loses its findings of the pass, not the others' nor the pass: its
+    steps are judged once, the cursor moves on, and the failure is logged and kept in `judged.failed`
+    (were the pass to fail, it would judge the same steps again, and fail again, at every pass)."""
+    try:
+        yield
+    except Exception:
+        log.exception(
+            "the %s analyzer failed on steps %d-%d of run %s", analyzer, judged.first_new, judged.last, judged.run_id
+        )
+        judged.failed.append(analyzer)
 
 
 def _after(parts: list[pd.DataFrame], step: int) -> list[pd.DataFrame]:
@@ -465,11 +504,34 @@ def replay(
     if now_ns is None:
         now_ns = _last_heard(con, run_id)
     episodes: list[tuple[str, Finding, bool]] = []  # (analyzer, finding, still firing)
+    failed: dict[str, list[int]] = {}  # an analyzer that raised: [first step, last step, passes]
     while True:
         judged = engine.judge(con, run_id, now_ns, final=True)
         episodes = merge(episodes, judged.found, engine.reads, judged.last)
+        for analyzer in judged.failed:
+            first, last, passes = failed.get(analyzer, [judged.first_new, judged.last, 0])
+            failed[analyzer] = [min(first, judged.first_new), max(last, judged.last), passes + 1]
         if not judged.more:
-            return [f for _, f, _ in episodes]
+            return [f for _, f, _ in episodes] + [_failure(run_id, a, *span) for a, span in failed.items()]
+
+
+def _failure(run_id: str, analyzer: str, first: int, last: int, passes: int) -> Finding:
+    """What a report says where an analyzer raised: which one, over which steps."""
+    summary = (
+        f"the {analyzer} analyzer failed on steps {first}–{last}: its findings there are missing (the log says why)"
+    )
+    return Finding(
+        run_id,
+        "analysis_failing",
+        [],
+        first,
+        last,
+        "warning",
+        float(passes),
+        summary,
+        {"failures": passes},
+        analyzer="collector",
+    )
 
 
 def merge(

@@ -106,7 +106,9 @@ class Analysis:
         self._active: dict[str, float] = {}
         self._health: collections.deque[health.Snapshot] = collections.deque()
         self._started = time.monotonic()
-        self.failures = 0  # analyses that raised, since the start
+        self.failures: collections.Counter[str] = (
+            collections.Counter()
+        )  # what raised since the start: an analyzer, or a part of the pass
         self._stepped: set[str] = set()  # runs with new steps since the last pass
         self._ended: set[str] = set()  # runs with new `ended` events since the last pass
         self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
@@ -247,7 +249,7 @@ class Analysis:
                     pass
             except Exception:
                 log.exception("analysis of run %s failed", run_id)
-                self.failures += 1
+                self.failures["the pass"] += 1
         if last:  # the runs judged before: nothing more comes, so their telemetry loss settles too
             judged_before = set(self._active) - set(runs)
             for run_id in sorted(judged_before & self._led if self._lake else judged_before):
@@ -257,7 +259,7 @@ class Analysis:
                     losses.record(con, run_id, final=True)
                 except Exception:
                     log.exception("telemetry loss of run %s not settled", run_id)
-                    self.failures += 1
+                    self.failures["telemetry loss"] += 1
 
     def _lead(self, con: duckdb.DuckDBPyConnection, runs: list[str]) -> list[str]:
         """In a lake: the runs of `runs` this collector leads, their leases taken or renewed. A run
@@ -326,24 +328,24 @@ class Analysis:
         except Exception:  # (snapshots expired under a collector that fell an hour behind, say)
             log.exception("the lake's new commits could not be read; following it from its newest snapshot")
             self._snapshot = None
-            self.failures += 1
+            self.failures["the lake"] += 1
 
     def _judge_reported_health(self, con: duckdb.DuckDBPyConnection) -> None:
         with self._lock:
             reported, self._counters = self._counters, []
         for counters in reported:
             try:
-                self.judge_health(con, health.Snapshot(analysis_failures=self.failures, **counters))
+                self.judge_health(con, health.Snapshot(analysis_failures=dict(self.failures), **counters))
             except Exception:
                 log.exception("judging the collector's health failed")
-                self.failures += 1
+                self.failures["health"] += 1
 
     def judge_health(
         self, con: duckdb.DuckDBPyConnection, snapshot: health.Snapshot, settings: health.Settings = health.Settings()
     ) -> None:
         """The collector's health findings, from its counters now and the oldest within the window."""
         if not self._health:  # the counters began at zero: what came before the first report counts too
-            self._health.append(health.Snapshot(self._started, {}, 0, snapshot.max_queue_bytes, {}, 0))
+            self._health.append(health.Snapshot(self._started, {}, 0, snapshot.max_queue_bytes, {}, {}))
         self._health.append(snapshot)
         while snapshot.at - self._health[0].at > settings.window_s:
             self._health.popleft()
@@ -362,6 +364,7 @@ class Analysis:
         except Exception:
             self._arrive(run_id, arrived)  # the next pass is told of them still
             raise
+        self.failures.update(judged.failed)
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
@@ -431,7 +434,7 @@ class Analysis:
                     findings.record(con, run_id, power.ANALYZER, report.findings, self.alerts)
             except Exception:
                 log.exception("power analysis of run %s failed", run_id)
-                self.failures += 1
+                self.failures["power"] += 1
 
 
 @dataclass(frozen=True)

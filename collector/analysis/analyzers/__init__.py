@@ -108,7 +108,9 @@ class Frames:
     moved between memory tiers over `steps` (Tiers; read only when asked). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
-    says it has (None: unsaid; the ranks that reported so far may be only the first to). `kept`:
+    says it has (None: unsaid; the ranks that reported so far may be only the first to). `resumed`:
+    read with the heartbeats, the moments the job progressed that `steps` no longer shows, in ns: for
+    each rollback applied, the end of the last step it abandoned and when training resumed. `kept`:
     what an analyzer derived from the steps of the run's last pass, by analyzer, for its next: the
     engine keeps it with those steps and drops it with them (a rollback, late steps), so what is in
     it always agrees with `steps`; empty for a pass with nothing kept (the first, after the fact)."""
@@ -123,6 +125,7 @@ class Frames:
     world_size: int | None = None
     collectives: pd.DataFrame | None = None
     heartbeats: pd.DataFrame | None = None
+    resumed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     failed_rollbacks: pd.DataFrame | None = None
     devices: Callable[[int, int], pd.DataFrame] | None = None
     workload: Callable[[], pd.DataFrame] | None = None

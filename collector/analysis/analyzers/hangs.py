@@ -22,6 +22,10 @@ whose ranks all said their training loop ended: what follows (a last
 checkpoint written to a slow disk, the teardown) is no stall. Nor is a job whose
 ranks' heartbeats say they are steps past the newest step judged: those steps'
 telemetry is late or lost (analyzers/gaps.py counts it), the job is not stuck.
+Nor is a job restoring a rollback's checkpoint: the steps it abandoned are no longer
+the run's, but they were progress, and so is training resuming (`Frames.resumed`).
+A heartbeat sent between two steps names none: its rank is past the last step it
+finished, behind the ranks already in the next.
 
 Each stall is judged once: the one under way at the moment judged (with the
 culprits a pass first named for it, kept for the run's next passes: once the
@@ -65,11 +69,13 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         return []
     steps = frames.steps_after(frames.first_new - 2 - RECENT)  # what a stall's timeout reads back, and a step more
     found = []
-    ends = np.sort(steps["end_ts"].to_numpy())
+    resumed = frames.resumed[frames.resumed <= now]  # a rollback's: the steps it abandoned were progress
+    ends = np.sort(np.concatenate([steps["end_ts"].to_numpy(), resumed]))
     gaps = np.flatnonzero(np.diff(ends) > settings.floor_s * 1e9)  # a stall lasts the floor at least
     for g in gaps:
-        if int(steps.loc[steps["end_ts"] == ends[g + 1], "step"].max()) < frames.first_new:
-            continue  # closed by a step judged before
+        closing = steps.loc[steps["end_ts"] == ends[g + 1], "step"]
+        if closing.empty or int(closing.max()) < frames.first_new:
+            continue  # closed by a step judged before, or by a rollback's restore (judged while under way)
         before = steps[steps["end_ts"] <= ends[g]]
         timeout = _timeout(before, settings)
         if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
@@ -80,7 +86,9 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
                 settings,
                 frames.ranks,
             )
-    return found + _as_first_judged(analyze(steps, frames.heartbeats, now, settings, frames.ranks), frames.kept)
+    progressed = int(resumed[-1]) if len(resumed) else None
+    current = analyze(steps, frames.heartbeats, now, settings, frames.ranks, progressed)
+    return found + _as_first_judged(current, frames.kept)
 
 
 def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
@@ -133,6 +141,7 @@ def analyze(
     now_ns: int,
     settings: Settings = Settings(),
     placement: pd.DataFrame | None = None,
+    progressed_ns: int | None = None,
 ) -> list[Finding]:
     """At most one finding: the stall, and the ranks the others wait for.
 
@@ -140,11 +149,13 @@ def analyze(
     `heartbeats`: rank, ts (ns), step, phase, op, group, seq, done, and optionally peer (of a send or
     receive) and role (the group's DeviceMesh dimension); all but rank, ts and step may be null.
     `placement`: rank, dp_rank, pp_stage, tp_rank: whom a group of one mesh dimension holds.
+    `progressed_ns`: a later moment the job is known to have progressed at than its steps' ends (a
+    rollback's restore: the steps it abandoned are not in `steps`).
     """
     if steps.empty:
         return []
     s = settings
-    last_end = int(steps["end_ts"].max())
+    last_end = max(int(steps["end_ts"].max()), progressed_ns or 0)
     if (now_ns - last_end) / 1e9 <= s.floor_s:  # under the floor no stall is one, whatever the steps' pace
         return []
     recent = steps[steps["step"] >= steps["step"].max() - RECENT]
@@ -164,7 +175,7 @@ def analyze(
         if heard is None or pd.isna(heard) or (heard - last_end) / 1e9 <= timeout:
             return []
         # ...unless it was hung while they still spoke: still hung, as it stood then, silent since
-        found = analyze(steps, heartbeats[heartbeats["ts"] <= heard], int(heard), settings, placement)
+        found = analyze(steps, heartbeats[heartbeats["ts"] <= heard], int(heard), settings, placement, progressed_ns)
         for f in found:
             f.score = stalled_s / timeout
             f.summary = f"{_stalled(stalled_s)}{f.summary.removeprefix(_stalled(f.evidence['stalled_s']))}; "
@@ -175,7 +186,10 @@ def analyze(
     # whether every rank still heard from was heard since the stall began: until then (their heartbeats
     # delayed, a collector taking the run over) the culprits are judged from where the ranks were before it
     heard_in_stall = bool((alive["ts"] > last_end).all())
-    if alive["step"].max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
+    # where each rank is: a rank between steps (its heartbeat names none) is past the last it finished
+    finished = steps.groupby("rank")["step"].max()
+    position = alive["step"].astype("Float64").fillna(finished.reindex(alive.index).fillna(-1) + 0.5)
+    if position.max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []
     blocked = alive[(alive["done"] == False) & alive["seq"].notna()]  # noqa: E712 (nullable column)
     culprits, collective = list(silent), None
@@ -196,11 +210,11 @@ def analyze(
         waiting = sorted(int(r) for r in blocked.index[(blocked["group"] == group) & (blocked["seq"] == seq)])
         collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
     elif not culprits and not alive.empty:  # no collective information: the ranks at the lowest step
-        lowest = alive["step"].min()
-        culprits = sorted(int(r) for r in alive.index[alive["step"] == lowest]) if alive["step"].nunique() > 1 else []
+        culprits = sorted(int(r) for r in alive.index[position == position.min()]) if position.nunique() > 1 else []
     stalled_step = int(steps["step"].max()) + 1
     where = {
         int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}
+        | ({"finished": _int(finished.get(r))} if pd.isna(beats.at[r, "step"]) else {})
         for r in culprits
         if r in beats.index
     }
@@ -322,9 +336,17 @@ def _int(v) -> int | None:
     return None if pd.isna(v) else int(v)
 
 
+def _after(finished: int | None) -> str:
+    return "before its first" if finished is None else f"after step {finished}"
+
+
 def _describe(where: dict, silent: list[int]) -> str:
     parts = [
-        f"rank {r}: no heartbeat" if r in silent else f"rank {r}: in {w['phase'] or 'no phase'} of step {w['step']}"
+        f"rank {r}: no heartbeat"
+        if r in silent
+        else f"rank {r}: in {w['phase'] or 'no phase'} of step {w['step']}"
+        if w["step"] is not None
+        else f"rank {r}: between steps, {_after(w['finished'])}"
         for r, w in where.items()
     ]
     parts += [f"rank {r}: never seen" for r in silent if r not in where]

@@ -12,7 +12,8 @@ within the window, and its alert outbox. Findings (run "", analyzer "collector")
   `slow_commit_s`: data and findings are late.
 - alerts_undelivered: receivers with a notification waiting more than `outbox_wait_s`
   (the receivers that are up hear of it).
-- analysis_failing: an analyzer raised within the window (the collector's log has why).
+- analysis_failing: an analyzer, or a part of the analysis pass, raised within the window: which,
+  and how often (the collector's log has why).
 The collector being down is the one condition it cannot report itself: Prometheus' `up` does
 (examples/prometheus/rankwatch-rules.yml).
 """
@@ -48,7 +49,7 @@ class Snapshot:
     queue_bytes: int
     max_queue_bytes: int
     commits: dict[float, int]  # bucket upper bound (s, inf last) -> commits that took at most that long
-    analysis_failures: int
+    analysis_failures: dict[str, int]  # what raised since the start (an analyzer, a part of the pass): how often
 
 
 def analyze(first: Snapshot, last: Snapshot, outbox: pd.DataFrame, settings: Settings = Settings()) -> list[Finding]:
@@ -116,16 +117,21 @@ def analyze(first: Snapshot, last: Snapshot, outbox: pd.DataFrame, settings: Set
                 },
             )
         )
-    failures = last.analysis_failures - first.analysis_failures
-    if failures:
+    failed = {
+        what: n - first.analysis_failures.get(what, 0)
+        for what, n in sorted(last.analysis_failures.items())
+        if n > first.analysis_failures.get(what, 0)
+    }
+    if failed:
+        parts = ", ".join(f"{what} {n} time(s)" for what, n in sorted(failed.items(), key=lambda kv: -kv[1]))
         found.append(
             _finding(
                 "analysis_failing",
                 "warning",
-                float(failures),
-                f"an analyzer failed {failures} time(s) in the last {_minutes(last.at - first.at)}: findings may be "
-                "missing (the collector's log says why)",
-                {"failures": failures},
+                float(sum(failed.values())),
+                f"analysis failed in the last {_minutes(last.at - first.at)}: {parts}; findings may be missing "
+                "(the collector's log says why)",
+                {"failures": failed},
             )
         )
     return found
