@@ -160,8 +160,8 @@ def worker_3d(agent_dir: str | None, args) -> dict:
     sys.path.insert(0, agent_dir or str(ROOT))
     import agent
     from trainer.data import TokenStream
+    from trainer.layout import Layout
     from trainer.model import CONFIGS, GPT
-    from trainer.parallel import Layout
     from trainer.threed import ThreeD
 
     torch.set_num_threads(1)

@@ -741,9 +741,9 @@ def cmd_train(args) -> None:
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
+    from trainer.layout import Layout
     from trainer.model import CONFIGS
     from trainer.offload import Spec
-    from trainer.parallel import Layout
     from trainer.train import SNAPSHOT_EVERY, unfit
 
     if args.model not in CONFIGS:

@@ -168,7 +168,7 @@ def test_trainer_arguments_refuse_what_the_layout_cannot_inject(argv, words, cap
 
 
 def test_trainer_arguments_accept_a_3d_layout_and_its_faults(monkeypatch):
-    from trainer.parallel import Layout
+    from trainer.layout import Layout
     from trainer.train import arguments
 
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -10,24 +10,24 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 pytestmark = pytest.mark.long
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from trainer.checkpoint import Checkpointer
     from trainer.data import TokenStream
+    from trainer.layout import Layout
     from trainer.model import CONFIGS, GPT
-    from trainer.parallel import Layout
     from trainer.sharded import Local
     from trainer.threed import ThreeD
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file rendezvous: no port another test could take in between
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     torch.manual_seed(0)
     job = ThreeD(GPT(CONFIGS["tiny"]), Layout(dp=2, tp=1, pp=1), torch.device("cpu"), 4, list)
     optimizer = torch.optim.AdamW(job.module.parameters(), lr=1e-3)
@@ -89,10 +89,10 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_a_sharded_state_is_restored_exactly_from_memory_and_disk(tmp_path):
-    port, here = free_port(), Path(__file__).parent
-    code = "import sys; from test_sharded_state import _rank; _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+    here = Path(__file__).parent
+    code = "import sys; from test_sharded_state import _rank; _rank(int(sys.argv[1]), sys.argv[2])"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(tmp_path)], env=env) for r in (0, 1)]
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), str(tmp_path)], env=env) for r in (0, 1)]
     assert [p.wait(timeout=180) for p in ranks] == [0, 0]
     for rank in (0, 1):
         found = json.loads((tmp_path / f"rank-{rank}.json").read_text())

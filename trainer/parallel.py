@@ -8,7 +8,6 @@ The mesh's dimensions are named dp, tp and pp: the agent reads each collective's
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,29 +17,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from trainer.layout import Layout
 from trainer.model import GPT, loss
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the ranks split the job: dp x tp x pp = the world size."""
-
-    dp: int
-    tp: int
-    pp: int
-
-    @classmethod
-    def of(cls, world: int, dp: int | None, tp: int, pp: int) -> "Layout":
-        """The layout of `world` ranks; dp (None: what tp and pp leave). ValueError when they do not
-        multiply to the world size."""
-        if min(tp, pp, dp or 1) < 1:
-            raise ValueError("--dp, --tp and --pp must be at least 1")
-        if dp is None and world % (tp * pp):
-            raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp} ranks do not divide the job's {world}")
-        dp = dp or world // (tp * pp)
-        if dp * tp * pp != world:
-            raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but the job has {world}")
-        return cls(dp, tp, pp)
 
 
 def mesh(layout: Layout, device_type: str) -> DeviceMesh:

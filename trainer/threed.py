@@ -11,6 +11,7 @@ from agent import semconv as sc
 from trainer import parallel
 from trainer.faults import Fault
 from trainer.inject import ComputeFaults
+from trainer.layout import Layout
 from trainer.model import GPT, loss
 
 
@@ -18,7 +19,7 @@ class ThreeD:
     """`model` cut to this rank's stage, split over tp and sharded over dp. `active()`: the faults of
     the current step on this rank (its compute faults apply to each forward of the stage)."""
 
-    def __init__(self, model: GPT, layout: parallel.Layout, device: torch.device, batch: int, active):
+    def __init__(self, model: GPT, layout: Layout, device: torch.device, batch: int, active):
         self.layout, self.device = layout, device
         self.mesh = parallel.mesh(layout, device.type)
         where = parallel.coordinates(self.mesh)

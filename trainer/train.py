@@ -25,18 +25,17 @@ from torch.nn.parallel import DistributedDataParallel
 import agent
 from agent import paths
 from agent import semconv as sc
-from trainer import offload, parallel, rollback
+from trainer import offload, rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.delays import Delay, WorkTime
 from trainer.device import DEVICES, DeviceError, choose
 from trainer.faults import TRAINER_KINDS, Fault, parse
 from trainer.inject import slow_link_hook, slow_tp_link
+from trainer.layout import Layout
 from trainer.mfu import mfu, peak_flops
 from trainer.model import CONFIGS, GPT
 from trainer.progress import Progress
-from trainer.sharded import Local
-from trainer.threed import ThreeD
 
 SNAPSHOT_EVERY = 10  # steps between the snapshots in memory, by default (--snapshot-every)
 
@@ -136,7 +135,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args.layout = None  # DDP
     if args.dp is not None or args.tp > 1 or args.pp > 1:
         try:
-            args.layout = parallel.Layout.of(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.tp, args.pp)
+            args.layout = Layout.of(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.tp, args.pp)
         except ValueError as e:
             p.error(str(e))
     try:
@@ -151,7 +150,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def unfit(fault: Fault, layout: parallel.Layout | None, offloaded: offload.Spec | None = None) -> str | None:
+def unfit(fault: Fault, layout: Layout | None, offloaded: offload.Spec | None = None) -> str | None:
     """Why the job cannot inject `fault` (None: it can)."""
     if fault.kind == "slow-disk" and (offloaded is None or offloaded.optimizer != "disk"):
         return "a slow disk slows the swaps of --offload optimizer=disk"
@@ -253,12 +252,17 @@ def main(argv: list[str] | None = None) -> None:
     c, params = model.config, model.num_params()
     total = params  # the whole model's: a 3D rank computes its stage's share (params below, for MFU)
     current: dict = {"step": 0, "faults": []}
+    # The replicate group: the ranks holding the same tensors, each writing its share of them. Under DDP
+    # that is every rank; sharded (FSDP, TP, stages), the rank alone, its state its shards (Local).
     if args.layout is None:  # DDP: every rank a replica of the model
         trained: torch.nn.Module = DistributedDataParallel(model.to(device))
-        threed = None
+        threed, shards = None, lambda obj: obj
         replica, replicate, where = rank, list(range(world)), {sc.DP_RANK: rank}
-    else:
-        threed = ThreeD(model, args.layout, device, args.batch, lambda: current["faults"])
+    else:  # the 3D stack (FSDP2, DTensor, pipelining) imported by 3D jobs alone
+        from trainer.sharded import Local
+        from trainer.threed import ThreeD
+
+        threed, shards = ThreeD(model, args.layout, device, args.batch, lambda: current["faults"]), Local
         trained, params = threed.module, threed.params_per_rank
         # each rank holds shards no other rank holds: it alone writes and reads them
         replica, replicate, where = threed.replica, [rank], threed.resource
@@ -289,9 +293,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     # a data-parallel replica's ranks (its stages, its tensor-parallel ranks) read the same batches
     data = TokenStream(c.vocab, c.seq_len, args.batch, replica, args.seed)
-    # The replicate group: the ranks holding the same tensors, each writing its share of them. Under DDP
-    # that is every rank; sharded (FSDP, TP, stages), the rank alone, its state its shards (Local).
-    shards = Local if threed else lambda obj: obj
     ckpt = Checkpointer(
         ckpt_dir / f"rank-{rank}",
         {
