@@ -408,6 +408,18 @@ def test_an_analyzer_that_raises_loses_its_own_findings_and_no_more(monkeypatch,
     (failure,) = [f for f in replay(con, "r") if f.kind == "analysis_failing"]
     assert (failure.analyzer, failure.step_start, failure.step_end) == ("collector", 0, 44)
     assert failure.summary.startswith("the hangs analyzer failed on steps 0–44: its findings there are missing")
+    # live, the run says so itself, beside the collector's count (its health finding)
+    from collector.analysis.live import Analysis
+
+    live = Analysis()
+    try:
+        live.touched(["r"], steps=True)
+        live.run(con)
+    finally:
+        live.close()
+    assert live.failures == {"hangs": 1}
+    rows = con.execute("SELECT analyzer, kind, step_start, step_end, state FROM findings ORDER BY id").fetchall()
+    assert ("anomalies", "nan", 30, 30, "firing") in rows and ("collector", "analysis_failing", 0, 44, "firing") in rows
 
 
 def test_a_rollbacks_restore_is_no_stall_and_its_heartbeats_between_steps_are_read():

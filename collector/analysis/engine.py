@@ -504,34 +504,38 @@ def replay(
     if now_ns is None:
         now_ns = _last_heard(con, run_id)
     episodes: list[tuple[str, Finding, bool]] = []  # (analyzer, finding, still firing)
-    failed: dict[str, list[int]] = {}  # an analyzer that raised: [first step, last step, passes]
+    failed: dict[str, list[int]] = {}
     while True:
         judged = engine.judge(con, run_id, now_ns, final=True)
         episodes = merge(episodes, judged.found, engine.reads, judged.last)
-        for analyzer in judged.failed:
-            first, last, passes = failed.get(analyzer, [judged.first_new, judged.last, 0])
-            failed[analyzer] = [min(first, judged.first_new), max(last, judged.last), passes + 1]
+        failures = failing(failed, judged)
         if not judged.more:
-            return [f for _, f, _ in episodes] + [_failure(run_id, a, *span) for a, span in failed.items()]
+            return [f for _, f, _ in episodes] + failures
 
 
-def _failure(run_id: str, analyzer: str, first: int, last: int, passes: int) -> Finding:
-    """What a report says where an analyzer raised: which one, over which steps."""
-    summary = (
-        f"the {analyzer} analyzer failed on steps {first}–{last}: its findings there are missing (the log says why)"
-    )
-    return Finding(
-        run_id,
-        "analysis_failing",
-        [],
-        first,
-        last,
-        "warning",
-        float(passes),
-        summary,
-        {"failures": passes},
-        analyzer="collector",
-    )
+def failing(failed: dict[str, list[int]], judged: Judged) -> list[Finding]:
+    """A run's `analysis_failing` findings (analyzer "collector"), one per analyzer that raised on it:
+    which, over which steps (its findings there are missing), in how many passes. `failed` holds, by
+    analyzer, [first step, last step, passes] over the run's passes so far; `judged`'s are added."""
+    for analyzer in judged.failed:
+        first, last, passes = failed.get(analyzer, [judged.first_new, judged.last, 0])
+        failed[analyzer] = [min(first, judged.first_new), max(last, judged.last), passes + 1]
+    return [
+        Finding(
+            judged.run_id,
+            "analysis_failing",
+            [],
+            first,
+            last,
+            "warning",
+            float(passes),
+            f"the {analyzer} analyzer failed on steps {first}–{last}: its findings there are missing "
+            "(the log says why)",
+            {"analyzer": analyzer, "failures": passes},
+            analyzer="collector",
+        )
+        for analyzer, (first, last, passes) in sorted(failed.items())
+    ]
 
 
 def merge(

@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from collector.alerts.config import AlertConfig
 from collector.analysis import findings, losses
 from collector.analysis.analyzers import hangs, health, power, predicted, stragglers
-from collector.analysis.engine import ENDED, Engine, add_steps
+from collector.analysis.engine import ENDED, Engine, add_steps, failing
 from collector.control import commands
 from collector.reports import powercaps
 from collector.store import lake, schema
@@ -113,6 +113,7 @@ class Analysis:
         self._ended: set[str] = set()  # runs with new `ended` events since the last pass
         self._behind: set[str] = set()  # runs with steps reported that not every rank has reported yet
         self._arrived: dict[str, list[tuple[int, int]]] = {}  # run -> the steps committed since its pass (ranges)
+        self._failed: dict[str, dict[str, list[int]]] = {}  # run -> the analyzers that raised on it (engine.failing)
         self._next = time.monotonic() + interval_s
         self._counters: list[dict] = []  # the server's health counters, not yet judged
         self._lake = False  # the store is a lake shared with other collectors
@@ -365,6 +366,9 @@ class Analysis:
             self._arrive(run_id, arrived)  # the next pass is told of them still
             raise
         self.failures.update(judged.failed)
+        if judged.failed:  # the run says so itself: its findings over those steps are missing
+            found = failing(self._failed.setdefault(run_id, {}), judged)
+            findings.record(con, run_id, "collector", found, self.alerts)
         cursor = self.engine.cursors[run_id]
         try:
             if judged.rolled_back is not None:  # what was found on the steps it abandoned is gone with them
@@ -405,6 +409,7 @@ class Analysis:
                 keep=tuple(name for name, reads in self.engine.reads.items() if not reads.ends_with_run),
                 state=schema.ENDED,
             )
+            self._failed.pop(run_id, None)
             with self._lock:
                 self._active.pop(run_id, None)
         if judged.more:
