@@ -55,16 +55,23 @@ def chart(element) -> tuple[dict, pd.DataFrame]:
     return json.loads(element.proto.spec), pa.ipc.open_stream(dataset.data.data).read_pandas()
 
 
+def reading(monkeypatch, db: Path) -> None:
+    """This process's dashboard reads the store file `db` (as `rankwatch dashboard --db`). Its source
+    and its data are cached per process, and an earlier test of the same worker may have opened
+    another store: both are dropped."""
+    monkeypatch.setenv(DB_ENV, str(db))
+    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
+    st.cache_resource.clear()
+    st.cache_data.clear()
+
+
 @pytest.fixture
 def from_store(dashboard_store, monkeypatch):
     """The dashboard reads the fixture store's file (as `rankwatch dashboard --db`), a day after it was
     built: its runs stopped sending then, and whether the silence threshold has passed since must not
     depend on the order the tests run in (the simulator's clock may also run ahead of the wall's)."""
-    monkeypatch.setenv(DB_ENV, str(dashboard_store))
     monkeypatch.setattr(ui, "now", lambda: pd.Timestamp.now(tz="UTC") + pd.Timedelta(days=1))
-    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
-    st.cache_resource.clear()
-    st.cache_data.clear()
+    reading(monkeypatch, dashboard_store)
     return open_page
 
 
@@ -453,10 +460,7 @@ def test_the_sidebar_shows_the_collectors_own_findings(dashboard_store, tmp_path
                 )
             ],
         )
-    monkeypatch.setenv(DB_ENV, str(db))
-    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
-    st.cache_resource.clear()
-    st.cache_data.clear()
+    reading(monkeypatch, db)
     at = open_page("stragglers", FLEET["run"])
     assert "Collector: 50% of 40 OTLP exports refused" in texts(at.sidebar.warning)
 

@@ -8,13 +8,11 @@ cells and the per-rank charts' bars are binned (dashboard/ui.py RANK_BINS, STEP_
 from pathlib import Path
 
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from bench.dashboard import RUN, fill
 from dashboard import ui
-from dashboard.source import COLLECTOR_ENV, DB_ENV
-from tests.test_dashboard import APP, PAGES, chart, drawn, texts
+from tests.test_dashboard import APP, PAGES, chart, drawn, reading, texts
 
 RANKS, STEPS, TP = 1024, 40, 8
 STRAGGLER = RANKS // 3  # bench/dashboard.py's straggler, 1.3x slow from a quarter of the run
@@ -29,10 +27,7 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def page(store, monkeypatch):
-    monkeypatch.setenv(DB_ENV, str(store))
-    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
-    st.cache_resource.clear()  # the source, which another module's tests may have opened on their store
-    st.cache_data.clear()
+    reading(monkeypatch, store)
 
     def rendered(name: str) -> AppTest:
         at = AppTest.from_file(str(APP), default_timeout=120)

@@ -368,15 +368,9 @@ def test_jobs_of_two_ranks_are_judged_and_one_rank_says_why_not(collector_factor
     assert report.returncode == 0, report.stderr
     assert "not judged" in report.stdout and "no peers" in report.stdout.replace("\n", " ")
 
-    from dashboard.source import COLLECTOR_ENV, DB_ENV
-    from tests.test_dashboard import open_page, texts
+    from tests.test_dashboard import open_page, reading, texts
 
-    monkeypatch.setenv(DB_ENV, str(collector.db))
-    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
-    import streamlit as st
-
-    st.cache_resource.clear()  # the dashboard's source is cached per process: earlier tests opened others
-    st.cache_data.clear()
+    reading(monkeypatch, collector.db)
     overview = open_page("overview", "alone")
     assert not any("Healthy" in t for t in texts(overview.main.success))
     assert any("not every analyzer could judge" in t and "no peers" in t for t in texts(overview.main.info))

@@ -125,15 +125,11 @@ def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):
 
 
 def test_the_memory_page_shows_the_findings_the_what_if_and_each_directions_bandwidth(serial, monkeypatch):
-    import streamlit as st
     from streamlit.testing.v1 import AppTest
 
-    from dashboard.source import COLLECTOR_ENV, DB_ENV
-    from tests.test_dashboard import APP, drawn
+    from tests.test_dashboard import APP, drawn, reading
 
-    monkeypatch.setenv(DB_ENV, str(serial))
-    monkeypatch.delenv(COLLECTOR_ENV, raising=False)
-    st.cache_data.clear()
+    reading(monkeypatch, serial)
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.run()
     at.selectbox(key="run").set_value("run-serial")
