@@ -143,6 +143,7 @@ class Session:
         self._emitting = threading.Lock()
         self._stop = threading.Event()
         self._ended = False
+        self._last_step: int | None = None  # the step last begun: the one the `ended` event names
         self._heartbeat = threading.Thread(
             target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat", daemon=True
         )
@@ -156,6 +157,7 @@ class Session:
     @contextmanager
     def step(self, step: int):
         current = _Step(step, self.timer.mark(), self.timer.current_stream(), thread=threading.get_ident())
+        self._last_step = step
         if self._between[0] or self._between[1]:  # what another thread did between steps counts in this one
             with self._lock:
                 (current.transfers, current.host_work), self._between = self._between, ([], [])
@@ -258,7 +260,8 @@ class Session:
         teardown, is then no stall to the collector)."""
         if not self._ended:
             self._ended = True
-            self.event(sc.EVENT_ENDED)
+            # the last step begun: its spans may go out after this event, and the collector waits for them
+            self.event(sc.EVENT_ENDED, step=self._last_step)
 
     def shutdown(self) -> None:
         self.end()

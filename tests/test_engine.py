@@ -441,3 +441,27 @@ def test_a_rollbacks_restore_is_no_stall_and_its_heartbeats_between_steps_are_re
     _commit(con, "r", [(r, s) for s in range(16, 24) for r in (0, 1)], resumed)
     after = engine.judge(con, "r", resumed + 900 * ms)
     assert (after.first_new, after.last, after.found["hangs"], after.failed) == (16, 23, [], [])
+
+
+def test_a_run_ends_once_the_last_step_each_rank_named_is_stored():
+    """A rank's `ended` event names its last step, whose spans its agent may send after the event (the
+    step waits to be readable): the run ends once every rank's last step is stored, so the slowest rank's
+    last step is judged with the others'; a step lost for good holds the end ENDING_WAIT_S at most."""
+    from collector.analysis.engine import ENDING_WAIT_S
+
+    con, engine = _store(), Engine()
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(r, s) for s in range(10) for r in (0, 1) if (r, s) != (1, 9)])
+    at = 10**18 + 11 * 10**8
+    ended = [("r", r, pd.Timestamp(at, unit="ns"), "ended", 9) for r in (0, 1)]
+    con.executemany("INSERT INTO events (run_id, rank, ts, event, step) VALUES (?, ?, ?, ?, ?)", ended)
+    waiting = engine.judge(con, "r", at + 10**9)
+    assert (waiting.last, waiting.ended) == (8, False)  # rank 1's step 9 is on its way
+    _commit(con, "r", [(1, 9)])
+    came = engine.judge(con, "r", at + 2 * 10**9, ended_came=False)  # a commit of steps alone
+    assert (came.first_new, came.last, came.ended) == (9, 9, True)
+
+    lost = Engine()
+    con.execute("DELETE FROM steps WHERE rank = 1 AND step = 9")
+    assert not lost.judge(con, "r", at + 10**9).ended
+    assert lost.judge(con, "r", at + int((ENDING_WAIT_S + 1) * 10**9)).ended

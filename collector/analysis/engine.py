@@ -40,6 +40,7 @@ from collector.analysis.analyzers.registry import ANALYZERS
 log = logging.getLogger("rankwatch.analysis")
 
 ENDED = sc.EVENT_ENDED  # the event each rank's agent sends when its training loop ends
+ENDING_WAIT_S = 30.0  # the longest a run's end waits for the last steps its ranks' `ended` events name
 RANK_STEPS = 2**18  # rank-steps one pass judges at most: 16 steps of 16,384 ranks, the whole backlog of small jobs
 PART_ROWS = 2**16  # the steps kept between passes are kept in parts of about as many rows as this, or a pass's
 
@@ -105,7 +106,12 @@ _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
                         WHERE run_id = $run AND kind = 'rollback' AND state = 'applied' AND id > $seen ORDER BY id"""
-_ENDED = """SELECT count(DISTINCT rank), max(epoch_ns(ts)) FROM events WHERE run_id = $run AND event = $ended"""
+# the ranks that said they ended, when the last did, and how many of them named a last step not yet stored
+_ENDED = """WITH ended AS (SELECT rank, ts, step FROM events WHERE run_id = $run AND event = $ended),
+                 newest AS (SELECT rank, max(step) AS step FROM current_steps
+                            WHERE run_id = $run AND step >= (SELECT min(step) FROM ended) GROUP BY rank)
+            SELECT count(DISTINCT e.rank), max(epoch_ns(e.ts)), count(*) FILTER (WHERE e.step > coalesce(n.step, -1))
+            FROM ended e LEFT JOIN newest n ON n.rank = e.rank"""
 _WORLD = """SELECT greatest((SELECT count(*) FROM ranks WHERE run_id = $1),
                             (SELECT coalesce(max(world_size), 0) FROM runs WHERE run_id = $1))"""
 _FIRST_OF_NEW_RANKS = """SELECT min(step) FROM current_steps WHERE run_id = ? AND step <= ? AND rank IN
@@ -147,6 +153,7 @@ class Cursor:
     rollback: int = 0  # the newest applied rollback command seen
     world: int = 0  # the ranks known when it last judged
     ended_ns: int | None = None  # when every rank said it ended, once known
+    ending: bool = False  # every rank said it ended, but not every rank's last step is stored yet
     # Steps judged ahead of the cursor, from `ahead` to `top` (kept in memory only): steps that came
     # below steps already judged (a step sent far ahead of the run, a job restarted from a checkpoint)
     # moved the cursor back under them; the cursor goes on below `ahead`, and past `top` once the run
@@ -251,8 +258,8 @@ class Engine:
         cursor = self.cursors.setdefault(run_id, Cursor())
         judged_to = cursor.step
         rolled_back = self._rollbacks(con, run_id, cursor)
-        if ended_came or final or new or cursor.ended_ns is not None:
-            cursor.ended_ns = self._ended(con, run_id)
+        if ended_came or final or new or cursor.ended_ns is not None or cursor.ending:
+            cursor.ended_ns, cursor.ending = self._ended(con, run_id, now_ns, final)
         world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
         self._ranks_came(con, run_id, cursor, world)
         cursor.late = add_steps(cursor.late, arrived)
@@ -358,17 +365,24 @@ class Engine:
         cursor.step = restored - 1
         return restored
 
-    def _ended(self, con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
+    def _ended(self, con: duckdb.DuckDBPyConnection, run_id: str, now_ns: int, final: bool) -> tuple[int | None, bool]:
         """When every rank said its training loop ended, where all did (a rank that started again
-        after its end sends steps after it: the run goes on)."""
-        ranks, at = con.execute(_ENDED, {"run": run_id, "ended": ENDED}).fetchall()[0]
+        after its end sends steps after it: the run goes on); and whether the run is ending: a rank's
+        `ended` names its last step, which its agent may send after it, so the run ends once every
+        rank's last step is stored, or ENDING_WAIT_S after the last `ended` (those steps were lost;
+        after the fact, `final`, nothing more will come)."""
+        ranks, at, waiting = con.execute(_ENDED, {"run": run_id, "ended": ENDED}).fetchall()[0]
         if not ranks or ranks < con.execute(_WORLD, [run_id]).fetchall()[0][0]:
-            return None
+            return None, False
         later = con.execute(
             "SELECT count(*) FROM (SELECT 1 FROM steps WHERE run_id = ? AND end_ts > make_timestamp_ns(?) LIMIT 1)",
             [run_id, int(at)],
         ).fetchall()[0][0]
-        return None if later else int(at)
+        if later:
+            return None, False
+        if waiting and not final and (now_ns - at) / 1e9 < ENDING_WAIT_S:
+            return None, True
+        return int(at), False
 
     def _frames(
         self, con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, last: int, now_ns: int, ended_ns: int | None
