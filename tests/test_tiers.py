@@ -61,6 +61,14 @@ def test_a_slow_disk_is_named_against_its_peers_since_it_slowed():
     }
 
 
+def test_a_disk_slow_on_the_first_steps_alone_is_not_named():
+    """The shared disk of a busy host is slow for a step or two at the start: over the first steps a window
+    holds only those, so no verdict is drawn until a whole window is read."""
+    tiers = run(ranks=2, bw=lambda rank, step: 60 * MB if rank == 1 and step < 2 else 600 * MB)
+    for last in range(24):
+        assert SLOW_DISK not in {f.kind for f in analyze("r", tiers, placement(2), last)}, last
+
+
 def test_a_slow_disk_that_recovered_within_the_window_is_named_since_it_slowed():
     tiers = run(ranks=4, bw=lambda rank, step: 20 * MB if rank == 2 and 10 <= step <= 20 else 600 * MB)
     (slow,) = [f for f in analyze("r", tiers, placement(4), 23) if f.kind == SLOW_DISK]  # steps 16-20 of 16-23

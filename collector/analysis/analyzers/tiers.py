@@ -15,7 +15,8 @@ judged once a pass at its newest step:
   against run back to back (their sum), the slowest rank setting each step.
 - `slow_disk`: ranks whose swaps to and from disk run at a fraction of their peers' bandwidth, or of
   their own before (a disk that slowed, or another job on it); alone and slow from the start, a
-  fraction of the disk's probe.
+  fraction of the disk's probe. Judged over a whole window only: over the first steps, a noisy step
+  or two of a busy disk would be the window's median.
 - `checkpoint_contention`: a checkpoint written to disk while ranks swapped there (the ranks of its
   host) cut the swaps' bandwidth: the bandwidth lost is the checkpoint's, not the disk's.
 """
@@ -82,7 +83,8 @@ def analyze(
     tiers = Tiers(steps, transfers, tiers.probes, tiers.checkpoints)
     disk = _disk(transfers)
     recent, before = disk[disk["step"] >= first], disk[disk["step"] < first]
-    slow = _slow(recent, before, tiers.probes, s)
+    # a disk is judged slow over a whole window: over the first steps' few, a noisy step or two would be its median
+    slow = _slow(recent, before, tiers.probes, s) if steps["step"].nunique() >= s.window else {}
     found = []
     if slow:
         found.append(_slow_finding(run_id, slow, steps, first, last))
