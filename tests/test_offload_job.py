@@ -69,14 +69,16 @@ def test_every_step_swaps_the_optimizer_state_through_the_disk(serial):
 
 
 def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
-    shares = query(
+    # what each rank-step waited on its swaps (serial: all of them), in seconds: a share of the step would
+    # shrink with the compute a loaded machine stretches
+    waits = query(
         serial,
-        f"""SELECT rank, step >= {SLOW_FROM} + 2,
-                   median(CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE) / duration_s)
+        f"""SELECT rank, step >= {SLOW_FROM} + 2, median(CAST(attrs->>{sc.json_path(sc.TRANSFER_EXPOSED_S)} AS DOUBLE))
             FROM steps WHERE run_id = 'run-serial' GROUP BY ALL ORDER BY ALL""",
     )
-    share = {(rank, slowed): s for rank, slowed, s in shares}
-    assert share[(1, True)] > 0.6 > share[(1, False)], share
+    waited = {(rank, slowed): s for rank, slowed, s in waits}
+    assert waited[(1, True)] >= 0.95 * 2 * state_bytes() / 40e6, waited  # the state read and written at 40 MB/s
+    assert waited[(1, True)] > 2 * max(waited[(1, False)], waited[(0, True)]), waited
     found = query(
         serial,
         "SELECT kind, ranks, step_start, summary FROM findings WHERE run_id = 'run-serial' AND analyzer = 'tiers'",
