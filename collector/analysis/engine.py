@@ -297,12 +297,12 @@ class Engine:
                 reads = analyzer.READS
                 if last >= first_new or reads.every_pass:
                     settings = self.settings.get(analyzer.ANALYZER)
-                    with _failing(judged, analyzer.ANALYZER):
+                    with _isolated(judged, analyzer.ANALYZER):
                         judged.found[analyzer.ANALYZER] = analyzer.judge(frames, *([settings] if settings else []))
             for analyzer in self.analyzers:  # those that speak to the others' findings, once all judged
                 settings = self.settings.get(analyzer.ANALYZER)
                 if hasattr(analyzer, "revise") and settings and analyzer.ANALYZER not in judged.failed:
-                    with _failing(judged, analyzer.ANALYZER):
+                    with _isolated(judged, analyzer.ANALYZER):
                         judged.found = analyzer.revise(judged.found, frames, settings)
         cursor.step, cursor.world = last, world
         judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
@@ -487,7 +487,7 @@ def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, after: i
 
 
 @contextlib.contextmanager
-def _failing(judged: Judged, analyzer: str) -> Iterator[None]:
+def _isolated(judged: Judged, analyzer: str) -> Iterator[None]:
     """An analyzer that raises loses its findings of the pass, not the others' nor the pass: its
     steps are judged once, the cursor moves on, and the failure is logged and kept in `judged.failed`
     (were the pass to fail, it would judge the same steps again, and fail again, at every pass)."""
