@@ -21,6 +21,7 @@ Usage: python bench/dashboard.py [--ranks 1024] [--steps 2000] [--tp 8] [--no-ap
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402
 
 RUN = "bench-dashboard"
-PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "power", "compare", "sql")
+PAGES = tuple(sorted(page.stem for page in (ROOT / "dashboard" / "views").glob("*.py")))  # every page
 REPEATS = 3
 
 
@@ -203,27 +204,37 @@ def _json(value) -> str:
 
 
 def parameters(con: duckdb.DuckDBPyConnection) -> dict[str, dict]:
-    """Each named query's parameters, as the pages pass them."""
+    """Each named query's parameters, as the pages pass them: every `$name` its SQL uses, from one table of
+    the pages' values (a query's own where pages pass it another), so that a query added later needs no
+    line here unless it takes a parameter no page passed before."""
     (last,) = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [RUN]).fetchone()
-    extra = {
-        "recent_steps": {"window": 21},
-        "step_series": {"points": ui.POINTS},
-        "heatmap": {"rank_bins": ui.RANK_BINS, "step_bins": ui.STEP_BINS, "ranks": []},
-        "slowest_ranks": {"limit": 10, "ranks": []},
-        "suspects_vs_peers": {"ranks": [0], "points": ui.POINTS},
-        "timeline": {"step": last, "slowest": 8, "typical": 4, "ranks": []},
+    values = {
+        "run": RUN,
+        "first": ui.EVERY_STEP[0],  # every step, as the pages ask by default
+        "last": ui.EVERY_STEP[1],
+        "points": ui.POINTS,
+        "rank_bins": ui.RANK_BINS,
+        "step_bins": ui.STEP_BINS,
+        "ranks": [],
+        "limit": 50,
+        "window": 21,
+        "step": last,
+        "slowest": 8,
+        "typical": 4,
+    }
+    own = {
+        "slowest_ranks": {"limit": 10},
         "slowest_groups": {"limit": 8},
-        "exposed_comm": {"rank_bins": ui.RANK_BINS},
-        "device_by_rank": {"rank_bins": ui.RANK_BINS},
-        "throttled": {"limit": 50},
-        "gpu_errors": {"limit": 50},
-        "power_series": {"points": ui.POINTS},
+        "suspects_vs_peers": {"ranks": [0]},
     }
-    windowed = {"first": ui.EVERY_STEP[0], "last": ui.EVERY_STEP[1]}  # every step, as the pages ask by default
-    return {
-        name: ({} if name == "runs" else {"run": RUN}) | (windowed if "$first" in sql else {}) | extra.get(name, {})
-        for name, sql in queries.QUERIES.items()
-    }
+    named = {}
+    for name, sql in queries.QUERIES.items():
+        wanted = set(re.findall(r"\$([a-z_]+)", sql))
+        unknown = wanted - values.keys()
+        if unknown:
+            raise SystemExit(f"bench/dashboard.py: no value for ${', $'.join(sorted(unknown))} of the {name} query")
+        named[name] = {key: own.get(name, {}).get(key, values[key]) for key in wanted}
+    return named
 
 
 def timed(call) -> float:

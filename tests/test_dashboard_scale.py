@@ -5,6 +5,8 @@ Each page renders in Streamlit's AppTest with no exception and every query answe
 chart empty, and bounds what it sends the browser however many ranks there are: the heatmap's
 cells and the per-rank charts' bars are binned (dashboard/ui.py RANK_BINS, STEP_BINS)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,21 @@ def test_ranks_and_nodes_at_1024_ranks_lists_every_rank_and_node(page):
     at = page("ranks")
     nodes, ranks = (frame.value for frame in at.dataframe)
     assert len(ranks) == RANKS and len(nodes) == RANKS // TP
+
+
+def test_the_dashboard_bench_runs_every_named_query_and_page():
+    """bench/dashboard.py, small: each named query gets the parameters its SQL names and every page renders
+    (a bench that no longer runs is a defect: a page or a query parameter added later is caught here)."""
+    from bench.dashboard import PAGES as BENCHED
+    from dashboard import queries
+
+    done = subprocess.run(
+        [sys.executable, "bench/dashboard.py", "--ranks", "8", "--steps", "20", "--tp", "2", "--no-api"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(BENCHED) == set(PAGES)
+    rows = {line.split("│")[1].strip() for line in done.stdout.splitlines() if line.count("│") >= 3}
+    assert set(queries.QUERIES) | set(PAGES) <= rows
