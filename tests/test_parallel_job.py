@@ -146,7 +146,7 @@ def test_a_straggler_in_one_replica_is_named_against_its_stage(job):
     assert [ranks for _, ranks, *_ in ranks_found] == [[2]], ranks_found
     _, _, start, end, _, evidence = ranks_found[0]
     assert STRAGGLER - 4 <= start <= STRAGGLER + 6 and end == STEPS - 1
-    assert evidence["compute_ratio_by_rank"]["2"] > 2  # against its stage's ranks, not the job's
+    assert evidence["time_ratio_by_rank"]["2"] > 2  # against its stage's ranks, not the job's
 
 
 def test_a_slow_tensor_parallel_link_is_named(job):

@@ -211,3 +211,51 @@ def test_one_rank_is_not_judged_and_says_why():
     assert "no peers" in finding.summary
     # a run whose other ranks have yet to report is not judged alone
     assert judge(Frames("r", steps, 0, 39, PLACEMENT, 0, world_size=32)) == []
+
+
+def loader_frame(ranks: int, slow_rank: int, from_step: int, steps=40, data=0.0004, slow_data=0.050, seed=0):
+    """Rank-steps of a synchronous job whose `slow_rank` waits `slow_data` for each batch from `from_step`
+    on (a slow data loader) while its compute is its peers': the others wait for it in the all-reduce."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        compute = 0.060 * rng.lognormal(0, 0.02, ranks)
+        waits_for_input = data * rng.lognormal(0, 0.1, ranks)
+        if step >= from_step:
+            waits_for_input[slow_rank] = slow_data * rng.lognormal(0, 0.02)
+        busy = compute + waits_for_input
+        for rank in range(ranks):
+            wait = busy.max() - busy[rank] + 0.002
+            rows.append(("r", rank, step, busy[rank] + wait, waits_for_input[rank], compute[rank], wait))
+    columns = ["run_id", "rank", "step", "duration_s", "data_s", "compute_s", "comm_wait_s"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 32])
+def test_a_slow_data_loader_is_named_as_input_with_the_wait_it_costs_the_others(ranks):
+    """A rank that waits 50 ms for each batch, its compute its peers': named, its phase input, and its cost
+    the others' wait (about 50 ms per step), not the compute difference (about none)."""
+    (finding,) = analyze(loader_frame(ranks, slow_rank=1, from_step=10))
+    assert (finding.kind, finding.ranks, finding.evidence["phase"]) == ("rank", [1], "data")
+    assert finding.evidence["phase_excess_s"] == pytest.approx(0.050, rel=0.1)
+    assert finding.evidence["lost_s_per_step"] == pytest.approx(0.050, rel=0.2)
+    assert finding.evidence["data_s"] > 20 * finding.evidence["peer_data_s"]
+    assert "input (data loading)" in finding.summary and "ms per step" in finding.summary
+    assert 4 <= finding.step_start <= 14
+
+
+def test_a_slow_gpu_is_named_as_compute():
+    (finding,) = analyze(frame(slow={5: (1.3, 20)}).assign(data_s=0.001), PLACEMENT)
+    assert (finding.ranks, finding.evidence["phase"]) == ([5], "compute")
+    assert "computes 30% slower" in finding.summary
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_slow_rank_is_never_called_widespread_at_any_step(ranks, seed):
+    """However few steps have come since its onset, one rank that is slowest at most steps is a rank (or not
+    yet anything), never uneven work spread across the job."""
+    steps = loader_frame(ranks, slow_rank=2, from_step=12, steps=36, slow_data=0.012, seed=seed)
+    for last in range(12, 36):
+        found = analyze(steps[steps["step"] <= last])
+        assert all(f.kind != "widespread" for f in found), (last, [f.summary for f in found])

@@ -1,6 +1,7 @@
 """The memory-tier analyzer on small frames: swap-bound steps and the tier that limits them, a slow disk
 against its peers, its own past or the probe, a checkpoint's cost to the swaps, and the overlap what-if."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -161,3 +162,21 @@ def test_each_ranks_peers_median_is_the_median_of_the_others():
     for n in (2, 3, 4, 5, 10, 11, 64):
         values = np.round(rng.random(n), 1)  # ties too
         assert np.allclose(_others_median(values), [np.median(np.delete(values, i)) for i in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_slow_disks_onset_is_where_its_own_bandwidth_changes_level_whatever_the_machine_does(seed):
+    """A loaded machine slows every rank's disk for a step now and then, before the fault as after it: the
+    onset is the step the slow rank's own series drops at, not one of those noisy steps (a threshold set
+    by peers a loaded disk slows too would take the first of them)."""
+    rng = np.random.default_rng(seed)
+    # steps the whole host's disk is busy (a third of its bandwidth), the one before the fault among them
+    busy = {13, *rng.choice(np.arange(2, 13), size=2, replace=False).tolist()}
+    noise = rng.lognormal(0, 0.1, (4, 24))
+
+    def bw(rank, step):
+        level = 40 * MB if rank == 2 and step >= 14 else 600 * MB
+        return level * noise[rank, step] / (3.2 if step in busy else 1)
+
+    (slow,) = [f for f in analyze("r", run(ranks=4, bw=bw), placement(4), 23) if f.kind == SLOW_DISK]
+    assert (slow.ranks, slow.step_start) == ([2], 14)

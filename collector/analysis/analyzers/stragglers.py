@@ -2,7 +2,9 @@
 
 A pure function from a frame of rank-steps (and the ranks' placement) to
 findings, judging each step as if it were the newest. Each rank-step's
-compute time is taken relative to that step's median over ranks; each rank's
+own time (its compute, and its wait for input where every rank of the step
+reports one: a slow data loader holds the others up as a slow GPU does) is
+taken relative to that step's median over ranks; each rank's
 typical ratio over a window of steps up to the one judged (its median there,
 so one noisy step never counts) is then compared across ranks by robust
 statistics: median and MAD. In synchronous training the culprit computes long
@@ -28,9 +30,12 @@ straggler" into silence.
 
 Suspects are grouped into a pattern: a single rank, a node (all ranks of a
 host), a pipeline stage (all ranks of a stage), or widespread (time lost to
-a different slow rank at each step, as uneven sequence lengths make it). The
-cost is the step time lost to the slow ranks: per step, the slowest rank's
-compute minus the median compute, which every other rank waits out.
+a different slow rank at each step, as uneven sequence lengths make it, and
+only where no rank is the slowest at most steps). The cost is the step time
+lost to the slow ranks: per step, the slowest rank's own time minus the
+median's, which every other rank waits out. A finding names the phase its
+ranks lose the time in (input or compute: whichever holds most of their
+excess over their peers), since what to do differs.
 
 In a pipeline-parallel job the stages do different work (the first embeds,
 the last computes the loss), so a rank is compared with the ranks of its own
@@ -53,6 +58,7 @@ from collector import ranksets
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, hardware
 
 ANALYZER = "stragglers"
+DATA, COMPUTE = "data", "compute"  # the phases a finding blames (evidence `phase`): input, or the work itself
 MEDIAN_NOISE = 1.2533  # the standard error of a median of Gaussian samples, in standard errors of their mean
 
 
@@ -70,6 +76,9 @@ class Settings:
     pair_wait_share: float = 0.25  # the peer waits at least this share of the compute gap longer
     jitter_floor: float = 0.005  # the spread is floored at this fraction (0.5%): a quiet job divides by no zero
     widespread_cv: float = 0.10  # cross-rank spread of compute (robust CV) that makes random slowness a finding
+    # widespread only while no rank is the slowest at more than this share of the window's steps: one slow
+    # rank among few, not yet past the z-score, is a rank finding to come, not uneven work
+    widespread_persist: float = 0.5
 
 
 READS = Reads(history=Settings().max_window, linger=Settings().window // 2, devices=True)
@@ -125,14 +134,15 @@ def analyze(
 
 @dataclass
 class _Matrices:
-    """Complete steps as step x rank matrices: compute, exposed wait, compute over the step median, data
-    time (None where the steps carry none); and per step: the spread of its ratios, its median step
-    time, the time the others wait out (the slowest compute less the median), its rank-steps' first
-    and last end (None where the steps carry no times)."""
+    """Complete steps as step x rank matrices: own time (compute, and the data wait where every rank of the
+    step reports one), exposed wait, own time over the step median, data time (NaN where a rank reports
+    none; None where the steps carry none); and per step: the spread of its ratios, its median step time,
+    the time the others wait out (the slowest own time less the median), its rank-steps' first and last
+    end (None where the steps carry no times)."""
 
     steps: np.ndarray
     ranks: np.ndarray
-    compute: np.ndarray
+    busy: np.ndarray
     wait: np.ndarray
     ratio: np.ndarray
     noise: np.ndarray  # per step: the spread of one step's ratios (with two ranks: rank 0's deviation)
@@ -148,21 +158,26 @@ class _Matrices:
         return _Matrices(self.steps[rows], self.ranks, **taken, stages=self.stages)
 
     def by_stage(self) -> "_Matrices":
-        """The stages as if each were one rank: per step, the compute of its faster ranks (the lower
+        """The stages as if each were one rank: per step, the own time of its faster ranks (the lower
         quartile: a stage is slow when its ranks are slow alike, not when some of them are, a node or a
         straggler among them) and the median wait of its ranks."""
         assert self.stages is not None
         ids = np.unique(self.stages)
-        compute = np.stack([np.quantile(self.compute[:, self.stages == k], 0.25, axis=1) for k in ids], axis=1)
+        busy = np.stack([np.quantile(self.busy[:, self.stages == k], 0.25, axis=1) for k in ids], axis=1)
         wait = np.stack([np.median(self.wait[:, self.stages == k], axis=1) for k in ids], axis=1)
-        median = np.median(compute, axis=1)
-        ratio = compute / median[:, None]
-        return _Matrices(
-            self.steps, ids, compute, wait, ratio, _spread(ratio), self.step_s, compute.max(axis=1) - median
-        )
+        median = np.median(busy, axis=1)
+        ratio = busy / median[:, None]
+        return _Matrices(self.steps, ids, busy, wait, ratio, _spread(ratio), self.step_s, busy.max(axis=1) - median)
+
+    def counted_data(self) -> np.ndarray:
+        """The data wait each rank-step's own time counts: its own where every rank of the step reports
+        one, else 0."""
+        if self.data is None:
+            return np.zeros_like(self.busy)
+        return np.where(np.isnan(self.data).any(axis=1, keepdims=True), 0.0, self.data)
 
 
-_PER_STEP = ("compute", "wait", "ratio", "noise", "step_s", "lost", "data", "ends")  # _Matrices' fields by step
+_PER_STEP = ("busy", "wait", "ratio", "noise", "step_s", "lost", "data", "ends")  # _Matrices' fields by step
 
 
 def _filled(steps: pd.DataFrame) -> pd.DataFrame:
@@ -249,21 +264,24 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray, stages: np.ndarray | None = No
         matrix[at] = values
         return matrix
 
-    compute, wait = laid_out(steps["compute_s"].to_numpy()), laid_out(steps["comm_wait_s"].to_numpy())
+    busy, wait = laid_out(steps["compute_s"].to_numpy()), laid_out(steps["comm_wait_s"].to_numpy())
+    data = laid_out(steps["data_s"].to_numpy(dtype=float, na_value=np.nan)) if "data_s" in steps else None
+    if data is not None:  # a step's data waits count where each of its ranks reports one
+        busy = busy + np.where(np.isnan(data).any(axis=1, keepdims=True), 0.0, data)
     with np.errstate(invalid="ignore"):
         if stages is None:
-            median = np.median(compute, axis=1, keepdims=True)
+            median = np.median(busy, axis=1, keepdims=True)
         else:
-            median = np.empty_like(compute)
+            median = np.empty_like(busy)
             for k in np.unique(stages):
-                median[:, stages == k] = np.median(compute[:, stages == k], axis=1, keepdims=True)
-        keep = ~np.isnan(compute).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0).all(axis=1)  # complete
-    compute, wait, median = compute[keep], wait[keep], median[keep]
-    ratio = compute / median
+                median[:, stages == k] = np.median(busy[:, stages == k], axis=1, keepdims=True)
+        keep = ~np.isnan(busy).any(axis=1) & ~np.isnan(wait).any(axis=1) & (median > 0).all(axis=1)  # complete
+    busy, wait, median = busy[keep], wait[keep], median[keep]
+    ratio = busy / median
     noise = _spread(ratio)
     step_s = np.median(laid_out(steps["duration_s"].to_numpy())[keep], axis=1)
-    lost = (compute - median).max(axis=1)
-    data = laid_out(steps["data_s"].to_numpy(dtype=float, na_value=np.nan))[keep] if "data_s" in steps else None
+    lost = (busy - median).max(axis=1)
+    data = None if data is None else data[keep]
     ends = None
     if "end_ts" in steps:  # nanoseconds (the engine's), or timestamps (a caller's frame)
         end_ts = steps["end_ts"]
@@ -271,7 +289,7 @@ def _rows(steps: pd.DataFrame, ranks: np.ndarray, stages: np.ndarray | None = No
             end_ts = pd.to_datetime(end_ts, utc=True).astype("int64")
         end = laid_out(end_ts.to_numpy(), fill=0)[keep]  # int64 nanoseconds, exact
         ends = np.stack([end.min(axis=1), end.max(axis=1)], axis=1)
-    return _Matrices(step_ids[keep], ranks, compute, wait, ratio, noise, step_s, lost, data, ends, stages)
+    return _Matrices(step_ids[keep], ranks, busy, wait, ratio, noise, step_s, lost, data, ends, stages)
 
 
 def _noise(m: _Matrices, i: int, s: Settings) -> float:
@@ -294,7 +312,7 @@ def _window(noise: float, z: float, s: Settings) -> int:
 
 def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None:
     """At row i: (kind, ranks, where, window, strength) of the slow ranks, ("widespread", (), "", window,
-    cv) or None; strength: the suspects' typical compute ratio."""
+    cv) or None; strength: the suspects' typical own-time ratio."""
     n, z = len(m.ranks), _z(len(m.ranks), s)
     noise = _noise(m, i, s)
     w = min(_window(noise, z, s), i + 1)
@@ -304,11 +322,11 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
     noise_of_typical = MEDIAN_NOISE * noise / math.sqrt(w)
     if n == 2:
         a, b = (1, 0) if typical[1] > typical[0] else (0, 1)
-        compute = np.median(m.compute[rows], axis=0)
+        busy = np.median(m.busy[rows], axis=0)
         if (
             (typical[a] - center) / max(noise_of_typical, s.jitter_floor * center) > z
             and typical[a] > typical[b] * (1 + s.pair_min_slowdown)
-            and wait[b] - wait[a] >= s.pair_wait_share * (compute[a] - compute[b])
+            and wait[b] - wait[a] >= s.pair_wait_share * (busy[a] - busy[b])
         ):
             return ("rank", (int(m.ranks[a]),), f"rank {int(m.ranks[a])}", w, float(typical[a] / center))
         return None
@@ -323,8 +341,9 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
         )
     last = slice(max(i + 1 - s.window, 0), i + 1)
     cv = 1.4826 * float(np.median(np.abs(m.ratio[last] - 1)))
-    slowest = np.unique(np.argmax(m.compute[last], axis=1))
-    if cv >= s.widespread_cv and len(slowest) >= min(3, last.stop - last.start):
+    slowest = np.argmax(m.busy[last], axis=1)
+    most = np.bincount(slowest).max() / len(slowest)  # the share of steps the most often slowest rank is
+    if cv >= s.widespread_cv and len(np.unique(slowest)) >= min(3, len(slowest)) and most <= s.widespread_persist:
         return ("widespread", (), "", s.window, cv)
     return None
 
@@ -465,7 +484,7 @@ def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
 def _widespread(run_id: str, recent: _Matrices) -> Finding:
     """The finding for time lost to a different slow rank at each step of `recent`."""
     lost = recent.lost
-    slowest = recent.ranks[np.argmax(recent.compute, axis=1)]  # per step
+    slowest = recent.ranks[np.argmax(recent.busy, axis=1)]  # per step
     cv = 1.4826 * float(np.median(np.abs(recent.ratio - 1)))
     return Finding(
         run_id,
@@ -522,16 +541,29 @@ def _suspect_finding(
     first: int,
     suspects: list[int],
 ) -> Finding:
-    """The finding for persistently slow ranks (`suspects`), slow since step `first`: their evidence and
-    cost, from the complete steps of the window (`history`) and of the verdict's (`recent`), whose
-    `columns` they are (their ranks; a stage's, the stage)."""
+    """The finding for persistently slow ranks (`suspects`), slow since step `first`: the phase they lose
+    the time in, their evidence and cost, from the complete steps of the window (`history`) and of the
+    verdict's (`recent`), whose `columns` they are (their ranks; a stage's, the stage)."""
     theirs = np.isin(recent.ranks, columns)
     slowdown = _median(recent.ratio[:, theirs])
     episode = history.taken(slice(int(np.searchsorted(history.steps, first)), None))  # (a view: no copy)
-    cost = _cost(episode.lost, episode.step_s, len(episode.ranks))
+    cost = _cost(_waited_for(episode, columns), episode.step_s, len(episode.ranks))
+    data, compute = recent.counted_data(), recent.busy - recent.counted_data()
+    excess = {
+        phase: _median(values[:, theirs]) - _median(values[:, ~theirs])
+        for phase, values in ((DATA, data), (COMPUTE, compute))
+    }
+    phase = max(excess, key=excess.__getitem__)
     severity = "critical" if slowdown >= 1.2 else "warning"
     plural = kind == "rank" and len(suspects) > 1
-    computes, its, it = ("compute", "their", "them") if plural else ("computes", "its", "it")
+    its, it = ("their", "them") if plural else ("its", "it")
+    if phase == DATA:
+        waits = "wait" if plural else "waits"
+        slow = f"{where} {waits} {excess[DATA] * 1e3:.1f} ms per step longer than {its} peers for input (data loading)"
+    else:
+        computes = "compute" if plural else "computes"
+        slower = _median(compute[:, theirs]) / _median(compute[:, ~theirs]) - 1
+        slow = f"{where} {computes} {100 * slower:.0f}% slower than {its} peers"
     return Finding(
         run_id,
         kind,
@@ -540,21 +572,29 @@ def _suspect_finding(
         int(history.steps[-1]),
         severity,
         slowdown,
-        f"{where} {computes} {100 * (slowdown - 1):.0f}% slower than {its} peers since step {first}; "
-        f"the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
+        f"{slow} since step {first}; the others wait for {it}: {cost['lost_s_per_step'] * 1e3:.1f} ms per step "
         f"({cost['lost_percent']:.1f}% of step time, {cost['gpu_hours_lost']:.3f} GPU-hours so far)",
         {
-            "compute_s": _median(recent.compute[:, theirs]),
-            "peer_compute_s": _median(recent.compute[:, ~theirs]),
+            "phase": phase,
+            "phase_excess_s": excess[phase],
+            "compute_s": _median(compute[:, theirs]),
+            "peer_compute_s": _median(compute[:, ~theirs]),
             "comm_wait_s": _median(recent.wait[:, theirs]),
             "peer_comm_wait_s": _median(recent.wait[:, ~theirs]),
-            f"compute_ratio_by_{'stage' if columns != suspects else 'rank'}": dict(
+            f"time_ratio_by_{'stage' if columns != suspects else 'rank'}": dict(
                 zip(recent.ranks.tolist(), np.median(recent.ratio, axis=0).tolist(), strict=True)
             ),
             **cost,
         },
         analyzer=ANALYZER,
     )
+
+
+def _waited_for(m: _Matrices, columns: list[int]) -> np.ndarray:
+    """Per step, what the others wait out for the suspects (`columns` of `m`): the slowest suspect's own time
+    less the median of the others' (with two ranks, the whole gap between them)."""
+    theirs = np.isin(m.ranks, columns)
+    return m.busy[:, theirs].max(axis=1) - np.median(m.busy[:, ~theirs], axis=1)
 
 
 def _device_evidence(devices: pd.DataFrame | None, suspects: list[int]) -> dict:

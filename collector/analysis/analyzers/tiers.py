@@ -180,14 +180,33 @@ def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: S
     for rank in now.index[(now < limit).to_numpy()]:
         of, bound = worst[rank], float(limit[rank])
         mine = rates.loc[rank]
-        # its slow stretch: from the first slow step after the last fast one before its newest slow step (the
-        # window's median is slow, so some step is; the newest may be fast again: a fault that ended)
-        slow_steps = mine.index[(mine < bound).to_numpy()]
-        fast_before = mine.index[(mine >= bound).to_numpy() & (mine.index < slow_steps.max())]
-        onset = int(slow_steps[slow_steps > fast_before.max()].min()) if len(fast_before) else int(slow_steps.min())
+        # its slow stretch ends at its newest slow step (the window's median is slow, so some step is; the newest
+        # may be fast again: a fault that ended) and begins where its own series changes level
+        newest_slow = mine.index[(mine < bound).to_numpy()].max()
+        onset = _change_point(mine[mine.index <= newest_slow])
         reference = float(references.at[rank, of]) if of in references else float(probed[rank])
         slow[int(rank)] = {"bps": float(now[rank]), "reference_bps": reference, "reference": of, "since_step": onset}
     return slow
+
+
+def _change_point(rates: pd.Series) -> int:
+    """The step a rank's bandwidth series (by step) changes level at: the split into a before and an after
+    whose log-bandwidths' squared deviations from their means sum least (a change of level found by least
+    squares, as a single change point is). A noisy step or two before the change moves it no more than it
+    is closer to the after's level than to the before's: judged on the rank's own series, not on a
+    threshold set by its peers, which a loaded machine slows too."""
+    logs = np.log(rates.to_numpy(dtype=float))
+    n = len(logs)
+    if n < 2:
+        return int(rates.index[0])
+    k = np.arange(1, n)  # the after begins at position k
+    total, squares = np.cumsum(logs), np.cumsum(logs**2)
+    before = squares[k - 1] - total[k - 1] ** 2 / k
+    after = (squares[-1] - squares[k - 1]) - (total[-1] - total[k - 1]) ** 2 / (n - k)
+    split = k[np.argmin(before + after)]
+    if logs[split:].mean() >= logs[:split].mean():  # no drop: slow all along
+        return int(rates.index[0])
+    return int(rates.index[split])
 
 
 def _others_median(values: np.ndarray) -> np.ndarray:
