@@ -27,16 +27,24 @@ def store(tmp_path_factory):
     return simulated_store(tmp_path_factory.mktemp("postmortem"), RUNS, ["--ranks", "32", "--steps", "80"])
 
 
-def analyze(db, run):
+def analyze(db, run, recommendations=False):
+    """The run's findings as `rankwatch analyze --json` gives them: what went wrong (or, `recommendations`,
+    the power recommendations the collector draws beside it)."""
     result = rankwatch_in_process("analyze", run, "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["run"] == run
-    return report["findings"]
+    return [f for f in report["findings"] if (f["analyzer"] == "power") == recommendations]
 
 
 def test_clean_run_has_no_finding(store):
     assert analyze(store, "pm-clean") == []
+
+
+def test_the_power_recommendations_the_collector_draws_are_told_too_and_say_they_are_simulated(store):
+    told = analyze(store, "pm-clean", recommendations=True)
+    assert {f["kind"] for f in told} == {"job_cap", "per_rank_caps"}
+    assert all(f["severity"] == "info" and f["summary"].startswith("simulated GPUs") for f in told)
 
 
 def test_straggler_that_came_and_went_is_reported_with_its_steps(store):
@@ -58,7 +66,7 @@ def test_persistent_straggler_lasts_to_the_last_step(store):
 def test_table_output_names_the_rank(store):
     result = rankwatch_in_process("analyze", "pm-persistent", "--db", str(store))
     assert result.returncode == 0, result.stderr
-    assert "1 finding" in result.stdout and "rank 11" in result.stdout
+    assert "1 finding, 2 recommendations" in result.stdout and "rank 11" in result.stdout
 
 
 def test_unknown_run_is_a_one_line_error(store):

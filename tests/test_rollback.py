@@ -5,8 +5,10 @@ the anomalies of the steps a rollback abandoned spend none of the budget."""
 
 import json
 
+import duckdb
 import pytest
 
+from collector.reports.postmortem import analyze_run
 from rankwatch.launch import train
 from tests.otlp_payloads import query
 from trainer.checkpoint import Checkpointer
@@ -57,6 +59,12 @@ def test_anomaly_is_rolled_back_once_and_training_goes_on(collector_factory, tmp
     ]
     rows, distinct, bad, last_loss = _kept(collector.db, run)  # every step once per rank, none after the anomaly bad
     assert rows == distinct == nproc * STEPS and bad == 0 and last_loss < 10
+    # the post-mortem tells it too, though the trajectory it replays no longer holds the anomaly's steps
+    with duckdb.connect(str(collector.db), read_only=True) as con:
+        report = analyze_run(con, run)
+    (told,) = [f for f in report.findings if f.analyzer == "anomalies"]
+    assert told.step_start == AT and f"restored step {result['restored_step']}" in told.summary, told.summary
+    assert told.evidence["rollback"]["state"] == "applied"
 
 
 def _kept(db, run: str) -> tuple[int, int, int, float]:

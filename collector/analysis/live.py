@@ -52,10 +52,6 @@ ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has 
 # The collector's stop waits for its last pass: past this, the runs left are judged when it next
 # hears from them, from their stored cursors (a backlog of a thousand runs must not hold a stop).
 LAST_PASS_S = 20.0
-# Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): they are
-# redrawn over a run's newest POWER_STEPS steps at most every power_every_s, by the live policy.
-POWER_STEPS = 100
-POWER_POLICY = power.Policy("max-slowdown", 0.02)
 
 # In a lake: how often every collector's new commits are read, how long a run's lease holds, and how often
 # a collector judges (and so renews the leases of) every run it follows, new steps or not.
@@ -63,8 +59,6 @@ FOLLOW_S = 0.5
 LEASE_HELD = timedelta(seconds=6)
 RENEW_S = 2.0
 
-_HAS_POWER = """SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples
-                                         WHERE run_id = $run AND metric IN $metrics LIMIT 1)"""
 _OUTBOX = """SELECT receiver, count(*) AS pending, epoch(now() - min(created_at)) AS waiting_s FROM outbox
              WHERE state = 'pending' GROUP BY receiver"""
 
@@ -474,8 +468,6 @@ def _step_ranges(steps: pa.Table) -> dict[str, list[tuple[int, int]]]:
 def _power_report(cursor: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:
     """A run's live power report; None where its GPUs report no power."""
     try:
-        if cursor.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchall()[0][0]:
-            return powercaps.recommend(cursor, run_id, POWER_POLICY, last_steps=POWER_STEPS)
-        return None
+        return powercaps.live_report(cursor, run_id)
     finally:
         cursor.close()

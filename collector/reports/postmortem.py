@@ -8,7 +8,11 @@ once by every analyzer with the history it needs, and the episodes it draws
 (a straggler that came and went, with the steps it lasted; a stall, whether
 the run moved on or ended in it) are the findings. A run imported from
 Flight Recorder dumps has no steps, so no what-if analysis: its findings are
-those of the collective matching (analyzers/collectives.py). Telemetry lost on the way
+those of the collective matching (analyzers/collectives.py). What the replay
+cannot draw is read from the store: an anomaly a rollback abandoned the steps
+of (the live collector saw them; the run's trajectory no longer holds them),
+with what its rollback did, and the power recommendations the collector draws
+over the run's newest steps. Telemetry lost on the way
 (collector/analysis/losses.py) is measured over the whole run: conclusions drawn where rank-steps
 are missing are drawn on partial data, and the report says so.
 """
@@ -27,6 +31,7 @@ from collector.analysis.engine import replay
 from collector.predict import steptime
 from collector.predict.stepmodel import Fitted
 from collector.receive.imports.flight_recorder import EVENT as DUMP_EVENT
+from collector.reports import powercaps
 from collector.store import schema
 from collector.store.runs import unknown_run
 
@@ -37,7 +42,14 @@ _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.s
                       attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes
                FROM ops WHERE run_id = ? AND kind = 'comm' AND (attrs->>'$.is_p2p') = 'false' AND seq IS NOT NULL
                ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
+# The findings rollbacks were sent for, and what each rollback did: their steps are abandoned, so no replay
+# of the run's trajectory draws them again.
+_ROLLED_BACK = """SELECT f.analyzer, f.kind, f.ranks, f.step_start, f.step_end, f.severity, f.score, f.summary,
+                         f.evidence, c.state, c.result
+                  FROM commands c JOIN findings f ON f.id = c.finding_id
+                  WHERE c.run_id = ? AND c.kind = 'rollback' ORDER BY c.id"""
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
+SEVERITIES = ("critical", "warning", "info")  # worst first, as the dashboard's Overview lists findings
 WHATIF = "whatif"  # the analyzer an imported run's what-if finding is recorded under
 WHATIF_WARNS = 1.05  # a what-if slowdown from which its finding is a warning: 5% of the run lost
 
@@ -91,10 +103,34 @@ def analyze_run(
     if model is not None:
         settings[predicted.ANALYZER] = predicted.Settings(model=model)
     found = replay(con, run_id, settings)
-    found.sort(key=lambda f: (f.step_start is None, f.step_start or 0))
+    found += _rolled_back(con, run_id, found)
+    if (power := powercaps.live_report(con, run_id)) is not None:
+        found += power.findings
+    found.sort(key=lambda f: (SEVERITIES.index(f.severity), f.step_start is None, f.step_start or 0))
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
     prediction = None if model is None else _prediction(con, run_id, model)
     return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id), prediction)
+
+
+def _rolled_back(con: duckdb.DuckDBPyConnection, run_id: str, drawn: list[Finding]) -> list[Finding]:
+    """The findings rollbacks were sent for that the replay did not draw again (their steps abandoned), each
+    with what its rollback did."""
+    again = {(f.analyzer, f.kind, f.step_start) for f in drawn}
+    found = []
+    for *row, state, result in con.execute(_ROLLED_BACK, [run_id]).fetchall():
+        analyzer, kind, ranks, start, end, severity, score, summary, evidence = row
+        if (analyzer, kind, start) in again:
+            continue
+        done = json.loads(result) if result else {}
+        restored = done.get("restored_step")
+        summary += (
+            f"; rolled back: every rank restored step {restored} and skipped {done.get('skipped_batches', 0)} batches"
+            if state == "applied" and restored is not None
+            else f"; its rollback was {state}"
+        )
+        evidence = {**json.loads(evidence or "{}"), "rollback": {"state": state, **done}}
+        found.append(Finding(run_id, kind, ranks, start, end, severity, score, summary, evidence, analyzer=analyzer))
+    return found
 
 
 def _prediction(con: duckdb.DuckDBPyConnection, run_id: str, model: Fitted) -> Prediction:

@@ -29,8 +29,24 @@ _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND list_contains($metrics, metric) AND ts >= make_timestamp_ns($since)"""
 _SIMULATED = """SELECT coalesce(bool_and(source = $simulated), false) FROM device_samples
                 WHERE run_id = $run AND list_contains($metrics, metric)"""
+_HAS_POWER = """SELECT count(*) > 0 FROM (SELECT 1 FROM device_samples
+                                         WHERE run_id = $run AND list_contains($metrics, metric) LIMIT 1)"""
 _CONSTRAINTS = """SELECT median(value) FILTER (metric = $low), median(value) FILTER (metric = $high)
                   FROM device_samples WHERE run_id = $run AND metric IN ($low, $high)"""
+
+
+# Power recommendations move slowly and cost more to draw (a bootstrap over the ranks): the collector redraws
+# them over a run's newest LIVE_STEPS steps, by the LIVE_POLICY; a post-mortem draws the run's last the same way.
+LIVE_STEPS = 100
+LIVE_POLICY = power.Policy("max-slowdown", 0.02)
+
+
+def live_report(con: duckdb.DuckDBPyConnection, run_id: str) -> power.PowerReport | None:
+    """The power report the collector draws of a run as it goes (over its newest LIVE_STEPS steps, by the
+    LIVE_POLICY); None where its GPUs report no power."""
+    if con.execute(_HAS_POWER, {"run": run_id, "metrics": list(power.POWER_METRICS)}).fetchall()[0][0]:
+        return recommend(con, run_id, LIVE_POLICY, last_steps=LIVE_STEPS)
+    return None
 
 
 def recommend(
