@@ -195,6 +195,7 @@ def test_signature_matches_the_standard_webhooks_test_vector():
     "text, error",
     [
         ('[[receivers]]\nurl = "ftp://x"', "receiver 1: url must be an http:// or https:// URL"),
+        ('[[receivers]]\nurl = "http://[::1/x"', "receiver 1: url is not valid: Invalid port"),
         ('[[receivers]]\nurl = "http://x"\nsecret = "abc"', "receiver 1: a webhook secret starts with 'whsec_'"),
         ('[[receivers]]\nurl = "http://x"\nsecret = "whsec_!!"', "must be base64"),
         ('[[receivers]]\nurl = "http://x"\nseverity = ["critical"]', "receiver 1: unknown key 'severity'"),

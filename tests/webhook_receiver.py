@@ -1,13 +1,18 @@
-"""A webhook receiver for the alert tests: a real HTTP server on loopback that checks every
+"""Webhook receivers for the alert tests: a real HTTP server on loopback that checks every
 request's Standard Webhooks signature with its own implementation of the spec (not the
-collector's) and keeps what arrived."""
+collector's) and keeps what arrived; and hostile ones, whose answer is a gzip bomb or comes
+a byte at a time."""
 
 import base64
+import contextlib
+import functools
 import hashlib
 import hmac
 import json
+import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,7 +46,7 @@ class Delivery:
 
 
 class Receiver:
-    """Answers `status` to every POST; `deliveries` lists what came, in order."""
+    """Answers `status` to every POST; `deliveries` lists what came, in order (before the answer)."""
 
     def __init__(self, port: int, secret: str | None = None, status: int = 200):
         self.port, self.secret, self.status = port, secret, status
@@ -66,8 +71,8 @@ class Receiver:
                         json.loads(body),
                     )
                 )
-                self.send_response(receiver.status)
-                self.end_headers()
+                with contextlib.suppress(OSError):  # a hostile answer's client may hang up
+                    receiver.answer(self)
 
             def log_message(self, *args):
                 pass
@@ -75,6 +80,10 @@ class Receiver:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(self.status)
+        handler.end_headers()
 
     def stop(self) -> None:
         if self._server is not None:
@@ -86,3 +95,48 @@ class Receiver:
         """The deliveries once there are at least `n` (or AssertionError after `timeout_s`)."""
         wait_until(lambda: len(self.deliveries) >= n, f"fewer than {n} notifications arrived", timeout_s)
         return self.deliveries
+
+
+@functools.cache
+def gzip_bomb(inflated: int, block: int = 2**20) -> bytes:
+    """A gzip body (RFC 1952) of `inflated` zero bytes in about a thousandth of that: one deflated block of
+    zeros, made byte-aligned and independent of what came before by a full flush, repeated."""
+    zeros, blocks = bytes(block), inflated // block
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    deflated = deflate.compress(zeros) + deflate.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(blocks):
+        crc = zlib.crc32(zeros, crc)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"  # deflate, no name, no time
+    return header + deflated * blocks + deflate.flush() + struct.pack("<II", crc, blocks * block % 2**32)
+
+
+class GzipBomb(Receiver):
+    """Answers 200 with a gzip-encoded body that inflates a thousandfold, to `inflated` bytes."""
+
+    def __init__(self, port: int, inflated: int = 2**30):
+        super().__init__(port)
+        self.body = gzip_bomb(inflated)
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("content-type", "application/json")
+        handler.send_header("content-encoding", "gzip")
+        handler.send_header("content-length", str(len(self.body)))
+        handler.end_headers()
+        handler.wfile.write(self.body)
+
+
+class Trickler(Receiver):
+    """Answers a byte every `every_s`, well within any read timeout, for a `length`-byte body after the
+    status line and headers (or until the client hangs up): each read gets something, so only a
+    deadline on the whole exchange ends it."""
+
+    def __init__(self, port: int, every_s: float = 0.5, length: int = 600):
+        super().__init__(port)
+        self.every_s, self.length = every_s, length
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        for byte in f"HTTP/1.1 200 OK\r\ncontent-length: {self.length}\r\n\r\n".encode() + b" " * self.length:
+            time.sleep(self.every_s)
+            handler.wfile.write(bytes([byte]))

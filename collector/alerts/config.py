@@ -23,10 +23,9 @@ import json
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from agent.paths import ALERTS_FILE
-from collector.alerts.webhook import signing_key
+from collector.alerts.webhook import check_url, signing_key
 
 DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"
 _FILTERS = ("analyzers", "kinds", "severities")  # receiver keys, each matched against a label
@@ -118,8 +117,12 @@ def receiver(entry, where: str) -> Receiver:
     if unknown:
         raise ValueError(f"{where}: unknown key {min(unknown)!r}; keys: name, url, secret, {', '.join(_FILTERS)}")
     url = entry.get("url")
-    if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+    if not isinstance(url, str):
         raise ValueError(f"{where}: url must be an http:// or https:// URL")
+    try:
+        check_url(url)  # what the delivery could not send to
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     secret = entry.get("secret")
     if secret is not None:
         if not isinstance(secret, str):

@@ -14,6 +14,11 @@ answers again every notification goes out in order. A retry carries the same
 webhook-id, so a receiver that saw an attempt whose answer was lost can drop
 the repeat. Notifications for a receiver no longer configured are dropped;
 those still undelivered after EXPIRE_AFTER expire.
+
+No receiver can stop the thread: an attempt is bounded by timeout_s from
+start to end and never reads the answer's body (webhook.post), and whatever
+goes wrong in it is that attempt's failure, retried; anything else that goes
+wrong in a pass is logged and the next pass comes as usual.
 """
 
 import logging
@@ -48,7 +53,7 @@ class Delivery(PeriodicTask):
         self._client: httpx.Client | None = None  # made on the posting thread
 
     def close(self) -> None:
-        """Stop after the attempt in flight (at most timeout_s)."""
+        """Stop after the attempt in flight (at most timeout_s, whatever the receiver does)."""
         super().close()
         if self._client is not None:
             self._client.close()
@@ -63,12 +68,12 @@ class Delivery(PeriodicTask):
         return cap * random.uniform(0.5, 1.0)
 
     def tick(self, con: duckdb.DuckDBPyConnection) -> None:
-        if self._client is None:
-            self._client = httpx.Client(timeout=self._config.timeout_s)
         try:
+            if self._client is None:
+                self._client = httpx.Client(timeout=self._config.timeout_s)
             self._deliver_due(self._client, con)
-        except duckdb.Error:
-            log.exception("alert delivery: the outbox could not be read or updated")
+        except Exception:  # the thread goes on: a pass that failed is tried again at the next
+            log.exception("alert delivery: a pass failed")
 
     def _deliver_due(self, client: httpx.Client, con: duckdb.DuckDBPyConnection) -> None:
         if self._shared and not lake.lease(con, "alerts", "", LEASE_HELD):
