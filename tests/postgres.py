@@ -38,6 +38,13 @@ class Server:
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, name)
         return f"host=127.0.0.1 port={self.port} dbname={name} user={self.user}"
 
+    def execute(self, database: str, sql: str) -> None:
+        """Run `sql` in `database` as its owner (psql, stopping at the first error)."""
+        self._run(
+            "psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, "-d", database,
+            "-v", "ON_ERROR_STOP=1", "-c", sql,
+        )  # fmt: skip
+
 
 def start(port: int) -> Server:
     """A PostgreSQL server of its own in a new directory (outside pytest's, which the `postgres` user

@@ -1,8 +1,9 @@
 """Abuse of the read-only SQL paths, the query API on a real collector and the dashboard's file source:
 the secrets beside the store (the token file, the receivers file) stay unreadable whatever table function,
-path or trick a query uses; the time limit holds whatever `timeout_s` says; results are capped in bytes as
-well as rows, without stalling ingest; and every field of a request is checked, a bad one answered 400
-with one line."""
+path or trick a query uses, and a lake's collector reaches no wider (no file in its data path or spill
+directory, no table of its catalog database but the keyed ones, not the catalog's connection string);
+the time limit holds whatever `timeout_s` says; results are capped in bytes as well as rows, without
+stalling ingest; and every field of a request is checked, a bad one answered 400 with one line."""
 
 import base64
 import contextlib
@@ -22,9 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.receive.auth import load_or_create_token
-from collector.store import readonly
+from collector.store import lake, readonly
 from collector.store.schema import DDL
 from dashboard.source import FileSource, QueryFailed
+from tests import postgres
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import post, step_spans, trace_body
 
@@ -127,12 +129,12 @@ def attacks(data: Path) -> list[str]:
     ]
 
 
-def probe_all(run, data: Path, leaked: list[str]) -> list[str]:
+def probe_all(run, paths: list[str], leaked: list[str]) -> list[str]:
     """Every file function on every attack path (the readers also in a list, and read_text inside
     query()), two at a time as the collector runs them; the calls whose answer held a piece of a secret."""
     calls = []
     for function in file_functions(run):
-        for path in attacks(data):
+        for path in paths:
             quoted = path.replace("'", "''")
             calls.append(f"SELECT * FROM {function}('{quoted}')")
             if function in ("read_text", "read_blob", "glob"):
@@ -185,7 +187,7 @@ def test_the_api_reads_no_secret(api):
         return response.json()
 
     assert run("SELECT a + b FROM read_csv('sql-files://extra.csv')")["rows"] == [[3]]
-    assert probe_all(run, data, api.secrets) == []
+    assert probe_all(run, attacks(data), api.secrets) == []
 
 
 def test_the_dashboards_file_source_reads_no_secret(tmp_path):
@@ -204,7 +206,165 @@ def test_the_dashboards_file_source_reads_no_secret(tmp_path):
             return {"error": str(e)}
 
     assert run("SELECT a + b FROM read_csv('sql-files://extra.csv')")["rows"] == [[3]]
-    assert probe_all(run, tmp_path, planted) == []
+    assert probe_all(run, attacks(tmp_path), planted) == []
+
+
+# 1b. A lake's files and catalog database
+
+
+@pytest.fixture(scope="module")
+def lake_api(tmp_path_factory):
+    """An HTTP client with the token, on one collector of a lake whose catalog is a PostgreSQL server of its
+    own, with what a local user, or another user of the catalog database, may leave for it: links to the
+    token in the lake's data path, in its spill directory, and in `.tmp` under the collector's working
+    directory (where DuckDB spills a database without a file), a plain file there; a table of another
+    application in the catalog database and a role; $PGPASSWORD in the collector's environment.
+    `lake_api.secrets` lists what no answer may hold, the catalog database's name among them (it stands for
+    the connection string), `lake_api.paths` the paths to the token and the plain file."""
+    tmp = tmp_path_factory.mktemp("lake-abuse")
+    data, lake_data, cwd = tmp / "data", tmp / "lake", tmp / "cwd"
+    data.mkdir()
+    planted = plant(data)
+    linked = (lake_data, readonly.spill_dir(data), cwd / ".tmp")
+    for directory in linked:
+        directory.mkdir(parents=True)
+        (directory / "link-token").symlink_to(data / "token")
+        (directory / "link-token.csv").symlink_to(data / "token")
+    (lake_data / "up").symlink_to(data, target_is_directory=True)
+    spilled, others, role, password = (f"x{secrets.token_hex(12)}" for _ in range(4))
+    (cwd / ".tmp" / "spilled.csv").write_text(f"spilled\n{spilled}\n")
+    server = postgres.start(free_port())
+    try:
+        name = f"db{secrets.token_hex(9)}"
+        catalog = server.database(name)
+        server.execute(
+            name, f"CREATE TABLE other (secret text); INSERT INTO other VALUES ('{others}'); CREATE ROLE {role}"
+        )
+        with open(tmp / "collector.log", "w") as log:
+            lake_args = ("--lake", catalog, "--data-path", str(lake_data))
+            collector = Collector(data / "rankwatch.duckdb", free_port(), planted[0], extra_args=lake_args, log=log)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.chdir(cwd)
+                patch.setenv("PGPASSWORD", password)
+                collector.start()
+            try:
+                with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+                    http.server = server
+                    http.secrets = [*planted, spilled, others, role, password, name]
+                    http.paths = [
+                        *(f"{d}/link-token" for d in linked),
+                        f"{lake_data}/link-token.csv",
+                        f"{lake_data}/*",
+                        f"{lake_data}/up/token",
+                        f"{cwd}/.tmp/*",
+                        ".tmp/link-token",
+                        ".tmp/spilled.csv",
+                        "/proc/self/environ",
+                    ]
+                    yield http
+            finally:
+                collector.stop()
+    finally:
+        postgres.stop(server)
+
+
+def lake_run(api: httpx.Client):
+    """A query through the lake collector's API: its answer, or its refusal (400) where `refused_ok`."""
+
+    def run(sql: str, refused_ok: bool = False, params: list | dict | None = None):
+        response = ask(api, sql, **({"params": params} if params else {}))
+        assert response.status_code in ((200, 400) if refused_ok else (200,)), (sql, response.text[:300])
+        return response.json()
+
+    return run
+
+
+def test_a_lakes_collector_reads_no_file_but_its_own(lake_api):
+    """No link in the lake's data path or a spill directory, no plain file in `.tmp`, no file of the process
+    is read or listed, however the query names it: a function's path, a file as a table, a path computed
+    or passed as a parameter; `sql-files://` and the lake's tables still are."""
+    run = lake_run(lake_api)
+    assert run("SELECT a + b FROM read_csv('sql-files://extra.csv')")["rows"] == [[3]]
+    assert run("SELECT count(*) FROM steps")["rows"] == [[0]]
+    assert probe_all(run, lake_api.paths, lake_api.secrets) == []
+    pieces = fragments(lake_api.secrets)
+    for path in lake_api.paths:
+        head, _, tail = path.rpartition("/")
+        for sql, params in (
+            (f"SELECT * FROM '{path}'", None),
+            (f'SELECT * FROM "{path.removesuffix(".csv")}".csv', None),
+            (f"SELECT * FROM read_text('{head}/' || '{tail}')", None),
+            ("SELECT * FROM read_text($1)", [path]),
+            ("SELECT * FROM read_csv($path)", {"path": path}),
+        ):
+            answer = json.dumps(run(sql, refused_ok=True, params=params))
+            assert not any(p in answer for p in pieces), (sql, params, answer[:300])
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM pg.pg_catalog.pg_roles",
+        "SELECT * FROM pg.pg_catalog.pg_authid",
+        "SELECT * FROM pg.pg_catalog.pg_settings",
+        "SELECT * FROM pg.public.other",
+        "SELECT * FROM pg.other",
+        "SELECT * FROM public.other",
+        f"SELECT * FROM {lake.METADATA}.public.other",
+        f"SELECT * FROM {lake.METADATA}.other",
+        f"SELECT * FROM {lake.METADATA}.pg_catalog.pg_roles",
+        f"SELECT * FROM {lake.METADATA}.pg_catalog.pg_authid",
+        "SELECT * FROM pg_roles",
+        "SELECT * FROM pg_settings",
+        "SELECT * FROM pragma_database_list",
+        "SELECT * FROM duckdb_databases",
+        "SELECT * FROM duckdb_databases()",
+        "SELECT * FROM duckdb_settings()",
+        "SELECT * FROM duckdb_secrets()",
+        "SELECT current_setting('allowed_paths')",
+        "SELECT json_serialize_plan('SELECT current_setting(''allowed_paths'')', optimize := true)",
+        "SUMMARIZE duckdb_databases",
+    ],
+)
+def test_a_lakes_catalog_database_shows_nothing_but_the_keyed_tables(lake_api, sql):
+    """PostgreSQL's catalog (roles, password hashes, settings), another application's tables and the
+    catalog's connection string are refused or not there."""
+    answer = json.dumps(lake_run(lake_api)(sql, refused_ok=True))
+    assert not any(p in answer for p in fragments(lake_api.secrets)), answer[:300]
+
+
+def test_no_view_or_listing_of_a_lake_shows_its_catalogs_connection_string(lake_api):
+    """Every view DuckDB keeps and every table function that takes no argument: none answers with the
+    catalog's connection string, nor with any other secret; the keyed tables are still read."""
+    run = lake_run(lake_api)
+    assert run("SELECT count(*) FROM runs")["rows"] == [[0]]
+    views = run("SELECT database_name, schema_name, view_name FROM duckdb_views() WHERE internal")["rows"]
+    functions = run(
+        "SELECT DISTINCT function_name FROM duckdb_functions() WHERE function_type = 'table' AND parameters = []"
+    )["rows"]
+    assert len(views) > 40 and len(functions) > 30
+    calls = [f'SELECT * FROM "{database}"."{schema}"."{view}"' for database, schema, view in views]
+    calls += [f"SELECT * FROM {function}()" for (function,) in functions]
+    pieces = fragments(lake_api.secrets)
+    with ThreadPoolExecutor(2) as pool:
+        answers = pool.map(lambda sql: json.dumps(run(sql, refused_ok=True)), calls)
+        assert [
+            (sql, [p for p in pieces if p in text])
+            for sql, text in zip(calls, answers)
+            if any(p in text for p in pieces)
+        ] == []
+
+
+def test_a_lake_spills_into_a_directory_of_its_own(lake_api, tmp_path):
+    """DuckDB's spill directory for a lake (a database without a file) is the collector's own, not `.tmp`
+    under whatever directory the collector was started in: no relative directory is open to DuckDB."""
+    con = lake.open_lake(lake.Lake(lake_api.server.database("spill"), tmp_path / "lake"))
+    readonly.lock_down(con, tmp_path, tmp_path / "lake")
+    ((spill, allowed),) = con.execute(
+        "SELECT current_setting('temp_directory'), current_setting('allowed_directories')"
+    ).fetchall()
+    assert spill == str(readonly.spill_dir(tmp_path))
+    assert all(d.startswith(("/", "sql-files:")) for d in allowed), allowed
 
 
 def test_secrets_are_outside_the_directory_queries_read(tmp_path):

@@ -173,7 +173,7 @@ def test_a_killed_collector_loses_nothing_and_another_takes_its_runs_over(shards
         (["--data-path", "lake"], "rankwatch: error: --lake and --data-path go together"),
         (
             ["--lake", "host=db1 dbname=x user=u password=hunter2", "--data-path", "lake"],
-            "rankwatch: error: keep the catalog's password out of --lake: put it in ~/.pgpass or $PGPASSWORD",
+            "rankwatch: error: keep the catalog's password out of --lake, where `ps` and the log show it",
         ),
         (
             [

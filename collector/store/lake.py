@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,13 @@ import duckdb
 from collector.store.schema import DDL, LAKE_ONLY_DDL, LAKE_TABLES
 
 LAKE, KEYED = "lake", "pg"  # the names the two databases are attached under
-SCHEMA = "rankwatch"  # the catalog database's schema of the keyed tables (DuckLake's own are in `public`)
+METADATA = f"__ducklake_metadata_{LAKE}"  # DuckLake's own attachment of the catalog database, for its tables
+SCHEMA = "rankwatch"  # the catalog database's schema of the keyed tables
+_DUCKLAKE_SCHEMA = "public"  # the catalog database's schema of DuckLake's own tables
+# libpq's connection parameters that hold a secret: never in --lake, where `ps`, the log and error messages
+# would show them (libpq reads them from ~/.pgpass, $PGPASSFILE, $PGPASSWORD or a service file instead).
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword", "oauth_client_secret"})
+_URI = re.compile(r"\s*(postgres(?:ql)?://.*)", re.IGNORECASE | re.DOTALL)  # libpq's URI form, else key=value
 # DuckDB types the PostgreSQL tables spell otherwise: JSON is kept as text (DuckDB's JSON operators
 # read text alike, and the postgres extension cannot write a value into a PostgreSQL json column).
 _PG_TYPES = {"BLOB": "BYTEA", "JSON": "TEXT", "VARCHAR": "TEXT", "DOUBLE": "DOUBLE PRECISION"}
@@ -80,9 +87,9 @@ class LakeError(Exception):
 
 @dataclass(frozen=True)
 class Lake:
-    """Where a lake is: `catalog`, a PostgreSQL connection string (libpq's `key=value` form, as
-    `host=db1 port=5432 dbname=rankwatch user=rankwatch`), and `data_path`, the directory of its
-    Parquet files."""
+    """Where a lake is: `catalog`, a PostgreSQL connection string without a password (libpq's
+    `key=value` form, as `host=db1 port=5432 dbname=rankwatch user=rankwatch`, or its URI form,
+    `postgresql://rankwatch@db1:5432/rankwatch`), and `data_path`, the directory of its Parquet files."""
 
     catalog: str
     data_path: Path
@@ -90,8 +97,24 @@ class Lake:
     def __post_init__(self) -> None:
         if "'" in self.catalog or "'" in str(self.data_path):
             raise LakeError("a lake's catalog and data path may not contain a quote")
-        if re.search(r"\bpassword\s*=", self.catalog):  # it would show in `ps`, logs and duckdb_databases()
-            raise LakeError("keep the catalog's password out of --lake: put it in ~/.pgpass or $PGPASSWORD")
+        if given := _secrets_in(self.catalog):  # (named, never shown: no message may hold the value)
+            raise LakeError(
+                f"keep the catalog's {' and '.join(sorted(set(given)))} out of --lake, where `ps` and the log "
+                "show it: libpq reads a password from ~/.pgpass or $PGPASSWORD, any parameter from a service file"
+            )
+
+
+def _secrets_in(catalog: str) -> list[str]:
+    """The secret parameters (_SECRET_PARAMETERS) a libpq connection string gives, in either form: in
+    `key=value` pairs, each key after a space; in a URI, a password after the user name
+    (`user:secret@`) and the query's parameters, their names percent-decoded as libpq decodes them."""
+    if uri_form := _URI.match(catalog):
+        uri = urllib.parse.urlsplit(uri_form[1])
+        given = [key for key, _ in urllib.parse.parse_qsl(uri.query, keep_blank_values=True)]
+        given += ["password"] if uri.password is not None else []
+    else:
+        given = re.findall(r"(?:^|\s)(\w+)\s*=", catalog)
+    return [key.lower() for key in given if key.lower() in _SECRET_PARAMETERS]
 
 
 def extensions() -> Path:
@@ -117,8 +140,13 @@ def open_lake(lake: Lake, read_only: bool = False, tries: int = 5) -> duckdb.Duc
             con.execute("LOAD ducklake; LOAD postgres")
             if not read_only:
                 lake.data_path.mkdir(parents=True, exist_ok=True)
-            con.execute(f"ATTACH 'ducklake:postgres:{lake.catalog}' AS {LAKE} (DATA_PATH '{lake.data_path}/'{only})")
-            con.execute(f"ATTACH '{lake.catalog}' AS {KEYED} (TYPE postgres{only})")
+            # each database attached with its own schema alone: the catalog database's other schemas
+            # (PostgreSQL's pg_catalog: its roles, password hashes and settings) are no table of the lake's
+            con.execute(
+                f"ATTACH 'ducklake:postgres:{lake.catalog}' AS {LAKE} (DATA_PATH '{lake.data_path}/', "
+                f"METADATA_PARAMETERS MAP {{'SCHEMA': '{_DUCKLAKE_SCHEMA}'}}{only})"
+            )
+            con.execute(f"ATTACH '{lake.catalog}' AS {KEYED} (TYPE postgres, SCHEMA '{SCHEMA}'{only})")
             if not read_only:
                 _retried(con, "CALL postgres_execute(?, ?)", [KEYED, f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"])
             con.execute("CALL pg_clear_cache()")

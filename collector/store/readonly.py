@@ -2,10 +2,12 @@
 
 Three layers, because a query is text from outside: DuckDB's own parser
 admits one SELECT and nothing else (no INSERT, COPY, ATTACH, SET, PRAGMA,
-CALL, LOAD, EXPORT...); no function with a side effect is called (`check`:
-checkpoint(), enable_logging(), nextval(), query()..., the list drawn from
-`duckdb_functions()`); the query runs in a READ ONLY transaction; and the database is locked down
-(`lock_down`): no local file at all, only `sql-files://NAME`, the files under
+CALL, LOAD, EXPORT...); in its parse tree (`_check_tree`), no function with a side effect is called
+(checkpoint(), enable_logging(), nextval(), query()..., the list drawn from
+`duckdb_functions()`), none that shows where the databases are or the settings (a lake's catalog
+connection string), no file is named but by a literal `sql-files://NAME`, and no table of a lake's
+catalog database but the keyed ones; the query runs in a READ ONLY transaction; and the database is
+locked down (`lock_down`): no local file at all, only `sql-files://NAME`, the files under
 `files_dir` (a directory of its own beside the store, so the token and the
 receivers file, both secrets kept beside the store, are out of reach whatever
 function, path, link or glob a query uses), opened and checked by
@@ -26,6 +28,7 @@ import decimal
 import functools
 import json
 import math
+import re
 import threading
 import time
 import uuid
@@ -70,6 +73,9 @@ _READING_TABLE_FUNCTIONS = frozenset(
         "test_all_types", "test_vector_types", "which_secret",
     }
 )  # fmt: skip
+# Those of them that read files, whose first argument is the path: a literal `sql-files://` name, or a list of them.
+_FILE_PREFIXES = ("read_", "parquet_")
+_FILE_TABLE_FUNCTIONS = frozenset({"glob", "sniff_csv"})
 # Scalars DuckDB flags as having side effects that only draw a value (a random number, an id, the time asleep).
 _DRAWING_SCALARS = frozenset(
     {
@@ -77,6 +83,22 @@ _DRAWING_SCALARS = frozenset(
         "current_connection_id", "current_transaction_id", "error", "sleep_ms", "stats", "vector_type",
     }
 )  # fmt: skip
+
+
+# Functions no query may call whatever its arguments, and why: they show where the attached databases are (a
+# lake's catalog connection string), the settings (among them the paths DuckDB allows, those strings again)
+# or the secrets, or plan SQL that no check saw (folding into constants what a refused function answers).
+# DuckDB's own views over them (`pragma_database_list`, `pg_settings`...) are refused with them.
+_CLOSED = {
+    "duckdb_databases": "it shows where the databases are",
+    "duckdb_settings": "it shows the settings",
+    "current_setting": "it shows the settings",
+    "duckdb_secrets": "it shows the secrets",
+    "which_secret": "it shows the secrets",
+    "json_serialize_plan": "it plans SQL that no check saw",
+}
+_NO_FILE = "Permission Error"  # what a file refused says first, as DuckDB's own refusal of a path does
+_PLAIN_NAME = re.compile(r"\w*")  # a table's name, its schema's or its database's; a file's has a dot or a slash
 
 
 class QueryRefused(Exception):
@@ -93,11 +115,18 @@ def files_dir(data_dir: Path) -> Path:
     return data_dir / SQL_FILES_DIR
 
 
+def spill_dir(data_dir: Path) -> Path:
+    """Where a lake's DuckDB spills what outgrows its memory: beside the store, as a store file's does
+    (`rankwatch.duckdb.tmp`), owner-only like everything there (collector/private.py)."""
+    return data_dir / "lake.tmp"
+
+
 def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path, lake_data: Path | None = None) -> None:
     """Confine every connection of `con`'s database to `sql-files://` (the files of `files_dir(data_dir)`,
     opened by collector/store/sqlfiles.py), for good: no local path, since DuckDB checks one and then
     opens it again by name. Its own files (the store, its WAL and spill directory; a lake's Parquet
-    files, under `lake_data`) stay readable: they hold nothing a query cannot select.
+    files, under `lake_data`, and its spill directory) stay open to DuckDB, which follows links there:
+    a query reaches none of them by name (`_check_tree`), only the lake's through its tables.
 
     These settings are global to the DuckDB instance: the collector's writer
     shares them, which costs it nothing (it reads Arrow batches it was
@@ -105,6 +134,8 @@ def lock_down(con: duckdb.DuckDBPyConnection, data_dir: Path, lake_data: Path | 
     database, already locked down."""
     if con.execute("SELECT current_setting('lock_configuration')").fetchall()[0][0]:
         return
+    if lake_data:  # an in-memory database spills to `.tmp` in whatever the working directory is
+        con.execute("SET temp_directory = ?", [str(spill_dir(data_dir))])
     con.register_filesystem(SqlFiles(files_dir(data_dir)))
     allowed = [f"{sqlfiles.PROTOCOL}://"] + ([f"{lake_data}/"] if lake_data else [])
     con.execute("SET allowed_directories = ?", [allowed])
@@ -151,10 +182,21 @@ def _reading(table_function: str) -> bool:
     return table_function.startswith(_READING_PREFIXES) or table_function in _READING_TABLE_FUNCTIONS
 
 
-def _check_calls(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
-    """Raise QueryRefused when `sql` calls a function `refused_functions` lists, or a table function not
-    known to only read (an extension's, say), found in DuckDB's own parse tree of it: a name in a string
-    is no call, a qualified `system.main.checkpoint()` is one."""
+@functools.cache
+def _closed() -> dict[str, str]:
+    """The _CLOSED functions and DuckDB's own views over them (`pragma_database_list`, `pg_settings`...),
+    drawn from `duckdb_views()`, each with its reason."""
+    with duckdb.connect() as con:
+        views = con.execute("SELECT lower(view_name), lower(sql) FROM duckdb_views() WHERE internal").fetchall()
+    over = {name: reason for name, sql in views for function, reason in _CLOSED.items() if f"{function}(" in sql}
+    return _CLOSED | over
+
+
+def _check_tree(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise QueryRefused when `sql`, found in DuckDB's own parse tree of it (a name in a string is no call,
+    a qualified `system.main.checkpoint()` is one), calls a function `refused_functions` lists or a
+    _CLOSED one, or a table function not known to only read (an extension's, say); reads a view over a
+    _CLOSED function; or names a file otherwise than by a literal `sql-files://` path."""
     (serialized,) = cursor.execute("SELECT json_serialize_sql(?)", [sql]).fetchall()[0]
     tree = json.loads(serialized)
     if tree.get("error"):
@@ -162,21 +204,84 @@ def _check_calls(cursor: duckdb.DuckDBPyConnection, sql: str) -> None:
         if message.startswith("Only SELECT statements"):  # DuckDB 1.4 reads a PRAGMA as a SELECT until here
             raise QueryRefused(f"only SELECT is allowed, not {sql.split(maxsplit=1)[0].upper()}")
         raise QueryRefused(message.splitlines()[0])
-    refused = refused_functions()
+    refused, closed = refused_functions(), _closed()
     stack: list = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            called = node.get("function_name")
-            if node.get("type") == "TABLE_FUNCTION":
-                table_function = str(node["function"].get("function_name", "")).lower()
-                if not _reading(table_function):
-                    raise QueryRefused(f"{table_function}() is not allowed: only table functions that read are")
-            elif isinstance(called, str) and called.lower() in refused:
+            kind, called = node.get("type"), str(node.get("function_name", "")).lower()
+            if kind == "TABLE_FUNCTION":
+                _check_table_function(node["function"], closed)
+            elif kind == "BASE_TABLE":
+                _check_table(node, closed)
+            elif called in closed:
+                raise QueryRefused(f"{called}() is not allowed: {closed[called]}")
+            elif called in refused:
                 raise QueryRefused(f"{called}() is not allowed: it has side effects")
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def _check_table_function(function: dict, closed: dict[str, str]) -> None:
+    """A table function in FROM: one that only reads, and one that reads files reads them by their
+    literal `sql-files://` names. In a lake DuckDB may open the lake's data path and its spill directory,
+    following any link a local user put there, and a name computed (`'/la' || 'ke/x'`) or passed as a
+    parameter is seen by no check: only collector/store/sqlfiles.py resolves a name."""
+    name = str(function.get("function_name", "")).lower()
+    if name in closed:
+        raise QueryRefused(f"{name}() is not allowed: {closed[name]}")
+    if not _reading(name):
+        raise QueryRefused(f"{name}() is not allowed: only table functions that read are")
+    if not (name.startswith(_FILE_PREFIXES) or name in _FILE_TABLE_FUNCTIONS):
+        return
+    positional = [a for a in function.get("children", []) if not _named(a)]
+    paths = (
+        positional[0].get("children", [])
+        if positional and positional[0].get("function_name") == "list_value"
+        else positional[:1]
+    )
+    if not all(_sql_files_name(p) for p in paths):
+        raise QueryRefused(f"{_NO_FILE}: {name}() reads files by their literal {sqlfiles.PROTOCOL}:// names only")
+
+
+def _check_table(table: dict, closed: dict[str, str]) -> None:
+    """A table or view by its name, or a file by its literal `sql-files://` name (DuckDB reads a name it
+    finds no table for as a file, its parts joined: `FROM "/la"."ke/x".csv` reads /la.ke/x.csv)."""
+    name = str(table.get("table_name", ""))
+    parts = [str(table.get("catalog_name") or ""), str(table.get("schema_name") or ""), name]
+    if name.lower() in closed:
+        raise QueryRefused(f"{name} is not allowed: {closed[name.lower()]}")
+    if lake.METADATA in (part.lower() for part in parts):  # (a database, or a schema of the default one)
+        raise QueryRefused(f"{lake.METADATA} is not allowed: the lake is read through its tables")
+    if not all(_PLAIN_NAME.fullmatch(part) for part in parts) and not (
+        parts[:2] == ["", ""] and name.startswith(f"{sqlfiles.PROTOCOL}://")
+    ):
+        raise QueryRefused(
+            f"{_NO_FILE}: {'.'.join(filter(None, parts))} is no table, and a file is read by its "
+            f"{sqlfiles.PROTOCOL}:// name"
+        )
+
+
+def _named(argument: dict) -> bool:
+    """Whether a table function's argument is a named parameter (`header = true`), as DuckDB's binder
+    tells them: an equality whose left side is an unqualified column name."""
+    left = argument.get("left") or {}
+    return (
+        argument.get("type") == "COMPARE_EQUAL"
+        and left.get("class") == "COLUMN_REF"
+        and len(left.get("column_names", [])) == 1
+    )
+
+
+def _sql_files_name(argument: dict) -> bool:
+    """Whether an argument is a string literal naming a file of `sql-files://`."""
+    value = argument.get("value") or {}
+    return (
+        argument.get("class") == "CONSTANT"
+        and (value.get("type") or {}).get("id") == "VARCHAR"
+        and str(value.get("value")).startswith(f"{sqlfiles.PROTOCOL}://")
+    )
 
 
 def run(
@@ -227,7 +332,7 @@ def _answer(
     watchdog.start()
     outcome: dict | Exception
     try:
-        _check_calls(cursor, sql)
+        _check_tree(cursor, sql)
         cursor.execute("BEGIN TRANSACTION READ ONLY")
         result = cursor.execute(sql, params)
         description = result.description
