@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agent.config import checked_token
+from agent.config import INGEST, checked_token
 from agent.paths import DEFAULT_DB
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
@@ -36,12 +36,12 @@ from collector.metrics.collector import SelfMetrics
 from collector.metrics.runs import MAX_RUNS, RunMetrics
 from collector.predict.stepmodel import Fitted
 from collector.receive import bodies, connections, otlp
-from collector.receive.auth import CHALLENGE, load_or_create_token, refusal
+from collector.receive.auth import Tokens, load_or_create_token
 from collector.receive.decode import describe_decoder
 from collector.receive.ingest import Ingestor
 from collector.reports import queryapi
 from collector.store.db import connect
-from collector.store.handle import Overloaded, Store
+from collector.store.handle import NotStored, Overloaded, Store
 from collector.store.lake import Lake, open_lake
 from collector.store.upkeep import Upkeep
 from collector.store.writer import MEMORY_HEADROOM
@@ -78,7 +78,7 @@ class Config:
 
 def create_app(config: Config) -> Starlette:
     """The ASGI app; the store opens on startup and drains on shutdown."""
-    token = checked_token(config.token, "--token") if config.token else load_or_create_token(config.db.parent)
+    tokens = Tokens(checked_token(config.token, "--token") if config.token else load_or_create_token(config.db.parent))
     metrics = SelfMetrics()
     metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request), config.metrics_runs))
     state: dict = {}
@@ -139,9 +139,11 @@ def create_app(config: Config) -> Starlette:
     def receiver(signal: str):
         async def export(request: Request) -> Response:
             kind = otlp.PROTOBUF
+            if (refusal := tokens.refusal(request, INGEST)) is not None:  # before anything of the request is read
+                metrics.requests.labels(signal, refusal.status).inc()
+                body = otlp.status(refusal.status, refusal.reason, kind)
+                return Response(body, refusal.status, refusal.headers, media_type=kind)
             try:
-                if (reason := refusal(request, token)) is not None:
-                    raise otlp.OtlpError(401, reason)
                 kind = otlp.media_type(request.headers.get("content-type"))
                 outcome = await state["ingestor"].export(
                     signal, kind, await inflated(request, otlp.encoding(request.headers.get("content-encoding")), kind)
@@ -150,11 +152,12 @@ def create_app(config: Config) -> Starlette:
                 if e.status == 503:
                     return _unavailable(signal, str(e), kind)
                 metrics.requests.labels(signal, e.status).inc()
-                headers = CHALLENGE if e.status == 401 else None
-                return Response(otlp.status(e.status, str(e), kind), e.status, headers, media_type=kind)
+                return Response(otlp.status(e.status, str(e), kind), e.status, media_type=kind)
             except Overloaded as e:
                 return _unavailable(signal, str(e), kind)
-            except Exception as e:  # a failed commit or a dead worker: transient, the exporter retries
+            except NotStored as e:  # the writer logged why, once for its group
+                return _unavailable(signal, f"collector could not store the export: {e}", kind)
+            except Exception as e:  # a dead worker: transient, the exporter retries
                 log.exception("export failed")
                 return _unavailable(signal, f"collector could not store the export: {e}", kind)
             metrics.requests.labels(signal, 200).inc()
@@ -197,9 +200,9 @@ def create_app(config: Config) -> Starlette:
     routes = [Route(f"/v1/{signal}", receiver(signal), methods=["POST"]) for signal in ("traces", "metrics", "logs")]
     routes += [Route("/healthz", healthz), Route("/metrics", prometheus)]
     routes += control.routes(
-        lambda: state["ingestor"].store, token, lambda: app.state.server is not None and app.state.server.should_exit
+        lambda: state["ingestor"].store, tokens, lambda: app.state.server is not None and app.state.server.should_exit
     )
-    routes += queryapi.routes(lambda: state["ingestor"].store, token)
+    routes += queryapi.routes(lambda: state["ingestor"].store, tokens)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.failed, app.state.server = False, None  # serve() sets the server, which stop_failed stops
     return app

@@ -5,7 +5,13 @@ even while the body is still on its way, and a huge unauthenticated body costs
 the server no memory); bodies are capped (413, read as a stream); non-finite
 numbers, deep nesting, out-of-range or mistyped fields get 400 with one line;
 a stored row that cannot be sent as JSON does not break polling for its run;
-the agent logs a poll that fails, once per kind of failure. Then hypothesis
+the agent logs a poll that fails, once per kind of failure. A command out of
+the range a job can sanely act on (a rollback that raises the learning rate a
+thousandfold or skips 2^40 batches, a power cap of 1 W) is refused 400. A token
+scoped to ingest, query or control (`rankwatch token --scope`) makes only the
+requests its scope covers, and gets 403 for the others: an ingest token, the
+one a job holds, exports and polls and acks its commands, but neither posts
+commands nor queries. Then hypothesis
 posts random bodies and tokens: never a 5xx, never a hang, and a valid
 command still goes round (create, poll, ack) afterwards.
 """
@@ -24,7 +30,7 @@ from hypothesis import strategies as st
 
 from agent.commands import Commands
 from collector.control.api import MAX_BODY, MAX_DEPTH, MAX_WAITING
-from tests.conftest import Collector, free_port, wait_until
+from tests.conftest import Collector, free_port, rankwatch_in_process, wait_until
 
 RUN = "run-abuse-control"
 ANSWER_S = 10  # every request is answered within this, on a loaded machine
@@ -231,6 +237,135 @@ def test_a_bad_command_id_is_refused(client, path):
 @pytest.mark.parametrize("params", [{"run_id": RUN, "state": "done"}, {"run_id": "r" * 1000}, {}])
 def test_a_bad_listing_is_refused(client, params):
     refused(client.get("/v1/commands", params=params))
+
+
+# --- commands a job could act on, but should not
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"args": {"before_step": 5, "lr_scale": 1000}}, "lr_scale"),  # the learning rate a thousandfold
+        ({"args": {"before_step": 5, "lr_scale": 1.5}}, "lr_scale"),
+        ({"args": {"before_step": 5, "lr_scale": 1e-9}}, "lr_scale"),  # training all but stopped
+        ({"args": {"before_step": 5, "lr_scale": True}}, "lr_scale"),
+        ({"args": {"before_step": 5, "skip_batches": 2**40 - 1}}, "skip_batches"),  # the data stream run past
+        ({"args": {"before_step": 5, "skip_batches": 10**6}}, "skip_batches"),
+        ({"args": {"before_step": 5, "skip_batches": True}}, "skip_batches"),
+        ({"args": {"before_step": 5, "skip_batches": 2.0}}, "skip_batches"),
+        ({"args": {"before_step": 2**40}}, "before_step"),
+        ({"kind": "power_cap", "args": {"watts": 1}}, "watts"),  # every GPU of the job at its lowest limit
+        ({"kind": "power_cap", "args": {"watts": 5000}}, "watts"),
+        ({"kind": "power_cap", "args": {"caps": {"0": 300, "1": 1}}}, "watts"),
+        ({"kind": "power_cap", "args": {"caps": {"16777216": 300}}}, "rank"),
+    ],
+)
+def test_a_command_out_of_its_sane_range_is_refused(client, fields, why):
+    assert why in refused(create(client, **fields))
+
+
+def test_commands_at_the_ends_of_their_ranges_are_taken(client):
+    from collector.control.commands import (
+        MAX_LR_SCALE,
+        MAX_SKIP_BATCHES,
+        MAX_WATTS,
+        MIN_LR_SCALE,
+        MIN_WATTS,
+    )
+
+    for args in (
+        {"before_step": 5, "lr_scale": MIN_LR_SCALE, "skip_batches": MAX_SKIP_BATCHES - 1},
+        {"before_step": -5, "lr_scale": MAX_LR_SCALE, "skip_batches": 0},
+    ):
+        assert create(client, args=args).status_code == 201
+    for args in ({"watts": MIN_WATTS}, {"caps": {"0": MAX_WATTS}}):
+        assert create(client, kind="power_cap", args=args).status_code == 201
+
+
+# --- tokens scoped to ingest, query or control
+
+
+def scoped(collector, scope: str) -> str:
+    """A token of `scope` alone, as `rankwatch token --scope` makes it from the collector's token."""
+    made = rankwatch_in_process(
+        "token", "--scope", scope, env={"RANKWATCH_TOKEN": collector.token, "RANKWATCH_TOKEN_FILE": ""}
+    )
+    assert made.returncode == 0 and made.stderr == "", made
+    return made.stdout.strip()
+
+
+def guarded(command_id: int) -> dict[str, tuple[str, str, bytes | None]]:
+    """A request of each kind the collector's tokens guard, each one that the collector's own token
+    gets a 2xx for: (method, path, body)."""
+    return {
+        "export": ("POST", "/v1/traces", b""),  # empty: agent.export.check_token's
+        "poll": ("GET", f"/v1/commands?run_id={RUN}&state=pending", None),
+        "ack": ("POST", f"/v1/commands/{command_id}", b'{"state": "acked", "apply_step": 3}'),
+        "command": ("POST", "/v1/commands", json.dumps({"run_id": RUN, "kind": "power_cap", "args": {"watts": 300}})),
+        "query": ("POST", "/api/v1/query", b'{"sql": "SELECT 1"}'),
+    }
+
+
+# What a token of each scope may do: a job's agents (ingest) export, poll their commands and ack them;
+# a dashboard (query) reads; a person who commands (control) reads too, as `rankwatch power apply` does first.
+MAY = {
+    "ingest": {"export", "poll", "ack"},
+    "query": {"poll", "query"},
+    "control": {"poll", "query", "command", "ack"},
+}
+NEEDS = {"export": "ingest", "ack": "ingest or control", "query": "query", "command": "control"}  # as refusals say
+
+
+@pytest.mark.parametrize("scope", sorted(MAY))
+def test_a_scoped_token_makes_the_requests_its_scope_covers_and_gets_403_for_the_others(
+    collector, client, anonymous, scope
+):
+    headers = {"Authorization": f"Bearer {scoped(collector, scope)}", "Content-Type": "application/json"}
+    for name, (method, path, body) in guarded(create(client).json()["id"]).items():
+        if name == "export":
+            headers |= {"Content-Type": "application/x-protobuf"}
+        response = anonymous.request(method, path, content=body, headers=headers)
+        if name in MAY[scope]:
+            assert response.is_success, (scope, name, response.status_code, response.text)
+            continue
+        assert response.status_code == 403, (scope, name, response.status_code, response.text)
+        assert response.headers["WWW-Authenticate"].startswith('Bearer error="insufficient_scope"')
+        if name != "export":  # OTLP's answer is a protobuf Status
+            assert f"the {NEEDS[name]} scope" in refused(response, 403)
+
+
+def test_an_ingest_token_is_enough_for_the_agents_poll_and_ack(collector, client):
+    """A job's agent holding only an ingest token fetches its run's command and acks it."""
+    ingest = scoped(collector, "ingest")
+    created = create(client, run_id=f"{RUN}-ingest").json()
+    commands = Commands(collector.url, ingest, f"{RUN}-ingest", rank=0, poll_s=0.2, look_s=0)
+    try:
+        wait_until(lambda: commands.at_step(1), "the ingest token's poll fetched nothing")
+    finally:
+        commands.close()
+    (acked,) = client.get("/v1/commands", params={"run_id": f"{RUN}-ingest"}).json()
+    assert (acked["id"], acked["state"]) == (created["id"], "acked")
+
+
+def test_a_scoped_token_of_another_collectors_token_is_refused_401(anonymous):
+    from agent.config import scoped_token
+
+    for scope in MAY:
+        response = anonymous.get(
+            "/v1/commands",
+            params={"run_id": RUN},
+            headers={"Authorization": f"Bearer {scoped_token('another-token-0123456', scope)}"},
+        )
+        assert refused(response, 401) == "missing or wrong bearer token"
+
+
+def test_a_collector_refuses_a_scoped_token_as_its_own():
+    """A scoped token given as the collector's own would make its holder every scope's tokens."""
+    from agent.config import TokenError, scoped_token
+    from collector.receive.auth import Tokens
+
+    with pytest.raises(TokenError, match="scoped to ingest"):
+        Tokens(scoped_token("test-token-0123456", "ingest"))
 
 
 # --- a bad stored row

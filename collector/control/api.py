@@ -1,12 +1,13 @@
-"""The control API: commands for a running job (rollbacks), over HTTP, behind the bearer token.
+"""The control API: commands for a running job (rollbacks, power caps), over HTTP, behind the bearer
+tokens, each request open to the scopes named (agent/config.py; the collector's own token has all):
 
-  GET  /v1/commands?run_id=R[&state=S]   a run's commands, oldest first
+  GET  /v1/commands?run_id=R[&state=S]   a run's commands, oldest first (ingest, query)
        [&state=pending&wait=W]            held until the run has a pending command, W seconds at most
-  POST /v1/commands                      {"run_id", "kind", "args"}: a person's command (201)
-  POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress
+  POST /v1/commands                      {"run_id", "kind", "args"}: a person's command, 201 (control)
+  POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress (ingest, control)
 
 Bodies and answers are JSON; a refused request gets {"error": "..."} with 400,
-401, 404 or 413, and 503 while the store's writer is restarting. The token is
+401, 403, 404 or 413, and 503 while the store's writer is restarting. The token is
 checked before anything of the body is read; a body is read up to MAX_BODY and
 parsed strictly (collector/receive/bodies.py); what each field may hold is checked by the
 store's writer process, the one with the file open for writing, which carries the
@@ -22,9 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agent.config import CONTROL, INGEST, QUERY
 from collector.control.commands import CommandError, CreateCommand, ListCommands, PendingRuns, UpdateCommand
 from collector.receive import bodies
-from collector.receive.auth import refused
+from collector.receive.auth import Tokens
 
 if TYPE_CHECKING:
     from collector.store.handle import Store
@@ -95,16 +97,17 @@ class Waiting:
                     woken.set()
 
 
-def routes(store: Callable[[], "Store"], token: str, stopping: Callable[[], bool] = lambda: False) -> list[Route]:
+def routes(store: Callable[[], "Store"], tokens: Tokens, stopping: Callable[[], bool] = lambda: False) -> list[Route]:
     """The control API's routes; `store` gives the open store (it opens after the routes exist);
     `stopping`: whether the server is stopping (held polls are then answered at once)."""
     waiting = Waiting(store, stopping)
 
-    def guarded(operation: Callable[[Request], Awaitable[Operation]]) -> Callable:
-        """An endpoint that checks the token, before anything else, then runs `operation`'s call."""
+    def guarded(operation: Callable[[Request], Awaitable[Operation]], *needs: str) -> Callable:
+        """An endpoint that checks the token has one of the scopes `needs`, before anything else, then
+        runs `operation`'s call."""
 
         async def endpoint(request: Request) -> JSONResponse:
-            if (refusal := refused(request, token)) is not None:
+            if (refusal := tokens.refused(request, *needs)) is not None:
                 return refusal
             try:
                 call, status, wait_s = await operation(request)
@@ -146,9 +149,9 @@ def routes(store: Callable[[], "Store"], token: str, stopping: Callable[[], bool
         return UpdateCommand(int(command_id), fields["state"], fields.get("apply_step"), fields.get("result")), 200, 0.0
 
     return [
-        Route("/v1/commands", guarded(listing), methods=["GET"]),
-        Route("/v1/commands", guarded(create), methods=["POST"]),
-        Route("/v1/commands/{id}", guarded(update), methods=["POST"]),
+        Route("/v1/commands", guarded(listing, INGEST, QUERY), methods=["GET"]),  # a job's poll, or a read
+        Route("/v1/commands", guarded(create, CONTROL), methods=["POST"]),
+        Route("/v1/commands/{id}", guarded(update, INGEST, CONTROL), methods=["POST"]),  # a job's report
     ]
 
 

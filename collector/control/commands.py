@@ -17,15 +17,22 @@ from dataclasses import dataclass
 import duckdb
 
 from collector.analysis.analyzers import anomalies
+from collector.receive.decode import RANGES
 from collector.store.lake import next_id
 from collector.store.requests import Context, Request, handles
 
 KINDS = ("rollback", "power_cap")
 STATES = ("pending", "acked", "applied", "failed", "cancelled")
-MAX_STEP = 2**40  # steps are in [0, MAX_STEP), the range ingest takes them in
-MAX_RANK = 2**24  # ranks are in [0, MAX_RANK), likewise
-MAX_WATTS = 10_000.0  # a cap above any GPU's range (the job clamps it to its GPU's anyway)
-MAX_LR_SCALE = 1_000.0
+MAX_STEP, MAX_RANK = RANGES["step"], RANGES["rank"]  # steps and ranks as ingest takes them: [0, MAX)
+# What a job can sanely be told to do. A power cap's watts: from below the lowest limit any data-center GPU
+# takes (tens of watts, the smallest inference cards') to above the highest (about 1,400 W); the job clamps
+# a cap to its own GPU's range too. A rollback's lr_scale lowers the learning rate or keeps it, to a
+# hundredth at most (a raised rate is what diverges; below a hundredth, training all but stops); its
+# skip_batches, in [0, MAX_SKIP_BATCHES), are the batches that led to the anomaly: those since the
+# checkpoint restored, a few checkpoint intervals (100 steps by default), never the rest of the data.
+MIN_WATTS, MAX_WATTS = 25.0, 2_000.0
+MIN_LR_SCALE, MAX_LR_SCALE = 0.01, 1.0
+MAX_SKIP_BATCHES = 10_000
 MAX_TEXT = 256  # characters of a run id or an anomaly's name
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
@@ -85,8 +92,8 @@ def rollback_args(args) -> dict:
             f"a rollback takes no {_shown(unknown[0])}; args: before_step, skip_batches?, lr_scale?, anomaly?"
         )
     _integer(args["before_step"], "before_step", -MAX_STEP, MAX_STEP)
-    _integer(args.get("skip_batches", 0), "skip_batches", 0, MAX_STEP)
-    _number(args.get("lr_scale", 1.0), "lr_scale", MAX_LR_SCALE)
+    _integer(args.get("skip_batches", 0), "skip_batches", 0, MAX_SKIP_BATCHES)
+    _number(args.get("lr_scale", 1.0), "lr_scale", MIN_LR_SCALE, MAX_LR_SCALE)
     if not isinstance(args.get("anomaly", ""), str) or len(args.get("anomaly", "")) > MAX_TEXT:
         raise CommandError(f"anomaly must be a string of at most {MAX_TEXT} characters")
     return args
@@ -97,14 +104,14 @@ def power_cap_args(args) -> dict:
     it) and `watts` for every other rank, either or both; CommandError for anything else."""
     usage = (
         f"a power_cap takes caps {{rank: watts}} and/or watts (every other rank), ranks in [0, {MAX_RANK}), "
-        f"watts positive, at most {MAX_WATTS:g}"
+        f"watts in [{MIN_WATTS:g}, {MAX_WATTS:g}]"
     )
     if not isinstance(args, dict) or set(args) - {"caps", "watts"} or not isinstance(args.get("caps", {}), dict):
         raise CommandError(usage)
     caps, watts = args.get("caps", {}), args.get("watts")
     try:
-        caps = {_rank(rank): _number(w, "watts", MAX_WATTS) for rank, w in caps.items()}
-        watts = None if watts is None else _number(watts, "watts", MAX_WATTS)
+        caps = {_rank(rank): _number(w, "watts", MIN_WATTS, MAX_WATTS) for rank, w in caps.items()}
+        watts = None if watts is None else _number(watts, "watts", MIN_WATTS, MAX_WATTS)
     except CommandError:
         raise CommandError(usage) from None
     if not caps and watts is None:
@@ -132,10 +139,11 @@ def _integer(value, name: str, low: int, high: int) -> int:
     return value
 
 
-def _number(value, name: str, high: float) -> float:
-    """`value` as a float when it is a number in (0, high]; CommandError otherwise (NaN fails the comparison)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise CommandError(f"{name} must be a number in (0, {high:g}], not {_shown(value)}")
+def _number(value, name: str, low: float, high: float) -> float:
+    """`value` as a float when it is a number in [low, high]; CommandError otherwise (a bool is no number,
+    and NaN fails the comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise CommandError(f"{name} must be a number in [{low:g}, {high:g}], not {_shown(value)}")
     return float(value)
 
 

@@ -6,6 +6,7 @@
     400 {"error"}  not JSON, a field missing or of the wrong type, not one SELECT, or DuckDB refused it
                    (its message's first line)
     401 {"error"}  missing or wrong bearer token
+    403 {"error"}  a token without the query scope (agent/config.py: the collector's own, a query or a control token)
     408 {"error"}  ran past its time limit and was interrupted
     413 {"error"}  a body over MAX_BODY
     503 {"error"}  the store's writer is restarting (Retry-After)
@@ -25,8 +26,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agent.apiclient import ApiClient, ApiError
+from agent.config import QUERY
 from collector.receive import bodies
-from collector.receive.auth import refused
+from collector.receive.auth import Tokens
 from collector.store import readonly
 
 if TYPE_CHECKING:
@@ -42,11 +44,11 @@ class QueryFailed(Exception):
     """The API refused a query or could not be reached; a one-line reason."""
 
 
-def routes(store: Callable[[], "Store"], token: str) -> list[Route]:
+def routes(store: Callable[[], "Store"], tokens: Tokens) -> list[Route]:
     """The query route; `store` gives the open store (it opens after the routes exist)."""
 
     async def query(request: Request) -> JSONResponse:
-        if (refusal := refused(request, token)) is not None:
+        if (refusal := tokens.refused(request, QUERY)) is not None:
             return refusal
         try:
             return JSONResponse(await asyncio.wrap_future(store().call(parse(await bodies.read(request, MAX_BODY)))))
