@@ -1,6 +1,9 @@
 """Where a rank finds its collector, token and run id: arguments, then the environment,
 then the defaults a newcomer gets (which the collector shares). Files: agent/paths.py."""
 
+import base64
+import hashlib
+import hmac
 import os
 import time
 from pathlib import Path
@@ -11,7 +14,15 @@ from agent import paths
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
 COLLECTOR_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_COLLECTOR", "RANKWATCH_TOKEN", "RANKWATCH_TOKEN_FILE"
 MIN_TOKEN_CHARS = 16  # shorter is guessable; an empty one is what a crash between creating and writing leaves
+# "1": a rank without an NVML GPU simulates one (its samples say so); unset, it has no device telemetry
+SIMULATE_GPU_ENV = "RANKWATCH_SIMULATE_GPU"
 UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
+
+
+def simulate_gpu() -> bool:
+    """Whether a rank without an NVML GPU simulates one ($RANKWATCH_SIMULATE_GPU, set by `--simulate-gpu`):
+    never by default, since a simulated GPU's watts and joules read as hardware's to whoever forgets."""
+    return os.environ.get(SIMULATE_GPU_ENV, "") not in ("", "0")
 
 
 class UrlError(ValueError):
@@ -55,6 +66,30 @@ class TokenError(ValueError):
 
 class TokenRefused(TokenError):
     """The collector answered 401 or 403 to the token: nothing sent with it would be stored."""
+
+
+# What a token may do. The collector's own token may do all of it; a scoped token, one scope's share:
+# INGEST sends telemetry and takes its run's commands (polls them, reports how they went), what a job's
+# processes need; QUERY reads (the query API, the commands); CONTROL posts commands, and reads, since
+# a command is decided on what is read (`rankwatch power apply` checks the run first).
+INGEST, QUERY, CONTROL = "ingest", "query", "control"
+SCOPES = (INGEST, QUERY, CONTROL)
+# Every token rankwatch makes starts so, for secret scanners to spot (and never with "-", which a command
+# line would read as an option): the collector's as rw_<random>, a scoped one as rw_<scope>_<MAC>.
+TOKEN_PREFIX = "rw_"
+
+
+def scoped_token(token: str, scope: str) -> str:
+    """The token of `scope` made from the collector's own `token`: an HMAC-SHA256 keyed by it, so that
+    only a holder of the collector's token can make one, every collector taking that token (a lake's)
+    takes it, and a new collector token revokes every scoped one."""
+    mac = hmac.new(token.encode(), f"rankwatch {scope} token".encode(), hashlib.sha256).digest()
+    return f"{TOKEN_PREFIX}{scope}_{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+
+def token_scope(token: str) -> str | None:
+    """The scope of a scoped token; None for a collector's own token."""
+    return next((scope for scope in SCOPES if token.startswith(f"{TOKEN_PREFIX}{scope}_")), None)
 
 
 def checked_token(token: str, where: str) -> str:

@@ -15,7 +15,7 @@ from urllib.parse import quote
 import agent.autostart as autostart_package
 from agent import auto, config, paths
 from agent.apiclient import ApiClient, ApiError
-from agent.config import UNDELIVERED_ENV
+from agent.config import INGEST, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
 
 # `train` and `simulate`: the job ran, but telemetry of it never reached the collector (1 is a failed job, 2 bad input)
 TELEMETRY_LOST = 3
@@ -120,14 +120,17 @@ def run(command: Sequence[str], run_id: str | None = None, collector: str | None
 
 
 def _job(program: str, command: list[str], env: dict, run_id: str, collector: str, token: str | None) -> int:
-    """Run a job's command to its end with `env` added (and the token), stopping it if interrupted; its
-    exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the collector
-    (each rank notes what its exporter dropped in the UNDELIVERED_ENV directory)."""
-    undelivered = Path(tempfile.mkdtemp(prefix="rankwatch-undelivered-"))
-    env = {**os.environ, **env, UNDELIVERED_ENV: str(undelivered)}
-    if token:
-        env["RANKWATCH_TOKEN"] = token
+    """Run a job's command to its end with `env` added (and the job's token, `job_token`), stopping it if
+    interrupted; its exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the
+    collector (each rank notes what its exporter dropped in the UNDELIVERED_ENV directory)."""
+    env = {k: v for k, v in {**os.environ, **env}.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    private = Path(tempfile.mkdtemp(prefix="rankwatch-job-"))  # mode 0700: the job's token, its notes of loss
     try:
+        undelivered = private / "undelivered"
+        undelivered.mkdir()
+        env[UNDELIVERED_ENV] = str(undelivered)
+        if token:
+            env[TOKEN_FILE_ENV] = str(job_token(token, private / "token"))
         with subprocess.Popen(command, env=env) as job:
             try:
                 status = job.wait()
@@ -137,12 +140,23 @@ def _job(program: str, command: list[str], env: dict, run_id: str, collector: st
                 raise
         notes = [json.loads(f.read_text()) for f in undelivered.iterdir()]  # one per rank process that lost any
     finally:
-        shutil.rmtree(undelivered, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     if notes:
         totals = {key: sum(note.get(key, 0) for note in notes) for key in ("rank_steps", "spans", "records", "samples")}
         report_loss(program, run_id, collector, **totals)
         return status or TELEMETRY_LOST
     return status
+
+
+def job_token(token: str, path: Path) -> Path:
+    """`path`, written owner-only with the token a job's processes get: an ingest token, made from the
+    collector's (a scoped token given is passed on as it is). Whatever code the job runs can then send
+    telemetry and take its commands, but neither post commands nor query; and no token is in the job's
+    environment, which every process it starts inherits and which logs and crash reports copy."""
+    scoped = token if config.token_scope(token) else config.scoped_token(token, INGEST)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(scoped + "\n")
+    return path
 
 
 def report_loss(program: str, run_id: str, collector: str, rank_steps: int, spans: int, records: int, samples: int):

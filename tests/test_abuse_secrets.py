@@ -2,7 +2,8 @@
 
 Covered: an empty or short token (a crash between creating and writing the token file leaves one)
 stops the collector at start in one line, and no client sends it; an empty presented token never
-passes, whatever the collector was given; `--token-file` keeps the token out of `ps`; a receiver
+passes, whatever the collector was given; `--token-file` keeps the token out of `ps`; a password for
+the lake's catalog is refused in every form of --lake, in one line that does not show it; a receiver
 without a name, whose URL holds a secret, is labelled without it on /metrics and in the log; every
 file and directory the collector creates is its owner's only; control characters in a stored run id
 reach `rankwatch query`'s output escaped.
@@ -21,8 +22,9 @@ import pytest
 from starlette.requests import Request
 
 from agent import semconv as sc
+from agent.config import SCOPES
 from agent.export import Exporter
-from collector.receive.auth import load_or_create_token, refusal
+from collector.receive.auth import Tokens, load_or_create_token
 from rankwatch.launch import wait_healthy
 from tests.conftest import free_port, rankwatch_in_process, wait_until
 from tests.test_alerts import MS, _pending, _send_steps
@@ -106,8 +108,8 @@ def test_an_empty_or_short_token_stops_the_collector_in_one_line(tmp_path, how):
 @pytest.mark.parametrize("header", ["Bearer ", "Bearer", "bearer    "])
 def test_an_empty_presented_token_never_passes_even_against_an_empty_token(header):
     request = Request({"type": "http", "headers": [(b"authorization", header.encode())]})
-    assert refusal(request, "") is not None
-    assert refusal(request, "a-real-token-0123456789") is not None
+    for token in ("", "a-real-token-0123456789"):
+        assert all(Tokens(token).refusal(request, scope) is not None for scope in SCOPES)
 
 
 def test_a_client_refuses_an_empty_token_file_rather_than_send_it(live, tmp_path):
@@ -150,6 +152,31 @@ def test_a_token_file_keeps_the_token_out_of_ps_and_works(live, tmp_path):
         "query", "SELECT 41 + 1 AS x", "--collector", process.url, "--token-file", str(tmp_path / "t")
     )
     assert result.returncode == 0 and "42" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(
+    "catalog",
+    [
+        "postgresql://rankwatch:{password}@127.0.0.1:{port}/rankwatch",
+        "postgres://rankwatch@127.0.0.1:{port}/rankwatch?connect_timeout=2&password={password}",
+        "postgresql://127.0.0.1:{port}/rankwatch?user=rankwatch&pass%77ord={password}",
+        "host=127.0.0.1 port={port} dbname=rankwatch user=rankwatch sslpassword={password}",
+    ],
+)
+def test_a_catalog_password_in_any_form_of_lake_is_refused_unseen(tmp_path, catalog):
+    """A password in --lake shows in `ps`, in the collector's log and in every error naming the catalog:
+    refused before anything connects, in one line that names it without showing it (the URI form
+    passed the check, then its password was in the message saying the lake could not be opened)."""
+    password = "hunter2-0f3c9a"
+    given = catalog.format(password=password, port=free_port())
+    result = subprocess.run(
+        [sys.executable, "-m", "rankwatch", "collector", "--db", str(tmp_path / "rankwatch.duckdb"), "--port",
+         str(free_port()), "--lake", given, "--data-path", str(tmp_path / "lake")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = result.stdout + result.stderr
+    assert result.returncode == 2 and said.count("\n") == 1, said
+    assert said.startswith("rankwatch: error: keep the catalog's") and password not in said, said
 
 
 def test_a_receiver_url_appears_neither_on_metrics_nor_in_the_log(live):
