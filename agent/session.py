@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer, Timer
-from agent.config import UNDELIVERED_ENV
+from agent.config import UNDELIVERED_ENV, simulate_gpu
 from agent.export import Attributes, AttributeValue, Exporter, log
 from agent.host import HostState
 from agent.opendevice import open_device
@@ -124,9 +124,13 @@ class Session:
         self._current: _Step | None = None
         self._phase: str | None = None
         local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
-        # a simulated GPU is busy while the rank computes
-        self.device = open_device(local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES))
-        readers: list = [self.device, HostState(host_wide=local_rank == 0)]  # the host's disks: one rank per host
+        # a simulated GPU (where asked for) is busy while the rank computes; None: no GPU
+        self.device = open_device(
+            local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES), simulate=simulate_gpu()
+        )
+        readers: list = [HostState(host_wide=local_rank == 0)]  # the host's disks: one rank per host
+        if self.device is not None:
+            readers.insert(0, self.device)
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
         # a step held for its energy goes out once sampled past, not only at the next step's end
@@ -269,7 +273,8 @@ class Session:
         if self.sampler:
             self.sampler.stop()  # its last sample covers every step still pending
         self._emit_ready(wait=True)
-        self.device.close()  # puts back the power limit of before any cap
+        if self.device is not None:
+            self.device.close()  # puts back the power limit of before any cap
         if not self.exporter:
             return
         self.exporter.flush()

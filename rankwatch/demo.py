@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from collector.analysis.analyzers import stragglers
+from agent.config import QUERY, TOKEN_ENV, scoped_token
 from collector.receive.auth import load_or_create_token
 from collector.reports.query import write
 from dashboard.serve import HOST as DASHBOARD_HOST
@@ -44,6 +44,13 @@ SELECT args->>'$.anomaly' AS anomaly, state, json_extract(result, '$.from_step')
        round(CAST(json_extract(result, '$.latency_s') AS DOUBLE), 1) AS latency_s
 FROM commands WHERE run_id = ? AND kind = 'rollback' ORDER BY id
 """
+# The collector's own findings of the run, as it recorded them live (what could not be judged and the power
+# recommendations left out): the demo reads its conclusions, it does not draw its own.
+FINDINGS = """
+SELECT severity, summary FROM findings
+WHERE run_id = ? AND kind <> 'not_judged' AND severity <> 'info'
+ORDER BY severity = 'critical' DESC, step_start, id
+"""
 SUMMARY = """
 SELECT rank,
        count(*) AS steps,
@@ -58,8 +65,9 @@ FROM current_steps WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank
 def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> None:
     """The demo, end to end; `dashboard_port` None: without the dashboard."""
     token = load_or_create_token(db.parent)
+    reader = scoped_token(token, QUERY)  # what the dashboard and the summary need: they only read
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "RANKWATCH_TOKEN": token}
+    env = {**os.environ, TOKEN_ENV: token}
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     slow_from, spike_at, injected = faults(steps)
     try:
@@ -100,7 +108,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
                                 "--port",
                                 str(dashboard_port),
                             ],
-                            env=env,
+                            env={**env, TOKEN_ENV: reader},
                         )
                     )
                 )
@@ -121,7 +129,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
             if status:
                 sys.exit(f"rankwatch demo: the training job failed (exit status {status})")
             time.sleep(2)  # an analysis pass (every 1 s) over the final steps, before the summary reads them
-            _summarize(CollectorSource(url, token), run_id, slow_from, spike_at)
+            _summarize(CollectorSource(url, reader), run_id, slow_from, spike_at)
             if dashboard_port is not None:
                 print(
                     f"\nThe dashboard stays up at http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}, reading "
@@ -135,22 +143,18 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
 
 
 def _summarize(collector: CollectorSource, run_id: str, slow_from: int, spike_at: int) -> None:
-    """The per-rank table, the straggler analyzer's verdict and the rollback, read through the collector."""
+    """The per-rank table, the collector's findings and the rollback, read through the collector."""
 
     def table(sql: str, *params) -> pd.DataFrame:
         return to_frame(collector.query(sql, [run_id, *params]))
 
     print(f"\nPer rank, steps {slow_from} onwards (the straggler is rank 2):")
     _write(table(SUMMARY, slow_from))
-    print("\nWhat the straggler analyzer finds over the last 50 steps:")
-    found = stragglers.analyze(
-        table("SELECT * FROM current_steps WHERE run_id = ?"),
-        table("SELECT * FROM ranks WHERE run_id = ?"),
-        stragglers.Settings(window=50),
-    )
-    for finding in found:
+    print("\nWhat the collector found, worst first (as the dashboard's Overview lists it):")
+    found = table(FINDINGS)
+    for finding in found.itertuples():
         print(f"  [{finding.severity}] {finding.summary}")
-    if not found:
+    if found.empty:
         print("  nothing")
     rollbacks = table(ROLLBACKS)
     print(f"\nThe loss spike at step {spike_at}, rolled back by the collector ({len(rollbacks)} rollback):")

@@ -337,13 +337,16 @@ def test_open_device_is_nvml_when_the_driver_answers(nvml):
         ("nvmlDeviceGetHandleByIndex", pynvml.NVML_ERROR_INVALID_ARGUMENT),
     ],
 )
-def test_open_device_is_simulated_without_nvml_and_says_why(nvml, caplog, failing, error):
+def test_without_nvml_a_rank_has_no_gpu_unless_asked_to_simulate_one_and_says_why(nvml, caplog, failing, error):
+    """A job on CPUs gets no invented GPU: no device at all by default, a simulated one only where asked."""
     nvml.errors = {failing: error}
     with caplog.at_level(logging.INFO, logger="rankwatch.agent"):
-        device = open_device(1)
+        assert open_device(1) is None
+        device = open_device(1, simulate=True)
     assert isinstance(device, SimulatedDevice) and device.index == 1
     assert nvml.initialised == 0
-    assert str(pynvml.NVMLError(error)) in caplog.text and "simulated" in caplog.text
+    assert str(pynvml.NVMLError(error)) in caplog.text
+    assert "no GPU telemetry (--simulate-gpu simulates one)" in caplog.text and "is simulated" in caplog.text
 
 
 # -- the simulated GPU ------------------------------------------------------------------------------------

@@ -83,6 +83,29 @@ def test_an_unmodified_ddp_script_is_seen_step_by_step_and_its_straggler_named(c
     assert stragglers and {(kind, tuple(ranks)) for kind, ranks in stragglers} == {("rank", (1,))}, stragglers
 
 
+def test_a_slow_data_loader_is_named_as_such_and_a_job_on_cpus_shows_no_gpu(collector):
+    """Rank 1 waits 50 ms for each batch from step 10: the finding names it and its input, costs the others'
+    wait, and says since when; and the job, on CPUs, stores no GPU samples and no step energy."""
+    job = two_ranks(collector, "slow-loader", SCRIPT, "--steps", str(STEPS), "--slow-loader", "1", "--slow-from", "10")
+    assert job.returncode == 0, job.stderr[-3000:]
+    found = query(
+        collector.db,
+        """SELECT kind, ranks, step_start, summary, evidence->>'phase', CAST(evidence->>'lost_s_per_step' AS DOUBLE)
+           FROM findings WHERE run_id = 'slow-loader' AND analyzer = 'stragglers' AND severity <> 'info'""",
+    )
+    assert [(kind, ranks, phase) for kind, ranks, _, _, phase, _ in found] == [("rank", [1], "data")], found
+    ((_, _, onset, summary, _, lost),) = found
+    assert 5 <= onset <= 12 and f"since step {onset}" in summary and "input (data loading)" in summary, summary
+    assert lost > 0.03, summary  # rank 0 waits out the 50 ms in its all-reduce
+    gpu = query(
+        collector.db,
+        """SELECT count(*) FILTER (metric LIKE 'DCGM%' OR source = 'simulated'),
+                  (SELECT count(energy_j) FROM steps WHERE run_id = 'slow-loader')
+           FROM device_samples WHERE run_id = 'slow-loader'""",
+    )
+    assert gpu == [(0, 0)]
+
+
 def test_a_ddp_scripts_own_comm_hook_is_kept_and_each_bucket_timed_once(collector):
     """The script registers DDP's fp16 compression hook: the agent's bucket timing goes around it, and the
     all-reduce the hook launches is the bucket's, not a second collective."""

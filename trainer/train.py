@@ -164,8 +164,12 @@ def unfit(fault: Fault, layout: Layout | None, offloaded: offload.Spec | None = 
 
 
 def apply_power_cap(command: dict, device, rank: int) -> None:
-    """This rank's cap from a power_cap command, set on its GPU (clamped to the GPU's range)."""
+    """This rank's cap from a power_cap command, set on its GPU (clamped to the GPU's range); refused where the
+    rank has none (`device` None)."""
     watts = (command["args"].get("caps") or {}).get(str(rank), command["args"].get("watts"))
+    if device is None:
+        agent.report(command, "failed", error="this rank has no GPU to cap (--simulate-gpu simulates one)")
+        return
     try:
         applied = device.set_power_cap(watts) if watts is not None else None
         agent.report(command, "applied", power_limit_w=applied)
@@ -338,8 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % args.snapshot_every == 0:
             grow_ring(ckpt, reach, args.snapshot_every)
             ckpt.snapshot(step + 1)
-        # a capped or throttled simulated GPU computes slower (a real one: scale 1)
-        time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
+        if session.device is not None:  # a capped or throttled simulated GPU computes slower (a real one: scale 1)
+            time.sleep((session.device.compute_scale() - 1) * (time.perf_counter() - compute_started))
 
     # the loss is the last stage's: its last rank reports progress
     progress = Progress(args.log_every, args.steps - 1) if rank == (world - 1 if threed else 0) else None

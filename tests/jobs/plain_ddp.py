@@ -3,7 +3,8 @@ under `rankwatch run`): a small MLP on random data over gloo, SGD with gradient 
 --fp16-comm DDP's own fp16 compression hook; with --cuda on its local rank's GPU over NCCL, and
 --sync-check makes any host-device sync after its first steps an error (torch's sync debug mode), so
 that whatever instruments it must never sync. Rank --slow-rank sleeps in its forward: the script's own
-slowness, as a slow GPU's would be."""
+slowness, as a slow GPU's would be. Rank --slow-loader waits 50 ms for each batch from step --slow-from
+on, as behind a slow data loader."""
 
 import argparse
 import os
@@ -31,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-loader", type=int, default=-1, help="this rank waits 50 ms for each batch")
+    parser.add_argument("--slow-from", type=int, default=0, help="from this step on")
     parser.add_argument("--fp16-comm", action="store_true", help="gradients all-reduced in fp16 (DDP's own hook)")
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
     parser.add_argument("--sync-check", action="store_true", help="a host-device sync after step 3 is an error")
@@ -50,6 +53,8 @@ def main() -> None:
     for step in range(args.steps):
         if args.sync_check and step == 3:
             torch.cuda.set_sync_debug_mode("error")
+        if rank == args.slow_loader and step >= args.slow_from:
+            time.sleep(0.05)  # the batch is late
         x, y = torch.randn(32, 64, device=device), torch.randn(32, 1, device=device)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)

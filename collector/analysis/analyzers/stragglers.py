@@ -56,6 +56,7 @@ import pandas as pd
 from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, hardware
+from collector.analysis.analyzers.changepoint import change_point
 
 ANALYZER = "stragglers"
 DATA, COMPUTE = "data", "compute"  # the phases a finding blames (evidence `phase`): input, or the work itself
@@ -468,17 +469,18 @@ def _median(values: np.ndarray) -> float:
 
 
 def _onset(m: _Matrices, i: int, suspects: tuple, s: Settings) -> int:
-    """Since when the suspects found at row i are slow: the last step their rolling median ratio
-    (over the shortest window) was under halfway to its level at i, plus half that window of lag (a
-    median crosses halfway that late); looked for over the `max_window` steps up to i."""
-    columns = np.searchsorted(m.ranks, suspects)
+    """Since when the suspects found at row i are slow, looked for over the `max_window` steps up to i: where
+    the time the others wait out for them (their own time less the others' median, per step) changes
+    level, a change point on that series (a threshold on a ratio would move with the noise of the steps
+    before: a rank of a small job on a busy host is often slower by chance); the window's first step where
+    it was already slow, the level before no less than half the level after."""
     rows = slice(max(i + 1 - s.max_window, 0), i + 1)
-    mine = pd.Series(np.median(m.ratio[rows][:, columns], axis=1), index=m.steps[rows])
-    rolling = mine.rolling(s.window, min_periods=1).median()
-    slowdown = float(rolling.iloc[-1])
-    under = rolling.index[rolling <= 1 + (slowdown - 1) / 2]
-    first = int(under[-1]) + 1 - s.window // 2 if len(under) else int(mine.index[0])
-    return min(max(first, int(mine.index[0])), int(m.steps[i]))
+    window = m.taken(rows)
+    excess = _waited_for(window, list(suspects))
+    split = change_point(excess)
+    if not split or excess[:split].mean() >= excess[split:].mean() / 2:
+        return int(window.steps[0])
+    return int(window.steps[split])
 
 
 def _widespread(run_id: str, recent: _Matrices) -> Finding:

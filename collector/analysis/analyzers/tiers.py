@@ -29,6 +29,7 @@ import pandas as pd
 from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import Finding, Frames, Reads, Tiers
+from collector.analysis.analyzers.changepoint import change_point
 from collector.quantities import bandwidth, data_size, duration, percent
 
 ANALYZER = "tiers"
@@ -183,28 +184,19 @@ def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: S
         # its slow stretch ends at its newest slow step (the window's median is slow, so some step is; the newest
         # may be fast again: a fault that ended) and begins where its own series changes level
         newest_slow = mine.index[(mine < bound).to_numpy()].max()
-        onset = _change_point(mine[mine.index <= newest_slow])
+        onset = _onset(mine[mine.index <= newest_slow])
         reference = float(references.at[rank, of]) if of in references else float(probed[rank])
         slow[int(rank)] = {"bps": float(now[rank]), "reference_bps": reference, "reference": of, "since_step": onset}
     return slow
 
 
-def _change_point(rates: pd.Series) -> int:
-    """The step a rank's bandwidth series (by step) changes level at: the split into a before and an after
-    whose log-bandwidths' squared deviations from their means sum least (a change of level found by least
-    squares, as a single change point is). A noisy step or two before the change moves it no more than it
-    is closer to the after's level than to the before's: judged on the rank's own series, not on a
-    threshold set by its peers, which a loaded machine slows too."""
+def _onset(rates: pd.Series) -> int:
+    """The step a rank's bandwidth series (by step) drops at: where its log-bandwidth changes level (a
+    change point, judged on the rank's own series, not on a threshold set by its peers, which a loaded
+    machine slows too); its first step where it never rose."""
     logs = np.log(rates.to_numpy(dtype=float))
-    n = len(logs)
-    if n < 2:
-        return int(rates.index[0])
-    k = np.arange(1, n)  # the after begins at position k
-    total, squares = np.cumsum(logs), np.cumsum(logs**2)
-    before = squares[k - 1] - total[k - 1] ** 2 / k
-    after = (squares[-1] - squares[k - 1]) - (total[-1] - total[k - 1]) ** 2 / (n - k)
-    split = k[np.argmin(before + after)]
-    if logs[split:].mean() >= logs[:split].mean():  # no drop: slow all along
+    split = change_point(logs)
+    if not split or logs[split:].mean() >= logs[:split].mean():
         return int(rates.index[0])
     return int(rates.index[split])
 
