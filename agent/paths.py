@@ -29,5 +29,12 @@ def store_path(explicit: str | Path | None = None) -> Path:
 
 
 def checkpoint_dir(store: Path, run_id: str) -> Path:
-    """Where `rankwatch train` keeps run `run_id`'s checkpoints: beside the store."""
+    """Where `rankwatch train` keeps run `run_id`'s checkpoints: beside the store. ValueError for a run id
+    that is not one directory's name (empty, `.`, `..`, or with a `/` or NUL in it): an absolute path or
+    `../..` would put them outside the store's directory."""
+    if run_id in ("", ".", "..") or "/" in run_id or "\0" in run_id:
+        raise ValueError(
+            f"run id {run_id!r} cannot name a directory of {store.parent / 'runs'}: "
+            "give one without /, other than . and .."
+        )
     return store.parent / "runs" / run_id / "checkpoints"

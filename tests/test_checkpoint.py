@@ -23,9 +23,11 @@ Run as a script (`python tests/test_checkpoint.py DIR`) this file is the
 writer that the SIGKILL test kills.
 """
 
+import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -230,6 +232,33 @@ def _flip_a_byte(path: Path) -> None:
     (path / TENSORS).write_bytes(bytes(data))
 
 
+class Exploit:
+    """Pickled, it runs a shell command when plain pickle.load reads it: one that leaves a file beside
+    the checkpoints, which the test would find."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _forged(path: Path, state: object) -> None:
+    """Replace a checkpoint's state file with `state` pickled, its manifest rewritten to vouch for it, as
+    whoever can write the checkpoint directory can."""
+    data = pickle.dumps(state)
+    (path / META).write_bytes(data)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][META] = {"bytes": len(data), "blake2b": hashlib.blake2b(data).hexdigest()}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _code_in_the_pickled_state(path: Path) -> None:
+    """The state file's outer pickle as written, the training state inside it code."""
+    _, refs = pickle.loads((path / META).read_bytes())  # this test's own file: plain pickle is safe here
+    _forged(path, (pickle.dumps({"state": Exploit(path.parent / "pwned"), "rng": {}}), refs))
+
+
 DAMAGE = {  # how -> (damage, the reason reported)
     "flipped byte": (_flip_a_byte, "tensors.bin does not match its checksum"),
     "truncated": (lambda p: (p / TENSORS).write_bytes((p / TENSORS).read_bytes()[:-100]), "tensors.bin has"),
@@ -239,6 +268,14 @@ DAMAGE = {  # how -> (damage, the reason reported)
     "manifest of another step": (
         lambda p: (p / MANIFEST).write_text(json.dumps({**json.loads((p / MANIFEST).read_text()), "step": 3})),
         "the manifest is of step 3",
+    ),
+    "code in the state file": (
+        lambda p: _forged(p, Exploit(p.parent / "pwned")),
+        "state.pkl is not a checkpoint's state (it names posix.system, which no checkpoint holds)",
+    ),
+    "code in the pickled state": (
+        _code_in_the_pickled_state,
+        "state.pkl is not a checkpoint's state (it names posix.system, which no checkpoint holds)",
     ),
 }
 

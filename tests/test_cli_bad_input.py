@@ -177,6 +177,15 @@ def test_a_checkpoint_interval_that_is_no_snapshot_is_refused_before_torchrun():
     assert result.stdout == ""  # nothing was started
 
 
+@pytest.mark.parametrize("run", ["/abs", "../../elsewhere", "..", "a/b", ""])
+def test_train_refuses_a_run_id_that_would_put_its_checkpoints_outside_the_store(run, tmp_path, capsys):
+    run = run.replace("/abs", str(tmp_path / "elsewhere"))
+    store = tmp_path / "data" / "s.duckdb"
+    err = refused(["train", "--run", run, "--db", str(store), "--steps", "2"], capsys)
+    assert f"run id {run!r} cannot name a directory of {store.parent / 'runs'}" in err
+    assert list(tmp_path.iterdir()) == []  # refused before anything started
+
+
 def test_dashboard_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

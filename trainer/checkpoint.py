@@ -29,13 +29,17 @@ each writes only its share of them. Listing checkpoints reads manifests only;
 the one about to be loaded is read in full and checked: a checkpoint whose
 manifest is missing or does not match its files, or whose layout is not the
 live state's or its replicas', is partial, damaged or another's, and is
-reported and never loaded.
+reported and never loaded. A checkpoint's pickles are loaded as data: the
+unpickler rebuilds what the checkpointer writes (builtin containers and
+scalars, a module's OrderedDict, tensors' places and dtypes) and refuses any
+other global a file names, without looking it up, as a damaged checkpoint.
 
 `restore(step)` loads the newest snapshot at or before `step` that every
 replica has, from memory unless only the disk has it; the snapshots after it
 belong to a future that will not happen and are dropped from both tiers.
 """
 
+import collections
 import ctypes
 import functools
 import hashlib
@@ -145,20 +149,34 @@ def _layout(tensors: list[torch.Tensor]) -> list[_Ref]:
     return refs
 
 
-class _Unpickler(pickle.Unpickler):
-    """A pickled snapshot back, each `_Tensor` replaced by `tensor(index)` of its index in the layout,
-    once per index: names that shared a tensor share one again."""
+# Every global the checkpointer's pickles name, but `_Tensor`: a module's state dict, and the place and
+# dtype of each tensor (the RNG states are kept as plain data for this)
+_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    (__name__, "_Ref"): _Ref,
+    **{("torch", name): dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)},
+}
 
-    def __init__(self, meta: bytes, tensor: Callable[[int], Any]):
-        super().__init__(io.BytesIO(meta))
-        self.tensor, self.next = functools.cache(tensor), 0
+
+class _Unpickler(pickle.Unpickler):
+    """A checkpoint's pickle back, as data: only `_GLOBALS` are rebuilt, and in a pickled snapshot each
+    `_Tensor` is replaced by `tensor(index)` of its index in the layout, once per index (names that
+    shared a tensor share one again). Any other global is refused (UnpicklingError) before it is looked
+    up: a file on disk may name any code, which plain pickle.load would run."""
+
+    def __init__(self, data: bytes | memoryview, tensor: Callable[[int], Any] | None = None):
+        super().__init__(io.BytesIO(data))
+        self.tensor, self.next = None if tensor is None else functools.cache(tensor), 0
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == (__name__, "_Tensor"):
+        if (module, name) == (__name__, "_Tensor") and self.tensor is not None:
             return self._placeholder
-        return super().find_class(module, name)
+        if (module, name) in _GLOBALS:
+            return _GLOBALS[module, name]
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no checkpoint holds")
 
     def _placeholder(self, index: int | None = None) -> Any:
+        assert self.tensor is not None  # find_class returns this only then
         if index is None:
             index, self.next = self.next, self.next + 1
         return self.tensor(index)
@@ -209,8 +227,9 @@ def _rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state().numpy().tobytes()}
     if torch.cuda.is_available():  # this rank's device only: the others are other ranks'
         state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+    if "numpy" in sys.modules:  # (name, key, pos, has_gauss, gauss) with the key as a list, not an array
+        name, key, *rest = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (name, key.tolist(), *rest)
     return state
 
 
@@ -345,7 +364,13 @@ def _read_checkpoint(
     size, digest = manifests[own]["files"][META]
     state = torch.empty(max(size, 1), dtype=torch.uint8)  # held while its memory is read
     _read_verified(paths[own] / META, _memory(state)[:size], digest)
-    meta, refs = pickle.loads(_memory(state)[:size])
+    try:
+        meta, refs = _Unpickler(_memory(state)[:size]).load()
+        written = _fingerprint(meta, refs, len(paths))
+    except Exception as e:  # bytes that match their checksum yet are no checkpoint's state: any of a dozen types
+        raise _Corrupt(f"{META} is not a checkpoint's state ({e})") from None
+    if written != layout:
+        raise _Corrupt(f"{META} is not the state its manifest describes")
     nbytes = manifests[own]["tensor_bytes"]
     buffer = torch.empty(max(nbytes, _ALIGN), dtype=torch.uint8)
     for i, (path, manifest) in enumerate(zip(paths, manifests, strict=True)):

@@ -9,6 +9,8 @@ weights under the names read here; tests hold the two forward passes equal.
 """
 
 import json
+import math
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from collector.predict.analytic import Analytic
 from collector.predict.groups import Encoded, Encoder
 
 BLOCK = ("ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "w1", "b1", "w2", "b2")
+MAX_MODEL_BYTES = 256 << 20  # a saved model's arrays, decompressed: its weights and header take a few MB
+_ARRAY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -112,10 +116,17 @@ class Model:
 
     @classmethod
     def load(cls, path: Path) -> tuple["Model", dict]:
-        """The model saved at `path`, and the rest of what was saved with it."""
-        with np.load(path, allow_pickle=False) as data:
-            header = json.loads(str(data["__meta__"]))
-            weights = {k: data[k] for k in data.files if k != "__meta__"}
+        """The model saved at `path`, and the rest of what was saved with it; ValueError for a file that is
+        not one, or whose arrays would take more than MAX_MODEL_BYTES."""
+        try:
+            _check_sizes(path)
+            with np.load(path, allow_pickle=False) as data:
+                header = json.loads(str(data["__meta__"]))
+                weights = {k: data[k] for k in data.files if k != "__meta__"}
+        except zipfile.BadZipFile as e:  # a damaged member too, found once read
+            raise ValueError(f"not an .npz ({e})") from None
+        except RecursionError:
+            raise ValueError("its header nests deeper than JSON is read") from None
         model = cls(
             Encoder.from_json(header.pop("encoder")),
             weights,
@@ -125,3 +136,25 @@ class Model:
             None if (prior := header.pop("prior", None)) is None else Analytic(**prior),
         )
         return model, header
+
+
+def _check_sizes(path: Path) -> None:
+    """Refuse (ValueError; BadZipFile for no zip) a model file whose arrays would take more than
+    MAX_MODEL_BYTES, before any is read. An .npz is a zip: its members declare their sizes, which
+    zipfile reads no further than (a zip of 4 GiB of zeros takes 4 MB), and each member's .npy header
+    declares a shape, which numpy allocates before reading the data: it must fit in its member. Only
+    the compressions numpy writes are read, as deflate alone is inflated a bounded chunk at a time."""
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+        if sum(m.file_size for m in members) > MAX_MODEL_BYTES:
+            raise ValueError(f"its arrays take more than {MAX_MODEL_BYTES >> 20} MiB: not a saved model")
+        for member in members:
+            if member.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise ValueError(f"{member.filename} is compressed in a way numpy never writes")
+            with archive.open(member) as f:
+                read_header = _ARRAY_HEADERS.get(np.lib.format.read_magic(f))
+                if read_header is None:
+                    raise ValueError(f"{member.filename} is not an array of a format numpy writes")
+                shape, _, dtype = read_header(f)
+            if math.prod(shape) * dtype.itemsize > member.file_size:
+                raise ValueError(f"{member.filename} declares an array larger than the file holds")

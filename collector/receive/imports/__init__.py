@@ -13,6 +13,7 @@ behind.
 """
 
 from collections.abc import Callable, Iterable
+from io import BufferedIOBase
 from pathlib import Path
 
 import pandas as pd
@@ -22,9 +23,22 @@ from agent import semconv as sc
 from collector.receive.decode import arrow_schema, conform
 from collector.store.db import connect, create_tables
 
+_CHUNK = 1 << 20  # bytes read at a time by read_at_most
+
 
 class TraceError(ValueError):
     """A trace that cannot be imported; the message names the file and what is wrong."""
+
+
+def read_at_most(f: BufferedIOBase, limit: int) -> bytearray | None:
+    """What `f` holds (a file, a decompressing reader), read a chunk at a time; None as soon as it
+    passes `limit` bytes, so a file past it never takes more memory than that."""
+    data = bytearray()
+    while chunk := f.read(_CHUNK):
+        data += chunk
+        if len(data) > limit:
+            return None
+    return data
 
 
 def files_of(paths: Iterable[Path], kept: Callable[[Path], bool], what: str) -> list[Path]:

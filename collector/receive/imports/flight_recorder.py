@@ -17,7 +17,15 @@ Security: loading a pickle can run any code its author chose. A dump holds
 only plain data (dicts, lists, tuples, strings, numbers, booleans, None), so
 it is read by an Unpickler whose find_class refuses every global: a file that
 names one (os.system, any class) is rejected before anything runs, never
-passed to plain pickle.load.
+passed to plain pickle.load. Nor may a dump take more memory than its size
+warrants: a file past MAX_DUMP_BYTES is refused unread; a pickle's memo
+indices are checked before it is loaded (the unpickler sizes its memo by the
+largest, so 9 bytes could ask for 4 GiB); and what was loaded is refused when
+it nests deeper than MAX_DEPTH or, each value counted as often as it is
+referred to, holds more than AMPLIFICATION times the file's bytes (a pickle
+refers to a value already loaded in 2 bytes, so a few hundred bytes can hold a
+list of two references to a list of two references ... 30 deep, which JSON
+and the rows would write out 2**30 times).
 
 Every entry becomes one `comm` op without a step (a dump knows no training
 steps, so the run has no `steps` rows); each dump's header (version, the
@@ -30,21 +38,27 @@ import io
 import json
 import math
 import pickle
+import pickletools
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 
 from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, canonical_op
-from collector.receive.imports import TraceError, files_of
+from collector.receive.imports import TraceError, files_of, read_at_most
 
 EVENT = "flight_recorder_dump"
 _RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")
 _P2P = ("send", "recv")
 _DEFAULT_GROUP = "default_pg"  # the description PyTorch gives the world's process group
+MAX_DUMP_BYTES = 64 << 20  # a dump's file: PyTorch's ring of 2,000 entries, stacks included, takes a few MB
+AMPLIFICATION = 16  # values and characters a dump may hold per byte of its file (a plain one holds 1 to 2)
+MAX_DEPTH = 32  # a dump nests 6 deep: dump, entries, entry, input_sizes, a tensor's sizes, a size
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")  # the opcodes that store at an index of their own
 
 
 class _PlainData(pickle.Unpickler):
@@ -54,6 +68,43 @@ class _PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(
             f"it refers to {module}.{name}, and a dump holds plain data only: refused without running anything"
         )
+
+
+def _check_memo(data: bytes | bytearray) -> None:
+    """Refuse (UnpicklingError) a pickle that stores at a memo index beyond the values stored so far,
+    before it is loaded: the C unpickler grows its memo to twice the largest index at once, and a
+    pickler numbers them from 0 without gaps. pickletools reads the opcodes without building anything,
+    and refuses any that declares more bytes than the file holds."""
+    stored = 0
+    for opcode, index, _ in pickletools.genops(data):
+        if opcode.name == "MEMOIZE":
+            stored += 1
+        elif opcode.name in _MEMO_PUTS:
+            assert isinstance(index, int)  # the argument of each of these opcodes
+            if index > stored:
+                raise pickle.UnpicklingError(f"it stores at memo index {index} with {stored} values stored")
+            stored = max(stored, index + 1)
+
+
+def _check_expansion(path: Path, dump: Any, nbytes: int) -> None:
+    """Refuse a dump that nests deeper than MAX_DEPTH, or that holds more than AMPLIFICATION times its
+    `nbytes` of values and string characters, each counted as often as it is referred to: what reads
+    the dump (the rows, their JSON) writes out every reference, and a reference to itself, forever."""
+    budget, stack = AMPLIFICATION * nbytes, [(dump, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise TraceError(f"{path}: not a Flight Recorder dump: nested deeper than {MAX_DEPTH} levels")
+        budget -= 1 + (len(value) if isinstance(value, (str, bytes, bytearray)) else 0)
+        if budget < 0:
+            raise TraceError(
+                f"{path}: not a Flight Recorder dump: it refers to the same values over and over, to more than "
+                f"{AMPLIFICATION} times its {nbytes} bytes"
+            )
+        if isinstance(value, dict):
+            stack += ((item, depth + 1) for pair in value.items() for item in pair)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack += ((item, depth + 1) for item in value)
 
 
 def dump_files(*paths: Path) -> list[tuple[int, Path]]:
@@ -75,17 +126,26 @@ def dump_files(*paths: Path) -> list[tuple[int, Path]]:
 
 
 def load(path: Path) -> dict:
-    """A dump (JSON, else pickle of plain data) as a dict, checked to hold a list of entries."""
+    """A dump (JSON, else pickle of plain data) as a dict, checked to hold a list of entries and to
+    be no larger than its file warrants (see the module's docstring)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = read_at_most(f, MAX_DUMP_BYTES)
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror or e}") from None
+    if data is None:
+        raise TraceError(f"{path}: more than {MAX_DUMP_BYTES >> 20} MiB; not a Flight Recorder dump")
     try:
-        dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
-    except Exception as e:  # malformed bytes raise any of a dozen types; all mean: not a dump
+        if data.lstrip()[:1] == b"{":
+            dump = json.loads(data)
+        else:
+            _check_memo(data)
+            dump = _PlainData(io.BytesIO(data)).load()
+    except Exception as e:  # malformed bytes raise any of a dozen types (deep JSON a RecursionError): not a dump
         raise TraceError(
             f"{path}: not a Flight Recorder dump: {(str(e) or type(e).__name__).splitlines()[0]}"
         ) from None
+    _check_expansion(path, dump, len(data))
     if isinstance(dump, dict) and "entries" not in dump and "pg_config" in dump:
         dump["entries"] = []  # a JSON dump leaves the key out when the rank recorded nothing
     if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
@@ -101,7 +161,7 @@ def _groups(path: Path, dump: dict) -> dict[str, dict]:
         for name, pg in config.items():
             ranks = json.loads(pg["ranks"]) if isinstance(pg["ranks"], str) else pg["ranks"]
             groups[str(name)] = {"desc": pg.get("desc"), "ranks": [int(r) for r in ranks]}
-    except (AttributeError, KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError):  # ranks: JSON in a string, any depth
         raise TraceError(f"{path}: pg_config is not a map of process groups with their ranks") from None
     return groups
 
@@ -120,13 +180,19 @@ def _world_size(groups: dict[str, dict]) -> int | None:
 
 
 def _nbytes(sizes: list | None, dtypes: list | None) -> int | None:
-    """Bytes of one side's tensors (elements times dtype size, summed); None without tensors or a known dtype."""
-    if not sizes or dtypes is None:
+    """Bytes of one side's tensors (elements times dtype size, summed); None without tensors, a known
+    dtype or whole numbers for sizes (math.prod of ["x", 10**9] is a string of 1 GB)."""
+    if not sizes or dtypes is None or not all(_whole_numbers(s) for s in sizes):
         return None
     try:
         return sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(sizes, dtypes, strict=True))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _whole_numbers(sizes: Any) -> bool:
+    """Whether one tensor's sizes are a list of whole numbers."""
+    return isinstance(sizes, (list, tuple)) and all(isinstance(n, int) for n in sizes)
 
 
 def _op(entry: dict, groups: dict[str, dict]) -> tuple:
@@ -194,7 +260,7 @@ class FlightRecorderDumps:
             for i, entry in enumerate(dump["entries"]):
                 try:
                     rows.append(_op(entry, groups))
-                except (AttributeError, KeyError, TypeError, ValueError) as e:
+                except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as e:
                     raise TraceError(
                         f"{path}: entry {i} is not a Flight Recorder entry ({type(e).__name__}: {e})"
                     ) from None
@@ -210,7 +276,11 @@ class FlightRecorderDumps:
                     ),
                 }
             )
-            yield _table(rank, rows)
+            try:
+                table = _table(rank, rows)
+            except (OverflowError, pa.ArrowException) as e:  # a time or number past 64 bits
+                raise TraceError(f"{path}: a value out of its column's range ({e})") from None
+            yield table
 
     def placement_frame(self) -> pd.DataFrame:
         """One row per dump: its rank (a dump names no host or process)."""

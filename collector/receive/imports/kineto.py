@@ -24,7 +24,10 @@ their clocks do.
 A Chrome trace is one JSON object, so a file is loaded whole. Files are read
 one at a time and a rank's ops are yielded before the next file is loaded:
 memory holds one rank's trace, not the job's (fine up to a few hundred MB a
-file).
+file). A file whose JSON text, decompressed, passes MAX_TRACE_BYTES is
+refused as soon as the bytes read pass it (a gzip of 4 GB of spaces takes
+4 MB), and so is JSON nested deeper than the parser's recursion limit (a
+trace nests 4 deep).
 """
 
 import gzip
@@ -40,7 +43,7 @@ import pyarrow as pa
 
 from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, bandwidths, canonical_op
-from collector.receive.imports import TraceError, files_of
+from collector.receive.imports import TraceError, files_of, read_at_most
 
 _GPU_OPS = {"kernel": sc.KIND_COMPUTE, "gpu_memcpy": sc.KIND_OTHER, "gpu_memset": sc.KIND_OTHER}
 _LAUNCHES = ("cuda_runtime", "cuda_driver")
@@ -48,6 +51,7 @@ _STEP_CATS = ("user_annotation", "cpu_op")
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
 _NCCL_KERNEL = r"nccl(Dev)?Kernel"
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+MAX_TRACE_BYTES = 1 << 30  # a file's JSON text, decompressed: parsed, it takes about 10 times that
 # the collective metadata PyTorch attaches to NCCL kernels -> our names for it
 _COLLECTIVE = {
     "Collective name": "collective",
@@ -67,16 +71,30 @@ def trace_files(*paths: Path) -> list[Path]:
 
 def load(path: Path) -> dict:
     """A trace's JSON object (gzipped or not), checked to hold a list of traceEvents."""
+    text = _text(path)
     try:
-        with open(path, "rb") as f:
-            gzipped = f.read(2) == b"\x1f\x8b"
-        with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
-            doc = json.load(f)
-    except (OSError, EOFError, zlib.error, ValueError) as e:
+        doc = json.loads(text)
+    except RecursionError:
+        raise TraceError(f"{path}: not readable as JSON: nested deeper than the parser goes") from None
+    except ValueError as e:
         raise TraceError(f"{path}: not readable as JSON: {(str(e) or type(e).__name__).splitlines()[0]}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceError(f"{path}: no traceEvents list; not a PyTorch profiler trace")
     return doc
+
+
+def _text(path: Path) -> bytearray:
+    """A trace file's bytes, decompressed where gzipped: TraceError as soon as they pass MAX_TRACE_BYTES."""
+    try:
+        with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
+            text = read_at_most(f, MAX_TRACE_BYTES)
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceError(f"{path}: not readable as JSON: {(str(e) or type(e).__name__).splitlines()[0]}") from None
+    if text is None:
+        raise TraceError(f"{path}: more than {MAX_TRACE_BYTES >> 20} MiB of JSON{' once decompressed' * gzipped}")
+    return text
 
 
 def _rank(path: Path, doc: dict) -> tuple[int, int | None, str | None]:
