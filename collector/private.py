@@ -27,8 +27,8 @@ def restrict(store: Path) -> None:
         return
     if stat.S_IMODE(data_dir.stat().st_mode) & OWNER_ONLY:
         print(
-            f"rankwatch collector: {data_dir} is open to other users (mode {stat.S_IMODE(data_dir.stat().st_mode):o}); "
-            "the collector's files in it are made owner-only",
+            f"rankwatch: {data_dir} is open to other users (mode {stat.S_IMODE(data_dir.stat().st_mode):o}); "
+            "the files rankwatch keeps in it are made owner-only",
             file=sys.stderr,
         )
     for path in (store, Path(f"{store}.wal"), data_dir / TOKEN_FILE, data_dir / SQL_FILES_DIR):

@@ -5,6 +5,7 @@ alert's link also names its finding, `&finding=ID`, shown first)."""
 import streamlit as st
 
 from collector.analysis.analyzers import health
+from collector.printable import printable
 from dashboard import ui
 
 st.set_page_config(page_title="rankwatch", page_icon=":material/monitoring:", layout="wide")
@@ -22,17 +23,21 @@ PAGES = [
 ]
 page = st.navigation(PAGES)
 runs = ui.frame("runs")
-st.sidebar.caption(f"reading {ui.data_source().label}")
+st.sidebar.caption(f"reading {ui.literal(ui.data_source().label)}")
 collector_health = ui.frame("findings", run=health.RUN_ID)  # the collector's own findings belong to no run
 for summary in collector_health.loc[collector_health["state"] == "firing", "summary"]:
-    st.sidebar.warning(f"Collector: {summary}")
+    st.sidebar.warning(f"Collector: {ui.literal(summary)}")
 if runs.empty and page.title != "SQL":
     st.info("No runs in the store yet. Point a job's agent, or `rankwatch simulate`, at the collector.")
     st.stop()
 if not runs.empty:
     labels = {
         row["run_id"]: "  ·  ".join(
-            [row["run_id"], ui.run_status(row).state, *([f"{row['firing']} firing"] if row["firing"] else [])]
+            [
+                printable(row["run_id"]),
+                ui.run_status(row).state,
+                *([f"{row['firing']} firing"] if row["firing"] else []),
+            ]
         )
         for _, row in runs.iterrows()
     }
@@ -47,7 +52,8 @@ if not runs.empty:
         on_change=ui.picked_run,
     )
     if linked is not None and linked not in labels:  # never another run's pages under this one's link
-        st.error(f"Run **{linked}** is unknown: {ui.data_source().label} has no such run. Pick one in the sidebar.")
+        source = ui.literal(ui.data_source().label)
+        st.error(f"Run **{ui.literal(linked)}** is unknown: {source} has no such run. Pick one in the sidebar.")
         st.stop()
     assert picked is not None  # one of the runs, which are there
     st.query_params["run"] = picked

@@ -1,7 +1,9 @@
 """What every page shares: the source, cached query results, the chosen run, widgets a link can
-set, and how a finding is shown (the answer in one line, its evidence one click away)."""
+set, how a finding is shown (the answer in one line, its evidence one click away), and stored text
+shown as written where Streamlit reads Markdown."""
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -10,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from collector import quantities, ranksets
+from collector.printable import printable
 from collector.store.schema import ENDED, ROLLED_BACK, TRACE_ENDED
 from dashboard import charts, evidence, queries, source, units
 from dashboard.source import QueryFailed
@@ -34,6 +37,27 @@ RANK_COLUMNS = {
 }
 EVERY_STEP = (-(2**62), 2**62)  # a window with no bound: one open at the top follows a live run's newest step
 STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
+_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # ASCII punctuation, which Markdown takes as itself after a backslash
+
+
+def literal(value: object) -> str:
+    """`value` as Streamlit's Markdown shows it, character for character: printable (collector/printable.py),
+    each ASCII punctuation character backslash-escaped, so that it makes no link, image, heading, emphasis,
+    colour, icon or formula. Telemetry is written by whoever holds the token: every stored value (a run id,
+    a host name, a finding's summary), every value of a link's parameters and every error's text that a
+    title, header, caption, alert, widget label or `st.table` cell shows goes through here."""
+    return _PUNCTUATION.sub(r"\\\1", printable(str(value)))
+
+
+def literal_table(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` as `st.table` shows it, which reads Markdown in every cell and header: each text `literal`."""
+
+    def text(value: object) -> object:
+        return literal(value) if isinstance(value, str) else value
+
+    shown = table.map(text)
+    shown.index, shown.columns = shown.index.map(text), shown.columns.map(text)
+    return shown
 
 
 @st.cache_resource(show_spinner=False)
@@ -51,7 +75,7 @@ def frame(name: str, **params) -> pd.DataFrame:
     try:
         return _cached(data_source().label, name, tuple(sorted(params.items())))
     except QueryFailed as e:
-        st.error(f"Query {name} failed: {e}")
+        st.error(f"Query {name} failed: {literal(e)}")
         st.stop()
 
 
@@ -238,7 +262,7 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
     """One finding: severity, ranks and summary (which says the cost) as the answer; evidence,
     steps and times behind an expander (open when `expanded`)."""
     where = f" on {ranksets.phrase(row['ranks'])}" if len(row["ranks"]) else ""
-    head = f"**{row['analyzer']} / {row['kind']}**{where}: {row['summary']}"
+    head = f"**{row['analyzer']} / {row['kind']}**{where}: {literal(row['summary'])}"
     if row["state"] != "firing":
         st.info(f"{outcome(row)}: {head}")
     elif row["severity"] == "info":
@@ -268,7 +292,7 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
         raw = row["evidence"] or {}
         read = evidence.read(raw)
         if not read.figures.empty:
-            st.table(read.figures.set_index("what"))
+            st.table(literal_table(read.figures.set_index("what")))
         for key, values in read.by_rank:
             title = _titled(key)
             st.altair_chart(charts.top_ranks(values, title, evidence.TOP_RANKS), width="stretch")
@@ -287,7 +311,7 @@ def show_evidence(row: pd.Series, expanded: bool = False) -> None:
                 units.label(key)
                 + (f", the first {evidence.TABLE_ROWS} of {len(table):,}" if len(table) > evidence.TABLE_ROWS else "")
             )
-            st.table(table.head(evidence.TABLE_ROWS).set_index(table.columns[0]))
+            st.table(literal_table(table.head(evidence.TABLE_ROWS).set_index(table.columns[0])))
         st.download_button(
             "raw evidence (JSON)",
             json.dumps(raw, indent=1, default=str),
@@ -428,7 +452,7 @@ def show_linked_finding() -> None:
     findings = frame("findings", run=current_run())
     linked = findings[findings["id"] == linked_finding()]
     if linked.empty:
-        st.warning(f"The link names finding {wanted}, which run {current_run()} does not have.")
+        st.warning(f"The link names finding {literal(wanted)}, which run {literal(current_run())} does not have.")
         return
     st.caption("The finding the link is about:")
     show_finding(linked.iloc[0], expanded=True)

@@ -243,6 +243,7 @@ def store_commands(tmp_path) -> dict[tuple[str, ...], list[str]]:
         ("demo",): ["demo", "--port", str(free_port()), "--no-dashboard"],
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("alerts", "test"): ["alerts", "test"],
+        ("token",): ["token", "--scope", "ingest"],
         ("train",): ["train", "--collector", url],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2", "--collector", url],
     }

@@ -5,6 +5,7 @@ analyze` (text and JSON) and the dashboard's Overview say so; runs that lost not
 steps are still on the way, show no loss."""
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -285,3 +286,51 @@ def test_a_rank_never_heard_from_is_counted_by_the_jobs_world_size(tmp_path):
         assert (sized.ranks, sized.expected, sized.missing, sized.blocks) == (8, 320, 40, [[5, 5, 0, 39, 40]])
         assert losses.measure(con, "sized").gaps.missing == 40
         assert losses.record(con, "unsized", final=True).gaps.missing == 0
+
+
+RESTARTED = {"run": "restarted", "ranks": 8, "steps": 40}
+
+
+def test_rank_steps_a_restarted_collector_gets_late_are_taken_off_the_count(tmp_path):
+    """Rank 5's steps 5-9 wait in its agent's backlog while the collector is killed (-9): the run ends
+    and settles with them missing, then they come to the collector started again. Once they are stored
+    /metrics counts none missing, though the pass that takes them off settles no new step."""
+    from agent.apiclient import ApiClient
+    from collector.reports.queryapi import remote_query
+
+    def late(rank: int, step: int) -> bool:
+        return rank == 5 and 5 <= step <= 9
+
+    def loss_row(collector: Collector) -> list:
+        answer = remote_query(
+            ApiClient(collector.url, collector.token),
+            "SELECT settled_step, missing FROM telemetry_loss WHERE run_id = ?",
+            [RESTARTED["run"]],
+        )
+        return answer["rows"]
+
+    def missing_on_metrics(collector: Collector) -> float | None:
+        return metric(
+            requests.get(f"{collector.url}/metrics", timeout=10).text,
+            "rankwatch_run_rank_steps_missing",
+            RESTARTED["run"],
+        )
+
+    with open(tmp_path / "collector.log", "w") as log:
+        collector = Collector(
+            tmp_path / "rankwatch.duckdb", free_port(), "test-token-0123456", ("--analyze-every", "1"), log=log
+        )
+        collector.start()
+        try:
+            send(collector, RESTARTED, late)
+            last = RESTARTED["steps"] - 1
+            wait_until(lambda: loss_row(collector) == [[last, 5]], "the ended run settled with 5 rank-steps missing")
+            collector.stop(signal.SIGKILL)
+            collector.start()
+            send(collector, RESTARTED, lambda rank, step: not late(rank, step), ended=False)
+            wait_until(
+                lambda: missing_on_metrics(collector) == 0, "/metrics counting the late rank-steps", timeout_s=60
+            )
+            assert loss_row(collector) == [[last, 0]]
+        finally:
+            collector.stop()

@@ -133,16 +133,18 @@ class Reports:
 
 def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> Loss:
     """One live pass: the run's steps settled since the last, judged, and its agents' new reports,
-    recorded (`final`: every step settles, its newest too, in as many windows as that takes)."""
-    before, reports = stored(con, run_id)
+    recorded (`final`: every step settles, its newest too, in as many windows as that takes). Written
+    whenever it differs from the row stored: rank-steps taken off the count as they come late are recorded
+    even where no step settles with them (a run that ended, or stopped sending)."""
+    recorded, reports = stored(con, run_id)
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
-    if ranks != before.ranks and before.settled_step != gaps.NOT_SETTLED:
-        before = Gaps()  # ranks heard from after steps settled without them: counted again from the start
-    before = _arrived(con, run_id, before)
+    # ranks heard from after steps settled without them: counted again from the start
+    recount = ranks != recorded.ranks and recorded.settled_step != gaps.NOT_SETTLED
+    before = _arrived(con, run_id, Gaps() if recount else recorded)
     after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
     now = reports.read(con, run_id)
     loss = now.loss(after)
-    if after != before or before.ranks != ranks or now != reports:
+    if after != recorded or recorded.ranks != ranks or now != reports:
         row = (after.settled_step, ranks, after.expected, after.missing, json.dumps(after.blocks), after.left_out)
         agents = (loss.spans_dropped, loss.rank_steps_dropped, json.dumps(now.by_rank), now.seen_ns)
         con.execute(_RECORD, [run_id, *row, *agents])

@@ -16,8 +16,9 @@ from rich.text import Text
 
 from agent.apiclient import ApiClient
 from collector import ranksets
+from collector.printable import printable
 from collector.reports import queryapi
-from collector.reports.terminal import markup_safe, printable
+from collector.reports.terminal import markup_safe
 from collector.store import readonly
 from collector.store.db import connect
 
@@ -83,7 +84,8 @@ def _cell(value) -> str:
 
 def write(columns: list[str], rows: Sequence[Sequence], fmt: str, out: TextIO | None = None) -> None:
     """Print a result in one of FORMATS (to stdout as it is when called); a table abbreviates long lists (_cell).
-    Control characters in values are escaped (collector/reports/terminal.py; JSON escapes them itself)."""
+    A table and CSV are for people: control characters, line breaks and bidirectional controls in values are
+    escaped (collector/printable.py). JSON keeps every value as stored, in its own escapes."""
     out = out or sys.stdout
     if fmt == "csv":
         writer = csv.writer(out)

@@ -20,13 +20,13 @@ else:
     result = last["result"] if isinstance(last["result"], dict) else {}
     restored = result.get("restored_step")
     headline = (
-        f"**{len(rollbacks)} rollback{'s' * (len(rollbacks) > 1)}.** The latest ({last['args']['anomaly']}) "
-        f"is {last['state']}"
+        f"**{len(rollbacks)} rollback{'s' * (len(rollbacks) > 1)}.** "
+        f"The latest ({ui.literal(last['args']['anomaly'])}) is {last['state']}"
     )
     if last["state"] == "failed":
-        st.error(f"{headline}: {result.get('why', 'the job did not say why')}.")
+        st.error(f"{headline}: {ui.literal(result.get('why', 'the job did not say why'))}.")
     else:
-        st.warning(headline + (f": the job restored step {restored}." if restored is not None else "."))
+        st.warning(headline + (f": the job restored step {ui.literal(restored)}." if restored is not None else "."))
 nonfinite = int(series["non_finite"].sum()) if not series.empty else 0
 if nonfinite:
     st.error(f"{nonfinite} rank-steps reported a NaN or infinite loss or gradient norm (left out of the curves).")

@@ -6,6 +6,7 @@ steps as a share of each run, values relative to the chosen run, power per GPU."
 import pandas as pd
 import streamlit as st
 
+from collector.printable import printable
 from dashboard import charts, ui
 
 MAX_OTHERS = 7  # runs beside the chosen one: more lines than a legend's colours tell apart
@@ -18,11 +19,16 @@ if not others:
     st.info("One run in the store: nothing to compare it with yet.")
     st.stop()
 chosen = st.multiselect(
-    f"Compare {run} with", others, default=others[:1], max_selections=MAX_OTHERS, key="compare_with"
+    f"Compare {ui.literal(run)} with",
+    others,
+    default=others[:1],
+    max_selections=MAX_OTHERS,
+    format_func=printable,
+    key="compare_with",
 )
 runs = [run, *chosen]
 steps_as = st.radio("Steps", ["step", "share of the run"], horizontal=True, key="compare_steps")
-values_as = st.radio("Values", ["as measured", f"relative to {run}"], horizontal=True, key="compare_values")
+values_as = st.radio("Values", ["as measured", f"relative to {ui.literal(run)}"], horizontal=True, key="compare_values")
 relative = values_as != "as measured"
 
 
@@ -55,13 +61,13 @@ for value, title, unit in PER_STEP:
         continue
     shown = series.assign(**{value: against_base(series, value)}) if relative else series
     if relative and not shown[value].notna().any():
-        st.caption(f"{run} reports no {title.lower()} to compare the others with.")
+        st.caption(f"{ui.literal(run)} reports no {title.lower()} to compare the others with.")
         continue
     y_title = f"{title.lower()}, x {run}'s median" if relative else f"{title.lower()}{', ' + unit if unit else ''}"
     st.altair_chart(charts.compare(shown, "step", value, y_title, x_title), width="stretch")
     missing = sorted(set(runs) - set(series.loc[series[value].notna(), "run"]))
     if missing:
-        st.caption(f"No {title.lower()} from {', '.join(missing)}.")
+        st.caption(f"No {title.lower()} from {', '.join(map(ui.literal, missing))}.")
 
 power = stacked("power_series", points=ui.POINTS)
 st.subheader("Power")

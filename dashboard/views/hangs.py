@@ -43,8 +43,9 @@ else:
     if collective:
         waiting = collective.get("waiting_ranks", [])
         st.markdown(
-            f"{len(waiting)} ranks ({ranksets.compact(waiting)}) are blocked in **{collective['op']} "
-            f"#{collective['seq']}** of group **{collective['group']}**, which {culprits} never entered."
+            f"{len(waiting)} ranks ({ranksets.compact(waiting)}) are blocked in **{ui.literal(collective['op'])} "
+            f"#{ui.literal(collective['seq'])}** of group **{ui.literal(collective['group'])}**, which {culprits} "
+            "never entered."
         )
     silent = evidence.get("silent_ranks") or []
     if silent:

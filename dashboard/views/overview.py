@@ -13,7 +13,7 @@ from dashboard import charts, evidence, ui
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
 
 run = ui.current_run()
-st.title(f"Run {run}")
+st.title(f"Run {ui.literal(run)}")
 
 
 def _mean(frame: pd.DataFrame, column: str) -> float | None:
@@ -47,7 +47,8 @@ def live() -> None:
     if not hangs.empty:
         hang = hangs.iloc[0]
         todo = evidence.next_step(hang["analyzer"], hang["kind"])
-        st.error(f"**Hung.** {ui.capitalized(hang['summary'])}" + (f"\n\n**What to do:** {todo}" if todo else ""))
+        said = ui.literal(ui.capitalized(hang["summary"]))
+        st.error(f"**Hung.** {said}" + (f"\n\n**What to do:** {todo}" if todo else ""))
         shown = (int(hang["id"]),)
     elif not firing.empty:
         kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
@@ -60,7 +61,8 @@ def live() -> None:
         else:
             st.warning(f"**What went wrong:** {said}, worst first below.")
     elif not unjudged.empty:
-        st.info("**No finding, but not every analyzer could judge.** " + " ".join(unjudged["summary"].unique()))
+        reasons = " ".join(map(ui.literal, unjudged["summary"].unique()))
+        st.info(f"**No finding, but not every analyzer could judge.** {reasons}")
     else:
         st.success("**Healthy.** No analyzer finds anything wrong with this run.")
     _telemetry_loss()
@@ -108,7 +110,8 @@ def live() -> None:
         st.caption("Compute time against what the devices' and hosts' state predicts (the collector's --model):")
         ui.show_findings(prediction, "")
     if not advice.empty and not_live is None:
-        st.info("**Power recommendations** (the Power page has their evidence): " + " · ".join(advice["summary"]))
+        said = " · ".join(map(ui.literal, advice["summary"]))
+        st.info(f"**Power recommendations** (the Power page has their evidence): {said}")
     elif not advice.empty:
         st.caption(f"No power recommendation: {not_live}, so no cap would reach the job.")
 
@@ -146,14 +149,15 @@ if not past.empty or not rollbacks.empty:
     for _, row in past.iterrows():
         steps = "" if pd.isna(row["step_start"]) else f" Steps {int(row['step_start'])}–{int(row['step_end'])}."
         st.markdown(
-            f"- **{row['analyzer']} / {row['kind']}** ({row['severity']}, {ui.outcome(row)}): {row['summary']}.{steps}"
+            f"- **{row['analyzer']} / {row['kind']}** ({row['severity']}, {ui.outcome(row)}): "
+            f"{ui.literal(row['summary'])}.{steps}"
         )  # its cost, where measured, is in its summary: said once
     for _, command in rollbacks.iterrows():
         result = command["result"] or {}
         said = {
             "applied": f"applied at step {command['apply_step']}: the job went back to step "
-            f"{result.get('restored_step')}",
-            "failed": f"failed: {result.get('why', 'no reason given')}",
+            f"{ui.literal(result.get('restored_step'))}",
+            "failed": f"failed: {ui.literal(result.get('why', 'no reason given'))}",
         }.get(command["state"], command["state"])
         st.markdown(f"- **Rollback {command['id']}** (for finding {command['finding_id']}) {said}.")
     with st.expander("their evidence"):

@@ -3,6 +3,8 @@ it (for a live run: one that ended or hangs gets none, and says why); then power
 and when), the GPUs whose clocks were held back and why, GPU errors, and per-rank power, clocks,
 temperature, utilization, memory and links, in units that fit their size."""
 
+import shlex
+
 import pandas as pd
 import streamlit as st
 
@@ -37,16 +39,18 @@ elif not job_cap.empty:
         f"{quantities.percent(evidence['slowdown'] - 1, signed=True)} step time ({evidence['policy']}, "
         f"{'measured' if evidence['source'] == 'measured' else 'predicted by the power model'})."
     )
-    st.code(f"rankwatch power apply {run} --watts {evidence['cap_w']:.0f}", language="bash")
-    st.caption(f"The power analyzer: {finding['summary']}.")
+    st.code(f"rankwatch power apply {shlex.quote(run)} --watts {evidence['cap_w']:.0f}", language="bash")
+    st.caption(f"The power analyzer: {ui.literal(finding['summary'])}.")
     ui.show_evidence(finding)
 if not per_rank.empty and not_live is None:
     finding = per_rank.iloc[0]
     st.success(
-        f"**{'Or c' if not job_cap.empty else 'C'}ap {ranksets.phrase(finding['ranks'])}**: {finding['summary']}."
+        f"**{'Or c' if not job_cap.empty else 'C'}ap {ranksets.phrase(finding['ranks'])}**: "
+        f"{ui.literal(finding['summary'])}."
     )
     st.code(
-        f"rankwatch power recommend {run} --json > caps.json\nrankwatch power apply {run} --caps caps.json",
+        f"rankwatch power recommend {shlex.quote(run)} --json > caps.json\n"
+        f"rankwatch power apply {shlex.quote(run)} --caps caps.json",
         language="bash",
     )
     st.caption("`power recommend` judges the whole run; the analyzer above its newest 100 steps.")
@@ -79,7 +83,7 @@ cols[2].metric("Ranks sampled", f"{int(metrics['ranks'].max())}")
 if power.as_of is not None and not_live is not None:
     st.caption(f"Last power as of {power.as_of:%Y-%m-%d %H:%M:%S} UTC: {not_live}.")
 st.caption(
-    f"How many more such nodes a facility's power holds: `rankwatch power recommend {run} --facility-watts W` "
+    "How many more such nodes a facility's power holds: `rankwatch power recommend` with `--facility-watts W` "
     "(the nodes' p99 draw against the budget, after POLCA)."
 )
 if not job_cap.empty:

@@ -74,7 +74,7 @@ slowest = nodes.iloc[0]
 if pd.notna(slowest["worst_ratio"]) and slowest["worst_ratio"] > 1:
     st.page_link(
         ui.STRAGGLERS_PAGE,
-        label=f"See the heatmap rows of {slowest['host']}'s ranks",
+        label=f"See the heatmap rows of {ui.literal(slowest['host'])}'s ranks",
         icon=":material/grid_on:",
         query_params={"run": run, "ranks": ranksets.typed(slowest["members"])},
     )

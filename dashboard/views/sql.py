@@ -19,7 +19,7 @@ if sql.strip():
     try:
         answer = ui.data_source().query(sql)
     except QueryFailed as e:
-        st.error(str(e))
+        st.error(ui.literal(e))
         st.stop()
     result = source.to_frame(answer)
     if answer["truncated"]:

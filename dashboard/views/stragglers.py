@@ -23,11 +23,11 @@ if not firing.empty:
     if cost:
         st.markdown(cost)
 elif not unjudged.empty:
-    st.markdown(f"### Not judged: {unjudged.iloc[-1]['summary'].removeprefix('not judged: ')}")
+    st.markdown(f"### Not judged: {ui.literal(unjudged.iloc[-1]['summary'].removeprefix('not judged: '))}")
 else:
     st.markdown("### No straggler now")
 if not unjudged.empty and suspects.empty:
-    st.info(unjudged.iloc[-1]["summary"])
+    st.info(ui.literal(unjudged.iloc[-1]["summary"]))
 else:
     ui.show_findings(suspects, "The straggler analyzer has found no slow rank in this run.")
 
@@ -41,7 +41,7 @@ typed = st.text_input(
 try:
     chosen = ranksets.parse(typed)
 except ValueError as e:
-    st.error(f"Ranks: {e}. Showing every rank.")
+    st.error(f"Ranks: {ui.literal(e)}. Showing every rank.")
     chosen = []
 of_chosen = f" of {ranksets.phrase(chosen)}" if chosen else ""
 
