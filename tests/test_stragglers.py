@@ -253,12 +253,14 @@ def test_a_slow_gpu_is_named_as_compute():
     assert said and 27 <= int(said.group(1)) <= 33 and int(said.group(2)) == finding.step_start, finding.summary
 
 
-@pytest.mark.parametrize("ranks", [4, 8])
-@pytest.mark.parametrize("seed", range(4))
-def test_one_slow_rank_is_never_called_widespread_at_any_step(ranks, seed):
-    """However few steps have come since its onset, one rank that is slowest at most steps is a rank (or not
-    yet anything), never uneven work spread across the job."""
-    steps = loader_frame(ranks, slow_rank=2, from_step=12, steps=36, slow_data=0.012, seed=seed)
-    for last in range(12, 36):
-        found = analyze(steps[steps["step"] <= last])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_noisy_jobs_straggler_is_never_called_widespread_once_it_slows(seed):
+    """A job whose ranks' compute varies 15% step to step (widespread, and so said) gets a straggler 2x slow
+    from step 30: from its fourth slow step on no verdict calls it uneven work, though its own verdict needs
+    more slow steps to reach its z-score."""
+    steps = frame(steps=48, jitter=0.15, slow={3: (2.0, 30)}, seed=seed)
+    before = [f.kind for last in range(12, 30) for f in analyze(steps[steps["step"] <= last], PLACEMENT)]
+    assert "widespread" in before
+    for last in range(33, 48):
+        found = analyze(steps[steps["step"] <= last], PLACEMENT)
         assert all(f.kind != "widespread" for f in found), (last, [f.summary for f in found])

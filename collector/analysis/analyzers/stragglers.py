@@ -80,6 +80,8 @@ class Settings:
     # widespread only while no rank is the slowest at more than this share of the window's steps: one slow
     # rank among few, not yet past the z-score, is a rank finding to come, not uneven work
     widespread_persist: float = 0.5
+    # nor while a rank stands out over this many newest steps: a straggler whose window has yet to show it
+    widespread_run: int = 3
 
 
 READS = Reads(history=Settings().max_window, linger=Settings().window // 2, devices=True)
@@ -344,9 +346,24 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
     cv = 1.4826 * float(np.median(np.abs(m.ratio[last] - 1)))
     slowest = np.argmax(m.busy[last], axis=1)
     most = np.bincount(slowest).max() / len(slowest)  # the share of steps the most often slowest rank is
-    if cv >= s.widespread_cv and len(np.unique(slowest)) >= min(3, len(slowest)) and most <= s.widespread_persist:
+    if (
+        cv >= s.widespread_cv
+        and len(np.unique(slowest)) >= min(3, len(slowest))
+        and most <= s.widespread_persist
+        and not _emerging(m.ratio[max(i + 1 - s.widespread_run, 0) : i + 1], s)
+    ):
         return ("widespread", (), "", s.window, cv)
     return None
+
+
+def _emerging(newest: np.ndarray, s: Settings) -> bool:
+    """Whether some rank's median ratio over the `newest` steps stands out of the others' by the least z-score
+    a straggler must reach (`z`: it only holds back a widespread verdict): one whose slowdown began too few
+    steps ago for its window's median to show it."""
+    typical = np.median(newest, axis=0)
+    center = float(np.median(typical))
+    spread = max(1.4826 * float(np.median(np.abs(typical - center))), s.jitter_floor * center)
+    return bool(((typical - center) / spread > s.z).any())
 
 
 def _stage_verdict(stages: _Matrices, m: _Matrices, i: int, s: Settings) -> tuple | None:
