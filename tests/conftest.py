@@ -221,7 +221,8 @@ def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None =
     from rankwatch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = dict(os.environ)
+    saved, umask = dict(os.environ), os.umask(0o077)  # reading the umask sets it: it is set back below
+    os.umask(umask)
     os.environ.update(env or {})
     try:
         with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -235,6 +236,7 @@ def rankwatch_in_process(*args: str, env: dict | None = None, cwd: Path | None =
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        os.umask(umask)  # a command that made its files owner-only (collector/private.py) did so for itself
         gc.collect()  # a store the command left open is closed, as its process's exit would close it
     return subprocess.CompletedProcess(["rankwatch", *args], code, out.getvalue(), err.getvalue())
 

@@ -1,12 +1,16 @@
-"""The writer process under abuse: killed outright, and made to analyse a thousand runs at once.
+"""The writer process under abuse: killed outright, made to analyse a thousand runs at once, and handed
+a request its store refuses.
 
 (a) A writer killed with SIGKILL is noticed: /healthz says so while it is down, the collector starts a
     new one that recovers the write-ahead log, no acknowledged row is lost, and exports and queries
     work again. (b) Analysis never holds acknowledgements up: with a thousand runs to analyse,
-    exports are still acknowledged within ACK_BOUND_S.
+    exports are still acknowledged within ACK_BOUND_S. (c) A request whose rows the store refuses
+    fails alone: the others committed in its group are stored and acknowledged, in one line of the log.
 """
 
+import logging
 import os
+import queue
 import signal
 import statistics
 import time
@@ -15,6 +19,9 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from collector.receive import otlp
+from collector.receive.ingest import Request, decode_batch
+from collector.store import writer
 from tests.conftest import wait_until
 from tests.otlp_payloads import post, query, step_spans, trace_body
 
@@ -119,3 +126,35 @@ def test_analysing_a_thousand_runs_holds_no_acknowledgement_up(collector_factory
     collector.stop(signal.SIGKILL)  # a drain's last pass over the thousand runs (20 s of CPU) is not what this proves
     p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
     assert p99 < ACK_BOUND_S, f"p99 acknowledgement {p99:.2f} s, max {max(latencies):.2f} s"
+
+
+def test_a_request_the_store_refuses_fails_alone_and_in_one_line(tmp_path, caplog):
+    """A group commits in one transaction; one request the store refuses (here a run id past DuckDB's
+    122,880-byte key limit, which the decoder's bound now keeps out) failed every request of its group:
+    the group is halved until the one that fails alone is found, and the others are stored."""
+    queued: queue.Queue = queue.Queue()
+    for first in range(0, 12, 4):  # three decoded batches of four requests, committed as one group
+        bodies = [trace_body(step_spans(f"run-{i}", 0, range(5))) for i in range(first, first + 4)]
+        decode_batch(
+            [Request(i, "traces", otlp.PROTOBUF, body) for i, body in zip(range(first, first + 4), bodies)], queued
+        )
+    batches = [queued.get_nowait() for _ in range(3)]
+    poison = batches[1].parts[2]  # request 6
+    poison.ranks[0]["run_id"] = "p" * 130_000
+    for batch in batches:
+        queued.put(batch)
+    queued.put(None)
+    acks: queue.Queue = queue.Queue()
+    with caplog.at_level(logging.WARNING, logger="rankwatch.store"):
+        writer._Writer(tmp_path / "rankwatch.duckdb", ()).run(queued, acks)
+    answers = []
+    while not isinstance(answer := acks.get_nowait(), writer.Closed):
+        answers.append(answer)
+    stored = sorted(i for a in answers if isinstance(a, writer.Committed) for i, written in a.acknowledged if written)
+    (failed,) = [a for a in answers if isinstance(a, writer.CommitFailed)]
+    assert stored == [i for i in range(12) if i != 6] and failed.request_ids == [6], answers
+    assert failed.reason.startswith("InvalidInputException: ") and len(failed.reason) <= writer.MAX_REASON_CHARS
+    (line,) = caplog.records
+    assert line.getMessage().startswith("1 of 12 export requests could not be stored") and line.exc_info is None
+    rows = query(tmp_path / "rankwatch.duckdb", "SELECT run_id, count(*) FROM steps GROUP BY run_id ORDER BY run_id")
+    assert rows == sorted((f"run-{i}", 5) for i in range(12) if i != 6)

@@ -15,7 +15,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent import semconv as sc
 from collector.receive import _otlpwire, decode, otlpwire
-from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS
+from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, MAX_NAME_BYTES, MAX_TEXT_BYTES
 
 T0 = 1_700_000_000_000_000_000
 # Keys: the typed columns' own (so values of every type meet them), and a few others that repeat.
@@ -287,3 +287,27 @@ def _span_body(*attributes: bytes, name: bytes = b"op") -> bytes:
 )
 def test_edge_cases_decode_the_same(body, monkeypatch):
     assert_same([body, _span_body()], monkeypatch)
+
+
+@pytest.mark.parametrize("past", [0, 1], ids=["at-the-bounds", "past-them"])
+def test_strings_at_and_past_their_bounds_decode_the_same(past, monkeypatch):
+    """Both decoders keep a string at its bound and refuse its span one byte past it (in UTF-8 bytes, not
+    characters): a span's name, its comm group, a resource's run id and host, the other attributes' JSON."""
+    request = ExportTraceServiceRequest()
+    for name, group, run, host, note in [
+        ("n" * (MAX_NAME_BYTES + past), "g", "r", "h", "x"),
+        ("step", "é" * (MAX_NAME_BYTES // 2) + "g" * past, "r", "h", "x"),
+        ("step", "g", "ü" * (MAX_NAME_BYTES // 2) + "r" * past, "h", "x"),
+        ("step", "g", "r", "h" * (MAX_NAME_BYTES + past), "x"),
+        ("step", "g", "r", "h", "t" * (MAX_TEXT_BYTES - len('{"note": ""}') + past)),  # as JSON: the bound, or past it
+    ]:
+        rs = request.resource_spans.add()
+        _attrs(rs.resource.attributes, [(sc.RUN_ID, run), (sc.RANK, 0), (sc.HOST_NAME, host)])
+        span = rs.scope_spans.add().spans.add(
+            name=name, trace_id=bytes(16), span_id=bytes(8), start_time_unix_nano=T0, end_time_unix_nano=T0 + 1
+        )
+        _attrs(span.attributes, [(sc.KIND, sc.KIND_COMM), (sc.COMM_GROUP, group), ("note", note)])
+    body = request.SerializeToString()
+    assert_same([body], monkeypatch)
+    (part,) = decode.decode("traces", [body]).parts
+    assert (part.accepted, part.rejected) == ((5, 0) if not past else (0, 5)), part

@@ -9,7 +9,7 @@ import re
 import shutil
 import subprocess
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import duckdb
@@ -245,3 +245,63 @@ def test_many_runs_get_bounded_series_and_the_rest_are_counted(tmp_path):
     assert by_run[runs.OTHER]["rankwatch_run_findings_firing"] == left_out
     assert by_run[runs.OTHER]["rankwatch_run_rollbacks_total"] == len(range(0, n_runs - shown, 10))
     assert by_run[f"run-{n_runs - 1}"]["rankwatch_run_last_step"] == 1
+
+
+def test_long_run_ids_in_a_store_make_bounded_labels_and_a_bounded_page(tmp_path):
+    """Run ids stored before ingest bounded them: 200 runs with 120 KB ids made a 229 MB page, and 8
+    scrapers took the collector past 4 GB. A label is cut to MAX_LABEL_BYTES, a digest of the id added:
+    ids alike for their first 120 KB stay apart, and an id within the bound is its own label."""
+    long_ids = [f"{'x' * 120_000}-{i}" for i in range(20)]
+    con = duckdb.connect(str(tmp_path / "rankwatch.duckdb"))
+    con.execute(DDL)
+    now = time.time_ns()
+    for run in [*long_ids, "short"]:
+        con.execute(
+            "INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s, tokens) "
+            "VALUES (?, 0, 1, make_timestamp_ns(?), make_timestamp_ns(?), 1.0, 10)",
+            [run, now - 2 * 10**9, now - 10**9],
+        )
+        con.execute(
+            "INSERT INTO findings (run_id, analyzer, kind, ranks, severity) "
+            "VALUES (?, 'stragglers', 'rank', [0], 'warning')",
+            [run],
+        )
+
+    def call(request: runs.SnapshotRequest) -> Future:
+        answer: Future = Future()
+        answer.set_result(runs.snapshot(con.cursor(), request.max_runs))
+        return answer
+
+    registry = CollectorRegistry()
+    registry.register(runs.RunMetrics(call))
+    page = generate_latest(registry)
+    labels = {
+        s.labels["run"]
+        for family in text_string_to_metric_families(page.decode())
+        for s in family.samples
+        if "run" in s.labels
+    }
+    assert len(labels) == len(long_ids) + 1 and "short" in labels
+    assert max(len(label.encode()) for label in labels) <= runs.MAX_LABEL_BYTES
+    assert len(page) < 40 * runs.MAX_LABEL_BYTES * len(labels), f"{len(page):,} bytes"
+
+
+def test_scrapes_of_a_store_slow_to_answer_make_one_call_at_a_time(monkeypatch):
+    """A scrape waits CALL_TIMEOUT_S for the run metrics, then serves the previous ones; it asked again each
+    time, so scrapers of a store slow to answer (long run ids: 9 s a snapshot) piled calls up in the writer.
+    One call is in flight at a time, and its answer serves the scrapes that follow."""
+    monkeypatch.setattr(runs, "CALL_TIMEOUT_S", 0.05)
+    calls: list[Future] = []
+
+    def call(request: runs.SnapshotRequest) -> Future:  # a writer that has not answered yet
+        calls.append(Future())
+        return calls[-1]
+
+    registry = CollectorRegistry()
+    registry.register(runs.RunMetrics(call))
+    with ThreadPoolExecutor(8) as scrapers:
+        pages = list(scrapers.map(lambda _: generate_latest(registry), range(16)))
+    assert len(calls) == 1 and not any(b"rankwatch_run" in page for page in pages)
+    calls[0].set_result(runs.Snapshot([("r", [1.0] * 3, 10.0, None, 0.1, 3, 1.0, 1)], [], [], {}, [], [], [], []))
+    assert b'rankwatch_run_last_step{run="r"} 3.0' in generate_latest(registry)
+    assert len(calls) == 1

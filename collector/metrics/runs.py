@@ -21,6 +21,11 @@ quantile (3 values), kind (the analyzers' kinds), and rank on one gauge only,
 for at most SUSPECTS ranks per run. The collector's own health is in
 selfmetrics.py; the alert outbox's is here, since it too lives in the store.
 
+Label values are bounded too, so the page is (MAX_RUNS runs of about 25 series, each under 400 bytes:
+under 2 MiB): a run id is its own label up to MAX_LABEL_BYTES, the bound ingest holds run ids to; a
+longer one, stored before ids were bounded, is cut and a digest of it added (200 runs with 120 KB ids
+made a 229 MB page, and 8 scrapers took the collector from 1.25 to 4.19 GB).
+
 Active runs past MAX_RUNS have no series of their own: `rankwatch_runs_left_out`
 counts them, and the metrics that add up (findings, rollbacks, power, energy)
 count them together under run="_other". 60,000 active runs made a 26 MiB page
@@ -31,6 +36,7 @@ carry: itself, or OTHER), so a new per-run metric joins it and either adds the
 left-out runs under OTHER or keeps to the runs shown.
 """
 
+import hashlib
 import logging
 import threading
 import time
@@ -46,6 +52,7 @@ from prometheus_client.registry import Collector
 
 from agent import semconv as sc
 from collector.alerts import outbox
+from collector.receive.decode import MAX_NAME_BYTES
 from collector.store.requests import Context, Request, handles
 
 log = logging.getLogger("rankwatch.metrics")
@@ -57,6 +64,7 @@ CACHE_S = 5.0
 CALL_TIMEOUT_S = 5.0  # a scrape waits this long for the writer, then gets the previous answer
 MAX_RUNS = 200  # active runs with series of their own (the newest); Config.metrics_runs sets it
 OTHER = "_other"  # the run label of the active runs past the bound, counted together
+MAX_LABEL_BYTES = MAX_NAME_BYTES  # a run id ingest takes is its own label
 
 # the runs that finished a step in the last ACTIVE_S, and when their newest step ended, newest first
 _RUNS = """SELECT run_id, max(epoch_ns(end_ts)) AS newest FROM current_steps WHERE end_ts > make_timestamp_ns($since)
@@ -101,8 +109,8 @@ GROUP BY ALL ORDER BY ALL"""
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The aggregates of the runs active now, as the queries below give them (rows of tuples); the
-    findings, rollbacks and devices of the runs past the bound under OTHER."""
+    """The aggregates of the runs active now, as the queries below give them (rows of tuples), each
+    run named by its label; the findings, rollbacks and devices of the runs past the bound under OTHER."""
 
     steps: list[tuple]  # run, duration quantiles, tokens/s, MFU, exposed share, last step, its end, ranks
     findings: list[tuple]  # run, kind, firing
@@ -135,33 +143,50 @@ def snapshot(con: duckdb.DuckDBPyConnection, max_runs: int = MAX_RUNS) -> Snapsh
     active = con.execute(_RUNS, {"since": since}).fetchall()
     ends = dict(active[:max_runs])
     runs = {"runs": list(ends)}
-    labels = list(ends) + [OTHER] * (len(active) - len(ends))
+    shown = {run: label(run) for run in ends}
+    labels = list(shown.values()) + [OTHER] * (len(active) - len(ends))
     con.register("run_labels", pa.table({"run_id": [run for run, _ in active], "label": labels}))
+
+    def labelled(rows: list[tuple]) -> list[tuple]:  # rows of the runs shown, their run ids as labels
+        return [(shown[run], *rest) for run, *rest in rows]
+
     try:
         return Snapshot(
-            steps=con.execute(
-                _STEPS,
-                {
-                    **runs,
-                    "ends": list(ends.values()),
-                    "window": WINDOW_S * 10**9,
-                    "oldest": min(ends.values(), default=now) - WINDOW_S * 10**9,
-                    "quantiles": list(QUANTILES),
-                },
-            ).fetchall(),
+            steps=labelled(
+                con.execute(
+                    _STEPS,
+                    {
+                        **runs,
+                        "ends": list(ends.values()),
+                        "window": WINDOW_S * 10**9,
+                        "oldest": min(ends.values(), default=now) - WINDOW_S * 10**9,
+                        "quantiles": list(QUANTILES),
+                    },
+                ).fetchall()
+            ),
             findings=con.execute(_FINDINGS).fetchall(),
-            suspects=con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall(),
+            suspects=labelled(con.execute(_SUSPECTS, {**runs, "k": SUSPECTS}).fetchall()),
             rollbacks=dict(con.execute(_ROLLBACKS).fetchall()),
-            checkpoints=con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall(),
+            checkpoints=labelled(con.execute(_CHECKPOINTS, {**runs, "since": since}).fetchall()),
             devices=con.execute(
                 _DEVICES, {"since": now - WINDOW_S * 10**9, "power": sc.POWER_W, "energy": sc.ENERGY_J}
             ).fetchall(),
-            outbox=outbox.counts(con),
+            outbox=[(label(receiver), state, n) for receiver, state, n in outbox.counts(con)],
             losses=con.execute(_LOSSES).fetchall(),
             left_out=len(active) - len(ends),
         )
     finally:
         con.unregister("run_labels")
+
+
+def label(value: str) -> str:
+    """`value` as a label value of at most MAX_LABEL_BYTES: itself where it fits, else cut and a digest
+    of it added (two long values cut alike stay two series)."""
+    raw = value.encode()
+    if len(raw) <= MAX_LABEL_BYTES:
+        return value
+    digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+    return raw[: MAX_LABEL_BYTES - len(digest) - 1].decode(errors="ignore") + "~" + digest
 
 
 class RunMetrics(Collector):
@@ -174,6 +199,8 @@ class RunMetrics(Collector):
         self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
         self._taken = float("-inf")
+        self._asked: Future[Snapshot] | None = None  # the call in flight
+        self._late: Future[Snapshot] | None = None  # the last call said to be late
 
     def collect(self):
         snap = self._fresh()
@@ -181,13 +208,33 @@ class RunMetrics(Collector):
             yield from families(snap)
 
     def _fresh(self) -> Snapshot | None:
-        with self._lock:  # concurrent scrapes share one call
-            if time.monotonic() - self._taken >= CACHE_S:
-                try:
-                    self._snapshot = self._call(SnapshotRequest(self._max_runs)).result(CALL_TIMEOUT_S)
-                    self._taken = time.monotonic()
-                except (FutureTimeout, RuntimeError) as e:
-                    log.warning("run metrics unavailable, serving the previous ones: %s", e)
+        """The snapshot taken within CACHE_S, else a new one, waited for CALL_TIMEOUT_S at most (then the
+        previous one is served). Concurrent scrapes share one call, and a call still in flight is not made
+        again: scrapes of a store slow to answer do not pile calls up in the writer."""
+        with self._lock:
+            if self._asked is None and time.monotonic() - self._taken >= CACHE_S:
+                self._asked = self._call(SnapshotRequest(self._max_runs))
+            asked = self._asked
+        if asked is None:
+            return self._snapshot
+        answer: Snapshot | Exception
+        try:
+            answer = asked.result(CALL_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                if self._late is not asked:
+                    self._late = asked
+                    log.warning("run metrics late (over %g s), serving the previous ones", CALL_TIMEOUT_S)
+            return self._snapshot
+        except Exception as e:  # the writer could not answer
+            answer = e
+        with self._lock:
+            if self._asked is asked:  # (the first scrape back from the call)
+                self._asked = None
+                if isinstance(answer, Exception):
+                    log.warning("run metrics unavailable, serving the previous ones: %s", answer)
+                else:
+                    self._snapshot, self._taken = answer, time.monotonic()
             return self._snapshot
 
 

@@ -15,20 +15,23 @@ A value of the wrong type is coerced ("5" -> 5) or its item rejected;
 rejected items are reported back through OTLP partial_success with the first
 reason.
 
-Nothing one request holds may fail the others decoded with it: a request is
-refused whole (413) when it has more entries than MAX_ITEMS, counted on the
-wire before anything is decoded; an item with more than MAX_ATTRIBUTES
-attributes, or a step, rank or token count outside RANGES, is refused alone;
-and should decoding a batch still raise, each request is decoded alone and
-one that raises is refused alone (400). docs/telemetry.md gives the reasons
-for each bound.
+Nothing one request holds may fail the others decoded with it, nor the
+others committed with it: a request is refused whole (413) when it has more
+entries than MAX_ITEMS, counted on the wire before anything is decoded; an
+item with more than MAX_ATTRIBUTES attributes, a step, rank or token count
+outside RANGES, or a string longer than its bound (MAX_NAME_BYTES for what
+names or identifies, a key of the store among them; MAX_TEXT_BYTES for free
+text) is refused alone, and so are the items of a resource whose run id,
+host, device or source is too long; and should decoding a batch still raise,
+each request is decoded alone and one that raises is refused alone (400).
+docs/telemetry.md gives the reasons for each bound.
 """
 
 import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 
 import duckdb
@@ -51,6 +54,14 @@ MAX_ITEMS = 100_000  # resources, scopes and items (and metrics' data points) pe
 MAX_ATTRIBUTES = 128  # per item: the OpenTelemetry SDKs' default attribute count limit
 # Numbers analysis computes with: [0, bound); far past any real job, far from int64's ends.
 RANGES = {"step": 2**40, "rank": 2**24, "tokens": 2**40}
+# Bytes a stored string may hold: one that names or identifies (a run id, a host, span, metric and event
+# names, a comm group, a source, trace and span ids), and free text (a log body, an item's other attributes
+# as JSON: a Python stack trace fits).
+MAX_NAME_BYTES = 256
+MAX_TEXT_BYTES = 64 * 2**10
+_TEXT_COLUMNS = frozenset({"attrs", "body"})
+# The resource attributes stored as they come (a resource's run id stands for its items' own)
+_RESOURCE_STRINGS = (sc.RUN_ID, sc.HOST_NAME, sc.DEVICE, sc.SOURCE)
 _INTEGER = re.compile(r"-?[0-9]{1,20}")  # what a string must be to be read as an integer: int() takes "٣" too
 log = logging.getLogger(__name__)
 
@@ -129,7 +140,6 @@ def _merge(signal: str, batches: list[Decoded]) -> Decoded:
         signal,
         [part for batch in batches for part in batch.parts],
         {name: pa.concat_tables(parts) for name, parts in tables.items()},
-        [rank for batch in batches for rank in batch.ranks],
     )
 
 
@@ -154,6 +164,26 @@ def _bounded(column: str, v):
     if v is not None and not 0 <= v < RANGES[column]:
         raise Rejected(f"{column} {v} outside [0, {RANGES[column]})")
     return v
+
+
+def _too_long(v) -> bool:
+    """Whether `v` is a string past MAX_NAME_BYTES."""
+    return type(v) is str and len(v.encode()) > MAX_NAME_BYTES
+
+
+def _within_bounds(columns: Mapping[str, pa.Array]) -> list[tuple[np.ndarray, str]]:
+    """For each string or binary column with a cell past its bound (MAX_TEXT_BYTES for free text,
+    MAX_NAME_BYTES for the others), the mask of the cells within it and why the others are refused."""
+    checks = []
+    for name, array in columns.items():
+        if not (pa.types.is_string(array.type) or pa.types.is_binary(array.type)):
+            continue
+        bound = MAX_TEXT_BYTES if name in _TEXT_COLUMNS else MAX_NAME_BYTES
+        lengths = pc.binary_length(array)
+        if (pc.max(lengths).as_py() or 0) > bound:
+            within = pc.less_equal(lengths, bound).fill_null(True).to_numpy(zero_copy_only=False)
+            checks.append((within, f"{name} longer than {bound:,} bytes"))
+    return checks
 
 
 def _attributes_of(item, what: str) -> dict:
@@ -194,7 +224,8 @@ def _coerce(v, column: pa.Field):
 
 def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded, part: Part, what: str) -> None:
     """Add rows to `out` as an Arrow table with every column of the store table, in order
-    (columns the rows lack are null), so the store appends it by position."""
+    (columns the rows lack are null), so the store appends it by position; a row that cannot be
+    typed, or with a string past its bound, is refused."""
     if not rows:
         return
     full = arrow_schema(name)
@@ -211,16 +242,26 @@ def _table(name: str, columns: tuple[str, ...], rows: list[tuple], out: Decoded,
         if not good:
             return
         arrays = [pa.array(col, f.type) for col, f in zip(zip(*good), fields)]
-    out.tables[name] = conform(pa.Table.from_arrays(arrays, names=list(columns)), full)
+    table = pa.Table.from_arrays(arrays, names=list(columns))
+    if checks := _within_bounds(dict(zip(columns, arrays))):
+        within = np.logical_and.reduce([passed for passed, _ in checks])
+        for refused in np.flatnonzero(~within).tolist():
+            part.reject(f"{what}: {next(why for passed, why in checks if not passed[refused])}")
+        table = table.filter(within)
+    if table.num_rows:
+        out.tables[name] = conform(table, full)
 
 
 class _Identity:
-    """Run, rank and placement of one resource; items may override run and rank."""
+    """Run, rank and placement of one resource, as the request `part` sent it; items may override run
+    and rank. A resource with a string past MAX_NAME_BYTES is `refused`, and its items with it."""
 
-    def __init__(self, attrs: dict, decoded: Decoded):
+    def __init__(self, attrs: dict, part: Part):
         self.run_id = attrs.get(sc.RUN_ID)
         self.rank = attrs.get(sc.RANK)
         self.source = attrs.get(sc.SOURCE)
+        too_long = [key for key in _RESOURCE_STRINGS if _too_long(attrs.get(key))]
+        self.refused = f"{too_long[0]} of the resource longer than {MAX_NAME_BYTES} bytes" if too_long else None
         self._row = {}
         columns = {**_RANK_ATTRIBUTES, "world_size": (sc.WORLD_SIZE, arrow_schema("runs").field("world_size"))}
         for column, (key, typed) in columns.items():
@@ -228,15 +269,19 @@ class _Identity:
                 self._row[column] = _coerce(attrs.get(key), typed)
             except Rejected:
                 self._row[column] = None
-        self._decoded = decoded
+        self._part = part
         self._seen: set = set()
 
     def resolve(self, attrs: dict) -> tuple:
         """(run_id, rank) of an item: its own attributes win over the resource's."""
+        if self.refused:
+            raise Rejected(self.refused)
         run_id = attrs.pop(sc.RUN_ID, self.run_id)
         rank = attrs.pop(sc.RANK, self.rank)
         if run_id is None or rank is None or type(rank) is not int or type(run_id) is not str:
             raise Rejected(f"no valid {sc.RUN_ID} (string) and {sc.RANK} (integer) on the resource or the item")
+        if _too_long(run_id):
+            raise Rejected(f"{sc.RUN_ID} longer than {MAX_NAME_BYTES} bytes")
         _bounded("rank", rank)
         self.seen(run_id, rank)
         return run_id, rank
@@ -249,7 +294,7 @@ class _Identity:
             self._seen.add((run_id, rank))
             own = (run_id, rank) == (self.run_id, self.rank)
             placement = self._row if own else {k: v if k == "host" else None for k, v in self._row.items()}
-            self._decoded.ranks.append({"run_id": run_id, "rank": rank, **placement})
+            self._part.ranks.append({"run_id": run_id, "rank": rank, **placement})
 
 
 _RANK_ATTRIBUTES = {
@@ -333,6 +378,15 @@ def _coerce_odd(columns: dict[str, pa.Array], odd: list[tuple], bad: dict[int, s
         columns[column] = pa.array(values, field.type)
 
 
+def _refuse_resources(resource: pa.Array, identities: list["_Identity"], bad: dict[int, str]) -> None:
+    """Mark bad the spans of refused resources."""
+    refused = {i: identity.refused for i, identity in enumerate(identities) if identity.refused}
+    if refused:
+        of = resource.to_numpy()
+        for span in np.flatnonzero(np.isin(of, list(refused))).tolist():
+            bad.setdefault(span, refused[int(of[span])])
+
+
 def _from_resources(columns: dict[str, pa.Array], identities: list["_Identity"]) -> None:
     """run_id and rank of spans that do not name their own: their resource's."""
     resource = columns["resource"]
@@ -364,7 +418,8 @@ def decode_traces(bodies: list[bytes]) -> Decoded:
     bad = dict.fromkeys(wire["crowded"], f"more than {MAX_ATTRIBUTES} attributes")
     if wire["odd"]:
         _coerce_odd(cols, wire["odd"], bad)
-    identities = [_Identity(attrs, out) for attrs in wire["resources"]]
+    identities = [_Identity(attrs, out.parts[i]) for attrs, i in zip(wire["resources"], wire["owners"])]
+    _refuse_resources(cols["resource"], identities, bad)
     _from_resources(cols, identities)
     if cols["kind"].null_count:  # a span without a kind is a step if so named
         cols["kind"] = pc.coalesce(
@@ -430,6 +485,7 @@ def _valid_spans(
         ),
         (times_ok, "start time missing, after the end time, or past the year 2262"),
         (~is_step | present("step"), f"a step span needs {sc.STEP}"),
+        *_within_bounds(cols),
     ]
     for column, bound in RANGES.items():
         within = pc.and_(pc.greater_equal(cols[column], 0), pc.less(cols[column], bound))
@@ -475,7 +531,7 @@ def _decode_metrics(body: bytes, part: Part) -> Decoded:
     out = Decoded("metrics", [part])
     rows = []
     for rm in request.resource_metrics:
-        who = _Identity(_attributes(rm.resource.attributes), out)
+        who = _Identity(_attributes(rm.resource.attributes), part)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 kind = metric.WhichOneof("data")
@@ -528,7 +584,7 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
     out = Decoded("logs", [part])
     rows = []
     for rl in request.resource_logs:
-        who = _Identity(_attributes(rl.resource.attributes), out)
+        who = _Identity(_attributes(rl.resource.attributes), part)
         for sl in rl.scope_logs:
             for record in sl.log_records:
                 try:
@@ -544,7 +600,9 @@ def _decode_logs(body: bytes, part: Part) -> Decoded:
                 body_value = value(record.body) if record.HasField("body") else None
                 if body_value is not None and not isinstance(body_value, str):
                     body_value = json_text(body_value)
-                event = attrs.pop(sc.EVENT, None) or body_value or "log"
+                # a body names the event only where it is short enough for a name (a message, not a trace)
+                named = body_value if body_value is not None and not _too_long(body_value) else None
+                event = attrs.pop(sc.EVENT, None) or named or "log"
                 rows.append((run_id, rank, ts, event, step, record.severity_text or None, body_value, _leftover(attrs)))
     _table(
         "events", ("run_id", "rank", "ts", "event", "step", "severity", "body", "attrs"), rows, out, part, "log record"

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
 from collector.children import bound_heap, die_with_parent, return_memory
+from collector.printable import escape_logs
 from collector.receive import otlp
 from collector.receive.decode import DECODERS, MAX_ATTRIBUTES, MAX_ITEMS, admit, arrow_schema, decode
 from collector.store.handle import Store
@@ -87,21 +88,17 @@ def decode_batch(
         readable.append((request.id, digest))
     if bodies:
         decoded = decode(requests[0].signal, bodies)
-        for (request_id, _), part in zip(readable, decoded.parts):
+        for (request_id, digest), part in zip(readable, decoded.parts):
+            part.request_id, part.digest = request_id, digest
             answers[request_id] = (
                 otlp.OtlpError(400, part.malformed)
                 if part.malformed
                 else Outcome(part.accepted, part.rejected, part.error)
             )
         if decoded.accepted:
-            stored = [
-                (request_id, digest, part.rows)
-                for (request_id, digest), part in zip(readable, decoded.parts)
-                if part.accepted
-            ]
             queue = writer_queue or _writer_queue
             assert queue is not None  # the store's, given in the server or set in a decode worker
-            queue.put((stored, decoded))
+            queue.put(decoded.select([part.accepted > 0 for part in decoded.parts]))
     if sum(len(request.body) for request in requests) >= _TRIM_BYTES:
         return_memory()
     return [answers[request.id] for request in requests]
@@ -126,6 +123,7 @@ def _init_worker(writer_queue: Queue) -> None:
     global _writer_queue
     die_with_parent()
     bound_heap()
+    escape_logs()
     # A worker exits only when the pool is replaced (its writer died: nobody reads the queue) or
     # shut down (every request it decoded has been acknowledged): never wait to flush at exit.
     writer_queue.cancel_join_thread()

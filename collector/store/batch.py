@@ -1,9 +1,13 @@
 """A decoded batch of export requests: the rows one signal's requests bring the store, and each
 request's share of them, as the decode workers hand them to the store's writer."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+
+MAX_REASON_CHARS = 500  # of the reason a request's items were refused: it may quote what the client sent
 
 
 @dataclass
@@ -12,9 +16,12 @@ class Part:
     every table of the batch."""
 
     rows: dict[str, int] = field(default_factory=dict)
+    ranks: list[dict] = field(default_factory=list)  # the `ranks` rows (placements) its items spoke for
     rejected: int = 0
     error: str = ""
     malformed: str = ""  # why the whole request cannot be read (400)
+    request_id: int = -1  # what the writer acknowledges it as (collector/store/handle.py's request id)
+    digest: bytes = b""  # of its decompressed body: a retried request is stored once
 
     @property
     def accepted(self) -> int:
@@ -22,7 +29,8 @@ class Part:
 
     def reject(self, why: str, count: int = 1) -> None:
         self.rejected += count
-        self.error = self.error or why
+        if not self.error:
+            self.error = why if len(why) <= MAX_REASON_CHARS else why[: MAX_REASON_CHARS - 1] + "…"
 
 
 @dataclass
@@ -32,11 +40,24 @@ class Decoded:
     signal: str
     parts: list[Part]
     tables: dict[str, pa.Table] = field(default_factory=dict)
-    ranks: list[dict] = field(default_factory=list)
 
     @property
     def accepted(self) -> int:
         return sum(t.num_rows for t in self.tables.values())
+
+    @property
+    def ranks(self) -> list[dict]:
+        return [rank for part in self.parts for rank in part.ranks]
+
+    def select(self, keep: Sequence[bool]) -> "Decoded":
+        """The requests (parts) where `keep` is true, with their rows and placements."""
+        if all(keep):
+            return self
+        tables = {
+            name: table.filter(np.repeat(keep, [part.rows.get(name, 0) for part in self.parts]))
+            for name, table in self.tables.items()
+        }
+        return Decoded(self.signal, [part for part, kept in zip(self.parts, keep) if kept], tables)
 
     # Decoded batches travel between processes (decode worker -> writer). Arrow's IPC
     # format moves a table as one buffer; pickling it array by array costs 10x more.

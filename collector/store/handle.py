@@ -27,12 +27,17 @@ class Overloaded(Exception):
     """The write queue is full; the client should retry later."""
 
 
+class NotStored(RuntimeError):
+    """A request's rows were not stored (the writer's commit of it failed): the client sends again.
+    The writer has logged why, once for its group."""
+
+
 class Store:
     """The server's handle on the writer process.
 
-    Producers (decode workers, or the server itself) put `([(request_id, digest,
-    rows by table)], Decoded)` on `requests`, one message per decoded batch; the
-    server registers each request id with
+    Producers (decode workers, or the server itself) put a `Decoded` batch on
+    `requests`, its parts naming their requests' ids and digests, one message per
+    decoded batch; the server registers each request id with
     `expect()` first and gets a future that resolves when the writer has
     committed it (True) or found it a duplicate (False).
 
@@ -211,7 +216,7 @@ class Store:
                 if committed:
                     future.set_result(written)
                 else:
-                    future.set_exception(RuntimeError(ack.reason))
+                    future.set_exception(NotStored(ack.reason))
             if committed and self._on_commit:
                 self._on_commit(ack.seconds, ack.rows)
 

@@ -3,7 +3,10 @@
 Producers (decode workers, or the server itself) queue decoded Arrow batches; the writer takes
 everything that piled up since its last commit and appends it in one transaction (group commit),
 then acknowledges each request. A request is answered only once acknowledged, so an acknowledged
-row is in DuckDB's write-ahead log and survives a crash.
+row is in DuckDB's write-ahead log and survives a crash. What one request holds cannot fail the
+others of its group: a group whose transaction fails is halved, and its halves committed apart,
+until the requests that fail alone are found; only they are refused (their clients send again),
+in one line of the log for the group.
 
 The writer is a process of its own because DuckDB's Python API takes the GIL
 back many times per statement: next to a busy event loop every transaction
@@ -26,6 +29,7 @@ without writing again. Digests are kept, in the `exports` table and in
 memory, for DIGEST_RETENTION, far longer than any exporter retries.
 """
 
+import logging
 import queue
 import threading
 import time
@@ -38,15 +42,16 @@ from pathlib import Path
 from typing import Protocol
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 
 from collector.children import bound_heap, cap_memory, die_with_parent
+from collector.printable import escape_logs
 from collector.store import lake, readonly, requests
 from collector.store.batch import Decoded
 from collector.store.db import StoreLocked, connect, create_tables
 from collector.store.schema import TELEMETRY_TABLES
 
+log = logging.getLogger("rankwatch.store")
 DIGEST_RETENTION = timedelta(hours=1)
 # In a lake, how long a collector's claim on an export (collector/store/lake.py) holds before another may
 # take it over: far longer than a commit takes, so that only a collector that died loses its claims.
@@ -64,6 +69,7 @@ QUERY_THREADS = 2
 # allocation fails where it is made: the query gets Out of Memory (400), a commit rolls back and its
 # clients send again (503), nothing acknowledged is lost, and the writer goes on.
 MEMORY_HEADROOM = readonly.MEMORY_LIMIT + 512 * 2**20
+MAX_REASON_CHARS = 300  # of a failed commit's reason, as logged and told the client: DuckDB's may quote a whole key
 
 # Placement rows change rarely (a rank restarted elsewhere); they are written only when they do.
 _UPSERT_RANKS = """
@@ -113,7 +119,7 @@ class Committed:
 
 @dataclass(frozen=True)
 class CommitFailed:
-    """A group rolled back: none of its requests was stored, each client retries."""
+    """Requests that could not be stored: none of their rows was, and each client sends again."""
 
     request_ids: list[int]
     reason: str
@@ -274,34 +280,63 @@ class _Writer:
         finally:
             cursor.close()
 
-    def _commit(self, group: list[tuple[list[tuple[int, bytes, dict[str, int]]], Decoded]]) -> list:
-        """Append a group of decoded batches in one transaction, leaving out requests already
-        stored, and tell the tasks what was appended: Committed, and CommitFailed for requests that
-        another collector of the lake is storing (each client sends again)."""
+    def _commit(self, group: list[Decoded]) -> list:
+        """Store a group of decoded batches, in one transaction where it can be, and tell the tasks
+        what was appended: Committed for the requests stored, CommitFailed for those that could not
+        be and for those another collector of the lake is storing (each client sends again). A group
+        whose transaction fails is halved until the requests that fail alone are found; out of
+        memory fails the whole group (memory is short, not a request at fault: halving it would
+        multiply the work), and the clients send again later."""
+        done: list = []
+        failed: list[CommitFailed] = []
+        self._commit_apart(group, done, failed)
+        if failed:
+            log.warning(
+                "%d of %d export requests could not be stored (their clients send again): %s",
+                sum(len(f.request_ids) for f in failed),
+                sum(len(d.parts) for d in group),
+                failed[0].reason,
+            )
+        return done + failed
+
+    def _commit_apart(self, group: list[Decoded], done: list, failed: list[CommitFailed]) -> None:
+        """Commit `group` in one transaction, else its halves apart, down to single requests."""
+        try:
+            done += self._commit_together(group)
+        except _NotStored as e:
+            request_ids = [part.request_id for decoded in group for part in decoded.parts]
+            if len(request_ids) == 1 or isinstance(e.cause, (duckdb.OutOfMemoryException, MemoryError)):
+                failed.append(CommitFailed(request_ids, e.reason))
+                return
+            for half in _halves(group):
+                self._commit_apart(half, done, failed)
+
+    def _commit_together(self, group: list[Decoded]) -> list:
+        """Append a group of decoded batches in one transaction (_NotStored where it fails), leaving out
+        requests already stored, and tell the tasks what was appended: Committed, and CommitFailed for
+        requests that another collector of the lake is storing."""
         started = time.perf_counter()
         fresh: dict[bytes, tuple[int, str, int]] = {}  # digest -> (request id, signal, rows)
-        for stored, decoded in group:
-            for request_id, digest, rows in stored:
-                if digest not in self._digests and digest not in fresh:
-                    fresh[digest] = (request_id, decoded.signal, sum(rows.values()))
+        for decoded in group:
+            for part in decoded.parts:
+                if part.digest not in self._digests and part.digest not in fresh:
+                    fresh[part.digest] = (part.request_id, decoded.signal, part.accepted)
         busy: set[bytes] = set()
         try:
             if self._lake and fresh:
                 busy, elsewhere = self._claim(list(fresh))
                 fresh = {digest: v for digest, v in fresh.items() if digest not in busy | elsewhere}
             tables: dict[str, list[pa.Table]] = defaultdict(list)
-            for stored, decoded in group:
-                keep = [fresh.get(digest, (None,))[0] == request_id for request_id, digest, _ in stored]
-                for name, table in decoded.tables.items():
-                    if not all(keep):  # a retried request: its rows are left out
-                        table = table.filter(np.repeat(keep, [rows.get(name, 0) for _, _, rows in stored]))
+            for decoded in group:  # a retried request's rows are left out
+                kept = decoded.select([fresh.get(part.digest, (None,))[0] == part.request_id for part in decoded.parts])
+                for name, table in kept.tables.items():
                     tables[name].append(table)
-            ranks = self._changed_placements(r for _, d in group for r in d.ranks)
+            ranks = self._changed_placements(r for decoded in group for r in decoded.ranks)
             if ranks and self._lake:  # the catalog database's rows, beside the lake's transaction
                 lake.place(self._con, ranks)
             appended = self._append_group(tables, fresh, [] if self._lake else ranks)
-        except Exception as e:  # the whole group fails; each client retries
-            return [CommitFailed([request_id for stored, _ in group for request_id, _, _ in stored], str(e))]
+        except Exception as e:
+            raise _NotStored(e) from e
         for r in ranks:
             self._placements[r["run_id"], r["rank"]] = r
         for task in self._tasks:
@@ -311,12 +346,10 @@ class _Writer:
             self._digests[digest] = now
         self._forget_old_digests(now)
         written = {request_id for request_id, _, _ in fresh.values()}
-        waiting = {request_id for stored, _ in group for request_id, digest, _ in stored if digest in busy}
+        parts = [part for decoded in group for part in decoded.parts]
+        waiting = {part.request_id for part in parts if part.digest in busy}
         acknowledged = [
-            (request_id, request_id in written)
-            for stored, _ in group
-            for request_id, _, _ in stored
-            if request_id not in waiting
+            (part.request_id, part.request_id in written) for part in parts if part.request_id not in waiting
         ]
         done: list = [Committed(acknowledged, time.perf_counter() - started, appended)]
         if waiting:
@@ -393,6 +426,25 @@ class _Writer:
                 self._con.execute("DELETE FROM claims WHERE claimed_at < now() - ?::INTERVAL", [DIGEST_RETENTION])
 
 
+class _NotStored(Exception):
+    """A group's transaction failed: none of its requests was stored."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(cause)
+        self.cause = cause
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        self.reason = f"{type(cause).__name__}: {first_line}"[:MAX_REASON_CHARS]
+
+
+def _halves(group: list[Decoded]) -> tuple[list[Decoded], list[Decoded]]:
+    """A group of two or more requests as two with half of them each (a batch of several split)."""
+    if len(group) > 1:
+        return group[: len(group) // 2], group[len(group) // 2 :]
+    (decoded,) = group
+    first = [i < len(decoded.parts) // 2 for i in range(len(decoded.parts))]
+    return [decoded.select(first)], [decoded.select([not kept for kept in first])]
+
+
 def main(
     path: Path,
     tasks: Sequence[Task],
@@ -406,6 +458,7 @@ def main(
     is open plus `memory_headroom`."""
     die_with_parent()
     bound_heap()
+    escape_logs()
     try:
         writer = _Writer(path, tasks, into)
     except Exception as e:
