@@ -12,6 +12,7 @@ import json
 import pytest
 
 from tests.conftest import rankwatch_in_process, simulated_store
+from tests.otlp_payloads import query
 
 pytestmark = pytest.mark.long
 
@@ -84,3 +85,17 @@ def test_missing_store_is_a_one_line_error(tmp_path):
 def test_store_held_by_a_collector_is_a_one_line_error(collector):
     result = rankwatch_in_process("analyze", "r", "--db", str(collector.db))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "running collector" in result.stderr
+
+
+@pytest.mark.parametrize("run", ["pm-transient", "pm-persistent"])
+def test_the_post_mortem_gives_the_onset_and_span_the_collector_recorded_live(store, run):
+    """One fault, one story: `analyze` tells each episode with the onset the live finding (and so the dashboard,
+    the alert and the demo) gave it, not a second estimate of its own."""
+    (told,) = analyze(store, run)
+    recorded = query(
+        store,
+        "SELECT step_start, summary FROM findings WHERE run_id = ? AND analyzer = 'stragglers' AND kind = 'rank'",
+        [run],
+    )
+    assert recorded == [(told["step_start"], told["summary"])]
+    assert f"since step {told['step_start']}" in told["summary"]

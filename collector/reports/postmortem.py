@@ -19,7 +19,7 @@ are missing are drawn on partial data, and the report says so.
 
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import duckdb
 import pandas as pd
@@ -48,6 +48,12 @@ _ROLLED_BACK = """SELECT f.analyzer, f.kind, f.ranks, f.step_start, f.step_end, 
                          f.evidence, c.state, c.result
                   FROM commands c JOIN findings f ON f.id = c.finding_id
                   WHERE c.run_id = ? AND c.kind = 'rollback' ORDER BY c.id"""
+# The live collector's record of an episode: the finding of the same analyzer, kind and ranks over steps that
+# overlap the given ones (the earliest, where an episode was recorded twice).
+_EPISODE = """SELECT step_start, step_end, summary FROM findings
+              WHERE run_id = ? AND analyzer = ? AND kind = ? AND ranks = ?::INTEGER[]
+                AND step_start <= ? AND step_end >= ?
+              ORDER BY step_start LIMIT 1"""
 _DUMPS = "SELECT rank, attrs->'$.pg_config' AS pg_config FROM events WHERE run_id = ? AND event = ?"
 SEVERITIES = ("critical", "warning", "info")  # worst first, as the dashboard's Overview lists findings
 WHATIF = "whatif"  # the analyzer an imported run's what-if finding is recorded under
@@ -102,7 +108,7 @@ def analyze_run(
     settings = {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}
     if model is not None:
         settings[predicted.ANALYZER] = predicted.Settings(model=model)
-    found = replay(con, run_id, settings)
+    found = [_as_recorded(con, f) for f in replay(con, run_id, settings)]
     found += _rolled_back(con, run_id, found)
     if (power := powercaps.live_report(con, run_id)) is not None:
         found += power.findings
@@ -110,6 +116,21 @@ def analyze_run(
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
     prediction = None if model is None else _prediction(con, run_id, model)
     return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id), prediction)
+
+
+def _as_recorded(con: duckdb.DuckDBPyConnection, finding: Finding) -> Finding:
+    """`finding` as the live collector recorded the same episode (its analyzer, kind and ranks, over steps it
+    overlaps), where it did: the onset the dashboard, the alert and the demo told, not a second estimate
+    drawn from passes cut elsewhere; else as the replay drew it."""
+    if finding.step_start is None:
+        return finding
+    row = con.execute(
+        _EPISODE, [finding.run_id, finding.analyzer, finding.kind, finding.ranks, finding.step_end, finding.step_start]
+    ).fetchone()
+    if row is None:
+        return finding
+    start, end, summary = row
+    return replace(finding, step_start=start, step_end=max(end, finding.step_end), summary=summary)
 
 
 def _rolled_back(con: duckdb.DuckDBPyConnection, run_id: str, drawn: list[Finding]) -> list[Finding]:
