@@ -351,7 +351,8 @@ _TOKEN_STATUSES = {401, 403}  # the token is missing or wrong: every later expor
 
 def refusal(endpoint: str, status: int) -> str:
     """What a 401 or 403 means, in one line."""
-    return f"the collector at {endpoint} refused the token (HTTP {status}: missing or wrong bearer token)"
+    why = "a token of another scope: this takes an ingest token" if status == 403 else "missing or wrong bearer token"
+    return f"the collector at {endpoint} refused the token (HTTP {status}: {why})"
 
 
 def check_token(endpoints: str, token: str | None, timeout_s: float = 5.0) -> bool:

@@ -191,7 +191,7 @@ def success(signal: str, rejected: int, error: str, kind: str) -> bytes:
 
 def status(code: int, message: str, kind: str) -> bytes:
     """A google.rpc.Status body for a failed request."""
-    grpc_code = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 503: 14}.get(code, 13)
+    grpc_code = {400: 3, 401: 16, 403: 7, 408: 4, 413: 8, 415: 3, 503: 14}.get(code, 13)
     return encode(Status(code=grpc_code, message=message), kind)
 
 
