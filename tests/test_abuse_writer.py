@@ -15,6 +15,7 @@ import signal
 import statistics
 import time
 
+import duckdb
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -158,3 +159,29 @@ def test_a_request_the_store_refuses_fails_alone_and_in_one_line(tmp_path, caplo
     assert line.getMessage().startswith("1 of 12 export requests could not be stored") and line.exc_info is None
     rows = query(tmp_path / "rankwatch.duckdb", "SELECT run_id, count(*) FROM steps GROUP BY run_id ORDER BY run_id")
     assert rows == sorted((f"run-{i}", 5) for i in range(12) if i != 6)
+
+
+def test_a_periodic_task_whose_round_raises_goes_on_with_the_next(caplog):
+    """A task beside the commits (the alerts' delivery, a lake's upkeep) outlives a round that raises: logged
+    in one line, the next round comes as usual."""
+
+    class Flaky(writer.PeriodicTask):
+        every_s = 0.01
+        thread_name = "rankwatch-flaky"
+
+        def __init__(self):
+            self.rounds = 0
+
+        def tick(self, con) -> None:
+            self.rounds += 1
+            if self.rounds == 1:
+                raise MemoryError("a receiver's answer")
+
+    task, con = Flaky(), duckdb.connect()
+    with caplog.at_level(logging.ERROR, logger="rankwatch.store"):
+        task.start(con)
+        wait_until(lambda: task.rounds >= 3, "the task stopped at the round that raised")
+        task.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "rankwatch-flaky: a round failed (MemoryError: a receiver's answer); the next one comes in 0.01 s"
+    ]

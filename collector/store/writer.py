@@ -198,9 +198,20 @@ class PeriodicTask:
         return self._stop.is_set()
 
     def _run(self, cursor: duckdb.DuckDBPyConnection) -> None:
+        """Tick every `every_s` until stopped; a round that raises is logged in one line and the next one
+        comes as usual: no round's failure ends the task (its work, an alert's delivery, would stop for good)."""
         try:
             while not self._stop.wait(self.every_s):
-                self.tick(cursor)
+                try:
+                    self.tick(cursor)
+                except Exception as e:
+                    log.error(
+                        "%s: a round failed (%s: %s); the next one comes in %g s",
+                        self.thread_name,
+                        type(e).__name__,
+                        e,
+                        self.every_s,
+                    )
         finally:
             cursor.close()
 
