@@ -155,6 +155,18 @@ def test_clean_dumps_have_no_finding(tmp_path):
     assert analyze(db, "clean")["findings"] == []
 
 
+def test_dumps_of_point_to_point_entries_alone_import_with_no_finding(tmp_path):
+    """Sends and receives carry no collective number to match by: the run is imported and analysed, with
+    nothing to say, not refused as unknown."""
+    dumps = job(dict.fromkeys(range(4)))
+    for dump in dumps.values():
+        dump["entries"] = [e for e in dump["entries"] if e["is_p2p"]]
+    db = tmp_path / "s.duckdb"
+    import_run(write(tmp_path / "dumps", dumps), db, "p2p")
+    assert query(db, "SELECT count(*) FROM ops WHERE run_id = 'p2p'") == [(2,)]
+    assert analyze(db, "p2p")["findings"] == []
+
+
 class Exploit:
     """A pickle that runs a shell command when plain pickle.load reads it."""
 

@@ -98,13 +98,14 @@ def analyze_run(
     whole job against its predicted step time is a finding too."""
     steps = con.execute(_STEPS, [run_id]).df()
     ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
-    if steps.empty:
+    if steps.empty:  # Flight Recorder dumps: their collectives matched (point-to-point entries alone match none)
         recorded = con.execute(_RECORDED, [run_id]).df()
-        if not recorded.empty:
-            return Report(
-                run_id, None, match_collectives(run_id, recorded, _process_groups(con, run_id), ranks["rank"]), steps
-            )
-        raise unknown_run(con, run_id)
+        if recorded.empty and not con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchone()[0]:
+            raise unknown_run(con, run_id)
+        groups = _process_groups(con, run_id)
+        return Report(
+            run_id, None, match_collectives(run_id, recorded, groups, ranks["rank"]) if len(recorded) else [], steps
+        )
     settings = {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}
     if model is not None:
         settings[predicted.ANALYZER] = predicted.Settings(model=model)
