@@ -11,12 +11,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.config import TOKEN_ENV, TokenError, UrlError
+from agent.config import INGEST, QUERY, SCOPES, TOKEN_ENV, TokenError, UrlError
 from agent.paths import DB_ENV, DEFAULT_DB
+from collector.printable import escape_logs, printable
 from trainer.device import DEVICES
 
 if TYPE_CHECKING:
@@ -26,11 +26,13 @@ _DEFAULT_DB = f"default: {DEFAULT_DB}, or ${DB_ENV}"  # the --db options' help
 
 
 class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+    """Bad input from the user: printed as one line, exit status 2; `context`, lines printed under it as they
+    are (already printable: where in the SQL DuckDB refused it, collector/reports/query.py)."""
 
-    def __init__(self, message: str, prog: str = "rankwatch"):
+    def __init__(self, message: str, prog: str = "rankwatch", context: str | None = None):
         super().__init__(message)
         self.prog = prog
+        self.context = context
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,25 +148,66 @@ def _token(args) -> str | None:
 
 def _refused(error: Exception, token: str | None) -> UsageError:
     """A refused token, in one line that says where a command looks for the right one."""
+    from agent.config import token_scope
+
+    scope = token and token_scope(token)
+    why = (
+        "no token was found"
+        if token is None
+        else f"that token is scoped to {scope}, and this takes another scope"
+        if scope
+        else "that token is not its token"
+    )
     return UsageError(
-        f"{error}: {'no token was found' if token is None else 'that token is not its token'}; give it with "
+        f"{error}: {why}; give it with "
         "--token-file PATH, $RANKWATCH_TOKEN, or --db (the collector's store, the token file beside it)"
     )
 
 
-def _collector_takes(url: str, token: str | None, unreachable_ok: bool) -> None:
-    """Before a command sends anything: the collector at `url` takes `token` (one empty, authenticated
-    export), else one line naming where a token is looked for; an unreachable collector is one line
-    too unless `unreachable_ok` (a job's telemetry waits for it)."""
+def _collector_takes(url: str, token: str | None, unreachable_ok: bool, scope: str = INGEST) -> None:
+    """Before a command sends anything: the collector at `url` takes `token` for `scope` (ingest: one empty,
+    authenticated export; query: one query of a constant), else one line naming where a token is looked
+    for; an unreachable collector is one line too unless `unreachable_ok` (a job's telemetry waits for it)."""
     from agent.config import TokenRefused
     from agent.export import check_token
 
     try:
-        reached = check_token(url, token)
+        reached = check_token(url, token) if scope == INGEST else _answers_queries(url, token)
     except TokenRefused as e:
         raise _refused(e, token) from None
     if not reached and not unreachable_ok:
         raise UsageError(f"cannot reach the collector at {url}: is it running? (rankwatch collector)")
+
+
+def _answers_queries(url: str, token: str | None) -> bool:
+    """agent.export.check_token's twin for the query API: True when the collector at `url` answers a query
+    with `token`, False when it cannot be reached, TokenRefused when it answers 401 or 403."""
+    from agent.apiclient import ApiClient, ApiError
+    from agent.config import TokenRefused
+    from collector.reports.queryapi import PATH
+
+    try:
+        ApiClient(url, token, timeout_s=5).post(PATH, {"sql": "SELECT 1"})
+    except ApiError as e:
+        if e.status in (401, 403):
+            raise TokenRefused(f"the collector at {url} refused the token (HTTP {e.status}: {e})") from None
+        return e.status is not None  # it answered, and not about the token
+    return True
+
+
+def cmd_token(args) -> None:
+    from agent.config import scoped_token, token_scope
+
+    _db(args)  # a --db that is no store is said as every command says it, not as a missing token
+    token = _token(args)
+    if token is None:
+        raise UsageError(
+            "no token was found: give the collector's with --token-file PATH, $RANKWATCH_TOKEN, or --db (the "
+            "collector's store, the token file beside it)"
+        )
+    if scope := token_scope(token):
+        raise UsageError(f"that token is scoped to {scope}: scoped tokens are made from the collector's own token")
+    print(scoped_token(token, args.scope))
 
 
 def cmd_collector(args) -> None:
@@ -226,7 +269,8 @@ def _lake_options(p, what: str) -> None:
         "--lake",
         metavar="CATALOG",
         help=f"{what} a lake shared by several collectors, whose catalog is this PostgreSQL database "
-        "(a libpq connection string: 'host=H port=P dbname=D user=U')",
+        "(a libpq connection string: 'host=H port=P dbname=D user=U' or postgresql://U@H:P/D; its password "
+        "from ~/.pgpass or $PGPASSWORD, never here)",
     )
     p.add_argument("--data-path", metavar="DIR", help="with --lake: the directory of the lake's Parquet files")
 
@@ -294,22 +338,42 @@ def cmd_alerts_test(args) -> None:
         )
 
 
-def cmd_query(args) -> None:
+def _answer(args, sql: str) -> dict:
+    """The query API's answer to `sql`, from the collector of --collector or else the store file of --db."""
     from agent.config import collector_url
-    from collector.reports.query import QueryError, run_remote, run_sql, write
+    from collector.reports.query import QueryError, ask, run_sql
     from collector.store.db import StoreLocked
 
-    rows: Sequence[Sequence]
     try:
         if args.collector:
-            columns, rows, truncated = run_remote(collector_url(args.collector), _token(args), args.sql)
-            if truncated:
-                print(f"rankwatch query: the first {len(rows)} rows only (the query API's cap)", file=sys.stderr)
-        else:
-            columns, rows = run_sql(_db(args, existing=True), args.sql)
-    except (QueryError, StoreLocked) as e:
+            return ask(collector_url(args.collector), _token(args), sql)
+        return run_sql(_db(args, existing=True), sql)
+    except QueryError as e:
+        raise UsageError(str(e), context=e.context) from None
+    except StoreLocked as e:
         raise UsageError(str(e)) from None
-    write(columns, rows, args.format)
+
+
+def cmd_query(args) -> None:
+    from collector.reports.query import write
+
+    answer = _answer(args, args.sql)
+    if answer["truncated"]:
+        print(f"rankwatch query: the first {len(answer['rows'])} rows only (the query API's cap)", file=sys.stderr)
+    write(answer["columns"], answer["rows"], args.format, types=answer["types"])
+
+
+def cmd_runs(args) -> None:
+    import pandas as pd
+
+    from collector.reports.query import write
+    from collector.reports.runs import listing
+    from dashboard.queries import RUNS
+    from dashboard.source import to_frame
+
+    # read through a collector, a run may be running now; a store file open here is one no collector writes
+    runs = listing(to_frame(_answer(args, RUNS)), live=bool(args.collector), at=pd.Timestamp.now(tz="UTC"))
+    write(list(runs.columns), list(runs.itertuples(index=False)), args.format)
 
 
 def cmd_analyze(args) -> None:
@@ -424,6 +488,16 @@ def cmd_model_fit(args) -> None:
     print(f"saved {args.out}: {fitted.verdict}")
 
 
+def _counted(found: list) -> str:
+    """ "2 findings, 1 recommendation": what went wrong apart from advice (severity info, such as power caps)."""
+    from collector.analysis.analyzers import NOT_JUDGED
+
+    advice = sum(f.severity == "info" and f.kind != NOT_JUDGED for f in found)
+    problems = len(found) - advice
+    told = f"{problems} finding{'s' * (problems != 1)}"
+    return told + (f", {advice} recommendation{'s' * (advice != 1)}" if advice else "")
+
+
 def _print_findings(found: list, console) -> None:
     from rich.table import Table
 
@@ -440,7 +514,7 @@ def _print_findings(found: list, console) -> None:
         "steps",
         "severity",
         "summary",
-        title=f"{len(found)} finding{'s' * (len(found) != 1)}",
+        title=_counted(found),
         show_lines=True,
     )
     for f in found:
@@ -645,6 +719,7 @@ def _print_power(report) -> None:
 def cmd_import(args) -> None:
     from rich.progress import Progress
 
+    from collector import private
     from collector.receive.imports import TraceError, store_run
     from collector.receive.imports.flight_recorder import FlightRecorderDumps
     from collector.receive.imports.kineto import KinetoTrace
@@ -669,6 +744,10 @@ def cmd_import(args) -> None:
             raise UsageError("an ops trace is one file (Parquet or CSV) holding every rank")
         else:
             trace, run = OpTrace(paths[0]), {}
+        try:
+            private.restrict(db)  # the store, as the collector's: owner-only
+        except OSError as e:
+            raise UsageError(f"cannot make the store's directory {db.parent}: {e.strerror or e}") from None
         with Progress(transient=True) as progress:
             task = progress.add_task(f"importing {', '.join(p.name for p in paths)}", total=trace.rows)
 
@@ -714,29 +793,48 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
                 raise UsageError(f"{f.spec!r}: {key}={f.get(key)} is not in the job, whose {what}s are 0..{count - 1}")
 
 
+def _simulating(args) -> None:
+    """The job's ranks simulate the GPU they lack with --simulate-gpu, and only then (the environment they
+    inherit says so); never because the launcher's own environment happened to."""
+    from agent.config import SIMULATE_GPU_ENV
+
+    if args.simulate_gpu:
+        os.environ[SIMULATE_GPU_ENV] = "1"
+    else:
+        os.environ.pop(SIMULATE_GPU_ENV, None)
+
+
 def cmd_run(args) -> None:
     from agent.config import collector_url
 
-    collector, token = collector_url(args.collector), _token(args)
+    collector, store, token = collector_url(args.collector), _db(args), _token(args)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise UsageError("give the job's command after --, e.g. rankwatch run -- torchrun --nproc-per-node 2 train.py")
     _collector_takes(collector, token, unreachable_ok=True)  # before the job starts a rank
+    _simulating(args)
 
     from rankwatch.launch import run
 
     _stop_on_sigterm()
     try:
-        sys.exit(run(command, run_id=args.run, collector=collector, token=token))
+        sys.exit(run(command, run_id=args.run, collector=collector, token=token, store=store))
     except FileNotFoundError:
         raise UsageError(f"{command[0]!r}: no such command") from None
 
 
 def cmd_train(args) -> None:
     from agent.config import collector_url
+    from agent.paths import checkpoint_dir
 
     collector, store, token = collector_url(args.collector), _db(args), _token(args)
+    if args.run is not None:
+        try:
+            checkpoint_dir(store, args.run)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     _collector_takes(collector, token, unreachable_ok=True)  # before torch loads and torchrun starts a rank
+    _simulating(args)
 
     from rankwatch.launch import train
     from trainer.device import DeviceError
@@ -928,7 +1026,7 @@ def cmd_dashboard(args) -> None:
             collector, db = collector_url(), None  # the default store's collector holds it: ask that collector
     if collector:
         token = _token(args)
-        _collector_takes(collector, token, unreachable_ok=False)  # not a page of "wrong token" later
+        _collector_takes(collector, token, unreachable_ok=False, scope=QUERY)  # not a page of "wrong token" later
         if token:
             os.environ[TOKEN_ENV] = token  # read and checked here, handed to the dashboard's process
     serve(args.port, db, collector, (db or _db(args)).parent)
@@ -957,6 +1055,31 @@ def cmd_demo(args) -> None:
         _dashboard_port_free(args.dashboard_port, "--dashboard-port PORT, or --no-dashboard")
     _stop_on_sigterm()
     run(db=db, steps=args.steps, port=args.port, dashboard_port=None if args.no_dashboard else args.dashboard_port)
+
+
+def _simulate_gpu_option(p) -> None:
+    p.add_argument(
+        "--simulate-gpu",
+        action="store_true",
+        help="a rank without a GPU simulates one (its power, clocks and energy, labelled simulated wherever shown); "
+        "by default such a rank has no GPU telemetry",
+    )
+
+
+def _reading_options(p: argparse.ArgumentParser) -> None:
+    """Where `query` and `runs` read, and how they print it (collector/reports/query.py's FORMATS: named here
+    too, since the parser is built before any command and must not load DuckDB)."""
+    p.add_argument(
+        "--db", help=f"store file ({_DEFAULT_DB}); with --collector, its store, for the token file beside it"
+    )
+    p.add_argument(
+        "--collector",
+        metavar="URL",
+        help="ask a running collector's query API instead (token: --token-file, $RANKWATCH_TOKEN, else the "
+        "token file beside the store)",
+    )
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    _token_file_option(p)
 
 
 def _token_file_option(p: argparse.ArgumentParser) -> None:
@@ -1035,6 +1158,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: a GPU per rank where this machine has enough, else the CPU",
     )
+    _simulate_gpu_option(p)
     _token_file_option(p)
     p.set_defaults(func=cmd_train)
 
@@ -1043,6 +1167,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
     p.add_argument("--run", help="run id (default: made from the time)")
+    p.add_argument(
+        "--db",
+        help="the collector's store file, whose token file beside it is the token sent and where its dashboard's "
+        f"address is noted ({_DEFAULT_DB})",
+    )
+    _simulate_gpu_option(p)
     _token_file_option(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the job's command, after --")
     p.set_defaults(func=cmd_run)
@@ -1195,6 +1325,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_collector)
 
+    p = sub.add_parser("token", help="print a token scoped to ingest, query or control, made from the collector's")
+    p.add_argument(
+        "--scope",
+        choices=SCOPES,
+        required=True,
+        help="ingest: send telemetry and take a run's commands (what a job needs); query: read; control: post "
+        "commands, and read",
+    )
+    p.add_argument("--db", help=f"the collector's store file, the token file beside it the collector's ({_DEFAULT_DB})")
+    _token_file_option(p)
+    p.set_defaults(func=cmd_token)
+
     p = sub.add_parser("alerts", help="alert webhooks")
     alerts = p.add_subparsers(dest="alerts_command", required=True, parser_class=_Parser)
     p = alerts.add_parser("test", help="send a signed test alert to --url, or to every configured receiver")
@@ -1292,18 +1434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql", help="one statement (several are refused: only the last one's rows would show)")
-    p.add_argument(
-        "--db", help=f"store file ({_DEFAULT_DB}); with --collector, its store, for the token file beside it"
-    )
-    p.add_argument(
-        "--collector",
-        metavar="URL",
-        help="ask a running collector's query API instead (token: --token-file, $RANKWATCH_TOKEN, else the "
-        "token file beside the store)",
-    )
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
-    _token_file_option(p)
+    _reading_options(p)
     p.set_defaults(func=cmd_query)
+
+    p = sub.add_parser(
+        "runs", help="the runs of a store file, or of a running collector: status, ranks, steps, worst finding"
+    )
+    _reading_options(p)
+    p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
     p.add_argument(
@@ -1324,14 +1462,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    escape_logs()  # its log records may quote stored values, as its errors below may: both printed printable
     try:
         args = build_parser().parse_args(argv)
         args.func(args)
     except UsageError as e:
-        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        print(f"{e.prog}: error: {printable(str(e))}", *[e.context] if e.context else [], sep="\n", file=sys.stderr)
         sys.exit(2)
     except (TokenError, UrlError) as e:  # a bad token file or collector URL, wherever a command read it
-        print(f"rankwatch: error: {e}", file=sys.stderr)
+        print(f"rankwatch: error: {printable(str(e))}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -1,8 +1,8 @@
 """`rankwatch demo`: a collector and a 4-rank training job with an injected straggler and a
 loss spike, wired together on loopback: the collector finds the straggler and rolls the spike
-back; then a per-rank summary and the rollback from the store. The dashboard, reading the
-collector, shows the run as it happens and stays up afterwards until Ctrl-C
-(`--no-dashboard`: the demo ends with the job)."""
+back; then a per-rank summary, the collector's findings and the rollback, read through the collector.
+The dashboard, reading the collector, shows the run as it happens and stays up afterwards until Ctrl-C
+(`--no-dashboard`: the demo ends with the job, whose start says how to start a dashboard)."""
 
 import os
 import subprocess
@@ -19,9 +19,10 @@ from collector.receive.auth import load_or_create_token
 from collector.reports.query import write
 from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
-from rankwatch.launch import train, wait_healthy
+from rankwatch.launch import listening, train, wait_healthy
 
 MIN_STEPS = 50  # the fewest steps that show both faults, each found and answered
+DASHBOARD_START_S = 60.0  # the longest the job waits for the dashboard to serve
 
 
 def faults(steps: int) -> tuple[int, int, list[str]]:
@@ -93,7 +94,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
             )
             wait_healthy(url, collector)
             if dashboard_port is not None:
-                processes.enter_context(
+                dashboard = processes.enter_context(
                     _stopping(
                         subprocess.Popen(
                             [
@@ -112,7 +113,7 @@ def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> N
                         )
                     )
                 )
-                _open(f"http://{DASHBOARD_HOST}:{dashboard_port}/?run={run_id}")
+                _open(f"http://{DASHBOARD_HOST}:{dashboard_port}", run_id, dashboard)
             print(
                 f"rankwatch demo: run {run_id}, 4 ranks x {steps} steps, injecting {' and '.join(injected)}", flush=True
             )
@@ -175,8 +176,13 @@ def _stopping(process: subprocess.Popen):
         process.wait()
 
 
-def _open(url: str) -> None:
-    """Say where the dashboard is, and open it in a browser where there is a screen to show it on."""
+def _open(address: str, run_id: str, dashboard: subprocess.Popen) -> None:
+    """Once the dashboard serves (the job's start names it then, too), say where it is, and open it in a
+    browser where there is a screen to show it on."""
+    deadline = time.monotonic() + DASHBOARD_START_S
+    while not listening(address) and dashboard.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    url = f"{address}/?run={run_id}"
     print(f"rankwatch demo: the dashboard is at {url}", flush=True)
     if sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
         webbrowser.open(url)

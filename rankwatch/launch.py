@@ -3,14 +3,16 @@ in it (`rankwatch run`), and waiting for a collector."""
 
 import json
 import os
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import agent.autostart as autostart_package
 from agent import auto, config, paths
@@ -19,6 +21,7 @@ from agent.config import INGEST, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
 
 # `train` and `simulate`: the job ran, but telemetry of it never reached the collector (1 is a failed job, 2 bad input)
 TELEMETRY_LOST = 3
+DASHBOARD_CHECK_S = 1.0  # how long a job's start waits to learn whether a dashboard listens
 
 
 def train_command(
@@ -98,17 +101,24 @@ def train(
     return _job("train", command, env, run_id, collector, token)
 
 
-def run(command: Sequence[str], run_id: str | None = None, collector: str | None = None, token: str | None = None):
+def run(
+    command: Sequence[str],
+    run_id: str | None = None,
+    collector: str | None = None,
+    token: str | None = None,
+    store: Path | None = None,
+):
     """Run an unmodified job's command (`torchrun ... train.py`, `python train.py`) with the agent in
     every Python process it starts (agent/auto.py, through the sitecustomize of agent/autostart/ on
     its PYTHONPATH); returns its exit status, or TELEMETRY_LOST as `train`. FileNotFoundError where
-    the command is not found."""
+    the command is not found. `store`: the collector's, beside which its dashboard's address is noted
+    (default: $RANKWATCH_DB's, else ./rankwatch-data's)."""
     run_id, collector, token = (
         run_id or time.strftime("run-%Y%m%d-%H%M%S"),
         config.collector_urls(collector),
         config.token(token),
     )
-    announce("run", run_id, collector, paths.store_path().resolve())
+    announce("run", run_id, collector, (store or paths.store_path()).resolve())
     autostart = str(Path(autostart_package.__file__).parent)
     env = {
         "RANKWATCH_RUN_ID": run_id,
@@ -170,19 +180,35 @@ def report_loss(program: str, run_id: str, collector: str, rank_steps: int, span
 
 
 def announce(program: str, run_id: str, collector: str, store: Path) -> None:
-    """Say, before a job starts, which run it is, where its telemetry goes and where to watch it: at
-    the address of the dashboard last started on `store` (or its collector), else the default one."""
-    from collector.alerts.config import DEFAULT_DASHBOARD_URL
+    """Say, before a job starts, which run it is, where its telemetry goes and where to watch it: at the
+    dashboard last started on `store` (or its collector) while it serves, else how to start one."""
+    dashboard = serving_dashboard(store)
+    if dashboard is not None:
+        watch = f"watch it at {dashboard}/?run={quote(run_id)} (rankwatch dashboard)"
+    else:
+        given = "" if store.resolve() == paths.store_path().resolve() else f" --db {shlex.quote(str(store))}"
+        watch = f"to watch it, start a dashboard: rankwatch dashboard --collector {collector.split(',')[0]}{given}"
+    print(f"rankwatch {program}: run {run_id}, telemetry to {collector}; {watch}", flush=True)
 
+
+def serving_dashboard(store: Path) -> str | None:
+    """The address of the dashboard last started on `store` (or its collector), noted beside it, while something
+    listens there; None where none was started or it has stopped (the note outlives it)."""
     try:
-        dashboard = (store.parent / paths.DASHBOARD_FILE).read_text().strip() or DEFAULT_DASHBOARD_URL
+        address = (store.parent / paths.DASHBOARD_FILE).read_text().strip()
     except OSError:
-        dashboard = DEFAULT_DASHBOARD_URL
-    print(
-        f"rankwatch {program}: run {run_id}, telemetry to {collector}; watch it at "
-        f"{dashboard}/?run={quote(run_id)} (rankwatch dashboard)",
-        flush=True,
-    )
+        return None
+    return address if listening(address) else None
+
+
+def listening(url: str) -> bool:
+    """Whether something accepts connections at `url`'s host and port."""
+    try:
+        address = urlsplit(url)
+        with socket.create_connection((address.hostname, address.port), timeout=DASHBOARD_CHECK_S):
+            return True
+    except (OSError, ValueError, TypeError):  # nothing listening, or not an address with a port
+        return False
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -2,11 +2,15 @@
 
 Covered: `rankwatch query` on a store file after its collector stopped (table,
 CSV and JSON output with exact values, blobs as hex, timestamps as ISO 8601,
-TIMESTAMPTZ columns of `runs`); one-line errors with exit status 2 for bad SQL,
-a store held by a running collector, a missing store and no arguments; the
+TIMESTAMPTZ columns of `runs`); errors with exit status 2, one line for a store held by a running
+collector, a missing store and no arguments, and for bad SQL DuckDB's reason with its LINE and caret
+under it; `rankwatch runs`, each run's status and worst finding; the
 token file created with mode 0600 on first start, authorizing exports, and
 kept for the next start; the agent importing without duckdb, pyarrow, streamlit or
-the collector package.
+the collector package. Scoped tokens: `rankwatch token --scope` makes them from the
+collector's; `rankwatch run` hands its job an ingest token in a private file, never the
+collector's token, and takes the --db its refusal names; a job's start links the dashboard while it
+serves, else says how to start one; the dashboard takes a query token and refuses an ingest one in one line.
 """
 
 import csv
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Collector, free_port, rankwatch_cli, rankwatch_in_process
+from conftest import Collector, free_port, rankwatch_cli, rankwatch_in_process, wait_until
 from otlp_payloads import T0, post, query, step_spans, trace_body
 
 from collector.receive.auth import load_or_create_token
@@ -127,8 +131,23 @@ def test_query_runs_and_ranks_timestamps(store):
     assert [row[0] for row in csv.reader(io.StringIO(r.stdout))] == ["rank", "0", "1"]
 
 
-def test_bad_sql_one_line_exit_2(store):
-    assert_one_line_error(rankwatch_in_process("query", "SELECT nope FRM steps", "--db", str(store)), "syntax error")
+def test_bad_sql_is_one_error_with_duckdbs_pointer_to_the_place_exit_2(store):
+    """DuckDB's reason on the error's line, then its LINE and caret as lines of their own: each escaped, the
+    caret still under the character DuckDB pointed at (here past an escape sequence and a tab)."""
+    refused = rankwatch_in_process("query", "SELECT '\x1b[31m' AS red,\n\tnope FRM steps", "--db", str(store))
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.splitlines() == [
+        'rankwatch: error: Parser Error: syntax error at or near "steps"',
+        "LINE 2: \\tnope FRM steps",
+        "                   ^",
+    ]
+    unknown = rankwatch_in_process("query", "SELECT '\x1b[31m' || nope FROM steps", "--db", str(store))
+    assert unknown.returncode == 2 and unknown.stderr.splitlines()[1:] == [
+        "LINE 1: SELECT '\\x1b[31m' || nope FROM steps",
+        "                             ^",
+    ]
+    several = rankwatch_in_process("query", "SELECT 1; SELECT 2", "--db", str(store))
+    assert_one_line_error(several, "one statement per query, not 2: run each on its own")
 
 
 def test_query_while_collector_holds_store(collector):
@@ -279,26 +298,49 @@ def test_a_refused_token_stops_dashboard_and_simulate_in_one_line(beside, tmp_pa
 
 def test_db_finds_the_collectors_token_and_links_name_the_dashboards_real_port(beside, tmp_path):
     """`--db` (the collector's store) finds the token file beside it for the dashboard and the simulator;
-    the dashboard notes the port it serves on there, and the simulator's link names that port."""
+    the dashboard notes the port it serves on there, and the simulator's link names that port while it
+    serves; once it has stopped, the simulator says how to start one instead of an address nobody serves."""
     from conftest import Interactive
+
+    from rankwatch.launch import listening
 
     port = free_port()
     env = {**os.environ, **no_token_env(tmp_path)}
+
+    def simulate(run: str) -> str:
+        sent = rankwatch_in_process(
+            "simulate", "--ranks", "2", "--steps", "2", "--run", run, "--collector", beside.url, "--db",
+            str(beside.db), env=no_token_env(tmp_path),
+        )  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        assert sent.stdout.splitlines()[-1].endswith(f"of 2 ranks sent to {beside.url}")
+        return sent.stdout.splitlines()[0]
+
     dashboard = Interactive(
         "dashboard", "--collector", beside.url, "--db", str(beside.db), "--port", str(port), env=env
     )
     try:
         dashboard.read_until(f"rankwatch dashboard on http://127.0.0.1:{port}", timeout_s=60)
+        wait_until(lambda: listening(f"http://127.0.0.1:{port}"), "the dashboard did not serve", timeout_s=60)
+        assert f"; watch it at http://127.0.0.1:{port}/?run=found%201 (rankwatch dashboard)" in simulate("found 1")
     finally:
         dashboard.kill()
     assert (beside.db.parent / "dashboard").read_text().strip() == f"http://127.0.0.1:{port}"
-    sent = rankwatch_in_process(
-        "simulate", "--ranks", "2", "--steps", "2", "--run", "found", "--collector", beside.url, "--db", str(beside.db),
+    assert simulate("unwatched").endswith(
+        f"; to watch it, start a dashboard: rankwatch dashboard --collector {beside.url} --db {beside.db}"
+    )
+
+
+def test_run_takes_the_db_that_its_refusal_names(beside, tmp_path):
+    """A refused token's line names --db (the collector's store, its token file beside it): `run` takes it."""
+    refused = rankwatch_in_process("run", "--collector", beside.url, "--", "true", env=no_token_env(tmp_path))
+    assert_one_line_error(refused, "no token was found", "or --db (the collector's store")
+    job = rankwatch_cli(
+        "run", "--collector", beside.url, "--db", str(beside.db), "--run", "by-db", "--", sys.executable, "-c", "",
         env=no_token_env(tmp_path),
     )  # fmt: skip
-    assert sent.returncode == 0, sent.stderr
-    assert f"watch it at http://127.0.0.1:{port}/?run=found " in sent.stdout.splitlines()[0]
-    assert sent.stdout.splitlines()[-1].endswith(f"of 2 ranks sent to {beside.url}")
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.startswith(f"rankwatch run: run by-db, telemetry to {beside.url}; ")
 
 
 def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside, caplog):
@@ -334,6 +376,139 @@ def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside
         assert exporter.undelivered()[0].rank_steps == 1
     warnings = [r.getMessage() for r in caplog.records if r.name == "rankwatch.agent"]
     assert warnings and all("refused the token" in w and "unreachable" not in w for w in warnings), warnings
+
+
+# a job's command that writes what it was given: its environment, and the token file it was pointed at
+JOB_SEES = (
+    "import json, os, stat, sys; f = os.environ.get('RANKWATCH_TOKEN_FILE'); json.dump({'env': dict(os.environ), "
+    "'token': f and open(f).read(), 'mode': f and stat.S_IMODE(os.stat(f).st_mode)}, open(sys.argv[1], 'w'))"
+)
+
+
+def test_run_gives_the_job_an_ingest_token_in_a_file_of_its_own_never_the_collectors(beside, tmp_path):
+    """`rankwatch run --token-file` with the collector's token (exported in the shell too): the job's processes
+    see neither, only a private file, gone after the job, whose ingest token exports but cannot query."""
+    token_file = tmp_path / "token"
+    token_file.write_text(beside.token + "\n")
+    seen_file = tmp_path / "seen.json"
+    job = rankwatch_cli(
+        "run", "--collector", beside.url, "--token-file", str(token_file), "--", sys.executable, "-c", JOB_SEES,
+        str(seen_file), env={"RANKWATCH_TOKEN": beside.token},
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    seen = json.loads(seen_file.read_text())
+    assert "RANKWATCH_TOKEN" not in seen["env"] and beside.token not in json.dumps(seen)
+    assert seen["mode"] == 0o600 and not Path(seen["env"]["RANKWATCH_TOKEN_FILE"]).exists()
+    ingest = seen["token"].strip()
+    made = rankwatch_in_process("token", "--scope", "ingest", "--token-file", str(token_file))
+    assert made.returncode == 0 and made.stdout == ingest + "\n", made
+    headers = {"Authorization": f"Bearer {ingest}"}
+    exported = httpx.post(
+        f"{beside.url}/v1/traces", content=b"", headers=headers | {"Content-Type": "application/x-protobuf"}
+    )
+    assert exported.status_code == 200
+    queried = httpx.post(f"{beside.url}/api/v1/query", json={"sql": "SELECT 1"}, headers=headers, timeout=30)
+    assert queried.status_code == 403 and "the query scope" in queried.json()["error"]
+
+
+def test_token_refuses_no_token_and_a_scoped_one_in_one_line(beside, tmp_path):
+    nothing = rankwatch_in_process("token", "--scope", "query", env=no_token_env(tmp_path))
+    assert_one_line_error(nothing, "no token was found", "--token-file PATH")
+    ingest = rankwatch_in_process("token", "--scope", "ingest", env={"RANKWATCH_TOKEN": beside.token}).stdout.strip()
+    again = rankwatch_in_process("token", "--scope", "query", env={"RANKWATCH_TOKEN": ingest})
+    assert_one_line_error(again, "that token is scoped to ingest", "the collector's own token")
+
+
+def test_the_dashboard_takes_a_query_token_and_refuses_an_ingest_one(beside, tmp_path, monkeypatch):
+    """The dashboard only reads: a query token is all it needs; an ingest token cannot read, which it says at start."""
+    import dashboard.serve
+
+    served = []
+    monkeypatch.setattr(dashboard.serve, "serve", lambda *args: served.append(args))
+    port = str(free_port())
+    tokens = {
+        scope: rankwatch_in_process("token", "--scope", scope, env={"RANKWATCH_TOKEN": beside.token}).stdout.strip()
+        for scope in ("query", "ingest")
+    }
+    shown = rankwatch_in_process(
+        "dashboard", "--collector", beside.url, "--port", port, env={"RANKWATCH_TOKEN": tokens["query"]}
+    )
+    assert shown.returncode == 0 and len(served) == 1, shown
+    refused = rankwatch_in_process(
+        "dashboard", "--collector", beside.url, "--port", port, env={"RANKWATCH_TOKEN": tokens["ingest"]}
+    )
+    assert_one_line_error(refused, "refused the token (HTTP 403", "that token is scoped to ingest")
+    assert len(served) == 1
+
+
+def _store_of_runs(db: Path) -> None:
+    """A store holding a run of each status: silent, ended, ended in failure (its job stopped itself, a finding
+    still firing after the end), hung, and one heard from just now (in a store no collector writes: stored)."""
+    from collector.store.db import connect, create_tables
+
+    with connect(db) as con:
+        create_tables(con)
+        for n, (run, age_s, ended, finding) in enumerate(
+            [
+                ("quiet", 3600, False, None),
+                ("done", 3000, True, None),
+                ("stopped", 2400, True, ("rollbacks", "stopped", "the job stopped at step 4 instead of a rollback")),
+                ("stuck", 1800, False, ("hangs", "hang", "ranks 0-1 wait in all_reduce since step 4")),
+                ("fresh", 5, False, None),
+            ]
+        ):
+            start = f"TIMESTAMP '2024-05-01 12:00:00' + INTERVAL {n} HOUR" if age_s > 5 else "now()::TIMESTAMP"
+            con.execute(f"INSERT INTO runs VALUES ('{run}', 2, ({start})::TIMESTAMPTZ)")
+            con.execute(f"INSERT INTO ranks (run_id, rank, first_seen) SELECT '{run}', r, now() FROM range(2) t(r)")
+            con.execute(
+                "INSERT INTO steps (run_id, rank, step, start_ts, end_ts, duration_s) SELECT ?, r, s, "
+                f"{start} + INTERVAL (s) SECOND, {start} + INTERVAL (s + 1) SECOND, 1.0 "
+                "FROM range(2) a(r), range(5) b(s)",
+                [run],
+            )
+            if ended:
+                con.execute(
+                    f"INSERT INTO events (run_id, rank, ts, event, step) SELECT ?, r, {start} + INTERVAL 6 SECOND, "
+                    "'ended', 4 FROM range(2) t(r)",
+                    [run],
+                )
+            if finding:
+                con.execute(
+                    "INSERT INTO findings (run_id, analyzer, kind, ranks, step_start, step_end, severity, score, "
+                    "summary, evidence) VALUES (?, ?, ?, [0, 1], 4, 4, 'critical', 1.0, ?, '{}')",
+                    [run, *finding],
+                )
+
+
+def test_runs_lists_each_runs_status_and_worst_finding(tmp_path):
+    """`rankwatch runs`: a line per run, newest first, its status as the dashboard derives it (failed where
+    it ended with a finding firing), in each of the formats `query` has."""
+    db = tmp_path / "rankwatch.duckdb"
+    _store_of_runs(db)
+    listed = rankwatch_in_process("runs", "--db", str(db), "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    fresh, *rest = json.loads(listed.stdout)
+    assert (fresh["run"], fresh["ranks"], fresh["last step"]) == ("fresh", 2, 4)
+    assert fresh["status"] == f"last heard {fresh['last seen']}, in a store no collector writes"
+    assert rest == [
+        {"run": "stuck", "ranks": 2, "last step": 4, "first seen": "2024-05-01 15:00:00 UTC",
+         "last seen": "2024-05-01 15:00:05 UTC", "status": "hung, silent since 2024-05-01 15:00:05 UTC",
+         "worst finding": "hangs / hang: ranks 0-1 wait in all_reduce since step 4"},
+        {"run": "stopped", "ranks": 2, "last step": 4, "first seen": "2024-05-01 14:00:00 UTC",
+         "last seen": "2024-05-01 14:00:06 UTC", "status": "failed: ended 2024-05-01 14:00:06 UTC",
+         "worst finding": "rollbacks / stopped: the job stopped at step 4 instead of a rollback"},
+        {"run": "done", "ranks": 2, "last step": 4, "first seen": "2024-05-01 13:00:00 UTC",
+         "last seen": "2024-05-01 13:00:06 UTC", "status": "ended 2024-05-01 13:00:06 UTC", "worst finding": None},
+        {"run": "quiet", "ranks": 2, "last step": 4, "first seen": "2024-05-01 12:00:00 UTC",
+         "last seen": "2024-05-01 12:00:05 UTC", "status": "silent since 2024-05-01 12:00:05 UTC",
+         "worst finding": None},
+    ]  # fmt: skip
+    table = rankwatch_in_process("runs", "--db", str(db))
+    assert table.returncode == 0, table.stderr
+    assert [line.split("│")[1].strip() for line in table.stdout.splitlines() if line.startswith("│ ") and
+            line.split("│")[1].strip()] == ["fresh", "stuck", "stopped", "done", "quiet"]  # fmt: skip
+    rows = list(csv.DictReader(io.StringIO(rankwatch_in_process("runs", "--db", str(db), "--format", "csv").stdout)))
+    assert [(r["run"], r["status"]) for r in rows[1:]] == [(r["run"], r["status"]) for r in rest]
 
 
 def test_power_recommend_without_power_samples_is_one_line(store):

@@ -54,6 +54,8 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
         output = demo.read_until("The dashboard stays up", 400)
         run_id = output.split("rankwatch demo: run ")[1].split(",")[0]
         assert f"the dashboard is at http://127.0.0.1:{demo.dashboard_port}/?run={run_id}" in output
+        # said once it serves, before the job starts, whose start names it too
+        assert f"; watch it at http://127.0.0.1:{demo.dashboard_port}/?run={run_id} (rankwatch dashboard)" in output
         assert "] rank 2 computes" in output, output  # the straggler, named
         assert "rolled back by the collector (1 rollback)" in output and "loss_spike" in output, output
         assert httpx.get(f"http://127.0.0.1:{demo.dashboard_port}/_stcore/health", timeout=5).text == "ok"

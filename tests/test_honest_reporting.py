@@ -12,9 +12,9 @@ def test_simulate_to_an_unreachable_collector_fails(tmp_path):
     assert "sent to" not in result.stdout
     assert "rankwatch simulate: error: run lost: 20 rank-steps (40 spans), " in result.stderr
     assert f"never reached {url}" in result.stderr
-    assert result.stdout.splitlines()[0] == (
-        f"rankwatch simulate: run lost, telemetry to {url}; watch it at "
-        "http://127.0.0.1:8501/?run=lost (rankwatch dashboard)"
+    assert result.stdout.splitlines()[0] == (  # no dashboard serves: how to start one, not an address nobody serves
+        f"rankwatch simulate: run lost, telemetry to {url}; to watch it, start a dashboard: "
+        f"rankwatch dashboard --collector {url}"
     )
 
 
@@ -33,7 +33,10 @@ def test_simulate_names_the_run_and_its_dashboard_link_first(collector):
     )
     assert result.returncode == 0, result.stderr
     first, *_, last = result.stdout.splitlines()
-    assert first.startswith("rankwatch simulate: run a b, telemetry to") and "/?run=a%20b " in first
+    assert first == (  # the link, its run id quoted, where a dashboard serves: tests/test_cli.py
+        f"rankwatch simulate: run a b, telemetry to {collector.url}; to watch it, start a dashboard: "
+        f"rankwatch dashboard --collector {collector.url}"
+    )
     assert last == (
         f"rankwatch simulate: run a b, 12 rank-steps (24 spans: steps and their collectives) of 4 ranks sent to "
         f"{collector.url}"
@@ -61,8 +64,8 @@ def test_train_with_lost_telemetry_fails_and_keeps_checkpoints_beside_the_store(
     assert result.returncode == 3, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0] == (
-        f"rankwatch train: run lost-train, telemetry to {url}; watch it at "
-        "http://127.0.0.1:8501/?run=lost-train (rankwatch dashboard)"
+        f"rankwatch train: run lost-train, telemetry to {url}; to watch it, start a dashboard: "
+        f"rankwatch dashboard --collector {url} --db {store}"
     )
     checkpoints = store.parent / "runs" / "lost-train" / "checkpoints"
     assert lines[1] == f"rankwatch train: checkpoints in {checkpoints}"

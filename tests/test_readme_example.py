@@ -1,10 +1,11 @@
-"""The README's instrumentation example works as printed.
+"""The README's instrumentation example works as printed, and its demo text tells the demo's faults.
 
 Covered: the first ```python block under the README heading that mentions
 "Instrument" is run unchanged as a plain process (no torchrun) against a
 real collector, configured only by RANKWATCH_COLLECTOR, RANKWATCH_TOKEN and
 RANKWATCH_RUN_ID; afterwards the store holds one `step` row per step the
 example runs (rank 0, with its loss) and the phases it names, once per step.
+The paragraph on `make demo` names the faults `rankwatch demo` injects at its default length.
 """
 
 import os
@@ -82,3 +83,18 @@ def test_readme_example_is_found():
     for call in ("agent.init(", "agent.step(", "agent.record(", "agent.shutdown("):
         assert call in code, call
     compile(code, "README.md", "exec")
+
+
+def test_readme_tells_the_faults_the_demo_injects():
+    """The fault specs the demo paragraph quotes, and the steps it names, are those of `rankwatch demo`'s
+    default run (rankwatch/demo.py `faults`), so the text cannot drift from what the demo does."""
+    from rankwatch.cli import build_parser
+    from rankwatch.demo import faults
+
+    steps = build_parser().parse_args(["demo"]).steps
+    slow_from, spike_at, injected = faults(steps)
+    text = README.read_text()
+    paragraph = text[text.index("`make demo` starts") :].split("\n\n")[0]
+    assert re.findall(r"`(?:--inject )?((?:straggler|spike):[^`]+)`", paragraph) == injected
+    for told in (f"for {steps} steps", f"from step {slow_from}", f"spike at step {spike_at}"):
+        assert re.search(r"\s+".join(told.split()), paragraph), told  # wherever the lines break

@@ -100,7 +100,7 @@ def analyze_run(
     ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
     if steps.empty:  # Flight Recorder dumps: their collectives matched (point-to-point entries alone match none)
         recorded = con.execute(_RECORDED, [run_id]).df()
-        if recorded.empty and not con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchone()[0]:
+        if recorded.empty and not con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchall()[0][0]:
             raise unknown_run(con, run_id)
         groups = _process_groups(con, run_id)
         return Report(

@@ -4,7 +4,7 @@
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
     400 {"error"}  not JSON, a field missing or of the wrong type, not one SELECT, or DuckDB refused it
-                   (its message's first line)
+                   (its message whole, with its LINE and caret where it points at the place)
     401 {"error"}  missing or wrong bearer token
     403 {"error"}  a token without the query scope (agent/config.py: the collector's own, a query or a control token)
     408 {"error"}  ran past its time limit and was interrupted

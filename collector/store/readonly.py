@@ -150,7 +150,7 @@ def one_statement(sql: str) -> duckdb.Statement:
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
-        raise QueryRefused(_first_line(e)) from None
+        raise QueryRefused(_message(e)) from None
     if len(statements) != 1:
         raise QueryRefused(f"one statement per query, not {len(statements)}")
     return statements[0]
@@ -346,7 +346,7 @@ def _answer(
     except duckdb.InterruptException:
         outcome = QueryTimeout(late)
     except duckdb.Error as e:
-        outcome = QueryRefused(_first_line(e))
+        outcome = QueryRefused(_message(e))
     except MemoryError:  # a value too large to convert, under the writer's cap (collector/children.py)
         outcome = QueryRefused("Out of Memory Error: the result needs more memory than a query may use")
     except Exception as e:  # the future must settle whatever went wrong
@@ -419,8 +419,10 @@ def _watch(cursor: duckdb.DuckDBPyConnection, finished: threading.Event, deadlin
         wait = _INTERRUPT_AGAIN_S
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0]
+def _message(error: Exception) -> str:
+    """DuckDB's message whole: where it points at the place in the SQL (LINE n: and a caret under it), that
+    is the most useful part of it."""
+    return str(error).strip()
 
 
 def _plain(value):
