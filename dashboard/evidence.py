@@ -1,22 +1,34 @@
 """A finding's evidence as people read it, whatever the analyzer: its figures in words and units,
 its per-rank values (a 1,024-rank map is a top-N chart, not 1,024 lines of floats), its per-step
-values as a series, its records as tables; and what to do about each kind of finding."""
+values as a series, its records as tables; and what to do about each kind of finding, by the phase
+it blames where it names one."""
 
 from dataclasses import dataclass
 
 import pandas as pd
 
 from collector import ranksets
+from collector.analysis.analyzers.stragglers import COMPUTE, DATA
 from dashboard.units import figure, label, unit
 
 TOP_RANKS = 10  # ranks a per-rank chart draws; the rest are summed up in words
 TABLE_ROWS = 20  # rows of an evidence table shown; the rest are counted
+PHASES = {DATA: "input wait (data loading)", COMPUTE: "compute"}  # the phase a straggler's evidence blames
+# Evidence drawn from device samples (the straggler analyzer's GPU readings and what they say of why): said to
+# be simulated where the run's GPUs are
+FROM_DEVICES = ("devices", "hardware")
 
-# What to do about a finding, by "analyzer / kind", else by analyzer: the one place these texts live
+# What to do about a finding, by "analyzer / phase" (the phase its evidence blames, where it names one: what
+# to do differs by where the time goes), else by "analyzer / kind", else by analyzer: the one place these
+# texts live
 NEXT_STEPS: dict[str, str] = {
-    "stragglers / rank": "Check the slow ranks' hosts: GPU clocks, temperature and throttling (Power page), "
-    "their data loader (data time against peers), then drain the node if the hardware is at fault.",
-    "stragglers / node": "One host is slow: check its GPUs' clocks and thermals, its CPU and data loader, "
+    f"stragglers / {DATA}": "The slow ranks wait for their input: give their DataLoader more workers "
+    "(`num_workers`) and batches in flight (`prefetch_factor`), pin its memory (`pin_memory=True`), check the "
+    "storage it reads (a local copy or cache of the data set, its read throughput), and what else contends for "
+    "that host's CPUs (other jobs, preprocessing threads).",
+    "stragglers / rank": "The slow ranks compute slower than their peers: check their GPUs' clocks, throttling "
+    "and temperature (Power page), then drain the node if the hardware is at fault.",
+    "stragglers / node": "One host is slow: check its GPUs' clocks and thermals (Power page) and its CPU, "
     "then drain it and restart from the last checkpoint.",
     "stragglers / stage": "One pipeline stage is slow: rebalance its layers across stages, or check its hosts.",
     "stragglers / widespread": "Work is uneven across ranks: balance sequence lengths (packing, length-bucketed "
@@ -50,9 +62,12 @@ NEXT_STEPS: dict[str, str] = {
 }
 
 
-def next_step(analyzer: str, kind: str) -> str | None:
-    """The line saying what to do about a finding of this analyzer and kind; None where none is known."""
-    return NEXT_STEPS.get(f"{analyzer} / {kind}", NEXT_STEPS.get(analyzer))
+def next_step(finding: pd.Series) -> str | None:
+    """The line saying what to do about a finding (a row of the findings query), by the phase its evidence
+    blames, its analyzer and kind; None where none is known."""
+    phase = (finding["evidence"] or {}).get("phase")
+    keys = (f"{finding['analyzer']} / {phase}", f"{finding['analyzer']} / {finding['kind']}", finding["analyzer"])
+    return next((NEXT_STEPS[key] for key in keys if key in NEXT_STEPS), None)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ named ($run, ...); each query takes exactly those it names.
 
 from agent import semconv as sc
 
+# A rank-step's own time, as the straggler analyzer judges it: its compute and its wait for input (a slow data
+# loader holds the others up as a slow GPU does); the whole step where it times no phases.
+_OWN_TIME = "coalesce(compute_s + coalesce(data_s, 0), duration_s)"
+
 # Runs, newest first, with what their status is drawn from (dashboard/ui.py `run_status`): when each was
 # first and last heard from (its first step or event, or when the collector first saw it, whichever came first;
 # its newest step or event), whether it is an imported trace, how many ranks said their loop ended and when, the
@@ -107,48 +111,56 @@ SELECT (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = 
                 (SELECT max(ts) FROM device_samples WHERE run_id = $run)) AS last_seen
 """
 
-# The MegaScale view: each rank-step's compute over the step's median, in cells of about
-# $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible. $ranks
-# (a list; empty for all) keeps those rows only, against the median of every rank.
-HEATMAP = """
-WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c FROM current_steps
+# The MegaScale view: each rank-step's own time over the step's median, in cells of about
+# $rank_bins x $step_bins; a cell shows its worst rank-step, so one slow rank stays visible. A cell's
+# ranks and steps are rank_lo to rank_hi and step_lo to step_hi, both ends in it. $ranks (a list;
+# empty for all) keeps those rows only, against the median of every rank.
+HEATMAP = f"""
+WITH s AS (SELECT rank, step, {_OWN_TIME} AS c FROM current_steps
            WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
 kept AS (SELECT * FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank)),
-bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $step_bins))::BIGINT AS sw,
-                min(rank) AS r0, greatest(1, ceil((max(rank) - min(rank) + 1) / $rank_bins))::BIGINT AS rw FROM kept)
-SELECT lo + (step - lo) // sw * sw AS step_lo, lo + (step - lo) // sw * sw + sw AS step_hi,
-       r0 + (rank - r0) // rw * rw AS rank_lo, r0 + (rank - r0) // rw * rw + rw AS rank_hi,
-       max(c / m) AS ratio, arg_max(rank, c / m) AS worst_rank, arg_max(step, c / m) AS worst_step
-FROM kept JOIN med USING (step), bins WHERE m > 0
-GROUP BY ALL
+bins AS (SELECT min(step) AS lo, max(step) AS hi,
+                greatest(1, ceil((max(step) - min(step) + 1) / $step_bins))::BIGINT AS sw,
+                min(rank) AS r0, max(rank) AS r1,
+                greatest(1, ceil((max(rank) - min(rank) + 1) / $rank_bins))::BIGINT AS rw FROM kept),
+cells AS (SELECT lo + (step - lo) // sw * sw AS step_lo, least(lo + (step - lo) // sw * sw + sw - 1, hi) AS step_hi,
+                 r0 + (rank - r0) // rw * rw AS rank_lo, least(r0 + (rank - r0) // rw * rw + rw - 1, r1) AS rank_hi,
+                 rank, step, c / m AS ratio
+          FROM kept JOIN med USING (step), bins WHERE m > 0)
+SELECT step_lo, step_hi, rank_lo, rank_hi, max(ratio) AS ratio, arg_max(rank, ratio) AS worst_rank,
+       arg_max(step, ratio) AS worst_step
+FROM cells GROUP BY ALL
 """
 
-# Ranks by their mean compute over the step median, slowest first; of $ranks only (empty: all).
-SLOWEST_RANKS = """
-WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s FROM current_steps
+# Ranks by their mean own time over the step median, slowest first, with the phases it is made of; of
+# $ranks only (empty: all).
+SLOWEST_RANKS = f"""
+WITH s AS (SELECT rank, step, {_OWN_TIME} AS c, data_s, compute_s, comm_wait_s FROM current_steps
            WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step)
-SELECT rank, avg(c / m) AS compute_ratio, avg(c) AS compute_s, avg(comm_wait_s) AS comm_wait_s
+SELECT rank, avg(c / m) AS time_ratio, avg(data_s) AS data_s, avg(compute_s) AS compute_s,
+       avg(comm_wait_s) AS comm_wait_s
 FROM s JOIN med USING (step) WHERE m > 0 AND (len($ranks) = 0 OR list_contains($ranks, rank))
-GROUP BY rank ORDER BY compute_ratio DESC LIMIT $limit
+GROUP BY rank ORDER BY time_ratio DESC LIMIT $limit
 """
 
-# Every rank of the run with its placement (host, stage, replica, TP rank, device), how it computes
-# against the step median (as SLOWEST_RANKS), its step time, exposed communication and newest step, and
-# its GPU's mean power over the run's newest minute of samples (null where it sends none).
-RANK_TABLE = """
-WITH s AS (SELECT rank, step, coalesce(compute_s, duration_s) AS c, comm_wait_s, duration_s FROM current_steps
+# Every rank of the run with its placement (host, stage, replica, TP rank, device), how its own time compares
+# with the step median (as SLOWEST_RANKS), its input wait, compute, exposed communication, step time and newest
+# step, and its GPU's mean power over the run's newest minute of samples (null where it sends none).
+RANK_TABLE = f"""
+WITH s AS (SELECT rank, step, {_OWN_TIME} AS c, data_s, compute_s, comm_wait_s, duration_s FROM current_steps
            WHERE run_id = $run AND step BETWEEN $first AND $last),
 med AS (SELECT step, median(c) AS m FROM s GROUP BY step),
-per_rank AS (SELECT rank, avg(c / m) AS compute_ratio, median(c) AS compute_s, median(comm_wait_s) AS comm_wait_s,
-                    median(duration_s) AS step_s, max(step) AS last_step, count(*) AS steps
+per_rank AS (SELECT rank, avg(c / m) AS time_ratio, median(data_s) AS data_s, median(compute_s) AS compute_s,
+                    median(comm_wait_s) AS comm_wait_s, median(duration_s) AS step_s, max(step) AS last_step,
+                    count(*) AS steps
              FROM s JOIN med USING (step) WHERE m > 0 GROUP BY rank),
 power AS (SELECT rank, ts, value FROM device_samples
           WHERE run_id = $run AND metric IN ('DCGM_FI_DEV_POWER_USAGE', 'DCGM_FI_DEV_POWER_USAGE_INSTANT')),
 watts AS (SELECT rank, avg(value) AS watts FROM power WHERE ts > (SELECT max(ts) FROM power) - INTERVAL 60 SECOND
           GROUP BY rank)
-SELECT rank, host, local_rank, pp_stage, dp_rank, tp_rank, device, steps, last_step, compute_ratio, compute_s,
+SELECT rank, host, local_rank, pp_stage, dp_rank, tp_rank, device, steps, last_step, time_ratio, data_s, compute_s,
        comm_wait_s, step_s, watts
 FROM ranks LEFT JOIN per_rank USING (rank) LEFT JOIN watts USING (rank)
 WHERE run_id = $run ORDER BY rank
@@ -158,13 +170,14 @@ WHERE run_id = $run ORDER BY rank
 # (phases, collectives), and for a rank-step without phase spans its data, compute and exposed
 # communication from the step row. The ranks: the $slowest slowest of that step (of $ranks, where
 # that list is not empty) and $typical around its median.
-TIMELINE = """
-WITH s AS (SELECT rank, epoch_ns(start_ts) AS t, data_s, coalesce(compute_s, duration_s) AS c, duration_s
+TIMELINE = f"""
+WITH s AS (SELECT rank, epoch_ns(start_ts) AS t, data_s, coalesce(compute_s, duration_s) AS c, {_OWN_TIME} AS own,
+                  duration_s
            FROM current_steps WHERE run_id = $run AND step = $step),
 picked AS (
-    (SELECT rank FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank) ORDER BY c DESC LIMIT $slowest)
+    (SELECT rank FROM s WHERE len($ranks) = 0 OR list_contains($ranks, rank) ORDER BY own DESC LIMIT $slowest)
     UNION
-    (SELECT rank FROM s ORDER BY abs(c - (SELECT median(c) FROM s)) LIMIT $typical)),
+    (SELECT rank FROM s ORDER BY abs(own - (SELECT median(own) FROM s)) LIMIT $typical)),
 t0 AS (SELECT min(t) AS t0 FROM s),
 o AS (SELECT rank, kind, name, epoch_ns(start_ts) AS t, epoch_ns(end_ts) AS e FROM ops
       WHERE run_id = $run AND step = $step AND kind <> 'other' AND rank IN (SELECT rank FROM picked)),
@@ -181,16 +194,20 @@ ORDER BY rank, start_s
 """
 
 # A finding's ranks against their peers, step by step from $first to $last (downsampled to about $points
-# points): the median compute of $ranks, of the other ranks, and the median rank's step time.
+# points): the median compute and input wait of $ranks, of the other ranks, and the median rank's step time.
 SUSPECTS_VS_PEERS = """
-WITH s AS (SELECT step, list_contains($ranks, rank) AS suspect, coalesce(compute_s, duration_s) AS c, duration_s
+WITH s AS (SELECT step, list_contains($ranks, rank) AS suspect, coalesce(compute_s, duration_s) AS c, data_s,
+                  duration_s
            FROM current_steps WHERE run_id = $run AND step BETWEEN $first AND $last),
-per_step AS (SELECT step, median(c) FILTER (WHERE suspect) AS suspects_s,
-                    median(c) FILTER (WHERE NOT suspect) AS peers_s, median(duration_s) AS step_s
+per_step AS (SELECT step, median(c) FILTER (WHERE suspect) AS suspects_compute_s,
+                    median(c) FILTER (WHERE NOT suspect) AS peers_compute_s,
+                    median(data_s) FILTER (WHERE suspect) AS suspects_data_s,
+                    median(data_s) FILTER (WHERE NOT suspect) AS peers_data_s, median(duration_s) AS step_s
              FROM s GROUP BY step),
 bins AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $points))::BIGINT AS width
          FROM per_step)
-SELECT min(step) AS step, avg(suspects_s) AS suspects_s, avg(peers_s) AS peers_s, avg(step_s) AS step_s
+SELECT min(step) AS step, avg(suspects_compute_s) AS suspects_compute_s, avg(peers_compute_s) AS peers_compute_s,
+       avg(suspects_data_s) AS suspects_data_s, avg(peers_data_s) AS peers_data_s, avg(step_s) AS step_s
 FROM per_step, bins GROUP BY (step - lo) // width ORDER BY step
 """
 
@@ -286,6 +303,13 @@ WITH last AS (
 SELECT comm_group AS "group", op, seq, state, completed, count(*) AS ranks,
        list(rank ORDER BY rank) AS which
 FROM last GROUP BY ALL ORDER BY "group", seq DESC, ranks DESC
+"""
+
+# Whether a run has GPU samples (NVML's, or a simulated GPU's), and whether any of them is simulated.
+GPU_SAMPLES = f"""
+SELECT EXISTS (SELECT 1 FROM device_samples WHERE run_id = $run
+               AND source IN ('{sc.SOURCE_NVML}', '{sc.SOURCE_SIMULATED}')) AS gpus,
+       EXISTS (SELECT 1 FROM device_samples WHERE run_id = $run AND source = '{sc.SOURCE_SIMULATED}') AS simulated
 """
 
 # Which device metrics a run has, from how many ranks, and where they came from (nvml, simulated, rapl).
@@ -406,4 +430,8 @@ SELECT median(TRY_CAST(attrs->>{sc.json_path(sc.DISK_PROBE_READ_BPS)} AS DOUBLE)
 FROM events WHERE run_id = $run AND event = '{sc.EVENT_DISK_PROBE}'
 """
 
-QUERIES = {name.lower(): sql for name, sql in globals().items() if name.isupper() and isinstance(sql, str)}
+QUERIES = {
+    name.lower(): sql
+    for name, sql in globals().items()
+    if name.isupper() and not name.startswith("_") and isinstance(sql, str)
+}

@@ -12,7 +12,10 @@ import pandas as pd
 import streamlit as st
 
 from collector import quantities, ranksets
+from collector.analysis.analyzers.stragglers import COMPUTE, DATA
 from collector.printable import printable
+from collector.reports import runs as run_states
+from collector.reports.runs import SILENT_S, RunStatus, clock
 from collector.store.schema import ENDED, ROLLED_BACK, TRACE_ENDED
 from dashboard import charts, evidence, queries, source, units
 from dashboard.source import QueryFailed
@@ -24,17 +27,18 @@ LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collect
 RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
 LEAD_STEPS = 10  # steps before a finding's onset its chart against peers shows, at least
 SIMULATED = " · simulated"  # after the label of a figure drawn from simulated GPUs' samples
-# No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
-# and the hang analyzer's shortest stall is as long
-SILENT_S = 30.0
-# A rank's figures in a table, as the Stragglers and the Ranks & nodes pages show them
+# A rank's figures in a table, as the Stragglers and the Ranks & nodes pages show them (its times `in_ms`)
 RANK_COLUMNS = {
-    "compute_ratio": st.column_config.NumberColumn("compute / median", format="%.3f"),
-    "compute_s": st.column_config.NumberColumn("compute, s", format="%.3f"),
-    "comm_wait_s": st.column_config.NumberColumn("exposed comm, s", format="%.3f"),
-    "step_s": st.column_config.NumberColumn("step, s", format="%.3f"),
+    "time_ratio": st.column_config.NumberColumn(
+        "own time / median", format="%.3f", help="input wait and compute, over the step's median rank's"
+    ),
+    "data_ms": st.column_config.NumberColumn("input wait, ms", format="%.1f"),
+    "compute_ms": st.column_config.NumberColumn("compute, ms", format="%.1f"),
+    "comm_wait_ms": st.column_config.NumberColumn("exposed comm, ms", format="%.1f"),
+    "step_ms": st.column_config.NumberColumn("step, ms", format="%.1f"),
     "watts": st.column_config.NumberColumn("power, W", format="%.0f"),
 }
+ONE_PROCESS = "One process: cross-rank analyses do not apply."  # said once, where a page would compare ranks
 EVERY_STEP = (-(2**62), 2**62)  # a window with no bound: one open at the top follows a live run's newest step
 STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
 _PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # ASCII punctuation, which Markdown takes as itself after a backslash
@@ -130,6 +134,35 @@ def power_figure(run: str, live: bool) -> PowerFigure:
     )
 
 
+@dataclass(frozen=True)
+class GpuSamples:
+    """Whether a run sent GPU samples (NVML's or a simulated GPU's), and whether any is simulated: figures
+    drawn from simulated GPUs say so, and a run without GPU samples shows no GPU figure at all."""
+
+    sent: bool
+    simulated: bool
+
+
+def gpu_samples(run: str) -> GpuSamples:
+    """The run's GPU samples: whether there are any, and whether any is simulated (dashboard/queries.py)."""
+    row = frame("gpu_samples", run=run).iloc[0]
+    return GpuSamples(bool(row["gpus"]), bool(row["simulated"]))
+
+
+def one_process(run: str) -> bool:
+    """Whether the run is one process (its world, or the ranks it sent, one): no peers to compare it with."""
+    runs = frame("runs")
+    return bool((runs.loc[runs["run_id"] == run, "ranks"] == 1).any())
+
+
+def in_ms(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with its durations (columns `*_s`) in milliseconds (`*_ms`), as a rank's phases read: an input
+    wait of 0.4 ms, not 0.000 s."""
+    seconds = [c for c in table.columns if c.endswith("_s")]
+    shown = table.assign(**{c: table[c] * 1e3 for c in seconds})
+    return shown.rename(columns={c: c.removesuffix("_s") + "_ms" for c in seconds})
+
+
 def capitalized(text: str) -> str:
     """A phrase as a sentence starts: its first letter up, the rest as written ("rank 3 …" → "Rank 3 …")."""
     return text[:1].upper() + text[1:]
@@ -146,63 +179,14 @@ def current_run() -> str:
     return st.session_state["run"]
 
 
-@dataclass(frozen=True)
-class RunStatus:
-    """Where a run stands: `state` running | ended | hung | silent | imported | stored; `words` say it with since when;
-    `as_of`: when its figures were last current, for a run that is not running (they are stale)."""
-
-    state: str
-    words: str
-    as_of: pd.Timestamp | None
-    duration: str
-
-
-def clock(at: pd.Timestamp) -> str:
-    return f"{at:%Y-%m-%d %H:%M:%S} UTC"
-
-
 def now() -> pd.Timestamp:
     """The time the pages judge silence against."""
     return pd.Timestamp.now(tz="UTC")
 
 
 def run_status(row: pd.Series, at: pd.Timestamp | None = None) -> RunStatus:
-    """A run's status from its row of the `runs` query: imported for a trace recorded elsewhere (it
-    ends where the trace does), ended once every rank said its loop ended (and no step came after),
-    hung while a hang finding fires (silent too, once nothing comes: a hung job's silence is no
-    recovery), silent once nothing came for SILENT_S, else running, or, read from a store no collector
-    writes, stored (nobody can say it still runs). Its duration runs from its first
-    step or event to its newest."""
-    heard, ended_at = row["last_heard"], row["ended_at"]
-    silent = pd.notna(heard) and ((now() if at is None else at) - heard).total_seconds() > SILENT_S
-    ended = (
-        row["ended_ranks"] > 0
-        and row["ended_ranks"] >= row["ranks"]
-        and (pd.isna(row["last_step_end"]) or row["last_step_end"] <= ended_at)
-    )
-    duration = _duration(heard - row["first_heard"]) if pd.notna(heard) else "—"
-    if row["imported"]:
-        return RunStatus("imported", f"imported trace, recorded until {clock(heard)}", heard, duration)
-    if ended:
-        return RunStatus("ended", f"ended {clock(ended_at)}", ended_at, duration)
-    if row["hung"]:
-        return RunStatus("hung", "hung" + (f", silent since {clock(heard)}" if silent else ""), heard, duration)
-    if silent:
-        return RunStatus("silent", f"silent since {clock(heard)}", heard, duration)
-    if not isinstance(data_source(), source.CollectorSource):  # a store no collector writes tells of no "now"
-        heard_at = f"last heard {clock(heard)}" if pd.notna(heard) else "never heard from"
-        return RunStatus("stored", f"{heard_at}, in a store no collector writes", heard, duration)
-    return RunStatus("running", "running", None, duration)
-
-
-def _duration(span: pd.Timedelta) -> str:
-    """A run's length as a person says it: to the hundredth of a second for a short trace, to the
-    minute for a long run."""
-    exact = max(span.total_seconds(), 0.0)
-    if exact < 60:
-        return f"{exact:.2f} s" if exact < 10 else f"{exact:.0f} s"
-    hours, rest = divmod(int(exact), 3600)
-    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+    """A run's status from its row of the `runs` query (collector/reports/runs.py), judged now unless `at`."""
+    return run_states.run_status(row, isinstance(data_source(), source.CollectorSource), now() if at is None else at)
 
 
 def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -227,7 +211,8 @@ def linked_finding() -> int | None:
 
 
 def finding_cost(row: pd.Series) -> str | None:
-    """What a finding costs the job, from its evidence, where the analyzer measured it."""
+    """What a finding costs the job, from its evidence, where the analyzer measured it: the time the other
+    ranks wait out per step (`lost_s_per_step`)."""
     measured = row["evidence"] or {}
     if measured.get("lost_s_per_step") is None:
         return None
@@ -235,8 +220,8 @@ def finding_cost(row: pd.Series) -> str | None:
     # as the analyzer's summary beside it writes small figures (0.001), whole hours past ten
     so_far = "" if hours is None else f", {hours:,.{3 if hours < 10 else 0}f} GPU-hours so far"
     return (
-        f"Costs **{measured['lost_s_per_step']:.3f} s per step** ({measured.get('lost_percent', 0):.1f}% of the "
-        f"step time){so_far}."
+        f"Costs **{quantities.duration(measured['lost_s_per_step'])} per step** "
+        f"({measured.get('lost_percent', 0):.1f}% of the step time){so_far}: the other ranks wait it out."
     )
 
 
@@ -274,22 +259,28 @@ def show_finding(row: pd.Series, expanded: bool = False) -> None:
     show_evidence(row, expanded)
 
 
-def show_evidence(row: pd.Series, expanded: bool = False) -> None:
-    """A finding's evidence behind an expander: what to do, a link to its ranks and steps on the
-    Stragglers page, its figures in units, its per-rank values as the top ranks, its series and
-    records; the raw JSON only as a download (a 1,024-rank map is 1,024 lines of floats)."""
-    with st.expander(f"evidence of finding {row['id']}", expanded=expanded):
+def show_evidence(row: pd.Series, expanded: bool = False, label: str | None = None) -> None:
+    """A finding's evidence behind an expander (`label`, else one naming the finding): what to do, a link to
+    its ranks and steps on the Stragglers page, its figures in units, its per-rank values as the top ranks,
+    its series and records, said to be simulated where they come from simulated GPUs; the raw JSON only as a
+    download (a 1,024-rank map is 1,024 lines of floats)."""
+    with st.expander(label or f"evidence of finding {row['id']}", expanded=expanded):
         score = "-" if pd.isna(row["score"]) else f"{row['score']:.2f}"
         steps = "" if pd.isna(row["step_start"]) else f"steps {int(row['step_start'])}-{int(row['step_end'])}, "
         st.caption(
-            f"{steps}score {score}, first seen "
+            f"{row['analyzer']} / {row['kind']}, finding {row['id']}: {steps}score {score}, first seen "
             f"{row['created_at']:%Y-%m-%d %H:%M:%S}, last {row['updated_at']:%H:%M:%S} UTC"
         )
-        if todo := evidence.next_step(row["analyzer"], row["kind"]):
+        if todo := evidence.next_step(row):
             st.markdown(f"**What to do:** {todo}")
         _link_to_stragglers(row)
         _against_peers(row)
         raw = row["evidence"] or {}
+        if any(key in raw for key in evidence.FROM_DEVICES) and gpu_samples(current_run()).simulated:
+            st.info(
+                "Its GPU readings come from **simulated GPUs** (rankwatch's GPU model), not from hardware.",
+                icon=":material/science:",
+            )
         read = evidence.read(raw)
         if not read.figures.empty:
             st.table(literal_table(read.figures.set_index("what")))
@@ -343,11 +334,13 @@ def _against_peers(row: pd.Series) -> None:
         last=end,
         points=POINTS,
     )
-    if series["suspects_s"].notna().any() and series["peers_s"].notna().any():
-        st.altair_chart(charts.suspects_vs_peers(series, start), width="stretch")
+    phase = DATA if (row["evidence"] or {}).get("phase") == DATA else COMPUTE
+    theirs, peers, _ = charts.SUSPECT_SERIES_NAMES[phase]
+    if series[theirs].notna().any() and series[peers].notna().any():
+        st.altair_chart(charts.suspects_vs_peers(series, start, phase), width="stretch")
         st.caption(
-            f"{capitalized(ranksets.phrase(row['ranks']))} against the other "
-            f"ranks, median compute per step, from before the onset (the dashed line, step {start}) to step {end}."
+            f"{capitalized(ranksets.phrase(row['ranks']))} against the other ranks, median {evidence.PHASES[phase]} "
+            f"per step, from before the onset (the dashed line, step {start}) to step {end}."
         )
 
 

@@ -55,20 +55,50 @@ ENDINGS: dict[str, Unit] = {
 }
 KEYS: dict[str, Unit] = {"caps": SYMBOLS["w"], "throttle_reasons": _SHARE}  # keys whose words say no unit
 
-# Device metrics: heading, and unit (a Scale's fits the values' size)
+_MIB = quantities.Scale("B", factor=2**20)  # a size given in MiB (NVML's memory figures), shown in B, kB, MB, GB
+_PER_S = quantities.Scale("/s", prefixed=False, space=" ")
+
+# Device and host metrics (agent/semconv.py): heading, and unit (a Scale's fits the values' size); the Power
+# page draws them per rank in this order
 DEVICE_METRICS: dict[str, tuple[str, str | quantities.Scale]] = {
     sc.POWER_W: ("Power", quantities.power),
     sc.POWER_INSTANT_W: ("Power (instantaneous)", quantities.power),
     sc.POWER_LIMIT_W: ("Power limit", quantities.power),
     sc.POWER_LIMIT_MIN_W: ("Lowest power limit", quantities.power),
     sc.POWER_LIMIT_MAX_W: ("Highest power limit", quantities.power),
+    sc.ENERGY_J: ("GPU energy (counter)", quantities.energy),
     sc.SM_CLOCK_MHZ: ("SM clock", "MHz"),
+    sc.MEM_CLOCK_MHZ: ("Memory clock", "MHz"),
     sc.GPU_TEMP_C: ("GPU temperature", "°C"),
     sc.GPU_UTIL_PCT: ("GPU utilization", "%"),
     "memory_used_pct": ("GPU memory used", "% of the GPU's"),
+    sc.FB_USED_MIB: ("GPU memory in use", _MIB),
+    sc.FB_TOTAL_MIB: ("GPU memory", _MIB),
     sc.NVLINK_TX_BPS: ("NVLink sent", quantities.bandwidth),
+    sc.NVLINK_RX_BPS: ("NVLink received", quantities.bandwidth),
+    sc.PCIE_TX_BPS: ("PCIe sent", quantities.bandwidth),
     sc.PCIE_RX_BPS: ("PCIe received", quantities.bandwidth),
     sc.CLOCK_EVENT_REASONS: ("Clocks held back by", ""),
+    sc.XID_ERRORS: ("XID error", ""),
+    sc.ECC_SBE_VOLATILE: ("ECC errors corrected, since the driver loaded", ""),
+    sc.ECC_DBE_VOLATILE: ("ECC errors uncorrected, since the driver loaded", ""),
+    sc.ECC_SBE_AGGREGATE: ("ECC errors corrected, over the GPU's life", ""),
+    sc.ECC_DBE_AGGREGATE: ("ECC errors uncorrected, over the GPU's life", ""),
+    sc.HOST_POWER_W: ("Host power (RAPL)", quantities.power),
+    sc.HOST_ENERGY_J: ("Host energy (RAPL)", quantities.energy),
+    sc.PROCESS_CPU_UTIL: ("Process CPU use, per CPU", quantities.percent),
+    sc.SYSTEM_MEMORY_UTIL: ("Host memory in use", quantities.percent),
+    sc.PRESSURE_CPU: ("Host CPU pressure (time waiting for a CPU)", quantities.percent),
+    sc.PRESSURE_MEMORY: ("Host memory pressure", quantities.percent),
+    sc.PRESSURE_IO: ("Host I/O pressure", quantities.percent),
+    sc.PROCESS_READ_BPS: ("Process storage reads", quantities.bandwidth),
+    sc.PROCESS_WRITE_BPS: ("Process storage writes", quantities.bandwidth),
+    sc.PROCESS_MAJOR_FAULTS: ("Page faults read from storage", _PER_S),
+    sc.DISK_READ_BPS: ("Host disk reads", quantities.bandwidth),
+    sc.DISK_WRITE_BPS: ("Host disk writes", quantities.bandwidth),
+    sc.DISK_BUSY: ("Busiest disk's time busy", quantities.percent),
+    sc.MEMORY_DIRTY_BYTES: ("Pages waiting to be written", quantities.data_size),
+    sc.MEMORY_WRITEBACK_BYTES: ("Pages being written", quantities.data_size),
 }
 
 

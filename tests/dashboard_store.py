@@ -2,8 +2,10 @@
 a straggler and a thermally throttled rank, a simulated hang, and a small job whose loss turns
 NaN, which the anomaly analyzer rolls back (applied through the control API), with checkpoint
 events and device samples from GPUs (one of them failing); a job that ended with a straggler to its
-end; a bare run (step times only), for the pages' empty states; two ranks' profiler traces,
-imported; and a hung 4-rank job's Flight Recorder dumps, imported (collectives, no steps)."""
+end; a bare run (step times only), for the pages' empty states; a 2-rank CPU job whose rank 1 waits
+for its input (a slow data loader), with gloo's slow all-reduces and host samples but no GPU; a
+one-process job whose optimizer steps on the host; two ranks' profiler traces, imported; and a hung
+4-rank job's Flight Recorder dumps, imported (collectives, no steps)."""
 
 import math
 import os
@@ -34,6 +36,23 @@ NAN = {
     "xid_at": 35,
 }  # rank 2's GPU: memory nearly full, ECC errors and an XID from step 35
 BARE = {"run": "run-bare", "ranks": 2, "steps": 5}
+# rank 1 waits 50 ms for each batch from step 10 (its peer 0.4 ms), both compute 60 ms; each step's all-reduce of
+# 1 MiB takes 50 ms (gloo on a CPU: 21 MB/s); the ranks sample their processes, not a GPU
+LOADER = {
+    "run": "run-slow-loader",
+    "ranks": 2,
+    "steps": 40,
+    "slow": 1,
+    "from": 10,
+    "data_s": 0.050,
+    "peer_data_s": 0.0004,
+    "compute_s": 0.060,
+    "allreduce_bytes": 2**20,
+    "allreduce_s": 0.050,
+}
+# one process, whose optimizer steps on the host's CPUs for 40 ms of each 100 ms step; its copies between
+# tiers report no size
+SOLO = {"run": "run-one-process", "steps": 30, "host_optimizer_s": 0.040, "step_s": 0.100}
 ENDED = {"run": "run-ended", "ranks": 4, "steps": 40, "slow": 2, "from": 10}  # rank 2 computes 2x from step 10
 # two ranks' PyTorch profiler traces (tests/data/kineto), imported: a run no agent sent
 IMPORTED = {"run": "imported-kineto", "traces": ("sampled_rank-0.json.gz", "sampled_rank-1.json.gz")}
@@ -64,6 +83,8 @@ def build(directory: Path) -> Path:
             _nan_run(collector)
             _bare_run(collector)
             _ended_run(collector)
+            _loader_run(collector)
+            _solo_run(collector)
         finally:
             collector.stop()
     traces = [str(Path(__file__).parent / "data" / "kineto" / name) for name in IMPORTED["traces"]]
@@ -168,3 +189,82 @@ def _ended_run(collector: Collector) -> None:
     wait_until(lambda: run_remote(collector.url, collector.token, held)[1][0][0], "the run's findings did not end")
     for exporter in sending.values():
         exporter.shutdown()
+
+
+def _loader_run(collector: Collector) -> None:
+    """A slow data loader on rank 1 from step `from`: the other rank waits for it in each all-reduce."""
+    sending = exporters(collector, LOADER["run"], LOADER["ranks"])
+    t0, step_s = time.time_ns() - 20_000 * MS, 0.15
+    waits = lambda rank, step: (  # noqa: E731
+        LOADER["data_s"] if rank == LOADER["slow"] and step >= LOADER["from"] else LOADER["peer_data_s"]
+    )
+    send_steps(
+        sending,
+        range(LOADER["steps"]),
+        t0,
+        step_s=step_s,
+        compute=lambda rank, step: LOADER["compute_s"],
+        data=waits,
+        flush=False,
+    )
+    own = lambda step: max(waits(rank, step) for rank in sending) + LOADER["compute_s"]  # noqa: E731
+    ends = [t0 + int((step * step_s + own(step) + 0.005) * 1e9) for step in range(LOADER["steps"])]  # each step's
+    for exporter in sending.values():
+        exporter.trace(
+            [
+                (
+                    "all_reduce",
+                    end - int(LOADER["allreduce_s"] * 1e9),
+                    end,
+                    {
+                        sc.KIND: sc.KIND_COMM,
+                        sc.STEP: step,
+                        sc.COMM_GROUP: "world",
+                        sc.COMM_GROUP_SIZE: LOADER["ranks"],
+                        sc.COMM_SEQ: step,
+                        sc.COMM_BYTES: LOADER["allreduce_bytes"],
+                    },
+                )
+                for step, end in enumerate(ends)
+            ]
+        )
+        exporter.samples([(sc.PROCESS_CPU_UTIL, end, 0.9, {sc.SOURCE: sc.SOURCE_HOST}) for end in ends])
+        wait_until(exporter.flush, "telemetry not delivered", 120)
+    found = f"SELECT count(*) FROM findings WHERE run_id = '{LOADER['run']}' AND analyzer = 'stragglers'"
+    wait_until(lambda: run_remote(collector.url, collector.token, found)[1][0][0], "no straggler found")
+    for exporter in sending.values():
+        exporter.shutdown()
+
+
+def _solo_run(collector: Collector) -> None:
+    """One process: its input wait, compute, loss, and an optimizer on the host's CPUs with copies to the GPU."""
+    (exporter,) = exporters(collector, SOLO["run"], 1).values()
+    t0, step_ns = time.time_ns() - 10_000 * MS, int(SOLO["step_s"] * 1e9)
+    for step in range(SOLO["steps"]):
+        start = t0 + step * step_ns
+        exporter.trace(
+            [
+                (
+                    "step",
+                    start,
+                    start + step_ns,
+                    {
+                        sc.KIND: sc.KIND_STEP,
+                        sc.STEP: step,
+                        sc.LOSS: 4 - step / 20,
+                        sc.DATA_S: 0.005,
+                        sc.COMPUTE_S: SOLO["step_s"] - 0.005 - SOLO["host_optimizer_s"],
+                        sc.HOST_OPTIMIZER_S: SOLO["host_optimizer_s"],
+                        sc.TRANSFER_S: 0.002,
+                    },
+                ),
+                (
+                    "host->gpu",
+                    start + step_ns - 2 * MS,
+                    start + step_ns,
+                    {sc.KIND: sc.KIND_TRANSFER, sc.STEP: step, sc.TRANSFER_SRC: "host", sc.TRANSFER_DST: "gpu"},
+                ),
+            ]
+        )
+    wait_until(exporter.flush, "telemetry not delivered", 120)
+    exporter.shutdown()

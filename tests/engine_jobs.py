@@ -26,23 +26,27 @@ def send_steps(
     compute: Callable[[int, int], float] = lambda rank, step: 0.08,
     loss: Callable[[int], float] = lambda step: 3.0,
     flush: bool = True,
+    data: Callable[[int, int], float] | None = None,
 ) -> float:
     """Each step's span from every rank: rank r computes `compute(r, step)` and waits out the slowest
     rank's compute (a synchronous all-reduce), the step's loss is `loss(step)`; the spans are timed
-    from `t0_ns`, `step_s` apart (longer where the slowest rank computes longer). Flushed (committed)
-    at the end; returns when the last flush was acknowledged (time.monotonic())."""
+    from `t0_ns`, `step_s` apart (longer where the slowest rank computes longer). `data`: rank r waits
+    `data(r, step)` for its input before it computes (its step's data time), which the others wait out
+    too. Flushed (committed) at the end; returns when the last flush was acknowledged (time.monotonic())."""
     for step in steps:
         computes = {r: compute(r, step) for r in sending}
-        slowest = max(computes.values())
+        inputs = {r: 0.0 if data is None else data(r, step) for r in sending}
+        slowest = max(inputs[r] + computes[r] for r in sending)
         for rank, exporter in sending.items():
             start = t0_ns + int(step * step_s * 1e9)
-            wait = slowest - computes[rank] + 0.005
+            own = inputs[rank] + computes[rank]
+            wait = slowest - own + 0.005
             exporter.trace(
                 [
                     (
                         "step",
                         start,
-                        start + int((computes[rank] + wait) * 1e9),
+                        start + int((own + wait) * 1e9),
                         {
                             sc.KIND: sc.KIND_STEP,
                             sc.STEP: step,
@@ -51,6 +55,7 @@ def send_steps(
                             sc.TOKENS: 1024,
                             sc.COMPUTE_S: computes[rank],
                             sc.COMM_WAIT_S: wait,
+                            **({} if data is None else {sc.DATA_S: inputs[rank]}),
                         },
                     )
                 ]

@@ -23,16 +23,17 @@ from collector import quantities, ranksets
 from collector.alerts import rules
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
+from collector.reports.query import run_remote
 from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
-from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, NAN
+from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN, SOLO
 
 pytestmark = pytest.mark.long
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 PAGES = ("overview", "stragglers", "ranks", "collectives", "checkpoints", "hangs", "tiers", "power", "compare", "sql")
-RUNS = (FLEET["run"], HANG["run"], NAN["run"], BARE["run"], ENDED["run"], IMPORTED["run"], FLIGHT["run"])
+RUNS = tuple(run["run"] for run in (FLEET, HANG, NAN, BARE, ENDED, LOADER, SOLO, IMPORTED, FLIGHT))
 
 
 def open_page(page: str, run: str) -> AppTest:
@@ -101,12 +102,12 @@ def test_overview_of_a_straggling_run(from_store):
     assert float(metrics["Step time"].removesuffix(" s")) > 0.6  # 0.6 s of compute at full speed
     # under load the store's last pass can precede the simulator's last spans, which are then shown lost
     # (no pass came after them to take them off): that warning is not this test's
-    (verdict,) = [w for w in texts(at.main.warning) if not w.startswith("**Telemetry lost")]
-    assert verdict == "**1 finding firing** (stragglers / rank), below."
-    (finding,) = texts(at.main.error)  # shown once: the verdict names it, the box says it
-    assert finding.startswith(f"**stragglers / rank** on ranks {FLEET['straggler']}, {FLEET['thermal']}:")
-    assert "ms per step" in finding
-    assert f"GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank {FLEET['thermal']}" in finding
+    (verdict,) = texts(at.main.error)  # the worst finding in words, once: no box under it says it again
+    said, todo = verdict.split("\n\n")
+    assert said.startswith(f"**Ranks {FLEET['straggler']}, {FLEET['thermal']} compute ") and "ms per step" in said
+    assert f"GPU clocks held back (thermal slowdown, hardware thermal slowdown) on rank {FLEET['thermal']}" in said
+    assert todo == f"**What to do:** {evidence.NEXT_STEPS['stragglers / rank']}"
+    assert "stragglers /" not in verdict and at.main.expander[0].label == "its evidence"
 
 
 def test_overview_of_an_imported_trace_tells_its_what_if_not_healthy(from_store):
@@ -130,7 +131,9 @@ def test_an_imported_flight_recorder_dump_shows_where_each_rank_stands_in_its_co
     entered, since no heartbeat says where they were."""
     at = from_store("overview", FLIGHT["run"])
     assert texts(at.main.markdown)[0].startswith("**Imported trace, recorded until ")
-    assert texts(at.main.warning) == ["**What went wrong:** 1 finding (hangs / hang), worst first below."]
+    (verdict,) = texts(at.main.warning)
+    assert verdict.startswith("**What went wrong (held to the trace's end):** Ranks 0, 1, 3 are blocked in all_reduce")
+    assert verdict.endswith(f"**What to do:** {evidence.NEXT_STEPS['hangs']}")
     (story,) = [t for t in texts(at.main.markdown) if t.startswith("- **hangs / hang**")]
     assert story.startswith("- **hangs / hang** (critical, held to the trace's end):")
     assert any(t.startswith("This trace records no training steps") for t in texts(at.main.info))
@@ -162,8 +165,8 @@ def test_overview_of_a_rolled_back_run_says_what_went_wrong_with_throughput_mfu_
     assert any(
         t.startswith("Stale (silent since ") and "the figures are as of its last step" in t for t in texts(at.caption)
     )
-    (verdict,) = [t for t in texts(at.main.warning) if t.startswith("**What went wrong:**")]
-    assert "anomalies / nan" in verdict
+    (verdict,) = [t for t in texts(at.main.warning) if t.startswith("**What went wrong")]
+    assert verdict.startswith("**What went wrong (rolled back):** Loss or gradient norm is not finite since step 30")
     story = texts(at.main.markdown)
     assert any(t.startswith("- **anomalies / nan** (critical, rolled back):") for t in story), story
     (rollback,) = [t for t in story if t.startswith("- **Rollback ")]
@@ -183,7 +186,9 @@ def test_overview_of_an_ended_run_tells_what_went_wrong(from_store):
     assert 10 <= float(length.removesuffix(" s long")) < 60
     assert not [t for t in texts(at.main.success) if "Healthy" in t]
     (verdict,) = texts(at.main.warning)
-    assert verdict == "**What went wrong:** 1 finding (stragglers / rank), worst first below."
+    said, todo = verdict.split("\n\n")
+    assert said.startswith(f"**What went wrong (held to the run's end):** Rank {ENDED['slow']} computes 100% slower")
+    assert todo == f"**What to do:** {evidence.NEXT_STEPS['stragglers / rank']}"
     (item,) = [t for t in texts(at.main.markdown) if t.startswith("- **stragglers / rank**")]
     assert item.startswith(f"- **stragglers / rank** (critical, held to the run's end): rank {ENDED['slow']} computes")
     onset = int(re.search(r"since step (\d+)", item)[1])
@@ -228,10 +233,11 @@ def test_stragglers_names_the_suspects_with_cost_heatmap_and_timeline(from_store
     suspects = sorted([FLEET["straggler"], FLEET["thermal"]])
     markdown = texts(at.markdown)
     assert f"### Suspects: ranks {suspects[0]}, {suspects[1]}, pattern *rank*" in markdown
-    assert any(m.startswith("Costs **0.") and "GPU-hours so far" in m for m in markdown)
+    assert any(re.match(r"Costs \*\*\d+(\.\d+)? ms per step\*\*", m) and "GPU-hours so far" in m for m in markdown)
+    assert f"Ranks {suspects[0]}, {suspects[1]} lose the time in **compute**: " in "".join(markdown)
     (slowest,) = at.dataframe
     assert sorted(slowest.value["rank"].head(2)) == suspects
-    assert slowest.value["compute_ratio"].iloc[1] > 1.15 > slowest.value["compute_ratio"].iloc[2]
+    assert slowest.value["time_ratio"].iloc[1] > 1.15 > slowest.value["time_ratio"].iloc[2]
     # the finding's top ranks and its ranks against their peers, the heatmap and the timeline
     assert len(at.get("vega_lite_chart")) == 4
     (heatmap,) = [
@@ -621,7 +627,7 @@ def test_power_shows_gpu_errors_memory_and_links_per_rank(from_store):
     spec, bars = chart(next(c for c in at.get("vega_lite_chart") if "GPU memory used" in c.proto.spec))
     assert spec["mark"]["type"] == "bar"  # 4 ranks: a bar each, no line between rank 0.00 and 1.00
     assert spec["encoding"]["x"]["type"] == "ordinal" and spec["encoding"]["x"]["field"] == "rank_lo"
-    assert spec["encoding"]["y"]["axis"]["format"] == ",.4~g"
+    assert spec["encoding"]["y"]["axis"]["format"] == charts.NUMBER
     assert bars.set_index("rank_lo")["mean"].round(1).to_dict() == {
         r: round(100 * (81_000 if r == NAN["bad_gpu"] else 60_000) / 81_559, 1) for r in range(NAN["ranks"])
     }
@@ -633,7 +639,7 @@ def test_overview_step_time_by_wall_clock_with_zoom(from_store):
         drawn for drawn in map(chart, at.get("vega_lite_chart")) if "exposed comm" in set(drawn[1].get("what", ()))
     ]
     assert spec["encoding"]["x"]["field"] == "step" and spec["params"][0]["bind"] == "scales"  # drag to zoom
-    assert set(data["what"]) == {"step time", "compute", "exposed comm"}
+    assert {"step time", "compute", "exposed comm"} <= set(data["what"]) <= set(charts.STEP_SERIES_NAMES.values())
     at.radio(key="overview_axis").set_value("wall clock").run()
     (spec, _), *_ = [
         drawn for drawn in map(chart, at.get("vega_lite_chart")) if "exposed comm" in set(drawn[1].get("what", ()))
@@ -697,7 +703,7 @@ def test_a_value_axis_spans_at_least_a_share_of_its_values(values, flat):
 
 def test_power_empty_state(from_store):
     at = from_store("power", BARE["run"])
-    assert texts(at.main.info)[0].startswith("No device samples for this run")
+    assert texts(at.main.info)[0].startswith("No GPU samples for this run")
 
 
 def test_sql_runs_read_only_queries_and_refuses_others(from_store):
@@ -774,3 +780,218 @@ def test_cli_refuses_a_store_it_cannot_read(tmp_path, collector):
     held = rankwatch_cli("dashboard", "--db", str(collector.db))
     assert held.returncode == 2
     assert "is held open by a running collector" in held.stderr and "--collector URL" in held.stderr
+
+
+def test_the_overview_of_a_slow_data_loader_says_who_waits_for_input_since_when_what_it_costs_and_what_to_do(
+    from_store,
+):
+    """A 2-rank CPU job whose rank 1 waits 50 ms for each batch from step 10: the first thing the Overview
+    says is that, in words (its rank, its phase, its onset, the others' wait), then data-loader advice; no
+    analyzer or finding names; the step-time chart draws the input wait; no power figure without a GPU."""
+    at = from_store("overview", LOADER["run"])
+    (verdict,) = texts(at.main.error)
+    said, todo = verdict.split("\n\n")
+    excess, onset, cost = re.fullmatch(
+        r"\*\*Rank 1 waits ([\d.]+) ms per step longer than its peers for input \(data loading\) since step (\d+); "
+        r"the others wait for it: ([\d.]+) ms per step \(.*% of step time.*\)\.\*\*",
+        said,
+    ).groups()
+    assert float(excess) == pytest.approx(1e3 * (LOADER["data_s"] - LOADER["peer_data_s"]), rel=0.05)
+    assert int(onset) == LOADER["from"] and float(cost) == pytest.approx(float(excess), rel=0.1)
+    assert todo == f"**What to do:** {evidence.NEXT_STEPS['stragglers / data']}" and "DataLoader" in todo
+    first_screen = " ".join(texts(at.main.markdown) + texts(at.main.error) + [e.label for e in at.main.expander[:1]])
+    assert "stragglers /" not in first_screen and "finding " not in first_screen and "{" not in first_screen
+    assert {m.label for m in at.metric} == {"Last step", "Step time", "Tokens/s", "MFU"}  # no GPU: no power
+    (steps,) = [data for data in drawn(at, "line") if "data (input wait)" in set(data["what"])]
+    input_wait = steps[steps["what"] == "data (input wait)"].set_index("step")["seconds"]
+    assert (
+        input_wait.loc[LOADER["from"] :].min()
+        > LOADER["data_s"] / 2 - 0.001
+        > input_wait.loc[: LOADER["from"] - 1].max()
+    )
+
+
+def test_the_stragglers_page_of_a_slow_data_loader_names_the_phase_and_the_others_wait(from_store):
+    """The Stragglers page of the slow data loader: the phase (input wait) and its excess, the cost the other
+    rank waits out (not "0.000 s"), rank 1 first by its own time with its input wait in the table, its input
+    wait against its peer's in the evidence, and the heatmap's row of rank 1 glowing from step 10."""
+    at = from_store("stragglers", LOADER["run"])
+    markdown = texts(at.markdown)
+    assert "### Suspects: rank 1, pattern *rank*" in markdown
+    (phase,) = [m for m in markdown if " the time in " in m]
+    assert re.fullmatch(
+        r"Rank 1 loses the time in \*\*input wait \(data loading\)\*\*: 4\d\.\d ms per step more than its peers\.",
+        phase,
+    )
+    (cost,) = [m for m in markdown if m.startswith("Costs ")]
+    assert re.match(r"Costs \*\*4\d\.\d ms per step\*\* \(4\d\.\d% of the step time\)", cost), cost
+    (slowest,) = at.dataframe
+    top = slowest.value.iloc[0]
+    assert top["rank"] == LOADER["slow"] and top["time_ratio"] > 1.2 and top["data_ms"] > 30
+    assert top["compute_ms"] == pytest.approx(1e3 * LOADER["compute_s"])
+    (against,) = [data for data in drawn(at, "line") if "their input wait" in set(data["what"])]
+    wide = against.pivot(index="step", columns="what", values="seconds")
+    assert wide.loc[LOADER["from"] :, "their input wait"].tolist() == pytest.approx([LOADER["data_s"]] * 30)
+    (cells,) = drawn(at, "rect")
+    glowing = cells[cells["ratio"] > 1.2]
+    assert set(glowing["rank_lo"]) == {LOADER["slow"]} and glowing["step_lo"].min() == LOADER["from"]
+    assert f"**What to do:** {evidence.NEXT_STEPS['stragglers / data']}" in texts(at.markdown)
+
+
+def test_the_heatmap_has_a_row_per_rank_and_a_column_per_step_and_no_more(from_store):
+    """A cell spans its ranks (steps) from the first to the last, each a unit centred on its number: a 4-rank
+    run's rows are ranks 0 to 3 (the axis ends at 3.5, no row 4), its columns steps 0 to the last."""
+    at = from_store("stragglers", ENDED["run"])
+    ((spec, cells),) = [found for found in map(chart, at.get("vega_lite_chart")) if "rank_from" in found[1]]
+    assert (cells["rank_lo"] == cells["rank_hi"]).all() and sorted(cells["rank_lo"].unique()) == list(range(4))
+    assert (cells["rank_from"].min(), cells["rank_to"].max()) == (-0.5, ENDED["ranks"] - 0.5)
+    assert (cells["step_from"].min(), cells["step_to"].max()) == (-0.5, ENDED["steps"] - 0.5)
+    assert spec["encoding"]["y"]["axis"]["tickMinStep"] == 1 and spec["encoding"]["x"]["axis"]["format"] == "d"
+
+
+def test_ranks_and_nodes_show_the_input_wait_and_no_power_column_without_a_gpu(from_store):
+    at = from_store("ranks", LOADER["run"])
+    nodes, ranks = (frame.value for frame in at.dataframe)
+    assert "watts" not in ranks and "watts" not in nodes  # no GPU: no column of blanks (or 0 W)
+    by_rank = ranks.set_index("rank")
+    assert by_rank.loc[LOADER["slow"], "data_ms"] == pytest.approx(1e3 * LOADER["data_s"], rel=0.1)
+    assert by_rank.loc[0, "data_ms"] == pytest.approx(1e3 * LOADER["peer_data_s"])
+
+
+def test_simulated_gpus_are_labelled_wherever_their_samples_are_shown(from_store):
+    """The fleet simulator's GPUs: the Ranks & nodes power columns, the straggler's GPU readings and the
+    compared power say they are simulated (the Overview's figures too: test_overview_of_a_straggling_run);
+    a run of measured GPUs says nothing of the kind."""
+    at = from_store("ranks", FLEET["run"])
+    labels = [json.loads(frame.proto.columns)["watts"]["label"] for frame in at.dataframe]
+    assert labels == ["power, W (all GPUs) · simulated", "power, W · simulated"]
+    at = from_store("stragglers", FLEET["run"])
+    assert any(t.startswith("Its GPU readings come from **simulated GPUs**") for t in texts(at.main.info))
+    at = from_store("ranks", NAN["run"])
+    assert json.loads(at.dataframe[1].proto.columns)["watts"]["label"] == "power, W"
+    at = from_store("compare", NAN["run"])
+    at.multiselect(key="compare_with").set_value([FLEET["run"]]).run()
+    assert f"Simulated GPUs (rankwatch's GPU model), not measured hardware: {FLEET['run']}." in texts(at.caption)
+
+
+def test_a_one_process_run_says_once_that_cross_rank_analyses_do_not_apply_and_shows_what_does(from_store):
+    """One process: no "not judged" box on any page, one line where a page would compare ranks, and the pages
+    show what applies: its phases in time, its loss, its rank, its host work."""
+    at = from_store("overview", SOLO["run"])
+    assert ui.ONE_PROCESS in texts(at.main.caption)
+    for page in PAGES:
+        at.switch_page(f"views/{page}.py").run()
+        assert not at.exception, page
+        shown_text = " ".join(texts(at.main.markdown) + texts(at.main.info) + texts(at.main.success))
+        assert "judged" not in shown_text.lower(), page
+        if page in ("stragglers", "ranks", "collectives"):
+            assert texts(at.main.info).count(ui.ONE_PROCESS) == 1, page
+    at = from_store("stragglers", SOLO["run"])
+    (spans,) = [data for data in drawn(at, "bar") if "start_s" in data]
+    assert {"data", "compute"} <= set(spans["name"])
+    (rank,) = at.dataframe if (at := from_store("ranks", SOLO["run"])) else ()
+    assert rank.value["rank"].tolist() == [0] and "time_ratio" not in rank.value
+
+
+def test_memory_and_io_of_a_host_optimizer_says_what_it_waited_on_and_draws_no_empty_chart(from_store):
+    """Steps whose optimizer runs on the host and whose copies report no size: the page gives the host
+    optimizer's share of the step (never "nan%") and says why no bandwidth is drawn instead of an empty chart."""
+    at = from_store("tiers", SOLO["run"])
+    captions = texts(at.main.caption)
+    assert not [c for c in captions if "nan" in c.lower()]
+    (share,) = [c for c in captions if c.startswith("Steps waited on ")]
+    assert (
+        share == "Steps waited on the optimizer on the host's CPUs for 40% of their time (median over the steps shown)."
+    )
+    assert any(c.startswith("No bandwidth to draw") for c in captions)
+    for element in at.get("vega_lite_chart"):
+        assert len(chart(element)[1]) > 0
+
+
+def test_busbw_of_a_slow_link_keeps_its_significant_digits(from_store):
+    """gloo's all-reduce of 1 MiB in 50 ms: 0.021 GB/s, not 0.0."""
+    at = from_store("collectives", LOADER["run"])
+    _, groups = at.dataframe
+    assert groups.value["busbw_gbps"].tolist() == ["21 MB/s"]
+    ((spec, _),) = [drawn for drawn in map(chart, at.get("vega_lite_chart")) if "busbw" in json.dumps(drawn[0])]
+    (bars,) = [layer for layer in spec["layer"] if layer["mark"]["type"] == "bar"]
+    assert {t.get("format") for t in bars["encoding"]["tooltip"] if "busbw" in t["field"]} == {charts.SIGNIFICANT}
+
+
+def test_a_loss_spike_is_marked_at_the_axis_edge_rather_than_flattening_the_curve():
+    """A loss of 100 at one step, and 80 at a step a rollback abandoned, among 3 to 11: the axis spans the
+    others (a falling curve's first steps included) and the spikes are triangles at its top, each with its
+    value; a curve with no spike keeps its whole range, and a bump on a flat one stays on its axis."""
+    steps = pd.DataFrame({"step": range(60), "loss": [3 + 8 * 0.9**s for s in range(60)]})
+    spiked = steps.assign(loss=steps["loss"].where(steps["step"] != 40, 100.0))
+    abandoned = pd.DataFrame({"step": [41, 42], "loss": [80.0, 3.2]})
+    none = pd.DataFrame(columns=["step", "marker", "detail"])
+    spec = charts.with_markers(spiked, "loss", none, abandoned).to_dict()
+    line, _, _, edges = spec["layer"]
+    low, high = line["encoding"]["y"]["scale"]["domain"]
+    assert 2 < low < 3 and 11 < high < 12 and line["mark"]["clip"]
+    (beyond,) = [rows for name, rows in spec["datasets"].items() if name == edges["data"]["name"]]
+    assert [(row["step"], row["loss"], row["shape"], row["what"]) for row in beyond] == [
+        (40, 100.0, "triangle-up", "beyond the axis"),
+        (41, 80.0, "triangle-up", "rolled back, beyond the axis"),
+    ]
+    assert charts.robust_range(steps["loss"]) is None
+    assert charts.robust_range(pd.Series([1.15] * 50 + [1.2])) is None
+
+
+def test_compare_charts_are_full_height_with_whole_step_ticks(from_store):
+    at = from_store("compare", NAN["run"])
+    at.multiselect(key="compare_with").set_value([IMPORTED["run"]]).run()
+    for spec, _ in map(chart, at.get("vega_lite_chart")):
+        assert spec["height"] >= 200 and spec["autosize"]["type"] == "fit-x"  # the plot's height, legend apart
+    spec, _ = chart(at.get("vega_lite_chart")[0])
+    assert spec["encoding"]["x"]["axis"] == {"format": "d", "tickMinStep": 1}
+
+
+def test_evidence_tables_name_every_device_and_host_metric_in_its_unit():
+    read = evidence.read(
+        {
+            "devices": {
+                sc.FB_TOTAL_MIB: {"suspects": 81_600.0, "peers": 81_600.0},
+                sc.PROCESS_CPU_UTIL: {"suspects": 0.97, "peers": 0.41},
+                sc.PRESSURE_IO: {"suspects": 0.2, "peers": 0.0},
+            }
+        }
+    )
+    ((_, table),) = read.tables
+    assert table.to_dict("records") == [
+        {"devices": "GPU memory", "suspects": "85.6 GB", "peers": "85.6 GB"},
+        {"devices": "Process CPU use, per CPU", "suspects": "97%", "peers": "41%"},
+        {"devices": "Host I/O pressure", "suspects": "20%", "peers": "0%"},
+    ]
+
+
+def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_store, tmp_path, monkeypatch):
+    """A launcher's token check (agent.export.check_token: one empty export) refused with 401 stops its job
+    before it starts: the collector's finding, in the sidebar, says that is what a refused token may be,
+    not only that a job loses its telemetry."""
+    from agent.config import TokenRefused
+    from agent.export import check_token
+
+    db = tmp_path / "rankwatch.duckdb"
+    shutil.copy(dashboard_store, db)
+    with open(tmp_path / "collector.log", "w") as log:
+        collector = Collector(db, free_port(), "test-token-0123456", extra_args=("--analyze-every", "1"), log=log)
+        collector.start()
+        try:
+            for _ in range(21):  # jobs' exports the collector takes
+                assert check_token(collector.url, collector.token)
+            for _ in range(3):  # three launches with a wrong token, each refused before its job started
+                with pytest.raises(TokenRefused):
+                    check_token(collector.url, "not-the-token-0123456")
+            fired = f"SELECT count(*) FROM findings WHERE run_id = '{health.RUN_ID}' AND kind = 'refused_exports'"
+            wait_until(lambda: run_remote(collector.url, collector.token, fired)[1][0][0], "no health finding", 60)
+            monkeypatch.setenv(COLLECTOR_ENV, collector.url)
+            monkeypatch.setenv("RANKWATCH_TOKEN", collector.token)
+            st.cache_resource.clear()
+            st.cache_data.clear()
+            at = open_page("overview", BARE["run"])
+        finally:
+            collector.stop()
+    (said,) = [w for w in texts(at.sidebar.warning) if w.startswith("Collector: ")]
+    assert "(3 x 401): a token check refused a wrong or missing token (a launcher's: its job did not start" in said

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.dashboard_store import ENDED, FLEET, FLIGHT, HANG, IMPORTED, NAN
+from tests.dashboard_store import ENDED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = (
@@ -30,7 +30,7 @@ FLAGS = (
 )
 # page path, run, text the page must show, charts it must draw
 PAGES = [
-    ("", FLEET["run"], f"on ranks {FLEET['straggler']}, {FLEET['thermal']}", 1),
+    ("", FLEET["run"], f"Ranks {FLEET['straggler']}, {FLEET['thermal']} compute", 1),
     ("stragglers", FLEET["run"], f"Suspects: ranks {FLEET['straggler']}, {FLEET['thermal']}, pattern rank", 2),
     ("ranks", FLEET["run"], "nodes, slowest first", 0),
     ("collectives", FLEET["run"], "Bus bandwidth by collective and size", 2),
@@ -43,6 +43,7 @@ PAGES = [
     ("sql", FLEET["run"], "Download CSV", 0),
     ("", IMPORTED["run"], "slowdown 1.06x, pattern worker (rank 1)", 0),  # an imported profiler trace
     ("", ENDED["run"], "stragglers / rank", 1),  # a run that ended with a straggler to its end
+    ("stragglers", LOADER["run"], "Rank 1 loses the time in input wait (data loading)", 3),  # a slow data loader
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -220,3 +221,33 @@ def test_every_chart_exports_its_data_and_its_picture(dashboard, browser, screen
     ActionChains(browser).move_to_element(table).perform()
     page.until(lambda b: b.find_elements(By.CSS_SELECTOR, "button[aria-label='Download as CSV']"))
     assert browser.save_screenshot(str(screenshots / "chart-data.png"))
+
+
+def test_the_overview_first_screen_says_in_words_what_is_wrong_and_what_to_do(dashboard, browser, screenshots):
+    """The Overview of a 2-rank job whose rank 1 waits for its input from step 10, read as a person reads it:
+    its first screen (above the step-time chart) names the rank, the phase, the onset and what the others
+    wait, then data-loader advice; no analyzer or finding names, ids or JSON there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{dashboard}/?run={LOADER['run']}")
+    main = "[data-testid='stMain']"
+    drawn = ("What to do:", "Step time over the run")
+    WebDriverWait(browser, 60, poll_frequency=0.5).until(
+        lambda b: all(text in b.find_element(By.CSS_SELECTOR, main).text for text in drawn)
+    )
+    text = browser.find_element(By.CSS_SELECTOR, main).text
+    first_screen = text[: text.index("Step time over the run")]
+    said = (
+        f"Rank {LOADER['slow']} waits",
+        f"for input (data loading) since step {LOADER['from']}; the others wait for it: ",
+        "What to do: The slow ranks wait for their input: give their DataLoader more workers",
+    )
+    for words in said:
+        assert words in first_screen, first_screen
+    for internal in ("stragglers /", " / rank", "finding ", "{", "evidence of"):
+        assert internal not in first_screen, first_screen
+    alerts = browser.find_elements(By.CSS_SELECTOR, "[data-testid='stAlert']")
+    (verdict,) = [alert for alert in alerts if "What to do" in alert.text]
+    assert verdict.location["y"] < browser.get_window_size()["height"] / 2  # on the first screen, near its top
+    assert browser.save_screenshot(str(screenshots / "overview-slow-data-loader.png"))

@@ -1,12 +1,16 @@
-"""Collectives: bus bandwidth per collective and size (as nccl-tests counts it), the process
-groups that fall behind their peers, and how much communication each rank waits for."""
+"""Collectives: bus bandwidth per collective and size (as nccl-tests counts it, three significant
+digits: a gloo job's 0.02 GB/s is not 0.0), the process groups that fall behind their peers, and how
+much communication each rank waits for. A one-process run has none: the page says so once."""
 
 import streamlit as st
 
-from dashboard import charts, ui
+from dashboard import charts, ui, units
 
 run = ui.current_run()
 st.title("Collectives")
+if ui.one_process(run):
+    st.info(ui.ONE_PROCESS)
+    st.stop()
 first, last = ui.step_window(run)
 findings = ui.frame("findings", run=run)
 ui.show_findings(
@@ -28,12 +32,12 @@ else:
     groups = ui.frame("slowest_groups", run=run, limit=8)
     st.subheader("Slowest process groups")
     st.dataframe(
-        groups,
+        groups.assign(busbw_gbps=groups["busbw_gbps"].map(lambda gbps: units.figure("busbw_gbps", gbps))),
         hide_index=True,
         width="stretch",
         column_config={
             "of_median": st.column_config.NumberColumn("of the op's median", format="%.2f"),
-            "busbw_gbps": st.column_config.NumberColumn("mean busbw, GB/s", format="%.1f"),
+            "busbw_gbps": st.column_config.TextColumn("mean busbw"),
         },
     )
 

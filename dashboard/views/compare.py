@@ -1,7 +1,8 @@
 """Compare runs: the chosen run and up to MAX_OTHERS others overlaid, step by step (step time,
-loss, tokens/s) and over time from their first sample (power): did a change make the job faster,
-learn differently, or draw less? Runs of different lengths and sizes line up on normalised axes:
-steps as a share of each run, values relative to the chosen run, power per GPU."""
+loss, tokens/s) and over time from their first sample (power, the runs whose GPUs are simulated
+named): did a change make the job faster, learn differently, or draw less? Runs of different
+lengths and sizes line up on normalised axes: steps as a share of each run, values relative to
+the chosen run, power per GPU; steps as measured have whole-step ticks."""
 
 import pandas as pd
 import streamlit as st
@@ -64,7 +65,7 @@ for value, title, unit in PER_STEP:
         st.caption(f"{ui.literal(run)} reports no {title.lower()} to compare the others with.")
         continue
     y_title = f"{title.lower()}, x {run}'s median" if relative else f"{title.lower()}{', ' + unit if unit else ''}"
-    st.altair_chart(charts.compare(shown, "step", value, y_title, x_title), width="stretch")
+    st.altair_chart(charts.compare(shown, "step", value, y_title, x_title, whole=steps_as == "step"), width="stretch")
     missing = sorted(set(runs) - set(series.loc[series[value].notna(), "run"]))
     if missing:
         st.caption(f"No {title.lower()} from {', '.join(map(ui.literal, missing))}.")
@@ -88,4 +89,9 @@ else:
         ),
         width="stretch",
     )
+    simulated = [r for r in power["run"].unique() if ui.gpu_samples(r).simulated]
+    if simulated:
+        st.caption(
+            f"Simulated GPUs (rankwatch's GPU model), not measured hardware: {', '.join(map(ui.literal, simulated))}."
+        )
 st.caption("Drag to zoom along the x axis, double-click to zoom out.")

@@ -1,11 +1,15 @@
 """Overview: the chosen run's story, live or finished. Its status (running, ended, hung, silent
-since ...), the verdict, then step time, throughput, MFU and power (as of when, for a run that is not
-running), what fires, what went wrong before (worst first, with onsets, costs and how each ended),
-the rollbacks and how they went, lost telemetry, and the run list."""
+since ...), then the verdict: the worst finding in words (its ranks, phase, since when, what it costs)
+and what to do, then step time, throughput, MFU and power (as of when, for a run that is not running;
+said to be simulated where the GPUs are, absent where there are none), the step time over the run,
+the other findings that fire, what went wrong before (worst first, with onsets, costs and how each
+ended), the rollbacks and how they went, lost telemetry, and the run list. A one-process run says
+once that cross-rank analyses do not apply."""
 
 import pandas as pd
 import streamlit as st
 
+from collector.analysis.analyzers import NOT_JUDGED
 from collector.analysis.analyzers.gaps import Gaps
 from collector.analysis.losses import Loss
 from dashboard import charts, evidence, ui
@@ -14,6 +18,7 @@ RECENT = 10  # steps the "now" figures average over, against the RECENT before t
 
 run = ui.current_run()
 st.title(f"Run {ui.literal(run)}")
+one_process = ui.one_process(run)
 
 
 def _mean(frame: pd.DataFrame, column: str) -> float | None:
@@ -21,9 +26,37 @@ def _mean(frame: pd.DataFrame, column: str) -> float | None:
     return None if pd.isna(value) else float(value)
 
 
+def _findings() -> pd.DataFrame:
+    """The run's findings; a one-process run's without what the cross-rank analyses could not judge (no
+    peers), which ONE_PROCESS says once."""
+    findings = ui.frame("findings", run=run)
+    return findings[findings["kind"] != NOT_JUDGED] if one_process else findings
+
+
 def _problems(findings: pd.DataFrame) -> pd.DataFrame:
     """What went wrong: findings but recommendations (severity info) and what could not be judged."""
-    return findings[(findings["severity"] != "info") & (findings["kind"] != "not_judged")]
+    return findings[(findings["severity"] != "info") & (findings["kind"] != NOT_JUDGED)]
+
+
+def _firing(findings: pd.DataFrame) -> pd.DataFrame:
+    """What is wrong now, the verdict's first (a hang, else the worst): firing findings but recommendations and
+    what could not be judged."""
+    firing = ui.worst_first(_problems(findings[findings["state"] == "firing"]))
+    return pd.concat([firing[firing["analyzer"] == "hangs"], firing[firing["analyzer"] != "hangs"]])
+
+
+def _in_words(row: pd.Series, lead: str = "") -> str:
+    """A finding as a person reads it first: its summary as a sentence (its ranks, the phase they lose
+    time in, since when, what it costs, as the analyzer wrote them), then what to do; no analyzer's
+    name, kind or finding id. `lead`: bold words before the sentence; without, the sentence is bold."""
+    sentence = f"{ui.literal(ui.capitalized(row['summary']))}."
+    said = f"**{lead}** {sentence}" if lead else f"**{sentence}**"
+    todo = evidence.next_step(row)
+    return said + (f"\n\n**What to do:** {todo}" if todo else "")
+
+
+def _more(count: int, where: str) -> str:
+    return f"\n\n{count} more finding{'s' * (count > 1)} {where}." if count else ""
 
 
 @st.fragment(run_every=ui.live_every())
@@ -31,35 +64,32 @@ def live() -> None:
     runs = ui.frame("runs")
     status = ui.run_status(runs[runs["run_id"] == run].iloc[0])
     st.markdown(f"**{ui.capitalized(status.words)}** · {status.duration} long")
-    findings = ui.frame("findings", run=run)
-    unjudged = findings[findings["kind"] == "not_judged"]  # what an analyzer could not judge, and why
-    firing = findings[(findings["state"] == "firing") & (findings["kind"] != "not_judged")]
-    advice = firing[firing["severity"] == "info"]  # recommendations (power caps), not trouble
-    prediction = advice[advice["analyzer"] == "predicted"]  # the step-time model's view, with a model
-    advice = advice[advice["analyzer"] != "predicted"]
-    firing = firing[firing["severity"] != "info"]
-    past = _problems(findings[findings["state"] != "firing"])
+    if one_process:
+        st.caption(ui.ONE_PROCESS)
+    findings = _findings()
+    unjudged = findings[findings["kind"] == NOT_JUDGED]  # what an analyzer could not judge, and why
+    advice = findings[(findings["state"] == "firing") & (findings["severity"] == "info")]
+    advice = advice[(advice["kind"] != NOT_JUDGED) & (advice["analyzer"] != "predicted")]  # power caps
+    firing = _firing(findings)
+    past = ui.worst_first(_problems(findings[findings["state"] != "firing"]))
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
     complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
     now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
-    hangs = firing[firing["analyzer"] == "hangs"]
-    shown: tuple[int, ...] = ()  # findings the verdict already says, not repeated below it
-    if not hangs.empty:
-        hang = hangs.iloc[0]
-        todo = evidence.next_step(hang["analyzer"], hang["kind"])
-        said = ui.literal(ui.capitalized(hang["summary"]))
-        st.error(f"**Hung.** {said}" + (f"\n\n**What to do:** {todo}" if todo else ""))
-        shown = (int(hang["id"]),)
-    elif not firing.empty:
-        kinds = ", ".join(sorted(set(firing["analyzer"] + " / " + firing["kind"])))
-        st.warning(f"**{len(firing)} finding{'s' * (len(firing) > 1)} firing** ({kinds}), below.")
+    if not firing.empty:  # a hang, else the worst, in words; its evidence a click away, the others below
+        worst = firing.iloc[0]
+        hung = worst["analyzer"] == "hangs"
+        alert = st.error if worst["severity"] == "critical" else st.warning
+        alert(_in_words(worst, "Hung." if hung else "") + _more(len(firing) - 1, "fire (Also firing, below)"))
+        if not hung:  # a hang's evidence is the Hangs page
+            ui.show_evidence(worst, label="its evidence")
     elif not past.empty:  # a finding true while the run ran is part of its story, never "healthy"
-        kinds = ", ".join(sorted(set(past["analyzer"] + " / " + past["kind"])))
-        said = f"{len(past)} finding{'s' * (len(past) > 1)} ({kinds})"
+        worst = past.iloc[0]
         if status.state == "running":
-            st.info(f"**Nothing fires now.** Earlier: {said}, under What went wrong.")
+            said = _in_words(worst, f"Nothing fires now. Earlier ({ui.outcome(worst)}):")
+            st.info(said + _more(len(past) - 1, "before (What went wrong, below)"))
         else:
-            st.warning(f"**What went wrong:** {said}, worst first below.")
+            said = _in_words(worst, f"What went wrong ({ui.outcome(worst)}):")
+            st.warning(said + _more(len(past) - 1, "(What went wrong, below)"))
     elif not unjudged.empty:
         reasons = " ".join(map(ui.literal, unjudged["summary"].unique()))
         st.info(f"**No finding, but not every analyzer could judge.** {reasons}")
@@ -82,8 +112,9 @@ def live() -> None:
     step_s, earlier = _mean(now, "step_s"), _mean(before, "step_s")
     tokens, mfu = _mean(now, "tokens_per_s"), _mean(now, "mfu")
     not_live = ui.not_live_because(run)
+    gpus = ui.gpu_samples(run)
     power = ui.power_figure(run, live=not_live is None)
-    cols = st.columns(5)
+    cols = st.columns(5 if power.as_of is not None else 4)  # no power figure where no GPU sent power
     cols[0].metric(
         "Last step",
         f"{int(complete['step'].iloc[-1])}",
@@ -99,21 +130,34 @@ def live() -> None:
     )
     cols[2].metric("Tokens/s", "—" if tokens is None else f"{tokens:,.0f}")
     cols[3].metric(
-        "MFU" + ui.SIMULATED * power.simulated,
+        "MFU" + ui.SIMULATED * gpus.simulated,
         "—" if mfu is None else f"{100 * mfu:.1f}%",
-        help="step times played out at a simulated GPU's clocks" if power.simulated else None,
+        help="step times played out at a simulated GPU's clocks" if gpus.simulated else None,
     )
-    cols[4].metric(power.label, power.value, help=power.help)
-    if len(firing) > len(shown):
-        ui.show_findings(firing, "No finding fires.", shown)
-    if not prediction.empty:  # measured against predicted, over time and per rank (its evidence's charts)
-        st.caption("Compute time against what the devices' and hosts' state predicts (the collector's --model):")
-        ui.show_findings(prediction, "")
+    if power.as_of is not None:
+        cols[4].metric(power.label, power.value, help=power.help)
     if not advice.empty and not_live is None:
         said = " · ".join(map(ui.literal, advice["summary"]))
         st.info(f"**Power recommendations** (the Power page has their evidence): {said}")
     elif not advice.empty:
         st.caption(f"No power recommendation: {not_live}, so no cap would reach the job.")
+
+
+@st.fragment(run_every=ui.live_every())
+def firing_now() -> None:
+    """The findings that fire besides the verdict's (the worst, said first: not repeated), and the step-time
+    model's view of the run, where the collector has a model."""
+    findings = _findings()
+    firing = _firing(findings)
+    if len(firing) > 1:
+        st.subheader("Also firing")
+        ui.show_findings(firing, "No finding fires.", shown=(int(firing.iloc[0]["id"]),))
+    prediction = findings[
+        (findings["state"] == "firing") & (findings["severity"] == "info") & (findings["analyzer"] == "predicted")
+    ]
+    if not prediction.empty:  # measured against predicted, over time and per rank (its evidence's charts)
+        st.caption("Compute time against what the devices' and hosts' state predicts (the collector's --model):")
+        ui.show_findings(prediction, "")
 
 
 def _telemetry_loss() -> None:
@@ -138,8 +182,9 @@ series = ui.frame("step_series", run=run, points=ui.POINTS, first=first, last=la
 axis = st.radio("x axis", ["step", "wall clock"], horizontal=True, key="overview_axis", label_visibility="collapsed")
 st.altair_chart(charts.step_times(series, wall_clock=axis == "wall clock"), width="stretch")
 st.caption("Drag to zoom in on a stretch of the run, double-click to zoom out. The Compare page overlays two runs.")
+firing_now()
 
-findings = ui.frame("findings", run=run)
+findings = _findings()
 earlier = findings[findings["state"] != "firing"]
 past = ui.worst_first(_problems(earlier))
 commands = ui.frame("commands", run=run)

@@ -15,11 +15,15 @@ from dashboard import charts, ui, units
 run = ui.current_run()
 st.title("Power")
 metrics = ui.frame("device_metrics", run=run)
-if metrics.empty:
+gpus = ui.gpu_samples(run)
+if not gpus.sent:  # no GPU figure at all, rather than 0 W
     st.info(
-        "No device samples for this run: its agent sends them where NVML is available (GPUs), and "
-        "`rankwatch simulate` sends clocks and temperatures."
+        "No GPU samples for this run: its agent sends them where NVML has a GPU for the rank (or, asked with "
+        "`--simulate-gpu`, from a simulated one), and `rankwatch simulate` from its simulated GPUs."
     )
+    if not metrics.empty:
+        with st.expander("the host metrics this run sent"):
+            st.dataframe(metrics, hide_index=True, width="stretch")
     st.stop()
 
 findings = ui.frame("findings", run=run)
@@ -60,8 +64,7 @@ if advice.empty:
         "No power-cap recommendation (yet): the collector's power analyzer draws one every `--power-every` "
         "seconds once steps report their energy; `rankwatch power recommend` judges a stopped run."
     )
-simulated_gpus = bool(metrics["sources"].str.contains(sc.SOURCE_SIMULATED).any())
-if simulated_gpus:
+if gpus.simulated:
     st.info(
         "**Simulated GPUs.** These samples come from rankwatch's GPU model (`rankwatch simulate`, or a rank "
         "without an NVML GPU), not from hardware: right for trying the analysis, not for sizing a facility.",
@@ -73,7 +76,7 @@ joules = energy["joules"].iloc[0]
 cols = st.columns(3)
 cols[0].metric(power.label, power.value, help=power.help)
 cols[1].metric(
-    "Energy per step" + ui.SIMULATED * power.simulated,
+    "Energy per step" + ui.SIMULATED * gpus.simulated,
     "—" if pd.isna(joules) else quantities.energy(joules),
     help="the median step's, as the agent measured it"
     if energy["measured"].iloc[0]
@@ -129,7 +132,7 @@ for metric, (heading, unit) in units.DEVICE_METRICS.items():
     if isinstance(unit, quantities.Scale):
         divisor, unit = unit.prefix(bins[["mean", "low", "high"]].abs().max().max())
         bins = bins.assign(**{c: bins[c] / divisor for c in ("mean", "low", "high")})
-    st.subheader(heading + ui.SIMULATED * simulated_gpus)
+    st.subheader(heading + ui.SIMULATED * gpus.simulated)
     st.altair_chart(charts.by_rank(bins, "mean", f"{heading}, {unit}", ("low", "high")), width="stretch")
 if by_rank[by_rank["metric"].isin([sc.POWER_W, sc.POWER_INSTANT_W])].empty:
     st.caption("No power samples (clocks and temperatures only).")

@@ -43,23 +43,29 @@ if not bound.empty:
         )
 ui.show_findings(tiers, "No step waits long on copies between memory tiers, and no disk is slow.")
 
-st.subheader("Time each step waited on copies")
-st.altair_chart(
-    charts.by_step(
-        {
-            "exposed (no compute hid it)": series.set_index("step")["exposed_s"],
-            "copies in flight": series.set_index("step")["transfer_s"],
-            "host optimizer": series.set_index("step")["host_optimizer_s"],
-        },
-        "seconds (mean over ranks)",
-    ),
-    width="stretch",
-)
-share = series["exposed_share"].median()
-st.caption(f"Steps waited on copies no compute hid for {share:.0%} of their time (median over the steps shown).")
+st.subheader("Time each step waited on copies and host work")
+per_step = series.set_index("step")
+waits = {  # what the steps report, each a line (one alone is named on its axis)
+    what: values
+    for what, column in (
+        ("exposed (no compute hid it)", "exposed_s"),
+        ("copies in flight", "transfer_s"),
+        ("host optimizer", "host_optimizer_s"),
+    )
+    if not (values := per_step[column].dropna()).empty
+}
+axis = "seconds (mean over ranks)" if len(waits) > 1 else f"{next(iter(waits))}, seconds (mean over ranks)"
+st.altair_chart(charts.by_step(waits, axis), width="stretch")
+shares = {  # each median over the steps shown; NaN where no step reports it
+    "copies no compute hid": series["exposed_share"].median(),
+    "the optimizer on the host's CPUs": (series["host_optimizer_s"] / series["step_s"]).median(),
+}
+said = [f"{what} for {share:.0%}" for what, share in shares.items() if pd.notna(share)]
+if said:
+    st.caption("Steps waited on " + " and on ".join(said) + " of their time (median over the steps shown).")
 
 st.subheader("Bandwidth by direction")
-bandwidth = ui.frame("tier_bandwidth", run=run, points=ui.POINTS, first=first, last=last)
+bandwidth = ui.frame("tier_bandwidth", run=run, points=ui.POINTS, first=first, last=last).dropna(subset=["bytes_per_s"])
 probe = ui.frame("disk_probe", run=run).iloc[0]
 lines = {d: rows.set_index("step")["bytes_per_s"] / 1e6 for d, rows in bandwidth.groupby("direction")}
 if pd.notna(probe["read_bps"]) and lines:
@@ -71,4 +77,9 @@ if lines:
     st.caption(
         "Bytes over the copies' own time, all ranks together. Near the disk's probe (large sequential I/O at "
         "the job's start) the disk is the limit; far below it, the access pattern is (small blocks, no prefetch)."
+    )
+else:
+    st.caption(
+        "No bandwidth to draw: no copy between tiers in these steps reported its size and a time above zero "
+        "(`agent.transfer(src, dst, nbytes)`)."
     )
