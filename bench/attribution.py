@@ -28,7 +28,6 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.analysis.analyzers import predicted, stragglers
 from collector.predict import stepmodel, steptime
-from collector.predict.baselines import Ncpp
 from collector.predict.stepmodel import Fitted
 from trainer import simulate
 from trainer.faults import parse
@@ -54,9 +53,9 @@ def training(topology: simulate.Topology, steps: int, epochs: int) -> Fitted:
         [],
     ]
     made = [run(topology, steps, faults, 1000 + i) for i, faults in enumerate(kinds)]
-    features = pd.concat([f for _, f, _ in made], ignore_index=True)
+    features = pd.concat([f.assign(**{stepmodel.RUN: s["run_id"]}) for s, f, _ in made], ignore_index=True)
     target = pd.concat([s for s, _, _ in made], ignore_index=True)["compute_s"].to_numpy()
-    model = Ncpp(steptime.GROUPS, epochs=epochs, prior=stepmodel.analytic_prior()).fit(features, target).model
+    model = stepmodel.ncpp(epochs, seed=0).fit(features, target).model
     fitted = {"mape": 0.0, "p90": 0.0, "within5": 1.0, "r2_log": 1.0}
     return Fitted(model, {"ncpp": fitted, "median": {**fitted, "mape": 100.0}}, "median")
 

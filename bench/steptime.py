@@ -106,8 +106,8 @@ def main() -> None:
         else:
             runs = collect(db, args.steps)
         with duckdb.connect(str(db), read_only=True) as con:
-            features, target, by = stepmodel.table(con, runs)
-            figures, best = stepmodel.judge(features, target, by, args.epochs)
+            features, target = stepmodel.table(con, runs)
+            figures, best = stepmodel.judge(features, target, args.epochs)
             if args.save:
                 stepmodel.fit(con, runs, args.epochs).save(args.save)
     console = Console(width=110)

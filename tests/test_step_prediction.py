@@ -20,7 +20,6 @@ from agent import semconv as sc
 from agent.host import HostState
 from collector.analysis.analyzers import predicted, stragglers
 from collector.predict import stepmodel, steptime
-from collector.predict.baselines import Ncpp
 from collector.predict.stepmodel import Fitted
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from trainer import simulate
@@ -51,9 +50,9 @@ def fitted() -> Fitted:
         run(["power-cap:rank=3,watts=350,from=10"], 102),
         run([], 103),
     ]
-    features = pd.concat([f for _, f, _ in made], ignore_index=True)
+    features = pd.concat([f.assign(**{stepmodel.RUN: s["run_id"]}) for s, f, _ in made], ignore_index=True)
     target = pd.concat([s for s, _, _ in made], ignore_index=True)["compute_s"].to_numpy()
-    return trusted(Ncpp(steptime.GROUPS, epochs=30, prior=stepmodel.analytic_prior()).fit(features, target).model)
+    return trusted(stepmodel.ncpp(epochs=30, seed=0).fit(features, target).model)
 
 
 def test_a_metrics_feature_is_its_mean_within_the_step_else_the_latest_before_it():
@@ -184,8 +183,9 @@ def test_the_whole_job_slower_than_predicted_is_a_finding_with_both_times(fitted
         "sim-9", predicted.per_step(rank_steps, predicted.predict(fitted, features)), fitted, SETTINGS
     )
     assert found.kind == predicted.SLOWER and found.step_start == 20 and found.step_end == 39
-    assert found.evidence["measured_s"] / found.evidence["predicted_s"] == pytest.approx(1.4, rel=0.1)
-    assert "40% slower than its predicted step time since step 20" in found.summary
+    ratio = found.evidence["measured_s"] / found.evidence["predicted_s"]
+    assert ratio == pytest.approx(1.4, rel=0.1)
+    assert f"{100 * (ratio - 1):.0f}% slower than its predicted step time since step 20" in found.summary
     clean, features, _ = run([], 9)
     assert (
         predicted.slower("sim-9", predicted.per_step(clean, predicted.predict(fitted, features)), fitted, SETTINGS)

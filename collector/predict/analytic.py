@@ -1,9 +1,9 @@
 """The analytic model of step time: a rank does its work at one rate per clock cycle, so its time
 scales as work / clock. What the power analyzer assumes under a cap; a baseline NCPP is judged
-against, and the prior it learns to correct (the network predicts the ratio of the measured time to
-this one, so that what physics already says it need not learn from a few runs)."""
+against, and a prior it may correct (its network then predicts the measured time over this one's,
+so that what physics already says it need not learn from a few runs)."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
@@ -37,3 +37,14 @@ class Analytic:
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:
         return self._cycles(table) / self.rate
+
+    def covers(self, table: pd.DataFrame) -> np.ndarray:
+        """Every row: a formula knows every configuration, so a correction learnt on it applies to all."""
+        return np.ones(len(table), dtype=bool)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "Analytic":
+        return cls(**saved)

@@ -1,15 +1,15 @@
 """The baselines NCPP must beat, each fitted on log(target) as NCPP is: the median of the same
 configuration, ridge regression, and gradient-boosted trees (scikit-learn's histogram GBRT, native
 categories); for step time also the analytic model (analytic.py). A baseline and NCPP share one
-surface: `fit(table, target)`, then `predict(table)`."""
+surface: `fit(table, target)`, then `predict(table)`. The median and the analytic model are also
+NCPP's priors: the predictions its network learns to correct, evaluated with numpy alone."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 import pandas as pd
 
-from collector.predict.analytic import Analytic
 from collector.predict.groups import Encoder, as_text
 
 
@@ -21,6 +21,18 @@ class Predictor(Protocol):
     def predict(self, table: pd.DataFrame) -> np.ndarray: ...
 
 
+class Prior(Predictor, Protocol):
+    """A baseline NCPP may correct: saved with the model as JSON, and evaluated in the collector."""
+
+    def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Prior": ...
+
+    def covers(self, table: pd.DataFrame) -> np.ndarray:
+        """Which rows it predicts from rows of their own kind: where a correction learnt on it applies."""
+        ...
+
+    def to_json(self) -> dict: ...
+
+
 class Median:
     """The median of the rows of the same configuration (`keys`), falling back to fewer keys, then to
     every row, where the configuration was not seen: what a user would guess from past runs."""
@@ -29,28 +41,50 @@ class Median:
 
     def __init__(self, keys: Sequence[str]):
         self.keys = list(keys)
+        self.levels: list[dict[tuple[str, ...], float]] = []  # log medians by configuration, all keys first
+        self.overall = float("nan")
 
     def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Median":
         self.keys = [k for k in self.keys if k in table]  # a table without one is judged on the rest
         log = pd.Series(np.log(target), index=table.index)
-        self.levels = [
-            log.groupby([as_text(table[k]) for k in self.keys[:depth]]).median().to_dict()
-            for depth in range(len(self.keys), 0, -1)
-        ]
+        columns = [as_text(table[k]) for k in self.keys]
+        self.levels = []
+        for depth in range(len(self.keys), 0, -1):
+            medians = log.groupby(columns[:depth]).median()
+            self.levels.append({k if isinstance(k, tuple) else (k,): float(v) for k, v in medians.items()})
         self.overall = float(log.median())
         return self
 
+    def _matched(self, table: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's log median, and how many of its keys the median matched (0: every row's)."""
+        columns = [as_text(table[k]) if k in table else pd.Series("", index=table.index) for k in self.keys]
+        log, depth = np.full(len(table), self.overall), np.zeros(len(table), dtype=np.int64)
+        for i, key in enumerate(zip(*columns, strict=True) if columns else ()):
+            for d, level in zip(range(len(self.keys), 0, -1), self.levels, strict=True):
+                value = level.get(key[:d])
+                if value is not None:
+                    log[i], depth[i] = value, d
+                    break
+        return log, depth
+
     def predict(self, table: pd.DataFrame) -> np.ndarray:
-        out = np.full(len(table), self.overall)
-        known = np.zeros(len(table), dtype=bool)
-        for depth, level in zip(range(len(self.keys), 0, -1), self.levels, strict=True):
-            columns = [as_text(table[k]) if k in table else [""] * len(table) for k in self.keys[:depth]]
-            keys = zip(*columns, strict=True)
-            for i, key in enumerate(keys):
-                value = level.get(key[0] if depth == 1 else key)
-                if not known[i] and value is not None:
-                    out[i], known[i] = value, True
-        return np.exp(out)
+        return np.exp(self._matched(table)[0])
+
+    def covers(self, table: pd.DataFrame) -> np.ndarray:
+        """The rows whose whole configuration was seen: what differs between those is the rows' own
+        state; a configuration not seen is a guess from coarser ones, which no state corrects."""
+        return self._matched(table)[1] == max(len(self.keys), 1)
+
+    def to_json(self) -> dict:
+        levels = [[[*key, value] for key, value in level.items()] for level in self.levels]
+        return {"keys": self.keys, "levels": levels, "overall": self.overall}
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "Median":
+        median = cls(saved["keys"])
+        median.levels = [{tuple(entry[:-1]): float(entry[-1]) for entry in level} for level in saved["levels"]]
+        median.overall = float(saved["overall"])
+        return median
 
 
 def _columns(table: pd.DataFrame, groups: Mapping[str, Sequence[str]]) -> tuple[list[str], list[str]]:
@@ -128,28 +162,33 @@ class Boosted:
 
 
 class Ncpp:
-    """NCPP's network on the same surface, fitted with torch, evaluated as the collector does (numpy)."""
+    """NCPP on the same surface: its prior chosen and corrected with torch (fit.py), evaluated as the
+    collector does (numpy)."""
 
     name = "ncpp"
 
     def __init__(
         self,
         groups: Mapping[str, Sequence[str]],
+        priors: Sequence[Callable[[], Prior]],
+        by: str | None = None,
         epochs: int = 600,
         seed: int = 0,
-        prior: Analytic | None = None,
         target: str = "target",
     ):
-        """`prior`: an analytic model the network learns to correct (fitted anew with it); `target`: what
-        it predicts, in words (saved with it)."""
-        self.groups, self.epochs, self.seed, self.prior, self.target = groups, epochs, seed, prior, target
+        """`priors`: the baselines it may correct, each made afresh for every fit; `by`: the column that
+        names each row's group (a server, a run), held out together when the priors and the correction
+        are judged (None: each row its own); `target`: what it predicts, in words (saved with it)."""
+        self.groups, self.priors, self.by = groups, priors, by
+        self.epochs, self.seed, self.target = epochs, seed, target
 
     def fit(self, table: pd.DataFrame, target: np.ndarray) -> "Ncpp":
         from collector.predict.fit import fit
 
         groups = {g: list(c) for g, c in self.groups.items()}
-        prior = None if self.prior is None else Analytic(self.prior.log_work, self.prior.clock)
-        self.model = fit(table, target, groups, name=self.target, epochs=self.epochs, seed=self.seed, prior=prior)
+        self.model = fit(
+            table, target, groups, self.priors, by=self.by, name=self.target, epochs=self.epochs, seed=self.seed
+        )
         return self
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:

@@ -1,23 +1,36 @@
-"""Training NCPP's network with torch, offline (`rankwatch model fit`, bench/ncpp.py).
+"""Fitting NCPP offline (`rankwatch model fit`, bench/ncpp.py): its prior chosen, its network trained
+with torch, its correction shrunk.
 
 The only module of the collector that imports torch; the collector itself never imports it. The
 network is the one ncpp.py evaluates, built from torch's own layers' math so the weights export one to
-one. It fits log(target), standardized, by mean squared error (a relative error, as MAPE judges),
-full-batch Adam with weight decay; tables here are thousands of rows at most.
+one. It fits the log of the target over the prior's prediction, standardized, by mean squared error (a
+relative error, as MAPE judges), with AdamW; tables here are thousands of rows at most.
+
+Everything NCPP chooses is judged on groups of rows (servers, runs) it was not fitted on, split
+`FOLDS` ways at most: the prior (the baseline with the lowest MAPE held out), the rows the network
+learns from (the prior's errors on held-out groups, where it covers the row: the same situation as on
+a new server), and the correction's scale (the smallest that does about as well as the best, fold
+by fold; 0 is the prior alone). So across the training groups the model does no worse than its
+prior, and better where the state explains the rest.
 """
 
 import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.model_selection import GroupKFold
 from torch import nn
 
-from collector.predict.analytic import Analytic
-from collector.predict.groups import UNSEEN, Encoder
-from collector.predict.ncpp import BLOCK, Model, category_offsets, token_groups
+from collector.predict.baselines import Prior
+from collector.predict.evaluate import metrics
+from collector.predict.groups import UNSEEN, Encoder, NothingVaries
+from collector.predict.ncpp import BLOCK, Model, Network, category_offsets, token_groups
 
 UNSEEN_RATE = 0.1  # how often training reads a category as unseen
+FOLDS = 5  # the most ways the training groups are split to judge what the fit chooses
+SHRINKS = np.linspace(0.0, 1.0, 11)  # the correction's scales tried, the prior alone first
 
 
 class _Block(nn.Module):
@@ -110,21 +123,85 @@ def fit(
     table: pd.DataFrame,
     target: np.ndarray,
     groups: dict[str, list[str]],
+    priors: Sequence[Callable[[], Prior]],
     *,
+    by: str | None = None,
     name: str = "target",
     epochs: int = 600,
     seed: int = 0,
-    prior: Analytic | None = None,
 ) -> Model:
-    """NCPP fitted to predict `target` (positive) from `table`'s grouped columns; with `prior`, to
-    predict the target over the prior's prediction (the prior fitted first, on the same rows)."""
+    """NCPP fitted to predict `target` (positive) from `table`'s grouped columns, correcting the best of
+    `priors`; `by`: the column naming each row's group (None: each row its own)."""
+    target = np.asarray(target, dtype=float)
+    folds = _folds(table, by)
+    if not folds:  # one group: nothing to judge a choice on
+        return Model(priors[0]().fit(table, target), name)
+    held = [_held_out(make, table, target, folds) for make in priors]
+    best = min(range(len(priors)), key=lambda i: metrics(target, held[i][0])["mape"])
+    predicted, covered = held[best]
+    residual = np.log(target) - np.log(predicted)  # the prior's errors on groups it did not see
+
+    def network(rows: np.ndarray) -> Network:
+        return _network(table.iloc[rows], residual[rows], groups, epochs, seed)
+
+    learnt = [(train[covered[train]], test[covered[test]]) for train, test in folds]
+    try:
+        shrink = _shrink(table, target, predicted, learnt, network)
+        correction = network(np.flatnonzero(covered)) if shrink > 0 else None
+    except NothingVaries:  # the rows the prior covers share one state: none to correct it by
+        shrink, correction = 0.0, None
+    return Model(priors[best]().fit(table, target), name, correction, shrink)
+
+
+def _shrink(
+    table: pd.DataFrame,
+    target: np.ndarray,
+    predicted: np.ndarray,
+    folds: list[tuple[np.ndarray, np.ndarray]],
+    network: Callable[[np.ndarray], Network],
+) -> float:
+    """The correction's scale, learnt on each fold's training rows and judged on its held-out rows
+    (`predicted`: the prior's predictions of them): the smallest of SHRINKS whose MAPE, fold by fold,
+    exceeds the lowest scale's by less than the excess's standard error and is no worse than the
+    prior's (the one-standard-error rule: a correction that helps some groups and hurts others is not
+    taken). 0 where fewer than two folds have rows on both sides."""
+    folds = [(train, test) for train, test in folds if len(train) and len(test)]
+    if len(folds) < 2:
+        return 0.0
+    errors = np.empty((len(folds), len(SHRINKS)))
+    for i, (train, test) in enumerate(folds):
+        corrected = network(train).predict(table.iloc[test])
+        for j, scale in enumerate(SHRINKS):
+            errors[i, j] = metrics(target[test], predicted[test] * np.exp(scale * corrected))["mape"]
+    mean = errors.mean(axis=0)
+    excess = errors - errors[:, [mean.argmin()]]
+    tolerated = (excess.mean(axis=0) <= excess.std(axis=0, ddof=1) / np.sqrt(len(folds))) & (mean <= mean[0])
+    return float(SHRINKS[np.argmax(tolerated)])
+
+
+def _folds(table: pd.DataFrame, by: str | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The training and held-out rows of each split of the table's groups (none for one group)."""
+    names = np.arange(len(table)) if by is None else table[by].astype(str).to_numpy()
+    count = min(len(set(names)), FOLDS)
+    return list(GroupKFold(count).split(table, groups=names)) if count > 1 else []
+
+
+def _held_out(
+    make: Callable[[], Prior], table: pd.DataFrame, target: np.ndarray, folds: list[tuple[np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A prior's prediction of each row from a fit on the other folds, and whether that fit covered it."""
+    predicted, covered = np.empty(len(target)), np.empty(len(target), dtype=bool)
+    for train, test in folds:
+        prior = make().fit(table.iloc[train], target[train])
+        predicted[test], covered[test] = prior.predict(table.iloc[test]), prior.covers(table.iloc[test])
+    return predicted, covered
+
+
+def _network(table: pd.DataFrame, log: np.ndarray, groups: dict[str, list[str]], epochs: int, seed: int) -> Network:
+    """The network fitted to predict `log` from `table`'s grouped columns."""
     torch.manual_seed(seed)
     encoder = Encoder.fit(table, groups)
     encoded = encoder.encode(table)
-    target = np.asarray(target, dtype=float)
-    if prior is not None:
-        target = target / prior.fit(table, target).predict(table)
-    log = np.log(target)
     mean, std = float(log.mean()), float(log.std()) or 1.0
     numbers, codes = torch.from_numpy(encoded.numbers), torch.from_numpy(encoded.codes)
     y = torch.from_numpy(((log - mean) / std).astype(np.float32))
@@ -135,7 +212,7 @@ def fit(
         _train(net, numbers, codes, y, epochs)
     finally:
         torch.set_num_threads(threads)
-    return Model(encoder, net.export(), mean, std, name, prior)
+    return Network(encoder, net.export(), mean, std)
 
 
 def _train(net: GroupAttention, numbers: torch.Tensor, codes: torch.Tensor, y: torch.Tensor, epochs: int) -> None:

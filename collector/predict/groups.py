@@ -15,6 +15,10 @@ import pandas as pd
 UNSEEN = 0  # a category's code for missing values and for values the fit did not see
 
 
+class NothingVaries(ValueError):
+    """No grouped column varies in the table an encoder is fitted on: nothing to learn from."""
+
+
 @dataclass(frozen=True)
 class Feature:
     name: str
@@ -66,7 +70,7 @@ class Encoder:
                     vocabulary = tuple(sorted(set(as_text(table[name].dropna()))))
                     features.append(Feature(name, group, False, vocabulary=vocabulary))
         if not features:
-            raise ValueError("no grouped column varies in the table: nothing to learn from")
+            raise NothingVaries("no grouped column varies in the table: nothing to learn from")
         return cls(tuple(features))
 
     @property

@@ -1,11 +1,15 @@
-"""NCPP's group-attention regressor, evaluated with numpy: the collector's side of the model.
+"""NCPP evaluated with numpy: the collector's side of the model.
 
-Each feature becomes a token (a number scales its own learned vector; a category looks up its own
-embedding). Each group's tokens, with a learned summary token, go through one pre-norm attention
-block; the group's summary tokens then attend to each other in a second block, and their mean is read
-out as the standardized log of the target (or, with an analytic prior, of the target over the prior's
-prediction: what the hardware's state adds to work / clock). `fit.py` trains the same network in torch and saves its
-weights under the names read here; tests hold the two forward passes equal.
+NCPP predicts a target as a prior's prediction (a baseline chosen on the training groups: the median
+of the same configuration, the analytic model) times a correction that a group-attention network
+predicts from the row's state: log(target / prior), scaled by a factor from 0 to 1 chosen on groups
+held out in training (fit.py), so that at 0 the model is its prior.
+
+The network: each feature becomes a token (a number scales its own learned vector; a category looks
+up its own embedding). Each group's tokens, with a learned summary token, go through one pre-norm
+attention block; the group's summary tokens then attend to each other in a second block, and their
+mean is read out as the standardized correction. `fit.py` trains the same network in torch and saves
+its weights under the names read here; tests hold the two forward passes equal.
 """
 
 import json
@@ -19,10 +23,12 @@ import numpy as np
 import pandas as pd
 
 from collector.predict.analytic import Analytic
+from collector.predict.baselines import Median, Prior
 from collector.predict.groups import Encoded, Encoder
 
 BLOCK = ("ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "w1", "b1", "w2", "b2")
 MAX_MODEL_BYTES = 256 << 20  # a saved model's arrays, decompressed: its weights and header take a few MB
+PRIORS: dict[str, type[Analytic] | type[Median]] = {Analytic.name: Analytic, Median.name: Median}  # by kind, saved
 _ARRAY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
@@ -63,22 +69,20 @@ def category_offsets(encoder: Encoder) -> np.ndarray:
 
 
 @dataclass
-class Model:
-    """A fitted NCPP network: its encoder, weights, and the standardization of log(target)."""
+class Network:
+    """The group-attention network with its encoder, and the standardization of what it predicts."""
 
     encoder: Encoder
     weights: dict[str, np.ndarray]
     log_mean: float
     log_std: float
-    target: str  # what it predicts, in words ("score", "compute_s")
-    prior: Analytic | None = None  # the network predicts the target over this model's prediction
 
     def __post_init__(self) -> None:
         self._groups = token_groups(self.encoder)
         self._offsets = category_offsets(self.encoder)
 
     def forward(self, encoded: Encoded) -> np.ndarray:
-        """The standardized log target of each row."""
+        """The standardized output of each row."""
         w = self.weights
         n = encoded.numbers.shape[0]
         width = w["head.w"].shape[0]
@@ -96,22 +100,42 @@ class Model:
         return (x @ w["head.w"] + w["head.b"])[:, 0]
 
     def predict(self, table: pd.DataFrame) -> np.ndarray:
-        """The target for each row of `table`."""
-        predicted = np.exp(self.forward(self.encoder.encode(table)) * self.log_std + self.log_mean)
-        return predicted if self.prior is None else predicted * self.prior.predict(table)
+        """What the network was fitted to (a log), for each row of `table`."""
+        return self.forward(self.encoder.encode(table)) * self.log_std + self.log_mean
+
+
+@dataclass
+class Model:
+    """A fitted NCPP: its prior, and the network's correction to it scaled by `shrink` (none: 0)."""
+
+    prior: Prior
+    target: str  # what it predicts, in words ("score", "compute_s")
+    correction: Network | None = None
+    shrink: float = 0.0
+
+    def predict(self, table: pd.DataFrame) -> np.ndarray:
+        """The target for each row of `table`: the prior's prediction, corrected where the prior covers
+        the row (its configuration was seen: the correction was learnt on such rows only)."""
+        predicted = self.prior.predict(table)
+        if self.correction is None or self.shrink == 0:
+            return predicted
+        log = np.where(self.prior.covers(table), self.shrink * self.correction.predict(table), 0.0)
+        return predicted * np.exp(log)
 
     def save(self, path: Path, **meta: object) -> None:
-        """One .npz: the weights, and the encoder, target and prior as JSON (with `meta`: how it was judged)."""
+        """One .npz: the network's weights, and the rest as JSON (with `meta`: how it was judged)."""
+        network = self.correction
         header = {
-            "encoder": self.encoder.to_json(),
-            "log_mean": self.log_mean,
-            "log_std": self.log_std,
             "target": self.target,
-            "prior": None if self.prior is None else vars(self.prior),
+            "prior": {"kind": self.prior.name, **self.prior.to_json()},
+            "shrink": self.shrink,
+            "encoder": None if network is None else network.encoder.to_json(),
+            "log_mean": None if network is None else network.log_mean,
+            "log_std": None if network is None else network.log_std,
             **meta,
         }
         with open(path, "wb") as f:
-            arrays: dict[str, Any] = {"__meta__": np.array(json.dumps(header)), **self.weights}
+            arrays: dict[str, Any] = {"__meta__": np.array(json.dumps(header)), **(network.weights if network else {})}
             np.savez_compressed(f, **arrays)
 
     @classmethod
@@ -127,15 +151,26 @@ class Model:
             raise ValueError(f"not an .npz ({e})") from None
         except RecursionError:
             raise ValueError("its header nests deeper than JSON is read") from None
-        model = cls(
-            Encoder.from_json(header.pop("encoder")),
-            weights,
-            header.pop("log_mean"),
-            header.pop("log_std"),
-            header.pop("target"),
-            None if (prior := header.pop("prior", None)) is None else Analytic(**prior),
-        )
-        return model, header
+        try:
+            return cls._from_header(header, weights), header
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"its header is not a saved model's ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_header(cls, header: dict, weights: dict[str, np.ndarray]) -> "Model":
+        """The model `header` describes, popping what it reads (the rest is the caller's). A file saved
+        before priors were chosen has no shrink (its network's correction is whole) and an analytic
+        prior without its kind."""
+        saved = header.pop("prior")
+        if saved is None:
+            raise ValueError("a model without a prior, which this version no longer reads: fit it again")
+        kind = saved.pop("kind", Analytic.name)
+        if kind not in PRIORS:
+            raise ValueError(f"its prior is of an unknown kind {kind!r}")
+        prior = PRIORS[kind].from_json(saved)
+        encoder, log_mean, log_std = header.pop("encoder"), header.pop("log_mean"), header.pop("log_std")
+        network = None if encoder is None else Network(Encoder.from_json(encoder), weights, log_mean, log_std)
+        return cls(prior, header.pop("target"), network, float(header.pop("shrink", 1.0)))
 
 
 def _check_sizes(path: Path) -> None:

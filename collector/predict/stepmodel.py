@@ -6,6 +6,7 @@ time, so a run's near-identical rank-steps never sit on both sides. NCPP is judg
 median of the same workload, ridge, boosted trees and the analytic model; the file keeps the figures,
 and a model that did not beat every baseline is kept but not used (`Fitted.trusted`)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +16,13 @@ import pandas as pd
 from agent import semconv as sc
 from collector.predict import steptime
 from collector.predict.analytic import Analytic
-from collector.predict.baselines import Boosted, Median, Ncpp, Ridge
+from collector.predict.baselines import Boosted, Median, Ncpp, Prior, Ridge
 from collector.predict.evaluate import held_out, metrics
 from collector.predict.ncpp import Model
 
 MIN_RUNS = 3  # held out one at a time, a fit sees at least two
+RUN = "run_id"  # the column of a fit's table that names each rank-step's run
+WORKLOAD = ["log_flops", "log_tokens", "world_size"]  # what the median of the same work groups by
 
 
 class TooLittleData(ValueError):
@@ -63,41 +66,51 @@ class Fitted:
         return cls(model, meta["figures"], meta["best_baseline"])
 
 
-def table(con, run_ids: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    """The runs' rank-steps as features, their compute times, and the run of each."""
-    parts, targets, runs = [], [], []
+def table(con, run_ids: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """The runs' rank-steps as features, with the run of each (`RUN`), and their compute times."""
+    parts, targets = [], []
     for run_id in run_ids:
         steps, features = steptime.read(con, run_id)
-        parts.append(features)
+        parts.append(features.assign(**{RUN: run_id}))
         targets.append(steps[steptime.TARGET].to_numpy(dtype=float))
-        runs.append(np.full(len(steps), run_id, dtype=object))
-    return pd.concat(parts, ignore_index=True), np.concatenate(targets), np.concatenate(runs)
+    return pd.concat(parts, ignore_index=True), np.concatenate(targets)
+
+
+def analytic_prior() -> Analytic:
+    """The analytic model of a rank-step's compute time (work / clock), unfitted."""
+    return Analytic("log_flops", sc.SM_CLOCK_MHZ)
+
+
+def workload_median() -> Median:
+    """The median compute time of the same work, unfitted."""
+    return Median(WORKLOAD)
+
+
+def ncpp(epochs: int, seed: int) -> Ncpp:
+    """NCPP as fitted on stored runs: correcting the analytic model or the median, whichever predicts
+    held-out runs better, judged with the runs (`RUN`) held out together."""
+    priors: list[Callable[[], Prior]] = [analytic_prior, workload_median]
+    return Ncpp(steptime.GROUPS, priors, by=RUN, epochs=epochs, seed=seed, target=steptime.TARGET)
 
 
 def predictors(epochs: int, seed: int) -> list:
     """NCPP and its baselines, each made afresh for every fit."""
     groups = steptime.GROUPS
     return [
-        lambda: Ncpp(groups, epochs=epochs, seed=seed, prior=analytic_prior(), target=steptime.TARGET),
-        lambda: Median(["log_flops", "log_tokens", "world_size"]),
+        lambda: ncpp(epochs, seed),
+        workload_median,
         lambda: Ridge(groups),
         lambda: Boosted(groups, seed=seed),
         analytic_prior,
     ]
 
 
-def analytic_prior() -> Analytic:
-    """The analytic model of a rank-step's compute time (work / clock), unfitted: a baseline, and the
-    prior NCPP corrects."""
-    return Analytic("log_flops", sc.SM_CLOCK_MHZ)
-
-
 def judge(
-    features: pd.DataFrame, target: np.ndarray, runs: np.ndarray, epochs: int = 60, seed: int = 0
+    features: pd.DataFrame, target: np.ndarray, epochs: int = 60, seed: int = 0
 ) -> tuple[dict[str, dict[str, float]], str]:
-    """Every predictor's held-out figures (each run held out in turn), and the best baseline's name."""
-    made = predictors(epochs, seed)
-    predicted: dict[str, np.ndarray] = held_out(features, target, runs, made)
+    """Every predictor's held-out figures (each run of `features[RUN]` held out in turn), and the best
+    baseline's name."""
+    predicted: dict[str, np.ndarray] = held_out(features, target, features[RUN], predictors(epochs, seed))
     figures = {name: metrics(target, p) for name, p in predicted.items()}
     baselines = {name: f["mape"] for name, f in figures.items() if name != "ncpp"}
     return figures, min(baselines, key=baselines.__getitem__)
@@ -107,11 +120,9 @@ def fit(con, run_ids: list[str], epochs: int = 60, seed: int = 0) -> Fitted:
     """NCPP fitted on every rank-step of `run_ids`, with its figures on each run held out."""
     if len(set(run_ids)) < MIN_RUNS:
         raise TooLittleData(f"a model is judged on runs it did not see: give at least {MIN_RUNS} runs")
-    features, target, runs = table(con, sorted(set(run_ids)))
-    empty = sorted(set(run_ids) - set(runs))
+    features, target = table(con, sorted(set(run_ids)))
+    empty = sorted(set(run_ids) - set(features[RUN]))
     if empty:
         raise TooLittleData(f"run(s) {', '.join(empty)} have no step with a compute time")
-    figures, best = judge(features, target, runs, epochs, seed)
-    made = Ncpp(steptime.GROUPS, epochs=epochs, seed=seed, prior=analytic_prior(), target=steptime.TARGET)
-    model = made.fit(features, target)
-    return Fitted(model.model, figures, best)
+    figures, best = judge(features, target, epochs, seed)
+    return Fitted(ncpp(epochs, seed).fit(features, target).model, figures, best)

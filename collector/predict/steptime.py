@@ -125,20 +125,15 @@ def explain(model: Model, mine: pd.DataFrame, peers: pd.DataFrame, predicted: fl
     """How much of a rank's predicted compute time (`predicted`, the median over its rank-steps `mine`)
     each group explains against its peers (`peers`): the seconds the prediction drops when the group's
     features are set to the peers' (medians; a category to their most common value), one group at a
-    time."""
-    typical = {}
-    for f in model.encoder.features:
-        if f.name in peers:
-            column = peers[f.name].dropna()
-            if not column.empty:
-                typical[f.name] = column.median() if f.numeric else column.mode().iat[0]
+    time. The prior reads some of them too (the analytic model the clock and the work)."""
     shares = {}
-    for group in model.encoder.groups:
-        swapped = mine.copy()
-        for f in model.encoder.features:
-            if f.group == group and f.name in typical:
-                swapped[f.name] = typical[f.name]
-        shares[group] = predicted - float(np.median(model.predict(swapped)))
+    for group, names in GROUPS.items():
+        typical = {}
+        for name in (n for n in names if n in mine and n in peers and peers[n].notna().any()):
+            column = peers[name].dropna()
+            typical[name] = column.median() if pd.api.types.is_numeric_dtype(column) else column.mode().iat[0]
+        if typical:
+            shares[group] = predicted - float(np.median(model.predict(mine.assign(**typical))))
     return shares
 
 
