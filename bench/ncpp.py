@@ -27,8 +27,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.predict import perfcastdb
-from collector.predict.baselines import Boosted, Median, Ncpp, Ridge
+from collector.predict.baselines import Boosted, Ncpp, Ridge
 from collector.predict.evaluate import held_out, metrics
+from collector.predict.priors import Median
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ from conftest import bench
 
 from collector.predict import perfcastdb
 from collector.predict.analytic import Analytic
-from collector.predict.baselines import Median
 from collector.predict.evaluate import held_out, metrics
 from collector.predict.fit import GroupAttention, fit
 from collector.predict.groups import UNSEEN, Encoder
 from collector.predict.ncpp import Model, Network
+from collector.predict.priors import Median
 
 ROOT = Path(__file__).resolve().parent.parent
 PERFCASTDB = ROOT.parent / "shared" / "data" / "perfcastdb" / "train_data.csv"

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from collector.predict.baselines import Predictor
+from collector.predict.priors import Predictor
 
 
 def metrics(actual: np.ndarray, predicted: np.ndarray) -> dict[str, float]:

@@ -23,10 +23,10 @@ import torch
 from sklearn.model_selection import GroupKFold
 from torch import nn
 
-from collector.predict.baselines import Prior
 from collector.predict.evaluate import metrics
 from collector.predict.groups import UNSEEN, Encoder, NothingVaries
 from collector.predict.ncpp import BLOCK, Model, Network, category_offsets, token_groups
+from collector.predict.priors import Prior
 
 UNSEEN_RATE = 0.1  # how often training reads a category as unseen
 FOLDS = 5  # the most ways the training groups are split to judge what the fit chooses

@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 
 from collector.predict.analytic import Analytic
-from collector.predict.baselines import Median, Prior
 from collector.predict.groups import Encoded, Encoder
+from collector.predict.priors import Median, Prior
 
 BLOCK = ("ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "w1", "b1", "w2", "b2")
 MAX_MODEL_BYTES = 256 << 20  # a saved model's arrays, decompressed: its weights and header take a few MB

@@ -16,9 +16,10 @@ import pandas as pd
 from agent import semconv as sc
 from collector.predict import steptime
 from collector.predict.analytic import Analytic
-from collector.predict.baselines import Boosted, Median, Ncpp, Prior, Ridge
+from collector.predict.baselines import Boosted, Ncpp, Ridge
 from collector.predict.evaluate import held_out, metrics
 from collector.predict.ncpp import Model
+from collector.predict.priors import Median, Prior
 
 MIN_RUNS = 3  # held out one at a time, a fit sees at least two
 RUN = "run_id"  # the column of a fit's table that names each rank-step's run
