@@ -5,8 +5,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from agent import semconv as sc
 from collector import quantities
-from collector.analysis.analyzers.stragglers import COMPUTE, DATA
 
 NUMBER = ",.4~r"  # axes and tooltips: 416.5, 0.1234, 41,150 (never 416.500000, nor 4.115e+4)
 SIGNIFICANT = ",.3~r"  # a measured figure's three significant digits: 0.0234, 412, 1,230
@@ -357,8 +357,12 @@ def top_ranks(values: pd.Series, title: str, top: int) -> alt.Chart:
 
 # What a finding's chart against peers draws, by the phase it blames: its ranks' time in it, their peers', the step
 SUSPECT_SERIES_NAMES = {
-    DATA: {"suspects_data_s": "their input wait", "peers_data_s": "peers' input wait", "step_s": "step time"},
-    COMPUTE: {"suspects_compute_s": "their compute", "peers_compute_s": "peers' compute", "step_s": "step time"},
+    sc.KIND_DATA: {"suspects_data_s": "their input wait", "peers_data_s": "peers' input wait", "step_s": "step time"},
+    sc.KIND_COMPUTE: {
+        "suspects_compute_s": "their compute",
+        "peers_compute_s": "peers' compute",
+        "step_s": "step time",
+    },
 }
 
 

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from agent import semconv as sc
 from collector import ranksets
-from collector.analysis.analyzers.stragglers import COMPUTE, DATA
 from dashboard.units import figure, label, unit
 
 TOP_RANKS = 10  # ranks a per-rank chart draws; the rest are summed up in words
 TABLE_ROWS = 20  # rows of an evidence table shown; the rest are counted
-PHASES = {DATA: "input wait (data loading)", COMPUTE: "compute"}  # the phase a straggler's evidence blames
+# the phase a straggler's evidence blames, in words
+PHASES = {sc.KIND_DATA: "input wait (data loading)", sc.KIND_COMPUTE: "compute"}
 # Evidence drawn from device samples (the straggler analyzer's GPU readings and what they say of why): said to
 # be simulated where the run's GPUs are
 FROM_DEVICES = ("devices", "hardware")
@@ -22,7 +23,7 @@ FROM_DEVICES = ("devices", "hardware")
 # to do differs by where the time goes), else by "analyzer / kind", else by analyzer: the one place these
 # texts live
 NEXT_STEPS: dict[str, str] = {
-    f"stragglers / {DATA}": "The slow ranks wait for their input: give their DataLoader more workers "
+    f"stragglers / {sc.KIND_DATA}": "The slow ranks wait for their input: give their DataLoader more workers "
     "(`num_workers`) and batches in flight (`prefetch_factor`), pin its memory (`pin_memory=True`), check the "
     "storage it reads (a local copy or cache of the data set, its read throughput), and what else contends for "
     "that host's CPUs (other jobs, preprocessing threads).",

@@ -11,8 +11,8 @@ from typing import TypeVar
 import pandas as pd
 import streamlit as st
 
+from agent import semconv as sc
 from collector import quantities, ranksets
-from collector.analysis.analyzers.stragglers import COMPUTE, DATA
 from collector.printable import printable
 from collector.reports import runs as run_states
 from collector.reports.runs import SILENT_S, RunStatus, clock
@@ -334,7 +334,7 @@ def _against_peers(row: pd.Series) -> None:
         last=end,
         points=POINTS,
     )
-    phase = DATA if (row["evidence"] or {}).get("phase") == DATA else COMPUTE
+    phase = sc.KIND_DATA if (row["evidence"] or {}).get("phase") == sc.KIND_DATA else sc.KIND_COMPUTE
     theirs, peers, _ = charts.SUSPECT_SERIES_NAMES[phase]
     if series[theirs].notna().any() and series[peers].notna().any():
         st.altair_chart(charts.suspects_vs_peers(series, start, phase), width="stretch")

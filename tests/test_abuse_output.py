@@ -94,12 +94,15 @@ def test_query_prints_a_run_id_on_one_escaped_line_as_a_table_and_csv_and_as_sto
     assert json.loads(as_json.stdout) == [{"run_id": EVIL_RUN}] and as_json.stdout.isascii()
 
 
-def test_an_error_quoting_a_stored_value_is_one_escaped_line(store):
-    """DuckDB's reason quotes the value it could not convert: the run id, escapes and all."""
+def test_an_error_quoting_a_stored_value_is_one_escaped_line_and_duckdbs_pointer(store):
+    """DuckDB's reason quotes the value it could not convert: the run id, escapes and all, on the error's one
+    line; what follows is DuckDB's pointer to the place in the query (LINE and a caret), nothing a value wrote."""
     refused = query(store, "SELECT CAST(run_id AS INTEGER) FROM steps")
     assert refused.returncode == 2 and refused.stderr.startswith("rankwatch: error: ")
-    assert refused.stderr.count("\n") == 1 and not RAW.search(refused.stderr), repr(refused.stderr)
-    assert printable(EVIL_RUN.split("\n")[0]) in refused.stderr
+    reason, *pointer = refused.stderr.splitlines()
+    assert not RAW.search(refused.stderr), repr(refused.stderr)
+    assert printable(EVIL_RUN) in reason
+    assert pointer == ["LINE 1: SELECT CAST(run_id AS INTEGER) FROM steps", " " * 15 + "^"], pointer
 
 
 def test_analyze_heads_its_report_with_the_run_id_escaped(store):

@@ -244,6 +244,8 @@ def store_commands(tmp_path) -> dict[tuple[str, ...], list[str]]:
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("alerts", "test"): ["alerts", "test"],
         ("token",): ["token", "--scope", "ingest"],
+        ("runs",): ["runs"],
+        ("run",): ["run", "--collector", url, "--", "true"],
         ("train",): ["train", "--collector", url],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2", "--collector", url],
     }
@@ -270,7 +272,8 @@ def test_every_store_option_refuses_what_is_no_store(tmp_path, capsys):
     assert set(commands) == options_of("--db")  # a new command with --db must be listed here
     for store, message in bad_stores(tmp_path):
         for argv in commands.values():
-            err = refused([*argv, "--db", store], capsys)
+            options = argv.index("--") if "--" in argv else len(argv)  # (run's job command comes after --)
+            err = refused([*argv[:options], "--db", store, *argv[options:]], capsys)
             assert message in err and store in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "noise.duckdb", "ops.csv"]
 
@@ -337,6 +340,7 @@ def test_every_collector_url_goes_through_one_parser(url, message, tmp_path, cap
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("train",): ["train"],
         ("run",): ["run"],  # (its job's command would follow --collector, after --)
+        ("runs",): ["runs"],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2"],
     }
     assert set(commands) == options_of("--collector")

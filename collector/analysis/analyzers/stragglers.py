@@ -59,7 +59,8 @@ from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, har
 from collector.analysis.analyzers.changepoint import change_point
 
 ANALYZER = "stragglers"
-DATA, COMPUTE = "data", "compute"  # the phases a finding blames (evidence `phase`): input, or the work itself
+# the phases a finding blames (evidence `phase`): input (the data wait), or the work itself
+DATA, COMPUTE = sc.KIND_DATA, sc.KIND_COMPUTE
 MEDIAN_NOISE = 1.2533  # the standard error of a median of Gaussian samples, in standard errors of their mean
 
 
