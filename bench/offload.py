@@ -17,13 +17,18 @@ analyzer concludes, on real offloaded runs of the reference trainer (gloo on thi
 - `overhead`: the agent's cost of recording 10 transfers and one host work in a step (a live session),
   against a step without; and of one reading of the process's and host's I/O and memory (agent/host.py,
   read once a second, the host's disks included).
+- `host`: the host optimizer's step of `optimizer=host` (a 30M-parameter model in 8 groups, as one rank of
+  `rankwatch train` starts: one intra-op thread), serial and overlapped, in this process, alternated `--rounds`
+  times, with AdamW on one intra-op thread and on all of this machine's cores: ms per step (the median of
+  `--steps` after one), the process's CPU time and the minor page faults a step takes.
 
-The last line is one JSON object. Usage: python bench/offload.py [--parts io,whatif,detection,overhead]
-[--runs 20] [--steps 40]
+The last line is one JSON object. Usage: python bench/offload.py [--parts io,whatif,detection,overhead,host]
+[--runs 20] [--steps 40] [--rounds 3]
 """
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -266,11 +271,59 @@ def overhead(directory: Path) -> dict:
     }
 
 
+HOST_PARAMS, HOST_GROUPS = 30_000_000, 8  # the host step's model: its parameters, in groups of equal size
+
+
+def host(directory: Path, steps: int, rounds: int) -> dict:
+    import resource
+
+    import torch
+
+    from trainer.offload import OffloadedAdamW, Spec
+
+    torch.set_num_threads(1)  # as a rank of `rankwatch train` starts (OMP_NUM_THREADS=1)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(HOST_PARAMS // HOST_GROUPS // 1000, 1000, bias=False) for _ in range(HOST_GROUPS)]
+    for m in layers:
+        m.weight.grad = torch.randn_like(m.weight)
+    cores = len(os.sched_getaffinity(0))
+    runs = [(schedule, threads) for threads in sorted({1, cores}) for schedule in ("serial", "overlap")]
+    took: dict[tuple, list[float]] = {run: [] for run in runs}
+    cpu: dict[tuple, list[float]] = {run: [] for run in runs}
+    faults: dict[tuple, list[int]] = {run: [] for run in runs}
+    for _ in range(rounds):  # alternated: what else loads the machine slows each alike
+        for schedule, threads in runs:
+            optimizer = OffloadedAdamW(
+                [list(m.parameters()) for m in layers], Spec("host", schedule), directory, 1e-3, 0.1, threads=threads
+            )
+            for step in range(steps + 1):
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                started, started_cpu = time.perf_counter(), time.process_time()
+                optimizer.step()
+                if step:  # the first allocates what the next reuse
+                    took[schedule, threads].append(time.perf_counter() - started)
+                    cpu[schedule, threads].append(time.process_time() - started_cpu)
+                    faults[schedule, threads].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            optimizer.close()
+    return {
+        "cores": cores,
+        **{
+            f"{schedule}, {threads} threads": {
+                "step_ms": statistics.median(took[schedule, threads]) * 1e3,
+                "cpu_ms_per_step": statistics.median(cpu[schedule, threads]) * 1e3,
+                "minor_faults_per_step": statistics.median(faults[schedule, threads]),
+            }
+            for schedule, threads in runs
+        },
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="io,whatif,detection,overhead")
+    p.add_argument("--parts", default="io,whatif,detection,overhead,host")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     result = {}
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # on the project's disk, not a tmpfs
@@ -286,6 +339,8 @@ def main() -> None:
                 result[part] = detection(directory, args.runs, 50)
             elif part == "overhead":
                 result[part] = overhead(directory)
+            elif part == "host":
+                result[part] = host(directory, args.steps, args.rounds)
             print(f"{part} ({time.time() - started:.0f} s): {json.dumps(result[part], default=str)}", flush=True)
     print(json.dumps(result, default=str))
 

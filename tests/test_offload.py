@@ -4,6 +4,7 @@ between tiers become transfer spans with the time compute did not hide (a real c
 
 import json
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from otlp_payloads import query
 import agent
 from agent import semconv as sc
 from agent.session import Session
-from trainer.offload import ActivationsToDisk, Disk, OffloadedAdamW, Spec, groups_of, probe
+from trainer.offload import SCHEDULES, ActivationsToDisk, Disk, OffloadedAdamW, Spec, groups_of, probe
 
 
 def model() -> torch.nn.Module:
@@ -23,7 +24,9 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
-@pytest.mark.parametrize("where, schedule", [("host", "serial"), ("disk", "serial"), ("disk", "overlap")])
+@pytest.mark.parametrize(
+    "where, schedule", [("host", "serial"), ("host", "overlap"), ("disk", "serial"), ("disk", "overlap")]
+)
 def test_the_offloaded_adamw_steps_as_torchs_and_its_state_round_trips(tmp_path, where, schedule):
     ours, theirs = model(), model()
     offloaded = OffloadedAdamW(groups_of(ours), Spec(where, schedule), tmp_path, lr=1e-2, weight_decay=0.1)
@@ -44,6 +47,26 @@ def test_the_offloaded_adamw_steps_as_torchs_and_its_state_round_trips(tmp_path,
         assert all(torch.equal(a, b) for a, b in zip(offloaded.state_dict()["moments"], saved["moments"], strict=True))
     finally:
         offloaded.close()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_host_step_allocates_nothing_the_size_of_a_group(tmp_path, schedule):
+    """A step of separate tensor ops allocates temporaries as large as the group, whose pages are handed
+    back and faulted in again at every step (above 32 MB, glibc's largest mmap threshold, always): the
+    fused step allocates none."""
+    layer = torch.nn.Linear(3000, 3000, bias=False)  # 36 MB of parameters: one group
+    layer.weight.grad = torch.randn_like(layer.weight)
+    offloaded = OffloadedAdamW([[layer.weight]], Spec("host", schedule), tmp_path, 1e-3, 0.1)
+    try:
+        offloaded.step()  # the first step allocates what the next reuse
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            offloaded.step()
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
+    finally:
+        offloaded.close()
+    pages = layer.weight.numel() * 4 // resource.getpagesize()
+    assert faulted < 3 * pages / 4, f"{faulted} pages faulted in over 3 steps: a temporary of {pages} a step"
 
 
 def test_groups_are_a_module_list_block_each_and_hold_each_parameter_once():

@@ -3,7 +3,8 @@ gloo on CPU, the `tiny` GPT) exporting to a live collector.
 
 A serial job whose rank 1's disk slows to 40 MB/s at step 6 (`slow-disk`): every rank-step reads and
 writes its optimizer state between disk and host as transfer spans of the state's bytes, the disk's probe
-is said, the slow rank's steps wait on their swaps, and the collector names rank 1's disk, not rank 0's.
+is said, the slow rank's steps wait on their swaps, and the collector names rank 1's disk, not rank 0's;
+the what-if of `rankwatch analyze` counts the swaps and the host optimizer as op types, not as idle.
 An overlapped job of the same model (one rank) on a healthy disk hides most of what the serial one waits for.
 """
 
@@ -14,7 +15,7 @@ import statistics
 
 import pandas as pd
 import pytest
-from conftest import job_collector, rankwatch_cli
+from conftest import job_collector, rankwatch_cli, rankwatch_in_process
 from otlp_payloads import query
 
 from agent import semconv as sc
@@ -101,6 +102,17 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
         assert abs(math.log(rates[onset] / after)) < abs(math.log(rates[onset] / before)), (onset, rates)
     paced = re.match(r"rank 1 swaps to disk at ([\d.]+) MB/s since step \d+, against", slow[0][3])
     assert paced and 30 <= float(paced.group(1)) <= 40, slow[0][3]  # the fault's cap, less its sleeps' overshoot
+
+
+def test_the_what_if_counts_swaps_and_the_host_optimizer_as_op_types_not_idle(serial):
+    """`rankwatch analyze`: the swaps each way and the host optimizer, outside the step's phases, are op types
+    of the replayed step; what is left to launch delay and idle is the little nothing recorded (the
+    gradients gathered into the host's buffers, the parameters copied back)."""
+    result = rankwatch_in_process("analyze", "run-serial", "--db", str(serial), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"transfer:disk->host", "transfer:host->disk", "host:optimizer"} <= set(report["op_types"]), report
+    assert report["idle_slowdown"] < 1.2, report
 
 
 def test_overlap_hides_the_swaps_serial_waits_for(serial, tmp_path_factory):

@@ -1,12 +1,13 @@
 """The memory-tier analyzer on small frames: swap-bound steps and the tier that limits them, a slow disk
-against its peers, its own past or the probe, a checkpoint's cost to the swaps, and the overlap what-if."""
+against its peers, its own past or the probe, a checkpoint's cost to the swaps, host-bound steps, and the
+overlap what-if."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from collector.analysis.analyzers import Tiers
-from collector.analysis.analyzers.tiers import CONTENTION, SLOW_DISK, SWAP_BOUND, analyze, whatif
+from collector.analysis.analyzers import Frames, Tiers
+from collector.analysis.analyzers.tiers import CONTENTION, HOST_BOUND, SLOW_DISK, SWAP_BOUND, analyze, judge, whatif
 from collector.quantities import duration
 
 MB = 1e6
@@ -180,3 +181,59 @@ def test_a_slow_disks_onset_is_where_its_own_bandwidth_changes_level_whatever_th
 
     (slow,) = [f for f in analyze("r", run(ranks=4, bw=bw), placement(4), 23) if f.kind == SLOW_DISK]
     assert (slow.ranks, slow.step_start) == ([2], 14)
+
+
+def host_run(ranks=2, steps=24, host_s=lambda rank, step: 0.7, rest_s=0.25, copies_s=0.03, on_cpu=False):
+    """An offloaded run whose optimizer steps on the host: each rank-step computes for `rest_s`, copies its
+    gradients and parameters between GPU and pinned memory (`copies_s`, exposed) and steps AdamW on the host
+    for `host_s(rank, step)`, back to back."""
+    rows = []
+    for step in range(steps):
+        for rank in range(ranks):
+            seconds = rest_s + copies_s + host_s(rank, step)
+            rows.append((rank, step, (step + 1) * S, seconds, copies_s, copies_s, 0.0, host_s(rank, step), on_cpu))
+    columns = ["rank", "step", "end_ts", "duration_s", "transfer_s", "exposed_s", "transfer_cpu_s", "host_s", "on_cpu"]
+    empty = pd.DataFrame(columns=["rank", "step", "src", "dst", "bytes", "seconds", "start_ns", "end_ns"])
+    return Tiers(
+        pd.DataFrame(rows, columns=columns),
+        empty,
+        pd.DataFrame(columns=["rank", "read_bps", "write_bps"]),
+        pd.DataFrame(columns=["rank", "step", "start_ns", "end_ns"]),
+    )
+
+
+def test_a_step_mostly_host_work_is_host_bound_with_what_overlap_and_a_faster_host_would_give():
+    """712 ms of host optimizer in a 982 ms step (an offloaded AdamW on a GPU host): the ranks, the host
+    work's share and time per step, and the step overlapped (the longest part) or with a host twice as fast."""
+    tiers = host_run(host_s=lambda rank, step: 0.712 if step >= 10 else 0.1)
+    (bound,) = analyze("r", tiers, placement(), 23)
+    assert (bound.kind, bound.ranks, bound.step_start, bound.severity) == (HOST_BOUND, [0, 1], 16, "warning")
+    assert bound.score == pytest.approx(0.712 / 0.992)
+    what, faster = bound.evidence["whatif"], bound.evidence["faster_host"]
+    assert what["serial_s"] == pytest.approx(0.992) and what["overlap_s"] == pytest.approx(0.712)
+    assert faster["serial_s"] == pytest.approx(0.25 + 0.03 + 0.356) and faster["overlap_s"] == pytest.approx(0.356)
+    assert bound.evidence["host_s"] == pytest.approx(0.712)
+    assert bound.summary.startswith(
+        "ranks 0, 1 spend 72% of each step on host work (712 ms per step) since step 16; overlapped with the rest "
+        "of the step a step would take 712 ms against 992 ms back to back, and with a host twice as fast 356 ms "
+        "(636 ms back to back)"
+    ), bound.summary
+    earlier = [f for f in analyze("r", tiers, placement(), 9) if f.kind == HOST_BOUND]
+    assert earlier == []  # 100 ms of 380: the device's work is the step's most
+
+
+def test_host_bound_names_the_ranks_whose_host_work_is_most_of_the_step_alone():
+    tiers = host_run(ranks=4, host_s=lambda rank, step: 0.5 if rank == 3 else 0.05)
+    assert kinds(analyze("r", tiers, placement(4), 23)) == {(HOST_BOUND, (3,))}
+
+
+def test_on_cpus_that_compute_the_step_overlap_hides_no_host_work():
+    (bound,) = analyze("r", host_run(on_cpu=True), placement(), 23)
+    assert bound.evidence["whatif"]["overlap_s"] == pytest.approx(0.25 + 0.7)  # the copies alone hide
+    assert "on CPUs that also compute the step, overlap hides none of it" in bound.summary
+
+
+def test_a_judged_pass_draws_one_host_bound_episode_since_its_onset():
+    tiers = host_run(host_s=lambda rank, step: 0.712 if step >= 10 else 0.1)
+    (bound,) = judge(Frames("r", tiers.steps, 0, 23, placement(), 0, tiers=lambda: tiers))
+    assert (bound.kind, bound.step_start, bound.step_end) == (HOST_BOUND, 10, 23)

@@ -128,3 +128,43 @@ def test_attribution_splits_op_types_as_the_paper_does(tmp_path):
     assert set(doc["op_types"]) == {"data", "forward-compute", "backward-compute", "comm:grads-all-reduce"}
     assert doc["op_types"]["backward-compute"] == pytest.approx(doc["slowdown"], rel=1e-3)
     assert doc["op_types"]["forward-compute"] < 1.01 and doc["op_types"]["comm:grads-all-reduce"] < 1.01
+
+
+def offloaded(host_s: float, copies_s: float, hidden_s: float = 0.0, steps: int = 10):
+    """One rank's steps of an offloaded optimizer: 250 ms of compute, then `copies_s` of copies between GPU
+    and pinned memory and `host_s` of AdamW on the host's CPUs, back to back outside any phase; `hidden_s`
+    more of copies run under the compute. The steps and their parts as `PARTS_SQL` gives them."""
+    duration = 0.25 + copies_s + host_s
+    frame = pd.DataFrame(
+        {"rank": 0, "step": range(steps), "duration_s": duration, "data_s": 0.0, "compute_s": 0.25, "comm_wait_s": 0.0}
+    )
+    parts = pd.concat(
+        [
+            frame[["rank", "step"]].assign(op_type=op_type, seconds=seconds)
+            for op_type, seconds in (
+                ("forward-compute", 0.1),
+                ("backward-compute", 0.15),
+                ("host:optimizer", host_s),
+                ("transfer:gpu->pinned", copies_s + hidden_s),
+            )
+        ],
+        ignore_index=True,
+    )
+    return frame, parts
+
+
+def test_host_work_and_transfers_are_op_types_not_idle():
+    """A step that is mostly a host optimizer: its host work and copies are op types of their own, the ops
+    back to back are the step, and nothing is left to launch delay and idle."""
+    frame, parts = offloaded(host_s=0.712, copies_s=0.03)
+    r = whatif.analyze(frame, None, parts)
+    assert {"host:optimizer", "transfer:gpu->pinned"} <= set(r.op_types)
+    assert r.simulated_step_s == pytest.approx(0.992) and r.idle_slowdown == pytest.approx(1.0)
+
+
+def test_copies_compute_hid_count_for_what_the_steps_other_work_left():
+    """Copies that ran under the compute count only for the time the step's phases and communication do
+    not cover: the ops back to back never outlast the measured step."""
+    frame, parts = offloaded(host_s=0.1, copies_s=0.03, hidden_s=0.2)
+    r = whatif.analyze(frame, None, parts)
+    assert r.simulated_step_s == pytest.approx(0.38) and r.idle_slowdown == pytest.approx(1.0)

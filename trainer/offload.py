@@ -3,13 +3,21 @@
 The optimizer's state lives on the host (`optimizer=host`), or is spilled to a local file per parameter
 group (`optimizer=disk`) and read back from the disk at every step: written, synced and dropped from the
 page cache, so that each read is the disk's. AdamW steps on the host's CPUs, a group at a time, on flat
-fp32 buffers. Two schedules:
+fp32 buffers: torch's fused CPU AdamW, one pass over each group's buffers that allocates nothing (a
+step of separate tensor ops allocates temporaries the size of the group, whose pages the allocator hands
+back and faults in again at every step, on one thread and not another). Its swaps and steps run on a
+worker thread of the optimizer's, on the rank's share of the host's cores (`host_threads`: a rank
+starts with one intra-op thread, OMP_NUM_THREADS=1, and one whose device computes leaves the rest idle
+while its optimizer steps); OpenMP keeps a count per thread, so the training thread's stays as it is
+(changing it there and back at every group cost milliseconds a change: docs/benchmarks.md). Two
+schedules:
 
-- `serial`: after backward, each group's state is read, stepped and written in turn (ZeRO-Infinity's
-  order): the step waits for every swap and for the host optimizer.
-- `overlap`: a worker thread reads each group's state back while the step computes, steps the groups
-  once their gradients are final, and writes their state out while the next step computes (Fuyou's
-  idea): the step waits only for what compute could not hide.
+- `serial`: after backward, every gradient is copied to the host, then each group's state is read,
+  stepped and written in turn (ZeRO-Infinity's order), the training thread copying each group's
+  parameters back once it is stepped: the step waits for every swap and for the host optimizer.
+- `overlap`: the worker reads each group's state back while the step computes, steps each group
+  once its gradients are on the host while the next group's are copied, and writes their state out
+  while the next step computes (Fuyou's idea): the step waits only for what compute could not hide.
 
 With `activations=disk` the activations autograd saves in forward go to disk and come back in backward
 (`ActivationsToDisk`), the swap ZeRO-Infinity and Fuyou make of activations too. Every copy between tiers
@@ -22,11 +30,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.optim.adamw import adamw
 
 import agent
 from agent import semconv as sc
@@ -137,13 +147,24 @@ class _Group:
         self.nbytes = self.moments.numel() * 4
 
     def adamw(self, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-        """torch.optim.AdamW's update, on the flat buffers."""
+        """torch.optim.AdamW's update, fused, on the flat buffers (`step`: the one this update makes)."""
         exp_avg, exp_avg_sq = self.moments.chunk(2)
-        self.master.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(self.grads, 1 - betas[0])
-        exp_avg_sq.mul_(betas[1]).addcmul_(self.grads, self.grads, value=1 - betas[1])
-        denominator = (exp_avg_sq.sqrt() / (1 - betas[1] ** step) ** 0.5).add_(eps)
-        self.master.addcdiv_(exp_avg, denominator, value=-lr / (1 - betas[0] ** step))
+        adamw(
+            [self.master],
+            [self.grads],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [torch.tensor(step - 1.0)],  # the steps taken before: the update counts its own
+            fused=True,
+            amsgrad=False,
+            beta1=betas[0],
+            beta2=betas[1],
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=False,
+        )
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -159,10 +180,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         rate_mbps: Callable[[], float | None] = lambda: None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        threads: int | None = None,
     ):
+        """`threads`: the intra-op threads AdamW's step takes on the host (None: `host_threads()`)."""
         groups = [g for g in groups if g]
         super().__init__([p for g in groups for p in g], {"lr": lr, "weight_decay": weight_decay})
         self.spec, self.betas, self.eps, self.steps = spec, betas, eps, 0
+        self.threads = threads or host_threads()
         self._device = groups[0][0].device
         cuda = self._device.type == "cuda"
         self._groups = [_Group(i, g, pinned=cuda) for i, g in enumerate(groups)]
@@ -171,10 +195,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for g in self._groups:
             self._move(g, True)
         self._jobs: queue.Queue = queue.Queue()
-        self._worker: threading.Thread | None = None
-        if spec.schedule == "overlap":
-            self._worker = threading.Thread(target=self._work, name="rankwatch-offload", daemon=True)
-            self._worker.start()
+        self._worker = threading.Thread(target=self._work, name="rankwatch-offload", daemon=True)
+        self._worker.start()
         self._read_ahead: list[threading.Event] = []
         self._written: threading.Event = threading.Event()
         self._written.set()
@@ -187,7 +209,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def prefetch(self) -> None:
         """At a step's start: with `overlap`, the worker reads every group's state back while it computes."""
-        if self._worker is not None and self._disk is not None:
+        if self.spec.schedule == "overlap" and self._disk is not None:
             self._read_ahead = [threading.Event() for _ in self._groups]
             for g, done in zip(self._groups, self._read_ahead, strict=True):
                 self._jobs.put((self._move, g, False, done))
@@ -199,27 +221,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.steps += 1
         group = self.param_groups[0]
         settings = (self.steps, group["lr"], self.betas, self.eps, group["weight_decay"])
-        for g in self._groups:
-            self._gradients(g)
-        if self._worker is None:
+        overlap = self.spec.schedule == "overlap"
+        if not overlap:  # every gradient on the host before the first group's state is read
             for g in self._groups:
-                self._move(g, False)
-                self._update(g, settings)
-                self._move(g, True)
-            return
+                self._gradients(g)
         prefetched, updated = bool(self._read_ahead), [threading.Event() for _ in self._groups]
         self._written = threading.Event()
-        for g, done in zip(self._groups, updated, strict=True):  # after the reads queued before them
-            self._jobs.put((self._update_after, g, prefetched, settings, done))
-        for g in self._groups:
-            self._jobs.put((self._move, g, True))
+        for g, done in zip(self._groups, updated, strict=True):  # stepped after the reads queued before them
+            if overlap:
+                self._gradients(g)  # while the worker steps the groups before
+            self._jobs.put((self._update, g, prefetched, settings, done))
+            if not overlap:  # written before the next group is read
+                self._jobs.put((self._move, g, True))
+        if overlap:  # written once every group is stepped, while the next step computes
+            for g in self._groups:
+                self._jobs.put((self._move, g, True))
         self._jobs.put((self._written.set,))
         self._read_ahead = []
-        for done in updated:
+        for g, done in zip(self._groups, updated, strict=True):
             done.wait()
-        self._raise_failed()
-        for g in self._groups:
-            self._parameters(g)
+            self._raise_failed()
+            self._parameters(g)  # while the worker goes on with the groups after
+        if not overlap:  # the step waits for every write too
+            self._written.wait()
+            self._raise_failed()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.param_groups[0]["params"]:
@@ -252,10 +277,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._move(g, True)
 
     def close(self) -> None:
-        if self._worker is not None:
-            self.drain()
-            self._jobs.put(None)
-            self._worker.join()
+        self.drain()
+        self._jobs.put(None)
+        self._worker.join()
         if self._disk is not None:
             self._disk.close()
 
@@ -292,16 +316,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if done is not None:
             done.set()
 
-    def _update(self, g: _Group, settings: tuple) -> None:
-        with agent.host_work("optimizer"):
-            g.adamw(*settings)
-        if self._worker is None:
-            self._parameters(g)
-
-    def _update_after(self, g: _Group, prefetched: bool, settings: tuple, done: threading.Event) -> None:
-        if not prefetched:  # the first step, or one after a drain: read now
+    def _update(self, g: _Group, prefetched: bool, settings: tuple, done: threading.Event) -> None:
+        """On the worker: the group's state read back where no prefetch did, then its AdamW step."""
+        if not prefetched:
             self._move(g, False)
-        with agent.host_work("optimizer"):
+        with agent.host_work("optimizer"), intra_op_threads(self.threads):
             g.adamw(*settings)
         done.set()
 
@@ -365,6 +384,24 @@ class ActivationsToDisk:
             return host
         with agent.transfer(sc.TIER_HOST, sc.TIER_GPU, nbytes, "activations"):
             return host.to(device)
+
+
+def host_threads() -> int:
+    """The intra-op threads a rank's host optimizer takes: its share of the cores this process may run on,
+    the host's ranks (torchrun's LOCAL_WORLD_SIZE) sharing them."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """The calling thread's torch ops on `threads` intra-op threads, its own count back after: with OpenMP
+    each thread has its own count, so another thread's ops (the training loop's) keep theirs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def groups_of(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

@@ -19,6 +19,9 @@ judged once a pass at its newest step:
   or two of a busy disk would be the window's median.
 - `checkpoint_contention`: a checkpoint written to disk while ranks swapped there (the ranks of its
   host) cut the swaps' bandwidth: the bandwidth lost is the checkpoint's, not the disk's.
+- `host_bound`: ranks whose host work (`agent.host_work`: an offloaded optimizer's step) takes most of the
+  step. And what would help: the step with the host work overlapped with the rest (the longest part, as
+  for swaps) and with a host twice as fast, back to back and overlapped.
 """
 
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ from collector.analysis.analyzers.changepoint import change_point
 from collector.quantities import bandwidth, data_size, duration, percent
 
 ANALYZER = "tiers"
-SWAP_BOUND, SLOW_DISK, CONTENTION = "swap_bound", "slow_disk", "checkpoint_contention"
+SWAP_BOUND, SLOW_DISK, CONTENTION, HOST_BOUND = "swap_bound", "slow_disk", "checkpoint_contention", "host_bound"
 MAX_RANKS = 64  # ranks whose figures a finding's evidence lists
 MAX_JUDGED = 64  # steps of one pass judged as the newest, at most
 
@@ -46,6 +49,10 @@ class Settings:
     probe_floor: float = 0.1  # alone and slow from the start: at most this share of the probe's bandwidth
     pattern_share: float = 0.5  # below this share of the probe, the access pattern limits the copies
     contention_loss: float = 0.2  # a checkpoint cut the swaps' bandwidth by at least this share
+    # host work takes at least this share of the step: the step's longest part, which no overlap of the
+    # device's work with it shortens, and the device idles at least as long as it works
+    host_share: float = 0.5
+    host_speedup: float = 2.0  # the what-if's faster host (more cores for it, or a fused optimizer)
 
 
 READS = Reads(history=4 * Settings().window, linger=Settings().window // 2, tiers=True)
@@ -89,28 +96,32 @@ def analyze(
     found = []
     if slow:
         found.append(_slow_finding(run_id, slow, steps, first, last))
-    share = steps["exposed_s"].fillna(0.0) / steps["duration_s"]
-    shares = share.groupby(steps["rank"]).median()
-    bound = sorted(int(r) for r in shares.index[shares >= s.swap_share])
+    bound, shares, onset = _bound(steps, "exposed_s", s.swap_share)
     if bound:
-        onset = int(steps.loc[steps["rank"].isin(bound) & (share >= s.swap_share), "step"].min())
         found.append(_swap_finding(run_id, bound, shares, steps, tiers, recent, slow, onset, last, s))
+    busy, host_shares, since = _bound(steps, "host_s", s.host_share)
+    if busy:
+        found.append(_host_finding(run_id, busy, host_shares, steps, since, last, s))
     if contention:
         found += _contention(run_id, recent, tiers.checkpoints, placement, first, last, s)
     return found
 
 
-def whatif(steps: pd.DataFrame) -> dict[str, float]:
+def whatif(steps: pd.DataFrame, host_speedup: float = 1.0) -> dict[str, float]:
     """The step time predicted with swaps, host optimizer and the rest of the step run back to back
     (`serial_s`: their sum) and overlapped (`overlap_s`), the slowest rank setting each step, medians over
     steps; the parts are the slowest rank's. The rest is what is neither an exposed transfer nor the host
     optimizer: compute, data, communication. Overlapped, a rank whose device computes takes the longest of
     the three; a rank that computes on the host's CPUs (`on_cpu`) cannot hide the CPU work of its copies
     (`transfer_cpu_s`: page-cache copies) nor its host optimizer under its compute, which needs the same
-    CPUs: it takes the longer of the rest with them and the copies."""
-    host = steps["host_s"].fillna(0.0).to_numpy()
+    CPUs: it takes the longer of the rest with them and the copies. `host_speedup`: the host optimizer
+    that many times faster."""
+    measured_host = steps["host_s"].fillna(0.0).to_numpy()
+    host = measured_host / host_speedup
     moving = steps["transfer_s"].fillna(0.0).to_numpy()
-    rest = np.clip(steps["duration_s"].to_numpy() - steps["exposed_s"].fillna(0.0).to_numpy() - host, 0.0, None)
+    rest = np.clip(
+        steps["duration_s"].to_numpy() - steps["exposed_s"].fillna(0.0).to_numpy() - measured_host, 0.0, None
+    )
     copying = steps["transfer_cpu_s"].fillna(0.0).to_numpy() if "transfer_cpu_s" in steps else np.zeros(len(steps))
     on_cpu = steps["on_cpu"].to_numpy(dtype=bool) if "on_cpu" in steps else np.zeros(len(steps), dtype=bool)
     overlap = np.where(on_cpu, np.maximum(rest + np.minimum(copying, moving) + host, moving), np.maximum(rest, moving))
@@ -135,6 +146,17 @@ def whatif(steps: pd.DataFrame) -> dict[str, float]:
         "transfer_cpu_s": float(np.median(copying)),
         "measured_s": float(parts.groupby("step")["measured"].max().median()),
     }
+
+
+def _bound(steps: pd.DataFrame, part: str, least: float) -> tuple[list[int], pd.Series, int]:
+    """The ranks whose median share of the step that `part` (a column of seconds) takes is at least `least`
+    over `steps`, every rank's median share, and the first step a bound rank's share reached it (its
+    onset within the window)."""
+    share = steps[part].fillna(0.0) / steps["duration_s"]
+    shares = share.groupby(steps["rank"]).median()
+    bound = sorted(int(r) for r in shares.index[shares >= least])
+    onset = int(steps.loc[steps["rank"].isin(bound) & (share >= least), "step"].min()) if bound else -1
+    return bound, shares, onset
 
 
 def bandwidths(transfers: pd.DataFrame) -> pd.DataFrame:
@@ -307,6 +329,47 @@ def _swap_finding(
             "limit": limit,
             "whatif": what,
             "saved_s": gain,
+        },
+        analyzer=ANALYZER,
+    )
+
+
+def _host_finding(
+    run_id: str, bound: list[int], shares: pd.Series, steps: pd.DataFrame, first: int, last: int, s: Settings
+) -> Finding:
+    what, faster = whatif(steps), whatif(steps, s.host_speedup)
+    share = float(shares[bound].median())
+    host_s = float(steps.loc[steps["rank"].isin(bound), "host_s"].median())
+    faster_host = "twice as fast" if s.host_speedup == 2 else f"{s.host_speedup:g} times as fast"
+    summary = (
+        f"{ranksets.phrase(bound)} spend{'s' if len(bound) == 1 else ''} {percent(share)} of each step on host "
+        f"work ({duration(host_s)} per step) since step {first}; overlapped with the rest of the step a step would "
+        f"take {duration(what['overlap_s'])} against {duration(what['serial_s'])} back to back, and with a host "
+        f"{faster_host} {duration(faster['overlap_s'])} ({duration(faster['serial_s'])} back to back)"
+        + (
+            ": on CPUs that also compute the step, overlap hides none of it; a faster host step (a fused optimizer, "
+            "more threads for it) is what shortens the step"
+            if "on_cpu" in steps and bool(steps["on_cpu"].all())
+            else ": the device idles while the host works; a faster host step (a fused optimizer, more threads "
+            "for it) and overlapping it with the device's compute both shorten the step"
+        )
+    )
+    return Finding(
+        run_id,
+        HOST_BOUND,
+        bound,
+        first,
+        last,
+        "warning",
+        share,
+        summary,
+        {
+            "host_share": share,
+            "host_share_by_rank": {str(r): float(shares[r]) for r in bound[:MAX_RANKS]},
+            "host_s": host_s,
+            "whatif": what,
+            "host_speedup": s.host_speedup,
+            "faster_host": {k: faster[k] for k in ("serial_s", "overlap_s")},
         },
         analyzer=ANALYZER,
     )

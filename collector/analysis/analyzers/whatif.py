@@ -13,11 +13,16 @@ explains what its real durations alone add to the ideal.
 
 The step model works from per rank-step times by op type, so it applies to
 live runs and imported traces alike: the ranks meet in their collectives, so
-a step lasts as long as the slowest rank's data loading and compute, plus each
-kind of communication's transfer, which is the communication time of the rank
-that waited least (it waited for nobody). Op types, as the paper splits them:
-data, forward-compute, backward-compute, compute (the rest: optimizer,
-unnamed kernels), one `comm:<name>` per kind of communication (or `comm`).
+a step lasts as long as the slowest rank's data loading, compute and host-side
+work, plus each kind of communication's transfer, which is the communication
+time of the rank that waited least (it waited for nobody). Op types, as the
+paper splits them: data, forward-compute, backward-compute, compute (the rest:
+optimizer, unnamed kernels), one `comm:<name>` per kind of communication (or
+`comm`); and what an offloading job does outside its phases, which would
+otherwise pass for idle: `host:<name>` per kind of host work (an offloaded
+optimizer's step) and `transfer:<src>-><dst>` per direction of copies between
+memory tiers, each counting for what the step's phases and communication left
+of it (copies that compute hid are no part of the step's length).
 Typical durations, as in the artifact: a compute or data type's mean over all
 rank-steps, a communication kind's median transfer over the steps. Pipeline
 bubbles scale ideal and simulated alike, so the ratios hold for pipelined jobs
@@ -36,19 +41,20 @@ import pandas as pd
 
 from collector import ranksets
 
-# rank, step, op type and seconds of a run's compute and communication ops (see `parts`)
+# rank, step, op type and seconds of a run's compute, communication, host work and transfer ops (see `parts`)
 PARTS_SQL = """
 SELECT rank, step, CASE
-         WHEN kind = 'comm' THEN 'comm:' || name
+         WHEN kind IN ('comm', 'host', 'transfer') THEN kind || ':' || name
          WHEN regexp_matches(lower(name), 'backward|bwd') AND NOT regexp_matches(lower(name), 'forward|fwd')
            THEN 'backward-compute'
          WHEN regexp_matches(lower(name), 'forward|fwd') AND NOT regexp_matches(lower(name), 'backward|bwd')
            THEN 'forward-compute'
          ELSE 'compute' END AS op_type, sum(duration_s) AS seconds
-FROM ops WHERE run_id = ? AND step IS NOT NULL AND kind IN ('compute', 'comm')
+FROM ops WHERE run_id = ? AND step IS NOT NULL AND kind IN ('compute', 'comm', 'host', 'transfer')
 GROUP BY ALL
 """
-FAMILIES = ("compute", "data", "comm")
+FAMILIES = ("compute", "data", "comm", "host", "transfer")
+OUTSIDE_PHASES = ("host", "transfer")  # families whose time is what the step's phases and communication left
 
 
 class Worker(TypedDict):
@@ -97,13 +103,17 @@ def summary(w: WhatIf) -> str:
 
 
 def _family(op_type: str) -> str:
-    return "comm" if op_type.startswith("comm") else "data" if op_type == "data" else "compute"
+    family = op_type.partition(":")[0]
+    return family if family in FAMILIES else "compute"
 
 
 def _op_type_times(frame: pd.DataFrame, parts: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
     """Seconds per op type as step x rank grids (NaN where the rank did not report the step). The
     steps' data_s, compute_s and comm_wait_s stay the totals; `parts` only splits compute_s and
-    comm_wait_s in the proportions of their ops (a rank-step without such ops keeps `compute`, `comm`)."""
+    comm_wait_s in the proportions of their ops (a rank-step without such ops keeps `compute`, `comm`).
+    Host work and transfers count for their ops' time up to what the step's data, compute and
+    communication leave of it, in the proportions of their ops: a copy that compute hid, or host work
+    on a thread of its own while the device computed, is no part of the step's length."""
     index = pd.MultiIndex.from_frame(frame[["step", "rank"]])
     columns = {"data": frame["data_s"].to_numpy(float)}
     split = (
@@ -128,12 +138,24 @@ def _op_type_times(frame: pd.DataFrame, parts: pd.DataFrame | None) -> dict[str,
             columns[kind] = np.where(unsplit, 0.0, total * shares[:, i] / np.where(unsplit, 1.0, whole))
         if unsplit.any() or not kinds:
             columns[family] = np.where(unsplit, total, 0.0)
+    if split is not None:
+        columns |= _outside_phases(frame, split[[c for c in split.columns if _family(c) in OUTSIDE_PHASES]])
     times = pd.DataFrame(columns, index=index)
     return {
         t: times[t].unstack("rank").sort_index()
         for t in times.columns
         if times[t].any() or t in ("data", "compute", "comm")
     }
+
+
+def _outside_phases(frame: pd.DataFrame, ops: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Each of `ops`' op types (host work, transfers: seconds per rank-step of `frame`), scaled down where
+    together they outlast what the rank-step's data, compute and communication leave of it."""
+    inside = sum(frame[c].to_numpy(float) for c in ("data_s", "compute_s", "comm_wait_s"))
+    left = np.clip(frame["duration_s"].to_numpy(float) - inside, 0.0, None)
+    whole = ops.to_numpy().sum(axis=1)
+    scale = np.minimum(1.0, left / np.where(whole > 0, whole, 1.0))
+    return {kind: ops[kind].to_numpy() * scale for kind in ops.columns}
 
 
 def analyze(
@@ -147,7 +169,8 @@ def analyze(
 
     `steps`: rank, step, duration_s, data_s, compute_s, comm_wait_s (nulls count as 0).
     `placement`: rank and, where known, dp_rank and pp_stage.
-    `parts`: rank, step, op_type, seconds (PARTS_SQL): how compute and communication split by op type.
+    `parts`: rank, step, op_type, seconds (PARTS_SQL): how compute and communication split by op type,
+    and the host work and transfers outside them.
     A group "explains" the slowdown when its excess over the ideal is at least `worst` of the
     run's; below `negligible` excess the pattern is none."""
     frame = (
