@@ -57,6 +57,14 @@ NEXT_STEPS: dict[str, str] = {
     "predicted": "Every rank computes slower than its devices' and hosts' state predicts: look for what they "
     "share and the model does not read (a new software version or setting, the data pipeline, a job sharing "
     "the hosts); compare a step's profile with one from a run at the predicted speed.",
+    "tiers / host_bound": "The host's work holds the step: overlap it with compute (`--offload-schedule overlap`), "
+    "give each rank more of the host's cores, or keep the optimizer on the device if its memory allows.",
+    "tiers / swap_bound": "The steps wait on copies between tiers: overlap them with compute (`--offload-schedule "
+    "overlap`), copy in larger blocks, or keep more on the device; the figures above say which tier limits them.",
+    "tiers / slow_disk": "One rank's disk runs at a fraction of its peers': check that disk (its health, another job "
+    "on it, its queue), or move the rank's swap files to another.",
+    "tiers / checkpoint_contention": "A checkpoint to the same disk slowed the swaps: write checkpoints to another "
+    "disk, or less often.",
     "whatif": "Open the named ranks' steps in the trace (Perfetto, Holistic Trace Analysis) and compare their "
     "kernels with a peer's; launch delay and idle well above 1x the ops back to back point at the host side "
     "(data loading, Python overhead, synchronisations) rather than the GPU.",
