@@ -31,6 +31,7 @@ from conftest import Interactive, job_collector, rankwatch_cli
 from otlp_payloads import query
 
 from collector.nccl import bus_factor, canonical_op
+from trainer.train import SNAPSHOT_EVERY
 
 pytestmark = pytest.mark.long
 
@@ -194,7 +195,8 @@ def test_phases_add_up_to_the_step(job):
         assert names == PHASES, (rank, step)
         assert children and inside, (rank, step)
         assert total <= duration * (1 + 1e-9)  # phases never overlap and stay inside their step
-        assert total == pytest.approx(duration, rel=0.25), (rank, step, total, duration)
+        if (step + 1) % SNAPSHOT_EVERY:  # (a snapshot's copy of the state, between phases, is the trainer's own)
+            assert total == pytest.approx(duration, rel=0.25), (rank, step, total, duration)
         if total < 0.95 * duration:
             outside_5pct.append((rank, step, total, duration))
         assert data_s == pytest.approx(data, rel=1e-6, abs=1e-9)
