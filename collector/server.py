@@ -140,7 +140,10 @@ def create_app(config: Config) -> Starlette:
         async def export(request: Request) -> Response:
             kind = otlp.PROTOBUF
             if (refusal := tokens.refusal(request, INGEST)) is not None:  # before anything of the request is read
-                metrics.requests.labels(signal, refusal.status).inc()
+                if request.headers.get("content-length") == "0":  # a token's check (agent.export.check_token):
+                    metrics.token_checks.labels(refusal.status).inc()  # its refusal loses no telemetry
+                else:
+                    metrics.requests.labels(signal, refusal.status).inc()
                 body = otlp.status(refusal.status, refusal.reason, kind)
                 return Response(body, refusal.status, refusal.headers, media_type=kind)
             try:

@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import duckdb
+import httpx
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -28,6 +29,7 @@ from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN, SOLO
+from tests.otlp_payloads import step_spans, trace_body
 
 pytestmark = pytest.mark.long
 
@@ -968,13 +970,14 @@ def test_evidence_tables_name_every_device_and_host_metric_in_its_unit():
 
 def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_store, tmp_path, monkeypatch):
     """A launcher's token check (agent.export.check_token: one empty export) refused with 401 stops its job
-    before it starts: the collector's finding, in the sidebar, says that is what a refused token may be,
-    not only that a job loses its telemetry."""
+    before it starts and loses nothing: the collector's health counts only the refused exports that carried
+    telemetry, and the sidebar says what those lost."""
     from agent.config import TokenRefused
     from agent.export import check_token
 
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)
+    wrong = {"Authorization": "Bearer not-the-token-0123456", "Content-Type": "application/x-protobuf"}
     with open(tmp_path / "collector.log", "w") as log:
         collector = Collector(db, free_port(), "test-token-0123456", extra_args=("--analyze-every", "1"), log=log)
         collector.start()
@@ -984,8 +987,13 @@ def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_st
             for _ in range(3):  # three launches with a wrong token, each refused before its job started
                 with pytest.raises(TokenRefused):
                     check_token(collector.url, "not-the-token-0123456")
-            fired = f"SELECT count(*) FROM findings WHERE run_id = '{health.RUN_ID}' AND kind = 'refused_exports'"
-            wait_until(lambda: run_remote(collector.url, collector.token, fired)[1][0][0], "no health finding", 60)
+            spans = trace_body(step_spans("run-wrong-token", 0, [0]))
+            for _ in range(6):  # a job's spans, sent with the wrong token: lost
+                assert httpx.post(f"{collector.url}/v1/traces", content=spans, headers=wrong).status_code == 401
+            fired = f"""SELECT evidence->>'refused' FROM findings
+                        WHERE run_id = '{health.RUN_ID}' AND kind = 'refused_exports'"""
+            wait_until(lambda: run_remote(collector.url, collector.token, fired)[1], "no health finding", 60)
+            ((refused,),) = run_remote(collector.url, collector.token, fired)[1]
             monkeypatch.setenv(COLLECTOR_ENV, collector.url)
             monkeypatch.setenv("RANKWATCH_TOKEN", collector.token)
             st.cache_resource.clear()
@@ -993,5 +1001,6 @@ def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_st
             at = open_page("overview", BARE["run"])
         finally:
             collector.stop()
+    assert json.loads(refused) == {"401": 6}  # the checks are not among them
     (said,) = [w for w in texts(at.sidebar.warning) if w.startswith("Collector: ")]
-    assert "(3 x 401): a token check refused a wrong or missing token (a launcher's: its job did not start" in said
+    assert "(6 x 401): a job sends the wrong token and loses its telemetry" in said

@@ -3,13 +3,14 @@ a job's exports (wrong token) paging a real receiver with a signed alert."""
 
 import json
 import math
+import time
 
 import httpx
 import pandas as pd
 
 from collector.analysis.analyzers import health
 from tests.conftest import free_port
-from tests.otlp_payloads import query
+from tests.otlp_payloads import query, step_spans, trace_body
 from tests.webhook_receiver import Receiver
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -97,12 +98,15 @@ def test_a_collector_refusing_a_job_pages_the_receiver(collector_factory, tmp_pa
     )
     try:
         collector = collector_factory(None, "--analyze-every", "0.5", "--alerts", str(alerts))
-        for _ in range(health.Settings().min_requests):
-            response = httpx.post(
-                f"{collector.url}/v1/traces",
-                content=b"",
-                headers={"Authorization": "Bearer wrong-token", "Content-Type": "application/x-protobuf"},
-            )
+        wrong = {"Authorization": "Bearer wrong-token", "Content-Type": "application/x-protobuf"}
+        for _ in range(health.Settings().min_requests):  # launchers checking a wrong token: nothing lost, no page
+            checked = httpx.post(f"{collector.url}/v1/traces", content=b"", headers=wrong)
+            assert checked.status_code == 401
+        time.sleep(2)  # passes of the analysis judge the collector's health
+        assert receiver.deliveries == []
+        spans = trace_body(step_spans("run-refused", 0, [0]))
+        for _ in range(health.Settings().min_requests):  # a job's exports of spans refused: they are lost
+            response = httpx.post(f"{collector.url}/v1/traces", content=spans, headers=wrong)
             assert response.status_code == 401
         (delivery,) = receiver.wait_for(1)
     finally:

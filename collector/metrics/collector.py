@@ -14,6 +14,12 @@ class SelfMetrics:
             ["signal", "code"],
             registry=self.registry,
         )
+        self.token_checks = Counter(
+            "rankwatch_collector_token_checks",
+            "Empty OTLP exports refused (a launcher's or agent's check of its token: no telemetry lost) by HTTP status",
+            ["code"],
+            registry=self.registry,
+        )
         self.received = Counter(
             "rankwatch_collector_items_received",
             "Spans, data points and log records stored",

@@ -4,8 +4,8 @@ telemetry is being lost or delayed, or alerts are not getting through, whatever 
 A pure function of two snapshots of the collector's counters, the oldest and the newest
 within the window, and its alert outbox. Findings (run "", analyzer "collector"):
 - refused_exports: more than `refused_share` of the window's OTLP exports were refused
-  (at least `min_requests` of them). Critical when any was refused for its token (401): a launcher's
-  token check that stopped its job before it started, or a job that loses all its telemetry (`WRONG_TOKEN`);
+  (at least `min_requests` of them). Critical when any was refused for its token (401): that job
+  loses all its telemetry (`WRONG_TOKEN`; a token check's empty export is not counted here);
   otherwise a warning (400/413/415: malformed, 503: the write queue was full; exporters retry a 503, so its
   data is late, and lost if it goes on).
 - queue_filling: the write queue holds more than `queue_fill` of its limit: 503s come next.
@@ -28,13 +28,9 @@ from collector.analysis.analyzers import Finding
 
 ANALYZER = "collector"
 RUN_ID = ""  # the collector's findings belong to no run
-# What an export refused for its token (401) means: most often a launcher's token check (one empty export before
-# its job starts, `agent.export.check_token`), which stops the job before it sends anything; else a job that runs
-# with that token, whose telemetry is lost. The counts cannot tell the two apart: both are said.
-WRONG_TOKEN = (
-    "a token check refused a wrong or missing token (a launcher's: its job did not start, no telemetry lost), "
-    "or a job sends the wrong token and loses its telemetry"
-)
+# What an export refused for its token (401) means: a job that runs with that token, whose telemetry is lost. (A
+# launcher's token check, one empty export before its job starts, is counted apart: it stops the job, loses nothing.)
+WRONG_TOKEN = "a job sends the wrong token and loses its telemetry"
 
 
 @dataclass(frozen=True)
