@@ -568,7 +568,8 @@ def _suspect_finding(
     slowdown = _median(recent.ratio[:, theirs])
     episode = history.taken(slice(int(np.searchsorted(history.steps, first)), None))  # (a view: no copy)
     cost = _cost(_waited_for(episode, columns), episode.step_s, len(episode.ranks))
-    data, compute = recent.counted_data(), recent.busy - recent.counted_data()
+    data = recent.counted_data()
+    compute = recent.busy - data
     excess = {
         phase: _median(values[:, theirs]) - _median(values[:, ~theirs])
         for phase, values in ((DATA, data), (COMPUTE, compute))
