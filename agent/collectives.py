@@ -37,7 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import meshes
-from agent.session import ASYNC, BUCKET, SYNC, Session
+from agent.session import Session
+from agent.stepspans import ASYNC, BUCKET, SYNC
 
 
 def _nbytes(tensor) -> int:
@@ -52,14 +53,13 @@ def group_info(dist, session: Session):
     known: dict = {}
 
     def info(group) -> tuple[str, int, bool, Callable[[], Any]]:
-        if group is None:
-            group = dist.group.WORLD
-        found = known.get(group)
+        found = known.get(group)  # (None included: the default group's, as the object standing for it)
         if found is None:
+            given, group = group, group if group is not None else dist.group.WORLD
             host = "nccl" not in str(dist.get_backend(group))
             name = "world" if group is dist.group.WORLD else str(getattr(group, "group_name", None) or id(group))
             mark = time.monotonic_ns if host else session.timer.mark
-            found = known[group] = (name, dist.get_world_size(group), host, mark)
+            found = known[given] = known[group] = (name, dist.get_world_size(group), host, mark)
             if role := meshes.role(group):
                 session.roles[name] = role
         return found
@@ -100,8 +100,11 @@ def comm_hook(session: Session, inner=None):
             return fut.value()[0]
 
         tensor.div_(size)  # as allreduce_hook: divided first, against overflow in low precision
-        all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)  # not timed twice (trace_collectives)
-        return all_reduce(tensor, group=process_group, async_op=True).get_future().then(averaged)
+        # the process group's own call, as DDP's C++ hook makes it: torch.distributed.all_reduce's checks cost
+        # microseconds a bucket, for a tensor DDP made (and it is not timed twice: trace_collectives wraps that)
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # (DDP passes its group; the default one exists once the job initialized)
+        return group.allreduce([tensor]).get_future().then(averaged)
 
     return hook
 

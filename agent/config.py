@@ -16,6 +16,7 @@ COLLECTOR_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_COLLECTOR", "RANKWATCH_TOK
 MIN_TOKEN_CHARS = 16  # shorter is guessable; an empty one is what a crash between creating and writing leaves
 # "1": a rank without an NVML GPU simulates one (its samples say so); unset, it has no device telemetry
 SIMULATE_GPU_ENV = "RANKWATCH_SIMULATE_GPU"
+NODE_ENV = "RANKWATCH_NODE"  # the socket of the node's sidecar (`rankwatch node`), which a rank hands its telemetry
 UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
 
 

@@ -52,6 +52,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from agent import semconv as sc
 from agent.config import TokenRefused
 from agent.route import Route
+from agent.stepspans import StepMarks, spans_of
 
 SCOPE = "rankwatch.agent"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -155,6 +156,16 @@ class Losses:
     def records(self, resource: Resource, count: int) -> None:
         with self._lock:
             self._of(resource).records += count
+
+    def add(self, resource: Resource, lost: Lost) -> None:
+        """What was dropped before it reached this exporter (a rank's link to its node's sidecar)."""
+        with self._lock:
+            counts = self._of(resource)
+            counts.spans, counts.rank_steps, counts.records = (
+                counts.spans + lost.spans,
+                counts.rank_steps + lost.rank_steps,
+                counts.records + lost.records,
+            )
 
     def by_resource(self) -> list[tuple[Resource, Lost]]:
         """A copy of each resource's counts."""
@@ -663,6 +674,7 @@ class Exporter:
         self._logger_provider = LoggerProvider(resource=self.resource)
         self._logger_provider.add_log_record_processor(_LogRecords(self._records, self.resource))
         self._logger = self._logger_provider.get_logger(SCOPE)
+        self._loggers: dict[int, object] = {}  # other resources' (a sidecar's ranks), by id
         self._metric_exporter = _PerCollector(OTLPMetricExporter, "/v1/metrics", headers, timeout_s)
         self.samples_refused = 0  # device samples the collector never took
 
@@ -703,6 +715,10 @@ class Exporter:
         put(Trace(trace_id, root_id, tuple(spans), resource))
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
+    def step(self, marks: StepMarks, resource: Resource | None = None) -> None:
+        """Record one finished step from its marks (agent/stepspans.py), on the caller's thread."""
+        self.trace(spans_of(marks), resource)
+
     def event(
         self,
         event: str,
@@ -710,9 +726,11 @@ class Exporter:
         attributes: Attributes,
         body: str | None = None,
         severity: SeverityNumber = SeverityNumber.INFO,
+        resource: Resource | None = None,
     ) -> None:
-        """A log record naming something that happened (checkpoint saved, fault injected...)."""
-        self._logger.emit(
+        """A log record naming something that happened (checkpoint saved, fault injected...); `resource`:
+        who it is from, when one process speaks for several (a node's sidecar); default this exporter's."""
+        self._logger_of(resource).emit(
             timestamp=time_ns,
             observed_timestamp=time_ns,
             body=body or event,
@@ -721,7 +739,17 @@ class Exporter:
             attributes={sc.EVENT: event, **attributes},
         )
 
-    def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
+    def _logger_of(self, resource: Resource | None):
+        """The logger whose records carry `resource` (a provider each, made once)."""
+        if resource is None or resource is self.resource:
+            return self._logger
+        if (logger := self._loggers.get(id(resource))) is None:
+            provider = LoggerProvider(resource=resource)
+            provider.add_log_record_processor(_LogRecords(self._records, resource))
+            logger = self._loggers[id(resource)] = provider.get_logger(SCOPE)
+        return logger
+
+    def samples(self, points: Iterable[tuple[str, int, float, Attributes]], resource: Resource | None = None) -> bool:
         """Export device samples (metric name, time ns, value, attributes) now, in requests of at most
         SAMPLES_PER_REQUEST (a collector refuses one of more than 100,000 entries whole: a round of
         16,384 simulated GPUs' readings is 163,840); True when all were accepted. With the collector
@@ -729,12 +757,12 @@ class Exporter:
         is tried again until it takes them (the SDK retries a 503 within its timeout)."""
         points = list(points)
         taken = [
-            self._send_samples(points[at : at + SAMPLES_PER_REQUEST])
+            self._send_samples(points[at : at + SAMPLES_PER_REQUEST], resource or self.resource)
             for at in range(0, len(points), SAMPLES_PER_REQUEST)
         ]
         return all(taken)
 
-    def _send_samples(self, points: Sequence[tuple[str, int, float, Attributes]]) -> bool:
+    def _send_samples(self, points: Sequence[tuple[str, int, float, Attributes]], resource: Resource) -> bool:
         by_metric: dict[str, list[NumberDataPoint]] = defaultdict(list)
         for name, time_ns, value, attributes in points:
             by_metric[name].append(
@@ -745,7 +773,7 @@ class Exporter:
         metrics = [
             Metric(name=name, description="", unit="", data=Gauge(data_points=pts)) for name, pts in by_metric.items()
         ]
-        data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self._scope, metrics, "")], "")])
+        data = MetricsData([ResourceMetrics(resource, [ScopeMetrics(self._scope, metrics, "")], "")])
         for _ in range(12 if self._paced else 1):  # paced: a minute or two of a collector's 503s
             endpoint = self.route.reachable()
             if endpoint is None or self.token_refused:
@@ -798,6 +826,22 @@ class Exporter:
         self._records.flush()
         self.logs_backlog.deliver()
         return not any(backlog.waiting for backlog in (*self._span_backlogs, self.logs_backlog))
+
+    def finish(self, now_ns: int) -> tuple[Lost, int]:
+        """A rank's end: deliver what waits, report what its backlog dropped or delivered late (a
+        `telemetry_backlog` event), shut down; what never reached the collector (see `undelivered`)."""
+        self.flush()
+        backlog = self.spans_backlog
+        late_dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
+        if late_dropped or backlog.delivered_late:
+            self.event(
+                sc.EVENT_TELEMETRY_BACKLOG,
+                now_ns,
+                {sc.SPANS_DROPPED: late_dropped, sc.SPANS_DELIVERED_LATE: backlog.delivered_late},
+            )
+            self.flush()
+        self.shutdown()
+        return self.undelivered()
 
     def undelivered(self) -> tuple[Lost, int]:
         """After shutdown(): what never reached the collector (spans, rank-steps, log records; all

@@ -7,7 +7,8 @@ with the other collectives (agent/collectives.py).
 
 import functools
 
-from agent.session import PIPELINE, Session
+from agent.session import Session
+from agent.stepspans import PIPELINE
 
 _CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "backward"}
 

@@ -21,20 +21,16 @@ from pathlib import Path
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer, Timer
 from agent.config import UNDELIVERED_ENV, simulate_gpu
-from agent.export import Attributes, AttributeValue, Exporter, log
+from agent.export import AttributeValue, Exporter, log
 from agent.host import HostState
+from agent.nodelink import NodeLink, node_socket
 from agent.opendevice import open_device
 from agent.rapl import Rapl
 from agent.sampler import Sampler
-from agent.timeline import clip, exposed, length, serialized, subtract
+from agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
-# the phase a pipeline schedule's step runs in; the forward and backward chunks of the stage inside it
-PIPELINE = "pipeline"
-# how the training stream waits for a collective: DDP waits for its buckets at the end of backward,
-# a blocking call at once, an async_op=True call where the code waits (unknown here)
-BUCKET, SYNC, ASYNC = "bucket", "sync", "async"
+HOST_SAMPLE_S = 1.0  # the sampler's period on a rank without a GPU
 
 
 @dataclass(slots=True)
@@ -120,7 +116,7 @@ class Session:
             sc.PROCESS_PID: os.getpid(),
             **(resource or {}),
         }
-        self.exporter = Exporter(collector, token, attributes) if collector else None
+        self.exporter = _sink(collector, token, attributes) if collector else None
         self._current: _Step | None = None
         self._phase: str | None = None
         local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
@@ -133,9 +129,11 @@ class Session:
             readers.insert(0, self.device)
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
-        # a step held for its energy goes out once sampled past, not only at the next step's end
+        # a step held for its energy goes out once sampled past, not only at the next step's end; without a
+        # GPU there is no energy to wait for, and the host's readings change once a second (agent/host.py)
+        period_s = sample_s if self.device is not None else max(sample_s, HOST_SAMPLE_S)
         self.sampler = (
-            Sampler(readers, self.exporter.samples, sample_s, now_ns=self.clock.now_ns, on_sample=self._emit_ready)
+            Sampler(readers, self.exporter.samples, period_s, now_ns=self.clock.now_ns, on_sample=self._emit_ready)
             if self.exporter
             else None
         )
@@ -277,17 +275,7 @@ class Session:
             self.device.close()  # puts back the power limit of before any cap
         if not self.exporter:
             return
-        self.exporter.flush()
-        backlog = self.exporter.spans_backlog
-        late_dropped = backlog.dropped + backlog.waiting  # what is still waiting now will not be delivered
-        if late_dropped or backlog.delivered_late:
-            self.event(
-                sc.EVENT_TELEMETRY_BACKLOG,
-                **{sc.SPANS_DROPPED: late_dropped, sc.SPANS_DELIVERED_LATE: backlog.delivered_late},
-            )
-            self.exporter.flush()
-        self.exporter.shutdown()
-        lost, samples = self.exporter.undelivered()
+        lost, samples = self.exporter.finish(self.clock.now_ns())
         if (lost or samples) and (notes := os.environ.get(UNDELIVERED_ENV)):  # for `rankwatch train`'s status
             Path(notes, f"rank-{self.rank}-{os.getpid()}").write_text(json.dumps({**asdict(lost), "samples": samples}))
         if lost:
@@ -321,24 +309,53 @@ class Session:
             and all(self.timer.ready(end) for _, _, end in s.phases)
             and all(c.end is None or self.timer.ready(c.end) for c in s.collectives)
             and all(self.timer.ready(t.end) for t in s.transfers)
-            and (self.sampler is None or self.sampler.covers(self.timer.to_wall(self.clock, s.end)))
+            and (
+                self.sampler is None
+                or self.device is None
+                or self.sampler.covers(self.timer.to_wall(self.clock, s.end))
+            )
         )
 
     def _emit(self, s: _Step) -> None:
+        """The step's marks placed on the wall clock and released, then its spans sent (agent/stepspans.py:
+        made here, or by the node's sidecar where the rank hands its marks to one)."""
         start = self.timer.to_wall(self.clock, s.start)
-        wall = lambda mark: start + self.timer.between(s.start, mark)  # noqa: E731  # durations from the step's start
+        between = self.timer.between
+        wall = lambda mark: start + between(s.start, mark)  # noqa: E731  # durations from the step's start
         end = wall(s.end)
-        phases = [(name, wall(a), wall(b)) for name, a, b in s.phases]
-        comm = self._comm_intervals(s, wall)
-        blocked = [(wall(c.waited), b) for c, _, _, b in comm if c.waited is not None and c.stream == s.stream]
-        computing, comm_wait, by_role = self._compute_and_wait(
-            (start, end), phases, comm, blocked, s.stream, self.roles
+        roles = self.roles
+        comms = tuple(
+            Comm(
+                c.op,
+                c.group,
+                c.group_size,
+                c.seq,
+                c.nbytes,
+                c.waits,
+                roles.get(c.group),
+                c.peer,
+                c.stream == s.stream,
+                c.lane,
+                wall(c.start),
+                wall(c.end),
+                None if c.waited is None else wall(c.waited),
+            )
+            for c in s.collectives
+            if c.end is not None
         )
-        transfers = [(t, wall(t.start), wall(t.end)) for t in s.transfers]
-        host = [(name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work]
-        stalled = [(a, b) for t, a, b in transfers if t.thread == s.thread and t.stream in (None, s.stream)]
-        if stalled:  # a copy the training loop itself made (on its stream, or on the host): no compute then
-            computing = subtract(computing, stalled)
+        moves = tuple(
+            Move(
+                t.src,
+                t.dst,
+                t.nbytes,
+                t.what,
+                wall(t.start),
+                wall(t.end),
+                t.cpu_ns,
+                t.thread == s.thread and t.stream in (None, s.stream),
+            )
+            for t in s.transfers
+        )
         self.timer.release(
             [
                 s.start,
@@ -351,127 +368,25 @@ class Session:
         )
         if not self.exporter:
             return
-        attributes: dict[str, AttributeValue] = {
-            sc.KIND: sc.KIND_STEP,
-            sc.STEP: s.step,
-            sc.DATA_S: sum(b - a for name, a, b in phases if name == "data") / 1e9,
-            sc.COMPUTE_S: length(computing) / 1e9,
-            sc.COMM_WAIT_S: comm_wait,
-            **{sc.COMM_WAIT_S_OF + role: wait for role, wait in by_role.items()},
-        }
-        if transfers:  # what compute hid of the copies between tiers, and what it did not
-            moving = [(a, b) for _, a, b in transfers]
-            attributes[sc.TRANSFER_S] = length(clip(moving, (start, end))) / 1e9
-            attributes[sc.TRANSFER_EXPOSED_S] = exposed(moving, computing, (start, end)) / 1e9
-            attributes[sc.TRANSFER_CPU_S] = sum(t.cpu_ns for t, _, _ in transfers) / 1e9
-        if host:
-            attributes[sc.HOST_OPTIMIZER_S] = length(clip([(a, b) for _, a, b in host], (start, end))) / 1e9
-        if any(name == PIPELINE for name, _, _ in phases):
-            attributes[sc.PIPELINE_BUBBLE_S] = self._bubble(phases)
-        energy = self.sampler.energy_between(start, end) if self.sampler else None
-        if energy is not None:
-            attributes[sc.STEP_ENERGY_J] = energy
         # tensors are on the host (record): their copies from the GPU are done, since the step's end is
-        attributes.update(
-            {
-                _VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
-                for k, v in s.values.items()
-                if v is not None
-            }
+        values = {
+            _VALUE_KEYS.get(k, f"rankwatch.{k}"): v.item() if hasattr(v, "item") else v
+            for k, v in s.values.items()
+            if v is not None
+        }
+        self.exporter.step(
+            StepMarks(
+                s.step,
+                start,
+                end,
+                tuple((name, wall(a), wall(b)) for name, a, b in s.phases),
+                comms,
+                moves,
+                tuple((name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work),
+                values,
+                self.sampler.energy_between(start, end) if self.sampler else None,
+            )
         )
-        spans: list[tuple[str, int, int, Attributes]] = [("step", start, end, attributes)]
-        spans += [(name, a, b, {sc.KIND: sc.KIND_PHASE, sc.STEP: s.step}) for name, a, b in phases]
-        spans += [
-            (
-                c.op,
-                a,
-                b,
-                {
-                    sc.KIND: sc.KIND_COMM,
-                    sc.STEP: s.step,
-                    sc.COMM_GROUP: c.group,
-                    sc.COMM_GROUP_SIZE: c.group_size,
-                    sc.COMM_SEQ: c.seq,
-                    sc.COMM_BYTES: c.nbytes,
-                    **({sc.COMM_ROLE: self.roles[c.group]} if c.group in self.roles else {}),
-                    **({sc.COMM_PEER: c.peer} if c.peer is not None else {}),
-                },
-            )
-            for c, _, a, b in comm
-        ]
-        spans += [
-            (
-                f"{t.src}->{t.dst}",
-                a,
-                b,
-                {
-                    sc.KIND: sc.KIND_TRANSFER,
-                    sc.STEP: s.step,
-                    sc.TRANSFER_SRC: t.src,
-                    sc.TRANSFER_DST: t.dst,
-                    sc.TRANSFER_BYTES: t.nbytes,
-                    **({sc.TRANSFER_FOR: t.what} if t.what else {}),
-                },
-            )
-            for t, a, b in transfers
-        ]
-        spans += [(name, a, b, {sc.KIND: sc.KIND_HOST, sc.STEP: s.step, sc.HOST_WORK: name}) for name, a, b in host]
-        self.exporter.trace(spans)
-
-    @staticmethod
-    def _comm_intervals(s: _Step, wall) -> list[tuple[Collective, int, int, int]]:
-        """(collective, launch, start, end) in wall ns for each completed collective of the step.
-        The collectives of one lane (stream events of one group's NCCL communicator, a pair's for
-        point to point, called from one stream, each ending when that queue was free) run one after
-        another: each starts at its launch or at the end of the one before it, a bound that ops the
-        agent does not see (functional collectives, coalesced ops, all_gather_object's) only push
-        later. Nothing else is assumed ordered: the rest start at their launch."""
-        done = [(c, wall(c.start), wall(c.end)) for c in s.collectives if c.end is not None]
-        lanes: dict[tuple, list[int]] = {}
-        for i, (c, _, _) in enumerate(done):
-            if c.lane is not None:
-                lanes.setdefault(c.lane, []).append(i)
-        starts = [a for _, a, _ in done]
-        for ops in lanes.values():
-            for i, (a, _) in zip(ops, serialized([(done[i][1], done[i][2]) for i in ops])):
-                starts[i] = a
-        return [(c, a, starts[i], b) for i, (c, a, b) in enumerate(done)]
-
-    @staticmethod
-    def _compute_and_wait(
-        window: tuple[int, int], phases: list, comm: list, blocked: list, stream: int | None, roles: dict[str, str]
-    ) -> tuple[list, float, dict[str, float]]:
-        """(compute as intervals, exposed wait and the exposed wait of each DeviceMesh dimension (`roles`:
-        group -> dimension) in seconds). The exposed wait is the time communication was in flight and nothing
-        computed (docs/telemetry.md): outside the compute phases, or inside them where the training
-        stream (`stream`, the phases') waited for it: a blocking collective called on it from its launch
-        to its end (one called on a side stream stalls that stream only), an async_op=True one from
-        where it was waited for on it (`blocked`) to its end, DDP's wait at the end of backward from the
-        last bucket's launch on. Compute is the compute phases less the exposed wait within them, so
-        that data, compute and the wait tile the step (a pipeline's bubble, outside its chunks, takes
-        nothing from compute)."""
-        waits = [(a, b) for c, a, _, b in comm if c.waits == SYNC and c.stream == stream] + blocked
-        buckets = [a for c, a, _, _ in comm if c.waits == BUCKET]
-        backward = [b for name, _, b in phases if name == "backward"]
-        if buckets and backward:
-            waits.append((max(buckets), backward[-1]))
-        computing = [(a, b) for name, a, b in phases if name in COMPUTE_PHASES]
-        compute = subtract(computing, waits)
-        of_role: dict[str, list] = {}
-        for c, _, a, b in comm:
-            if c.group in roles:
-                of_role.setdefault(roles[c.group], []).append((a, b))
-        by_role = {role: exposed(spans, compute, window) / 1e9 for role, spans in of_role.items()}
-        exposed_spans = clip(subtract([(a, b) for _, _, a, b in comm], compute), window)
-        return subtract(computing, exposed_spans), length(exposed_spans) / 1e9, by_role
-
-    @staticmethod
-    def _bubble(phases: list) -> float:
-        """Seconds of the step's pipeline schedule in which the stage computed nothing (no forward or
-        backward chunk ran): waiting for the stages before and after it, the pipeline's bubble."""
-        windows = [(a, b) for name, a, b in phases if name == PIPELINE]
-        chunks = [(a, b) for name, a, b in phases if name in COMPUTE_PHASES]
-        return length(subtract(windows, chunks)) / 1e9
 
     def _beat(self, every_s: float) -> None:
         """Progress, even when no step finishes: the step and phase this rank is in, and the
@@ -493,6 +408,15 @@ class Session:
                     }
                 )
             self.event(sc.EVENT_HEARTBEAT, step=current.step if current else None, **attributes)
+
+
+def _sink(collector: str, token: str | None, attributes: dict) -> Exporter | NodeLink:
+    """Where the rank's telemetry goes: its node's sidecar where the launcher started one, else an exporter
+    of the rank's own (also where the sidecar goes away later)."""
+    own = lambda: Exporter(collector, token, attributes)  # noqa: E731
+    if (path := node_socket()) and (link := NodeLink.connect(path, attributes, own)):
+        return link
+    return own()
 
 
 def _on_host(value):

@@ -823,6 +823,28 @@ def cmd_run(args) -> None:
         raise UsageError(f"{command[0]!r}: no such command") from None
 
 
+def cmd_node(args) -> None:
+    """The node's sidecar (agent/node.py) until SIGTERM or Ctrl-C; then what waits is delivered, and what
+    could not be is noted where the launcher asked ($RANKWATCH_UNDELIVERED)."""
+    from agent.config import UNDELIVERED_ENV, collector_urls
+    from agent.node import Node
+
+    collector, token = collector_urls(args.collector), _token(args)
+    if os.path.exists(args.socket):
+        raise UsageError(f"{args.socket}: already exists (another node's socket?)")
+    _stop_on_sigterm()
+    node = Node(args.socket, collector, token)
+    try:
+        signal.pause() if hasattr(signal, "pause") else time.sleep(math.inf)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        os.unlink(args.socket)
+        lost = node.stop(os.environ.get(UNDELIVERED_ENV))
+        if lost:
+            print(f"rankwatch node: {lost.rank_steps} rank-steps ({lost.spans} spans) never delivered", file=sys.stderr)
+
+
 def cmd_train(args) -> None:
     from agent.config import collector_url
     from agent.paths import checkpoint_dir
@@ -1176,6 +1198,14 @@ def build_parser() -> argparse.ArgumentParser:
     _token_file_option(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the job's command, after --")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "node", help="the node's sidecar: exports what the host's ranks hand it (rankwatch run and train start one)"
+    )
+    p.add_argument("--socket", required=True, help="the Unix socket the ranks connect to (their $RANKWATCH_NODE)")
+    p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    _token_file_option(p)
+    p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("simulate", help="a fleet of simulated ranks (DP x PP x TP) with injected faults")
     p.add_argument("--ranks", type=POSITIVE, required=True)

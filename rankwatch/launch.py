@@ -11,13 +11,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import agent.autostart as autostart_package
 from agent import auto, config, paths
 from agent.apiclient import ApiClient, ApiError
-from agent.config import INGEST, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
+from agent.config import INGEST, NODE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
 
 # `train` and `simulate`: the job ran, but telemetry of it never reached the collector (1 is a failed job, 2 bad input)
 TELEMETRY_LOST = 3
@@ -130,9 +131,10 @@ def run(
 
 
 def _job(program: str, command: list[str], env: dict, run_id: str, collector: str, token: str | None) -> int:
-    """Run a job's command to its end with `env` added (and the job's token, `job_token`), stopping it if
-    interrupted; its exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the
-    collector (each rank notes what its exporter dropped in the UNDELIVERED_ENV directory)."""
+    """Run a job's command to its end with `env` added (and the job's token, `job_token`), beside the node's
+    sidecar (`rankwatch node`, which exports what the job's ranks hand it), stopping it if interrupted; its
+    exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the collector (the
+    sidecar, and each rank that exported its own, note what they dropped in the UNDELIVERED_ENV directory)."""
     env = {k: v for k, v in {**os.environ, **env}.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
     private = Path(tempfile.mkdtemp(prefix="rankwatch-job-"))  # mode 0700: the job's token, its notes of loss
     try:
@@ -141,13 +143,16 @@ def _job(program: str, command: list[str], env: dict, run_id: str, collector: st
         env[UNDELIVERED_ENV] = str(undelivered)
         if token:
             env[TOKEN_FILE_ENV] = str(job_token(token, private / "token"))
-        with subprocess.Popen(command, env=env) as job:
-            try:
-                status = job.wait()
-            except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (a SIGKILL would orphan them)
-                job.terminate()
-                job.wait()
-                raise
+        with sidecar(private / "node.sock", collector, env) as node:
+            if node:
+                env[NODE_ENV] = node
+            with subprocess.Popen(command, env=env) as job:
+                try:
+                    status = job.wait()
+                except BaseException:  # interrupted: torchrun stops its workers on SIGTERM (SIGKILL would orphan them)
+                    job.terminate()
+                    job.wait()
+                    raise
         notes = [json.loads(f.read_text()) for f in undelivered.iterdir()]  # one per rank process that lost any
     finally:
         shutil.rmtree(private, ignore_errors=True)
@@ -156,6 +161,34 @@ def _job(program: str, command: list[str], env: dict, run_id: str, collector: st
         report_loss(program, run_id, collector, **totals)
         return status or TELEMETRY_LOST
     return status
+
+
+@contextmanager
+def sidecar(path: Path, collector: str, env: dict, start_s: float = 60.0):
+    """The node's sidecar listening at `path` for the job's ranks while the block runs (its socket path,
+    or None where it did not start: the ranks then export their own, as with $RANKWATCH_NODE=""), then
+    stopped: it delivers what waits before it exits."""
+    if env.get(NODE_ENV) == "":
+        yield None
+        return
+    node = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch", "node", "--socket", str(path), "--collector", collector],
+        env={k: v for k, v in env.items() if k != NODE_ENV},
+    )
+    try:
+        give_up = time.monotonic() + start_s
+        while not path.exists() and node.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if not path.exists():
+            print("rankwatch: the node sidecar did not start: each rank exports its own telemetry", file=sys.stderr)
+        yield str(path) if path.exists() else None
+    finally:
+        node.terminate()
+        try:
+            node.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
 
 
 def job_token(token: str, path: Path) -> Path:

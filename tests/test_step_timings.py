@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from agent.clock import Clock, CpuTimer, CudaTimer
 from agent.collectives import comm_hook
-from agent.session import BUCKET, Session
+from agent.session import Session
+from agent.stepspans import BUCKET, bubble
 from agent.timeline import length
 from tests.conftest import wait_until
 
@@ -328,16 +329,16 @@ def test_the_exposed_wait_is_split_by_the_mesh_dimension_of_each_collectives_gro
     """A tensor-parallel all-reduce hidden under compute exposes nothing; a data-parallel one that runs
     past the compute exposes its tail: the step's exposed wait is the tail, all of it `dp`'s, none `tp`'s;
     a group of no mesh counts in the whole alone."""
-    from agent.session import ASYNC, Collective
+    from agent.stepspans import ASYNC, Comm, compute_and_wait
+
+    roles = {"tp-group": "tp", "dp-group": "dp"}
 
     def comm(group: str, a: int, b: int):
-        return (Collective("all_reduce", group, 2, 0, 0, a, ASYNC, b), a, a, b)
+        return (Comm("all_reduce", group, 2, 0, 0, ASYNC, roles.get(group), None, False, None, a, b), a, b)
 
     phases = [("forward", 0, 100), ("backward", 100, 200)]
     collectives = [comm("tp-group", 50, 150), comm("dp-group", 180, 260), comm("other", 250, 270)]
-    compute, total, by_role = Session._compute_and_wait(
-        (0, 300), phases, collectives, [], None, {"tp-group": "tp", "dp-group": "dp"}
-    )
+    compute, total, by_role = compute_and_wait((0, 300), phases, collectives, [])
     assert (round(total * 1e9), {role: round(s * 1e9) for role, s in by_role.items()}) == (70, {"tp": 0, "dp": 60})
     assert length(compute) == 200
 
@@ -346,16 +347,14 @@ def test_an_async_collective_waited_for_on_the_training_stream_is_not_compute():
     """FSDP's all-gather launched with async_op=True and waited for inside the forward: from the wait to
     its end the stream computes nothing, so that stretch is exposed, and not compute; before the wait it
     is hidden under compute."""
-    from agent.session import ASYNC, Collective
+    from agent.stepspans import ASYNC, Comm, compute_and_wait
 
-    gather = Collective("all_gather", "dp-group", 2, 0, 0, 10, ASYNC, 70, waited=40)
+    gather = Comm("all_gather", "dp-group", 2, 0, 0, ASYNC, "dp", None, True, None, 10, 70, waited=40)
     phases = [("forward", 0, 100)]
-    compute, total, by_role = Session._compute_and_wait(
-        (0, 100), phases, [(gather, 10, 10, 70)], [(40, 70)], None, {"dp-group": "dp"}
-    )
+    compute, total, by_role = compute_and_wait((0, 100), phases, [(gather, 10, 70)], [(40, 70)])
     assert (length(compute), round(total * 1e9), round(by_role["dp"] * 1e9)) == (70, 30, 30)
 
 
 def test_the_pipeline_bubble_is_the_schedule_less_the_stages_chunks():
     phases = [("pipeline", 0, 100), ("forward", 10, 30), ("forward", 40, 50), ("backward", 60, 90)]
-    assert round(Session._bubble(phases) * 1e9) == 40
+    assert round(bubble(phases) * 1e9) == 40

@@ -29,7 +29,8 @@ from conftest import free_port
 from agent import semconv as sc
 from agent.clock import Clock, CudaTimer
 from agent.collectives import _SIZES, _argument, comm_hook, trace_collectives, untrace_collectives
-from agent.session import ASYNC, SYNC, Session
+from agent.session import Session
+from agent.stepspans import ASYNC, SYNC, spans_of
 from collector.nccl import canonical_op
 
 MS = 1_000_000  # ns
@@ -83,8 +84,8 @@ class Spans:
     def __init__(self):
         self.spans: list = []
 
-    def trace(self, spans) -> None:
-        self.spans += spans
+    def step(self, marks) -> None:
+        self.spans += spans_of(marks)
 
     def event(self, *_) -> None:
         pass

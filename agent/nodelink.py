@@ -1,0 +1,189 @@
+"""A rank's link to its node's sidecar (`rankwatch node`, agent/node.py), and the wire between them.
+
+A rank that has a sidecar does not encode or export anything: it queues its finished steps' marks
+(agent/stepspans.py: plain tuples of wall-clock ns), its events and its device samples, and a thread
+of the link hands them over every SPANS_DELAY_MS as one frame on a Unix socket: `marshal` of plain
+values (microseconds for a step; OTLP protobuf would cost the rank ~25 µs a span). The sidecar makes
+the spans, encodes and exports them, and keeps the backlog through a collector's outage, so what a
+rank recorded outlives the rank. Where the sidecar goes away mid-job, the rank says so once and
+exports on its own (agent/export.py) from then on, from the frame that could not be written.
+
+A frame is a 4-byte little-endian length, then `marshal.dumps((kind, body))`. The socket lives in the
+job's private (0700) directory and the sidecar takes frames from its own user alone (SO_PEERCRED): what
+arrives is from the job's own processes, which `marshal` is fit for.
+"""
+
+import logging
+import marshal
+import os
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from agent.config import NODE_ENV
+from agent.export import SPANS_DELAY_MS, Attributes, Exporter, Lost
+from agent.stepspans import StepMarks
+
+log = logging.getLogger("rankwatch.agent")
+
+HELLO, STEPS, EVENT, SAMPLES, BYE = "hello", "steps", "event", "samples", "bye"
+MAX_FRAME_BYTES = 64 << 20  # a frame is a quarter second of one rank's telemetry: far less
+QUEUE_ITEMS = 8192  # steps, events and sample batches waiting for the link's thread
+_LENGTH = struct.Struct("<I")
+
+
+def write_frame(sock: socket.socket, kind: str, body: Any) -> None:
+    payload = marshal.dumps((kind, body))
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def read_frame(stream) -> tuple[str, Any] | None:
+    """The next frame from a file made by `socket.makefile("rb")`; None at the end of the stream (a frame
+    cut short included: its sender died writing it)."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    (size,) = _LENGTH.unpack(head)
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME_BYTES})")
+    payload = stream.read(size)
+    if len(payload) < size:
+        return None
+    kind, body = marshal.loads(payload)
+    return kind, body
+
+
+def plain(marks: StepMarks) -> tuple:
+    """The marks as the wire carries them: tuples, not named ones (marshal takes exact types alone)."""
+    return (*marks[:3], marks.phases, tuple(map(tuple, marks.comms)), tuple(map(tuple, marks.moves)), *marks[6:])
+
+
+class NodeLink:
+    """What a rank's session exports through (the surface of agent/export.py's Exporter that a session
+    uses), handed to the sidecar at `path`. `fallback()` makes the exporter the rank uses if the
+    sidecar goes away."""
+
+    def __init__(self, sock: socket.socket, fallback: Callable[[], Exporter]):
+        self._sock, self._make_fallback = sock, fallback
+        self._fallback: Exporter | None = None
+        self._queue: deque = deque()
+        self._lost = Lost()  # what did not fit in the queue
+        self._wake = threading.Event()
+        self._idle = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="rankwatch-node-link", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def connect(cls, path: str, resource: Attributes, fallback: Callable[[], Exporter]) -> "NodeLink | None":
+        """A link to the sidecar listening at `path`, or None (said once) where none answers there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            write_frame(sock, HELLO, dict(resource))
+        except OSError as e:
+            sock.close()
+            log.warning("rankwatch: no node sidecar at %s (%s): this rank exports its own telemetry", path, e)
+            return None
+        return cls(sock, fallback)
+
+    # -- the session's side: queue, never wait ------------------------------------------------------------
+    def _put(self, item: tuple) -> bool:
+        if len(self._queue) >= QUEUE_ITEMS:
+            kind, body = item
+            if kind == STEPS:
+                marks: StepMarks = body
+                self._lost.rank_steps += 1
+                self._lost.spans += 1 + len(marks.phases) + len(marks.comms) + len(marks.moves) + len(marks.host)
+            elif kind == EVENT:
+                self._lost.records += 1
+            return False
+        self._queue.append(item)
+        return True
+
+    def step(self, marks: StepMarks) -> None:
+        self._put((STEPS, marks))
+
+    def event(self, event: str, time_ns: int, attributes: Attributes, body: str | None = None, severity=None) -> None:
+        self._put((EVENT, (event, time_ns, dict(attributes), body, None if severity is None else int(severity))))
+
+    def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
+        return self._put((SAMPLES, [(name, t, value, dict(attrs)) for name, t, value, attrs in points]))
+
+    # -- the link's thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(SPANS_DELAY_MS / 1000)
+            self._wake.clear()
+            self._send()
+
+    def _send(self) -> None:
+        """Everything queued, in order: the steps gathered in one frame, then each event or sample batch. Where
+        a frame cannot be written, it and those after it go through the rank's own exporter from then on (what
+        the sidecar had taken but not yet exported when it died is lost with it)."""
+        items = [self._queue.popleft() for _ in range(len(self._queue))]
+        if self._fallback is None:
+            steps = [body for kind, body in items if kind == STEPS]
+            frames = ([(STEPS, steps)] if steps else []) + [item for item in items if item[0] != STEPS]
+            items = []
+            for i, (kind, body) in enumerate(frames):
+                try:
+                    write_frame(self._sock, kind, [plain(m) for m in body] if kind == STEPS else body)
+                except OSError as e:
+                    log.warning("rankwatch: the node sidecar went away (%s): this rank exports its own telemetry", e)
+                    self._fallback = self._make_fallback()
+                    items = [(STEPS, m) for k, b in frames[i:] if k == STEPS for m in b]
+                    items += [frame for frame in frames[i:] if frame[0] != STEPS]
+                    break
+        if items:
+            self._export(items)
+        with self._idle:
+            self._idle.notify_all()
+
+    def _export(self, items: list) -> None:
+        fallback = self._fallback
+        assert fallback is not None
+        for kind, body in items:
+            if kind == STEPS:
+                fallback.step(body)
+            elif kind == EVENT:
+                event, time_ns, attributes, text, severity = body
+                fallback.event(event, time_ns, attributes, text, *([severity] if severity is not None else []))
+            elif kind == SAMPLES:
+                fallback.samples(body)
+
+    def flush(self) -> bool:
+        """Hand over everything queued now; True when it went (to the sidecar, or delivered by the fallback)."""
+        self._wake.set()
+        with self._idle:
+            self._idle.wait_for(lambda: not self._queue, timeout=30)
+        return self._fallback.flush() if self._fallback else not self._queue
+
+    def finish(self, now_ns: int) -> tuple[Lost, int]:
+        """The rank's end: everything handed over, the link closed (the sidecar delivers, and reports what
+        it could not, with what the rank dropped); what is left for the rank itself to report, and the
+        device samples its own exporter never delivered."""
+        self.flush()
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(30)
+        self._send()
+        if self._fallback is None:
+            try:  # the sidecar reports what the rank dropped with what it could not deliver itself
+                write_frame(self._sock, BYE, (self._lost.spans, self._lost.rank_steps, self._lost.records))
+                lost = Lost()
+            except OSError:
+                lost = self._lost
+            self._sock.close()
+            return lost, 0
+        self._sock.close()
+        lost, samples = self._fallback.finish(now_ns)
+        return lost + self._lost, samples
+
+
+def node_socket() -> str | None:
+    """The sidecar's socket a launcher named ($RANKWATCH_NODE), if any."""
+    return os.environ.get(NODE_ENV) or None
