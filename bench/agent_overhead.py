@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token-0123456789"
 EMPTY_STEPS = 2000
+MANY_BUCKETS = 16  # a second empty loop's buckets: the cost of one more bucket
 AUTO = "auto"  # the zero-code variant's worker
 
 
@@ -128,13 +129,35 @@ def worker(agent_dir: str | None, args) -> dict:
         dist.destroy_process_group()
         return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
 
-    tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    buckets = len(ddp._get_ddp_logging_data()["bucket_sizes"].split(","))  # the training run's gradient buckets
+    empty = {n: empty_loop(agent, start, n, args) for n in (buckets, MANY_BUCKETS)}
+    dist.destroy_process_group()
+    per_bucket = (empty[MANY_BUCKETS][0] - empty[buckets][0]) / (MANY_BUCKETS - buckets)
+    return {
+        "wall": statistics.median(times),
+        "cpu": cpu,
+        "buckets": buckets,
+        "empty": empty[buckets][0],
+        "node_empty": empty[buckets][1],
+        "per_bucket": per_bucket,
+    }
+
+
+def empty_loop(agent, start, buckets: int, args) -> tuple[float, float | None]:
+    """The agent's calls around a tiny DDP step of `buckets` gradient buckets, EMPTY_STEPS times: the
+    process's CPU per step (all its threads, the shutdown's export included), and the node's sidecar's
+    CPU per step over the same steps (None without one), read once it has settled."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(buckets)])
     tiny_ddp = DistributedDataParallel(tiny, bucket_cap_mb=1e-5)  # a bucket per layer
     x = torch.randn(2, 4)
     for _ in range(3):  # DDP rebuilds its buckets after the first step
         tiny_ddp(x).sum().backward()
-    start(f"{args.run}-empty", tiny_ddp)
-    empty_started = time.process_time()
+    start(f"{args.run}-empty-{buckets}", tiny_ddp)
+    node_started = node_cpu(args.node_pid)
+    started = time.process_time()
     for step in range(EMPTY_STEPS):
         with agent.step(step):
             with agent.phase("data"):
@@ -147,9 +170,25 @@ def worker(agent_dir: str | None, args) -> dict:
                 pass
             agent.record(loss=1.0, tokens=512)
     agent.shutdown()
-    empty = (time.process_time() - empty_started) / EMPTY_STEPS
-    dist.destroy_process_group()
-    return {"wall": statistics.median(times), "cpu": cpu, "empty": empty}
+    cpu = (time.process_time() - started) / EMPTY_STEPS
+    if node_started is None:
+        return cpu, None
+    settled, give_up = node_started, time.monotonic() + 30
+    while time.monotonic() < give_up:  # until its work on these steps is done: its CPU time stops rising
+        time.sleep(0.5)
+        now = node_cpu(args.node_pid)
+        if now == settled != node_started:
+            break
+        settled = now
+    return cpu, (settled - node_started) / EMPTY_STEPS
+
+
+def node_cpu(pid: int | None) -> float | None:
+    """The CPU seconds the process `pid` has used, all its threads (None without one)."""
+    if not pid:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker_3d(agent_dir: str | None, args) -> dict:
@@ -198,7 +237,7 @@ def worker_3d(agent_dir: str | None, args) -> dict:
     return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
 
 
-def run_3d(variant: str, url: str, run: str, args, out: Path) -> dict:
+def run_3d(variant: str, url: str, run: str, args, out: Path, env: dict) -> dict:
     """The 8-rank job of one variant: per figure, the median over its ranks."""
     command = [
         sys.executable,
@@ -211,7 +250,7 @@ def run_3d(variant: str, url: str, run: str, args, out: Path) -> dict:
         *("--worker3d", variant, "--url", url, "--job-run", run, "--steps", str(args.steps)),
         *("--warmup", str(args.warmup), "--model", args.model, "--batch", str(args.batch), "--out", str(out)),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         sys.exit(f"{variant} run failed:\n{done.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
@@ -237,6 +276,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "none" or the agent's directory
     parser.add_argument("--worker3d", help=argparse.SUPPRESS)  # the same, one rank of the 3D job
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--node-pid", type=int, help=argparse.SUPPRESS)  # the sidecar the worker's agent uses
     parser.add_argument("--job-run", dest="run", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -257,9 +297,16 @@ def main() -> None:
 
     if args.baseline and not (args.baseline / "agent" / "__init__.py").is_file():
         parser.error(f"--baseline {args.baseline}: no agent/ package there")
-    variants = {"no agent": "none", "agent": str(ROOT), "agent, zero-code": AUTO}
+    # each variant: the agent it runs (none, a checkout's, zero-code) and whether its ranks hand their telemetry
+    # to the node's sidecar (as under `rankwatch run` and `rankwatch train`) or export it themselves
+    variants = {
+        "no agent": ("none", False),
+        "agent, own export": (str(ROOT), False),
+        "agent, sidecar": (str(ROOT), True),
+        "agent, zero-code, sidecar": (AUTO, True),
+    }
     if args.baseline:
-        variants["baseline agent"] = str(args.baseline.resolve())
+        variants["baseline agent"] = (str(args.baseline.resolve()), False)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     results: dict[str, list[dict]] = {name: [] for name in variants}
@@ -279,74 +326,92 @@ def main() -> None:
             ],
             stdout=subprocess.DEVNULL,
         )
+        socket_path = Path(tmp, "node.sock")
+        node = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "node", "--socket", str(socket_path), "--collector", url],
+            env={**os.environ, "RANKWATCH_TOKEN": TOKEN},
+        )
         try:
             wait_healthy(url, collector)
+            while not socket_path.exists():
+                if node.poll() is not None:
+                    sys.exit("the node's sidecar did not start")
+                time.sleep(0.1)
             names = list(variants)
             for r in range(args.rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
+                    agent_dir, sidecar = variants[name]
+                    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKWATCH_NODE": str(socket_path) if sidecar else ""}
                     run = f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-').replace(',', '')}"
                     if args.job == "3d":
-                        results[name].append(run_3d(variants[name], url, run, args, Path(tmp)))
+                        results[name].append(run_3d(agent_dir, url, run, args, Path(tmp), env))
                         continue
                     out = subprocess.run(
                         [
-                            sys.executable,
-                            __file__,
-                            "--worker",
-                            variants[name],
-                            "--url",
-                            url,
-                            "--run",
-                            f"overhead-{r}-{len(results[name])}-{name.replace(' ', '-')}",
-                            "--steps",
-                            str(args.steps),
-                            "--warmup",
-                            str(args.warmup),
-                            "--model",
-                            args.model,
-                            "--batch",
-                            str(args.batch),
+                            *(sys.executable, __file__, "--worker", agent_dir, "--url", url, "--run", run),
+                            *("--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model),
+                            *("--batch", str(args.batch), *(["--node-pid", str(node.pid)] if sidecar else [])),
                         ],
                         capture_output=True,
                         text=True,
-                        env={**os.environ, "OMP_NUM_THREADS": "1"},
+                        env=env,
                         cwd=tmp,
                     )
                     if out.returncode:
                         sys.exit(f"{name} run failed:\n{out.stderr}")
                     results[name].append(json.loads(out.stdout.splitlines()[-1]))
         finally:
-            collector.terminate()
-            collector.wait()
+            for process in (node, collector):
+                process.terminate()
+                process.wait()
 
     console = Console()
-    none = results["no agent"]
     if args.job == "3d":
         report_3d(console, results, args)
         return
-    table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step", "CPU ratio", "agent CPU µs/step")
+    none = results["no agent"]
+    figures: dict[str, dict] = {}
+    table = Table(
+        "variant", "wall ms/step", "wall ratio", "CPU ms/step", "CPU ratio", "own CPU µs/step", "µs/bucket", "sidecar"
+    )
     for name, runs in results.items():
 
         def ratio(key: str) -> float:
             return statistics.median(run[key] / base[key] for run, base in zip(runs, none))
 
-        own = ""  # the agent's own CPU per step: of the loop's own calls
-        if name != "no agent" and runs[0]["empty"] is not None:
-            own = f"{statistics.median(run['empty'] - base['empty'] for run, base in zip(runs, none)) * 1e6:.0f}"
+        def less_none(key: str) -> float | None:
+            if name == "no agent" or runs[0].get(key) is None:
+                return None
+            return statistics.median(
+                run[key] - (base[key] if key != "node_empty" else 0) for run, base in zip(runs, none)
+            )
+
+        own, bucket, node_cpu_s = less_none("empty"), less_none("per_bucket"), less_none("node_empty")
+        figures[name] = {
+            "wall_ms": statistics.median(r["wall"] for r in runs) * 1e3,
+            "wall_ratio": ratio("wall"),
+            "cpu_ratio": ratio("cpu"),
+            "own_cpu_us_per_step": None if own is None else own * 1e6,
+            "us_per_bucket": None if bucket is None else bucket * 1e6,
+            "node_cpu_us_per_step": None if node_cpu_s is None else node_cpu_s * 1e6,
+        }
         table.add_row(
             name,
-            f"{statistics.median(r['wall'] for r in runs) * 1e3:.2f}",
+            f"{figures[name]['wall_ms']:.2f}",
             f"{ratio('wall'):.4f}",
             f"{statistics.median(r['cpu'] for r in runs) * 1e3:.2f}",
             f"{ratio('cpu'):.4f}",
-            own,
+            *("" if v is None else f"{v * 1e6:.0f}" for v in (own, bucket, node_cpu_s)),
         )
     console.print(table)
     console.print(
-        f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios "
-        f"and the agent's CPU per step (a tiny DDP step with 8 buckets, 4 phases, a record, export "
-        f"included; less the same without the agent) are medians over rounds"
+        f"GPT {args.model}, batch {args.batch}, {args.steps} steps per run, {args.rounds} rounds; ratios and the "
+        f"agent's own CPU per step (the rank's threads: a tiny DDP step with the training run's "
+        f"{none[0]['buckets']} gradient bucket(s), 4 phases, a record, export included; less the same without the "
+        f"agent), each bucket more, and the sidecar's CPU over the same steps, are medians over rounds"
     )
+    chosen = figures["agent, sidecar"]
+    print(json.dumps({"job": "ddp", **chosen, "variants": figures}))
 
 
 def report_3d(console, results: dict[str, list[dict]], args) -> None:
@@ -354,10 +419,16 @@ def report_3d(console, results: dict[str, list[dict]], args) -> None:
 
     none = results["no agent"]
     table = Table("variant", "wall ms/step", "wall ratio", "CPU ms/step (a rank)", "agent CPU ms/step", "of step time")
+    figures: dict[str, dict] = {}
     for name, runs in results.items():
         extra = [run["cpu"] - base["cpu"] for run, base in zip(runs, none)]
         share = statistics.median(e / run["wall"] for e, run in zip(extra, runs))
         wall = statistics.median(run["wall"] / base["wall"] for run, base in zip(runs, none))
+        figures[name] = {
+            "wall_ratio": wall,
+            "own_cpu_share_of_step": share,
+            "own_cpu_ms_per_step": statistics.median(extra) * 1e3,
+        }
         table.add_row(
             name,
             f"{statistics.median(r['wall'] for r in runs) * 1e3:.1f}",
@@ -372,6 +443,7 @@ def report_3d(console, results: dict[str, list[dict]], args) -> None:
         f"per run, {args.rounds} rounds; each figure the median over a run's ranks, then over rounds; the "
         f"agent's CPU: a rank's CPU per step less the same round's run without the agent"
     )
+    print(json.dumps({"job": "3d", **figures["agent, sidecar"], "variants": figures}))
 
 
 if __name__ == "__main__":
