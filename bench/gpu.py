@@ -4,11 +4,12 @@ the PyTorch profiler's.
 One process, one GPU, DDP over NCCL (world size 1), the reference GPT in bf16 autocast on batches
 staged on the GPU, every step exported to a real collector on loopback. Printed, in one run:
 - the GPU's name;
-- the A/B step time of four variants, taking turns (the order rotated every round), each round's
+- the A/B step time of five variants, taking turns (the order rotated every round), each round's
   time per step against the same round's run without the agent, the median over rounds: no agent;
   DDP with a Python comm hook and no agent (DDP's own allreduce_hook: what any Python hook costs);
   the agent (steps, phases, values); the agent with DDP timing (`agent.watch_ddp` around DDP's
-  allreduce_hook, as the trainer wraps its hook);
+  allreduce_hook, as the trainer wraps its hook), exporting its own telemetry, and handing it to the
+  node's sidecar (`rankwatch node`) as under `rankwatch run` and `rankwatch train`;
 - the step split of the agent with DDP timing against a torch.profiler (Kineto) trace of the same
   steps: the step on the GPU (the agent: its step's CUDA events; the profiler: the first to the
   last of the step's kernels and copies), compute (the agent: the compute phases less the exposed
@@ -23,6 +24,7 @@ Usage: python bench/gpu.py [--model gpt2] [--batch 8] [--rounds 4] [--steps 40] 
 
 import argparse
 import copy
+import os
 import socket
 import statistics
 import subprocess
@@ -35,10 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent
+from agent.config import NODE_ENV
 from agent.timeline import exposed, length
 
 TOKEN = "bench-token-0123456789"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"
+SIDECAR = "agent + DDP timing, sidecar"  # the rank hands its telemetry to the node's sidecar, as under rankwatch run
 WARMUP = 5
 
 
@@ -74,7 +78,7 @@ def profiler_split(trace: Path) -> dict[int, dict[str, float]]:
 class Bench:
     """The model, optimizer state and batches every variant starts from, and the collector URL."""
 
-    def __init__(self, args, url: str):
+    def __init__(self, args, url: str, node: str):
         from trainer.data import TokenStream
         from trainer.model import CONFIGS, GPT
 
@@ -82,7 +86,7 @@ class Bench:
         self.model = GPT(CONFIGS[args.model]).cuda()
         data = TokenStream(self.model.config.vocab, self.model.config.seq_len, args.batch, 0)
         self.batches = [tuple(t.cuda() for t in data.next()) for _ in range(4)]
-        self.url = url
+        self.url, self.node = url, node
 
     def run(self, variant: str, steps: int, run_id: str, profiler=None) -> float:
         """Seconds per step of `steps` steps (after WARMUP steps) of a fresh DDP copy of the model."""
@@ -94,9 +98,10 @@ class Bench:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if variant == HOOK:
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        if variant in (AGENT, AGENT_DDP):
+        if variant in (AGENT, AGENT_DDP, SIDECAR):
+            os.environ[NODE_ENV] = self.node if variant == SIDECAR else ""
             agent.init(run_id=run_id, collector=self.url, token=TOKEN, rank=0, world_size=1, cuda=True)
-            if variant == AGENT_DDP:  # around DDP's own hook, as the trainer wraps its hook
+            if variant != AGENT:  # around DDP's own hook, as the trainer wraps its hook
                 agent.watch_ddp(ddp, default_hooks.allreduce_hook)
         for i in range(WARMUP + steps):
             if i == WARMUP:
@@ -180,10 +185,17 @@ def main() -> None:
             [sys.executable, "-m", "rankwatch", "collector", "--db", str(db), "--port", str(port), "--token", TOKEN],
             stdout=subprocess.DEVNULL,
         )
+        node_socket = Path(tmp) / "node.sock"
+        node = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "node", "--socket", str(node_socket), "--collector", url],
+            env={**os.environ, "RANKWATCH_TOKEN": TOKEN},
+        )
         try:
             wait_healthy(url, collector)
-            bench = Bench(args, url)
-            variants = [NO_AGENT, HOOK, AGENT, AGENT_DDP]
+            while not node_socket.exists() and node.poll() is None:
+                time.sleep(0.1)
+            bench = Bench(args, url, str(node_socket))
+            variants = [NO_AGENT, HOOK, AGENT, AGENT_DDP, SIDECAR]
             times: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(args.rounds):
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
@@ -195,8 +207,9 @@ def main() -> None:
             ) as prof:
                 bench.run(AGENT_DDP, args.profile_steps + 2, "gpu-profiled", profiler=prof)
         finally:
-            collector.terminate()
-            collector.wait()
+            for process in (node, collector):
+                process.terminate()
+                process.wait()
         ours, theirs = agent_split(db, "gpu-profiled"), profiler_split(trace)
     dist.destroy_process_group()
 
