@@ -96,6 +96,29 @@ SPANS_DELIVERED_LATE = "rankwatch.spans_delivered_late"
 EVENT_TELEMETRY_LOSS = "telemetry_loss"
 SPANS_DROPPED = "rankwatch.spans_dropped"  # int: spans of every kind (also on telemetry_backlog: its own count)
 RANK_STEPS_DROPPED = "rankwatch.rank_steps_dropped"  # int: the `step` spans among them
+# A rank's end other than a clean one, with its cause: told by the rank itself (an exception, a signal, an exit
+# with a code) or, for a rank that died without a word (SIGKILL, a crash), by its node's sidecar
+EVENT_RANK_FAILED = "rank_failed"
+FAILURE_CAUSE = "rankwatch.failure.cause"
+CAUSE_EXCEPTION = "exception"  # a Python exception ended the rank (type, message, and its stack as the body)
+CAUSE_OUT_OF_MEMORY = "out_of_memory"  # an exception saying the GPU's (or host's) memory ran out
+CAUSE_TERMINATED = "terminated"  # a signal asked it to stop (SIGTERM, SIGINT: torchrun tearing a failed job down)
+CAUSE_EXIT = "exit"  # it exited with a nonzero code (os._exit, sys.exit)
+CAUSE_KILLED = "killed"  # gone without a word: SIGKILL, a crash (seen by the sidecar)
+CAUSE_KILLED_OUT_OF_MEMORY = "killed_out_of_memory"  # gone without a word as the kernel's OOM killer killed
+FAILURE_CAUSES = (
+    CAUSE_EXCEPTION,
+    CAUSE_OUT_OF_MEMORY,
+    CAUSE_TERMINATED,
+    CAUSE_EXIT,
+    CAUSE_KILLED,
+    CAUSE_KILLED_OUT_OF_MEMORY,
+)
+FAILURE_EXCEPTION = "rankwatch.failure.exception"  # the exception's type, qualified
+FAILURE_MESSAGE = "rankwatch.failure.message"  # its message
+FAILURE_SIGNAL = "rankwatch.failure.signal"  # the signal's name, where one ended it
+FAILURE_EXIT_CODE = "rankwatch.failure.exit_code"  # int
+ATTEMPT = "rankwatch.attempt"  # int: torchrun's restart count of the job's workers (0: the first attempt)
 FAULT_SPEC = "rankwatch.fault"
 PHASE = "rankwatch.phase"
 # checkpoints (trainer/checkpoint.py): a snapshot reached a tier, was loaded, or was refused
