@@ -11,10 +11,17 @@ pays nothing) and then hooks what any PyTorch loop does:
   other: the DDP or FSDP wrapper, or the model; found by hooks on every module's forward, which
   then give way to hooks on it alone), the backward phase from its end to the optimizer
   step (the loss, the backward, a DDP job's last gradient all-reduces), the optimizer phase the
-  optimizer step; a step of several forwards (gradient accumulation) has several of each;
-- the loss is the scalar a backward starts from (`Tensor.backward`), the gradient norm what
-  `clip_grad_norm_` returns, both read without a sync (Session.record), the learning rate the
-  optimizer's first parameter group's;
+  optimizer step; a step of several forwards (gradient accumulation) has several of each. An
+  optimizer step given a closure (Lightning's automatic optimization, LBFGS) runs the forward and
+  backward itself: the closure is wrapped, its forward and backward are timed as such, and the
+  optimizer phase is what the step does after the closure returns;
+- the loss is the sum of the scalars the step's backwards start from (`Tensor.backward`): the loss the
+  step optimized, which under gradient accumulation is the micro-batches' losses each scaled by 1/N, as
+  Lightning and Hugging Face's Trainer scale them (their mean, which they report); a closure's second
+  and later calls in one step (LBFGS's line search) re-evaluate the same loss and add nothing. The
+  gradient norm is what `clip_grad_norm_` returns, both read without a sync (summed as tensors,
+  recorded once at the step's end: Session.record), the learning rate the optimizer's first parameter
+  group's; a loss that mixed precision's grad scaler scaled (`GradScaler.scale`) counts as it was before;
 - collectives as `agent.watch_collectives()` (torch.distributed's, the functional ones of tensor
   parallelism, a pipeline's sends and receives) and, for a DDP model, `agent.watch_ddp()` at its
   first forward, around the comm hook the script registered, if any;
@@ -32,6 +39,7 @@ stage's loss, which the schedule computes and back-propagates itself, is not rec
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -40,6 +48,7 @@ from typing import Any
 import agent
 
 ENV = "RANKWATCH_AUTO"  # set by `rankwatch run`: instrument this job
+UNSCALED = "_rankwatch_unscaled"  # on a loss a grad scaler scaled: the loss before it
 
 
 class _Driver:
@@ -52,6 +61,8 @@ class _Driver:
         self._phase_cm: Any = None
         self._forwarded = False  # a forward came since the last step ended
         self._pipelined = False  # in a pipeline schedule's step: its chunks are the phases
+        self._loss: Any = None  # the sum of the scalars the step's backwards started from (a tensor: no sync)
+        self._summing = True  # backwards add to the loss (not in a closure's second call: a re-evaluation)
         self.until_root: list = []  # the hooks on every module's forward, until the root is known
 
     def _enter_phase(self, name: str | None) -> None:
@@ -118,9 +129,35 @@ class _Driver:
         finally:
             self._pipelined = False
 
-    def optimizer_pre(self, optimizer, args, kwargs) -> None:
+    def backward(self, tensor) -> None:
+        """A backward from `tensor`: a scalar's value counts in the step's loss (a loss that a mixed-precision
+        grad scaler scaled, by the value it had before: agent.auto marks it)."""
+        if self._step_cm is not None and self._summing and tensor.numel() == 1:
+            value = getattr(tensor, UNSCALED, tensor).detach()
+            if value.dtype.itemsize < 4:  # half precision would round the sum
+                value = value.float()
+            self._loss = value if self._loss is None else self._loss + value
+
+    def optimizer_pre(self, optimizer, args, kwargs):
+        """The optimizer phase begins here, or, for a step given a closure (which runs a forward and backward
+        of its own), where the closure returns: the step gets the closure wrapped."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0] is the optimizer)
+        if callable(closure):
+            wrapped = functools.partial(self._closure, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
         if self._forwarded:
             self._enter_phase("optimizer")
+        return None
+
+    def _closure(self, closure):
+        """A step's closure: what follows it is the optimizer phase."""
+        loss = closure()
+        if self._forwarded:  # (not a second optimizer's, in a step already ended)
+            self._summing = False  # a later call in this step evaluates the same loss again
+            self._enter_phase("optimizer")
+        return loss
 
     def optimizer_post(self, optimizer, args, kwargs) -> None:
         """The step ends here (a second optimizer of the same step finds it ended: it is not timed)."""
@@ -130,6 +167,9 @@ class _Driver:
         self._enter_phase(None)
         if (lr := optimizer.param_groups[0].get("lr")) is not None:
             agent.record(lr=lr)  # (a tensor learning rate is read as the loss is: later, without a sync)
+        if self._loss is not None:
+            agent.record(loss=self._loss)
+        self._loss, self._summing = None, True
         self._step_cm.__exit__(None, None, None)
         self.step += 1
         self._step_cm = agent.step(self.step)  # the next, from here: its data phase until the forward
@@ -172,8 +212,6 @@ _register_comm_hook: Any = None  # DDP's own, once install() has wrapped it
 
 def _watch_schedules(driver: _Driver) -> None:
     """Every pipeline schedule's `step` through the driver (the schedules' classes wrapped)."""
-    import functools
-
     from torch.distributed.pipelining import schedules
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
@@ -207,11 +245,20 @@ def _instrument() -> None:
     backward = torch.Tensor.backward
 
     def backward_recorded(self, *args, **kwargs):
-        if self.numel() == 1:
-            agent.record(loss=self.detach())
+        driver.backward(self)
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = backward_recorded  # type: ignore[method-assign]
+
+    scale = torch.amp.GradScaler.scale  # (torch.cuda.amp's and Lightning's and Accelerate's scalers are these)
+
+    def scale_marked(self, outputs):
+        scaled = scale(self, outputs)
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:  # a loss: the step's, before scaling
+            setattr(scaled, UNSCALED, outputs)
+        return scaled
+
+    torch.amp.GradScaler.scale = scale_marked  # type: ignore[method-assign]
     # pipelining costs an import most jobs never make: its schedules are wrapped if the script imports it
     _after("torch.distributed.pipelining.schedules", lambda: _watch_schedules(driver))
 
