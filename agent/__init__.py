@@ -34,10 +34,12 @@ from agent import config
 
 if TYPE_CHECKING:  # the session (and the OpenTelemetry SDK) load at init(): `agent.config` and
     from agent.commands import Commands  # `agent.semconv` are read by the collector, which exports nothing
+    from agent.failures import Watch
     from agent.session import Session
 
 _session: Session | None = None
 _commands: Commands | None = None  # made on the first command() call
+_watch: Watch | None = None  # how the process ends, told (agent/failures.py)
 _control: tuple[str, str | None] = (config.DEFAULT_COLLECTOR, None)  # the collector and token of init()
 
 
@@ -56,9 +58,10 @@ def init(
     collector refuses agent.config.TokenRefused, found by one empty export here rather than after a
     run's worth of refused telemetry; a collector that cannot be reached is waited for as it runs).
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
-    global _session, _commands, _control
+    global _session, _commands, _control, _watch
     from agent.clock import CpuTimer, Timer
     from agent.export import check_token
+    from agent.failures import Watch, attempted
     from agent.session import Session
 
     timer: Timer = CpuTimer()
@@ -80,10 +83,11 @@ def init(
         world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
         collector=_control[0],
         token=_control[1],
-        resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **(resource or {})},
+        resource={"rankwatch.local_rank": int(os.environ.get("LOCAL_RANK", 0)), **attempted(), **(resource or {})},
         timer=timer,
     )
     atexit.register(shutdown)
+    _watch = Watch(_session.fail, shutdown)
     return _session
 
 
@@ -186,7 +190,10 @@ def end() -> None:
 
 def shutdown() -> None:
     """Send what is left (called at exit too)."""
-    global _session, _commands
+    global _session, _commands, _watch
+    if _watch:
+        _watch.close()
+        _watch = None
     if _commands:
         _commands.close()
         _commands = None

@@ -13,6 +13,7 @@ then delivers what waits, reports what it could not, and notes it per rank where
 import json
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -24,12 +25,38 @@ from opentelemetry._logs import SeverityNumber
 from opentelemetry.sdk.resources import Resource
 
 from agent import semconv as sc
-from agent.export import Exporter, Lost
+from agent.export import AttributeValue, Exporter, Lost
 from agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, read_frame
 from agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+MEMORY_EVENTS_ENV = "RANKWATCH_MEMORY_EVENTS"  # where the OOM killer's count is read, where not the cgroup's own
+SETTLE_S = 1.0  # how long a rank gone without a word waits for its peers' ends to be known, to tell whose was first
+SAMPLE_BATCHES = 1024  # device sample batches waiting for export (a batch a second from each rank)
+
+
+def _memory_events() -> Path:
+    """Where the OOM killer's kills in this process's memory cgroup are counted (an `oom_kill` line): cgroup
+    v2's `memory.events`, v1's `memory.oom_control`; the first that exists, of the process's cgroup path or
+    of the mount's root (a container's own cgroup); or the file $RANKWATCH_MEMORY_EVENTS names."""
+    if given := os.environ.get(MEMORY_EVENTS_ENV):
+        return Path(given)
+    groups = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            groups["memory" if "memory" in controllers.split(",") else controllers or "v2"] = path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    root = Path("/sys/fs/cgroup")
+    candidates = [
+        root / groups.get("v2", "") / "memory.events",
+        root / "memory.events",
+        root / "memory" / groups.get("memory", "") / "memory.oom_control",
+        root / "memory" / "memory.oom_control",
+    ]
+    return next((p for p in candidates if p.is_file()), candidates[0])
 
 
 def _marks(t: tuple) -> StepMarks:
@@ -40,9 +67,12 @@ def _marks(t: tuple) -> StepMarks:
 class Node:
     """Listens at `path` (made owner-only) and exports what the host's ranks hand over to `collector`."""
 
-    def __init__(self, path: str, collector: str, token: str | None):
+    def __init__(self, path: str, collector: str, token: str | None, memory_events: Path | None = None):
+        self._memory_events = memory_events or _memory_events()
         self.exporter = Exporter(collector, token, {sc.HOST_NAME: socket.gethostname()})
         self.ranks: dict[int, Resource] = {}  # by connection
+        self._failed: dict[object, list[tuple[int, object]]] = {}  # run id -> (when, rank) of its ranks' failures
+        self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -51,6 +81,9 @@ class Node:
             os.umask(old)
         self._listener.listen(256)
         self._threads: list[threading.Thread] = []
+        self._samples: queue.Queue = queue.Queue(SAMPLE_BATCHES)
+        self._sampling = threading.Thread(target=self._export_samples, name="rankwatch-node-samples", daemon=True)
+        self._sampling.start()
         self._stopping = False
         threading.Thread(target=self._accept, name="rankwatch-node-accept", daemon=True).start()
 
@@ -69,9 +102,11 @@ class Node:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        """One rank's frames until it closes its link (or dies)."""
+        """One rank's frames until it closes its link; a rank gone without its goodbye (killed, crashed) and
+        without telling its failure itself is told here, on its behalf."""
         resource: Resource | None = None
         exporter = self.exporter
+        finished, step, told, oom_kills = None, None, False, self._oom_kills()  # step: the one it is in, last said
         with conn, conn.makefile("rb") as stream:
             while (frame := self._read(stream)) is not None:
                 kind, body = frame
@@ -84,13 +119,75 @@ class Node:
                 elif kind == STEPS:
                     for marks in body:
                         exporter.step(_marks(marks), resource)
+                    last = max(marks[0] for marks in body)
+                    finished = last if finished is None else max(finished, last)
                 elif kind == EVENT:
                     event, time_ns, attributes, text, severity = body
+                    if event == sc.EVENT_RANK_FAILED:
+                        told = True
+                        self._ended(resource, time_ns)
+                    if isinstance(at := attributes.get(sc.STEP), int):
+                        step = max(step or 0, at)
                     exporter.event(event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource)
-                elif kind == SAMPLES:
-                    exporter.samples(body, resource)
+                elif kind == SAMPLES:  # exported on a thread of their own: a slow collector stalls no rank's link
+                    try:
+                        self._samples.put_nowait((body, resource))
+                    except queue.Full:
+                        exporter.samples_refused += len(body)
                 elif kind == BYE:
                     exporter.losses.add(resource, Lost(*body))
+                    return
+        if resource is not None and not told:
+            self._ended(resource, time.time_ns())
+            time.sleep(SETTLE_S)  # the other ranks' frames and ends, from their links, come in meanwhile
+            if finished is not None and (step is None or step <= finished):
+                step = finished + 1  # (it finished one, so it was in the next)
+            self._gone(resource, step, finished, oom_kills)
+
+    def _ended(self, resource: Resource, time_ns: int) -> None:
+        """A rank of the run ended other than cleanly, at `time_ns`."""
+        with self._lock:
+            self._failed.setdefault(resource.attributes.get(sc.RUN_ID), []).append(
+                (time_ns, resource.attributes.get(sc.RANK))
+            )
+
+    def _gone(self, resource: Resource, step: int | None, finished: int | None, oom_kills: int | None) -> None:
+        """A rank's `rank_failed` for it: stopped with its job where a rank of the run failed before it on this
+        node (torchrun ends the others' processes then); else killed, by the kernel's OOM killer where its
+        count rose meanwhile."""
+        run_id, pid = resource.attributes.get(sc.RUN_ID), resource.attributes.get(sc.PROCESS_PID)
+        with self._lock:
+            _, first = min(self._failed[run_id], key=lambda ended: ended[0])
+        after = self._oom_kills()
+        if first != resource.attributes.get(sc.RANK):
+            cause, why = sc.CAUSE_TERMINATED, f"stopped with its job after rank {first} failed"
+        elif oom_kills is not None and after is not None and after > oom_kills:
+            cause, why = sc.CAUSE_KILLED_OUT_OF_MEMORY, "killed: the kernel's OOM killer killed in this job's cgroup"
+        else:
+            cause, why = sc.CAUSE_KILLED, "gone without a word (SIGKILL, a crash, or its node failing)"
+        said = f"process {pid} {why}" + (f"; the last step it finished: {finished}" if finished is not None else "")
+        attributes: dict[str, AttributeValue] = {
+            sc.FAILURE_CAUSE: cause,
+            **({sc.STEP: step} if step is not None else {}),
+            **({sc.ATTEMPT: a} if isinstance(a := resource.attributes.get(sc.ATTEMPT), int) else {}),
+        }
+        self.exporter.event(sc.EVENT_RANK_FAILED, time.time_ns(), attributes, said, SeverityNumber.ERROR, resource)
+
+    def _oom_kills(self) -> int | None:
+        """The OOM killer's kills in this process's memory cgroup so far, where readable."""
+        try:
+            for line in self._memory_events.read_text().splitlines():
+                name, _, count = line.partition(" ")
+                if name == "oom_kill":
+                    return int(count)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _export_samples(self) -> None:
+        while (item := self._samples.get()) is not None:
+            points, resource = item
+            self.exporter.samples(points, resource)
 
     @staticmethod
     def _read(stream) -> tuple[str, Any] | None:
@@ -108,6 +205,8 @@ class Node:
             thread.join(max(give_up - time.monotonic(), 0.1))
         self._stopping = True
         self._listener.close()
+        self._samples.put(None)
+        self._sampling.join(max(give_up - time.monotonic(), 0.1))
         while not self.exporter.flush() and time.monotonic() < give_up:
             time.sleep(1.0)
         lost, _ = self.exporter.finish(time.time_ns())

@@ -35,9 +35,13 @@ QUEUE_ITEMS = 8192  # steps, events and sample batches waiting for the link's th
 _LENGTH = struct.Struct("<I")
 
 
-def write_frame(sock: socket.socket, kind: str, body: Any) -> None:
+def frame(kind: str, body: Any) -> bytes:
     payload = marshal.dumps((kind, body))
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def write_frame(sock: socket.socket, kind: str, body: Any) -> None:
+    sock.sendall(frame(kind, body))
 
 
 def read_frame(stream) -> tuple[str, Any] | None:
@@ -68,6 +72,8 @@ class NodeLink:
 
     def __init__(self, sock: socket.socket, fallback: Callable[[], Exporter]):
         self._sock, self._make_fallback = sock, fallback
+        self._writing = threading.Lock()  # one writer of the socket at a time
+        self._rest = b""  # what a step's send left unsent: the link's thread sends it before anything else
         self._fallback: Exporter | None = None
         self._queue: deque = deque()
         self._lost = Lost()  # what did not fit in the queue
@@ -105,10 +111,22 @@ class NodeLink:
         return True
 
     def step(self, marks: StepMarks) -> None:
+        """Handed over at once, where the socket takes it without waiting (a few microseconds): what a rank
+        finished is then the sidecar's, whatever becomes of the rank; else queued for the link's thread."""
+        if self._fallback is None and not self._queue and self._writing.acquire(blocking=False):
+            try:
+                if not self._rest:
+                    data = frame(STEPS, [plain(marks)])
+                    self._rest = data[self._sock.send(data, socket.MSG_DONTWAIT) :]
+                    return
+            except OSError:  # full (BlockingIOError), or gone: the link's thread finds out which
+                pass
+            finally:
+                self._writing.release()
         self._put((STEPS, marks))
 
     def event(self, event: str, time_ns: int, attributes: Attributes, body: str | None = None, severity=None) -> None:
-        self._put((EVENT, (event, time_ns, dict(attributes), body, None if severity is None else int(severity))))
+        self._put((EVENT, (event, time_ns, dict(attributes), body, None if severity is None else severity.value)))
 
     def samples(self, points: Iterable[tuple[str, int, float, Attributes]]) -> bool:
         return self._put((SAMPLES, [(name, t, value, dict(attrs)) for name, t, value, attrs in points]))
@@ -129,15 +147,23 @@ class NodeLink:
             steps = [body for kind, body in items if kind == STEPS]
             frames = ([(STEPS, steps)] if steps else []) + [item for item in items if item[0] != STEPS]
             items = []
-            for i, (kind, body) in enumerate(frames):
-                try:
-                    write_frame(self._sock, kind, [plain(m) for m in body] if kind == STEPS else body)
-                except OSError as e:
-                    log.warning("rankwatch: the node sidecar went away (%s): this rank exports its own telemetry", e)
-                    self._fallback = self._make_fallback()
-                    items = [(STEPS, m) for k, b in frames[i:] if k == STEPS for m in b]
-                    items += [frame for frame in frames[i:] if frame[0] != STEPS]
-                    break
+            with self._writing:
+                for i, (kind, body) in enumerate([(None, None), *frames]):
+                    try:
+                        if kind is None:  # first, what a step's send left: the socket took its frame in part
+                            self._sock.sendall(self._rest)
+                            self._rest = b""
+                        else:
+                            write_frame(self._sock, kind, [plain(m) for m in body] if kind == STEPS else body)
+                    except OSError as e:
+                        log.warning(
+                            "rankwatch: the node sidecar went away (%s): this rank exports its own telemetry", e
+                        )
+                        self._fallback = self._make_fallback()
+                        left = frames[max(i - 1, 0) :]
+                        items = [(STEPS, m) for k, b in left if k == STEPS for m in b]
+                        items += [item for item in left if item[0] != STEPS]
+                        break
         if items:
             self._export(items)
         with self._idle:

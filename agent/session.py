@@ -21,7 +21,7 @@ from pathlib import Path
 from agent import semconv as sc
 from agent.clock import Clock, CpuTimer, Timer
 from agent.config import UNDELIVERED_ENV, simulate_gpu
-from agent.export import AttributeValue, Exporter, log
+from agent.export import AttributeValue, Exporter, SeverityNumber, log
 from agent.host import HostState
 from agent.nodelink import NodeLink, node_socket
 from agent.opendevice import open_device
@@ -256,6 +256,13 @@ class Session:
         if self.exporter:
             attrs = {**attributes, **({sc.STEP: step} if step is not None else {})}
             self.exporter.event(name, self.clock.now_ns(), attrs)
+
+    def fail(self, cause: str, body: str, attributes: dict) -> None:
+        """The rank ends on a failure (agent/failures.py): said, with the step it was in, instead of `ended`."""
+        self._ended = True
+        if self.exporter:
+            attrs = {**attributes, **({sc.STEP: self._last_step} if self._last_step is not None else {})}
+            self.exporter.event(sc.EVENT_RANK_FAILED, self.clock.now_ns(), attrs, body, SeverityNumber.ERROR)
 
     def end(self) -> None:
         """The training loop has ended: say so once (what follows, a last checkpoint written or the

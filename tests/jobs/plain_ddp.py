@@ -4,10 +4,13 @@ under `rankwatch run`): a small MLP on random data over gloo, SGD with gradient 
 --sync-check makes any host-device sync after its first steps an error (torch's sync debug mode), so
 that whatever instruments it must never sync. Rank --slow-rank sleeps in its forward: the script's own
 slowness, as a slow GPU's would be. Rank --slow-loader waits 50 ms for each batch from step --slow-from
-on, as behind a slow data loader."""
+on, as behind a slow data loader. Rank --die-rank fails as it begins step --die-at, as --die-how says: raising
+CUDA's out-of-memory error, killed (SIGKILL, as the kernel's OOM killer or a failing node kills), or exiting
+with code 3 (os._exit)."""
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -37,6 +40,9 @@ def main() -> None:
     parser.add_argument("--fp16-comm", action="store_true", help="gradients all-reduced in fp16 (DDP's own hook)")
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
     parser.add_argument("--sync-check", action="store_true", help="a host-device sync after step 3 is an error")
+    parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--die-at", type=int, default=0)
+    parser.add_argument("--die-how", choices=("oom", "kill", "exit"), default="oom")
     args = parser.parse_args()
     device = torch.device("cpu")
     if args.cuda:
@@ -51,6 +57,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.MSELoss()
     for step in range(args.steps):
+        if rank == args.die_rank and step == args.die_at:
+            die(args.die_how)
         if args.sync_check and step == 3:
             torch.cuda.set_sync_debug_mode("error")
         if rank == args.slow_loader and step >= args.slow_from:
@@ -64,6 +72,14 @@ def main() -> None:
     if args.sync_check:
         torch.cuda.set_sync_debug_mode("default")
     dist.destroy_process_group()
+
+
+def die(how: str) -> None:
+    if how == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total)")
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
 
 
 if __name__ == "__main__":

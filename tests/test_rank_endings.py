@@ -1,0 +1,107 @@
+"""A rank that dies is told, with its cause, and what it finished is kept.
+
+Real parts: an unmodified two-rank gloo DDP script (tests/jobs/plain_ddp.py) under `rankwatch run` (so
+with the node's sidecar) and a real collector. Rank 1 fails as it begins step 6: raising torch's
+OutOfMemoryError, killed by SIGKILL, or exiting with code 3 through os._exit. Each time: the job exits
+nonzero; rank 1's `rank_failed` event names the cause and step 6 (the exception's type, message and stack;
+the exit code), said by the rank itself, or for the SIGKILL by the sidecar on its behalf; rank 0, which
+torchrun stops once rank 1 is gone, is told as stopped with the job after rank 1 failed; neither rank says
+it `ended` cleanly; and every step rank 1 finished (0 to 5) is stored. The kernel's OOM killer's count is
+read through the cgroup files (a hardware boundary): a count that rose while a rank was gone makes its
+cause `killed_out_of_memory`.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agent import semconv as sc
+from agent.node import MEMORY_EVENTS_ENV
+from tests.otlp_payloads import query
+from tests.test_zero_code import SCRIPT, two_ranks
+
+pytestmark = pytest.mark.long
+
+AT = 6
+
+
+def failures(collector, run_id: str) -> dict[int, tuple]:
+    """rank -> (step, attributes, body) of its rank_failed event (one each)."""
+    rows = query(
+        collector.db,
+        "SELECT rank, step, attrs, body FROM events WHERE run_id = ? AND event = ?",
+        [run_id, sc.EVENT_RANK_FAILED],
+    )
+    assert len({rank for rank, *_ in rows}) == len(rows), rows
+    return {rank: (step, json.loads(attrs), body) for rank, step, attrs, body in rows}
+
+
+def died(collector, run_id: str, how: str) -> dict[int, tuple]:
+    """The job with rank 1 failing at step AT: each rank's failure (rank 0's follows rank 1's: stopped by torchrun
+    with the job, or its collective raising as its peer's connection closed)."""
+    dying = ("--die-rank", "1", "--die-at", str(AT), "--die-how", how)
+    job = two_ranks(collector, run_id, SCRIPT, "--steps", "40", *dying)
+    assert job.returncode != 0, job.stderr[-2000:]
+    told = failures(collector, run_id)
+    assert set(told) == {0, 1}, told
+    _, attributes, body = told[0]
+    assert attributes[sc.FAILURE_CAUSE] in (sc.CAUSE_TERMINATED, sc.CAUSE_EXCEPTION), told[0]
+    if attributes[sc.FAILURE_CAUSE] == sc.CAUSE_TERMINATED:
+        assert "after rank 1 failed" in body, body
+    else:
+        assert "peer" in attributes[sc.FAILURE_MESSAGE], attributes  # gloo's: connection closed, or reset, by peer
+    assert told[1][0] == AT, told[1]
+    finished = query(collector.db, "SELECT step FROM steps WHERE run_id = ? AND rank = 1 ORDER BY step", [run_id])
+    assert [s for (s,) in finished] == list(range(AT)), finished
+    ended = query(collector.db, "SELECT rank FROM events WHERE run_id = ? AND event = 'ended'", [run_id])
+    assert ended == [], ended
+    return told
+
+
+def test_a_rank_raising_out_of_memory_tells_it_with_its_stack(collector):
+    _, attributes, body = died(collector, "died-oom", "oom")[1]
+    assert attributes[sc.FAILURE_CAUSE] == sc.CAUSE_OUT_OF_MEMORY
+    assert attributes[sc.FAILURE_EXCEPTION] == "torch.OutOfMemoryError"
+    assert attributes[sc.FAILURE_MESSAGE].startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert body.startswith("Traceback") and "in die" in body, body
+    assert attributes[sc.ATTEMPT] == 0
+
+
+def test_a_rank_killed_without_a_word_is_told_by_its_sidecar(collector):
+    _, attributes, body = died(collector, "died-killed", "kill")[1]
+    assert attributes[sc.FAILURE_CAUSE] in (sc.CAUSE_KILLED, sc.CAUSE_KILLED_OUT_OF_MEMORY)
+    assert "without a word" in body or "OOM killer" in body, body
+
+
+def test_a_rank_exiting_with_a_code_tells_it(collector):
+    _, attributes, _ = died(collector, "died-exit", "exit")[1]
+    assert (attributes[sc.FAILURE_CAUSE], attributes[sc.FAILURE_EXIT_CODE]) == (sc.CAUSE_EXIT, 3)
+
+
+def test_a_rank_gone_while_the_oom_killer_killed_is_told_out_of_memory(collector, tmp_path):
+    """The sidecar reads the OOM killer's count of its cgroup (the file stands in for the kernel's)."""
+    from tests.test_node import RANK, Node, free_port
+
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    node = Node(tmp_path / "node.sock", collector.url, env={MEMORY_EVENTS_ENV: str(events)})
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    rank = subprocess.Popen(
+        [sys.executable, str(script), collector.url, "oom-killed", "200", f"wait:{tmp_path / 'never'}", free_port()],
+        env={**os.environ, "TOKEN": collector.token, "RANKWATCH_NODE": str(node.path)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert rank.stdout and rank.stdout.readline().strip() == "half"
+    events.write_text("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n")
+    rank.send_signal(signal.SIGKILL)
+    rank.wait(timeout=60)
+    node.stop()
+    collector.stop()
+    _, attributes, body = failures(collector, "oom-killed")[0]
+    assert attributes[sc.FAILURE_CAUSE] == sc.CAUSE_KILLED_OUT_OF_MEMORY, body
