@@ -1,9 +1,11 @@
 """A rank's link to its node's sidecar (`rankwatch node`, agent/node.py), and the wire between them.
 
-A rank that has a sidecar does not encode or export anything: it queues its finished steps' marks
-(agent/stepspans.py: plain tuples of wall-clock ns), its events and its device samples, and a thread
-of the link hands them over every SPANS_DELAY_MS as one frame on a Unix socket: `marshal` of plain
-values (microseconds for a step; OTLP protobuf would cost the rank ~25 µs a span). The sidecar makes
+A rank that has a sidecar does not encode or export anything: it sends each finished step's marks
+(agent/stepspans.py: plain tuples of wall-clock ns) as a frame on a Unix socket at once, where the
+socket takes it without waiting, so that what the rank finished is the sidecar's whatever becomes of
+the rank; its events and device samples, and a step the socket could not take, are queued, and a
+thread of the link hands them over every SPANS_DELAY_MS. A frame is `marshal` of plain values
+(microseconds for a step; OTLP protobuf would cost the rank ~25 µs a span). The sidecar makes
 the spans, encodes and exports them, and keeps the backlog through a collector's outage, so what a
 rank recorded outlives the rank. Where the sidecar goes away mid-job, the rank says so once and
 exports on its own (agent/export.py) from then on, from the frame that could not be written.
