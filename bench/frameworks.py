@@ -20,7 +20,10 @@ The last line printed is one JSON object: for each job, the median over rounds o
 time and CPU per step (ms), the medians over rounds of their ratios, and whether every instrumented run
 was complete.
 
-Usage: python bench/frameworks.py [--rounds 3] [--steps 30] [--warmup 5] [--accum 4]
+With --cuda the jobs run on this machine's GPUs, a rank each (NCCL; the Trainer's GPT-2 at 124M parameters,
+bf16), as bench/gpu_checks.sh runs them.
+
+Usage: python bench/frameworks.py [--rounds 3] [--steps 30] [--warmup 5] [--accum 4] [--cuda]
 """
 
 import argparse
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TOKEN = "bench-token-0123456789"
-RANKS = 2
+RANKS = 2  # on CPUs (with --cuda: a rank per GPU)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,9 @@ def command(job: Job, out: Path, args) -> list[str]:
         script = [str(job.script), "--steps", str(args.steps), "--accum", str(args.accum), "--out", str(out)]
     else:
         script = [__file__, "--clock", str(out), str(job.script), "--steps", str(args.steps)]
-    return [TORCHRUN, "--standalone", "--nproc-per-node", str(RANKS), *script]
+    if args.cuda:
+        script.append("--cuda")
+    return [TORCHRUN, "--standalone", "--nproc-per-node", str(args.ranks), *script]
 
 
 def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> dict[int, list[dict]]:
@@ -103,7 +108,7 @@ def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> dict[i
     )
     if done.returncode:
         sys.exit(f"{job.name} ({'instrumented' if instrumented else 'plain'}) failed:\n{done.stderr[-3000:]}")
-    return {rank: json.loads((out / f"rank-{rank}.json").read_text())["steps"] for rank in range(RANKS)}
+    return {rank: json.loads((out / f"rank-{rank}.json").read_text())["steps"] for rank in range(args.ranks)}
 
 
 def step_ms(seen: dict[int, list[dict]], warmup: int, clock: str = "end_s") -> float:
@@ -120,15 +125,15 @@ def step_ms(seen: dict[int, list[dict]], warmup: int, clock: str = "end_s") -> f
 
 def complete(con, job: Job, run_id: str, seen: dict[int, list[dict]], args) -> dict[str, bool]:
     """Whether the store holds each optimizer step of each rank once, with its loss and its phases."""
-    steps = args.steps
+    steps, ranks = args.steps, range(args.ranks)
     rows = con.execute("SELECT rank, step, loss FROM steps WHERE run_id = ? ORDER BY rank, step", [run_id]).fetchall()
-    by_rank = {rank: [(step, loss) for r, step, loss in rows if r == rank] for rank in range(RANKS)}
-    once = all([step for step, _ in by_rank[rank]] == list(range(steps)) for rank in range(RANKS))
-    stored = {rank: [loss for _, loss in by_rank[rank]] for rank in range(RANKS)}
+    by_rank = {rank: [(step, loss) for r, step, loss in rows if r == rank] for rank in ranks}
+    once = all([step for step, _ in by_rank[rank]] == list(range(steps)) for rank in ranks)
+    stored = {rank: [loss for _, loss in by_rank[rank]] for rank in ranks}
     if not once or any(loss is None for losses in stored.values() for loss in losses):
         loss_right = False
     elif job.loss == "rank":
-        loss_right = all(close(stored[rank], [s["loss"] for s in seen[rank]]) for rank in range(RANKS))
+        loss_right = all(close(stored[rank], [s["loss"] for s in seen[rank]]) for rank in ranks)
     elif job.loss == "mean":
         means = [statistics.fmean(losses) for losses in zip(*stored.values())]
         loss_right = close(means, [s["loss"] for s in seen[0]])
@@ -140,7 +145,7 @@ def complete(con, job: Job, run_id: str, seen: dict[int, list[dict]], args) -> d
         [run_id],
     ).fetchall()
     micro = ["forward", "backward"] * (args.accum if job.accumulates else 1)
-    expected = [(r, s, ["data"] * (s > 0) + [*micro, "optimizer"], True) for r in range(RANKS) for s in range(steps)]
+    expected = [(r, s, ["data"] * (s > 0) + [*micro, "optimizer"], True) for r in ranks for s in range(steps)]
     return {"steps": once, "loss": loss_right, "phases": phases == expected}
 
 
@@ -168,7 +173,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps a run")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the step time")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches a step (the framework jobs)")
+    parser.add_argument("--cuda", action="store_true", help="the jobs on this machine's GPUs (a rank each), NCCL")
     args = parser.parse_args()
+    args.ranks = RANKS
+    if args.cuda:
+        import torch
+
+        args.ranks = torch.cuda.device_count()
+        if not args.ranks:
+            parser.exit(2, "bench/frameworks.py: --cuda: torch sees no GPU on this machine\n")
     if args.steps < args.warmup + 2:
         parser.error("--steps must exceed --warmup by 2 or more")
 

@@ -3,16 +3,19 @@
 # dependencies importable by python3 (run from the project's root):
 #   bash bench/gpu_checks.sh OUTDIR [CHECK...]      (default: every check, in this order)
 # Each check's whole output goes to a log in OUTDIR; a line per check is printed as it ends.
+#   gpu         bench/gpu.py: the agent's cost (its own export, and through the node's sidecar) and its view
+#               of a step against the profiler's
+#   frameworks  bench/frameworks.py --cuda: the Hugging Face Trainer (GPT-2 124M), Lightning and a plain DDP
+#               script, each alone and under `rankwatch run`, a rank per GPU
 #   tests       the CUDA tests (pytest -m cuda)
 #   live        a live GPT-2 job on the GPU with a loss spike, its collector finding it and rolling it
 #               back (OUTDIR/live.duckdb is its store; its steps and commands are printed)
-#   gpu         bench/gpu.py: the agent's cost and its view of a step against the profiler's
 #   gil         bench/gil.py: the training thread's wait for the GIL while spans are encoded
 #   checkpoint  bench/checkpoint.py --device cuda: training time with checkpoints, against none
 set -u
-out=${1:?usage: bash bench/gpu_checks.sh OUTDIR [tests live gpu gil checkpoint]}
+out=${1:?usage: bash bench/gpu_checks.sh OUTDIR [gpu frameworks tests live gil checkpoint]}
 shift
-checks=${*:-tests live gpu gil checkpoint}
+checks=${*:-gpu frameworks tests live gil checkpoint}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
@@ -59,6 +62,13 @@ gpu() {
     >"$out/bench-gpu.log" 2>&1
   done_ "bench/gpu.py" $?
   tail -25 "$out/bench-gpu.log"
+}
+
+frameworks() {
+  timeout "${BENCH_FRAMEWORKS_S:-240}" python3 bench/frameworks.py --cuda --rounds "${ROUNDS:-3}" --steps 30 \
+    >"$out/bench-frameworks.log" 2>&1
+  done_ "bench/frameworks.py --cuda" $?
+  tail -6 "$out/bench-frameworks.log"
 }
 
 gil() {

@@ -1,9 +1,10 @@
 """A stock Hugging Face `transformers.Trainer` job that knows nothing of rankwatch (tests/test_frameworks.py
 runs it under `rankwatch run -- torchrun`): a tiny GPT-2 built from its config, random tokens, on CPUs
-(gloo), with gradient clipping and gradient accumulation over `--accum` micro-batches. The loss the
-Trainer logs at each optimizer step (it logs every step: it logs the average over its logging window,
-and over the ranks), its gradient norm, and when each step ended (wall clock, and the process's CPU
-time) are written by each rank to OUT/rank-<rank>.json."""
+(gloo; with --cuda, GPT-2's 124M parameters on the rank's GPU, NCCL, bf16), with gradient clipping and
+gradient accumulation over `--accum` micro-batches. The loss the Trainer logs at each optimizer step (it
+logs every step: it logs the average over its logging window, and over the ranks), its gradient norm, and
+when each step ended (wall clock, and the process's CPU time) are written by each rank to
+OUT/rank-<rank>.json."""
 
 import argparse
 import json
@@ -21,8 +22,8 @@ VOCAB, SEQ = 128, 16
 class Tokens(torch.utils.data.Dataset):
     """Random token sequences, the same on every run of a seed; the labels are the inputs (GPT-2 shifts)."""
 
-    def __init__(self, n: int, seed: int):
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    def __init__(self, n: int, seed: int, vocab: int, seq: int):
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -52,9 +53,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", ".")))
+    parser.add_argument("--cuda", action="store_true", help="GPT-2 (124M) on the rank's GPU, NCCL, bf16")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    vocab, seq = (50257, 512) if args.cuda else (VOCAB, SEQ)
+    config = (
+        GPT2Config(vocab_size=vocab, n_positions=seq)
+        if args.cuda
+        else GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    )
+    model = GPT2LMHeadModel(config)
     seen = Seen()
     world = int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as scratch:
@@ -69,13 +77,14 @@ def main() -> None:
             logging_nan_inf_filter=False,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
-            ddp_backend="gloo",
+            use_cpu=not args.cuda,
+            bf16=args.cuda,
+            ddp_backend="nccl" if args.cuda else "gloo",
             disable_tqdm=True,
             dataloader_num_workers=0,
             seed=args.seed,
         )
-        dataset = Tokens(args.steps * args.accum * args.batch * world, args.seed)
+        dataset = Tokens(args.steps * args.accum * args.batch * world, args.seed, vocab, seq)
         Trainer(model=model, args=training, train_dataset=dataset, callbacks=[seen]).train()
     rank = int(os.environ.get("RANK", 0))
     steps = [{"step": step - 1, **seen.steps[step]} for step in sorted(seen.steps) if step > 0]

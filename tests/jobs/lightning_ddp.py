@@ -1,10 +1,10 @@
 """A stock Lightning job that knows nothing of rankwatch (tests/test_frameworks.py runs it under
 `rankwatch run -- torchrun`): a tiny LightningModule with automatic optimization (Lightning hands the
 optimizer a closure that runs the forward and backward: they run inside `optimizer.step`), DDP on CPUs
-(gloo), gradient clipping and gradient accumulation over `--accum` batches. The loss Lightning optimized
-at each optimizer step (the sum of the batches' losses it back-propagated, each scaled by 1/accum: their
-mean), and when each step ended (wall clock, and the process's CPU time) are written by each rank to
-OUT/rank-<rank>.json."""
+(gloo; with --cuda a wider MLP on the ranks' GPUs, NCCL), gradient clipping and gradient accumulation
+over `--accum` batches. The loss Lightning optimized at each optimizer step (the sum of the batches'
+losses it back-propagated, each scaled by 1/accum: their mean), and when each step ended (wall clock,
+and the process's CPU time) are written by each rank to OUT/rank-<rank>.json."""
 
 import argparse
 import json
@@ -17,9 +17,9 @@ import torch
 
 
 class Regression(lightning.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
 
     def forward(self, x):
         return self.body(x)
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("JOB_OUT", ".")))
+    parser.add_argument("--cuda", action="store_true", help="a wider model on the ranks' GPUs, NCCL")
     args = parser.parse_args()
     lightning.seed_everything(args.seed, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", 2))
@@ -63,7 +64,7 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(x, x[:, :1] * 2 + 0.1 * torch.randn(n, 1, generator=g))
     seen = Seen()
     trainer = lightning.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if args.cuda else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
         strategy="ddp",
         accumulate_grad_batches=args.accum,
@@ -75,7 +76,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[seen],
     )
-    trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=args.batch))
+    trainer.fit(Regression(8192 if args.cuda else 64), torch.utils.data.DataLoader(data, batch_size=args.batch))
     rank = trainer.global_rank
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "steps": seen.steps}))
