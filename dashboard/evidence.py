@@ -72,8 +72,13 @@ NEXT_STEPS: dict[str, str] = {
 
 
 def next_step(finding: pd.Series) -> str | None:
-    """The line saying what to do about a finding (a row of the findings query), by the phase its evidence
-    blames, its analyzer and kind; None where none is known."""
+    """The line saying what to do about a finding (a row of the findings query), as Markdown: its evidence's
+    own (`what_to_do`, in the figures it holds: a failed rank's host, its stack's last lines; stored text, so
+    shown as written), else by the phase its evidence blames, its analyzer and kind; None where none is known."""
+    if told := (finding["evidence"] or {}).get("what_to_do"):
+        from dashboard.ui import literal  # (ui imports this module) stored text, shown as written, line by line
+
+        return "  \n".join(literal(line) for line in str(told).splitlines())
     phase = (finding["evidence"] or {}).get("phase")
     keys = (f"{finding['analyzer']} / {phase}", f"{finding['analyzer']} / {finding['kind']}", finding["analyzer"])
     return next((NEXT_STEPS[key] for key in keys if key in NEXT_STEPS), None)

@@ -16,7 +16,8 @@ _OWN_TIME = "coalesce(compute_s + coalesce(data_s, 0), duration_s)"
 # Runs, newest first, with what their status is drawn from (dashboard/ui.py `run_status`): when each was
 # first and last heard from (its first step or event, or when the collector first saw it, whichever came first;
 # its newest step or event), whether it is an imported trace, how many ranks said their loop ended and when, the
-# findings firing (recommendations, severity info, aside), whether a hang fires, and its worst finding ever.
+# findings firing (recommendations, severity info, aside), whether a hang fires, its worst finding ever (a rank's
+# failure first: it ended the job) and, where a failure holds (not resolved by a restart), at which step and how.
 RUNS = f"""
 SELECT r.run_id, greatest(r.world_size, k.ranks) AS ranks, r.first_seen, s.last_step,
        make_timestamp_ns(least(epoch_ns(r.first_seen), s.first_start_ns, e.first_event_ns)) AS first_heard,
@@ -24,7 +25,8 @@ SELECT r.run_id, greatest(r.world_size, k.ranks) AS ranks, r.first_seen, s.last_
        coalesce(e.imported, false) AS imported,
        coalesce(e.ended_ranks, 0) AS ended_ranks, make_timestamp_ns(e.ended_ns) AS ended_at,
        make_timestamp_ns(s.last_end_ns) AS last_step_end,
-       coalesce(f.firing, 0) AS firing, coalesce(f.hung, false) AS hung, w.worst, w.worst_severity
+       coalesce(f.firing, 0) AS firing, coalesce(f.hung, false) AS hung, w.worst, w.worst_severity,
+       x.failed_step, x.failed_as
 FROM runs r
 LEFT JOIN (SELECT run_id, count(*) AS ranks FROM ranks GROUP BY run_id) k USING (run_id)
 LEFT JOIN (SELECT run_id, max(step) AS last_step, epoch_ns(min(start_ts)) AS first_start_ns,
@@ -39,8 +41,11 @@ LEFT JOIN (SELECT run_id, count(*) FILTER (WHERE state = 'firing') AS firing,
            FROM findings WHERE severity != 'info' GROUP BY run_id) f USING (run_id)
 LEFT JOIN (SELECT run_id, analyzer || ' / ' || kind || ': ' || summary AS worst, severity AS worst_severity
            FROM findings WHERE severity != 'info' AND kind != 'not_judged'
-           QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY severity = 'critical' DESC, score DESC NULLS LAST,
-                                      id) = 1) w USING (run_id)
+           QUALIFY row_number() OVER (PARTITION BY run_id
+                                      ORDER BY analyzer = 'failures' DESC, severity = 'critical' DESC,
+                                               score DESC NULLS LAST, id) = 1) w USING (run_id)
+LEFT JOIN (SELECT run_id, arg_max(step_start, id) AS failed_step, arg_max(evidence->>'$.in_short', id) AS failed_as
+           FROM findings WHERE analyzer = 'failures' AND state != 'resolved' GROUP BY run_id) x USING (run_id)
 ORDER BY r.first_seen DESC
 """
 

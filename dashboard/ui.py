@@ -237,10 +237,18 @@ def outcome(row: pd.Series) -> str:
 
 
 def worst_first(findings: pd.DataFrame) -> pd.DataFrame:
-    """Findings by how bad: critical first, then by the GPU-hours they cost, then by their score."""
+    """Findings by how bad: a rank's failure first (it ended the job, whatever else went wrong), then critical
+    ones, then by the GPU-hours they cost, then by their score."""
     hours = findings["evidence"].map(lambda e: (e or {}).get("gpu_hours_lost") or 0.0)
-    order = pd.DataFrame({"critical": findings["severity"] == "critical", "hours": hours, "score": findings["score"]})
-    return findings.loc[order.sort_values(["critical", "hours", "score"], ascending=False).index]
+    order = pd.DataFrame(
+        {
+            "failed": findings["analyzer"] == "failures",
+            "critical": findings["severity"] == "critical",
+            "hours": hours,
+            "score": findings["score"],
+        }
+    )
+    return findings.loc[order.sort_values(["failed", "critical", "hours", "score"], ascending=False).index]
 
 
 def show_finding(row: pd.Series, expanded: bool = False) -> None:

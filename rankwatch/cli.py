@@ -521,6 +521,10 @@ def _print_findings(found: list, console) -> None:
         steps = "-" if f.step_start is None else f"{f.step_start}-{f.step_end}"
         findings.add_row(*map(markup_safe, (f.analyzer, f.kind, _ranks(f.ranks), steps, f.severity, f.summary)))
     console.print(findings)
+    for f in found:  # what to do, where a finding says it in its own figures (a failed rank's host, its stack)
+        if told := f.evidence.get("what_to_do"):
+            lines = "\n".join(markup_safe(line) for line in str(told).splitlines())  # each line made safe
+            console.print(f"[bold]{markup_safe(f.analyzer)} / {markup_safe(f.kind)}, what to do:[/] {lines}")
     for f in found:  # silence from an analyzer that could not judge is no clean bill: say why
         if f.kind == NOT_JUDGED:
             reason = markup_safe(f.summary.removeprefix("not judged: "))

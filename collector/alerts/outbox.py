@@ -80,7 +80,7 @@ def _start(
     finding: Finding,
     now: datetime,
 ) -> dict:
-    labels = rules.labels(run_id, analyzer, finding.kind, finding.ranks, finding.severity)
+    labels = rules.labels(run_id, analyzer, finding.kind, finding.ranks, finding.severity, finding.evidence)
     link = rules.dashboard_link(config.dashboard_url, run_id, analyzer, finding_id)
     annotations, fingerprint = rules.annotations(finding.summary, link), rules.fingerprint(labels)
     con.execute(

@@ -1,11 +1,13 @@
 """Alert rules: the alert a finding raises, with the labels and annotations receivers route on.
 
 One alert name per analyzer; the labels follow Alertmanager's conventions
-(alertname, severity) and say where (run, analyzer, kind, ranks), so the
-alerts of one run and analyzer form one group, and an existing routing tree
-can page on `severity="critical"` as it does for every other source.
+(alertname, severity) and say where (run, analyzer, kind, ranks, and what an
+analyzer's evidence adds: a failed rank's host and cause), so the alerts of
+one run and analyzer form one group, and an existing routing tree can page on
+`severity="critical"` as it does for every other source.
 """
 
+from collections.abc import Mapping
 from urllib.parse import quote, urlencode
 
 from collector import ranksets
@@ -17,6 +19,7 @@ ALERTNAMES = {
     "anomalies": "RankwatchTrainingAnomaly",
     "power": "RankwatchPowerRecommendation",
     "rollbacks": "RankwatchJobStopped",
+    "failures": "RankwatchRankFailed",
     "collector": "RankwatchCollector",
 }
 FALLBACK_ALERTNAME = "RankwatchFinding"  # an analyzer without a rule of its own still alerts
@@ -31,6 +34,9 @@ PAGES = {
     "rollbacks": "checkpoints",
     "power": "power",
 }
+# Evidence an analyzer's alerts carry as labels besides the finding's own, for receivers to route on (the host
+# to drain, the cause to page on)
+EVIDENCE_LABELS = {"failures": ("rank", "host", "cause")}
 _SEVERITY_RANK = {"warning": 0, "critical": 1}
 _RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
 
@@ -43,9 +49,13 @@ def alertname(analyzer: str) -> str:
     return ALERTNAMES.get(analyzer, FALLBACK_ALERTNAME)
 
 
-def labels(run_id: str, analyzer: str, kind: str, ranks: list[int], severity: str) -> dict[str, str]:
+def labels(
+    run_id: str, analyzer: str, kind: str, ranks: list[int], severity: str, evidence: Mapping | None = None
+) -> dict[str, str]:
     """An alert's labels; no `run` for the collector's own findings (run "": Alertmanager, like
-    Prometheus, treats an empty label as none)."""
+    Prometheus, treats an empty label as none); the analyzer's EVIDENCE_LABELS where its evidence has them."""
+    given = evidence or {}
+    told = {key: str(given[key]) for key in EVIDENCE_LABELS.get(analyzer, ()) if given.get(key) is not None}
     return {
         "alertname": alertname(analyzer),
         **({"run": run_id} if run_id else {}),
@@ -53,6 +63,7 @@ def labels(run_id: str, analyzer: str, kind: str, ranks: list[int], severity: st
         "kind": kind,
         "severity": severity,
         "ranks": short_ranks(ranks),
+        **told,
     }
 
 

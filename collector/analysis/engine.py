@@ -102,6 +102,21 @@ _RESUMED = """SELECT CAST(result->>'restored_step' AS BIGINT), CAST(result->>'re
                  AND CAST(result->>'resumed_ns' AS BIGINT) > $since"""
 _ABANDONED = """SELECT max(epoch_ns(end_ts)) FROM steps WHERE run_id = $run AND step >= $restored
                   AND end_ts < make_timestamp_ns($resumed)"""
+_FAILURES = f"""SELECT rank, epoch_ns(ts) AS ts, step, body, attrs->>{sc.json_path(sc.FAILURE_CAUSE)} AS cause,
+                       attrs->>{sc.json_path(sc.FAILURE_EXCEPTION)} AS exception,
+                       attrs->>{sc.json_path(sc.FAILURE_MESSAGE)} AS message,
+                       attrs->>{sc.json_path(sc.FAILURE_SIGNAL)} AS signal,
+                       TRY_CAST(attrs->>{sc.json_path(sc.FAILURE_EXIT_CODE)} AS BIGINT) AS exit_code,
+                       TRY_CAST(attrs->>{sc.json_path(sc.ATTEMPT)} AS BIGINT) AS attempt
+                FROM events WHERE run_id = $run AND event = '{sc.EVENT_RANK_FAILED}' AND ts > make_timestamp_ns($since)
+                ORDER BY ts, rank"""
+# each failed rank's newest step stored by the time it failed (a restart's steps come after), within the hour before
+_LAST_STEPS = """SELECT f.rank, f.ts, max(s.step) AS last_step
+                 FROM (SELECT unnest($ranks::INTEGER[]) AS rank, unnest($ts::BIGINT[]) AS ts) f
+                 JOIN steps s ON s.run_id = $run AND s.rank = f.rank AND epoch_ns(s.end_ts) <= f.ts
+                                 AND s.end_ts > make_timestamp_ns($since)
+                 GROUP BY f.rank, f.ts"""
+LAST_STEP_S = 3600  # how far before the failures read a rank's last step is looked for
 _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
@@ -419,6 +434,9 @@ class Engine:
             failed = con.execute(_FAILED_ROLLBACKS, {"run": run_id}).df()
             failed["result"] = failed["result"].map(lambda r: json.loads(r) if r else None)
             frames.failed_rollbacks = failed
+        if any(r.failures for r in reads):  # those since a little before the steps read (a long run's events are many)
+            since = min(now_ns, min(int(p["end_ts"].min()) for p in steps)) - HEARTBEATS_S * 10**9
+            frames.failures = _failures(con, run_id, since)
         if any(r.workload for r in reads):
             history = max(r.history for r in reads if r.workload)
             after = first_new - 1 - history
@@ -467,6 +485,19 @@ def _resumed(con: duckdb.DuckDBPyConnection, run_id: str, since: int) -> np.ndar
         abandoned = con.execute(_ABANDONED, {"run": run_id, "restored": restored, "resumed": resumed}).fetchall()[0][0]
         marks += [resumed] if abandoned is None else [abandoned, resumed]
     return np.sort(np.array(marks, np.int64))
+
+
+def _failures(con: duckdb.DuckDBPyConnection, run_id: str, since: int) -> pd.DataFrame:
+    """Frames.failures: the run's `rank_failed` events after `since`, each with its rank's newest step stored by
+    then (the steps are read only where a rank failed)."""
+    failed = con.execute(_FAILURES, {"run": run_id, "since": since}).df()
+    if failed.empty:
+        return failed.assign(last_step=pd.Series(dtype="Int64"))
+    ranks, ts = failed["rank"].tolist(), failed["ts"].tolist()
+    last = con.execute(
+        _LAST_STEPS, {"run": run_id, "ranks": ranks, "ts": ts, "since": since - LAST_STEP_S * 10**9}
+    ).df()
+    return failed.merge(last, on=["rank", "ts"], how="left")
 
 
 def _tiers(con: duckdb.DuckDBPyConnection, run_id: str, first_new: int, after: int, upto: int) -> Tiers:

@@ -25,7 +25,7 @@ import duckdb
 import pandas as pd
 
 from collector.analysis import findings, losses
-from collector.analysis.analyzers import Finding, hangs, predicted, stragglers, whatif
+from collector.analysis.analyzers import Finding, failures, hangs, predicted, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.engine import replay
 from collector.predict import steptime
@@ -113,7 +113,15 @@ def analyze_run(
     found += _rolled_back(con, run_id, found)
     if (power := powercaps.live_report(con, run_id)) is not None:
         found += power.findings
-    found.sort(key=lambda f: (SEVERITIES.index(f.severity), f.step_start is None, f.step_start or 0))
+    # worst first, as the dashboard's Overview lists them: a rank's failure (it ended the job), then by severity
+    found.sort(
+        key=lambda f: (
+            f.analyzer != failures.ANALYZER,
+            SEVERITIES.index(f.severity),
+            f.step_start is None,
+            f.step_start or 0,
+        )
+    )
     parts = con.execute(whatif.PARTS_SQL, [run_id]).df()
     prediction = None if model is None else _prediction(con, run_id, model)
     return Report(run_id, whatif.analyze(steps, ranks, parts), found, steps, losses.measure(con, run_id), prediction)

@@ -12,8 +12,9 @@ SILENT_S = 30.0
 
 @dataclass(frozen=True)
 class RunStatus:
-    """Where a run stands: `state` running | ended | hung | silent | imported | stored; `words` say it with since when;
-    `as_of`: when its figures were last current, for a run that is not running (they are stale)."""
+    """Where a run stands: `state` running | failed | ended | hung | silent | imported | stored; `words` say it with
+    since when (a failure: at which step, and how); `as_of`: when its figures were last current, for a run that is
+    not running (they are stale)."""
 
     state: str
     words: str
@@ -27,7 +28,8 @@ def clock(at: pd.Timestamp) -> str:
 
 def run_status(row: pd.Series, live: bool, at: pd.Timestamp) -> RunStatus:
     """A run's status at `at` from its row of the runs query: imported for a trace recorded elsewhere (it
-    ends where the trace does), ended once every rank said its loop ended (and no step came after),
+    ends where the trace does), failed while a rank's failure holds (no restart went past it; its ranks may
+    have said their loop ended as they went), ended once every rank said its loop ended (and no step came after),
     hung while a hang finding fires (silent too, once nothing comes: a hung job's silence is no
     recovery), silent once nothing came for SILENT_S, else running where a collector writes the store
     (`live`), or, read from a store no collector writes, stored (nobody can say it still runs). Its
@@ -42,6 +44,9 @@ def run_status(row: pd.Series, live: bool, at: pd.Timestamp) -> RunStatus:
     duration = _duration(heard - row["first_heard"]) if pd.notna(heard) else "—"
     if row["imported"]:
         return RunStatus("imported", f"imported trace, recorded until {clock(heard)}", heard, duration)
+    if pd.notna(row["failed_as"]):
+        step = f" at step {int(row['failed_step'])}" if pd.notna(row["failed_step"]) else ""
+        return RunStatus("failed", f"failed{step}: {row['failed_as']}", heard, duration)
     if ended:
         return RunStatus("ended", f"ended {clock(ended_at)}", ended_at, duration)
     if row["hung"]:

@@ -1,10 +1,10 @@
-"""Overview: the chosen run's story, live or finished. Its status (running, ended, hung, silent
-since ...), then the verdict: the worst finding in words (its ranks, phase, since when, what it costs)
-and what to do, then step time, throughput, MFU and power (as of when, for a run that is not running;
-said to be simulated where the GPUs are, absent where there are none), the step time over the run,
-the other findings that fire, what went wrong before (worst first, with onsets, costs and how each
-ended), the rollbacks and how they went, lost telemetry, and the run list. A one-process run says
-once that cross-rank analyses do not apply."""
+"""Overview: the chosen run's story, live or finished. Its status (running, failed at step N, ended, hung,
+silent since ...), then the verdict: the worst finding in words (a rank's failure first; its ranks, phase,
+since when, what it costs) and what to do, then step time, throughput, MFU and power (as of when, for a
+run that is not running; said to be simulated where the GPUs are, absent where there are none), the step
+time over the run, the other findings that fire, what went wrong before (worst first, with onsets, costs
+and how each ended), the rollbacks and how they went, lost telemetry, and the run list. A one-process run
+says once that cross-rank analyses do not apply."""
 
 import pandas as pd
 import streamlit as st
@@ -15,6 +15,7 @@ from collector.analysis.losses import Loss
 from dashboard import charts, evidence, ui
 
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
+LEADS = {"failures": "Failed.", "hangs": "Hung."}  # the verdict's first findings, in this order, and its bold words
 
 run = ui.current_run()
 st.title(f"Run {ui.literal(run)}")
@@ -39,10 +40,11 @@ def _problems(findings: pd.DataFrame) -> pd.DataFrame:
 
 
 def _firing(findings: pd.DataFrame) -> pd.DataFrame:
-    """What is wrong now, the verdict's first (a hang, else the worst): firing findings but recommendations and
-    what could not be judged."""
+    """What is wrong now, the verdict's first (a rank's failure, which ended the job and explains the rest; else a
+    hang; else the worst): firing findings but recommendations and what could not be judged."""
     firing = ui.worst_first(_problems(findings[findings["state"] == "firing"]))
-    return pd.concat([firing[firing["analyzer"] == "hangs"], firing[firing["analyzer"] != "hangs"]])
+    first = firing["analyzer"].map({analyzer: i for i, analyzer in enumerate(LEADS)}).fillna(len(LEADS))
+    return firing.iloc[first.argsort(kind="stable")]
 
 
 def _in_words(row: pd.Series, lead: str = "") -> str:
@@ -75,11 +77,11 @@ def live() -> None:
     recent = ui.frame("recent_steps", run=run, window=2 * RECENT + 1)
     complete = recent[recent["ranks"] == recent["ranks"].max()]  # the newest step may still be arriving
     now, before = complete.tail(RECENT), complete.iloc[:-RECENT].tail(RECENT)
-    if not firing.empty:  # a hang, else the worst, in words; its evidence a click away, the others below
+    if not firing.empty:  # a failure, a hang or the worst, in words; its evidence a click away, the others below
         worst = firing.iloc[0]
         hung = worst["analyzer"] == "hangs"
         alert = st.error if worst["severity"] == "critical" else st.warning
-        alert(_in_words(worst, "Hung." if hung else "") + _more(len(firing) - 1, "fire (Also firing, below)"))
+        alert(_in_words(worst, LEADS.get(worst["analyzer"], "")) + _more(len(firing) - 1, "fire (Also firing, below)"))
         if not hung:  # a hang's evidence is the Hangs page
             ui.show_evidence(worst, label="its evidence")
     elif not past.empty:  # a finding true while the run ran is part of its story, never "healthy"

@@ -64,6 +64,7 @@ class Reads:
     failed_rollbacks: bool = False
     workload: bool = False
     tiers: bool = False
+    failures: bool = False
 
     def continues(self, episode_end: int, finding: Finding) -> bool:
         """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
@@ -105,7 +106,10 @@ class Frames:
     `ranks`: rank, host, dp_rank, pp_stage, tp_rank (placement). `devices(since_ns, until_ns)`: rank, ts (ns), metric,
     value of the device samples then (read only when asked: evidence). `workload()`: rank, step, tokens,
     flops of the rank-steps of `steps` (what each rank-step's work was; read only when asked). `tiers()`: what
-    moved between memory tiers over `steps` (Tiers; read only when asked). `now_ns`: the moment
+    moved between memory tiers over `steps` (Tiers; read only when asked). `failures`: the run's `rank_failed`
+    events from shortly before `steps` (docs/telemetry.md), in time order: rank, ts (ns), step,
+    body, cause, exception, message, signal, exit_code, attempt, and last_step, the newest step the rank stored
+    by then (within the hour before). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
     says it has (None: unsaid; the ranks that reported so far may be only the first to). `resumed`:
@@ -130,6 +134,7 @@ class Frames:
     devices: Callable[[int, int], pd.DataFrame] | None = None
     workload: Callable[[], pd.DataFrame] | None = None
     tiers: Callable[[], Tiers] | None = None
+    failures: pd.DataFrame | None = None
     kept: dict[str, dict] = field(default_factory=dict)
 
     @cached_property
