@@ -1,5 +1,5 @@
 """Agent overhead: the same training run without the agent, with it (the loop's own calls), and with
-it zero-code (`rankwatch run`: the loop unchanged, agent/auto.py's hooks), alternating; with
+it zero-code (`rankwatch run`: the loop unchanged, rankwatch/agent/auto.py's hooks), alternating; with
 `--baseline DIR`, also with the agent of another checkout (DIR/agent), so that a change to the
 agent is measured against the version before it side by side, in one run.
 
@@ -29,6 +29,7 @@ Usage: python bench/agent_overhead.py [--rounds 6] [--steps 60] [--model tiny] [
 """
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -57,11 +58,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed(one_step, args) -> tuple[list[float], float]:
+def agent_of(agent_dir: str | None):
+    """The agent package of this checkout, or of the checkout `agent_dir` (`rankwatch/agent/`, or `agent/` in
+    one from before it moved there): imported from that checkout."""
+    root = Path(agent_dir) if agent_dir not in (None, AUTO) else ROOT
+    sys.path.insert(0, str(root))
+    name = "rankwatch.agent" if (root / "rankwatch" / "agent").is_dir() else "agent"
+    return importlib.import_module(name)
+
+
+def timed(one_step, args, agent) -> tuple[list[float], float]:
     """`args.warmup` steps, then `args.steps` timed: their wall times, and the process's CPU per step
     (the agent's shutdown, which exports the last spans, included: its cost too)."""
-    import agent
-
     times = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -81,8 +89,7 @@ def worker(agent_dir: str | None, args) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, agent_dir or str(ROOT))
-    import agent
+    agent = agent_of(agent_dir)
     from trainer.data import TokenStream
     from trainer.model import CONFIGS, GPT
 
@@ -93,7 +100,7 @@ def worker(agent_dir: str | None, args) -> dict:
     step_of, phase_of = (agent.step, agent.phase) if explicit else (_nothing, _nothing)
     record = agent.record if explicit else (lambda **values: None)
     if agent_dir == AUTO:  # as `rankwatch run` does: the session starts at the model's first forward
-        from agent import auto
+        from rankwatch.agent import auto
 
         os.environ.update(RANKWATCH_RUN_ID=args.run, RANKWATCH_COLLECTOR=args.url, RANKWATCH_TOKEN=TOKEN)
         auto.install()
@@ -124,7 +131,7 @@ def worker(agent_dir: str | None, args) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             record(loss=loss.detach(), grad_norm=grad_norm.detach(), tokens=inputs.numel())
 
-    times, cpu = timed(one_step, args)
+    times, cpu = timed(one_step, args, agent)
     if agent_dir == AUTO:
         dist.destroy_process_group()
         return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
@@ -196,8 +203,7 @@ def worker_3d(agent_dir: str | None, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, agent_dir or str(ROOT))
-    import agent
+    agent = agent_of(agent_dir)
     from trainer.data import TokenStream
     from trainer.layout import Layout
     from trainer.model import CONFIGS, GPT
@@ -206,7 +212,7 @@ def worker_3d(agent_dir: str | None, args) -> dict:
     torch.set_num_threads(1)
     explicit = agent_dir not in (None, AUTO)
     if agent_dir == AUTO:
-        from agent import auto
+        from rankwatch.agent import auto
 
         os.environ.update(RANKWATCH_RUN_ID=args.run, RANKWATCH_COLLECTOR=args.url, RANKWATCH_TOKEN=TOKEN)
         auto.install()
@@ -232,7 +238,7 @@ def worker_3d(agent_dir: str | None, args) -> dict:
             if loss is not None and explicit:
                 agent.record(loss=loss.detach(), tokens=inputs.numel())
 
-    times, cpu = timed(one_step, args)
+    times, cpu = timed(one_step, args, agent)
     dist.destroy_process_group()
     return {"wall": statistics.median(times), "cpu": cpu, "empty": None}
 
@@ -295,8 +301,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from rankwatch.launch import wait_healthy
 
-    if args.baseline and not (args.baseline / "agent" / "__init__.py").is_file():
-        parser.error(f"--baseline {args.baseline}: no agent/ package there")
+    if args.baseline and not any((args.baseline / d / "__init__.py").is_file() for d in ("rankwatch/agent", "agent")):
+        parser.error(f"--baseline {args.baseline}: no agent package there (rankwatch/agent/, or agent/)")
     # each variant: the agent it runs (none, a checkout's, zero-code) and whether its ranks hand their telemetry
     # to the node's sidecar (as under `rankwatch run` and `rankwatch train`) or export it themselves
     variants = {

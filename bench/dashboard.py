@@ -38,10 +38,10 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent import semconv as sc  # noqa: E402
 from collector.reports.postmortem import analyze_run  # noqa: E402
 from collector.store.schema import DDL  # noqa: E402
 from dashboard import queries, source, ui  # noqa: E402
+from rankwatch.agent import semconv as sc  # noqa: E402
 from trainer import simulate  # noqa: E402
 from trainer.faults import parse  # noqa: E402
 
@@ -323,8 +323,8 @@ def main() -> None:
 
 def api_times(db: Path, params: dict[str, dict]) -> dict[str, float]:
     """Each named query's time through a collector's query API, the collector holding the store."""
-    from agent.apiclient import ApiClient
     from collector.reports import queryapi
+    from rankwatch.agent.apiclient import ApiClient
     from rankwatch.launch import wait_healthy
 
     port, token = 4400 + os.getpid() % 1000, "bench-token-0123456789"

@@ -5,7 +5,7 @@ thread coming back to Python) must take it back before it goes on; while the exp
 Python bytecode, that waits for the holder's switch interval (5 ms by default) or its next
 voluntary release. Here a stand-in training thread releases the GIL for 200 µs at a time and
 measures how late it gets it back, while the export thread encodes batches of real step traces
-(a DDP step of 14 buckets: 19 spans), A/B: encoded whole, then in the slices agent/export.py uses.
+(a DDP step of 14 buckets: 19 spans), A/B: encoded whole, then in the slices rankwatch/agent/export.py uses.
 
 Usage: python bench/gil.py [--steps 512] [--rounds 5]
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.resources import Resource
 
-from agent import export
-from agent import semconv as sc
+from rankwatch.agent import export
+from rankwatch.agent import semconv as sc
 
 PAUSE_S = 200e-6
 

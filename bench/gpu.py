@@ -16,7 +16,7 @@ staged on the GPU, every step exported to a real collector on loopback. Printed,
   wait, on the GPU's timeline; the profiler: the time some
   compute kernel runs), collective time (the agent's all-reduce spans; the profiler's NCCL kernels)
   and exposed wait (the agent's; the profiler's NCCL kernel time that no compute kernel covers,
-  the same arithmetic, agent/timeline.py), medians over the profiled steps, with the % difference.
+  the same arithmetic, rankwatch/agent/timeline.py), medians over the profiled steps, with the % difference.
 Without CUDA it exits 2, saying so in one line.
 
 Usage: python bench/gpu.py [--model gpt2] [--batch 8] [--rounds 4] [--steps 40] [--profile-steps 10]
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import agent
-from agent.config import NODE_ENV
-from agent.timeline import exposed, length
+from rankwatch import agent
+from rankwatch.agent.config import NODE_ENV
+from rankwatch.agent.timeline import exposed, length
 
 TOKEN = "bench-token-0123456789"
 NO_AGENT, HOOK, AGENT, AGENT_DDP = "no agent", "Python comm hook, no agent", "agent", "agent + DDP timing"

@@ -33,7 +33,7 @@ from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 from rankwatch.launch import wait_healthy
 
 TOKEN = "bench-token-0123456789"

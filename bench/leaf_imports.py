@@ -16,8 +16,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAVES = ("agent", "agent.semconv", "agent.gpumodel", "agent.paths", "agent.apiclient")
-BASELINE = "agent.session"
+LEAVES = (
+    "rankwatch.agent",
+    "rankwatch.agent.semconv",
+    "rankwatch.agent.gpumodel",
+    "rankwatch.agent.paths",
+    "rankwatch.agent.apiclient",
+)
+BASELINE = "rankwatch.agent.session"
 
 
 def _self_times(code: str) -> dict[str, int]:

@@ -15,7 +15,7 @@ analyzer concludes, on real offloaded runs of the reference trainer (gloo on thi
   ended when the finding was written, less the fault's), a false one any `slow_disk` finding of a
   healthy run.
 - `overhead`: the agent's cost of recording 10 transfers and one host work in a step (a live session),
-  against a step without; and of one reading of the process's and host's I/O and memory (agent/host.py,
+  against a step without; and of one reading of the process's and host's I/O and memory (rankwatch/agent/host.py,
   read once a second, the host's disks included).
 - `host`: the host optimizer's step of `optimizer=host` (a 30M-parameter model in 8 groups, as one rank of
   `rankwatch train` starts: one intra-op thread), serial and overlapped, in this process, alternated `--rounds`
@@ -77,8 +77,8 @@ def _io() -> dict[str, int]:
 def io(directory: Path) -> dict:
     import torch
 
-    import agent
-    from agent import semconv as sc
+    from rankwatch import agent
+    from rankwatch.agent import semconv as sc
     from trainer.offload import OffloadedAdamW, Spec, probe
 
     swap = directory / "swap"
@@ -236,9 +236,9 @@ def detection(directory: Path, runs: int, steps: int) -> dict:
 
 
 def overhead(directory: Path) -> dict:
-    from agent import semconv as sc
-    from agent.host import HostState
-    from agent.session import Session
+    from rankwatch.agent import semconv as sc
+    from rankwatch.agent.host import HostState
+    from rankwatch.agent.session import Session
 
     collector = Collector(directory)
     try:

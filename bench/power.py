@@ -3,7 +3,7 @@ Zeus-style global limit and per-rank caps, side by side.
 
 The fleet simulator (trainer/simulate.py) plays a data-parallel job of 1,024 ranks, one rank
 computing 20% slower, its GPUs following the GPU power model
-(agent/gpumodel.py). The power analyzer (collector/analysis/analyzers/power.py) decides, offline:
+(rankwatch/agent/gpumodel.py). The power analyzer (collector/analysis/analyzers/power.py) decides, offline:
 
   (a) no cap: every GPU at its highest limit (700 W);
   (b) a global limit the way Zeus's GlobalPowerLimitOptimizer finds it: the job runs under
@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent.gpumodel import GpuModel
 from collector.analysis.analyzers import power
+from rankwatch.agent.gpumodel import GpuModel
 from trainer import simulate
 from trainer.faults import parse
 

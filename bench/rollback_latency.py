@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 from rankwatch.launch import train
 from tests.conftest import Collector, free_port
 from tests.otlp_payloads import query

@@ -12,9 +12,9 @@ import argparse
 import statistics
 import time
 
-from agent import semconv as sc
-from agent.sampler import Sampler
-from agent.simdevice import SimulatedDevice
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.sampler import Sampler
+from rankwatch.agent.simdevice import SimulatedDevice
 
 BEFORE = {
     sc.POWER_INSTANT_W,

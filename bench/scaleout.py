@@ -36,8 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from agent.apiclient import ApiClient, ApiError  # noqa: E402
 from collector.store import lake  # noqa: E402
+from rankwatch.agent.apiclient import ApiClient, ApiError  # noqa: E402
 from rankwatch.launch import wait_healthy  # noqa: E402
 from tests import postgres  # noqa: E402
 from tests.conftest import free_port  # noqa: E402

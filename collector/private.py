@@ -12,7 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
-from agent.paths import SQL_FILES_DIR, TOKEN_FILE
+from rankwatch.agent.paths import SQL_FILES_DIR, TOKEN_FILE
 
 OWNER_ONLY = 0o077  # the umask: no bit for group or others
 

@@ -23,8 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agent.config import INGEST, checked_token
-from agent.paths import DEFAULT_DB
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
 from collector.analysis.analyzers import hangs, predicted
@@ -45,6 +43,8 @@ from collector.store.handle import NotStored, Overloaded, Store
 from collector.store.lake import Lake, open_lake
 from collector.store.upkeep import Upkeep
 from collector.store.writer import MEMORY_HEADROOM
+from rankwatch.agent.config import INGEST, checked_token
+from rankwatch.agent.paths import DEFAULT_DB
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2

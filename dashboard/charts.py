@@ -5,8 +5,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector import quantities
+from rankwatch.agent import semconv as sc
 
 NUMBER = ",.4~r"  # axes and tooltips: 416.5, 0.1234, 41,150 (never 416.500000, nor 4.115e+4)
 SIGNIFICANT = ",.3~r"  # a measured figure's three significant digits: 0.0234, 412, 1,230

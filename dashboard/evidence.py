@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from agent import semconv as sc
 from collector import ranksets
+from dashboard.markdown import literal
 from dashboard.units import figure, label, unit
+from rankwatch.agent import semconv as sc
 
 TOP_RANKS = 10  # ranks a per-rank chart draws; the rest are summed up in words
 TABLE_ROWS = 20  # rows of an evidence table shown; the rest are counted
@@ -76,8 +77,6 @@ def next_step(finding: pd.Series) -> str | None:
     own (`what_to_do`, in the figures it holds: a failed rank's host, its stack's last lines; stored text, so
     shown as written), else by the phase its evidence blames, its analyzer and kind; None where none is known."""
     if told := (finding["evidence"] or {}).get("what_to_do"):
-        from dashboard.ui import literal  # (ui imports this module) stored text, shown as written, line by line
-
         return "  \n".join(literal(line) for line in str(told).splitlines())
     phase = (finding["evidence"] or {}).get("phase")
     keys = (f"{finding['analyzer']} / {phase}", f"{finding['analyzer']} / {finding['kind']}", finding["analyzer"])

@@ -7,7 +7,7 @@ about $rank_bins rows, and a heatmap cell keeps its worst rank. Parameters are
 named ($run, ...); each query takes exactly those it names.
 """
 
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 
 # A rank-step's own time, as the straggler analyzer judges it: its compute and its wait for input (a slow data
 # loader holds the others up as a slow GPU does); the whole step where it times no phases.

@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from agent import paths
 from dashboard.source import COLLECTOR_ENV, DB_ENV
+from rankwatch.agent import paths
 
 APP = Path(__file__).with_name("app.py")
 HOST = "127.0.0.1"

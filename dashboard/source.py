@@ -10,11 +10,11 @@ from typing import Protocol
 
 import pandas as pd
 
-from agent.apiclient import ApiClient
 from collector.reports import queryapi
 from collector.reports.queryapi import QueryFailed
 from collector.store import readonly
 from collector.store.db import StoreLocked, connect
+from rankwatch.agent.apiclient import ApiClient
 
 COLLECTOR_ENV = "RANKWATCH_DASHBOARD_COLLECTOR"  # set by `rankwatch dashboard --collector URL`
 DB_ENV = "RANKWATCH_DASHBOARD_DB"  # set by `rankwatch dashboard --db PATH`
@@ -62,8 +62,8 @@ class FileSource:
 
 def from_environment() -> Source:
     """The source `rankwatch dashboard` chose, passed on in the environment."""
-    from agent.config import token
-    from agent.paths import store_path
+    from rankwatch.agent.config import token
+    from rankwatch.agent.paths import store_path
 
     if os.environ.get(COLLECTOR_ENV):
         return CollectorSource(os.environ[COLLECTOR_ENV], token())

@@ -3,7 +3,6 @@ set, how a finding is shown (the answer in one line, its evidence one click away
 shown as written where Streamlit reads Markdown."""
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -11,14 +10,14 @@ from typing import TypeVar
 import pandas as pd
 import streamlit as st
 
-from agent import semconv as sc
 from collector import quantities, ranksets
-from collector.printable import printable
 from collector.reports import runs as run_states
 from collector.reports.runs import SILENT_S, RunStatus, clock
 from collector.store.schema import ENDED, ROLLED_BACK, TRACE_ENDED
 from dashboard import charts, evidence, queries, source, units
+from dashboard.markdown import literal, literal_table
 from dashboard.source import QueryFailed
+from rankwatch.agent import semconv as sc
 
 T = TypeVar("T")
 
@@ -41,27 +40,6 @@ RANK_COLUMNS = {
 ONE_PROCESS = "One process: cross-rank analyses do not apply."  # said once, where a page would compare ranks
 EVERY_STEP = (-(2**62), 2**62)  # a window with no bound: one open at the top follows a live run's newest step
 STRAGGLERS_PAGE = "views/stragglers.py"  # takes ?ranks= (a rank filter) and ?step= (the timeline's step)
-_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # ASCII punctuation, which Markdown takes as itself after a backslash
-
-
-def literal(value: object) -> str:
-    """`value` as Streamlit's Markdown shows it, character for character: printable (collector/printable.py),
-    each ASCII punctuation character backslash-escaped, so that it makes no link, image, heading, emphasis,
-    colour, icon or formula. Telemetry is written by whoever holds the token: every stored value (a run id,
-    a host name, a finding's summary), every value of a link's parameters and every error's text that a
-    title, header, caption, alert, widget label or `st.table` cell shows goes through here."""
-    return _PUNCTUATION.sub(r"\\\1", printable(str(value)))
-
-
-def literal_table(table: pd.DataFrame) -> pd.DataFrame:
-    """`table` as `st.table` shows it, which reads Markdown in every cell and header: each text `literal`."""
-
-    def text(value: object) -> object:
-        return literal(value) if isinstance(value, str) else value
-
-    shown = table.map(text)
-    shown.index, shown.columns = shown.index.map(text), shown.columns.map(text)
-    return shown
 
 
 @st.cache_resource(show_spinner=False)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from agent import semconv as sc
 from collector import quantities
+from rankwatch.agent import semconv as sc
 
 plain = quantities.Scale("", prefixed=False, space="")  # 3 significant digits, thousands separated, no unit
 
@@ -58,7 +58,7 @@ KEYS: dict[str, Unit] = {"caps": SYMBOLS["w"], "throttle_reasons": _SHARE}  # ke
 _MIB = quantities.Scale("B", factor=2**20)  # a size given in MiB (NVML's memory figures), shown in B, kB, MB, GB
 _PER_S = quantities.Scale("/s", prefixed=False, space=" ")
 
-# Device and host metrics (agent/semconv.py): heading, and unit (a Scale's fits the values' size); the Power
+# Device and host metrics (rankwatch/agent/semconv.py): heading, and unit (a Scale's fits the values' size); the Power
 # page draws them per rank in this order
 DEVICE_METRICS: dict[str, tuple[str, str | quantities.Scale]] = {
     sc.POWER_W: ("Power", quantities.power),

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.config import INGEST, QUERY, SCOPES, TOKEN_ENV, TokenError, UrlError
-from agent.paths import DB_ENV, DEFAULT_DB
 from collector.printable import escape_logs, printable
+from rankwatch.agent.config import INGEST, QUERY, SCOPES, TOKEN_ENV, TokenError, UrlError
+from rankwatch.agent.paths import DB_ENV, DEFAULT_DB
 from trainer.device import DEVICES
 
 if TYPE_CHECKING:
-    from agent.apiclient import ApiClient
+    from rankwatch.agent.apiclient import ApiClient
 
 _DEFAULT_DB = f"default: {DEFAULT_DB}, or ${DB_ENV}"  # the --db options' help
 
@@ -82,7 +82,7 @@ def _db(args, existing: bool = False) -> Path:
     """The store of --db, $RANKWATCH_DB or the default, checked the same way for every command: a
     directory, an unreadable file or a file of another kind is one line here, not a DuckDB traceback
     later; with `existing`, so is no file at all (a command that only reads never creates a store)."""
-    from agent.paths import store_path
+    from rankwatch.agent.paths import store_path
 
     path = store_path(getattr(args, "db", None))
     if path.is_dir():
@@ -138,17 +138,17 @@ def _rollback_kinds(text: str) -> frozenset[str]:
 
 
 def _token(args) -> str | None:
-    """The token a client command sends: --token-file, then agent/config.py's order, ending with the token
+    """The token a client command sends: --token-file, then rankwatch/agent/config.py's order, ending with the token
     file beside the store of --db (or $RANKWATCH_DB, or the default); a file's token is checked there
     (TokenError, which main() reports in one line)."""
-    from agent.config import token
+    from rankwatch.agent.config import token
 
     return token(file=args.token_file, store=getattr(args, "db", None))
 
 
 def _refused(error: Exception, token: str | None) -> UsageError:
     """A refused token, in one line that says where a command looks for the right one."""
-    from agent.config import token_scope
+    from rankwatch.agent.config import token_scope
 
     scope = token and token_scope(token)
     why = (
@@ -168,8 +168,8 @@ def _collector_takes(url: str, token: str | None, unreachable_ok: bool, scope: s
     """Before a command sends anything: the collector at `url` takes `token` for `scope` (ingest: one empty,
     authenticated export; query: one query of a constant), else one line naming where a token is looked
     for; an unreachable collector is one line too unless `unreachable_ok` (a job's telemetry waits for it)."""
-    from agent.config import TokenRefused
-    from agent.export import check_token
+    from rankwatch.agent.config import TokenRefused
+    from rankwatch.agent.export import check_token
 
     try:
         reached = check_token(url, token) if scope == INGEST else _answers_queries(url, token)
@@ -182,9 +182,9 @@ def _collector_takes(url: str, token: str | None, unreachable_ok: bool, scope: s
 def _answers_queries(url: str, token: str | None) -> bool:
     """agent.export.check_token's twin for the query API: True when the collector at `url` answers a query
     with `token`, False when it cannot be reached, TokenRefused when it answers 401 or 403."""
-    from agent.apiclient import ApiClient, ApiError
-    from agent.config import TokenRefused
     from collector.reports.queryapi import PATH
+    from rankwatch.agent.apiclient import ApiClient, ApiError
+    from rankwatch.agent.config import TokenRefused
 
     try:
         ApiClient(url, token, timeout_s=5).post(PATH, {"sql": "SELECT 1"})
@@ -196,7 +196,7 @@ def _answers_queries(url: str, token: str | None) -> bool:
 
 
 def cmd_token(args) -> None:
-    from agent.config import scoped_token, token_scope
+    from rankwatch.agent.config import scoped_token, token_scope
 
     _db(args)  # a --db that is no store is said as every command says it, not as a missing token
     token = _token(args)
@@ -211,11 +211,11 @@ def cmd_token(args) -> None:
 
 
 def cmd_collector(args) -> None:
-    from agent.config import TOKEN_FILE_ENV, checked_token, token
     from collector import private
     from collector.receive.auth import load_or_create_token
     from collector.server import Config, serve
     from collector.store.upkeep import Upkeep
+    from rankwatch.agent.config import TOKEN_FILE_ENV, checked_token, token
 
     private.restrict(_db(args))
     given = args.token or args.token_file or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)
@@ -340,9 +340,9 @@ def cmd_alerts_test(args) -> None:
 
 def _answer(args, sql: str) -> dict:
     """The query API's answer to `sql`, from the collector of --collector or else the store file of --db."""
-    from agent.config import collector_url
     from collector.reports.query import QueryError, ask, run_sql
     from collector.store.db import StoreLocked
+    from rankwatch.agent.config import collector_url
 
     try:
         if args.collector:
@@ -572,8 +572,8 @@ def cmd_power_recommend(args) -> None:
 def cmd_power_apply(args) -> None:
     import json
 
-    from agent.apiclient import ApiClient, ApiError
-    from agent.config import collector_url
+    from rankwatch.agent.apiclient import ApiClient, ApiError
+    from rankwatch.agent.config import collector_url
 
     if not args.caps and args.watts is None:
         raise UsageError("give --caps FILE.json, --watts W, or both")
@@ -633,8 +633,8 @@ def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
     """Before a power cap is sent: the run is one the collector knows and still running, every capped
     rank is one of its ranks, and every cap is within the limits its GPUs accept (the tightest range
     they share)."""
-    from agent import semconv as sc
     from collector.reports import queryapi
+    from rankwatch.agent import semconv as sc
 
     try:
         answer = queryapi.remote_query(
@@ -800,7 +800,7 @@ def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts:
 def _simulating(args) -> None:
     """The job's ranks simulate the GPU they lack with --simulate-gpu, and only then (the environment they
     inherit says so); never because the launcher's own environment happened to."""
-    from agent.config import SIMULATE_GPU_ENV
+    from rankwatch.agent.config import SIMULATE_GPU_ENV
 
     if args.simulate_gpu:
         os.environ[SIMULATE_GPU_ENV] = "1"
@@ -809,7 +809,7 @@ def _simulating(args) -> None:
 
 
 def cmd_run(args) -> None:
-    from agent.config import collector_url
+    from rankwatch.agent.config import collector_url
 
     collector, store, token = collector_url(args.collector), _db(args), _token(args)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -828,10 +828,10 @@ def cmd_run(args) -> None:
 
 
 def cmd_node(args) -> None:
-    """The node's sidecar (agent/node.py) until SIGTERM or Ctrl-C; then what waits is delivered, and what
+    """The node's sidecar (rankwatch/agent/node.py) until SIGTERM or Ctrl-C; then what waits is delivered, and what
     could not be is noted where the launcher asked ($RANKWATCH_UNDELIVERED)."""
-    from agent.config import UNDELIVERED_ENV, collector_urls
-    from agent.node import Node
+    from rankwatch.agent.config import UNDELIVERED_ENV, collector_urls
+    from rankwatch.agent.node import Node
 
     collector, token = collector_urls(args.collector), _token(args)
     if os.path.exists(args.socket):
@@ -850,8 +850,8 @@ def cmd_node(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from agent.config import collector_url
-    from agent.paths import checkpoint_dir
+    from rankwatch.agent.config import collector_url
+    from rankwatch.agent.paths import checkpoint_dir
 
     collector, store, token = collector_url(args.collector), _db(args), _token(args)
     if args.run is not None:
@@ -935,7 +935,7 @@ def cmd_simulate(args) -> None:
         raise UsageError("give one of --collector URL or --out FILE.parquet")
     _fits_in_memory(args.ranks, to_collector=args.out is None)
     if args.collector:
-        from agent import config
+        from rankwatch.agent import config
 
         store, exporter_url = _db(args), config.collector_urls(args.collector)
         token = _token(args)  # a bad token: one line now
@@ -981,9 +981,9 @@ def cmd_simulate(args) -> None:
             f"(ground truth: {args.out}.truth.json)"
         )
         return
-    from agent import semconv as sc
-    from agent.config import TokenRefused
-    from agent.export import Exporter
+    from rankwatch.agent import semconv as sc
+    from rankwatch.agent.config import TokenRefused
+    from rankwatch.agent.export import Exporter
     from rankwatch.launch import TELEMETRY_LOST, announce, report_loss
 
     run_id = args.run or time.strftime("sim-%Y%m%d-%H%M%S")
@@ -1036,9 +1036,9 @@ def _power_caps(path: str, ranks: int):
 
 
 def cmd_dashboard(args) -> None:
-    from agent.config import collector_url
     from collector.store.db import StoreLocked, connect
     from dashboard.serve import serve
+    from rankwatch.agent.config import collector_url
 
     _dashboard_port_free(args.port, "--port PORT")
     collector, db = collector_url(args.collector) if args.collector else None, None

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from agent.config import QUERY, TOKEN_ENV, scoped_token
 from collector.receive.auth import load_or_create_token
 from collector.reports.query import write
 from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
+from rankwatch.agent.config import QUERY, TOKEN_ENV, scoped_token
 from rankwatch.launch import listening, train, wait_healthy
 
 MIN_STEPS = 50  # the fewest steps that show both faults, each found and answered

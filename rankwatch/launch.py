@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-import agent.autostart as autostart_package
-from agent import auto, config, paths
-from agent.apiclient import ApiClient, ApiError
-from agent.config import INGEST, NODE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
+import rankwatch.agent.autostart as autostart_package
+from rankwatch.agent import auto, config, paths
+from rankwatch.agent.apiclient import ApiClient, ApiError
+from rankwatch.agent.config import INGEST, NODE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, UNDELIVERED_ENV
 
 # `train` and `simulate`: the job ran, but telemetry of it never reached the collector (1 is a failed job, 2 bad input)
 TELEMETRY_LOST = 3
@@ -110,7 +110,7 @@ def run(
     store: Path | None = None,
 ):
     """Run an unmodified job's command (`torchrun ... train.py`, `python train.py`) with the agent in
-    every Python process it starts (agent/auto.py, through the sitecustomize of agent/autostart/ on
+    every Python process it starts (rankwatch/agent/auto.py, through the sitecustomize of rankwatch/agent/autostart/ on
     its PYTHONPATH); returns its exit status, or TELEMETRY_LOST as `train`. FileNotFoundError where
     the command is not found. `store`: the collector's, beside which its dashboard's address is noted
     (default: $RANKWATCH_DB's, else ./rankwatch-data's)."""

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.reports.query import run_remote
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import exporters, send_steps
 from tests.flight_dumps import HUNG as FLIGHT_HUNG

@@ -5,9 +5,9 @@ collector's findings read while it runs (its query API) or after (its store)."""
 import time
 from collections.abc import Callable
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.reports.query import run_remote
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 
 MS = 1_000_000
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 from tests.otlp_payloads import T0
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

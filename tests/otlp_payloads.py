@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 
 T0 = 1_700_000_000_000_000_000  # ns; every payload's times are explicit offsets from here
 PROTOBUF = {"Content-Type": "application/x-protobuf"}

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import semconv as sc
-from agent.apiclient import ApiClient
-from agent.export import Exporter, Lost
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.apiclient import ApiClient
+from rankwatch.agent.export import Exporter, Lost
 from tests.conftest import rankwatch_in_process, wait_until
 from tests.otlp_payloads import query
 

@@ -29,8 +29,8 @@ from google.rpc.status_pb2 import Status
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from agent.commands import Commands
 from collector.control.api import MAX_BODY, MAX_DEPTH, MAX_WAITING
+from rankwatch.agent.commands import Commands
 from tests.conftest import Collector, free_port, rankwatch_in_process, wait_until
 
 RUN = "run-abuse-control"
@@ -352,7 +352,7 @@ def test_an_ingest_token_is_enough_for_the_agents_poll_and_ack(collector, client
 
 
 def test_a_scoped_token_of_another_collectors_token_is_refused_401(anonymous):
-    from agent.config import scoped_token
+    from rankwatch.agent.config import scoped_token
 
     for scope in MAY:
         response = anonymous.get(
@@ -365,8 +365,8 @@ def test_a_scoped_token_of_another_collectors_token_is_refused_401(anonymous):
 
 def test_a_collector_refuses_a_scoped_token_as_its_own():
     """A scoped token given as the collector's own would make its holder every scope's tokens."""
-    from agent.config import TokenError, scoped_token
     from collector.receive.auth import Tokens
+    from rankwatch.agent.config import TokenError, scoped_token
 
     with pytest.raises(TokenError, match="scoped to ingest"):
         Tokens(scoped_token("test-token-0123456", "ingest"))

@@ -25,11 +25,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from agent import semconv as sc
-from agent.apiclient import ApiClient
 from collector.receive import decode, otlp
 from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, MAX_NAME_BYTES, MAX_TEXT_BYTES, RANGES
 from collector.receive.ingest import Outcome, Request, decode_batch
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.apiclient import ApiClient
 from tests.otlp_payloads import T0, post, query
 
 pytestmark = pytest.mark.long

@@ -23,10 +23,10 @@ import streamlit as st
 from markdown_it import MarkdownIt
 from streamlit.testing.v1 import AppTest
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.printable import TRACEBACK_INDENT, EscapedRecord, escape_logs, printable
 from dashboard.source import COLLECTOR_ENV, DB_ENV
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_in_process
 from tests.engine_jobs import send_steps
 

@@ -21,10 +21,10 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from agent import semconv as sc
-from agent.config import SCOPES
-from agent.export import Exporter
 from collector.receive.auth import Tokens, load_or_create_token
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.config import SCOPES
+from rankwatch.agent.export import Exporter
 from rankwatch.launch import wait_healthy
 from tests.conftest import free_port, rankwatch_in_process, wait_until
 from tests.test_alerts import MS, _pending, _send_steps

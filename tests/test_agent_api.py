@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-import agent
+from rankwatch import agent
 
 
 def test_watching_collectives_before_init_says_so(monkeypatch):

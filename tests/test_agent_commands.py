@@ -10,7 +10,7 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.commands import MAX_STEPS_APART, Commands, Looks, steps_apart
+from rankwatch.agent.commands import MAX_STEPS_APART, Commands, Looks, steps_apart
 from tests.conftest import Collector, free_port
 
 RUN = "run-agent-commands"

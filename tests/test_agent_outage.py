@@ -31,7 +31,7 @@ STEPS = 160  # long enough that the job outlives a collector restart on a busy m
 # One rank: steady steps (the forward phase sleeps to the next tick), one line per step on stdout.
 LOOP = """
 import sys, time
-import agent
+from rankwatch import agent
 
 collector, run_id, steps, pace = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 agent.init(rank=0, world_size=1, collector=collector, token="test-token-0123456", run_id=run_id)
@@ -150,7 +150,7 @@ def test_collector_outage_and_restart(collector, tmp_path):
 # Steps until a file appears, so the test decides when the job ends.
 UNTIL = """
 import os, sys, time
-import agent
+from rankwatch import agent
 
 collector, run_id, stop_file = sys.argv[1:4]
 agent.init(rank=0, world_size=1, collector=collector, token="test-token-0123456", run_id=run_id)
@@ -211,7 +211,7 @@ def test_backlog_event_when_the_collector_returns_just_before_the_end(collector,
     backlog = query(collector.db, "SELECT attrs FROM events WHERE run_id = ? AND event = 'telemetry_backlog'", [run_id])
     assert len(backlog) == 1, (
         "spans of the outage were delivered late by the shutdown's last try, but no telemetry_backlog event "
-        "reports it (agent/session.py Session.shutdown reads the backlog counters before exporter.shutdown())"
+        "reports it (rankwatch/agent/session.py Session.shutdown reads the backlog counters before exporter.shutdown())"
     )
     attrs = json.loads(backlog[0][0])
     assert attrs["rankwatch.spans_dropped"] == 0 and attrs["rankwatch.spans_delivered_late"] > 0
@@ -244,7 +244,7 @@ def test_no_collector_at_all(nowhere):
 
 
 def test_shutdown_without_collector_does_not_wait_out_retries(nowhere):
-    """agent/export.py's Backlog promises that the shutdown at the end of a job does not wait out a
+    """rankwatch/agent/export.py's Backlog promises that the shutdown at the end of a job does not wait out a
     connection timeout while the collector is away. A refused connection fails in milliseconds, yet
     each try goes through the OTLP SDK's own retry loop (backoff 1 s then 2 s within the 5 s timeout)."""
     status, _, stdout, stderr = nowhere

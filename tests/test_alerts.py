@@ -21,14 +21,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.alerts import outbox, rules, webhook
 from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, default_name, load
 from collector.alerts.delivery import Delivery
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding
 from collector.store.schema import DDL
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import free_port, rankwatch_cli, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver as WebhookReceiver

@@ -1,4 +1,4 @@
-"""The client of the collector's JSON APIs (agent/apiclient.py), against a real collector on loopback,
+"""The client of the collector's JSON APIs (rankwatch/agent/apiclient.py), against a real collector on loopback,
 and the one token check every guarded endpoint shares (collector/receive/auth.py).
 
 Covered: JSON goes out and comes back as it was (text any Unicode, a query string that carries `&`
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from google.rpc.status_pb2 import Status
 
-from agent.apiclient import ApiClient, ApiError
+from rankwatch.agent.apiclient import ApiClient, ApiError
 from tests.conftest import free_port
 
 RUN = "api client ü&state=applied"  # a query string built by hand would filter on state

@@ -42,8 +42,8 @@ import torch
 from conftest import job_collector, rankwatch_cli
 from otlp_payloads import query
 
-import agent
-from agent import semconv as sc
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
 from rankwatch.launch import train
 from trainer import checkpoint, rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint

@@ -211,15 +211,15 @@ except ImportError:
     pass
 else:
     raise SystemExit("blocking did not work")
-import agent, agent.export, agent.semconv
-from agent.export import Exporter
-exporter = Exporter("http://127.0.0.1:9", "t", {agent.semconv.RUN_ID: "r", agent.semconv.RANK: 0})
+from rankwatch.agent import semconv
+from rankwatch.agent.export import Exporter
+exporter = Exporter("http://127.0.0.1:9", "t", {semconv.RUN_ID: "r", semconv.RANK: 0})
 exporter.shutdown()
-from agent.simdevice import SimulatedDevice  # the GPU of a job without one
+from rankwatch.agent.simdevice import SimulatedDevice  # the GPU of a job without one
 gpu = SimulatedDevice(0)
 gpu.set_power_cap(300)
-print(agent.semconv.POWER_W,
-      *[round(value) for metric, value, _ in gpu.read() if metric == agent.semconv.POWER_INSTANT_W])
+print(semconv.POWER_W,
+      *[round(value) for metric, value, _ in gpu.read() if metric == semconv.POWER_INSTANT_W])
 """
 
 
@@ -348,10 +348,10 @@ def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside
     an exporter refused mid-run says so once (not "unreachable") and stops a paced producer."""
     import time
 
-    import agent
-    from agent import semconv as sc
-    from agent.config import TokenRefused
-    from agent.export import Exporter, check_token
+    from rankwatch import agent
+    from rankwatch.agent import semconv as sc
+    from rankwatch.agent.config import TokenRefused
+    from rankwatch.agent.export import Exporter, check_token
 
     assert check_token(beside.url, beside.token) is True
     assert check_token(f"http://127.0.0.1:{free_port()}", beside.token) is False
@@ -523,8 +523,8 @@ def test_power_apply_refuses_a_run_no_job_is_running(beside):
     for ever."""
     import time
 
-    from agent import semconv as sc
-    from agent.export import Exporter
+    from rankwatch.agent import semconv as sc
+    from rankwatch.agent.export import Exporter
 
     ago = T0  # step_spans' time: 2023
     for run, event, ts in (("pa-ended", sc.EVENT_ENDED, time.time_ns()), ("pa-old", sc.EVENT_HEARTBEAT, ago)):

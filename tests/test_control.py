@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.control.api import MAX_WAITING
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import wait_until
 from tests.otlp_payloads import query
 

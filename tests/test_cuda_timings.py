@@ -17,9 +17,9 @@ from conftest import free_port
 from otlp_payloads import query
 from torch.nn.parallel import DistributedDataParallel
 
-from agent.clock import CudaTimer
-from agent.collectives import comm_hook, trace_collectives, untrace_collectives
-from agent.session import Session
+from rankwatch.agent.clock import CudaTimer
+from rankwatch.agent.collectives import comm_hook, trace_collectives, untrace_collectives
+from rankwatch.agent.session import Session
 
 pytestmark = pytest.mark.cuda
 

@@ -18,8 +18,6 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector import quantities, ranksets
 from collector.alerts import rules
 from collector.analysis import findings
@@ -27,6 +25,8 @@ from collector.analysis.analyzers import Finding, health
 from collector.reports.query import run_remote
 from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV, DB_ENV
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 from tests.dashboard_store import BARE, ENDED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN, SOLO
 from tests.otlp_payloads import step_spans, trace_body
@@ -972,8 +972,8 @@ def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_st
     """A launcher's token check (agent.export.check_token: one empty export) refused with 401 stops its job
     before it starts and loses nothing: the collector's health counts only the refused exports that carried
     telemetry, and the sidebar says what those lost."""
-    from agent.config import TokenRefused
-    from agent.export import check_token
+    from rankwatch.agent.config import TokenRefused
+    from rankwatch.agent.export import check_token
 
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)

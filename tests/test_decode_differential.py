@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from agent import semconv as sc
 from collector.receive import _otlpwire, decode, otlpwire
 from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, MAX_NAME_BYTES, MAX_TEXT_BYTES
+from rankwatch.agent import semconv as sc
 
 T0 = 1_700_000_000_000_000_000
 # Keys: the typed columns' own (so values of every type meet them), and a few others that repeat.

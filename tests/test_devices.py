@@ -1,6 +1,6 @@
 """Device telemetry: the NVML reader and power-cap actuator, the simulated GPU, host RAPL, the sampler.
 
-NVML is replaced at the pynvml boundary (the functions agent/nvml.py calls are
+NVML is replaced at the pynvml boundary (the functions rankwatch/agent/nvml.py calls are
 monkeypatched, as Zeus tests its NVML code): the one mock in these tests, of a
 hardware boundary that this machine does not have. Everything else runs for
 real: the simulated GPU, RAPL files laid out like /sys/class/powercap in a
@@ -18,14 +18,14 @@ import pytest
 from conftest import wait_until
 from otlp_payloads import query
 
-from agent import semconv as sc
-from agent.export import Exporter
-from agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
-from agent.nvml import MAX_XIDS, NvmlDevice
-from agent.opendevice import open_device
-from agent.rapl import Rapl
-from agent.sampler import Sampler
-from agent.simdevice import SimulatedDevice
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
+from rankwatch.agent.gpumodel import SW_POWER_CAP, THERMAL, GpuModel, operating_points
+from rankwatch.agent.nvml import MAX_XIDS, NvmlDevice
+from rankwatch.agent.opendevice import open_device
+from rankwatch.agent.rapl import Rapl
+from rankwatch.agent.sampler import Sampler
+from rankwatch.agent.simdevice import SimulatedDevice
 
 H100 = GpuModel()
 

@@ -31,8 +31,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from otlp_payloads import T0, post, query, span_count, step_spans, trace_body, with_rank
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import semconv as sc
-from agent.export import Exporter
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 
 pytestmark = pytest.mark.long
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import semconv as sc
 from collector.analysis.engine import Engine, add_steps
 from collector.reports.query import run_remote
 from collector.store.schema import DDL
+from rankwatch.agent import semconv as sc
 from tests.conftest import rankwatch_in_process, simulated_store, wait_until
 from tests.engine_jobs import MS, exporters, live_findings, send_steps
 from tests.otlp_payloads import query
@@ -302,7 +302,7 @@ def test_a_run_that_ended_is_no_hang_and_its_findings_resolve(collector_factory)
     last checkpoint written to a slow disk): the one whose ranks all said their loop ended draws no
     hang, and its straggler finding ends with it (state `ended`, "run ended"), its alert resolved; the other
     hangs."""
-    from agent import semconv as sc
+    from rankwatch.agent import semconv as sc
 
     # a stall timeout above the time the stragglers take to be found on a loaded machine: "ends" is told to end
     # only after both are, and must not hang before that

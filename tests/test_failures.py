@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from opentelemetry._logs import SeverityNumber
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.analysis.analyzers import Frames, failures
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import free_port, job_collector, rankwatch_in_process, wait_until
 from tests.engine_jobs import live_findings, send_steps
 from tests.test_dashboard import open_page, reading, texts

@@ -1,7 +1,7 @@
 """The project's packages import one another without cycles, so each module can be read, tested and
 changed from the bottom up. Counted: every import statement in a module, at module level or inside a
 function (a lazy import is still a dependency), resolved to the project module it names; not the
-implicit import of a module's parent package (`import agent.semconv` runs agent/__init__.py, which
+implicit import of a module's parent package (`import agent.semconv` runs rankwatch/agent/__init__.py, which
 every module of the package would otherwise "import")."""
 
 import ast

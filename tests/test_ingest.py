@@ -23,8 +23,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from otlp_payloads import T0, post, query
 
-from agent import semconv as sc
-from agent.export import Exporter
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 
 RUN = "run-ingest"
 MS = 1_000_000  # ns

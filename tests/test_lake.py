@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.apiclient import ApiClient, ApiError
+from rankwatch.agent.apiclient import ApiClient, ApiError
 from tests import postgres
 from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, wait_until
 from tests.otlp_payloads import post, step_spans, trace_body

@@ -1,6 +1,6 @@
-"""What is shared lives in leaves: the wire names (agent/semconv.py), the GPU power model
-(agent/gpumodel.py), the files' places (agent/paths.py) and the client of the collector's APIs
-(agent/apiclient.py) each import alone, with the standard library only, so the collector, the
+"""What is shared lives in leaves: the wire names (rankwatch/agent/semconv.py), the GPU power model
+(rankwatch/agent/gpumodel.py), the files' places (rankwatch/agent/paths.py) and the client of the collector's APIs
+(rankwatch/agent/apiclient.py) each import alone, with the standard library only, so the collector, the
 dashboard, the importers and a training host read them without the OpenTelemetry SDK, torch,
 duckdb or numpy. The agent package imports lazily, and `import agent; agent.init()` still works.
 
@@ -19,13 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import config, paths
-from agent import semconv as sc
-from agent.gpumodel import THERMAL, GpuModel
+from rankwatch.agent import config, paths
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.gpumodel import THERMAL, GpuModel
 from trainer import simulate
 from trainer.faults import parse
 
-LEAVES = ("agent.semconv", "agent.gpumodel", "agent.paths", "agent.apiclient")
+LEAVES = ("rankwatch.agent.semconv", "rankwatch.agent.gpumodel", "rankwatch.agent.paths", "rankwatch.agent.apiclient")
 
 # what importing `module` loads beyond the interpreter's start-up: (module names, seconds)
 _LOADS = """
@@ -52,14 +52,17 @@ def test_a_leaf_imports_alone_with_the_standard_library(module):
     outside = [
         m
         for m in loaded
-        if m.partition(".")[0] not in sys.stdlib_module_names and m != "agent" and not m.startswith("agent.")
+        if m.partition(".")[0] not in sys.stdlib_module_names
+        and m not in ("rankwatch", "rankwatch.agent")
+        and not m.startswith("rankwatch.agent.")
     ]
     assert outside == []  # no opentelemetry, torch, duckdb, numpy, httpx, collector...
-    assert {m for m in loaded if m.startswith("agent")} <= {
-        "agent",
-        "agent.config",
-        "agent.paths",
-        "agent.semconv",
+    assert {m for m in loaded if m.startswith("rankwatch")} <= {
+        "rankwatch",
+        "rankwatch.agent",
+        "rankwatch.agent.config",
+        "rankwatch.agent.paths",
+        "rankwatch.agent.semconv",
         module,
     }
 
@@ -67,7 +70,7 @@ def test_a_leaf_imports_alone_with_the_standard_library(module):
 def test_the_agent_package_imports_lazily_and_init_still_works():
     script = """
 import sys, agent
-assert "opentelemetry.sdk" not in sys.modules and "agent.session" not in sys.modules, "eager import"
+assert "opentelemetry.sdk" not in sys.modules and "rankwatch.agent.session" not in sys.modules, "eager import"
 agent.init(run_id="r", collector="http://127.0.0.1:9", token="t", rank=0, world_size=1, cuda=False)
 with agent.step(0):
     with agent.phase("forward"):

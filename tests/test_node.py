@@ -1,4 +1,4 @@
-"""The node's sidecar (`rankwatch node`, agent/node.py): a rank hands it its telemetry and does no encoding
+"""The node's sidecar (`rankwatch node`, rankwatch/agent/node.py): a rank hands it its telemetry and does no encoding
 or export of its own.
 
 Real parts: a `rankwatch node` process on a Unix socket, a real collector, rank processes running the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.apiclient import ApiClient
+from rankwatch.agent.apiclient import ApiClient
 from tests.conftest import rankwatch_cli, wait_until
 from tests.otlp_payloads import query
 
@@ -32,7 +32,7 @@ TOKEN = "test-token-0123456"
 RANK = """
 import os, signal, sys, time
 import torch, torch.distributed as dist
-import agent
+from rankwatch import agent
 
 collector, run_id, steps, then = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[5], rank=0, world_size=1)

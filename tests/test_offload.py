@@ -13,9 +13,9 @@ import pytest
 import torch
 from otlp_payloads import query
 
-import agent
-from agent import semconv as sc
-from agent.session import Session
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.session import Session
 from trainer.offload import SCHEDULES, ActivationsToDisk, Disk, OffloadedAdamW, Spec, groups_of, probe
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import job_collector, rankwatch_cli, rankwatch_in_process
 from otlp_payloads import query
 
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 
 pytestmark = pytest.mark.long
 

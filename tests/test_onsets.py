@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from agent import semconv as sc
 from collector.reports.query import run_remote
+from rankwatch.agent import semconv as sc
 from tests.conftest import rankwatch_in_process, wait_until
 from tests.engine_jobs import MS, exporters, send_steps
 from tests.otlp_payloads import query

@@ -16,13 +16,13 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from agent import semconv as sc
-from agent.apiclient import ApiClient
-from agent.gpumodel import THERMAL, GpuModel, operating_points
-from agent.simdevice import SimulatedDevice
 from collector import ranksets
 from collector.analysis.analyzers import power
 from collector.reports import queryapi
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.apiclient import ApiClient
+from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
+from rankwatch.agent.simdevice import SimulatedDevice
 from tests.conftest import free_port, rankwatch_cli, rankwatch_in_process, simulated_store, wait_until
 from tests.otlp_payloads import query
 from tests.webhook_receiver import Receiver

@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import semconv as sc
-from agent.export import Exporter
 from collector.metrics import runs
 from collector.store.schema import DDL
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_cli, wait_until
 
 RUN, RANKS, STEPS = "sim-prom", 8, 40

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from agent import semconv as sc
-from agent.node import MEMORY_EVENTS_ENV
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.node import MEMORY_EVENTS_ENV
 from tests.otlp_payloads import query
 from tests.test_zero_code import SCRIPT, two_ranks
 

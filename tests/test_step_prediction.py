@@ -16,12 +16,12 @@ from conftest import bench, rankwatch_in_process, simulated_store
 from otlp_payloads import query
 from streamlit.testing.v1 import AppTest
 
-from agent import semconv as sc
-from agent.host import HostState
 from collector.analysis.analyzers import predicted, stragglers
 from collector.predict import stepmodel, steptime
 from collector.predict.stepmodel import Fitted
 from dashboard.source import COLLECTOR_ENV, DB_ENV
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.host import HostState
 from trainer import simulate
 from trainer.faults import parse
 

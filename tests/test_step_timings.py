@@ -25,18 +25,18 @@ import torch.distributed as dist
 from otlp_payloads import query
 from torch.nn.parallel import DistributedDataParallel
 
-from agent.clock import Clock, CpuTimer, CudaTimer
-from agent.collectives import comm_hook
-from agent.session import Session
-from agent.stepspans import BUCKET, bubble
-from agent.timeline import length
+from rankwatch.agent.clock import Clock, CpuTimer, CudaTimer
+from rankwatch.agent.collectives import comm_hook
+from rankwatch.agent.session import Session
+from rankwatch.agent.stepspans import BUCKET, bubble
+from rankwatch.agent.timeline import length
 from tests.conftest import wait_until
 
 MS = 1_000_000  # ns
 
 
 class RecordedTimer(CpuTimer):
-    """The CUDA timer's contract (agent/clock.py) over a recorded timeline: each mark taken is
+    """The CUDA timer's contract (rankwatch/agent/clock.py) over a recorded timeline: each mark taken is
     the next recorded GPU time in ns, in the order the host takes them; all are readable; all on
     one stream."""
 
@@ -56,7 +56,7 @@ class RecordedTimer(CpuTimer):
 
 def ddp_step(session: Session, buckets: int, end_mark=None) -> None:
     """One step's calls in the order DDP's training loop makes them, each bucket's end marked as
-    agent/collectives.py marks it (at once, in the callback of a future NCCL completed when enqueued)."""
+    rankwatch/agent/collectives.py marks it (at once, in the callback of a future NCCL completed when enqueued)."""
     end_mark = end_mark or session.timer.mark
     with session.step(0):
         for name in ("data", "forward"):
@@ -329,7 +329,7 @@ def test_the_exposed_wait_is_split_by_the_mesh_dimension_of_each_collectives_gro
     """A tensor-parallel all-reduce hidden under compute exposes nothing; a data-parallel one that runs
     past the compute exposes its tail: the step's exposed wait is the tail, all of it `dp`'s, none `tp`'s;
     a group of no mesh counts in the whole alone."""
-    from agent.stepspans import ASYNC, Comm, compute_and_wait
+    from rankwatch.agent.stepspans import ASYNC, Comm, compute_and_wait
 
     roles = {"tp-group": "tp", "dp-group": "dp"}
 
@@ -347,7 +347,7 @@ def test_an_async_collective_waited_for_on_the_training_stream_is_not_compute():
     """FSDP's all-gather launched with async_op=True and waited for inside the forward: from the wait to
     its end the stream computes nothing, so that stretch is exposed, and not compute; before the wait it
     is hidden under compute."""
-    from agent.stepspans import ASYNC, Comm, compute_and_wait
+    from rankwatch.agent.stepspans import ASYNC, Comm, compute_and_wait
 
     gather = Comm("all_gather", "dp-group", 2, 0, 0, ASYNC, "dp", None, True, None, 10, 70, waited=40)
     phases = [("forward", 0, 100)]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import semconv as sc
 from collector.analysis.analyzers import Frames
 from collector.analysis.analyzers.stragglers import analyze, judge
+from rankwatch.agent import semconv as sc
 
 RANKS = 32  # four hosts of 8 ranks; four pipeline stages of 8 ranks, spread over the hosts
 

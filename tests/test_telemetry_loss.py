@@ -14,8 +14,8 @@ import requests
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from agent import semconv as sc
-from agent.export import Exporter
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Exporter
 from tests.conftest import Collector, free_port, rankwatch_in_process, wait_until
 from trainer import simulate
 
@@ -295,8 +295,8 @@ def test_rank_steps_a_restarted_collector_gets_late_are_taken_off_the_count(tmp_
     """Rank 5's steps 5-9 wait in its agent's backlog while the collector is killed (-9): the run ends
     and settles with them missing, then they come to the collector started again. Once they are stored
     /metrics counts none missing, though the pass that takes them off settles no new step."""
-    from agent.apiclient import ApiClient
     from collector.reports.queryapi import remote_query
+    from rankwatch.agent.apiclient import ApiClient
 
     def late(rank: int, step: int) -> bool:
         return rank == 5 and 5 <= step <= 9

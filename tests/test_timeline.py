@@ -1,4 +1,4 @@
-"""The exposed-communication arithmetic (agent/timeline.py) on synthetic and recorded timelines.
+"""The exposed-communication arithmetic (rankwatch/agent/timeline.py) on synthetic and recorded timelines.
 
 Covered: union, subtract and clip against a brute-force count on a ns grid
 (hypothesis); the bounds of `exposed` (0 <= exposed <= step, <= the union of
@@ -13,7 +13,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.timeline import clip, exposed, length, serialized, subtract, union
+from rankwatch.agent.timeline import clip, exposed, length, serialized, subtract, union
 
 SETTINGS = settings(max_examples=200, deadline=None)
 interval = st.tuples(st.integers(0, 200), st.integers(0, 60)).map(lambda t: (t[0], t[0] + t[1]))

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-from agent import semconv as sc
-from agent.clock import Clock, CudaTimer
-from agent.collectives import _SIZES, _argument, comm_hook, trace_collectives, untrace_collectives
-from agent.session import Session
-from agent.stepspans import ASYNC, SYNC, spans_of
 from collector.nccl import canonical_op
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.clock import Clock, CudaTimer
+from rankwatch.agent.collectives import _SIZES, _argument, comm_hook, trace_collectives, untrace_collectives
+from rankwatch.agent.session import Session
+from rankwatch.agent.stepspans import ASYNC, SYNC, spans_of
 
 MS = 1_000_000  # ns
 MAIN, SIDE = 7, 8  # stream ids

@@ -63,8 +63,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-import agent
-from agent import semconv as sc
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
 
 log = logging.getLogger(__name__)
 

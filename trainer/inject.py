@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Callable
 
-import agent
+from rankwatch import agent
 from trainer.delays import Delay, WorkTime
 from trainer.faults import Fault
 

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from torch.optim.adamw import adamw
 
-import agent
-from agent import semconv as sc
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
 
 SCHEDULES = ("serial", "overlap")
 PROBE_BYTES = 32 << 20  # large enough to time the disk, not its cache or its latency

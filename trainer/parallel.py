@@ -4,7 +4,7 @@ columns then rows, so one all-reduce each in forward and in backward), FSDP2 (`f
 dp, and pipeline stages over pp run by a real schedule (1F1B) over microbatches.
 
 The mesh's dimensions are named dp, tp and pp: the agent reads each collective's role from them
-(agent/meshes.py). The same code runs on gloo (CPU) and NCCL (CUDA).
+(rankwatch/agent/meshes.py). The same code runs on gloo (CPU) and NCCL (CUDA).
 """
 
 import math

@@ -21,9 +21,9 @@ from datetime import datetime
 
 import torch
 
-import agent
-from agent import semconv as sc
-from agent.commands import steps_apart
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.commands import steps_apart
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 

@@ -14,7 +14,7 @@ spans timed from its entry to their completion, with group, size, sequence
 number and bytes. A thermal fault throttles the clock and raises the
 temperature and the clock-event reasons in the device samples.
 
-Power follows the GPU power model (agent/gpumodel.py): each rank's GPU
+Power follows the GPU power model (rankwatch/agent/gpumodel.py): each rank's GPU
 is busy (load 1) while it computes and idle-ish (`Timing.wait_load`) while it
 loads data or waits in collectives. A power limit (`power_limits`, per rank,
 or the `power-cap:watts=W[,rank=R]` fault, for all ranks or one, over its
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from agent.gpumodel import THERMAL, GpuModel, operating_points
+from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
 from trainer.curve import CURVE_KINDS, Curve, curve
 from trainer.faults import Fault
 
@@ -299,7 +299,7 @@ def to_collector(
     arrive), and heartbeats follow in real time for `hang_for_s` seconds."""
     from opentelemetry.sdk.resources import Resource
 
-    from agent import semconv as sc
+    from rankwatch.agent import semconv as sc
 
     place = topology.placement()
     resources = [
@@ -411,7 +411,7 @@ def device_samples(frame: pd.DataFrame, timing: Timing = Timing(), gpu: GpuModel
     value): clock, temperature and clock-event reasons at the step's end; power and utilization
     busy, in the middle of compute, and waiting, at the step's end; the power limit and the range of
     limits `gpu` accepts at the step's end. No energy counter: the step spans carry each step's energy."""
-    from agent import semconv as sc
+    from rankwatch.agent import semconv as sc
 
     end = frame["end_ns"]
     busy = frame["start_ns"] + ((frame["data_s"] + frame["compute_s"] / 2) * 1e9).astype("int64")
@@ -450,7 +450,7 @@ def tables(
 
 def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:
     """A gradient all-reduce span, with the attributes the agent's collective wrappers record."""
-    from agent import semconv as sc
+    from rankwatch.agent import semconv as sc
 
     return (
         "all_reduce",
@@ -481,7 +481,7 @@ def _heartbeats(exporter, time_ns: int, step: int, phase: np.ndarray) -> None:
     """One heartbeat per rank with the attributes the agent's heartbeat thread sends. `phase` is
     each rank's "data" or "compute", or "" for a rank inside the step's all-reduce (collective
     #step, not done); the others last completed the previous step's all-reduce."""
-    from agent import semconv as sc
+    from rankwatch.agent import semconv as sc
 
     for rank, p in enumerate(phase.tolist()):
         in_allreduce = p == ""

@@ -6,8 +6,8 @@ the rank stands in the mesh.
 
 import torch
 
-import agent
-from agent import semconv as sc
+from rankwatch import agent
+from rankwatch.agent import semconv as sc
 from trainer import parallel
 from trainer.faults import Fault
 from trainer.inject import ComputeFaults

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import agent
-from agent import paths
-from agent import semconv as sc
+from rankwatch import agent
+from rankwatch.agent import paths
+from rankwatch.agent import semconv as sc
 from trainer import offload, rollback
 from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream

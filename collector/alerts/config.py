@@ -24,8 +24,8 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from agent.paths import ALERTS_FILE
 from collector.alerts.webhook import check_url, signing_key
+from rankwatch.agent.paths import ALERTS_FILE
 
 DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"
 _FILTERS = ("analyzers", "kinds", "severities")  # receiver keys, each matched against a label

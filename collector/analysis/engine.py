@@ -33,9 +33,9 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector.analysis.analyzers import Finding, Frames, Tiers
 from collector.analysis.analyzers.registry import ANALYZERS
+from rankwatch.agent import semconv as sc
 
 log = logging.getLogger("rankwatch.analysis")
 

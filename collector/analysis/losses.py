@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import duckdb
 import numpy as np
 
-from agent import semconv as sc
 from collector.analysis.analyzers import gaps
 from collector.analysis.analyzers.gaps import Gaps
 from collector.analysis.engine import RANK_STEPS  # rank-steps a window holds at most, as a pass of the engine
+from rankwatch.agent import semconv as sc
 
 BLOCK_FIELDS = ("first_rank", "last_rank", "first_step", "last_step", "rank_steps")  # a gap's, in JSON
 MARGIN_STEPS = 10

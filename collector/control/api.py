@@ -1,5 +1,5 @@
 """The control API: commands for a running job (rollbacks, power caps), over HTTP, behind the bearer
-tokens, each request open to the scopes named (agent/config.py; the collector's own token has all):
+tokens, each request open to the scopes named (rankwatch/agent/config.py; the collector's own token has all):
 
   GET  /v1/commands?run_id=R[&state=S]   a run's commands, oldest first (ingest, query)
        [&state=pending&wait=W]            held until the run has a pending command, W seconds at most
@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agent.config import CONTROL, INGEST, QUERY
 from collector.control.commands import CommandError, CreateCommand, ListCommands, PendingRuns, UpdateCommand
 from collector.receive import bodies
 from collector.receive.auth import Tokens
+from rankwatch.agent.config import CONTROL, INGEST, QUERY
 
 if TYPE_CHECKING:
     from collector.store.handle import Store

@@ -50,10 +50,10 @@ import pyarrow as pa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent import semconv as sc
 from collector.alerts import outbox
 from collector.receive.decode import MAX_NAME_BYTES
 from collector.store.requests import Context, Request, handles
+from rankwatch.agent import semconv as sc
 
 log = logging.getLogger("rankwatch.metrics")
 ACTIVE_S = 3600  # a run that finished no step for this long has no series

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector.predict import steptime
 from collector.predict.analytic import Analytic
 from collector.predict.baselines import Boosted, Ncpp, Ridge
 from collector.predict.evaluate import held_out, metrics
 from collector.predict.ncpp import Model
 from collector.predict.priors import Median, Prior
+from rankwatch.agent import semconv as sc
 
 MIN_RUNS = 3  # held out one at a time, a fit sees at least two
 RUN = "run_id"  # the column of a fit's table that names each rank-step's run

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector.predict.ncpp import Model
+from rankwatch.agent import semconv as sc
 
 TARGET = "compute_s"
 STALE_S = 5.0

@@ -12,8 +12,17 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from agent.config import CONTROL, QUERY, SCOPES, TOKEN_PREFIX, TokenError, read_token, scoped_token, token_scope
-from agent.paths import TOKEN_FILE
+from rankwatch.agent.config import (
+    CONTROL,
+    QUERY,
+    SCOPES,
+    TOKEN_PREFIX,
+    TokenError,
+    read_token,
+    scoped_token,
+    token_scope,
+)
+from rankwatch.agent.paths import TOKEN_FILE
 
 
 def load_or_create_token(data_dir: Path) -> str:

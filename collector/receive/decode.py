@@ -42,13 +42,13 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent import semconv as sc
 from collector.nccl import bandwidths
 from collector.receive import otlpwire
 from collector.receive.otlp import PROTOBUF, OtlpError, parse
 from collector.receive.otlpwire import json_text, value
 from collector.store.batch import Decoded, Part
 from collector.store.schema import DDL
+from rankwatch.agent import semconv as sc
 
 MAX_ITEMS = 100_000  # resources, scopes and items (and metrics' data points) per request
 MAX_ATTRIBUTES = 128  # per item: the OpenTelemetry SDKs' default attribute count limit

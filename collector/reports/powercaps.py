@@ -12,10 +12,10 @@ from dataclasses import asdict, replace
 
 import duckdb
 
-from agent import semconv as sc
-from agent.gpumodel import GpuModel
 from collector.analysis.analyzers import power
 from collector.store.runs import unknown_run
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.gpumodel import GpuModel
 
 _STEPS = """WITH limits AS (SELECT rank, ts, value FROM device_samples WHERE run_id = $run AND metric = $limit)
             SELECT s.run_id, s.rank, s.step, s.duration_s, s.data_s, s.compute_s, s.comm_wait_s, s.energy_j,

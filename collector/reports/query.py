@@ -26,12 +26,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from agent.apiclient import ApiClient
 from collector import ranksets
 from collector.printable import printable
 from collector.reports import queryapi
 from collector.reports.terminal import markup_safe
 from collector.store.db import connect
+from rankwatch.agent.apiclient import ApiClient
 
 FORMATS = ("table", "csv", "json")
 LIST_ITEMS = 8  # items of a list a table cell shows; CSV and JSON keep every one

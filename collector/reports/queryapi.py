@@ -1,12 +1,13 @@
 """The query API, both ends: `POST /api/v1/query` on the collector, and the call that
-`rankwatch query --collector` and the dashboard make to it (through agent/apiclient.py).
+`rankwatch query --collector` and the dashboard make to it (through rankwatch/agent/apiclient.py).
 
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
     400 {"error"}  not JSON, a field missing or of the wrong type, not one SELECT, or DuckDB refused it
                    (its message whole, with its LINE and caret where it points at the place)
     401 {"error"}  missing or wrong bearer token
-    403 {"error"}  a token without the query scope (agent/config.py: the collector's own, a query or a control token)
+    403 {"error"}  a token without the query scope (rankwatch/agent/config.py: the collector's own, a query
+                   or a control token)
     408 {"error"}  ran past its time limit and was interrupted
     413 {"error"}  a body over MAX_BODY
     503 {"error"}  the store's writer is restarting (Retry-After)
@@ -25,11 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agent.apiclient import ApiClient, ApiError
-from agent.config import QUERY
 from collector.receive import bodies
 from collector.receive.auth import Tokens
 from collector.store import readonly
+from rankwatch.agent.apiclient import ApiClient, ApiError
+from rankwatch.agent.config import QUERY
 
 if TYPE_CHECKING:
     from collector.store.handle import Store

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import duckdb
 
-from agent.paths import SQL_FILES_DIR
 from collector.store import lake, sqlfiles
 from collector.store.requests import Context, Request, handles
 from collector.store.sqlfiles import SqlFiles
+from rankwatch.agent.paths import SQL_FILES_DIR
 
 ROW_CAP = 100_000  # rows a query returns at most; `truncated` says when there were more
 # JSON bytes of rows a query returns at most (`truncated` too): 100,000 rows of a wide table fit, and the

@@ -8,9 +8,9 @@ import shlex
 import pandas as pd
 import streamlit as st
 
-from agent import semconv as sc
 from collector import quantities, ranksets
 from dashboard import charts, ui, units
+from rankwatch.agent import semconv as sc
 
 run = ui.current_run()
 st.title("Power")

@@ -24,11 +24,11 @@ from typing import Any
 
 import pandas as pd
 
-from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import Finding, Frames, Reads
 from collector.quantities import data_size, percent
 from collector.reports.runs import clock
+from rankwatch.agent import semconv as sc
 
 ANALYZER = "failures"
 KIND = "failure"

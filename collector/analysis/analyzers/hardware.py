@@ -12,8 +12,8 @@ from operator import or_
 
 import pandas as pd
 
-from agent import semconv as sc
 from collector import ranksets
+from rankwatch.agent import semconv as sc
 
 SLOWING = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # clock-event reasons that slow compute: power cap, slowdowns, brake
 HELD_SHARE = 0.5  # a GPU is held back when a reason is set in at least this share of its samples

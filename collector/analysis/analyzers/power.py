@@ -21,7 +21,7 @@ median rank is one of the slow ones the others wait for: its slack is only a slo
 among them, and it keeps its limit. The clock a rank needs is
 clock_now * compute / (compute + safety * slack) (its median compute and slack over the
 judged steps), and its cap the power model's power at that clock and its load: the GPU
-power model (agent/gpumodel.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
+power model (rankwatch/agent/gpumodel.py), P = P_idle + (P_max - P_idle) * u * (f / f_max)^3, with u
 the rank's utilization while busy (a high quantile of its samples). A straggler has no slack
 and keeps its limit (as does any slow rank, above); so does a rank that throttles for heat (most
 of its samples): its clock is held by its temperature, not its limit, and a cap at its present
@@ -53,11 +53,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
-from agent.gpumodel import THERMAL, GpuModel, operating_points
 from collector import ranksets
 from collector.analysis.analyzers import Finding
 from collector.quantities import energy, energy_wh, percent, plural, power
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
 
 ANALYZER = "power"
 POWER_METRICS = (sc.POWER_W, sc.POWER_INSTANT_W)

@@ -53,10 +53,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, hardware
 from collector.analysis.analyzers.changepoint import change_point
+from rankwatch.agent import semconv as sc
 
 ANALYZER = "stragglers"
 # the phases a finding blames (evidence `phase`): input (the data wait), or the work itself

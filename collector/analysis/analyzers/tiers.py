@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from agent import semconv as sc
 from collector import ranksets
 from collector.analysis.analyzers import Finding, Frames, Reads, Tiers
 from collector.analysis.analyzers.changepoint import change_point
 from collector.quantities import bandwidth, data_size, duration, percent
+from rankwatch.agent import semconv as sc
 
 ANALYZER = "tiers"
 SWAP_BOUND, SLOW_DISK, CONTENTION, HOST_BOUND = "swap_bound", "slow_disk", "checkpoint_contention", "host_bound"

@@ -19,9 +19,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
-from agent import semconv as sc
 from collector.receive.decode import arrow_schema, conform
 from collector.store.db import connect, create_tables
+from rankwatch.agent import semconv as sc
 
 _CHUNK = 1 << 20  # bytes read at a time by read_at_most
 

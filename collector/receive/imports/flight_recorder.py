@@ -47,9 +47,9 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, canonical_op
 from collector.receive.imports import TraceError, files_of, read_at_most
+from rankwatch.agent import semconv as sc
 
 EVENT = "flight_recorder_dump"
 _RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")

@@ -41,9 +41,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from agent import semconv as sc
 from collector.nccl import DTYPE_BYTES, bandwidths, canonical_op
 from collector.receive.imports import TraceError, files_of, read_at_most
+from rankwatch.agent import semconv as sc
 
 _GPU_OPS = {"kernel": sc.KIND_COMPUTE, "gpu_memcpy": sc.KIND_OTHER, "gpu_memset": sc.KIND_OTHER}
 _LAUNCHES = ("cuda_runtime", "cuda_driver")

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from agent import semconv as sc
 from collector.nccl import canonical_op
 from collector.receive.imports import TraceError
+from rankwatch.agent import semconv as sc
 
 REQUIRED = ("rank", "step", "op", "start", "duration")
 PLACEMENT = ("dp_rank", "pp_stage", "tp_rank")

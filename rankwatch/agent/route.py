@@ -2,7 +2,7 @@
 of one lake, collector/store/lake.py, any of which stores what it is sent and answers for the whole
 lake): the one the host's name picks, so that a node's ranks send to the same collector and the
 load spreads by node; once that one cannot be reached, the next in the list that can, and the
-telemetry waiting for it goes there (agent/export.py's backlogs). A collector the route moved away
+telemetry waiting for it goes there (rankwatch/agent/export.py's backlogs). A collector the route moved away
 from is tried again only when the others cannot be reached either.
 """
 

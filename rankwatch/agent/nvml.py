@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import pynvml
 
-from agent import semconv as sc
-from agent.devices import Device, Reading
-from agent.export import log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.devices import Device, Reading
+from rankwatch.agent.export import log
 
 _UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission)
 _ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId that sums every link

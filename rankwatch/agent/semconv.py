@@ -4,7 +4,7 @@ span kind, event and device metric that crosses the wire.
 The agent writes these names and the collector reads them; both import them
 from here so the two can never drift. docs/telemetry.md documents each one.
 A leaf: it imports nothing, so the collector, the dashboard and the importers
-read the names without loading the agent (agent/__init__.py imports lazily).
+read the names without loading the agent (rankwatch/agent/__init__.py imports lazily).
 """
 
 # Resource attributes: who is talking. Span, data point and log attributes of
@@ -143,7 +143,7 @@ SOURCE = "rankwatch.source"  # "nvml", "simulated" or "rapl"
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
 SOURCE_RAPL = "rapl"
-SOURCE_HOST = "host"  # the rank's process and its host, from /proc (agent/host.py)
+SOURCE_HOST = "host"  # the rank's process and its host, from /proc (rankwatch/agent/host.py)
 # on power samples: which power NVML gave, the instantaneous field or its windowed average
 POWER_KIND = "rankwatch.power.kind"
 POWER_KIND_INSTANT = "instant"
@@ -207,7 +207,7 @@ def clock_event_words(mask: float) -> list[str]:
 HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
 HOST_POWER_W = "hw.power"  # W, averaged since the previous reading
 
-# The rank's process and its host (agent/host.py), what a step's compute time depends on outside the GPU:
+# The rank's process and its host (rankwatch/agent/host.py), what a step's compute time depends on outside the GPU:
 # OpenTelemetry's process and system conventions, and Linux's pressure stall information (PSI) as the
 # share of time some task on the host waited for the CPU, for memory or for I/O since the last reading.
 PROCESS_CPU_UTIL = "process.cpu.utilization"  # the rank's CPU time per second, per CPU it may run on
@@ -218,7 +218,7 @@ PRESSURE_IO = "rankwatch.host.pressure.io"
 PROCESS_READ_BPS = "rankwatch.process.read_bytes_per_s"  # the rank's storage reads (page cache misses), bytes/s
 PROCESS_WRITE_BPS = "rankwatch.process.write_bytes_per_s"  # and the writes it caused to storage
 PROCESS_MAJOR_FAULTS = "rankwatch.process.major_faults_per_s"  # page faults that had to read from storage
-# read by one rank per host (agent/host.py's `host_wide`): the host's disks and the pages waiting for them
+# read by one rank per host (rankwatch/agent/host.py's `host_wide`): the host's disks and the pages waiting for them
 DISK_READ_BPS = "rankwatch.host.disk.read_bytes_per_s"  # all disks together
 DISK_WRITE_BPS = "rankwatch.host.disk.write_bytes_per_s"
 DISK_BUSY = "rankwatch.host.disk.busy"  # the busiest disk's share of time with I/O in flight

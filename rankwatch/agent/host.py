@@ -16,9 +16,9 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
-from agent import semconv as sc
-from agent.devices import Reading
-from agent.export import log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.devices import Reading
+from rankwatch.agent.export import log
 
 PROC, SYS_BLOCK = Path("/proc"), Path("/sys/block")
 SECTOR = 512  # /proc/diskstats counts 512-byte sectors, whatever the disk's own
@@ -49,7 +49,7 @@ def _major_faults(stat: str) -> int:
 
 
 class HostState:
-    """`read()` gives the rank's process and host readings of agent/semconv.py (docs/telemetry.md)."""
+    """`read()` gives the rank's process and host readings of rankwatch/agent/semconv.py (docs/telemetry.md)."""
 
     def __init__(
         self,

@@ -23,8 +23,8 @@ import time
 from collections import deque
 from typing import Any
 
-from agent.apiclient import ApiClient, ApiError
-from agent.route import Route
+from rankwatch.agent.apiclient import ApiClient, ApiError
+from rankwatch.agent.route import Route
 
 log = logging.getLogger("rankwatch.agent")
 # Seconds of training between two looks at most (or one step, when steps are longer): a command
@@ -76,7 +76,7 @@ class Commands:
         wait_s: float = WAIT_S,
     ):
         """`collector`: its URL, or several comma-separated (a lake's collectors, any of which has the
-        run's commands: the one this node's route picks, agent/route.py, then the next that answers).
+        run's commands: the one this node's route picks, rankwatch/agent/route.py, then the next that answers).
         `poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
         most training between two looks (each look is a broadcast over the job's ranks); `wait_s`: how
         long the collector may hold a poll."""

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent import semconv as sc
-from agent.devices import Reading
-from agent.export import log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.devices import Reading
+from rankwatch.agent.export import log
 
 POWERCAP = Path("/sys/class/powercap")
 

@@ -1,2 +1,2 @@
 """The directory `rankwatch run` puts on a job's PYTHONPATH: its `sitecustomize` instruments each
-Python process of the job (agent/auto.py)."""
+Python process of the job (rankwatch/agent/auto.py)."""

@@ -1,7 +1,7 @@
 """A node's sidecar (`rankwatch node`): the telemetry of every rank on the host, exported by one process.
 
 Ranks hand it their finished steps' marks, events and device samples through a Unix socket
-(agent/nodelink.py). It makes the spans (agent/stepspans.py), encodes and exports them through one
+(rankwatch/agent/nodelink.py). It makes the spans (rankwatch/agent/stepspans.py), encodes and exports them through one
 Exporter that speaks for every rank (each trace, event and sample with its rank's resource, as the
 fleet simulator's does), so the ranks' CPUs do none of that work, and it keeps the backlog through a
 collector's outage: a rank that crashes loses nothing it had handed over. Started once per host by
@@ -24,10 +24,10 @@ from typing import Any
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.sdk.resources import Resource
 
-from agent import semconv as sc
-from agent.export import AttributeValue, Exporter, Lost
-from agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, read_frame
-from agent.stepspans import Comm, Move, StepMarks
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import AttributeValue, Exporter, Lost
+from rankwatch.agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, read_frame
+from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid

@@ -4,13 +4,13 @@ A rank resolves its marks (CUDA events, monotonic readings) to wall-clock ns and
 `StepMarks` of plain values: tuples, strings, numbers. Everything after that, the interval
 arithmetic of the exposed communication wait and the spans with their attributes, is this pure
 function, run where the spans are encoded: on the rank's export thread, or in the node's sidecar
-(agent/node.py), off the rank's CPU. Being plain values, the marks cross a socket as they are.
+(rankwatch/agent/node.py), off the rank's CPU. Being plain values, the marks cross a socket as they are.
 """
 
 from typing import NamedTuple
 
-from agent import semconv as sc
-from agent.timeline import clip, exposed, length, serialized, subtract
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.timeline import clip, exposed, length, serialized, subtract
 
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 # the phase a pipeline schedule's step runs in; the forward and backward chunks of the stage inside it

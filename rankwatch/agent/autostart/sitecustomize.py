@@ -1,5 +1,5 @@
 """Run by Python at the start of every process of a job under `rankwatch run` (this directory is on
-its PYTHONPATH): the agent waits for the script to import torch (agent/auto.py). The
+its PYTHONPATH): the agent waits for the script to import torch (rankwatch/agent/auto.py). The
 sitecustomize this one shadows, if the environment has one, runs after it."""
 
 import importlib.machinery
@@ -19,7 +19,7 @@ def _next_sitecustomize() -> None:
 
 if os.environ.get("RANKWATCH_AUTO"):
     try:
-        from agent import auto
+        from rankwatch.agent import auto
 
         auto.install()
     except ImportError as e:  # the job's Python lacks rankwatch: it runs as it would have, and says so

@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent import meshes
-from agent.session import Session
-from agent.stepspans import ASYNC, BUCKET, SYNC
+from rankwatch.agent import meshes
+from rankwatch.agent.session import Session
+from rankwatch.agent.stepspans import ASYNC, BUCKET, SYNC
 
 
 def _nbytes(tensor) -> int:
@@ -192,7 +192,7 @@ def trace_collectives(session: Session) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from agent import functional
+    from rankwatch.agent import functional
 
     groups = group_info(dist, session)
     for name in _TRACED:
@@ -214,7 +214,7 @@ def untrace_collectives() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from agent import functional
+    from rankwatch.agent import functional
 
     for name in _TRACED:
         wrapped = getattr(dist, name, None)

@@ -1,6 +1,6 @@
 """A simulated GPU, for jobs without one: power, clocks, temperature and energy that answer
 load, a power cap and injected thermal throttling the way a real GPU's do (the model:
-agent/gpumodel.py), so that power telemetry and power capping can be exercised end to end on
+rankwatch/agent/gpumodel.py), so that power telemetry and power capping can be exercised end to end on
 CPU. Its samples say `rankwatch.source=simulated`.
 
 Compute at full load runs f_max / f times longer: `compute_scale()`, for a trainer to play out.
@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent import semconv as sc
-from agent.devices import Device, Reading
-from agent.gpumodel import GpuModel, operating_point
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.devices import Device, Reading
+from rankwatch.agent.gpumodel import GpuModel, operating_point
 
 
 class SimulatedDevice(Device):

@@ -1,14 +1,14 @@
 """Pipeline parallelism (torch.distributed.pipelining): a schedule's step as the step's `pipeline`
 phase, and inside it each forward and backward chunk of the rank's stages as `forward` and
 `backward` phases. The time in the schedule that no chunk covers is the stage's bubble (waiting for
-the stages before and after it; agent/session.py). The sends and receives between stages are traced
-with the other collectives (agent/collectives.py).
+the stages before and after it; rankwatch/agent/session.py). The sends and receives between stages are traced
+with the other collectives (rankwatch/agent/collectives.py).
 """
 
 import functools
 
-from agent.session import Session
-from agent.stepspans import PIPELINE
+from rankwatch.agent.session import Session
+from rankwatch.agent.stepspans import PIPELINE
 
 _CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "backward"}
 

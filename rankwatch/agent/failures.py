@@ -2,10 +2,10 @@
 
 An exception that reaches the top of the process (Ctrl-C, and SIGTERM where the script takes it as
 Ctrl-C as the reference trainer does, among them) or an `os._exit` with a nonzero code becomes one
-`rank_failed` event (agent/semconv.py) with its cause, the step the rank was in and, for an exception,
+`rank_failed` event (rankwatch/agent/semconv.py) with its cause, the step the rank was in and, for an exception,
 its stack; then the session shuts down, handing over (or exporting) what the rank recorded. What ends
 a rank without a word (SIGKILL, a crash, a SIGTERM left at its default) is told by its node's sidecar
-(agent/node.py), which sees its link close without a goodbye. SIGTERM is not taken here: a Python
+(rankwatch/agent/node.py), which sees its link close without a goodbye. SIGTERM is not taken here: a Python
 handler runs only once the main thread is back in the interpreter, and a rank blocked in a collective
 whose peer died would then wait out torchrun's grace period for SIGKILL instead of ending at once.
 
@@ -21,8 +21,8 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from agent import semconv as sc
-from agent.export import log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import log
 
 SHUTDOWN_S = 5.0  # how long a failing rank waits for its telemetry to be handed over
 MAX_STACK_CHARS = 16_384  # the stack's end, where the failure is

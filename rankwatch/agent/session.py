@@ -5,7 +5,7 @@ when the step ends it waits in `pending` until its marks are readable, then
 becomes one `step` span with `phase` and `comm` children. Nothing here
 blocks the training loop: GPU marks are read when the GPU has passed them,
 and export happens in the SDK's background thread. The step's exposed
-communication wait is interval arithmetic over its marks (agent/timeline.py).
+communication wait is interval arithmetic over its marks (rankwatch/agent/timeline.py).
 """
 
 import json
@@ -18,16 +18,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agent import semconv as sc
-from agent.clock import Clock, CpuTimer, Timer
-from agent.config import UNDELIVERED_ENV, simulate_gpu
-from agent.export import AttributeValue, Exporter, SeverityNumber, log
-from agent.host import HostState
-from agent.nodelink import NodeLink, node_socket
-from agent.opendevice import open_device
-from agent.rapl import Rapl
-from agent.sampler import Sampler
-from agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.clock import Clock, CpuTimer, Timer
+from rankwatch.agent.config import UNDELIVERED_ENV, simulate_gpu
+from rankwatch.agent.export import AttributeValue, Exporter, SeverityNumber, log
+from rankwatch.agent.host import HostState
+from rankwatch.agent.nodelink import NodeLink, node_socket
+from rankwatch.agent.opendevice import open_device
+from rankwatch.agent.rapl import Rapl
+from rankwatch.agent.sampler import Sampler
+from rankwatch.agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
 HOST_SAMPLE_S = 1.0  # the sampler's period on a rank without a GPU
@@ -90,7 +90,7 @@ class _Step:
 
 
 class Session:
-    """Telemetry of one rank; see agent/__init__.py for the public functions."""
+    """Telemetry of one rank; see rankwatch/agent/__init__.py for the public functions."""
 
     def __init__(
         self,
@@ -107,7 +107,9 @@ class Session:
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
         self.timer: Timer = timer or CpuTimer()
-        self.roles: dict[str, str] = {}  # process group name -> its DeviceMesh dimension (agent/collectives.py)
+        self.roles: dict[
+            str, str
+        ] = {}  # process group name -> its DeviceMesh dimension (rankwatch/agent/collectives.py)
         attributes = {
             sc.RUN_ID: run_id,
             sc.RANK: rank,
@@ -130,7 +132,7 @@ class Session:
         if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
             readers.append(rapl)
         # a step held for its energy goes out once sampled past, not only at the next step's end; without a
-        # GPU there is no energy to wait for, and the host's readings change once a second (agent/host.py)
+        # GPU there is no energy to wait for, and the host's readings change once a second (rankwatch/agent/host.py)
         period_s = sample_s if self.device is not None else max(sample_s, HOST_SAMPLE_S)
         self.sampler = (
             Sampler(readers, self.exporter.samples, period_s, now_ns=self.clock.now_ns, on_sample=self._emit_ready)
@@ -258,7 +260,7 @@ class Session:
             self.exporter.event(name, self.clock.now_ns(), attrs)
 
     def fail(self, cause: str, body: str, attributes: dict) -> None:
-        """The rank ends on a failure (agent/failures.py): said, with the step it was in, instead of `ended`."""
+        """The rank ends on a failure (failures.py): said, with the step it was in, instead of `ended`."""
         self._ended = True
         if self.exporter:
             attrs = {**attributes, **({sc.STEP: self._last_step} if self._last_step is not None else {})}
@@ -324,7 +326,7 @@ class Session:
         )
 
     def _emit(self, s: _Step) -> None:
-        """The step's marks placed on the wall clock and released, then its spans sent (agent/stepspans.py:
+        """The step's marks placed on the wall clock and released, then its spans sent (rankwatch/agent/stepspans.py:
         made here, or by the node's sidecar where the rank hands its marks to one)."""
         start = self.timer.to_wall(self.clock, s.start)
         between = self.timer.between

@@ -1,5 +1,5 @@
 """The GPU power model: how a GPU's power, clock and clock-event reasons answer its load, a power
-limit and thermal throttling. One definition for the simulated GPU (agent/simdevice.py), the fleet
+limit and thermal throttling. One definition for the simulated GPU (rankwatch/agent/simdevice.py), the fleet
 simulator (trainer/simulate.py) and the power analyzer's prediction for caps
 (collector/analysis/analyzers/power.py). A leaf: semconv and the standard library (numpy only inside
 `operating_points`), so every one of them imports it without the others' machinery.
@@ -19,7 +19,7 @@ T = T_ambient + k · P.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agent import semconv as sc
+from rankwatch.agent import semconv as sc
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,6 +1,6 @@
 """Zero-code instrumentation: the agent in an unmodified training script (`rankwatch run`).
 
-`rankwatch run -- torchrun ... train.py` puts agent/autostart/ on PYTHONPATH: its sitecustomize
+`rankwatch run -- torchrun ... train.py` puts rankwatch/agent/autostart/ on PYTHONPATH: its sitecustomize
 calls `install()` in every Python process of the job, which waits for the script to import torch
 (a light import hook: a process that never imports torch, such as a tool the script shells out to,
 pays nothing) and then hooks what any PyTorch loop does:
@@ -45,7 +45,7 @@ import importlib.machinery
 import sys
 from typing import Any
 
-import agent
+from rankwatch import agent
 
 ENV = "RANKWATCH_AUTO"  # set by `rankwatch run`: instrument this job
 UNSCALED = "_rankwatch_unscaled"  # on a loss a grad scaler scaled: the loss before it
@@ -107,7 +107,7 @@ class _Driver:
 
     def pipeline_step(self, step, schedule, args, kwargs):
         """A pipeline schedule's `step`: the `pipeline` phase, its stages' chunks inside it."""
-        from agent import pipeline
+        from rankwatch.agent import pipeline
 
         try:
             if self.root is None:  # the session starts here, on every rank alike (its clock's alignment is a
@@ -231,7 +231,7 @@ def _instrument() -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from agent import meshes
+    from rankwatch.agent import meshes
 
     driver = _Driver()
     driver.until_root = [

@@ -1,17 +1,17 @@
 """The GPU a rank reads and may power-cap, real (NVML) or simulated: the contract both keep
-(agent/opendevice.py picks which one a rank gets).
+(rankwatch/agent/opendevice.py picks which one a rank gets).
 
 Both kinds share one contract, so the sampler, the agent and a power-cap
 command need not ask which they hold: `read()` gives the device metrics of
-agent/semconv.py, and the cap is always clamped to what the GPU accepts and
+rankwatch/agent/semconv.py, and the cap is always clamped to what the GPU accepts and
 put back as it was when the job ends.
 """
 
 import atexit
 from abc import ABC, abstractmethod
 
-from agent import semconv as sc
-from agent.export import Attributes, log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.export import Attributes, log
 
 Reading = tuple[str, float, Attributes]  # metric, value, attributes (the sampler adds the time)
 

@@ -49,10 +49,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from agent import semconv as sc
-from agent.config import TokenRefused
-from agent.route import Route
-from agent.stepspans import StepMarks, spans_of
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.config import TokenRefused
+from rankwatch.agent.route import Route
+from rankwatch.agent.stepspans import StepMarks, spans_of
 
 SCOPE = "rankwatch.agent"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -594,7 +594,7 @@ class Exporter:
         senders: int = 1,
     ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.route = Route.of(endpoint)  # one collector, or one of several (agent/route.py)
+        self.route = Route.of(endpoint)  # one collector, or one of several (rankwatch/agent/route.py)
         self.resource = Resource.create(dict(resource))
         self._paced = paced
         self.losses = Losses()
@@ -716,7 +716,7 @@ class Exporter:
         return SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
 
     def step(self, marks: StepMarks, resource: Resource | None = None) -> None:
-        """Record one finished step from its marks (agent/stepspans.py), on the caller's thread."""
+        """Record one finished step from its marks (rankwatch/agent/stepspans.py), on the caller's thread."""
         self.trace(spans_of(marks), resource)
 
     def event(

@@ -1,14 +1,14 @@
-"""A rank's link to its node's sidecar (`rankwatch node`, agent/node.py), and the wire between them.
+"""A rank's link to its node's sidecar (`rankwatch node`, rankwatch/agent/node.py), and the wire between them.
 
 A rank that has a sidecar does not encode or export anything: it sends each finished step's marks
-(agent/stepspans.py: plain tuples of wall-clock ns) as a frame on a Unix socket at once, where the
+(rankwatch/agent/stepspans.py: plain tuples of wall-clock ns) as a frame on a Unix socket at once, where the
 socket takes it without waiting, so that what the rank finished is the sidecar's whatever becomes of
 the rank; its events and device samples, and a step the socket could not take, are queued, and a
 thread of the link hands them over every SPANS_DELAY_MS. A frame is `marshal` of plain values
 (microseconds for a step; OTLP protobuf would cost the rank ~25 µs a span). The sidecar makes
 the spans, encodes and exports them, and keeps the backlog through a collector's outage, so what a
 rank recorded outlives the rank. Where the sidecar goes away mid-job, the rank says so once and
-exports on its own (agent/export.py) from then on, from the frame that could not be written.
+exports on its own (rankwatch/agent/export.py) from then on, from the frame that could not be written.
 
 A frame is a 4-byte little-endian length, then `marshal.dumps((kind, body))`. The socket lives in the
 job's private (0700) directory and the sidecar takes frames from its own user alone (SO_PEERCRED): what
@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agent.config import NODE_ENV
-from agent.export import SPANS_DELAY_MS, Attributes, Exporter, Lost
-from agent.stepspans import StepMarks
+from rankwatch.agent.config import NODE_ENV
+from rankwatch.agent.export import SPANS_DELAY_MS, Attributes, Exporter, Lost
+from rankwatch.agent.stepspans import StepMarks
 
 log = logging.getLogger("rankwatch.agent")
 
@@ -68,7 +68,7 @@ def plain(marks: StepMarks) -> tuple:
 
 
 class NodeLink:
-    """What a rank's session exports through (the surface of agent/export.py's Exporter that a session
+    """What a rank's session exports through (the surface of rankwatch/agent/export.py's Exporter that a session
     uses), handed to the sidecar at `path`. `fallback()` makes the exporter the rank uses if the
     sidecar goes away."""
 

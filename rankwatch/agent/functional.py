@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from agent.session import Session
-from agent.stepspans import SYNC
+from rankwatch.agent.session import Session
+from rankwatch.agent.stepspans import SYNC
 
 # name -> (op on the wire, the position of its group argument, bytes of its input given the group size n)
 _FUNCTIONS: dict[str, tuple[str, int, Callable[[int, int], int]]] = {

@@ -17,9 +17,9 @@ from contextlib import suppress
 from operator import itemgetter
 from typing import Protocol
 
-from agent import semconv as sc
-from agent.devices import Reading
-from agent.export import Attributes, log
+from rankwatch.agent import semconv as sc
+from rankwatch.agent.devices import Reading
+from rankwatch.agent.export import Attributes, log
 
 Point = tuple[str, int, float, Attributes]  # metric, time ns, value, attributes: Exporter.samples' shape
 STUCK_NS = 10**9  # a sampler this late is not waited for

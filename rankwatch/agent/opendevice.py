@@ -1,14 +1,14 @@
 """Which GPU a rank gets: NVML's when the driver answers, else a simulated one where asked for
 (`--simulate-gpu`), else none: a job on CPUs has no GPU telemetry to invent.
 
-Apart from agent/devices.py, the contract that agent/nvml.py and agent/simdevice.py
+Apart from rankwatch/agent/devices.py, the contract that rankwatch/agent/nvml.py and rankwatch/agent/simdevice.py
 build on, so that the contract imports neither.
 """
 
 from collections.abc import Callable
 
-from agent.devices import Device
-from agent.export import log
+from rankwatch.agent.devices import Device
+from rankwatch.agent.export import log
 
 
 def open_device(
@@ -19,8 +19,8 @@ def open_device(
     None. Logs which, and why."""
     import pynvml  # on first use, as before: importing the agent loads no NVML binding
 
-    from agent.nvml import NvmlDevice
-    from agent.simdevice import SimulatedDevice
+    from rankwatch.agent.nvml import NvmlDevice
+    from rankwatch.agent.simdevice import SimulatedDevice
 
     try:
         device = NvmlDevice(local_index)

@@ -1,5 +1,5 @@
 """Where a rank finds its collector, token and run id: arguments, then the environment,
-then the defaults a newcomer gets (which the collector shares). Files: agent/paths.py."""
+then the defaults a newcomer gets (which the collector shares). Files: rankwatch/agent/paths.py."""
 
 import base64
 import hashlib
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent import paths
+from rankwatch.agent import paths
 
 DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
 COLLECTOR_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_COLLECTOR", "RANKWATCH_TOKEN", "RANKWATCH_TOKEN_FILE"
@@ -32,7 +32,7 @@ class UrlError(ValueError):
 
 def collector_urls(explicit: str | None = None) -> str:
     """Given, $RANKWATCH_COLLECTOR, or the default: one collector URL, or several comma-separated (the
-    collectors of one lake: a rank sends to one of them, agent/route.py); each checked (`checked_url`),
+    collectors of one lake: a rank sends to one of them, rankwatch/agent/route.py); each checked (`checked_url`),
     so that a typo is one line here rather than a connection error from deep inside a client."""
     given, where = (explicit, "--collector") if explicit else (os.environ.get(COLLECTOR_ENV), f"${COLLECTOR_ENV}")
     if not given:
