@@ -21,8 +21,9 @@ import pytest
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.node import MEMORY_EVENTS_ENV
+from tests.conftest import rankwatch_cli
 from tests.otlp_payloads import query
-from tests.test_zero_code import SCRIPT, two_ranks
+from tests.test_zero_code import SCRIPT, TORCHRUN, two_ranks
 
 pytestmark = pytest.mark.long
 
@@ -80,6 +81,27 @@ def test_a_rank_killed_without_a_word_is_told_by_its_sidecar(collector):
 def test_a_rank_exiting_with_a_code_tells_it(collector):
     _, attributes, _ = died(collector, "died-exit", "exit")[1]
     assert (attributes[sc.FAILURE_CAUSE], attributes[sc.FAILURE_EXIT_CODE]) == (sc.CAUSE_EXIT, 3)
+
+
+def test_a_failed_attempt_that_torchrun_restarts_is_told_as_such(collector, tmp_path):
+    """torchrun restarts the job once after rank 1's failure (the script trains from its start again): the
+    failure is the first attempt's, and the run's analysis says a restart followed."""
+    dying = ("--die-rank", "1", "--die-at", str(AT), "--die-how", "oom", "--die-once")
+    job = rankwatch_cli(
+        *("run", "--collector", collector.url, "--run", "restarted", "--", TORCHRUN, "--standalone"),
+        *("--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), "--steps", "20", *dying),
+        # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the address its
+        # peer had before the restart and fail to connect (pytorch/pytorch#135712), as `rankwatch train` sets it
+        env={"RANKWATCH_TOKEN": collector.token, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )
+    collector.stop()
+    assert job.returncode == 0, job.stderr[-3000:]
+    told = failures(collector, "restarted")
+    assert told[1][1][sc.FAILURE_CAUSE] == sc.CAUSE_OUT_OF_MEMORY and told[1][1][sc.ATTEMPT] == 0, told
+    analyzed = rankwatch_cli("analyze", "restarted", "--db", str(collector.db), "--json")
+    assert analyzed.returncode == 0, analyzed.stderr
+    (failure,) = [f for f in json.loads(analyzed.stdout)["findings"] if f["kind"] == "failure"]
+    assert (failure["ranks"], failure["evidence"]["attempt"], failure["evidence"]["restarted"]) == ([1], 0, True)
 
 
 def test_a_rank_gone_while_the_oom_killer_killed_is_told_out_of_memory(collector, tmp_path):

@@ -6,7 +6,7 @@ that whatever instruments it must never sync. Rank --slow-rank sleeps in its for
 slowness, as a slow GPU's would be. Rank --slow-loader waits 50 ms for each batch from step --slow-from
 on, as behind a slow data loader. Rank --die-rank fails as it begins step --die-at, as --die-how says: raising
 CUDA's out-of-memory error, killed (SIGKILL, as the kernel's OOM killer or a failing node kills), or exiting
-with code 3 (os._exit)."""
+with code 3 (os._exit); with --die-once, in torchrun's first attempt only (a restart then trains on)."""
 
 import argparse
 import os
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-at", type=int, default=0)
     parser.add_argument("--die-how", choices=("oom", "kill", "exit"), default="oom")
+    parser.add_argument("--die-once", action="store_true", help="in the first attempt only (torchrun's restarts)")
     args = parser.parse_args()
     device = torch.device("cpu")
     if args.cuda:
@@ -57,7 +58,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.MSELoss()
     for step in range(args.steps):
-        if rank == args.die_rank and step == args.die_at:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if rank == args.die_rank and step == args.die_at and (first_attempt or not args.die_once):
             die(args.die_how)
         if args.sync_check and step == 3:
             torch.cuda.set_sync_debug_mode("error")
