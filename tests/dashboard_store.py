@@ -53,6 +53,8 @@ LOADER = {
 # one process, whose optimizer steps on the host's CPUs for 40 ms of each 100 ms step; its copies between
 # tiers report no size
 SOLO = {"run": "run-one-process", "steps": 30, "host_optimizer_s": 0.040, "step_s": 0.100}
+# rank 2 killed by the kernel's OOM killer as it began step 12; torchrun stopped the others
+FAILED = {"run": "run-failed", "ranks": 4, "steps": 12, "rank": 2, "host": "node-b"}
 ENDED = {"run": "run-ended", "ranks": 4, "steps": 40, "slow": 2, "from": 10}  # rank 2 computes 2x from step 10
 # two ranks' PyTorch profiler traces (tests/data/kineto), imported: a run no agent sent
 IMPORTED = {"run": "imported-kineto", "traces": ("sampled_rank-0.json.gz", "sampled_rank-1.json.gz")}
@@ -85,6 +87,7 @@ def build(directory: Path) -> Path:
             _ended_run(collector)
             _loader_run(collector)
             _solo_run(collector)
+            _failed_run(collector)
         finally:
             collector.stop()
     traces = [str(Path(__file__).parent / "data" / "kineto" / name) for name in IMPORTED["traces"]]
@@ -187,6 +190,33 @@ def _ended_run(collector: Collector) -> None:
         exporter.flush()
     held = f"SELECT count(*) FROM findings WHERE run_id = '{ENDED['run']}' AND state = 'ended'"
     wait_until(lambda: run_remote(collector.url, collector.token, held)[1][0][0], "the run's findings did not end")
+    for exporter in sending.values():
+        exporter.shutdown()
+
+
+def _failed_run(collector: Collector) -> None:
+    """Steps 0-11 of every rank, then rank 2 gone without a word as the OOM killer killed (its sidecar tells),
+    and the others stopped with the job after it."""
+    sending = {
+        rank: Exporter(
+            collector.url,
+            collector.token,
+            {sc.RUN_ID: FAILED["run"], sc.RANK: rank, sc.WORLD_SIZE: FAILED["ranks"], sc.HOST_NAME: FAILED["host"]},
+        )
+        for rank in range(FAILED["ranks"])
+    }
+    t0 = time.time_ns() - 20_000 * MS
+    send_steps(sending, range(FAILED["steps"]), t0)
+    failed_at = t0 + FAILED["steps"] * 100 * MS
+    for rank, exporter in sending.items():
+        killed = rank == FAILED["rank"]
+        cause = sc.CAUSE_KILLED_OUT_OF_MEMORY if killed else sc.CAUSE_TERMINATED
+        said = "killed: the kernel's OOM killer killed" if killed else f"stopped after rank {FAILED['rank']} failed"
+        attributes = {sc.STEP: FAILED["steps"], sc.FAILURE_CAUSE: cause, sc.ATTEMPT: 0}
+        exporter.event(sc.EVENT_RANK_FAILED, failed_at + (0 if killed else 200 * MS), attributes, said)
+        exporter.flush()
+    found = f"SELECT count(*) FROM findings WHERE run_id = '{FAILED['run']}' AND kind = 'failure'"
+    wait_until(lambda: run_remote(collector.url, collector.token, found)[1][0][0], "no failure finding")
     for exporter in sending.values():
         exporter.shutdown()
 

@@ -340,6 +340,7 @@ def test_every_collector_url_goes_through_one_parser(url, message, tmp_path, cap
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("train",): ["train"],
         ("run",): ["run"],  # (its job's command would follow --collector, after --)
+        ("node",): ["node", "--socket", str(tmp_path / "node.sock")],
         ("runs",): ["runs"],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2"],
     }

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.dashboard_store import ENDED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN
+from tests.dashboard_store import ENDED, FAILED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = (
@@ -44,6 +44,7 @@ PAGES = [
     ("", IMPORTED["run"], "slowdown 1.06x, pattern worker (rank 1)", 0),  # an imported profiler trace
     ("", ENDED["run"], "stragglers / rank", 1),  # a run that ended with a straggler to its end
     ("stragglers", LOADER["run"], "Rank 1 loses the time in input wait (data loading)", 3),  # a slow data loader
+    ("", FAILED["run"], f"Failed. Rank {FAILED['rank']} killed", 0),  # a rank the OOM killer killed
 ]
 
 pytestmark = pytest.mark.skipif(

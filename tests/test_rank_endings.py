@@ -49,12 +49,9 @@ def died(collector, run_id: str, how: str) -> dict[int, tuple]:
     assert job.returncode != 0, job.stderr[-2000:]
     told = failures(collector, run_id)
     assert set(told) == {0, 1}, told
-    _, attributes, body = told[0]
-    assert attributes[sc.FAILURE_CAUSE] in (sc.CAUSE_TERMINATED, sc.CAUSE_EXCEPTION), told[0]
-    if attributes[sc.FAILURE_CAUSE] == sc.CAUSE_TERMINATED:
-        assert "after rank 1 failed" in body, body
-    else:
-        assert "peer" in attributes[sc.FAILURE_MESSAGE], attributes  # gloo's: connection closed, or reset, by peer
+    _, attributes, body = told[0]  # stopped: by torchrun's SIGTERM (told by the sidecar), or its collective raised
+    assert attributes[sc.FAILURE_CAUSE] == sc.CAUSE_TERMINATED, told[0]
+    assert "after rank 1 failed" in body or "by peer" in attributes.get(sc.FAILURE_MESSAGE, ""), told[0]
     assert told[1][0] == AT, told[1]
     finished = query(collector.db, "SELECT step FROM steps WHERE run_id = ? AND rank = 1 ORDER BY step", [run_id])
     assert [s for (s,) in finished] == list(range(AT)), finished
@@ -84,24 +81,31 @@ def test_a_rank_exiting_with_a_code_tells_it(collector):
 
 
 def test_a_failed_attempt_that_torchrun_restarts_is_told_as_such(collector, tmp_path):
-    """torchrun restarts the job once after rank 1's failure (the script trains from its start again): the
-    failure is the first attempt's, and the run's analysis says a restart followed."""
+    """torchrun restarts the job after rank 1's failure (the script trains from its start again): the failure is
+    the first attempt's, and the run's analysis says a restart followed. (Up to two restarts: on a loaded machine
+    a restarted gloo group may fail to connect once, which is then a later attempt's failure of its own.)"""
     dying = ("--die-rank", "1", "--die-at", str(AT), "--die-how", "oom", "--die-once")
     job = rankwatch_cli(
         *("run", "--collector", collector.url, "--run", "restarted", "--", TORCHRUN, "--standalone"),
-        *("--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), "--steps", "20", *dying),
+        *("--nproc-per-node", "2", "--max-restarts", "2", str(SCRIPT), "--steps", "20", *dying),
         # a fresh store for each attempt: in the rendezvous' shared one, a restarted rank may read the address its
         # peer had before the restart and fail to connect (pytorch/pytorch#135712), as `rankwatch train` sets it
         env={"RANKWATCH_TOKEN": collector.token, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
     collector.stop()
     assert job.returncode == 0, job.stderr[-3000:]
-    told = failures(collector, "restarted")
-    assert told[1][1][sc.FAILURE_CAUSE] == sc.CAUSE_OUT_OF_MEMORY and told[1][1][sc.ATTEMPT] == 0, told
+    first = query(
+        collector.db,
+        "SELECT attrs FROM events WHERE run_id = 'restarted' AND event = ? AND rank = 1 ORDER BY ts LIMIT 1",
+        [sc.EVENT_RANK_FAILED],
+    )
+    told = json.loads(first[0][0])
+    assert (told[sc.FAILURE_CAUSE], told[sc.ATTEMPT]) == (sc.CAUSE_OUT_OF_MEMORY, 0), told
     analyzed = rankwatch_cli("analyze", "restarted", "--db", str(collector.db), "--json")
     assert analyzed.returncode == 0, analyzed.stderr
-    (failure,) = [f for f in json.loads(analyzed.stdout)["findings"] if f["kind"] == "failure"]
-    assert (failure["ranks"], failure["evidence"]["attempt"], failure["evidence"]["restarted"]) == ([1], 0, True)
+    found = [f for f in json.loads(analyzed.stdout)["findings"] if f["kind"] == "failure"]
+    (attempt_0,) = [f for f in found if f["evidence"]["attempt"] == 0]
+    assert (attempt_0["ranks"], attempt_0["evidence"]["restarted"]) == ([1], True)
 
 
 def test_a_rank_gone_while_the_oom_killer_killed_is_told_out_of_memory(collector, tmp_path):

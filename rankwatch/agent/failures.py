@@ -15,6 +15,7 @@ its own, waited for SHUTDOWN_S at most. `close()` puts both back.
 """
 
 import os
+import re
 import sys
 import threading
 import traceback
@@ -27,6 +28,11 @@ from rankwatch.agent.export import log
 SHUTDOWN_S = 5.0  # how long a failing rank waits for its telemetry to be handed over
 MAX_STACK_CHARS = 16_384  # the stack's end, where the failure is
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of the workers' restarts
+# what a collective raises when a peer died (gloo's "Connection closed by peer", NCCL's aborted communicator)
+_PEER_GONE = re.compile(
+    r"(closed|reset) by peer|remote (process|worker) (exited|crashed)|communicator was aborted|broken pipe",
+    re.IGNORECASE,
+)
 
 
 def attempt() -> int:
@@ -43,11 +49,12 @@ def attempted() -> dict[str, int]:
 
 
 def cause_of(error: BaseException) -> str:
-    """Out of memory (torch's OutOfMemoryError, MemoryError, an error saying so), interrupted (Ctrl-C, or
-    SIGTERM where the script takes it as Ctrl-C), or another exception."""
+    """Out of memory (torch's OutOfMemoryError, MemoryError, an error saying so); stopped with the job
+    (Ctrl-C, SIGTERM where the script takes it as Ctrl-C, or a collective raising as a peer's connection
+    closed: the job failed elsewhere first); or another exception."""
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         return sc.CAUSE_OUT_OF_MEMORY
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, KeyboardInterrupt) or _PEER_GONE.search(str(error)[:2000]):
         return sc.CAUSE_TERMINATED
     if "out of memory" in str(error)[:500].lower():  # a RuntimeError from an older torch, or NCCL's
         return sc.CAUSE_OUT_OF_MEMORY

@@ -125,7 +125,8 @@ class Node:
                     event, time_ns, attributes, text, severity = body
                     if event == sc.EVENT_RANK_FAILED:
                         told = True
-                        self._ended(resource, time_ns)
+                        if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own
+                            self._ended(resource, time_ns)
                     if isinstance(at := attributes.get(sc.STEP), int):
                         step = max(step or 0, at)
                     exporter.event(event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource)
@@ -145,16 +146,17 @@ class Node:
             self._gone(resource, step, finished, oom_kills)
 
     def _ended(self, resource: Resource, time_ns: int) -> None:
-        """A rank of the run ended other than cleanly, at `time_ns`."""
+        """A rank of the run failed of its own (not stopped with the job), or went silent, at `time_ns`."""
         with self._lock:
             self._failed.setdefault(resource.attributes.get(sc.RUN_ID), []).append(
                 (time_ns, resource.attributes.get(sc.RANK))
             )
 
     def _gone(self, resource: Resource, step: int | None, finished: int | None, oom_kills: int | None) -> None:
-        """A rank's `rank_failed` for it: stopped with its job where a rank of the run failed before it on this
-        node (torchrun ends the others' processes then); else killed, by the kernel's OOM killer where its
-        count rose meanwhile."""
+        """A rank's `rank_failed` for it: stopped with its job where a rank of the run failed of its own, or went
+        silent, before it on this node (torchrun ends the others' processes then); else killed, by the kernel's
+        OOM killer where its count rose meanwhile. (A rank stopped with the job does not count: a collective
+        raising as its peer's connection closed may be told before the peer's silence is seen.)"""
         run_id, pid = resource.attributes.get(sc.RUN_ID), resource.attributes.get(sc.PROCESS_PID)
         with self._lock:
             _, first = min(self._failed[run_id], key=lambda ended: ended[0])

@@ -102,7 +102,9 @@ EVENT_RANK_FAILED = "rank_failed"
 FAILURE_CAUSE = "rankwatch.failure.cause"
 CAUSE_EXCEPTION = "exception"  # a Python exception ended the rank (type, message, and its stack as the body)
 CAUSE_OUT_OF_MEMORY = "out_of_memory"  # an exception saying the GPU's (or host's) memory ran out
-CAUSE_TERMINATED = "terminated"  # a signal asked it to stop (SIGTERM, SIGINT: torchrun tearing a failed job down)
+# stopped with the job, which failed elsewhere first: a signal asked it to stop (torchrun tearing a failed job
+# down), or its collective raised as a peer's connection closed (the exception's type and message kept)
+CAUSE_TERMINATED = "terminated"
 CAUSE_EXIT = "exit"  # it exited with a nonzero code (os._exit, sys.exit)
 CAUSE_KILLED = "killed"  # gone without a word: SIGKILL, a crash (seen by the sidecar)
 CAUSE_KILLED_OUT_OF_MEMORY = "killed_out_of_memory"  # gone without a word as the kernel's OOM killer killed
