@@ -26,12 +26,13 @@ from opentelemetry.sdk.resources import Resource
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import AttributeValue, Exporter, Lost
-from rankwatch.agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, read_frame
+from rankwatch.agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, take_frames
 from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 MEMORY_EVENTS_ENV = "RANKWATCH_MEMORY_EVENTS"  # where the OOM killer's count is read, where not the cgroup's own
+READ_EVERY_S = 0.05  # how often a rank's link is read at most: what it sent waits in the socket, safe from its death
 SETTLE_S = 1.0  # how long a rank gone without a word waits for its peers' ends to be known, to tell whose was first
 SAMPLE_BATCHES = 1024  # device sample batches waiting for export (a batch a second from each rank)
 
@@ -107,37 +108,41 @@ class Node:
         resource: Resource | None = None
         exporter = self.exporter
         finished, step, told, oom_kills = None, None, False, self._oom_kills()  # step: the one it is in, last said
-        with conn, conn.makefile("rb") as stream:
-            while (frame := self._read(stream)) is not None:
-                kind, body = frame
-                if kind == HELLO:
-                    resource = Resource.create(dict(body))
-                    self.ranks[id(conn)] = resource
-                elif resource is None:
-                    log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
-                    return
-                elif kind == STEPS:
-                    for marks in body:
-                        exporter.step(_marks(marks), resource)
-                    last = max(marks[0] for marks in body)
-                    finished = last if finished is None else max(finished, last)
-                elif kind == EVENT:
-                    event, time_ns, attributes, text, severity = body
-                    if event == sc.EVENT_RANK_FAILED:
-                        told = True
-                        if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own
-                            self._ended(resource, time_ns)
-                    if isinstance(at := attributes.get(sc.STEP), int):
-                        step = max(step or 0, at)
-                    exporter.event(event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource)
-                elif kind == SAMPLES:  # exported on a thread of their own: a slow collector stalls no rank's link
-                    try:
-                        self._samples.put_nowait((body, resource))
-                    except queue.Full:
-                        exporter.samples_refused += len(body)
-                elif kind == BYE:
-                    exporter.losses.add(resource, Lost(*body))
-                    return
+        buffer = bytearray()
+        with conn:
+            while frames := self._read(conn, buffer):
+                for kind, body in frames:
+                    if kind == HELLO:
+                        resource = Resource.create(dict(body))
+                        self.ranks[id(conn)] = resource
+                    elif resource is None:
+                        log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
+                        return
+                    elif kind == STEPS:
+                        for marks in body:
+                            exporter.step(_marks(marks), resource)
+                        last = max(marks[0] for marks in body)
+                        finished = last if finished is None else max(finished, last)
+                    elif kind == EVENT:
+                        event, time_ns, attributes, text, severity = body
+                        if event == sc.EVENT_RANK_FAILED:
+                            told = True
+                            if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own
+                                self._ended(resource, time_ns)
+                        if isinstance(at := attributes.get(sc.STEP), int):
+                            step = max(step or 0, at)
+                        exporter.event(
+                            event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource
+                        )
+                    elif kind == SAMPLES:  # exported on a thread of their own: a slow collector stalls no link
+                        try:
+                            self._samples.put_nowait((body, resource))
+                        except queue.Full:
+                            exporter.samples_refused += len(body)
+                    elif kind == BYE:
+                        exporter.losses.add(resource, Lost(*body))
+                        return
+                time.sleep(READ_EVERY_S)  # frames gather meanwhile: a rank's send wakes no one, and waits in the socket
         if resource is not None and not told:
             self._ended(resource, time.time_ns())
             time.sleep(SETTLE_S)  # the other ranks' frames and ends, from their links, come in meanwhile
@@ -192,12 +197,17 @@ class Node:
             self.exporter.samples(points, resource)
 
     @staticmethod
-    def _read(stream) -> tuple[str, Any] | None:
+    def _read(conn: socket.socket, buffer: bytearray) -> list[tuple[str, Any]]:
+        """The next whole frames from a rank's link (waiting for some), none at its end: closed, or broken."""
         try:
-            return read_frame(stream)
+            while not (frames := take_frames(buffer)):
+                if not (chunk := conn.recv(1 << 20)):
+                    return []
+                buffer += chunk
+            return frames
         except (OSError, ValueError, EOFError, TypeError) as e:
             log.warning("rankwatch node: a rank's link broke (%s)", e)
-            return None
+            return []
 
     def stop(self, notes: str | None = None, patience_s: float = 30.0) -> Lost:
         """Stop taking frames once the ranks' links are done (within `patience_s`), deliver what waits

@@ -46,20 +46,21 @@ def write_frame(sock: socket.socket, kind: str, body: Any) -> None:
     sock.sendall(frame(kind, body))
 
 
-def read_frame(stream) -> tuple[str, Any] | None:
-    """The next frame from a file made by `socket.makefile("rb")`; None at the end of the stream (a frame
-    cut short included: its sender died writing it)."""
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        return None
-    (size,) = _LENGTH.unpack(head)
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME_BYTES})")
-    payload = stream.read(size)
-    if len(payload) < size:
-        return None
-    kind, body = marshal.loads(payload)
-    return kind, body
+def take_frames(buffer: bytearray) -> list[tuple[str, Any]]:
+    """The whole frames at the start of `buffer`, taken out of it (a frame cut short stays, for the next bytes).
+    ValueError for a frame past MAX_FRAME_BYTES; marshal's errors for one that is not a frame."""
+    frames, at = [], 0
+    while len(buffer) - at >= _LENGTH.size:
+        (size,) = _LENGTH.unpack_from(buffer, at)
+        if size > MAX_FRAME_BYTES:
+            raise ValueError(f"a frame of {size} bytes (at most {MAX_FRAME_BYTES})")
+        if len(buffer) - at - _LENGTH.size < size:
+            break
+        kind, body = marshal.loads(bytes(buffer[at + _LENGTH.size : at + _LENGTH.size + size]))
+        frames.append((kind, body))
+        at += _LENGTH.size + size
+    del buffer[:at]
+    return frames
 
 
 def plain(marks: StepMarks) -> tuple:
