@@ -114,6 +114,19 @@ print(json.dumps([optimizer.step(closure).item() for _ in range(4)]))
 """
 
 
+def one_process(collector, run_id: str, code: str) -> tuple[list[float], list[float]]:
+    """`code` run by one Python process under `rankwatch run`: the losses it printed (its last line, JSON) and
+    those stored for its steps, in order."""
+    job = rankwatch_cli(
+        *("run", "--collector", collector.url, "--run", run_id, "--", sys.executable, "-c", code),
+        env={"RANKWATCH_TOKEN": collector.token},
+    )
+    collector.stop()
+    assert job.returncode == 0, job.stderr[-3000:]
+    stored = query(collector.db, "SELECT loss FROM steps WHERE run_id = ? ORDER BY step", [run_id])
+    return json.loads(job.stdout.strip().splitlines()[-1]), [loss for (loss,) in stored]
+
+
 SCALED_JOB = """
 import json, torch
 torch.manual_seed(0)
@@ -136,46 +149,15 @@ print(json.dumps(losses))
 def test_a_loss_scaled_for_mixed_precision_is_stored_as_it_was_before_scaling(collector):
     """Mixed precision's grad scaler multiplies the loss before its backward (by 1,024 here): the step's loss
     is the loss, not the scaled one the backward starts from."""
-    job = rankwatch_cli(
-        "run",
-        "--collector",
-        collector.url,
-        "--run",
-        "scaled",
-        "--",
-        sys.executable,
-        "-c",
-        SCALED_JOB,
-        env={"RANKWATCH_TOKEN": collector.token},
-    )
-    collector.stop()
-    assert job.returncode == 0, job.stderr[-3000:]
-    returned = json.loads(job.stdout.strip().splitlines()[-1])
-    stored = query(collector.db, "SELECT loss FROM steps WHERE run_id = 'scaled' ORDER BY step")
-    assert [loss for (loss,) in stored] == pytest.approx(returned, rel=1e-6)
+    returned, stored = one_process(collector, "scaled", SCALED_JOB)
+    assert stored == pytest.approx(returned, rel=1e-6)
 
 
 def test_an_lbfgs_step_calling_its_closure_again_is_one_step_with_its_first_loss(collector):
     """LBFGS evaluates its closure several times a step: one step, its evaluations' phases in turn, and
     the loss the step started from (what `step` returns), not the sum of the evaluations'."""
-    job = rankwatch_cli(
-        "run",
-        "--collector",
-        collector.url,
-        "--run",
-        "lbfgs",
-        "--",
-        sys.executable,
-        "-c",
-        LBFGS_JOB,
-        env={"RANKWATCH_TOKEN": collector.token},
-    )
-    collector.stop()
-    assert job.returncode == 0, job.stderr[-3000:]
-    returned = json.loads(job.stdout.strip().splitlines()[-1])
-    assert [loss for (loss,) in query(collector.db, "SELECT loss FROM steps WHERE run_id = 'lbfgs' ORDER BY step")] == (
-        pytest.approx(returned, rel=1e-6)
-    )
+    returned, stored = one_process(collector, "lbfgs", LBFGS_JOB)
+    assert stored == pytest.approx(returned, rel=1e-6)
     phases = query(
         collector.db,
         "SELECT step, list(name ORDER BY start_ts) FROM ops WHERE run_id = 'lbfgs' AND kind = 'phase' GROUP BY ALL",

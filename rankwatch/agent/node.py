@@ -71,7 +71,6 @@ class Node:
     def __init__(self, path: str, collector: str, token: str | None, memory_events: Path | None = None):
         self._memory_events = memory_events or _memory_events()
         self.exporter = Exporter(collector, token, {sc.HOST_NAME: socket.gethostname()})
-        self.ranks: dict[int, Resource] = {}  # by connection
         self._failed: dict[object, list[tuple[int, object]]] = {}  # run id -> (when, rank) of its ranks' failures
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -114,7 +113,6 @@ class Node:
                 for kind, body in frames:
                     if kind == HELLO:
                         resource = Resource.create(dict(body))
-                        self.ranks[id(conn)] = resource
                     elif resource is None:
                         log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
                         return
