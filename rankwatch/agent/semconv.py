@@ -205,6 +205,27 @@ def clock_event_words(mask: float) -> list[str]:
     return [CLOCK_EVENT_REASON_WORDS[name] for bit, name in CLOCK_EVENT_REASON_BITS.items() if int(mask) & bit]
 
 
+# Fault counters beyond the GPU core (counts since the driver loaded, unless said), DCGM's field names: what
+# wears out before a GPU or its links fail outright, read once per node (rankwatch/agent/faults.py)
+PCIE_REPLAY_COUNTER = "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"  # PCIe transfers the link had to replay
+PCIE_LINK_GEN = "DCGM_FI_DEV_PCIE_LINK_GEN"  # the PCIe link's generation now (it falls back on a bad link)
+PCIE_LINK_WIDTH = "DCGM_FI_DEV_PCIE_LINK_WIDTH"  # and its lanes now
+NVLINK_CRC_FLIT_ERRORS = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"  # all links together
+NVLINK_CRC_DATA_ERRORS = "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"
+NVLINK_REPLAY_ERRORS = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
+NVLINK_RECOVERY_ERRORS = "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"
+REMAPPED_ROWS_CORRECTABLE = "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"  # memory rows remapped over the GPU's life
+REMAPPED_ROWS_UNCORRECTABLE = "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"
+ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"  # 1 where a row could not be remapped: the GPU needs service
+MEMORY_TEMP_C = "DCGM_FI_DEV_MEMORY_TEMP"  # the GPU memory's (HBM's) temperature
+# InfiniBand port counters (/sys/class/infiniband/<device>/ports/<port>/counters, named as there), one series
+# per port (IB_PORT), read once per host: no DCGM field has them
+IB_SYMBOL_ERRORS = "rankwatch.ib.symbol_error"
+IB_LINK_DOWNED = "rankwatch.ib.link_downed"
+IB_RCV_ERRORS = "rankwatch.ib.port_rcv_errors"
+IB_XMIT_DISCARDS = "rankwatch.ib.port_xmit_discards"
+IB_PORT = "rankwatch.ib.port"  # data point attribute: "<device>/<port>", e.g. "mlx5_0/1"
+
 # Host metric names (no DCGM field): OpenTelemetry's hardware semantic conventions.
 HOST_ENERGY_J = "hw.energy"  # J since the agent started reading, per RAPL zone
 HOST_POWER_W = "hw.power"  # W, averaged since the previous reading
