@@ -122,6 +122,11 @@ FAILURE_SIGNAL = "rankwatch.failure.signal"  # the signal's name, where one ende
 FAILURE_EXIT_CODE = "rankwatch.failure.exit_code"  # int
 ATTEMPT = "rankwatch.attempt"  # int: torchrun's restart count of the job's workers (0: the first attempt)
 FAULT_SPEC = "rankwatch.fault"
+# Where each rank is (a hang's forensics): asked for by the collector (a `stacks` command, made when a hang
+# finding fires or by `rankwatch stacks`), answered by every rank asked with one event: its threads' Python
+# stacks and its Flight Recorder entries, as JSON in the body (docs/telemetry.md has its form)
+EVENT_RANK_STACKS = "rank_stacks"
+STACKS_REQUEST = "rankwatch.stacks.request"  # int: the id of the `stacks` command answered
 PHASE = "rankwatch.phase"
 # checkpoints (trainer/checkpoint.py): a snapshot reached a tier, was loaded, or was refused
 EVENT_CHECKPOINT_SAVED = "checkpoint_saved"  # copied to host memory, or durable on disk
