@@ -136,6 +136,7 @@ def _job(program: str, command: list[str], env: dict, run_id: str, collector: st
     exit status, or TELEMETRY_LOST where it was 0 but a rank's telemetry never reached the collector (the
     sidecar, and each rank that exported its own, note what they dropped in the UNDELIVERED_ENV directory)."""
     env = {k: v for k, v in {**os.environ, **env}.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    env.update(config.flight_recorder(env))  # the ring a rank's answer to a stacks request reads
     private = Path(tempfile.mkdtemp(prefix="rankwatch-job-"))  # mode 0700: the job's token, its notes of loss
     try:
         undelivered = private / "undelivered"

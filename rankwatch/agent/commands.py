@@ -1,4 +1,4 @@
-"""Commands from the collector (rollbacks), taken by every rank at the same step.
+"""Commands from the collector (rollbacks, power caps), taken by every rank at the same step.
 
 Rank 0 fetches the run's pending commands from the control API in a
 background thread, so the training loop never waits on the network: a held
@@ -8,6 +8,9 @@ step boundary; at some of them, the looks, rank 0 hands out the oldest command
 it has fetched, tells the collector it is taken (acked, with that step), and
 the job's process group carries it to every rank, on a CPU (gloo) group so
 the GPUs' streams are not touched. All ranks thus apply it at the same step.
+Rank 0 asks for the kinds it carries out alone (JOB_KINDS): a stacks request is
+answered by every rank, from threads of their own (rankwatch/agent/stacks.py),
+through the same held poll (`Poll`).
 
 A look is a broadcast, so looks are paced by time, not steps (`Looks`): rank 0
 measures the step time and picks how many steps on the next look comes, about
@@ -21,6 +24,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from rankwatch.agent.apiclient import ApiClient, ApiError
@@ -33,6 +37,7 @@ LOOK_S = 0.25
 MAX_STEPS_APART = 10_000  # steps between looks at most, however short the steps measured
 # Seconds the collector holds a poll while it has no command (its bound: collector/control/api.py MAX_WAIT_S).
 WAIT_S = 20.0
+JOB_KINDS = ("rollback", "power_cap")  # the commands the job carries out at a step (a stacks request is not one)
 
 
 def steps_apart(step_s: float, look_s: float = LOOK_S) -> int:
@@ -80,16 +85,16 @@ class Commands:
         `poll_s`: the least time between two polls' starts (a held poll's wait counts); `look_s`: the
         most training between two looks (each look is a broadcast over the job's ranks); `wait_s`: how
         long the collector may hold a poll."""
-        self._route = Route.of(collector)
-        self._api, self._run_id, self._rank = ApiClient(self._route.url, token, 5), run_id, rank
+        self._rank = rank
         self._looks, self._until_look = Looks(look_s), 1  # at_step calls until the next look
         self._fetched: deque[dict] = deque()
-        self._seen: set[int] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._group: Any = None  # torch.distributed's gloo group, made on first use
-        if rank == 0:
-            threading.Thread(target=self._poll, args=(poll_s, wait_s), name="rankwatch-commands", daemon=True).start()
+        self._poll = (
+            Poll(collector, token, run_id, JOB_KINDS, self._take, "rankwatch-commands", poll_s, wait_s)
+            if rank == 0
+            else None
+        )
 
     def at_step(self, step: int) -> dict | None:
         """The command every rank applies at this step boundary, the same on all ranks; None
@@ -111,7 +116,7 @@ class Commands:
         self, command: dict, state: str, apply_step: int | None = None, result: dict | None = None
     ) -> dict | None:
         """Tell the collector how a command went (rank 0 speaks for the job); the updated command."""
-        if self._rank != 0:
+        if self._poll is None:
             return None
         body = {
             "state": state,
@@ -119,14 +124,19 @@ class Commands:
             **({"result": result} if result is not None else {}),
         }
         try:
-            return self._api.post(f"/v1/commands/{command['id']}", body)
+            return self._poll.api.post(f"/v1/commands/{command['id']}", body)
         except ApiError as e:
             log.warning("rankwatch: could not report command %s as %s: %s", command["id"], state, e)
             return None
 
     def close(self) -> None:
         """Stop polling, without waiting for a held poll to end: the thread (a daemon) leaves when it does."""
-        self._stop.set()
+        if self._poll is not None:
+            self._poll.close()
+
+    def _take(self, command: dict) -> None:
+        with self._lock:
+            self._fetched.append(command)
 
     def _shared(self, look: tuple[dict | None, int]) -> tuple[dict | None, int]:
         """Rank 0's look (its command, and the steps until the next look), on every rank."""
@@ -142,35 +152,70 @@ class Commands:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def _poll(self, every_s: float, wait_s: float) -> None:
-        """Poll for pending commands until close(), a poll starting at most every `every_s`: a held
-        poll that ended empty is followed at once by the next, while a collector that answers at once
-        (one that holds no poll, or one that answers with a command still to be acked) is asked
-        every `every_s`, as are failing polls."""
-        query = {"run_id": self._run_id, "state": "pending", "wait": str(wait_s)}
+
+class Poll:
+    """A held poll of the control API for a run's pending commands of `kinds`, on a daemon thread named
+    `name`, until close(): each command is handed to `take` once (on that thread). A poll starts at most
+    every `every_s`: a held poll that ended empty is followed at once by the next, while a collector that
+    answers at once (one that holds no poll, or one that answers with a command still pending) is asked
+    every `every_s`, as are failing polls. `after_seen`: ask for the commands after the newest taken alone,
+    for commands that stay pending once taken (a stacks request, which many answer): the poll is then held
+    again at once."""
+
+    def __init__(
+        self,
+        collector: str,
+        token: str | None,
+        run_id: str,
+        kinds: tuple[str, ...],
+        take: Callable[[dict], None],
+        name: str,
+        every_s: float = 2.0,
+        wait_s: float = WAIT_S,
+        after_seen: bool = False,
+    ):
+        """`collector`: its URL, or several comma-separated (a lake's collectors, any of which has the
+        run's commands: the one this node's route picks, rankwatch/agent/route.py, then the next that
+        answers); `wait_s`: how long the collector may hold a poll."""
+        self._route = Route.of(collector)
+        self.api = ApiClient(self._route.url, token, 5)  # its url follows the route: the reports go there too
+        self._run_id, self._kinds, self._take, self._after_seen = run_id, kinds, take, after_seen
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, args=(every_s, wait_s), name=name, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop polling, without waiting for a held poll to end: the thread (a daemon) leaves when it does."""
+        self._stop.set()
+
+    def _run(self, every_s: float, wait_s: float) -> None:
+        query = {"run_id": self._run_id, "state": "pending", "kind": ",".join(self._kinds), "wait": str(wait_s)}
+        seen: set[int] = set()
         logged: set[str] = set()  # the kinds of failure logged: each once, not once a poll
         started = -math.inf
         while not self._stop.wait(max(started + every_s - time.monotonic(), 0.0)):
             started = time.monotonic()
-            self._api.url = self._route.reachable() or self._route.url
+            self.api.url = self._route.reachable() or self._route.url
+            if self._after_seen and seen:
+                query["after"] = str(max(seen))
             try:
-                pending = self._api.get("/v1/commands", query, timeout_s=wait_s + 5)
+                pending = self.api.get("/v1/commands", query, timeout_s=wait_s + 5)
             except ApiError as e:  # the command waits there until a poll gets it
+                if self._stop.is_set():
+                    return
                 if e.kind not in logged:
                     logged.add(e.kind)
                     log.warning(
                         "rankwatch: polling %s for commands failed (%s); retrying every %g s, "
                         "not logging this failure again",
-                        self._api.url,
+                        self.api.url,
                         _detail(e),
                         every_s,
                     )
                 continue
-            with self._lock:
-                for command in pending:
-                    if command["id"] not in self._seen:
-                        self._seen.add(command["id"])
-                        self._fetched.append(command)
+            for command in pending:  # (a collector that does not filter by kind sends every kind)
+                if command["id"] not in seen and command.get("kind") in self._kinds and not self._stop.is_set():
+                    seen.add(command["id"])
+                    self._take(command)
 
 
 def _detail(error: ApiError) -> str:

@@ -18,6 +18,21 @@ MIN_TOKEN_CHARS = 16  # shorter is guessable; an empty one is what a crash betwe
 SIMULATE_GPU_ENV = "RANKWATCH_SIMULATE_GPU"
 NODE_ENV = "RANKWATCH_NODE"  # the socket of the node's sidecar (`rankwatch node`), which a rank hands its telemetry
 UNDELIVERED_ENV = "RANKWATCH_UNDELIVERED"  # where a rank notes the telemetry it never delivered (rankwatch train)
+# torch's Flight Recorder: a ring of each process's last collectives, which a rank's answer to a stacks request
+# carries (rankwatch/agent/stacks.py). A job that `rankwatch run` or `train` starts keeps the ring on, at torch
+# 2.13's own default size (a torch whose default was 0 records nothing), unless it sets either name itself.
+FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_OLD_ENV, FLIGHT_RECORDER_ENTRIES = (
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "2000",
+)
+
+
+def flight_recorder(environ: dict[str, str]) -> dict[str, str]:
+    """What a job's environment gets for torch's Flight Recorder: its ring's size where `environ` sets none."""
+    if FLIGHT_RECORDER_ENV in environ or FLIGHT_RECORDER_OLD_ENV in environ:
+        return {}
+    return {FLIGHT_RECORDER_ENV: FLIGHT_RECORDER_ENTRIES}
 
 
 def simulate_gpu() -> bool:

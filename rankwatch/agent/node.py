@@ -7,7 +7,8 @@ fleet simulator's does), so the ranks' CPUs do none of that work, and it keeps t
 collector's outage: a rank that crashes loses nothing it had handed over. Started once per host by
 `rankwatch run` and `rankwatch train` (or by a scheduler), it exports until told to stop (SIGTERM),
 then delivers what waits, reports what it could not, and notes it per rank where the launcher asked
-($RANKWATCH_UNDELIVERED).
+($RANKWATCH_UNDELIVERED). It also takes its ranks' runs' stacks requests from the control API and asks
+its ranks (rankwatch/agent/nodecontrol.py), whose answers come back as their events.
 """
 
 import json
@@ -26,6 +27,7 @@ from opentelemetry.sdk.resources import Resource
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import AttributeValue, Exporter, Lost
+from rankwatch.agent.nodecontrol import NodeControl
 from rankwatch.agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, take_frames
 from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
@@ -71,6 +73,7 @@ class Node:
     def __init__(self, path: str, collector: str, token: str | None, memory_events: Path | None = None):
         self._memory_events = memory_events or _memory_events()
         self.exporter = Exporter(collector, token, {sc.HOST_NAME: socket.gethostname()})
+        self.control = NodeControl(collector, token)  # the ranks' runs' stacks requests, asked of them
         self._failed: dict[object, list[tuple[int, object]]] = {}  # run id -> (when, rank) of its ranks' failures
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,11 +111,12 @@ class Node:
         exporter = self.exporter
         finished, step, told, oom_kills = None, None, False, self._oom_kills()  # step: the one it is in, last said
         buffer = bytearray()
-        with conn:
+        with conn, self.control.linking(conn) as linked:
             while frames := self._read(conn, buffer):
                 for kind, body in frames:
                     if kind == HELLO:
                         resource = Resource.create(dict(body))
+                        linked(body)
                     elif resource is None:
                         log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
                         return
@@ -215,6 +219,7 @@ class Node:
             thread.join(max(give_up - time.monotonic(), 0.1))
         self._stopping = True
         self._listener.close()
+        self.control.close()
         self._samples.put(None)
         self._sampling.join(max(give_up - time.monotonic(), 0.1))
         while not self.exporter.flush() and time.monotonic() < give_up:

@@ -9,6 +9,9 @@ thread of the link hands them over every SPANS_DELAY_MS. A frame is `marshal` of
 the spans, encodes and exports them, and keeps the backlog through a collector's outage, so what a
 rank recorded outlives the rank. Where the sidecar goes away mid-job, the rank says so once and
 exports on its own (rankwatch/agent/export.py) from then on, from the frame that could not be written.
+The other way, the sidecar sends a rank stacks requests (rankwatch/agent/nodecontrol.py): the link's thread
+reads them without waiting each time it wakes, and answers each with the rank's `rank_stacks` event
+(rankwatch/agent/stacks.py), read on that thread while the training thread is wherever it is.
 
 A frame is a 4-byte little-endian length, then `marshal.dumps((kind, body))`. The socket lives in the
 job's private (0700) directory and the sidecar takes frames from its own user alone (SO_PEERCRED): what
@@ -27,11 +30,13 @@ from typing import Any
 
 from rankwatch.agent.config import NODE_ENV
 from rankwatch.agent.export import SPANS_DELAY_MS, Attributes, Exporter, Lost
+from rankwatch.agent.stacks import answer
 from rankwatch.agent.stepspans import StepMarks
 
 log = logging.getLogger("rankwatch.agent")
 
 HELLO, STEPS, EVENT, SAMPLES, BYE = "hello", "steps", "event", "samples", "bye"
+STACKS = "stacks"  # the one frame the sidecar sends a rank: a stacks request's id (rankwatch/agent/nodecontrol.py)
 MAX_FRAME_BYTES = 64 << 20  # a frame is a quarter second of one rank's telemetry: far less
 QUEUE_ITEMS = 8192  # steps, events and sample batches waiting for the link's thread
 _LENGTH = struct.Struct("<I")
@@ -80,6 +85,7 @@ class NodeLink:
         self._fallback: Exporter | None = None
         self._queue: deque = deque()
         self._lost = Lost()  # what did not fit in the queue
+        self._requests = bytearray()  # what the sidecar sent: stacks requests
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._stopping = False
@@ -139,7 +145,28 @@ class NodeLink:
         while not self._stopping:
             self._wake.wait(SPANS_DELAY_MS / 1000)
             self._wake.clear()
+            self._answer()
             self._send()
+
+    def _answer(self) -> None:
+        """The sidecar's stacks requests, read without waiting, each answered with the rank's `rank_stacks`
+        event (read here, on the link's thread, whatever the training thread is blocked in), queued."""
+        try:
+            while chunk := self._sock.recv(1 << 16, socket.MSG_DONTWAIT):  # b"": the sidecar closed its end
+                self._requests += chunk
+        except BlockingIOError:  # all read
+            pass
+        except OSError:  # gone: the next send finds out
+            return
+        try:
+            requests = take_frames(self._requests)
+        except (ValueError, EOFError, TypeError) as e:  # nothing the sidecar sends: none of it is read
+            log.warning("rankwatch: the node sidecar sent what is no request (%s): ignored", e)
+            self._requests.clear()
+            return
+        for kind, request_id in requests:
+            if kind == STACKS:
+                self.event(*answer(request_id))
 
     def _send(self) -> None:
         """Everything queued, in order: the steps gathered in one frame, then each event or sample batch. Where

@@ -22,7 +22,9 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.clock import Clock, CpuTimer, Timer
 from rankwatch.agent.config import UNDELIVERED_ENV, simulate_gpu
 from rankwatch.agent.export import AttributeValue, Exporter, SeverityNumber, log
+from rankwatch.agent.faults import InfinibandPorts
 from rankwatch.agent.host import HostState
+from rankwatch.agent.nodecontrol import answering
 from rankwatch.agent.nodelink import NodeLink, node_socket
 from rankwatch.agent.opendevice import open_device
 from rankwatch.agent.rapl import Rapl
@@ -119,6 +121,12 @@ class Session:
             **(resource or {}),
         }
         self.exporter = _sink(collector, token, attributes) if collector else None
+        # a rank without a node sidecar takes its run's stacks requests itself (a sidecar asks its ranks)
+        self._stacks = (
+            answering(self.exporter, collector, token, run_id, rank)
+            if collector and isinstance(self.exporter, Exporter)
+            else None
+        )
         self._current: _Step | None = None
         self._phase: str | None = None
         local_rank = int((resource or {}).get(sc.LOCAL_RANK, 0))
@@ -129,8 +137,8 @@ class Session:
         readers: list = [HostState(host_wide=local_rank == 0)]  # the host's disks: one rank per host
         if self.device is not None:
             readers.insert(0, self.device)
-        if local_rank == 0 and (rapl := Rapl()).available:  # host power: one rank per host
-            readers.append(rapl)
+        if local_rank == 0:  # host power and InfiniBand ports: one rank per host
+            readers += [reader for reader in (Rapl(), InfinibandPorts()) if reader.available]
         # a step held for its energy goes out once sampled past, not only at the next step's end; without a
         # GPU there is no energy to wait for, and the host's readings change once a second (rankwatch/agent/host.py)
         period_s = sample_s if self.device is not None else max(sample_s, HOST_SAMPLE_S)
@@ -277,6 +285,8 @@ class Session:
     def shutdown(self) -> None:
         self.end()
         self._stop.set()
+        if self._stacks is not None:
+            self._stacks.close()
         if self.sampler:
             self.sampler.stop()  # its last sample covers every step still pending
         self._emit_ready(wait=True)
