@@ -8,11 +8,12 @@ once by every analyzer with the history it needs, and the episodes it draws
 (a straggler that came and went, with the steps it lasted; a stall, whether
 the run moved on or ended in it) are the findings. A run imported from
 Flight Recorder dumps has no steps, so no what-if analysis: its findings are
-those of the collective matching (analyzers/collectives.py). What the replay
-cannot draw is read from the store: an anomaly a rollback abandoned the steps
-of (the live collector saw them; the run's trajectory no longer holds them),
-with what its rollback did, and the power recommendations the collector draws
-over the run's newest steps. Telemetry lost on the way
+those of the collective and point-to-point matching (analyzers/collectives.py,
+analyzers/p2p.py). What the replay cannot draw is read from the store: an
+anomaly a rollback abandoned the steps of (the live collector saw them; the
+run's trajectory no longer holds them), with what its rollback did, and the
+power recommendations the collector draws over the run's newest steps.
+Telemetry lost on the way
 (collector/analysis/losses.py) is measured over the whole run: conclusions drawn where rank-steps
 are missing are drawn on partial data, and the report says so.
 """
@@ -27,6 +28,7 @@ import pandas as pd
 from collector.analysis import findings, losses
 from collector.analysis.analyzers import Finding, failures, hangs, predicted, stragglers, whatif
 from collector.analysis.analyzers.collectives import analyze as match_collectives
+from collector.analysis.analyzers.p2p import analyze as match_p2p
 from collector.analysis.engine import replay
 from collector.predict import steptime
 from collector.predict.stepmodel import Fitted
@@ -39,9 +41,11 @@ _STEPS = """SELECT run_id, rank, step, epoch_ns(end_ts) AS end_ts, duration_s, d
                    grad_norm FROM current_steps WHERE run_id = ? ORDER BY step, rank"""
 _RECORDED = """SELECT rank, comm_group AS "group", seq, name AS op, attrs->>'$.state' AS state,
                       attrs->'$.input_sizes' AS input_sizes, attrs->'$.output_sizes' AS output_sizes,
-                      attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes
-               FROM ops WHERE run_id = ? AND kind = 'comm' AND (attrs->>'$.is_p2p') = 'false' AND seq IS NOT NULL
-               ORDER BY rank, TRY_CAST(attrs->>'$.record_id' AS BIGINT), start_ts"""
+                      attrs->'$.input_dtypes' AS input_dtypes, attrs->'$.output_dtypes' AS output_dtypes,
+                      (attrs->>'$.is_p2p') = 'true' AS is_p2p, TRY_CAST(attrs->>'$.peer' AS INTEGER) AS peer,
+                      TRY_CAST(attrs->>'$.record_id' AS BIGINT) AS record_id
+               FROM ops WHERE run_id = ? AND kind = 'comm' AND seq IS NOT NULL
+               ORDER BY rank, record_id, start_ts"""
 # The findings rollbacks were sent for, and what each rollback did: their steps are abandoned, so no replay
 # of the run's trajectory draws them again.
 _ROLLED_BACK = """SELECT f.analyzer, f.kind, f.ranks, f.step_start, f.step_end, f.severity, f.score, f.summary,
@@ -98,14 +102,16 @@ def analyze_run(
     whole job against its predicted step time is a finding too."""
     steps = con.execute(_STEPS, [run_id]).df()
     ranks = con.execute("SELECT rank, host, dp_rank, pp_stage FROM ranks WHERE run_id = ?", [run_id]).df()
-    if steps.empty:  # Flight Recorder dumps: their collectives matched (point-to-point entries alone match none)
+    if steps.empty:  # Flight Recorder dumps: their collectives matched, and their sends with their receives
         recorded = con.execute(_RECORDED, [run_id]).df()
         if recorded.empty and not con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchall()[0][0]:
             raise unknown_run(con, run_id)
         groups = _process_groups(con, run_id)
-        return Report(
-            run_id, None, match_collectives(run_id, recorded, groups, ranks["rank"]) if len(recorded) else [], steps
-        )
+        collectives, p2p = recorded[~recorded["is_p2p"].astype(bool)], recorded[recorded["is_p2p"].astype(bool)]
+        first = recorded.groupby("rank")["record_id"].min()
+        wrapped = first.index[first > 0]  # their ring buffers went round: the oldest entries are lost
+        found = match_collectives(run_id, collectives, groups, ranks["rank"]) if len(collectives) else []
+        return Report(run_id, None, found + match_p2p(run_id, p2p, groups, ranks["rank"], wrapped), steps)
     settings = {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}
     if model is not None:
         settings[predicted.ANALYZER] = predicted.Settings(model=model)

@@ -18,8 +18,8 @@ earliest open collective alike (an on-demand dump of a healthy job, or a
 network that stalls everyone) has no culprit and no finding.
 
 A group is its name and its members: groups split off one parent may share a
-name. Point-to-point ops are left out by the caller: their sequence numbers
-count a pair's transfers, not the group's collectives.
+name. Point-to-point ops are matched apart (analyzers/p2p.py): their sequence
+numbers count a rank's transfers, not the group's collectives.
 """
 
 import json
@@ -45,16 +45,8 @@ def analyze(run_id: str, entries: pd.DataFrame, groups: pd.DataFrame, dumped: It
     `groups`: rank, group, desc, members (list of global ranks): the process groups each rank's dump lists.
     `dumped`: the ranks whose dumps were read; a member without one is missing all the same, and named."""
     dumped = set(dumped)
-    listed = groups[["rank", "group", "desc", "members"]].itertuples(index=False)
-    known = {(r, g): (tuple(sorted(m)), d) for r, g, d, m in listed}  # (rank, group) -> (members, desc)
-    frame = entries.assign(
-        members=[known.get(key, (None,))[0] for key in zip(entries["rank"], entries["group"])],
-        **{c: entries[c].fillna("null") for c in _CALL},
-    )  # JSON text, null included
-    unlisted = frame["members"].isna()  # no dump lists the group: its members are the ranks that recorded it
-    seen = frame[unlisted].groupby("group")["rank"].unique()
-    frame.loc[unlisted, "members"] = frame.loc[unlisted, "group"].map(lambda g: tuple(sorted(map(int, seen[g]))))
-    desc = {(g, m): d for (_, g), (m, d) in known.items()}
+    by_entry, desc = membership(entries, groups)
+    frame = entries.assign(members=by_entry, **{c: entries[c].fillna("null") for c in _CALL})  # JSON text, null too
     found = []
     for (group, members), rows in frame.groupby(["group", "members"], sort=True):
         open_ = rows[rows["state"] != COMPLETED]
@@ -65,6 +57,22 @@ def analyze(run_id: str, entries: pd.DataFrame, groups: pd.DataFrame, dumped: It
         if finding:
             found.append(finding)
     return found
+
+
+def membership(entries: pd.DataFrame, groups: pd.DataFrame) -> tuple[pd.Series, dict[tuple, str | None]]:
+    """Each entry's group members as a sorted tuple (from the `groups` its rank's dump lists; a group
+    no dump lists: the ranks that recorded it), and each (group, members)'s description."""
+    listed = groups[["rank", "group", "desc", "members"]].itertuples(index=False)
+    known = {(r, g): (tuple(sorted(m)), d) for r, g, d, m in listed}  # (rank, group) -> (members, desc)
+    members = pd.Series(
+        [known.get(key, (None,))[0] for key in zip(entries["rank"], entries["group"])],
+        index=entries.index,
+        dtype=object,
+    )
+    unlisted = members.isna()
+    seen = entries[unlisted].groupby("group")["rank"].unique()
+    members[unlisted] = entries.loc[unlisted, "group"].map(lambda g: tuple(sorted(map(int, seen[g]))))
+    return members, {(g, m): d for (_, g), (m, d) in known.items()}
 
 
 def _judge(

@@ -3,9 +3,11 @@
 When a job times out (TORCH_NCCL_DUMP_ON_TIMEOUT=1) or on demand, each rank
 writes its Flight Recorder ring buffer: the last collectives and
 point-to-point ops it enqueued, each with its process group, sequence number,
-sizes and state (scheduled, started, completed). Those say which rank never
-entered the collective the others are blocked in, even for a job that sent
-no telemetry (collector/analysis/analyzers/collectives.py reads them).
+sizes and state (scheduled, started, completed), a send's or receive's peer
+in its name. Those say which rank never entered the collective the others
+are blocked in, or never sent what another waits to receive, even for a job
+that sent no telemetry (collector/analysis/analyzers/collectives.py and
+p2p.py read them).
 
 A dump is named `<prefix><rank>` (by default /tmp/nccl_trace_rank_<rank>):
 the rank is the number that ends the file name, as for PyTorch's fr_trace.
@@ -54,6 +56,8 @@ from rankwatch.agent import semconv as sc
 EVENT = "flight_recorder_dump"
 _RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")
 _P2P = ("send", "recv")
+# the peer in a send's or receive's name, both group ranks: "nccl:send 0->1", "nccl:recv 1<-0"
+_PEER = re.compile(r":(?:send|recv) \d+(?:->|<-)(\d+)$")
 _DEFAULT_GROUP = "default_pg"  # the description PyTorch gives the world's process group
 MAX_DUMP_BYTES = 64 << 20  # a dump's file: PyTorch's ring of 2,000 entries, stacks included, takes a few MB
 AMPLIFICATION = 16  # values and characters a dump may hold per byte of its file (a plain one holds 1 to 2)
@@ -198,7 +202,7 @@ def _whole_numbers(sizes: Any) -> bool:
 def _op(entry: dict, groups: dict[str, dict]) -> tuple:
     """One entry as (name, comm_group, group_size, seq, bytes, start_ns, end_ns, attrs JSON)."""
     profiling = entry["profiling_name"]
-    name = canonical_op(profiling) or profiling.removeprefix("nccl:")
+    name = canonical_op(profiling) or profiling.partition(":")[2] or profiling  # without "nccl:", "gloo:"
     pg = entry.get("process_group")  # (name, desc): a tuple in pickles, a list in JSON
     group, desc = (
         (str(pg[0]), pg[1])
@@ -216,11 +220,12 @@ def _op(entry: dict, groups: dict[str, dict]) -> tuple:
     # nccl-tests bytes: the full buffer, the larger side (all_gather's output, reduce_scatter's input)
     nbytes = max((b for b in sides if b is not None), default=None)
     attrs = {
-        "state": entry.get("state"),
+        "state": _state(entry),
         "group_desc": desc if desc is not None else known.get("desc"),
         "profiling_name": profiling,
         "record_id": entry.get("record_id"),
         "is_p2p": p2p,
+        "peer": _peer(profiling, known),
         **{k: entry.get(k) for k in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes")},
     }
     return (
@@ -233,6 +238,22 @@ def _op(entry: dict, groups: dict[str, dict]) -> tuple:
         end,
         json.dumps(attrs, default=str),
     )
+
+
+def _state(entry: dict) -> Any:
+    """The entry's state; `completed` for gloo's once retired: gloo leaves every entry `scheduled` and
+    retires it once its work has run."""
+    state = entry.get("state")
+    if state == "scheduled" and entry.get("retired") is True and str(entry["profiling_name"]).startswith("gloo:"):
+        return "completed"
+    return state
+
+
+def _peer(profiling: str, group: dict) -> int | None:
+    """The global rank a send goes to or a receive comes from, where its group's members are known."""
+    m = _PEER.search(profiling)
+    ranks = sorted(group.get("ranks", []))
+    return ranks[int(m.group(1))] if m and int(m.group(1)) < len(ranks) else None
 
 
 class FlightRecorderDumps:
