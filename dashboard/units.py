@@ -99,6 +99,21 @@ DEVICE_METRICS: dict[str, tuple[str, str | quantities.Scale]] = {
     sc.DISK_BUSY: ("Busiest disk's time busy", quantities.percent),
     sc.MEMORY_DIRTY_BYTES: ("Pages waiting to be written", quantities.data_size),
     sc.MEMORY_WRITEBACK_BYTES: ("Pages being written", quantities.data_size),
+    sc.PCIE_REPLAY_COUNTER: ("PCIe replays, since the driver loaded", ""),
+    sc.PCIE_LINK_GEN: ("PCIe link generation", ""),
+    sc.PCIE_LINK_WIDTH: ("PCIe link width", "lanes"),
+    sc.NVLINK_CRC_FLIT_ERRORS: ("NVLink CRC flit errors, since the driver loaded", ""),
+    sc.NVLINK_CRC_DATA_ERRORS: ("NVLink CRC data errors, since the driver loaded", ""),
+    sc.NVLINK_REPLAY_ERRORS: ("NVLink replays, since the driver loaded", ""),
+    sc.NVLINK_RECOVERY_ERRORS: ("NVLink recoveries, since the driver loaded", ""),
+    sc.REMAPPED_ROWS_CORRECTABLE: ("GPU memory rows remapped for corrected errors, over the GPU's life", ""),
+    sc.REMAPPED_ROWS_UNCORRECTABLE: ("GPU memory rows remapped for uncorrected errors, over the GPU's life", ""),
+    sc.ROW_REMAP_FAILURE: ("GPU memory row remap failed", ""),
+    sc.MEMORY_TEMP_C: ("GPU memory (HBM) temperature", "°C"),
+    sc.IB_SYMBOL_ERRORS: ("InfiniBand symbol errors", ""),
+    sc.IB_LINK_DOWNED: ("InfiniBand link downs", ""),
+    sc.IB_RCV_ERRORS: ("InfiniBand receive errors", ""),
+    sc.IB_XMIT_DISCARDS: ("InfiniBand send discards", ""),
 }
 
 

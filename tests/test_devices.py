@@ -49,10 +49,16 @@ class FakeNvml:
         self.fields_asked: Counter[int] = Counter()
 
     def install(self, monkeypatch) -> "FakeNvml":
+        for name in dir(pynvml):  # a device call this H100 does not answer is NotSupported, never the real library's
+            if name.startswith("nvmlDevice") and not hasattr(self, name):
+                monkeypatch.setattr(pynvml, name, self._counted(name, self._unsupported))
         for name in dir(self):
             if name.startswith("nvml"):
                 monkeypatch.setattr(pynvml, name, self._counted(name, getattr(self, name)))
         return self
+
+    def _unsupported(self, *args):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     def _counted(self, name, fn):
         def call(*args):

@@ -10,7 +10,9 @@ skipped, for that reading only. Nothing here stops training.
 
 NVLink traffic comes as counters (KiB since the driver loaded, summed over the
 links), sent as the rate between two readings; XID errors as events, drained
-without waiting at each reading.
+without waiting at each reading. The fault counters beyond the GPU core (PCIe
+replays and link, NVLink errors, remapped rows, HBM temperature) are read at most
+every `FAULTS_EVERY_S` (rankwatch/agent/faults.py): they move slowly.
 """
 
 import os
@@ -21,6 +23,7 @@ import pynvml
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Device, Reading
 from rankwatch.agent.export import log
+from rankwatch.agent.faults import FAULTS_EVERY_S, Due
 
 _UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission)
 _ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId that sums every link
@@ -35,6 +38,12 @@ _ECC = (
     (sc.ECC_DBE_AGGREGATE, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
 )
 _PCIE = ((sc.PCIE_TX_BPS, pynvml.NVML_PCIE_UTIL_TX_BYTES), (sc.PCIE_RX_BPS, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+_NVLINK_ERRORS = (
+    (sc.NVLINK_CRC_FLIT_ERRORS, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+    (sc.NVLINK_CRC_DATA_ERRORS, pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
+    (sc.NVLINK_REPLAY_ERRORS, pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+    (sc.NVLINK_RECOVERY_ERRORS, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+)
 MAX_XIDS = 16  # XID events sent per reading; a GPU raising more is broken enough, and a reading stays bounded
 MIB = 2**20
 _FIELD_VALUE = {  # nvmlFieldValue_t.valueType -> the member of its value union
@@ -46,6 +55,11 @@ _FIELD_VALUE = {  # nvmlFieldValue_t.valueType -> the member of its value union
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
+
+
+def _value(field) -> float:
+    """An NVML field value's number, from the member of its union that its type names."""
+    return getattr(field.value, _FIELD_VALUE[field.valueType])
 
 
 def visible_handle(local_index: int):
@@ -65,7 +79,7 @@ class NvmlDevice(Device):
 
     source = sc.SOURCE_NVML
 
-    def __init__(self, local_index: int):
+    def __init__(self, local_index: int, faults_every_s: float = FAULTS_EVERY_S):
         pynvml.nvmlInit()
         try:
             self._handle = visible_handle(local_index)
@@ -90,13 +104,31 @@ class NvmlDevice(Device):
             [self._nvlink],
             [self._pcie],
         ]  # PCIe last: its call measures over 20 ms
+        self._fault_calls: list[list[Callable[[], list[Reading]]]] = [
+            [self._pcie_replays],
+            [self._pcie_link_generation],
+            [self._pcie_link_width],
+            [self._nvlink_errors],
+            [self._remapped_rows],
+            [self._memory_temperature],
+        ]
+        self._faults_due = Due(faults_every_s)
+        self._links: list[int] | None = None  # the NVLinks active at the first fault reading
+        self._link_counters = list(_NVLINK_ERRORS)  # the error counters they have
         self._warned: set[str] = set()
         self._xid_events = None  # NVML's event set, registered for XID errors at the first reading
-        self._nvlink_last: tuple[int, list[int]] | None = None  # (µs, KiB per direction) of the last reading
+        self._nvlink_last: tuple[int, list[float]] | None = None  # (µs, KiB per direction) of the last reading
 
     def _read(self) -> list[Reading]:
+        readings = self._first_supported(self._calls)
+        if self._faults_due():
+            readings += self._first_supported(self._fault_calls)
+        return readings
+
+    def _first_supported(self, metrics: list[list[Callable[[], list[Reading]]]]) -> list[Reading]:
+        """Each metric's readings from the first of its calls that answers (a call the GPU lacks dropped)."""
         readings = []
-        for calls in self._calls:
+        for calls in metrics:
             for call in list(calls):
                 try:
                     readings += call()
@@ -131,7 +163,7 @@ class NvmlDevice(Device):
 
     def _power_instant(self) -> list[Reading]:
         (field,) = self._fields([pynvml.NVML_FI_DEV_POWER_INSTANT])
-        milliwatts = getattr(field.value, _FIELD_VALUE[field.valueType])
+        milliwatts = _value(field)
         return [(sc.POWER_INSTANT_W, milliwatts / 1e3, {sc.POWER_KIND: sc.POWER_KIND_INSTANT})]
 
     def _power_average(self) -> list[Reading]:
@@ -199,7 +231,7 @@ class NvmlDevice(Device):
     def _nvlink(self) -> list[Reading]:
         """NVLink data rates since the last reading, from the links' counters (none at the first)."""
         fields = self._fields([(field_id, _ALL_LINKS) for _, field_id in _NVLINK])
-        now = (fields[0].timestamp, [getattr(f.value, _FIELD_VALUE[f.valueType]) for f in fields])
+        now = (fields[0].timestamp, [_value(f) for f in fields])
         last, self._nvlink_last = self._nvlink_last, now
         if last is None or now[0] <= last[0]:
             return []
@@ -215,6 +247,55 @@ class NvmlDevice(Device):
             (metric, pynvml.nvmlDeviceGetPcieThroughput(self._handle, counter) * 1024.0, {})
             for metric, counter in _PCIE
         ]
+
+    # -- the fault counters ------------------------------------------------------------------------------
+    def _pcie_replays(self) -> list[Reading]:
+        return [(sc.PCIE_REPLAY_COUNTER, pynvml.nvmlDeviceGetPcieReplayCounter(self._handle), {})]
+
+    def _pcie_link_generation(self) -> list[Reading]:
+        return [(sc.PCIE_LINK_GEN, pynvml.nvmlDeviceGetCurrPcieLinkGeneration(self._handle), {})]
+
+    def _pcie_link_width(self) -> list[Reading]:
+        return [(sc.PCIE_LINK_WIDTH, pynvml.nvmlDeviceGetCurrPcieLinkWidth(self._handle), {})]
+
+    def _nvlink_errors(self) -> list[Reading]:
+        """NVLink error counters, each summed over the links active at the first reading: per link, as
+        nvidia-smi reads them (the all-links fields answer 0 on Hopper). A counter the links lack (CRC
+        data errors on Hopper) is not asked again; no active link is no NVLink."""
+        if self._links is None:
+            self._links = [link for link in range(pynvml.NVML_NVLINK_MAX_LINKS) if self._link_active(link)]
+        if not self._links:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        readings: list[Reading] = []
+        for metric, counter in list(self._link_counters):
+            try:
+                total = sum(pynvml.nvmlDeviceGetNvLinkErrorCounter(self._handle, link, counter) for link in self._links)
+            except _UNSUPPORTED as e:
+                log.info("rankwatch: GPU %d: NVLink counter %s: %s; not read again", self.index, metric, e)
+                self._link_counters.remove((metric, counter))
+                continue
+            readings.append((metric, total, {}))
+        if not self._link_counters:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return readings
+
+    def _link_active(self, link: int) -> bool:
+        try:
+            return pynvml.nvmlDeviceGetNvLinkState(self._handle, link) == pynvml.NVML_FEATURE_ENABLED
+        except pynvml.NVMLError:  # no such link, or no NVLink at all
+            return False
+
+    def _remapped_rows(self) -> list[Reading]:
+        corrected, uncorrected, _pending, failed = pynvml.nvmlDeviceGetRemappedRows(self._handle)
+        return [
+            (sc.REMAPPED_ROWS_CORRECTABLE, corrected, {}),
+            (sc.REMAPPED_ROWS_UNCORRECTABLE, uncorrected, {}),
+            (sc.ROW_REMAP_FAILURE, float(bool(failed)), {}),
+        ]
+
+    def _memory_temperature(self) -> list[Reading]:
+        (field,) = self._fields([pynvml.NVML_FI_DEV_MEMORY_TEMP])
+        return [(sc.MEMORY_TEMP_C, _value(field), {})]
 
     # -- the power-limit actuator --------------------------------------------------------------------
     def power_limit(self) -> float:

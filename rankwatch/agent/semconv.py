@@ -150,7 +150,7 @@ SOURCE = "rankwatch.source"  # "nvml", "simulated" or "rapl"
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
 SOURCE_RAPL = "rapl"
-SOURCE_HOST = "host"  # the rank's process and its host, from /proc (rankwatch/agent/host.py)
+SOURCE_HOST = "host"  # the rank's process and its host, from /proc (rankwatch/agent/host.py) and /sys
 # on power samples: which power NVML gave, the instantaneous field or its windowed average
 POWER_KIND = "rankwatch.power.kind"
 POWER_KIND_INSTANT = "instant"
@@ -253,7 +253,17 @@ DISK_BUSY = "rankwatch.host.disk.busy"  # the busiest disk's share of time with 
 MEMORY_DIRTY_BYTES = "rankwatch.host.memory.dirty_bytes"  # written pages not yet on disk
 MEMORY_WRITEBACK_BYTES = "rankwatch.host.memory.writeback_bytes"  # being written now
 HOST_WIDE_METRICS = frozenset(
-    {DISK_READ_BPS, DISK_WRITE_BPS, DISK_BUSY, MEMORY_DIRTY_BYTES, MEMORY_WRITEBACK_BYTES}
+    {
+        DISK_READ_BPS,
+        DISK_WRITE_BPS,
+        DISK_BUSY,
+        MEMORY_DIRTY_BYTES,
+        MEMORY_WRITEBACK_BYTES,
+        IB_SYMBOL_ERRORS,  # and its InfiniBand ports (rankwatch/agent/faults.py)
+        IB_LINK_DOWNED,
+        IB_RCV_ERRORS,
+        IB_XMIT_DISCARDS,
+    }
 )  # the collector gives each to every rank of the host that read it
 
 # Rollbacks (trainer/rollback.py): a command from the collector, carried out by every rank.

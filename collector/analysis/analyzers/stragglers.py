@@ -385,6 +385,7 @@ def _judge(
     apart its stages (a job may have a straggler and a slow stage at once); consecutive steps with the
     same verdict are one finding, drawn at the strongest of them, its onset estimated at the first."""
     placement = _placement(ranks)
+    devices = hardware.with_hosts(devices, ranks)  # a host's InfiniBand ports speak for all its ranks
     start = int(np.searchsorted(m.steps, first_new))
 
     def of_ranks(i: int) -> tuple | None:
