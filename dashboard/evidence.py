@@ -97,13 +97,18 @@ class Evidence:
 def read(evidence: dict) -> Evidence:
     """The shapes analyzers put in evidence: {rank: number} maps, {step: number} series (anomalies'
     `values`, `*_by_step`), {name: {field: value}} and [{field: value}] records, {field: value}
-    groups of figures, and figures."""
+    groups of figures, and figures; and a hang's merged stacks (`stacks`), a table of where each group
+    of ranks is."""
     figures: list[tuple[str, str]] = []
     by_rank: list[tuple[str, pd.Series]] = []
     by_step: list[tuple[str, pd.Series]] = []
     tables: list[tuple[str, pd.DataFrame]] = []
     for key, value in evidence.items():
-        if isinstance(value, dict) and value and all(str(k).isdigit() and _number(v) for k, v in value.items()):
+        if key == "stacks" and isinstance(value, dict):
+            stacks_table, unanswered = stacks(value)
+            tables += [("stacks", stacks_table)] if not stacks_table.empty else []
+            figures += [("stacks: not answered", unanswered)] if unanswered else []
+        elif isinstance(value, dict) and value and all(str(k).isdigit() and _number(v) for k, v in value.items()):
             series = pd.Series({int(k): float(v) for k, v in value.items()}).sort_index()
             (by_step if key == "values" or key.endswith("by_step") else by_rank).append((key, series))
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
@@ -112,12 +117,31 @@ def read(evidence: dict) -> Evidence:
                 (key, rows.rename(columns={"": "rank" if all(str(k).isdigit() for k in value) else label(key)}))
             )
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            tables.append((key, pd.DataFrame([_row("", fields) for fields in value]).drop(columns="")))
+            rows = pd.DataFrame([_row("", fields) for fields in value]).drop(columns="")
+            tables.append((key, rows.fillna("—")))  # a field some records lack
         elif isinstance(value, dict):  # a group: in the unit its key names (`busy_power_w`), else each field's
             figures += [(f"{label(key)}: {label(k)}", _shown(key if unit(key) else k, v)) for k, v in value.items()]
         else:
             figures.append((label(key), _shown(key, value)))
     return Evidence(pd.DataFrame(figures, columns=["what", "value"]), by_rank, by_step, tables)
+
+
+def stacks(merged: dict) -> tuple[pd.DataFrame, str]:
+    """A hang's merged stacks (collector/analysis/stacks.py) as people read them: a row per group of ranks
+    (its ranks as ranges, where its main thread is, the odd group out marked), and the ranks asked that did
+    not answer as ranges ("" for none)."""
+    rows = [
+        {
+            "ranks": ranksets.compact(group.get("ranks", [])),
+            "where": str(group.get("where", "")) + ("  (the odd one out)" if i == merged.get("odd") else ""),
+        }
+        for i, group in enumerate(merged.get("groups") or [])
+        if isinstance(group, dict)
+    ]
+    unanswered = ranksets.compact(merged.get("unanswered") or [])
+    if unanswered and not merged.get("settled"):
+        unanswered += " (so far)"
+    return pd.DataFrame(rows, columns=["ranks", "where"]), unanswered
 
 
 def _number(value: object) -> bool:
@@ -134,8 +158,15 @@ def _shown(key: str, value: object) -> str:
 
 
 def _row(name: str, fields: dict) -> dict[str, str]:
-    """A record's fields as text, each in its field's unit, else in the unit its row names (a device metric)."""
-    return {"": label(name), **{label(k): _shown(k if unit(k) else name, v) for k, v in fields.items()}}
+    """A record's fields as text, each in its field's unit, else in the unit its row names (a device metric); a
+    `metric` field (the device metric a hardware cause names) by its heading."""
+    return {
+        "": label(name),
+        **{
+            label(k): label(v) if k == "metric" and isinstance(v, str) else _shown(k if unit(k) else name, v)
+            for k, v in fields.items()
+        },
+    }
 
 
 def rest_of_ranks(key: str, series: pd.Series) -> str | None:

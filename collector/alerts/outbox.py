@@ -44,8 +44,9 @@ def notify(
 ) -> None:
     """Alerts for one analysis of (run, analyzer), inside the caller's transaction: a drawn
     finding without an open alert starts one, one whose severity rose ends its alert and starts
-    another, a resolved one ends its alert. The changes are one group: each receiver that wants
-    any of them gets one notification. A finding redrawn unchanged notifies nobody."""
+    another, a resolved one ends its alert, one whose evidence now says where every rank is (a hang's
+    stacks, rules.annotations) is sent again, firing, with it. The changes are one group: each receiver
+    that wants any of them gets one notification. A finding redrawn otherwise unchanged notifies nobody."""
     if not drawn and not resolved:
         return
     now = datetime.now(UTC)
@@ -54,6 +55,8 @@ def notify(
     for finding_id, finding in drawn:
         current = open_alerts.get(finding_id)
         if current is not None and not rules.escalates(json.loads(current[2])["severity"], finding.severity):
+            if (again := _told_more(con, current, finding)) is not None:
+                changed.append(again)
             continue
         if current is not None:
             changed.append(_end(con, current, now))
@@ -82,13 +85,25 @@ def _start(
 ) -> dict:
     labels = rules.labels(run_id, analyzer, finding.kind, finding.ranks, finding.severity, finding.evidence)
     link = rules.dashboard_link(config.dashboard_url, run_id, analyzer, finding_id)
-    annotations, fingerprint = rules.annotations(finding.summary, link), rules.fingerprint(labels)
+    annotations, fingerprint = rules.annotations(finding.summary, link, finding.evidence), rules.fingerprint(labels)
     con.execute(
         """INSERT INTO alerts (finding_id, run_id, analyzer, fingerprint, labels, annotations, starts_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?)""",
         [finding_id, run_id, analyzer, fingerprint, json.dumps(labels), json.dumps(annotations), now],
     )
     return webhook.alert("firing", labels, annotations, now, None, link, fingerprint)
+
+
+def _told_more(con: duckdb.DuckDBPyConnection, row: tuple, finding: Finding) -> dict | None:
+    """The open alert of `row` again, firing, where its finding's evidence now says where every rank is and
+    the alert did not say so yet (the stacks come seconds after the hang first fired); else None."""
+    alert_id, _, labels, stored, starts_at, fingerprint = row
+    stored = json.loads(stored)
+    annotations = rules.annotations(finding.summary, stored["dashboard"], finding.evidence)
+    if annotations.get("stacks") in (None, stored.get("stacks")):
+        return None
+    con.execute("UPDATE alerts SET annotations = ? WHERE id = ?", [json.dumps(annotations), alert_id])
+    return webhook.alert("firing", json.loads(labels), annotations, starts_at, None, stored["dashboard"], fingerprint)
 
 
 def _end(con: duckdb.DuckDBPyConnection, row: tuple, now: datetime) -> dict:

@@ -4,13 +4,15 @@ One alert name per analyzer; the labels follow Alertmanager's conventions
 (alertname, severity) and say where (run, analyzer, kind, ranks, and what an
 analyzer's evidence adds: a failed rank's host and cause), so the alerts of
 one run and analyzer form one group, and an existing routing tree can page on
-`severity="critical"` as it does for every other source.
+`severity="critical"` as it does for every other source. A hang's alert says
+where every rank is (annotation `stacks`) once its ranks answered.
 """
 
 from collections.abc import Mapping
 from urllib.parse import quote, urlencode
 
 from collector import ranksets
+from collector.analysis import stacks
 
 ALERTNAMES = {
     "stragglers": "RankwatchStraggler",
@@ -80,8 +82,14 @@ def dashboard_link(dashboard_url: str, run_id: str, analyzer: str, finding_id: i
     return f"{dashboard_url.rstrip('/')}/{PAGES.get(analyzer, '')}?{query}"
 
 
-def annotations(summary: str, link: str) -> dict[str, str]:
-    return {"summary": summary, "dashboard": link}
+def annotations(summary: str, link: str, evidence: Mapping | None = None) -> dict[str, str]:
+    """What an alert says: the finding's summary, its dashboard page, and where its evidence has where every
+    rank is (a hang's `stacks`, once every rank asked answered or its request settled), those lines."""
+    told = {"summary": summary, "dashboard": link}
+    merged = (evidence or {}).get("stacks")
+    if isinstance(merged, Mapping) and merged.get("settled") and merged.get("groups"):
+        told["stacks"] = "\n".join(stacks.lines(merged))
+    return told
 
 
 def escalates(severity: str, to: str) -> bool:

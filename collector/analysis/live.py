@@ -8,7 +8,9 @@ Passes are driven by commits: the writer hands over each commit's tables, this t
 the runs the commit brought steps (or `ended` events) for and wakes the thread, and the pass judges
 those runs' new steps at once, so a finding exists within a pass of the commit of the step that
 shows it, whatever the step rate. A timer wakes it too (every `interval_s`), for what time alone
-changes: a run that stopped sending steps (a stall), a job stopped by its rollback budget. A run
+changes: a run that stopped sending steps (a stall), a job stopped by its rollback budget, a stacks
+request whose time is up (settled on these passes). A hang finding that fires asks every rank of
+its run for its stacks (one request per finding), which the hang analyzer's next passes read. A run
 whose ranks all said their training loop ended has its firing findings resolved ("run ended") once
 its last steps are judged.
 
@@ -28,7 +30,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -229,6 +231,8 @@ class Analysis:
             runs = self._lead(con, runs)
         self._power_due = {run: t for run, t in self._power_due.items() if run in self._active}
         self._record_power(con)
+        if every and not last:
+            self._settle_stacks(con)
         until = time.monotonic() + LAST_PASS_S
         for run_id in runs:
             if self._stopping and not last:  # the last pass comes at once; it judges what this one would
@@ -382,6 +386,8 @@ class Analysis:
             raise
         if self._rollback is not None and judged.last >= judged.first_new:
             commands.rollbacks_for_anomalies(con, run_id, self._rollback)
+        if judged.found.get(hangs.ANALYZER) and not last:  # where every rank is: asked once a hang fires
+            self._stacks_requests(commands.stacks_for_hangs, con, run_id)
         losses.record(con, run_id, final=last or judged.ended)  # nothing more comes: every step settles
         if (
             timed
@@ -411,6 +417,18 @@ class Analysis:
                 self._stepped.add(run_id)
             self._wake.set()
         return judged.more
+
+    def _settle_stacks(self, con: duckdb.DuckDBPyConnection) -> None:
+        """The stacks requests whose time is up, settled (collector/control/commands.py), on the timer's passes."""
+        self._stacks_requests(commands.settle_stacks, con, run_ids=sorted(self._led) if self._lake else None)
+
+    def _stacks_requests(self, work: Callable[..., object], *args, **kwargs) -> None:
+        """Stacks requests made or settled: a failure is logged and counted, never the rest of the pass's."""
+        try:
+            work(*args, **kwargs)
+        except Exception:
+            log.exception("%s failed", work.__name__)
+            self.failures["stacks requests"] += 1
 
     def _draw_power(self, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
         """Start drawing a run's power report on the power thread, on a cursor of its own; the next

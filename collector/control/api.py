@@ -1,8 +1,9 @@
-"""The control API: commands for a running job (rollbacks, power caps), over HTTP, behind the bearer
-tokens, each request open to the scopes named (rankwatch/agent/config.py; the collector's own token has all):
+"""The control API: commands for a running job (rollbacks, power caps, stacks requests), over HTTP, behind the
+bearer tokens, each request open to the scopes named (rankwatch/agent/config.py; the collector's own token has all):
 
   GET  /v1/commands?run_id=R[&state=S]   a run's commands, oldest first (ingest, query)
-       [&state=pending&wait=W]            held until the run has a pending command, W seconds at most
+       [&kind=K[,K...]][&after=ID]        of those kinds only, with ids above ID only
+       [&state=pending&wait=W]            held until the run has a pending command (of those), W seconds at most
   POST /v1/commands                      {"run_id", "kind", "args"}: a person's command, 201 (control)
   POST /v1/commands/{id}                 {"state", "apply_step"?, "result"?}: the job reports progress (ingest, control)
 
@@ -23,7 +24,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from collector.control.commands import CommandError, CreateCommand, ListCommands, PendingRuns, UpdateCommand
+from collector.control.commands import (
+    CommandError,
+    CreateCommand,
+    ListCommands,
+    PendingPolls,
+    Poll,
+    UpdateCommand,
+)
 from collector.receive import bodies
 from collector.receive.auth import Tokens
 from rankwatch.agent.config import CONTROL, INGEST, QUERY
@@ -49,24 +57,24 @@ Operation = tuple[CreateCommand | ListCommands | UpdateCommand, int, float]
 
 
 class Waiting:
-    """The held polls, by run: one writer call every WAIT_TICK_S asks which of their runs have a
-    pending command, and wakes theirs; none is made while none waits."""
+    """The held polls, by what they ask (run, kinds, after): one writer call every WAIT_TICK_S asks which of
+    them have a pending command, and wakes theirs; none is made while none waits."""
 
     def __init__(self, store: Callable[[], "Store"], stopping: Callable[[], bool]):
         self._store, self._stopping = store, stopping
-        self._runs: dict[str, set[asyncio.Event]] = {}
+        self._polls: dict[Poll, set[asyncio.Event]] = {}
         self._held = 0
         self._ticking: asyncio.Task | None = None
 
-    async def until_pending(self, run_id: str, wait_s: float, gone: Callable[[], Awaitable[None]]) -> bool:
-        """Return once `run_id` has a pending command, after `wait_s` at the latest, at once when
+    async def until_pending(self, poll: Poll, wait_s: float, gone: Callable[[], Awaitable[None]]) -> bool:
+        """Return once `poll` has a pending command, after `wait_s` at the latest, at once when
         MAX_WAITING polls are held already, and when the server is stopping; or once `gone` returns
         (the client has closed its connection: its slot is freed for the polls of clients still
         there, not held to the end of a wait nobody is answered at). Whether the client is there."""
         if self._held >= MAX_WAITING:
             return True
         woken = asyncio.Event()
-        self._runs.setdefault(run_id, set()).add(woken)
+        self._polls.setdefault(poll, set()).add(woken)
         self._held += 1
         if self._ticking is None or self._ticking.done():
             self._ticking = asyncio.create_task(self._tick())
@@ -78,22 +86,22 @@ class Waiting:
             for task in waits:
                 task.cancel()
             self._held -= 1
-            self._runs[run_id].discard(woken)
-            if not self._runs[run_id]:
-                del self._runs[run_id]
+            self._polls[poll].discard(woken)
+            if not self._polls[poll]:
+                del self._polls[poll]
 
     async def _tick(self) -> None:
-        while self._runs:
+        while self._polls:
             await asyncio.sleep(WAIT_TICK_S)
             if self._stopping():
-                pending = list(self._runs)
+                pending = list(self._polls)
             else:
                 try:
-                    pending = await asyncio.wrap_future(self._store().call(PendingRuns(list(self._runs))))
+                    pending = await asyncio.wrap_future(self._store().call(PendingPolls(list(self._polls))))
                 except RuntimeError:  # the writer is restarting: the polls are held on, to their wait
                     continue
-            for run_id in pending:
-                for woken in self._runs.get(run_id, ()):
+            for poll in pending:
+                for woken in self._polls.get(poll, ()):
                     woken.set()
 
 
@@ -116,7 +124,9 @@ def routes(store: Callable[[], "Store"], tokens: Tokens, stopping: Callable[[], 
                     not answer
                     and wait_s > 0
                     and isinstance(call, ListCommands)
-                    and await waiting.until_pending(call.run_id, wait_s, lambda: _disconnected(request))
+                    and await waiting.until_pending(
+                        (call.run_id, call.kinds, call.after), wait_s, lambda: _disconnected(request)
+                    )
                 ):
                     answer = await asyncio.wrap_future(store().call(call))
                 return JSONResponse(answer, status)
@@ -132,10 +142,12 @@ def routes(store: Callable[[], "Store"], tokens: Tokens, stopping: Callable[[], 
         return endpoint
 
     async def listing(request: Request) -> Operation:
-        run_id, state = request.query_params.get("run_id"), request.query_params.get("state")
+        params = request.query_params
+        run_id, state = params.get("run_id"), params.get("state")
         if not run_id:
             raise CommandError("run_id is required")
-        return ListCommands(run_id, state), 200, _wait(request.query_params.get("wait"), state)
+        kinds = _kinds(params.get("kind"))
+        return ListCommands(run_id, state, kinds, _after(params.get("after"))), 200, _wait(params.get("wait"), state)
 
     async def create(request: Request) -> Operation:
         fields = await body(request, ("run_id", "kind"), ("args",))
@@ -160,6 +172,23 @@ async def _disconnected(request: Request) -> None:
     poll's body, which it does not have, is read past)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _kinds(text: str | None) -> tuple[str, ...] | None:
+    """A poll's `kind`: one kind or a comma-separated list (each checked by the writer), in a form
+    of its own whatever the order and repeats; None: every kind."""
+    if text is None:
+        return None
+    return tuple(sorted({kind.strip() for kind in text.split(",")}))
+
+
+def _after(text: str | None) -> int | None:
+    """A poll's `after`: a command id, the commands after it alone."""
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and int(text) < _MAX_ID):
+        raise CommandError(f"after takes a command id, an integer in [0, 2^63), not {text[:30]!r}")
+    return int(text)
 
 
 def _wait(text: str | None, state: str | None) -> float:

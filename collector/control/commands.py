@@ -1,10 +1,15 @@
-"""Control commands for a running job: rollbacks and power caps.
+"""Control commands for a running job: rollbacks, power caps, and requests for every rank's stacks.
 
 A command is created by an analyzer (a rollback for each anomaly finding, at
 most one per finding) or by a person through the control API, fetched by the
 job's agent while `pending`, and moved by the job to `acked` (with the step
 at which every rank will apply it), then `applied` or `failed` (with what
-happened, in `result`). These functions run in the store's writer process,
+happened, in `result`). A `stacks` command (made by the live analysis when a
+hang first fires, one per finding, or by a person) is answered by many ranks
+with `rank_stacks` events and never moved by the job: it stays pending for
+STACKS_TTL_S, so that pollers late to it still see it, then the collector
+settles it (`applied` where every rank asked answered, else `failed` with the
+ranks that did not). These functions run in the store's writer process,
 the one process with the store open for writing: the control API sends them
 as requests (CreateCommand, ListCommands, UpdateCommand), answered on the
 writer thread between commits.
@@ -16,12 +21,15 @@ from dataclasses import dataclass
 
 import duckdb
 
-from collector.analysis.analyzers import anomalies
+from collector.analysis.analyzers import anomalies, hangs
+from collector.analysis.engine import read_stacks
+from collector.analysis.stacks import merge
 from collector.receive.decode import RANGES
 from collector.store.lake import next_id
 from collector.store.requests import Context, Request, handles
+from rankwatch.agent.semconv import EVENT_RANK_STACKS
 
-KINDS = ("rollback", "power_cap")
+KINDS = ("rollback", "power_cap", "stacks")
 STATES = ("pending", "acked", "applied", "failed", "cancelled")
 MAX_STEP, MAX_RANK = RANGES["step"], RANGES["rank"]  # steps and ranks as ingest takes them: [0, MAX)
 # What a job can sanely be told to do. A power cap's watts: from below the lowest limit any data-center GPU
@@ -34,6 +42,11 @@ MIN_WATTS, MAX_WATTS = 25.0, 2_000.0
 MIN_LR_SCALE, MAX_LR_SCALE = 0.01, 1.0
 MAX_SKIP_BATCHES = 10_000
 MAX_TEXT = 256  # characters of a run id or an anomaly's name
+# A stacks request: pending this long after its creation (every rank answers within seconds, from a thread of
+# its own, whatever its training thread does; a poller held elsewhere a while still sees it), then settled;
+# the ranks it may name (beyond, ask every rank: `ranks` null)
+STACKS_TTL_S = 60.0
+MAX_ASKED = 16_384
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
 
@@ -68,7 +81,7 @@ def create(
     _check_run_id(run_id)
     if kind not in KINDS:
         raise CommandError(f"unknown command kind {_shown(kind)}; kinds: {', '.join(KINDS)}")
-    args = (power_cap_args if kind == "power_cap" else rollback_args)(args)
+    args = {"power_cap": power_cap_args, "rollback": rollback_args, "stacks": stacks_args}[kind](args)
     if finding_id is not None:
         existing = _select(con, "WHERE finding_id = ? AND kind = ?", [finding_id, kind])
         if existing:
@@ -119,6 +132,20 @@ def power_cap_args(args) -> dict:
     return {"caps": caps} | ({"watts": watts} if watts is not None else {})
 
 
+def stacks_args(args) -> dict:
+    """A stacks request's args as the ranks read them: `ranks`, the ranks asked (sorted, each once; at most
+    MAX_ASKED), or null for every rank; CommandError for anything else."""
+    usage = f"a stacks request takes args {{ranks: null (every rank) or a list of 1 to {MAX_ASKED:,} ranks}}"
+    if not isinstance(args, dict) or set(args) - {"ranks"}:
+        raise CommandError(usage)
+    ranks = args.get("ranks")
+    if ranks is None:
+        return {"ranks": None}
+    if not isinstance(ranks, list) or not 0 < len(ranks) <= MAX_ASKED:
+        raise CommandError(usage)
+    return {"ranks": sorted({_integer(rank, "a rank", 0, MAX_RANK) for rank in ranks})}
+
+
 def _check_run_id(run_id) -> None:
     if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_TEXT:
         raise CommandError(f"run_id must be a string of 1 to {MAX_TEXT} characters")
@@ -160,25 +187,52 @@ def get(con: duckdb.DuckDBPyConnection, command_id: int) -> dict:
     return rows[0]
 
 
-def listing(con: duckdb.DuckDBPyConnection, run_id: str, state: str | None = None) -> list[dict]:
-    """A run's commands, oldest first; only those in `state` when given."""
+def listing(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    state: str | None = None,
+    kinds: tuple[str, ...] | None = None,
+    after: int | None = None,
+) -> list[dict]:
+    """A run's commands, oldest first; only those in `state`, of `kinds` and with ids above `after`, where
+    given (a stacks answerer asks for `stacks` alone, rank 0 for the kinds it acts on; an answerer that
+    answered command N asks for those after it)."""
     _check_run_id(run_id)
     if state is not None and state not in STATES:
         raise CommandError(f"unknown state {_shown(state)}; states: {', '.join(STATES)}")
-    return _select(
-        con,
-        "WHERE run_id = ?" + (" AND state = ?" if state else "") + " ORDER BY id",
-        [run_id, state] if state else [run_id],
-    )
+    _check_kinds(kinds)
+    filters: dict[str, object] = {"state = ?": state, "list_contains(?, kind)": kinds and list(kinds), "id > ?": after}
+    given = {clause: value for clause, value in filters.items() if value is not None}
+    return _select(con, " AND ".join(["WHERE run_id = ?", *given]) + " ORDER BY id", [run_id, *given.values()])
 
 
-def pending_runs(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> list[str]:
-    """Which of `run_ids` have a pending command: what the control API's held polls wait for."""
-    return [
-        run_id
-        for (run_id,) in con.execute(
-            "SELECT DISTINCT run_id FROM commands WHERE state = 'pending' AND list_contains(?, run_id)", [run_ids]
+def _check_kinds(kinds) -> None:
+    if kinds is not None and (not kinds or any(kind not in KINDS for kind in kinds)):
+        unknown = next((k for k in kinds if k not in KINDS), "")
+        raise CommandError(f"unknown command kind {_shown(unknown)}; kinds: {', '.join(KINDS)}")
+
+
+# A held poll, as the control API waits on it: (run id, the kinds it asks for or None for any, the id its
+# commands come after or None)
+Poll = tuple[str, tuple[str, ...] | None, int | None]
+
+
+def pending_polls(con: duckdb.DuckDBPyConnection, polls: list[Poll]) -> list[Poll]:
+    """Which of `polls` have a pending command of theirs: what the control API's held polls wait for."""
+    newest = {
+        (run_id, kind): newest_id
+        for run_id, kind, newest_id in con.execute(
+            "SELECT run_id, kind, max(id) FROM commands WHERE state = 'pending' AND list_contains(?, run_id) "
+            "GROUP BY run_id, kind",
+            [sorted({run_id for run_id, _, _ in polls})],
         ).fetchall()
+    }
+    return [
+        (run_id, kinds, after)
+        for run_id, kinds, after in polls
+        if any(
+            (run_id, kind) in newest and (after is None or newest[run_id, kind] > after) for kind in (kinds or KINDS)
+        )
     ]
 
 
@@ -218,8 +272,8 @@ _UNANSWERED = """
 SELECT f.id, f.kind, f.step_start FROM findings f
 WHERE f.run_id = ? AND f.analyzer = ? AND (f.state = 'firing' OR f.created_at = f.updated_at)
   AND NOT EXISTS (SELECT 1 FROM commands c JOIN findings answered ON c.finding_id = answered.id
-                  WHERE c.run_id = f.run_id AND (answered.id = f.id OR (answered.step_start <= f.step_start
-                                                                         AND f.created_at <= c.updated_at)))
+                  WHERE c.run_id = f.run_id AND c.kind = 'rollback'
+                    AND (answered.id = f.id OR (answered.step_start <= f.step_start AND f.created_at <= c.updated_at)))
 """
 
 
@@ -250,6 +304,42 @@ def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy:
             finding_id,
         )
     ]
+
+
+_HANGS_UNASKED = """SELECT f.id FROM findings f
+                     WHERE f.run_id = ? AND f.analyzer = ? AND f.kind = 'hang' AND f.state = 'firing'
+                       AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.finding_id = f.id AND c.kind = 'stacks')
+                     ORDER BY f.id"""
+
+
+def stacks_for_hangs(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict]:
+    """A stacks request of every rank for each of the run's firing hang findings that has none yet: one per
+    finding, made when it first fires (the hang analyzer's next passes read the answers)."""
+    return [
+        create(con, run_id, "stacks", {"ranks": None}, "analysis", finding_id)
+        for (finding_id,) in con.execute(_HANGS_UNASKED, [run_id, hangs.ANALYZER]).fetchall()
+    ]
+
+
+def settle_stacks(
+    con: duckdb.DuckDBPyConnection, ttl_s: float = STACKS_TTL_S, run_ids: list[str] | None = None
+) -> list[dict]:
+    """The stacks requests pending for `ttl_s` since their creation (of `run_ids` alone, where given: in a lake,
+    the runs a collector leads), settled: `applied` where every rank asked answered, else `failed` with the
+    ranks that did not (`unanswered`); each with how many answered."""
+    due = con.execute(
+        "SELECT id, run_id FROM commands WHERE kind = 'stacks' AND state = 'pending' AND created_at <= "
+        "now() - to_microseconds($ttl) AND ($runs IS NULL OR list_contains($runs, run_id)) ORDER BY id",
+        {"ttl": int(ttl_s * 1e6), "runs": run_ids},
+    ).fetchall()
+    settled = []
+    for command_id, run_id in due:
+        answers = read_stacks(con, run_id, command_id)
+        merged = merge(answers) if answers is not None else {"answered": 0, "unanswered": []}
+        missing = merged["unanswered"]
+        result = {"answered": merged["answered"]} | ({"unanswered": missing} if missing else {})
+        settled.append(update(con, command_id, "failed" if missing else "applied", result=result))
+    return settled
 
 
 def _select(con: duckdb.DuckDBPyConnection, where: str, params: list) -> list[dict]:
@@ -307,6 +397,8 @@ class ListCommands(Request[list[dict]]):
 
     run_id: str
     state: str | None = None
+    kinds: tuple[str, ...] | None = None
+    after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,10 +412,10 @@ class UpdateCommand(Request[dict]):
 
 
 @dataclass(frozen=True)
-class PendingRuns(Request[list[str]]):
-    """Which of `run_ids` have a pending command (the control API's held polls)."""
+class PendingPolls(Request[list[Poll]]):
+    """Which of `polls` have a pending command of theirs (the control API's held polls)."""
 
-    run_ids: list[str]
+    polls: list[Poll]
 
 
 @handles(CreateCommand, passes=_REFUSALS)
@@ -333,14 +425,19 @@ def _create(context: Context, r: CreateCommand) -> dict:
 
 @handles(ListCommands, passes=_REFUSALS)
 def _listing(context: Context, r: ListCommands) -> list[dict]:
-    return listing(context.con, r.run_id, r.state)
+    return listing(context.con, r.run_id, r.state, r.kinds, r.after)
 
 
 @handles(UpdateCommand, passes=_REFUSALS)
 def _update(context: Context, r: UpdateCommand) -> dict:
+    if r.state != "cancelled" and get(context.con, r.command_id)["kind"] == "stacks":
+        raise CommandError(
+            f"command {r.command_id} is a stacks request: ranks answer it with {EVENT_RANK_STACKS} events, and it "
+            f"settles by itself {STACKS_TTL_S:g} s after its creation; it can only be cancelled"
+        )
     return update(context.con, r.command_id, r.state, r.apply_step, r.result)
 
 
-@handles(PendingRuns, beside=True)
-def _pending_runs(context: Context, r: PendingRuns) -> list[str]:
-    return pending_runs(context.con, r.run_ids)
+@handles(PendingPolls, beside=True)
+def _pending_polls(context: Context, r: PendingPolls) -> list[Poll]:
+    return pending_polls(context.con, r.polls)

@@ -1,11 +1,14 @@
 """Hangs: the collective a stalled job is blocked in and the ranks it waits for, from the hang
-analyzer's findings, with where every rank was when last heard from."""
+analyzer's findings, where every rank's training thread is (the stacks its ranks gave when the hang
+fired), and where every rank was when last heard from."""
 
 import pandas as pd
 import streamlit as st
 
 from collector import ranksets
+from dashboard import evidence as told
 from dashboard import ui
+from dashboard.markdown import literal_table
 
 run = ui.current_run()
 st.title("Hangs")
@@ -50,6 +53,20 @@ else:
     silent = evidence.get("silent_ranks") or []
     if silent:
         st.markdown(f"Silent (no heartbeat): {ranksets.phrase(silent)}.")
+    st.subheader("Where every rank's training thread is")
+    places, unanswered = told.stacks(evidence["stacks"] if isinstance(evidence.get("stacks"), dict) else {})
+    if not places.empty:
+        st.table(literal_table(places.set_index("ranks")))
+        st.caption(
+            "The ranks' answers to the newest request for every rank's stacks (the collector makes one when the hang "
+            "fires), grouped by the innermost calls of their main thread (library frames folded into the call the "
+            "training code made)." + (f" Ranks that did not answer: {ui.literal(unanswered)}." if unanswered else "")
+        )
+    else:
+        st.caption(
+            "No rank has answered a stacks request since the stall began (the collector asks when a hang fires; "
+            "`rankwatch stacks RUN` asks again)."
+        )
     ui.show_evidence(hang)
 ui.show_findings(
     hangs,

@@ -36,6 +36,11 @@ whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
 it, and says so; where that names no culprit (every rank was in the same
 collective then), nothing is kept, and the passes that follow judge again.
+
+A stall also says where every rank's training thread was, once ranks have
+answered a stacks request made during it (the live collector makes one when the
+stall first fires; `Frames.stacks`): the answers merged into groups of ranks by
+place in its evidence, the odd group out in its summary.
 """
 
 from dataclasses import dataclass, replace
@@ -45,12 +50,13 @@ import numpy as np
 import pandas as pd
 
 from collector import ranksets
+from collector.analysis import stacks
 from collector.analysis.analyzers import Finding, Frames, Reads
 
 ANALYZER = "hangs"
 RECENT = 20  # steps whose typical duration sets the timeout
 MAX_PAIRS = 64  # pairs of waiting rank and culprit a finding lists
-READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True)
+READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True, stacks=True)
 
 
 @dataclass(frozen=True)
@@ -79,16 +85,35 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
         before = steps[steps["end_ts"] <= ends[g]]
         timeout = _timeout(before, settings)
         if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
-            found += analyze(
+            stood = analyze(
                 before,
                 frames.heartbeats,
                 int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)),
                 settings,
                 frames.ranks,
             )
+            found += [_with_stacks(f, frames, int(ends[g + 1])) for f in stood]
     progressed = int(resumed[-1]) if len(resumed) else None
     current = analyze(steps, frames.heartbeats, now, settings, frames.ranks, progressed)
-    return found + _as_first_judged(current, frames.kept)
+    return found + [_with_stacks(f, frames) for f in _as_first_judged(current, frames.kept)]
+
+
+def _with_stacks(finding: Finding, frames: Frames, until_ns: int | None = None) -> Finding:
+    """A stall with where every rank was, once ranks have answered a stacks request made during it (the live
+    collector makes one when it first fires; `until_ns`: when a stall the steps closed ended): the merged
+    stacks in its evidence (`stacks`), and its summary naming the odd group out (collector/analysis/stacks.py)."""
+    if frames.stacks is None:
+        return finding
+    answers = frames.stacks(finding.evidence["last_step_end_ns"], until_ns)
+    if answers is None or not answers.stacks:
+        return finding
+    merged = stacks.merge(answers, finding.ranks)
+    told = stacks.odd_words(merged)
+    return replace(
+        finding,
+        summary=finding.summary + (f"; stacks: {told}" if told else ""),
+        evidence={**finding.evidence, "stacks": merged},
+    )
 
 
 def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
