@@ -1,7 +1,8 @@
 """Device samples in the background, and the energy of any stretch of time.
 
-A thread reads the readers (the rank's GPU, its process and host, the RAPL zones) every
-`period_s`, stamps their readings with the agent's clock and hands them over
+A thread reads the readers (the rank's GPU, its process and host, the RAPL zones,
+the InfiniBand ports) every `period_s` (a reader may read less often: it then gives
+nothing), stamps their readings with the agent's clock and hands them over
 about every `flush_s` to a second thread, which passes them to `emit`
 (`Exporter.samples`): a slow or absent collector never delays sampling, and
 when batches pile up the oldest are dropped. The GPU's energy counter is kept
