@@ -5,7 +5,7 @@ thread coming back to Python) must take it back before it goes on; while the exp
 Python bytecode, that waits for the holder's switch interval (5 ms by default) or its next
 voluntary release. Here a stand-in training thread releases the GIL for 200 µs at a time and
 measures how late it gets it back, while the export thread encodes batches of real step traces
-(a DDP step of 14 buckets: 19 spans), A/B: encoded whole, then in the slices rankwatch/agent/export.py uses.
+(a DDP step of 14 buckets: 19 spans), A/B: encoded whole, then in the slices rankwatch/agent/spanwire.py uses.
 
 Usage: python bench/gil.py [--steps 512] [--rounds 5]
 """
@@ -21,22 +21,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.resources import Resource
 
-from rankwatch.agent import export
 from rankwatch.agent import semconv as sc
+from rankwatch.agent import spanwire
 
 PAUSE_S = 200e-6
 
 
-def step_spans(step: int, resource: Resource) -> list[export.Span]:
+def step_spans(step: int, resource: Resource) -> list[spanwire.Span]:
     """One step's spans as the agent sends them: the step, 4 phases, 14 all-reduces."""
     t0 = 1_700_000_000_000_000_000 + step * 33_000_000
     ids = random.Random(step)
     root = ids.getrandbits(64)
     attributes = {sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.DATA_S: 1e-4, sc.COMPUTE_S: 0.03, sc.COMM_WAIT_S: 1e-4}
-    spans = [export.Span(step + 1, root, 0, "step", t0, t0 + 33_000_000, attributes, resource)]
+    spans = [spanwire.Span(step + 1, root, 0, "step", t0, t0 + 33_000_000, attributes, resource)]
     for i, name in enumerate(("data", "forward", "backward", "optimizer")):
         phase = {sc.KIND: sc.KIND_PHASE, sc.STEP: step}
-        spans.append(export.Span(step + 1, ids.getrandbits(64), root, name, t0 + i, t0 + i + 1, phase, resource))
+        spans.append(spanwire.Span(step + 1, ids.getrandbits(64), root, name, t0 + i, t0 + i + 1, phase, resource))
     for seq in range(14):
         comm = {
             sc.KIND: sc.KIND_COMM,
@@ -47,12 +47,12 @@ def step_spans(step: int, resource: Resource) -> list[export.Span]:
             sc.COMM_BYTES: 26_214_400,
         }
         spans.append(
-            export.Span(step + 1, ids.getrandbits(64), root, "all_reduce", t0 + seq, t0 + seq + 9, comm, resource)
+            spanwire.Span(step + 1, ids.getrandbits(64), root, "all_reduce", t0 + seq, t0 + seq + 9, comm, resource)
         )
     return spans
 
 
-def lateness(encode, spans: list[export.Span]) -> tuple[float, list[float]]:
+def lateness(encode, spans: list[spanwire.Span]) -> tuple[float, list[float]]:
     """(seconds the encoding took, how late each of the training thread's GIL returns came back)."""
     late: list[float] = []
     stop = threading.Event()
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     resource = Resource.create({sc.RUN_ID: "bench-gil", sc.RANK: 0})
     spans = [s for step in range(args.steps) for s in step_spans(step, resource)]
-    variants = {"whole": lambda s: export.encode_spans(s, gil_slice=0), "sliced": export.encode_spans}
+    variants = {"whole": lambda s: spanwire.encode_spans(s, gil_slice=0), "sliced": spanwire.encode_spans}
     assert variants["whole"](spans) == variants["sliced"](spans)
     results: dict[str, list[tuple[float, list[float]]]] = {v: [] for v in variants}
     for _ in range(args.rounds):

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.apiclient import ApiClient
-from rankwatch.agent.export import Exporter, Lost
+from rankwatch.agent.export import Exporter
+from rankwatch.agent.lost import Lost
 from tests.conftest import rankwatch_in_process, wait_until
 from tests.otlp_payloads import query
 

@@ -351,7 +351,8 @@ def test_the_exporter_tells_a_refused_token_from_an_unreachable_collector(beside
     from rankwatch import agent
     from rankwatch.agent import semconv as sc
     from rankwatch.agent.config import TokenRefused
-    from rankwatch.agent.export import Exporter, check_token
+    from rankwatch.agent.export import Exporter
+    from rankwatch.agent.senders import check_token
 
     assert check_token(beside.url, beside.token) is True
     assert check_token(f"http://127.0.0.1:{free_port()}", beside.token) is False

@@ -973,7 +973,7 @@ def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(dashboard_st
     before it starts and loses nothing: the collector's health counts only the refused exports that carried
     telemetry, and the sidebar says what those lost."""
     from rankwatch.agent.config import TokenRefused
-    from rankwatch.agent.export import check_token
+    from rankwatch.agent.senders import check_token
 
     db = tmp_path / "rankwatch.duckdb"
     shutil.copy(dashboard_store, db)

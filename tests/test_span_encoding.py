@@ -1,4 +1,4 @@
-"""The agent's own OTLP span encoding (rankwatch/agent/export.py: encode_spans) against the official protobuf classes.
+"""The agent's own OTLP span encoding (rankwatch/agent/spanwire.py: encode_spans) against the official protobuf classes.
 
 Covered: any trace of spans with str, bool, int64 and float attributes, from
 one or several resources, encodes to the ExportTraceServiceRequest the
@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from rankwatch.agent.export import SCOPE, Span, encode_spans
+from rankwatch.agent.spanwire import SCOPE, Span, encode_spans
 
 value = st.one_of(
     st.text(max_size=20), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.just(math.nan)
@@ -106,12 +106,12 @@ def test_values_of_other_types_go_as_text():
 def test_encoding_gives_up_the_gil_every_slice_and_encodes_the_same(monkeypatch):
     """The export thread's encoding releases the GIL every GIL_SLICE spans (so a training thread waiting
     for it is not held for the 5 ms switch interval), and the bytes are those of an encoding in one go."""
-    import rankwatch.agent.export as export
+    import rankwatch.agent.spanwire as spanwire
 
     resource = Resource.create({"rankwatch.rank": 0})
     spans = [Span(1, i + 1, 0, "step", i, i + 1, {"rankwatch.step": i}, resource) for i in range(100)]
     whole = encode_spans(spans, gil_slice=0)
     releases: list[float] = []
-    monkeypatch.setattr(export.time, "sleep", releases.append)
+    monkeypatch.setattr(spanwire.time, "sleep", releases.append)
     assert encode_spans(spans) == whole
-    assert releases == [0] * (100 // export.GIL_SLICE)
+    assert releases == [0] * (100 // spanwire.GIL_SLICE)

@@ -60,8 +60,8 @@ def init(
     `cuda`: time phases with CUDA events (default: when torch sees a GPU)."""
     global _session, _commands, _control, _watch
     from rankwatch.agent.clock import CpuTimer, Timer
-    from rankwatch.agent.export import check_token
     from rankwatch.agent.failures import Watch, attempted
+    from rankwatch.agent.senders import check_token
     from rankwatch.agent.session import Session
 
     timer: Timer = CpuTimer()
