@@ -45,7 +45,7 @@ from otlp_payloads import query
 from rankwatch import agent
 from rankwatch.agent import semconv as sc
 from rankwatch.launch import train
-from trainer import checkpoint, rollback
+from trainer import checkpointfiles, hostring, rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.model import GPT, GPTConfig
@@ -161,9 +161,9 @@ def test_memory_tier_restores_and_reuses_its_buffers(tmp_path, deterministic):
         saved[step + 1] = parameters(j.model)
         if step + 1 >= 3:  # the ring is full from the third snapshot on
             j.ckpt.wait_until_safe()
-            buffers.append([(s.buffer.data_ptr(), s.buffer.numel()) for s in j.ckpt._slots])
+            buffers.append([(s.buffer.data_ptr(), s.buffer.numel()) for s in j.ckpt._ring.slots])
     assert len(buffers[0]) == 3 and all(b == buffers[0] for b in buffers)
-    assert sorted(s.step for s in j.ckpt._slots) == [4, 5, 6]
+    assert sorted(s.step for s in j.ckpt._ring.slots) == [4, 5, 6]
 
     assert j.ckpt.restore(5) == 5  # from memory: nothing was ever written to disk
     assert not any(tmp_path.iterdir())
@@ -618,13 +618,13 @@ def test_a_snapshot_never_waits_for_its_ring_to_be_allocated(tmp_path, monkeypat
     """Pinning a GPU's ring takes seconds (GPT-2's 1.5 GB slot: about one), and the training loop once
     waited for all of it at the first snapshot. The buffers are made in the background, one at a time:
     a snapshot that finds none ready is skipped and counted, and the ring fills while training goes on."""
-    make = checkpoint._host_buffer
+    make = hostring._host_buffer
 
     def slow(nbytes: int, pinned: bool) -> torch.Tensor:
         time.sleep(0.4)
         return make(nbytes, pinned)
 
-    monkeypatch.setattr(checkpoint, "_host_buffer", slow)
+    monkeypatch.setattr(hostring, "_host_buffer", slow)
     j = job(tmp_path, memory=3, disk_every=1000)
     blocked = timed_steps(j, range(24), pause_s=0.1)
     assert max(blocked) < 0.3, blocked  # 0.4 s a buffer, 1.2 s for the ring: never waited for
@@ -633,7 +633,7 @@ def test_a_snapshot_never_waits_for_its_ring_to_be_allocated(tmp_path, monkeypat
     assert [attrs[sc.CKPT_SKIPPED] for name, _, attrs in events if name == sc.EVENT_CHECKPOINT_SKIPPED] == list(
         range(1, len(skipped) + 1)
     )
-    assert len(j.ckpt._slots) == 3 and sorted(s.step for s in j.ckpt._slots) == [22, 23, 24]
+    assert len(j.ckpt._ring.slots) == 3 and sorted(s.step for s in j.ckpt._ring.slots) == [22, 23, 24]
     assert j.ckpt.restore(23) == 23
     j.ckpt.close()
 
@@ -641,7 +641,7 @@ def test_a_snapshot_never_waits_for_its_ring_to_be_allocated(tmp_path, monkeypat
 def test_a_disk_backlog_never_blocks_a_snapshot(tmp_path, monkeypatch, events):
     """A disk slower than the snapshots: each write asked for while the writer is busy replaces the one
     waiting for it (skipped, counted) instead of the training loop waiting for the writer."""
-    write = checkpoint._write_durably
+    write = checkpointfiles._write_durably
 
     def slow(path: Path, data: memoryview) -> dict:
         time.sleep(0.15)
@@ -649,7 +649,7 @@ def test_a_disk_backlog_never_blocks_a_snapshot(tmp_path, monkeypatch, events):
 
     j = job(tmp_path, memory=3, disk_every=1)
     j.step(0)  # the ring allocated
-    monkeypatch.setattr(checkpoint, "_write_durably", slow)
+    monkeypatch.setattr(checkpointfiles, "_write_durably", slow)
     blocked = timed_steps(j, range(1, 13))
     assert max(blocked) < 0.3, blocked  # a write takes 0.45 s, and came to be waited for every third step
     skipped = [(step, attrs[sc.CKPT_TIER]) for name, step, attrs in events if name == sc.EVENT_CHECKPOINT_SKIPPED]
@@ -664,15 +664,15 @@ def test_a_disk_backlog_never_blocks_a_snapshot(tmp_path, monkeypatch, events):
 def test_the_ring_is_sized_from_the_bytes_its_buffers_take(tmp_path, monkeypatch):
     """A buffer may take more than the state's bytes (pin_memory=True rounds to a power of two: 1.5 GB
     took 2 GB, and a ring sized for 55 GB pinned 74). The ring grows by the bytes its slots take."""
-    make = checkpoint._host_buffer
+    make = hostring._host_buffer
 
     def rounded(nbytes: int, pinned: bool) -> torch.Tensor:
         return make(1 << (nbytes - 1).bit_length(), pinned)
 
-    monkeypatch.setattr(checkpoint, "_host_buffer", rounded)
+    monkeypatch.setattr(hostring, "_host_buffer", rounded)
     j = job(tmp_path, memory=1, disk_every=1000)
     j.step(0)
-    [slot] = j.ckpt._slots
+    [slot] = j.ckpt._ring.slots
     assert j.ckpt.snapshot_bytes == slot.buffer.numel() > 1.2 * slot.nbytes
     free = 2 * 3 * slot.buffer.numel() + slot.buffer.numel() // 2  # half of it: 3.5 slots
     page = os.sysconf("SC_PAGE_SIZE")
@@ -684,7 +684,7 @@ def test_the_ring_is_sized_from_the_bytes_its_buffers_take(tmp_path, monkeypatch
     grow_ring(j.ckpt, reach, every=1)
     assert j.ckpt.memory == 4  # the slot it has, and 3 more
     j.step(1)
-    assert sum(s.buffer.numel() for s in j.ckpt._slots) <= slot.buffer.numel() + free // 2
+    assert sum(s.buffer.numel() for s in j.ckpt._ring.slots) <= slot.buffer.numel() + free // 2
     j.ckpt.close()
 
 
@@ -694,12 +694,12 @@ def test_the_ring_takes_its_exact_bytes_within_its_host_limit(tmp_path, caplog):
     probe = job(tmp_path / "probe", memory=1)
     probe.step(0)
     slot = probe.ckpt.snapshot_bytes
-    assert 0 <= slot - probe.ckpt._slots[0].nbytes < os.sysconf("SC_PAGE_SIZE")
+    assert 0 <= slot - probe.ckpt._ring.slots[0].nbytes < os.sysconf("SC_PAGE_SIZE")
     probe.ckpt.close()
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         j = job(tmp_path, memory=4, host_limit=2 * slot + slot // 2)
         j.step(0)  # reserve() returns with the ring as big as it can be
-    assert j.ckpt.memory == 2 and len(j.ckpt._slots) == 2
+    assert j.ckpt.memory == 2 and len(j.ckpt._ring.slots) == 2
     assert "the ring holds 2 snapshots, not 4: it would take the ring past its host limit" in caplog.text
     j.ckpt.grow(10)
     assert j.ckpt.memory == 2
@@ -729,7 +729,7 @@ def test_tied_weights_are_copied_once_and_restored_tied(tmp_path):
     assert model.head.weight is model.embed.weight
     j.step(0)
     j.ckpt.wait_until_safe()
-    [slot] = [s for s in j.ckpt._slots if s.step == 1]
+    [slot] = [s for s in j.ckpt._ring.slots if s.step == 1]
     state = [*model.state_dict().values(), *(t for s in j.optimizer.state.values() for t in s.values())]
     aligned = [-(-t.nbytes // 64) * 64 for t in state]
     tied = -(-model.embed.weight.nbytes // 64) * 64
@@ -798,7 +798,7 @@ def test_a_rollback_does_not_wait_for_the_disk_to_take_a_step_it_drops(tmp_path,
     """The writer is putting a step after the rollback's target on disk (slowly: 1.5 GB took an H200's job 4 s,
     and its rollback waited for it): the restore from memory does not wait for that write, and the step
     written, a future that will not happen, is removed once done and never listed."""
-    write = checkpoint._write_durably
+    write = checkpointfiles._write_durably
     writing = threading.Event()
 
     def slow(path: Path, data: memoryview) -> dict:
@@ -808,7 +808,7 @@ def test_a_rollback_does_not_wait_for_the_disk_to_take_a_step_it_drops(tmp_path,
         return write(path, data)
 
     j = job(tmp_path, memory=4, disk_every=3)
-    monkeypatch.setattr(checkpoint, "_write_durably", slow)
+    monkeypatch.setattr(checkpointfiles, "_write_durably", slow)
     for step in range(6):
         j.step(step)  # snapshots of steps 1-6; steps 3 and 6 to disk
     j.ckpt.wait_until_safe()  # the loop acts on the copy of step 6: its write
@@ -816,7 +816,7 @@ def test_a_rollback_does_not_wait_for_the_disk_to_take_a_step_it_drops(tmp_path,
     started = time.perf_counter()
     assert j.ckpt.restore(4) == 4
     assert time.perf_counter() - started < 0.4  # not the 1.5 s of the write of step 6
-    assert j.ckpt._writing_step == 6  # still being written
+    assert j.ckpt._disk._writing_step == 6  # still being written
     assert j.ckpt.durable_steps() == [3]  # never step 6, though still being written
     j.ckpt.close()  # the writer done
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
