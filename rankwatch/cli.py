@@ -169,7 +169,7 @@ def _collector_takes(url: str, token: str | None, unreachable_ok: bool, scope: s
     authenticated export; query: one query of a constant), else one line naming where a token is looked
     for; an unreachable collector is one line too unless `unreachable_ok` (a job's telemetry waits for it)."""
     from rankwatch.agent.config import TokenRefused
-    from rankwatch.agent.export import check_token
+    from rankwatch.agent.senders import check_token
 
     try:
         reached = check_token(url, token) if scope == INGEST else _answers_queries(url, token)
@@ -376,6 +376,58 @@ def cmd_runs(args) -> None:
     write(list(runs.columns), list(runs.itertuples(index=False)), args.format)
 
 
+def cmd_nodes(args) -> None:
+    import json
+    from urllib.parse import quote
+
+    from collector.reports import nodes, queryapi
+    from collector.store.db import StoreLocked
+
+    if args.collector:
+        from rankwatch.agent.apiclient import ApiClient, ApiError
+        from rankwatch.agent.config import collector_url
+
+        token = _token(args)
+        path = queryapi.NODES_PATH.replace("{run_id:path}", quote(args.run, safe=""))
+        try:
+            listed = ApiClient(collector_url(args.collector), token).get(path, {"unhealthy": str(int(args.unhealthy))})
+        except ApiError as e:
+            raise (_refused(e, token) if e.status in (401, 403) else UsageError(str(e))) from None
+    else:
+        try:
+            listed = nodes.read(_reader(args), args.run, args.unhealthy)
+        except (StoreLocked, LookupError) as e:
+            raise UsageError(str(e).strip("'\"")) from None
+    if args.json:
+        print(json.dumps(listed, indent=2))
+    else:
+        _print_nodes(listed, args.unhealthy)
+
+
+def _print_nodes(listed: dict, unhealthy: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from collector.analysis.analyzers.fleet import said_of
+    from collector.reports.terminal import markup_safe
+
+    console, listing = Console(), listed["nodes"]
+    if not listing:
+        console.print(f"run {markup_safe(listed['run'])}: " + ("no unhealthy node" if unhealthy else "no node known"))
+        return
+    table = Table("host", "ranks", "state", "since step", "score", "what sets it apart", title=f"run {listed['run']}")
+    for node in listing:
+        apart = "; ".join(map(said_of, node["metrics"]))
+        since, score = node["since_step"], node["score"]
+        table.add_row(
+            *map(markup_safe, (str(node["host"]), _ranks(node["ranks"]), node["state"])),
+            "-" if since is None else str(since),
+            "-" if score is None else f"{score:.1f}",
+            markup_safe(apart) or "-",
+        )
+    console.print(table)
+
+
 def cmd_analyze(args) -> None:
     import json
     from dataclasses import asdict
@@ -525,6 +577,19 @@ def _print_findings(found: list, console) -> None:
         if told := f.evidence.get("what_to_do"):
             lines = "\n".join(markup_safe(line) for line in str(told).splitlines())  # each line made safe
             console.print(f"[bold]{markup_safe(f.analyzer)} / {markup_safe(f.kind)}, what to do:[/] {lines}")
+    for f in found:  # where every rank is, where a hang's ranks answered (collector/analysis/stacks.py)
+        if isinstance(merged := f.evidence.get("stacks"), dict):
+            from collector.analysis import stacks
+
+            console.print(f"[bold]{markup_safe(f.analyzer)} / {markup_safe(f.kind)}, where every rank was:[/]")
+            for line in stacks.lines(merged):
+                console.print("  " + markup_safe(line), soft_wrap=True)
+        if isinstance(recorder := f.evidence.get("flight_recorder"), dict):
+            from collector.analysis import recorded
+
+            console.print(f"[bold]{markup_safe(f.analyzer)} / {markup_safe(f.kind)}, what the Flight Recorders say:[/]")
+            for line in recorded.lines(recorder):
+                console.print("  " + markup_safe(line), soft_wrap=True)
     for f in found:  # silence from an analyzer that could not judge is no clean bill: say why
         if f.kind == NOT_JUDGED:
             reason = markup_safe(f.summary.removeprefix("not judged: "))
@@ -612,11 +677,19 @@ _JOB = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run
 SILENT_S = 60.0  # a running job's agent sends a heartbeat every 5 s: this long without one or a step, none runs
 
 
-def _check_running(run_id: str, ranks: list[int], ended: int, last_ns: int | None) -> None:
+def _check_running(
+    run_id: str,
+    ranks: list[int],
+    ended: int,
+    last_ns: int | None,
+    undone: str = "a power cap would never be applied",
+    doing: str = "apply a power cap",
+) -> None:
     """A command only a running job applies: refused for a run whose every rank said it ended, or that
-    sent no step or event for SILENT_S (an imported or finished run), since it would stay pending for ever."""
+    sent no step or event for SILENT_S (an imported or finished run), since it would stay pending for ever;
+    `undone` and `doing` say what in the refusal."""
     if ranks and ended >= len(ranks):
-        raise UsageError(f"run {run_id} has ended (every rank said so): a power cap would never be applied")
+        raise UsageError(f"run {run_id} has ended (every rank said so): {undone}")
     silent_s = None if last_ns is None else (time.time_ns() - last_ns) / 1e9
     if silent_s is None or silent_s > SILENT_S:
         since = (
@@ -626,7 +699,7 @@ def _check_running(run_id: str, ranks: list[int], ended: int, last_ns: int | Non
             if silent_s < 120
             else f"has sent nothing for {silent_s / 60:.0f} min"
         )
-        raise UsageError(f"run {run_id} {since}: no job is running to apply a power cap")
+        raise UsageError(f"run {run_id} {since}: no job is running to {doing}")
 
 
 def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
@@ -659,6 +732,71 @@ def _check_caps(api: "ApiClient", run_id: str, body: dict) -> None:
             raise UsageError(f"run {run_id} has no rank {rank} (its ranks: {_ranks(ranks)})")
         if isinstance(watts, (int, float)) and low is not None and high is not None and not low <= watts <= high:
             raise UsageError(f"{watts:g} W for {name} is outside the {low:g}-{high:g} W its GPUs accept")
+
+
+_RUNNING = """SELECT (SELECT list(rank ORDER BY rank) FROM ranks WHERE run_id = $run),
+                      (SELECT count(DISTINCT rank) FROM events WHERE run_id = $run AND event = $ended),
+                      greatest((SELECT epoch_ns(max(ts)) FROM events WHERE run_id = $run),
+                               (SELECT epoch_ns(max(end_ts)) FROM steps WHERE run_id = $run))"""
+STACKS_POLL_S = 0.5  # how often `rankwatch stacks` looks for the answers
+
+
+def cmd_stacks(args) -> None:
+    import json
+    from urllib.parse import quote
+
+    from collector import ranksets
+    from collector.analysis import stacks
+    from collector.reports import queryapi
+    from rankwatch.agent import semconv as sc
+    from rankwatch.agent.apiclient import ApiClient, ApiError
+    from rankwatch.agent.config import collector_url
+
+    url, token = collector_url(args.collector), _token(args)
+    api = ApiClient(url, token)
+    try:
+        ranks = None if args.ranks is None else ranksets.parse(args.ranks)
+    except ValueError as e:
+        raise UsageError(f"--ranks: {e}") from None
+    if ranks == []:
+        raise UsageError("--ranks names no rank: give ranks (0,3-5), or leave it out to ask every rank")
+    try:
+        answer = queryapi.remote_query(api, _RUNNING, {"run": args.run, "ended": sc.EVENT_ENDED})
+    except queryapi.QueryFailed as e:
+        raise UsageError(str(e)) from None
+    known, ended, last_ns = answer["rows"][0]
+    if not known:
+        raise UsageError(f"the collector at {url} knows no run {args.run!r}")
+    if ranks and (missing := sorted(set(ranks) - set(known))):
+        raise UsageError(f"run {args.run} has no {ranksets.phrase(missing)} (its ranks: {_ranks(known)})")
+    _check_running(args.run, known, ended, last_ns, "its ranks would never answer", "answer a stacks request")
+    try:
+        command = api.post("/v1/commands", {"run_id": args.run, "kind": "stacks", "args": {"ranks": ranks}})
+        path = queryapi.STACKS_PATH.replace("{run_id:path}", quote(args.run, safe=""))
+        deadline = time.monotonic() + args.wait
+        while True:
+            merged = api.get(path, {"request": str(command["id"])})
+            if not merged["unanswered"] or time.monotonic() >= deadline:
+                break
+            time.sleep(STACKS_POLL_S)
+    except ApiError as e:
+        raise (_refused(e, token) if e.status in (401, 403) else UsageError(str(e))) from None
+    if args.json:
+        print(json.dumps(merged, indent=2))
+    else:
+        print(
+            printable(f"run {args.run}: stacks request {merged['request']}, ")
+            + f"{merged['answered']} of {merged['asked']} ranks answered"
+        )
+        for line in stacks.lines(merged):
+            print("  " + printable(line))
+    if not merged["answered"]:
+        print(
+            f"rankwatch stacks: no rank answered within {args.wait:g} s (ranks answer from rankwatch's agent, "
+            "which must be running in the job)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def _print_power(report) -> None:
@@ -789,11 +927,11 @@ def _stop_on_sigterm() -> None:
 def _check_targets(faults: list, ranks: int, steps: int, stages: int = 1, hosts: int = 1) -> None:
     """Each fault names a rank, stage and host the job has, and a step it reaches: one that does
     not would be silently ignored."""
-    job = {"rank": ranks, "stage": stages, "node": hosts, "at": steps, "from": steps}
+    job = {"rank": ranks, "stage": stages, "node": hosts, "at": steps, "from": steps, "fail": steps}
     for f in faults:
         for key, count in job.items():
             if f.get(key) is not None and not f.get(key) < count:
-                what = "step" if key in ("at", "from") else key
+                what = "step" if key in ("at", "from", "fail") else key
                 raise UsageError(f"{f.spec!r}: {key}={f.get(key)} is not in the job, whose {what}s are 0..{count - 1}")
 
 
@@ -991,7 +1129,9 @@ def cmd_simulate(args) -> None:
     # paced: the simulator waits for the collector rather than dropping what it cannot take yet
     exporter = Exporter(exporter_url, token, {sc.RUN_ID: run_id}, paced=True, senders=simulate.SENDERS)
     try:
-        rank_steps, spans = simulate.to_collector(exporter, run_id, topology, frames, faults, args.hang_for)
+        rank_steps, spans = simulate.to_collector(
+            exporter, run_id, topology, frames, faults, args.hang_for, seed=args.seed
+        )
         exporter.flush()
     except TokenRefused as e:  # the collector's token changed under the run: stop now, not after every step
         exporter.shutdown()
@@ -1466,6 +1606,23 @@ def build_parser() -> argparse.ArgumentParser:
     _token_file_option(p)
     p.set_defaults(func=cmd_power_apply)
 
+    p = sub.add_parser(
+        "stacks", help="where every rank of a running job is: ask its ranks for their stacks, print them merged"
+    )
+    p.add_argument("run", help="run id")
+    p.add_argument("--ranks", metavar="SPEC", help="the ranks to ask, as 0,3-5 (default: every rank)")
+    p.add_argument(
+        "--wait",
+        type=_quantity(allow_zero=False),
+        default=15.0,
+        metavar="SECONDS",
+        help="how long to wait for every rank's answer (default 15); those that came by then are shown",
+    )
+    p.add_argument("--json", action="store_true", help="the merged stacks as one JSON document")
+    p.add_argument("--collector", help="collector URL (default: $RANKWATCH_COLLECTOR, else http://127.0.0.1:4318)")
+    _token_file_option(p)
+    p.set_defaults(func=cmd_stacks)
+
     p = sub.add_parser("query", help="run read-only SQL against a store file, or a running collector")
     p.add_argument("sql", help="one statement (several are refused: only the last one's rows would show)")
     _reading_options(p)
@@ -1476,6 +1633,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _reading_options(p)
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser(
+        "nodes", help="a run's nodes, their ranks and health: the unhealthy ones are a scheduler's drain list"
+    )
+    p.add_argument("run", help="run id")
+    p.add_argument("--unhealthy", action="store_true", help="only the nodes to drain")
+    p.add_argument("--json", action="store_true", help='one JSON document: {"run", "nodes": [...]}')
+    p.add_argument(
+        "--db", help=f"store file ({_DEFAULT_DB}); with --collector, its store, for the token file beside it"
+    )
+    p.add_argument("--collector", metavar="URL", help="ask a running collector's query API instead")
+    _lake_options(p, "read")
+    _token_file_option(p)
+    p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard, on loopback")
     p.add_argument(

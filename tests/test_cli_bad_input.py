@@ -45,6 +45,7 @@ REQUIRED = {
     ("simulate",): ["--ranks", "4", "--steps", "4", "--out", "x.parquet"],
     ("power", "apply"): ["r"],
     ("power", "recommend"): ["r"],
+    ("stacks",): ["r"],
 }
 
 
@@ -245,6 +246,7 @@ def store_commands(tmp_path) -> dict[tuple[str, ...], list[str]]:
         ("alerts", "test"): ["alerts", "test"],
         ("token",): ["token", "--scope", "ingest"],
         ("runs",): ["runs"],
+        ("nodes",): ["nodes", "r"],
         ("run",): ["run", "--collector", url, "--", "true"],
         ("train",): ["train", "--collector", url],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2", "--collector", url],
@@ -337,11 +339,13 @@ def test_every_collector_url_goes_through_one_parser(url, message, tmp_path, cap
     commands = {
         ("query",): ["query", "SELECT 1"],
         ("power", "apply"): ["power", "apply", "r", "--watts", "300"],
+        ("stacks",): ["stacks", "r"],
         ("dashboard",): ["dashboard", "--port", str(free_port())],
         ("train",): ["train"],
         ("run",): ["run"],  # (its job's command would follow --collector, after --)
         ("node",): ["node", "--socket", str(tmp_path / "node.sock")],
         ("runs",): ["runs"],
+        ("nodes",): ["nodes", "r"],
         ("simulate",): ["simulate", "--ranks", "2", "--steps", "2"],
     }
     assert set(commands) == options_of("--collector")

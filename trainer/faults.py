@@ -14,6 +14,16 @@ slow-stage:stage=3,slowdown=1.2                  a pipeline stage's compute is s
 data-skew:cv=0.3                                 per-step work varies (sequence lengths)
 power-cap:watts=500[,rank=3][,from=20,to=40]     GPUs run under a power limit, all or one (simulator)
 slow-disk:rank=1,mbps=50[,from=20][,to=40]       a rank's swaps to disk get `mbps` MB/s (the trainer's --offload)
+
+A node that wears out (simulator; trainer/nodehealth.py): from `from` on, a fault counter, link or temperature of
+the node's first GPU (or InfiniBand port) drifts away from its peers', faster and faster; from step `fail` on (if
+given) the node's ranks also compute `slowdown` times longer (default 1.3); `rate` says how hard it wears (its
+error rates, its temperature's creep, how often its link is narrow: times this, default 1):
+pcie-replays:node=2,from=40[,fail=400][,slowdown=1.3][,rate=1]   its PCIe link replays more and more transfers
+nvlink-crc:node=2,from=40[,fail=400]                    its NVLink CRC errors rise
+pcie-width:node=2,from=40[,fail=400]                    its PCIe link trains down to x8 (x16 at times), x4 at `fail`
+hot-gpu:node=2,from=40[,fail=400]                       the GPU and its memory (HBM) run hotter and hotter
+ib-flap:node=2,from=40[,fail=400]                       an InfiniBand port goes down and up, more and more often
 """
 
 import math
@@ -39,6 +49,20 @@ _KEYS: dict[str, dict[str, tuple[type[int] | type[float] | type[str], bool]]] = 
     "power-cap": {"watts": (float, True), "rank": (int, False), "from": (int, False), "to": (int, False)},
     "slow-disk": {"rank": (int, True), "mbps": (float, True), "from": (int, False), "to": (int, False)},
 }
+# a node that wears out, then fails: the kinds share their keys
+WEAR_KINDS = ("pcie-replays", "nvlink-crc", "pcie-width", "hot-gpu", "ib-flap")
+_KEYS.update(
+    {
+        kind: {
+            "node": (int, True),
+            "from": (int, False),
+            "fail": (int, False),
+            "slowdown": (float, False),
+            "rate": (float, False),
+        }
+        for kind in WEAR_KINDS
+    }
+)
 
 
 _CHOICES = {"group": ("tp",)}  # the values a word may take: the process groups whose link the trainer slows
@@ -50,6 +74,7 @@ _LEAST = {
     "at": (0, True),
     "from": (0, True),
     "to": (0, False),
+    "fail": (0, False),
     "slowdown": (1.0, True),
     "factor": (1.0, True),
     "scale": (0.0, False),
@@ -57,6 +82,7 @@ _LEAST = {
     "seconds": (0.0, False),
     "watts": (0.0, False),
     "mbps": (0.0, False),
+    "rate": (0.0, False),
 }
 
 # the rest need the fleet simulator; slow-stage a pipeline-parallel job (rankwatch train --pp), slow-disk
@@ -114,8 +140,9 @@ def parse(spec: str, kinds: tuple[str, ...] = tuple(_KEYS)) -> Fault:
             raise ValueError(
                 f"{spec!r}: {key} must be {'at least' if inclusive else 'more than'} {least:g}, got {value:g}"
             )
-    if "to" in params and float(params["to"]) <= float(params.get("from", 0)):
-        raise ValueError(f"{spec!r}: to must come after from")
+    for later in ("to", "fail"):
+        if later in params and float(params[later]) <= float(params.get("from", 0)):
+            raise ValueError(f"{spec!r}: {later} must come after from")
     missing = [k for k, (_, required) in allowed.items() if required and k not in params]
     if missing:
         raise ValueError(f"{spec!r}: {kind} needs {', '.join(missing)}")

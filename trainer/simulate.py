@@ -12,7 +12,10 @@ slower. A rank's exposed communication wait is its step time minus its own
 data and compute time, as the agent measures it; its collectives are sent as
 spans timed from its entry to their completion, with group, size, sequence
 number and bytes. A thermal fault throttles the clock and raises the
-temperature and the clock-event reasons in the device samples.
+temperature and the clock-event reasons in the device samples. A node that wears out (`pcie-replays`,
+`nvlink-crc`, `pcie-width`, `hot-gpu`, `ib-flap`: trainer/nodehealth.py) drifts in its fault counters,
+PCIe link or temperatures, read every 10 s of simulated time as the agent reads them, then, from the fault's
+`fail` step, slows its ranks.
 
 Power follows the GPU power model (rankwatch/agent/gpumodel.py): each rank's GPU
 is busy (load 1) while it computes and idle-ish (`Timing.wait_load`) while it
@@ -51,8 +54,9 @@ import numpy as np
 import pandas as pd
 
 from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
+from trainer import nodehealth
 from trainer.curve import CURVE_KINDS, Curve, curve
-from trainer.faults import Fault
+from trainer.faults import WEAR_KINDS, Fault
 
 SIMULATOR_KINDS = (
     "straggler",
@@ -64,6 +68,7 @@ SIMULATOR_KINDS = (
     "hang",
     "power-cap",
     *CURVE_KINDS,
+    *WEAR_KINDS,
 )
 HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
 # Peak memory a simulated rank costs (a step is drawn for every rank at once), measured with
@@ -210,11 +215,12 @@ def steps(
     hang = first_hang(faults)
     limits = np.full(n, gpu.limit_max_w) if power_limits is None else np.asarray(power_limits, float)
     losses = curve(training, n, faults, seed)
+    hosts, placed_c = place["host"].to_numpy(), nodehealth.placed_c(n, seed)
     for step in range(n_steps if hang is None else min(n_steps, hang[0])):
         compute = t.compute_s * rng.lognormal(0.0, t.jitter, n)
         pauses = rng.random(n) < t.pause_rate
         compute[pauses] += rng.uniform(0.05, 0.2, pauses.sum())
-        clock, temp, link = np.full(n, gpu.clock_max_mhz), np.full(n, 62.0) + rng.normal(0, 1, n), np.ones(n)
+        clock, temp, link = np.full(n, gpu.clock_max_mhz), 62.0 + placed_c + rng.normal(0, 1, n), np.ones(n)
         reasons, limit = np.zeros(n), limits.copy()
         for f in faults:
             if not f.active(step):
@@ -235,6 +241,8 @@ def steps(
                 link[f.rank] = max(link[f.rank], f.get("factor"))
             elif f.kind == "power-cap":
                 limit[slice(None) if f.rank is None else f.rank] = f.get("watts")
+        compute *= nodehealth.slowdowns(faults, hosts, step)  # a worn node, failing
+        temp += nodehealth.hotter_c(faults, topology.ranks_per_host, n, step)
         # the power limit, where it binds under load, lowers the clock further and stretches compute
         limit, throttled = np.clip(limit, gpu.limit_min_w, gpu.limit_max_w), reasons > 0
         busy_clock, busy_w, reasons = operating_points(gpu, 1.0, limit, throttled)
@@ -291,12 +299,14 @@ def to_collector(
     hang_for_s: float = 60.0,
     timing: Timing = Timing(),
     gpu: GpuModel = GpuModel(),
+    seed: int = 0,
 ) -> tuple[int, int]:
-    """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, and the
-    ranks' heartbeats; returns the rank-steps and the spans (steps and their collectives) handed to it.
-    When the frames stop at a hang, the hang begins once the wall clock reaches the end of the last
-    step (simulated time runs ahead of it; steps dated in the past would look like a stall while they
-    arrive), and heartbeats follow in real time for `hang_for_s` seconds."""
+    """Send the steps (of `gpu`s) as OTLP through the agent's exporter, one resource per rank, with their
+    device samples and node health readings (drawn from `seed`), and the ranks' heartbeats; returns the
+    rank-steps and the spans (steps and their collectives) handed to it. When the frames stop at a hang,
+    the hang begins once the wall clock reaches the end of the last step (simulated time runs ahead of it;
+    steps dated in the past would look like a stall while they arrive), and heartbeats follow in real time
+    for `hang_for_s` seconds."""
     from opentelemetry.sdk.resources import Resource
 
     from rankwatch.agent import semconv as sc
@@ -320,6 +330,7 @@ def to_collector(
     ]
     announced: set[str] = set()
     dp_group, tp_group = topology.dp_groups(), topology.tp_groups()
+    health = nodehealth.Readings(topology.ranks, topology.ranks_per_host, faults, seed)
 
     def announce(candidates: list[Fault], step: int, time_ns: int) -> None:
         for f in candidates:
@@ -398,6 +409,20 @@ def to_collector(
             )
             for rank, time_ns, metric, value in device_samples(frame, timing, gpu).itertuples(index=False)
         )
+        exporter.samples(
+            (
+                metric,
+                int(time_ns),
+                float(value),
+                {
+                    sc.RANK: int(rank),
+                    sc.SOURCE: sc.SOURCE_SIMULATED,
+                    **({sc.GPU: int(local)} if local == local else {}),  # (NaN: a port's, no GPU's)
+                    **({sc.IB_PORT: port} if port else {}),
+                },
+            )
+            for rank, time_ns, metric, value, local, port in health.of(frame).itertuples(index=False)
+        )
     hang = first_hang(faults)
     if hang is not None and step == hang[0] - 1:
         time.sleep(max(last_end - time.time_ns(), 0) / 1e9)
@@ -440,12 +465,15 @@ def tables(
     topology: Topology, n_steps: int, faults: list[Fault], seed: int = 0, timing: Timing = Timing()
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """A whole simulated run as the store would hold it, without a collector: its rank-steps (rank,
-    step, end_ts ns, duration_s, compute_s, ...), its device samples (rank, ts ns, metric, value) and
-    its placement (rank, host, dp_rank, pp_stage, tp_rank, world_size)."""
+    step, end_ts ns, duration_s, compute_s, ...), its device samples and node health readings (rank, ts ns,
+    metric, value, gpu, port: the readings' GPU index and InfiniBand port) and its placement (rank, host,
+    dp_rank, pp_stage, tp_rank, world_size)."""
     frames = list(steps(topology, n_steps, faults, timing, seed, start_ns=10**18))
     run_steps = pd.concat(frames, ignore_index=True).rename(columns={"end_ns": "end_ts"})
-    samples = pd.concat([device_samples(f, timing) for f in frames], ignore_index=True)
-    return run_steps, samples, topology.placement().assign(world_size=topology.ranks)
+    health = nodehealth.Readings(topology.ranks, topology.ranks_per_host, faults, seed)
+    readings = [part for part in map(health.of, frames) if not part.empty]
+    samples = pd.concat([device_samples(run_steps.rename(columns={"end_ts": "end_ns"}), timing), *readings])
+    return run_steps, samples.reset_index(drop=True), topology.placement().assign(world_size=topology.ranks)
 
 
 def _collective(step: int, group: str, size: int, nbytes: int, start_ns: int, end_ns: int) -> tuple:

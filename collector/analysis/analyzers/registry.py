@@ -3,6 +3,16 @@ is its module (ANALYZER, READS, judge) and a line here. Power recommendations (a
 and the collector's health (analyzers/health.py) are drawn apart: the first on a timer of its
 own (a bootstrap over the ranks, seconds at a thousand), the second on the server's counters."""
 
-from collector.analysis.analyzers import anomalies, failures, hangs, links, predicted, rollbacks, stragglers, tiers
+from collector.analysis.analyzers import (
+    anomalies,
+    failures,
+    fleet,
+    hangs,
+    links,
+    predicted,
+    rollbacks,
+    stragglers,
+    tiers,
+)
 
-ANALYZERS = (stragglers, links, anomalies, hangs, rollbacks, predicted, tiers, failures)
+ANALYZERS = (stragglers, links, anomalies, hangs, rollbacks, predicted, tiers, failures, fleet)
