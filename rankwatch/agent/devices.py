@@ -28,6 +28,11 @@ class Device(ABC):
         labels: Attributes = {sc.GPU: self.index, sc.SOURCE: self.source}
         return [(metric, value, {**labels, **attributes}) for metric, value, attributes in self._read()]
 
+    def uuid(self) -> str | None:
+        """The GPU's NVML UUID, by which the node's sidecar reads it for the rank (rankwatch/agent/nodesampler.py);
+        None where no other process can read it (a simulated GPU follows its own rank's activity)."""
+        return None
+
     def compute_scale(self) -> float:
         """How many times longer compute takes than at full clock, for a trainer that has to
         play it out; a real GPU slows down by itself, so 1."""

@@ -2,8 +2,9 @@
 or a link fails outright, so that the collector can blame a machine and not only a GPU.
 
 The GPU's own (PCIe replays and link, NVLink errors, remapped rows, HBM temperature) are read through
-NVML by the rank that owns the GPU (rankwatch/agent/nvml.py); the host's InfiniBand ports here, by one
-rank per host (local rank 0), one series per port. Both at most every `FAULTS_EVERY_S`.
+NVML wherever the GPU is read (rankwatch/agent/nvml.py: its node's sidecar, else its rank); the host's
+InfiniBand ports here, once per host (its sidecar, else local rank 0), one series per port. Both at most
+every `FAULTS_EVERY_S`.
 
 A port's counter file that cannot be read is left out from then on, once logged: a port counted in
 one reading and not the next would make the host's total jump when it comes back.

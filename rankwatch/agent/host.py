@@ -3,7 +3,8 @@ where the rank shares its host (data loaders, a checkpoint being written, swappi
 
 Every rank reads its own process (CPU, storage I/O, major page faults) and its host's memory in use and
 stall shares (Linux PSI): a rank's step-time features need them. The host's disks and dirty pages are
-read by one rank per host (`host_wide`); the collector gives them to every rank of the host.
+read once per host (`host_wide`): by its node's sidecar (rankwatch/agent/nodesampler.py, with `own` off: the
+sidecar's process is no rank's), else by local rank 0; the collector gives them to every rank of the host.
 
 Read at most every `every_s` (a few small files, ~100 µs), whatever the sampler's period; a file the
 kernel lacks (no PSI before 4.20, or outside Linux) is left out, once logged.
@@ -58,10 +59,13 @@ class HostState:
         clock_ns: Callable[[], int] = time.monotonic_ns,
         host_wide: bool = False,
         disks: Path = SYS_BLOCK,
+        own: bool = True,
     ):
-        self._root, self._every_ns, self._clock_ns = root, int(every_s * 1e9), clock_ns
+        """`own`: the process's readings and the host's as its rank sees them (CPU, I/O, faults, memory in
+        use, PSI); `host_wide`: the host's disks and dirty pages."""
+        self._root, self._every_ns, self._clock_ns, self._own = root, int(every_s * 1e9), clock_ns, own
         self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._files = {name: root / "pressure" / name for name in _PRESSURES}
+        self._files = {name: root / "pressure" / name for name in _PRESSURES} if own else {}
         self._process = {"io": root / "self" / "io", "stat": root / "self" / "stat"}
         self._disks: set[str] = set()
         if host_wide:
@@ -72,18 +76,19 @@ class HostState:
 
     def _counters(self) -> dict[str, float]:
         """Monotonic counters: CPU seconds, stalled microseconds, bytes, faults, disk sectors and busy ms."""
-        counters = {"cpu_s": time.process_time()}
+        counters = {"cpu_s": time.process_time()} if self._own else {}
         for name, path in list(self._files.items()):
             try:
                 counters[name] = _stalled_us(path.read_text())
             except (OSError, ValueError, IndexError) as e:
                 log.info("rankwatch: %s not readable (%s); no %s pressure from it", path, e, name)
                 del self._files[name]
-        with suppress(OSError, KeyError):  # /proc/self/io needs the process's own ptrace permission
-            io = _fields(self._process["io"].read_text())
-            counters.update(read_bytes=io["read_bytes"], write_bytes=io["write_bytes"])
-        with suppress(OSError, ValueError, IndexError):
-            counters["major_faults"] = _major_faults(self._process["stat"].read_text())
+        if self._own:
+            with suppress(OSError, KeyError):  # /proc/self/io needs the process's own ptrace permission
+                io = _fields(self._process["io"].read_text())
+                counters.update(read_bytes=io["read_bytes"], write_bytes=io["write_bytes"])
+            with suppress(OSError, ValueError, IndexError):
+                counters["major_faults"] = _major_faults(self._process["stat"].read_text())
         if self._disks:
             with suppress(OSError):
                 for line in (self._root / "diskstats").read_text().splitlines():
@@ -101,7 +106,7 @@ class HostState:
         counters = self._counters()
         seconds = (now - self._last_ns) / 1e9
         rate = {k: (v - self._last[k]) / seconds for k, v in counters.items() if k in self._last}
-        readings: list[Reading] = [(sc.PROCESS_CPU_UTIL, rate["cpu_s"] / self._cpus, _ATTRIBUTES)]
+        readings: list[Reading] = [(sc.PROCESS_CPU_UTIL, rate["cpu_s"] / self._cpus, _ATTRIBUTES)] if self._own else []
         readings += [(_PRESSURES[name], rate[name] / 1e6, _ATTRIBUTES) for name in self._files if name in rate]
         for key, metric in (
             ("read_bytes", sc.PROCESS_READ_BPS),
@@ -118,8 +123,9 @@ class HostState:
                 (sc.DISK_BUSY, max(rate[f"busy:{d}"] for kind, d in disks if kind == "busy"), _ATTRIBUTES),
             ]
         with suppress(OSError, KeyError, ValueError, ZeroDivisionError):
-            memory = _fields((self._root / "meminfo").read_text())
-            readings.append((sc.SYSTEM_MEMORY_UTIL, 1 - memory["MemAvailable"] / memory["MemTotal"], _ATTRIBUTES))
+            memory = _fields((self._root / "meminfo").read_text()) if self._own or self._disks else {}
+            if self._own:
+                readings.append((sc.SYSTEM_MEMORY_UTIL, 1 - memory["MemAvailable"] / memory["MemTotal"], _ATTRIBUTES))
             if self._disks:
                 readings += [
                     (sc.MEMORY_DIRTY_BYTES, memory["Dirty"], _ATTRIBUTES),

@@ -8,7 +8,9 @@ collector's outage: a rank that crashes loses nothing it had handed over. Starte
 `rankwatch run` and `rankwatch train` (or by a scheduler), it exports until told to stop (SIGTERM),
 then delivers what waits, reports what it could not, and notes it per rank where the launcher asked
 ($RANKWATCH_UNDELIVERED). It also takes its ranks' runs' stacks requests from the control API and asks
-its ranks (rankwatch/agent/nodecontrol.py), whose answers come back as their events.
+its ranks (rankwatch/agent/nodecontrol.py), whose answers come back as their events; and it samples the GPUs
+its ranks hand over and the host's own readers, once per node, giving each rank's steps their GPU's energy
+(rankwatch/agent/nodesampler.py).
 """
 
 import json
@@ -28,7 +30,8 @@ from opentelemetry.sdk.resources import Resource
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import AttributeValue, Exporter, Lost
 from rankwatch.agent.nodecontrol import NodeControl
-from rankwatch.agent.nodelink import BYE, EVENT, HELLO, SAMPLES, STEPS, take_frames
+from rankwatch.agent.nodelink import BYE, CLOCK, EVENT, HELLO, READS, SAMPLES, STEPS, frame, take_frames
+from rankwatch.agent.nodesampler import Feed, NodeSampler
 from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")
@@ -76,6 +79,8 @@ class Node:
         self.control = NodeControl(collector, token)  # the ranks' runs' stacks requests, asked of them
         self._failed: dict[object, list[tuple[int, object]]] = {}  # run id -> (when, rank) of its ranks' failures
         self._lock = threading.Lock()
+        self._samples: queue.Queue = queue.Queue(SAMPLE_BATCHES)
+        self.sampler = NodeSampler(self._hand_samples)  # NVML loaded before a rank can link and name its GPU
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -84,9 +89,10 @@ class Node:
             os.umask(old)
         self._listener.listen(256)
         self._threads: list[threading.Thread] = []
-        self._samples: queue.Queue = queue.Queue(SAMPLE_BATCHES)
-        self._sampling = threading.Thread(target=self._export_samples, name="rankwatch-node-samples", daemon=True)
-        self._sampling.start()
+        self._exporting_samples = threading.Thread(
+            target=self._export_samples, name="rankwatch-node-samples", daemon=True
+        )
+        self._exporting_samples.start()
         self._stopping = False
         threading.Thread(target=self._accept, name="rankwatch-node-accept", daemon=True).start()
 
@@ -111,46 +117,86 @@ class Node:
         exporter = self.exporter
         finished, step, told, oom_kills = None, None, False, self._oom_kills()  # step: the one it is in, last said
         buffer = bytearray()
+        feed: Feed | None = None  # what the node samples for the rank
         with conn, self.control.linking(conn) as linked:
-            while frames := self._read(conn, buffer):
-                for kind, body in frames:
-                    if kind == HELLO:
-                        resource = Resource.create(dict(body))
-                        linked(body)
-                    elif resource is None:
-                        log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
-                        return
-                    elif kind == STEPS:
-                        for marks in body:
-                            exporter.step(_marks(marks), resource)
-                        last = max(marks[0] for marks in body)
-                        finished = last if finished is None else max(finished, last)
-                    elif kind == EVENT:
-                        event, time_ns, attributes, text, severity = body
-                        if event == sc.EVENT_RANK_FAILED:
-                            told = True
-                            if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own
-                                self._ended(resource, time_ns)
-                        if isinstance(at := attributes.get(sc.STEP), int):
-                            step = max(step or 0, at)
-                        exporter.event(
-                            event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource
-                        )
-                    elif kind == SAMPLES:  # exported on a thread of their own: a slow collector stalls no link
-                        try:
-                            self._samples.put_nowait((body, resource))
-                        except queue.Full:
-                            exporter.samples_refused += len(body)
-                    elif kind == BYE:
-                        exporter.losses.add(resource, Lost(*body))
-                        return
-                time.sleep(READ_EVERY_S)  # frames gather meanwhile: a rank's send wakes no one, and waits in the socket
+            try:
+                while frames := self._read(conn, buffer):
+                    for kind, body in frames:
+                        if kind == HELLO:
+                            resource = Resource.create(dict(body))
+                            linked(body)
+                        elif resource is None:
+                            log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
+                            return
+                        elif kind == READS:
+                            feed = self._take(conn, resource, feed, *body)
+                        elif kind == CLOCK and feed is not None:
+                            feed.clock_ns = body
+                        elif kind == STEPS:
+                            for marks in body:
+                                if feed is not None:
+                                    self.sampler.step(feed, _marks(marks))
+                                else:
+                                    exporter.step(_marks(marks), resource)
+                            last = max(marks[0] for marks in body)
+                            finished = last if finished is None else max(finished, last)
+                        elif kind == EVENT:
+                            event, time_ns, attributes, text, severity = body
+                            if event == sc.EVENT_RANK_FAILED:
+                                told = True
+                                if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own
+                                    self._ended(resource, time_ns)
+                            if isinstance(at := attributes.get(sc.STEP), int):
+                                step = max(step or 0, at)
+                            exporter.event(
+                                event, time_ns, attributes, text, SeverityNumber(severity or 9), resource=resource
+                            )
+                        elif kind == SAMPLES:
+                            self._hand_samples(body, resource)
+                        elif kind == BYE:
+                            exporter.losses.add(resource, Lost(*body))
+                            return
+                    # frames gather meanwhile: a rank's send wakes no one, and waits in the socket
+                    time.sleep(READ_EVERY_S)
+            finally:
+                if feed is not None:  # its held steps out, before any word of its end
+                    self.sampler.leave(feed)
         if resource is not None and not told:
             self._ended(resource, time.time_ns())
             time.sleep(SETTLE_S)  # the other ranks' frames and ends, from their links, come in meanwhile
             if finished is not None and (step is None or step <= finished):
                 step = finished + 1  # (it finished one, so it was in the next)
             self._gone(resource, step, finished, oom_kills)
+
+    def _take(
+        self,
+        conn: socket.socket,
+        resource: Resource,
+        feed: Feed | None,
+        gpu_uuid: str | None,
+        host_wide: bool,
+        clock_ns: int,
+    ) -> Feed | None:
+        """A rank's hand-over (rankwatch/agent/nodelink.py's READS), answered where it handed anything: what the
+        node samples for it from now on, in place of what it did (nothing, where it takes all back)."""
+        if feed is not None:
+            self.sampler.leave(feed)
+        emit = lambda marks: self.exporter.step(marks, resource)  # noqa: E731
+        feed, why = self.sampler.take(resource, gpu_uuid, host_wide, clock_ns, emit)
+        if gpu_uuid is not None or host_wide:
+            try:  # a few bytes, taken whole or not at all: the rank waits for them (and reads all back if none come)
+                taken = (feed is not None and feed.gpu is not None, feed is not None and feed.host_wide, why)
+                conn.send(frame(READS, taken), socket.MSG_DONTWAIT)
+            except OSError as e:
+                log.warning("rankwatch node: a rank's hand-over not answered (%s)", e)
+        return feed
+
+    def _hand_samples(self, points: list, resource: Resource) -> None:
+        """Device samples to the export thread: a slow collector stalls no link, nor the node's sampling."""
+        try:
+            self._samples.put_nowait((points, resource))
+        except queue.Full:
+            self.exporter.samples_refused += len(points)
 
     def _ended(self, resource: Resource, time_ns: int) -> None:
         """A rank of the run failed of its own (not stopped with the job), or went silent, at `time_ns`."""
@@ -220,8 +266,9 @@ class Node:
         self._stopping = True
         self._listener.close()
         self.control.close()
+        self.sampler.stop()  # its last samples, and the steps it still held
         self._samples.put(None)
-        self._sampling.join(max(give_up - time.monotonic(), 0.1))
+        self._exporting_samples.join(max(give_up - time.monotonic(), 0.1))
         while not self.exporter.flush() and time.monotonic() < give_up:
             time.sleep(1.0)
         lost, _ = self.exporter.finish(time.time_ns())

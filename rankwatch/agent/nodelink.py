@@ -13,6 +13,12 @@ The other way, the sidecar sends a rank stacks requests (rankwatch/agent/nodecon
 reads them without waiting each time it wakes, and answers each with the rank's `rank_stacks` event
 (rankwatch/agent/stacks.py), read on that thread while the training thread is wherever it is.
 
+As it links, a rank may hand the sidecar what it would read for the node (`hand_over`, a READS frame): its
+GPU, by NVML UUID, and, local rank 0, the host's own readers; the sidecar answers with what it reads for it
+from then on (rankwatch/agent/nodesampler.py), and the rank reads the rest itself. Its CLOCK frames tell the
+sidecar its time base (rankwatch/agent/clock.py) against the host's monotonic clock, which every process of
+the host shares, so that what the sidecar samples lines up with the rank's spans.
+
 A frame is a 4-byte little-endian length, then `marshal.dumps((kind, body))`. The socket lives in the
 job's private (0700) directory and the sidecar takes frames from its own user alone (SO_PEERCRED): what
 arrives is from the job's own processes, which `marshal` is fit for.
@@ -21,9 +27,11 @@ arrives is from the job's own processes, which `marshal` is fit for.
 import logging
 import marshal
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,7 +44,12 @@ from rankwatch.agent.stepspans import StepMarks
 log = logging.getLogger("rankwatch.agent")
 
 HELLO, STEPS, EVENT, SAMPLES, BYE = "hello", "steps", "event", "samples", "bye"
-STACKS = "stacks"  # the one frame the sidecar sends a rank: a stacks request's id (rankwatch/agent/nodecontrol.py)
+# rank -> sidecar: (GPU UUID or None, whether the host's readers too, clock) it hands over (None, False: none);
+# sidecar -> rank: (GPU read, host's readers read, why the GPU is not: "" where it is), to a READS handing any
+READS = "reads"
+CLOCK = "clock"  # rank -> sidecar: its time base less the host's monotonic clock, ns, after each re-alignment
+STACKS = "stacks"  # sidecar -> rank: a stacks request's id (rankwatch/agent/nodecontrol.py)
+ANSWER_S = 5.0  # how long a rank waits for the sidecar to say what it reads for it (it opens the GPU meanwhile)
 MAX_FRAME_BYTES = 64 << 20  # a frame is a quarter second of one rank's telemetry: far less
 QUEUE_ITEMS = 8192  # steps, events and sample batches waiting for the link's thread
 _LENGTH = struct.Struct("<I")
@@ -85,7 +98,10 @@ class NodeLink:
         self._fallback: Exporter | None = None
         self._queue: deque = deque()
         self._lost = Lost()  # what did not fit in the queue
-        self._requests = bytearray()  # what the sidecar sent: stacks requests
+        self._requests = bytearray()  # what the sidecar sent: stacks requests, the answer to a hand-over
+        self._reading = threading.Lock()  # one reader of the socket at a time (the link's thread, a hand-over)
+        self._taken: tuple | None = None  # the sidecar's answer to the hand-over
+        self._take_back: Callable[[], object] | None = None  # called where the sidecar goes away after a hand-over
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._stopping = False
@@ -104,6 +120,42 @@ class NodeLink:
             log.warning("rankwatch: no node sidecar at %s (%s): this rank exports its own telemetry", path, e)
             return None
         return cls(sock, fallback)
+
+    def hand_over(
+        self, gpu_uuid: str | None, host_wide: bool, clock_ns: int, take_back: Callable[[], object]
+    ) -> tuple[bool, bool]:
+        """Ask the sidecar to read the rank's GPU (NVML UUID) and, `host_wide`, the host's own readers, for the
+        rank; `clock_ns`: the rank's time base less the host's monotonic clock. (GPU read there, host's readers
+        read there); what it does not read, the rank reads itself (the GPU: said once, with why). Called once,
+        as the session starts: it waits up to ANSWER_S, and takes back what was handed where no answer came.
+        `take_back()` is called where the sidecar goes away later (the rank then reads it all itself)."""
+        self._take_back = take_back
+        try:
+            with self._writing:
+                write_frame(self._sock, READS, (gpu_uuid, host_wide, clock_ns))
+        except OSError:  # gone: the link's thread finds out, and the rank exports and reads on its own
+            return False, False
+        give_up = time.monotonic() + ANSWER_S
+        while self._taken is None and (left := give_up - time.monotonic()) > 0:
+            select.select([self._sock], [], [], left)
+            if not self._answer():
+                break
+        if self._taken is None:
+            log.warning(
+                "rankwatch: the node sidecar did not say within %.0f s what it reads: this rank reads its own", ANSWER_S
+            )
+            self._put((READS, (None, False, clock_ns)))  # none of it, whatever comes later
+            return False, False
+        if self._fallback is not None:  # gone meanwhile: `take_back` was called, or is
+            return False, False
+        gpu, host, why = self._taken
+        if gpu_uuid is not None and not gpu:
+            log.warning("rankwatch: the node sidecar reads no GPU (%s): this rank samples its own", why)
+        return gpu, host
+
+    def clock(self, clock_ns: int) -> None:
+        """The rank's time base less the host's monotonic clock, anew (after a re-alignment)."""
+        self._put((CLOCK, clock_ns))
 
     # -- the session's side: queue, never wait ------------------------------------------------------------
     def _put(self, item: tuple) -> bool:
@@ -148,25 +200,32 @@ class NodeLink:
             self._answer()
             self._send()
 
-    def _answer(self) -> None:
-        """The sidecar's stacks requests, read without waiting, each answered with the rank's `rank_stacks`
-        event (read here, on the link's thread, whatever the training thread is blocked in), queued."""
-        try:
-            while chunk := self._sock.recv(1 << 16, socket.MSG_DONTWAIT):  # b"": the sidecar closed its end
-                self._requests += chunk
-        except BlockingIOError:  # all read
-            pass
-        except OSError:  # gone: the next send finds out
-            return
-        try:
-            requests = take_frames(self._requests)
-        except (ValueError, EOFError, TypeError) as e:  # nothing the sidecar sends: none of it is read
-            log.warning("rankwatch: the node sidecar sent what is no request (%s): ignored", e)
-            self._requests.clear()
-            return
-        for kind, request_id in requests:
+    def _answer(self) -> bool:
+        """What the sidecar sent, read without waiting: its stacks requests, each answered with the rank's
+        `rank_stacks` event (read here, on the link's thread, whatever the training thread is blocked in),
+        queued; and its answer to the hand-over. False where the sidecar closed its end, or the link broke
+        (the next send finds out)."""
+        with self._reading:
+            try:
+                while chunk := self._sock.recv(1 << 16, socket.MSG_DONTWAIT):
+                    self._requests += chunk
+                linked = False  # b"": the sidecar closed its end
+            except BlockingIOError:  # all read
+                linked = True
+            except OSError:
+                return False
+            try:
+                requests = take_frames(self._requests)
+            except (ValueError, EOFError, TypeError) as e:  # nothing the sidecar sends: none of it is read
+                log.warning("rankwatch: the node sidecar sent what is no request (%s): ignored", e)
+                self._requests.clear()
+                return linked
+        for kind, body in requests:
             if kind == STACKS:
-                self.event(*answer(request_id))
+                self.event(*answer(body))
+            elif kind == READS:
+                self._taken = tuple(body)
+        return linked
 
     def _send(self) -> None:
         """Everything queued, in order: the steps gathered in one frame, then each event or sample batch. Where
@@ -190,6 +249,8 @@ class NodeLink:
                             "rankwatch: the node sidecar went away (%s): this rank exports its own telemetry", e
                         )
                         self._fallback = self._make_fallback()
+                        if self._take_back is not None:  # what the sidecar read for the rank, the rank reads now
+                            self._take_back()
                         left = frames[max(i - 1, 0) :]
                         items = [(STEPS, m) for k, b in left if k == STEPS for m in b]
                         items += [item for item in left if item[0] != STEPS]

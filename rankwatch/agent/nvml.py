@@ -75,14 +75,16 @@ def visible_handle(local_index: int):
 
 
 class NvmlDevice(Device):
-    """The GPU that CUDA calls `local_index`; NVML stays initialised until `close()`."""
+    """A GPU through NVML: `gpu` is the CUDA device index in this process (a rank's), or the GPU's NVML UUID
+    (the node's sidecar's way to the GPU a rank named: rankwatch/agent/nodesampler.py). NVML stays initialised
+    until `close()`."""
 
     source = sc.SOURCE_NVML
 
-    def __init__(self, local_index: int, faults_every_s: float = FAULTS_EVERY_S):
+    def __init__(self, gpu: int | str, faults_every_s: float = FAULTS_EVERY_S):
         pynvml.nvmlInit()
         try:
-            self._handle = visible_handle(local_index)
+            self._handle = visible_handle(gpu) if isinstance(gpu, int) else pynvml.nvmlDeviceGetHandleByUUID(gpu)
             self.index = pynvml.nvmlDeviceGetIndex(self._handle)
         except Exception:
             pynvml.nvmlShutdown()
@@ -118,6 +120,15 @@ class NvmlDevice(Device):
         self._warned: set[str] = set()
         self._xid_events = None  # NVML's event set, registered for XID errors at the first reading
         self._nvlink_last: tuple[int, list[float]] | None = None  # (µs, KiB per direction) of the last reading
+
+    def uuid(self) -> str | None:
+        """The GPU's NVML UUID ("GPU-…"): the one name for it that every process of the host agrees on,
+        whatever CUDA_VISIBLE_DEVICES each was given (None where NVML does not say)."""
+        try:
+            return pynvml.nvmlDeviceGetUUID(self._handle)
+        except pynvml.NVMLError as e:
+            log.info("rankwatch: GPU %d: no UUID (%s)", self.index, e)
+            return None
 
     def _read(self) -> list[Reading]:
         readings = self._first_supported(self._calls)

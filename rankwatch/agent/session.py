@@ -22,17 +22,15 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.clock import Clock, CpuTimer, Timer
 from rankwatch.agent.config import UNDELIVERED_ENV, simulate_gpu
 from rankwatch.agent.export import AttributeValue, Exporter, SeverityNumber, log
-from rankwatch.agent.faults import InfinibandPorts
 from rankwatch.agent.host import HostState
 from rankwatch.agent.nodecontrol import answering
 from rankwatch.agent.nodelink import NodeLink, node_socket
+from rankwatch.agent.nodesampler import host_readers
 from rankwatch.agent.opendevice import open_device
-from rankwatch.agent.rapl import Rapl
-from rankwatch.agent.sampler import Sampler
+from rankwatch.agent.sampler import GPU_SAMPLE_S, HOST_SAMPLE_S, Sampler
 from rankwatch.agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
-HOST_SAMPLE_S = 1.0  # the sampler's period on a rank without a GPU
 
 
 @dataclass(slots=True)
@@ -104,7 +102,7 @@ class Session:
         resource: dict | None = None,
         timer: Timer | None = None,
         heartbeat_s: float = 5.0,
-        sample_s: float = 0.1,
+        sample_s: float = GPU_SAMPLE_S,
     ):
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self.clock = Clock()
@@ -134,24 +132,36 @@ class Session:
         self.device = open_device(
             local_rank, utilization=lambda: float(self._phase in COMPUTE_PHASES), simulate=simulate_gpu()
         )
-        readers: list = [HostState(host_wide=local_rank == 0)]  # the host's disks: one rank per host
-        if self.device is not None:
-            readers.insert(0, self.device)
-        if local_rank == 0:  # host power and InfiniBand ports: one rank per host
-            readers += [reader for reader in (Rapl(), InfinibandPorts()) if reader.available]
-        # a step held for its energy goes out once sampled past, not only at the next step's end; without a
-        # GPU there is no energy to wait for, and the host's readings change once a second (rankwatch/agent/host.py)
-        period_s = sample_s if self.device is not None else max(sample_s, HOST_SAMPLE_S)
+        self._lock = threading.Lock()
+        # the sampler reads the rank's process (and its view of the host) once a second, and its GPU and the host's
+        # own readers (one rank per host) where no node sidecar reads them for it (rankwatch/agent/nodesampler.py)
+        self._sample_s, self._gpu_here, self._host_here = sample_s, False, False
+        self._node_reads = False  # whether the node's sidecar reads any of them: it is told the rank's clock then
         self.sampler = (
-            Sampler(readers, self.exporter.samples, period_s, now_ns=self.clock.now_ns, on_sample=self._emit_ready)
+            Sampler(
+                [HostState()],
+                self.exporter.samples,
+                max(sample_s, HOST_SAMPLE_S),
+                now_ns=self.clock.now_ns,
+                on_sample=self._emit_ready,
+            )
             if self.exporter
             else None
         )
+        if self.sampler:
+            gpu, host = self.device is not None, local_rank == 0
+            there = (False, False)  # what the node's sidecar reads for the rank: its GPU, the host's readers
+            if isinstance(self.exporter, NodeLink):
+                uuid = self.device.uuid() if self.device is not None else None  # a simulated GPU's stays here
+                if uuid is not None or host:
+                    # where the sidecar goes away later, the rank reads them all itself from then on
+                    there = self.exporter.hand_over(uuid, host, self.clock.wall(0), lambda: self._read_here(gpu, host))
+            self._node_reads = any(there)
+            self._read_here(gpu and not there[0], host and not there[1])
         self._pending: deque[_Step] = deque()
         self._between: tuple[list[Transfer], list] = ([], [])  # transfers and host work done between steps
         self._seq: dict[str, int] = {}
         self._last_collective: Collective | None = None
-        self._lock = threading.Lock()
         self._emitting = threading.Lock()
         self._stop = threading.Event()
         self._ended = False
@@ -159,11 +169,28 @@ class Session:
         self._heartbeat = threading.Thread(
             target=self._beat, args=(heartbeat_s,), name="rankwatch-heartbeat", daemon=True
         )
-        self.clock.align()
+        self._align()
         if self.exporter:
             self._heartbeat.start()
         if self.sampler:  # there is one where there is an exporter
             self.sampler.start()
+
+    def _read_here(self, gpu: bool, host: bool) -> None:
+        """The sampler reads the rank's GPU (every `sample_s`: a step's energy waits for the sample after its
+        end) and the host's own readers, those of them it does not read yet: where no node sidecar reads them
+        for the rank, or no longer does."""
+        with self._lock:
+            gpu, host = gpu and not self._gpu_here, host and not self._host_here
+            self._gpu_here, self._host_here = self._gpu_here or gpu, self._host_here or host
+        if (gpu or host) and self.sampler is not None:
+            readers = ([self.device] if gpu and self.device is not None else []) + (host_readers() if host else [])
+            self.sampler.add(readers, self._sample_s if gpu else None)
+
+    def _align(self) -> None:
+        """The clock aligned to rank 0's (a collective), and the node's sidecar told where it samples for the rank."""
+        self.clock.align()
+        if self._node_reads and isinstance(self.exporter, NodeLink):
+            self.exporter.clock(self.clock.wall(0))
 
     # -- the training loop's side -------------------------------------------------------------------
     @contextmanager
@@ -183,7 +210,7 @@ class Session:
             self._pending.append(current)
             self._emit_ready()
         if step and step % REALIGN_EVERY == 0:  # a collective: only when every rank ends its step normally
-            self.clock.align()
+            self._align()
             self.timer.retie()
 
     @contextmanager
@@ -330,7 +357,7 @@ class Session:
             and all(self.timer.ready(t.end) for t in s.transfers)
             and (
                 self.sampler is None
-                or self.device is None
+                or not self._gpu_here  # (the node's sidecar holds the step for its energy where it reads the GPU)
                 or self.sampler.covers(self.timer.to_wall(self.clock, s.end))
             )
         )
@@ -403,7 +430,7 @@ class Session:
                 moves,
                 tuple((name, self.clock.wall(a), self.clock.wall(b)) for name, a, b in s.host_work),
                 values,
-                self.sampler.energy_between(start, end) if self.sampler else None,
+                self.sampler.energy_between(start, end) if self.sampler and self._gpu_here else None,
             )
         )
 
