@@ -8,10 +8,13 @@ put back as it was when the job ends.
 """
 
 import atexit
+import logging
 from abc import ABC, abstractmethod
 
 from rankwatch.agent import semconv as sc
-from rankwatch.agent.export import Attributes, log
+from rankwatch.agent.spanwire import Attributes
+
+log = logging.getLogger("rankwatch.agent")
 
 Reading = tuple[str, float, Attributes]  # metric, value, attributes (the sampler adds the time)
 

@@ -37,11 +37,9 @@ from rankwatch.agent.batcher import Batcher
 from rankwatch.agent.config import TokenRefused
 from rankwatch.agent.lost import Losses, Lost
 from rankwatch.agent.route import Route
-from rankwatch.agent.senders import LogExporter, PerCollector, SpanExporter, check_token, refusal
-from rankwatch.agent.spanwire import SCOPE, Attributes, AttributeValue, Span, Trace
+from rankwatch.agent.senders import LogExporter, PerCollector, SpanExporter, refusal
+from rankwatch.agent.spanwire import SCOPE, Attributes, Span, Trace
 from rankwatch.agent.stepspans import StepMarks, spans_of
-
-__all__ = ["AttributeValue", "Attributes", "Exporter", "Lost", "SeverityNumber", "check_token", "log"]
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 log = logging.getLogger("rankwatch.agent")

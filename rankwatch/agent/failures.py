@@ -14,6 +14,7 @@ loader's worker, exits as before). Telling cannot hang the rank's end: the shutd
 its own, waited for SHUTDOWN_S at most. `close()` puts both back.
 """
 
+import logging
 import os
 import re
 import sys
@@ -23,7 +24,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from rankwatch.agent import semconv as sc
-from rankwatch.agent.export import log
+
+log = logging.getLogger("rankwatch.agent")
 
 SHUTDOWN_S = 5.0  # how long a failing rank waits for its telemetry to be handed over
 MAX_STACK_CHARS = 16_384  # the stack's end, where the failure is

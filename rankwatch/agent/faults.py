@@ -10,6 +10,7 @@ A port's counter file that cannot be read is left out from then on, once logged:
 one reading and not the next would make the host's total jump when it comes back.
 """
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Reading
-from rankwatch.agent.export import log
+
+log = logging.getLogger("rankwatch.agent")
 
 # Error counters move slowly (a failing link errs for minutes before it drops), and a straggler window
 # of a real job spans a minute or more: a reading every 10 s shows their rise there, while the sampler

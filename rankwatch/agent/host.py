@@ -10,6 +10,7 @@ Read at most every `every_s` (a few small files, ~100 µs), whatever the sampler
 kernel lacks (no PSI before 4.20, or outside Linux) is left out, once logged.
 """
 
+import logging
 import os
 import re
 import time
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Reading
-from rankwatch.agent.export import log
+
+log = logging.getLogger("rankwatch.agent")
 
 PROC, SYS_BLOCK = Path("/proc"), Path("/sys/block")
 SECTOR = 512  # /proc/diskstats counts 512-byte sectors, whatever the disk's own

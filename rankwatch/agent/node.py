@@ -28,10 +28,12 @@ from opentelemetry._logs import SeverityNumber
 from opentelemetry.sdk.resources import Resource
 
 from rankwatch.agent import semconv as sc
-from rankwatch.agent.export import AttributeValue, Exporter, Lost
+from rankwatch.agent.export import Exporter
+from rankwatch.agent.lost import Lost
 from rankwatch.agent.nodecontrol import NodeControl
 from rankwatch.agent.nodelink import BYE, CLOCK, EVENT, HELLO, READS, SAMPLES, STEPS, frame, take_frames
 from rankwatch.agent.nodesampler import Feed, NodeSampler
+from rankwatch.agent.spanwire import AttributeValue
 from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")

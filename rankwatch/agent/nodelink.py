@@ -37,7 +37,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rankwatch.agent.config import NODE_ENV
-from rankwatch.agent.export import SPANS_DELAY_MS, Attributes, Exporter, Lost
+from rankwatch.agent.export import SPANS_DELAY_MS, Exporter
+from rankwatch.agent.lost import Lost
+from rankwatch.agent.spanwire import Attributes
 from rankwatch.agent.stacks import answer
 from rankwatch.agent.stepspans import StepMarks
 

@@ -15,6 +15,7 @@ replays and link, NVLink errors, remapped rows, HBM temperature) are read at mos
 every `FAULTS_EVERY_S` (rankwatch/agent/faults.py): they move slowly.
 """
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -22,8 +23,9 @@ import pynvml
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Device, Reading
-from rankwatch.agent.export import log
 from rankwatch.agent.faults import FAULTS_EVERY_S, Due
+
+log = logging.getLogger("rankwatch.agent")
 
 _UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission)
 _ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId that sums every link

@@ -5,10 +5,12 @@ Apart from rankwatch/agent/devices.py, the contract that rankwatch/agent/nvml.py
 build on, so that the contract imports neither.
 """
 
+import logging
 from collections.abc import Callable
 
 from rankwatch.agent.devices import Device
-from rankwatch.agent.export import log
+
+log = logging.getLogger("rankwatch.agent")
 
 
 def open_device(

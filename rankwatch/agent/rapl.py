@@ -9,6 +9,7 @@ average power since the previous reading; both are per host, so one rank per
 host should read them.
 """
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Reading
-from rankwatch.agent.export import log
+
+log = logging.getLogger("rankwatch.agent")
 
 POWERCAP = Path("/sys/class/powercap")
 

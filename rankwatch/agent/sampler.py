@@ -11,6 +11,7 @@ rank's sampler reads one GPU; a node sidecar's, rankwatch/agent/nodesampler.py, 
 GPU its ranks named, told apart by their `gpu` attribute).
 """
 
+import logging
 import queue
 import threading
 import time
@@ -22,7 +23,9 @@ from typing import Protocol
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.devices import Reading
-from rankwatch.agent.export import Attributes, log
+from rankwatch.agent.spanwire import Attributes
+
+log = logging.getLogger("rankwatch.agent")
 
 Point = tuple[str, int, float, Attributes]  # metric, time ns, value, attributes: Exporter.samples' shape
 STUCK_NS = 10**9  # a sampler this late is not waited for

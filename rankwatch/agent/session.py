@@ -18,16 +18,19 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from opentelemetry._logs import SeverityNumber
+
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.clock import Clock, CpuTimer, Timer
 from rankwatch.agent.config import UNDELIVERED_ENV, simulate_gpu
-from rankwatch.agent.export import AttributeValue, Exporter, SeverityNumber, log
+from rankwatch.agent.export import Exporter, log
 from rankwatch.agent.host import HostState
 from rankwatch.agent.nodecontrol import answering
 from rankwatch.agent.nodelink import NodeLink, node_socket
 from rankwatch.agent.nodesampler import host_readers
 from rankwatch.agent.opendevice import open_device
 from rankwatch.agent.sampler import GPU_SAMPLE_S, HOST_SAMPLE_S, Sampler
+from rankwatch.agent.spanwire import AttributeValue
 from rankwatch.agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
