@@ -98,7 +98,7 @@ def read(evidence: dict) -> Evidence:
     """The shapes analyzers put in evidence: {rank: number} maps, {step: number} series (anomalies'
     `values`, `*_by_step`), {name: {field: value}} and [{field: value}] records, {field: value}
     groups of figures, and figures; and a hang's merged stacks (`stacks`), a table of where each group
-    of ranks is."""
+    of ranks is, and its ranks' Flight Recorders matched (`flight_recorder`), a table of what they say."""
     figures: list[tuple[str, str]] = []
     by_rank: list[tuple[str, pd.Series]] = []
     by_step: list[tuple[str, pd.Series]] = []
@@ -108,6 +108,10 @@ def read(evidence: dict) -> Evidence:
             stacks_table, unanswered = stacks(value)
             tables += [("stacks", stacks_table)] if not stacks_table.empty else []
             figures += [("stacks: not answered", unanswered)] if unanswered else []
+        elif key == "flight_recorder" and isinstance(value, dict):
+            verdicts, said = recorders(value)
+            tables += [("flight_recorder", verdicts)] if not verdicts.empty else []
+            figures.append(("flight recorder", said))
         elif isinstance(value, dict) and value and all(str(k).isdigit() and _number(v) for k, v in value.items()):
             series = pd.Series({int(k): float(v) for k, v in value.items()}).sort_index()
             (by_step if key == "values" or key.endswith("by_step") else by_rank).append((key, series))
@@ -142,6 +146,25 @@ def stacks(merged: dict) -> tuple[pd.DataFrame, str]:
     if unanswered and not merged.get("settled"):
         unanswered += " (so far)"
     return pd.DataFrame(rows, columns=["ranks", "where"]), unanswered
+
+
+def recorders(told: dict) -> tuple[pd.DataFrame, str]:
+    """What a hang's ranks' Flight Recorder entries say, matched across ranks (collector/analysis/recorded.py):
+    a row per finding (its culprit ranks as ranges, its summary), and in words how many ranks' entries were
+    matched, how many findings the rows leave out, and the ranks whose Flight Recorder could not be read."""
+    rows = [
+        {"culprits": ranksets.compact(v.get("ranks") or []), "verdict": str(v.get("summary", ""))}
+        for v in told.get("verdicts") or []
+        if isinstance(v, dict)
+    ]
+    said = f"the entries of {told.get('ranks')} ranks matched across ranks"
+    if told.get("more"):
+        said += f"; {told['more']} more findings than shown"
+    elif not rows:
+        said += ": all matched"
+    if told.get("unreadable"):
+        said += f"; what {ranksets.phrase(told['unreadable'])} gave is no Flight Recorder"
+    return pd.DataFrame(rows, columns=["culprits", "verdict"]), said
 
 
 def _number(value: object) -> bool:

@@ -13,7 +13,6 @@ import duckdb
 import httpx
 import pandas as pd
 import pytest
-from opentelemetry.sdk.resources import Resource
 
 from collector.analysis import stacks
 from collector.analysis.stacks import Answers
@@ -21,35 +20,9 @@ from collector.control import commands
 from collector.store.db import connect, create_tables
 from dashboard import evidence
 from rankwatch.agent import semconv as sc
-from rankwatch.agent.config import INGEST, scoped_token
-from rankwatch.agent.export import Exporter
+from tests import hung_job
 from tests.conftest import Collector, free_port, rankwatch_in_process, wait_until
-
-LIB = "/opt/venv/lib/python3.11/site-packages/torch/"
-
-
-def frame(file: str, line: int, function: str, code: str = "") -> dict:
-    return {"file": file, "line": line, "function": function, "code": code}
-
-
-# The training loop's frames, outermost first (as an answer gives them): blocked in a collective, and hung in
-# the model's forward (nn.Module's call machinery between the loop and the model's code)
-OUTER = [frame("/job/train.py", 200, "<module>"), frame("/job/train.py", 98, "main", "train_step(batch)")]
-BLOCKED = [
-    *OUTER,
-    frame("/job/train.py", 120, "train_step", "dist.all_reduce(t)"),
-    frame(LIB + "distributed/c10d_logger.py", 83, "wrapper"),
-    frame(LIB + "distributed/distributed_c10d.py", 2800, "all_reduce", "work.wait()"),
-]
-IN_FORWARD = [
-    *OUTER,
-    frame("/job/train.py", 110, "train_step", "loss = model(x)"),
-    frame(LIB + "nn/modules/module.py", 1773, "_wrapped_call_impl"),
-    frame(LIB + "nn/modules/module.py", 1784, "_call_impl"),
-    frame("/job/model.py", 50, "forward", "time.sleep(3600)"),
-]
-AT_ALL_REDUCE = "`all_reduce` at train.py:120 <- `train_step` at train.py:98 <- `main` at train.py:200"
-AT_FORWARD = "in `forward` at model.py:50 <- `forward` at train.py:110 <- `train_step` at train.py:98"
+from tests.hung_job import AT_ALL_REDUCE, AT_FORWARD, BLOCKED, IN_FORWARD, LIB, OUTER, Hung, Job, ask, frame
 
 
 def answers(stacks_by_rank: dict[int, object], asked=None, state: str = "pending") -> Answers:
@@ -329,10 +302,6 @@ def test_rankwatch_stacks_refuses_bad_input_in_one_line(live, args, why):
 RUN, RANKS, HUNG, SILENT, STEPS = "stacks-hang", 8, 5, 7, 6
 
 
-def resource(rank: int) -> Resource:
-    return Resource.create({sc.RUN_ID: RUN, sc.RANK: rank, sc.WORLD_SIZE: RANKS, sc.HOST_NAME: f"node-{rank // 4}"})
-
-
 def stack_body(rank: int) -> str:
     """A rank's answer as the agent sends it: every thread, the main one marked; the hung rank's with its Flight
     Recorder's last 256 entries, past the 64 KiB other log bodies may hold."""
@@ -349,100 +318,15 @@ def stack_body(rank: int) -> str:
     return json.dumps({"threads": threads, "flight_recorder": recorder})
 
 
-class Job(threading.Thread):
-    """The hung job's ranks, as their agents and a node's sidecar speak for them, through the agent's exporter:
-    a heartbeat a second from every rank (rank HUNG in its forward, the others blocked in all-reduce #STEPS),
-    and an answer from every rank asked (but rank SILENT) to each stacks request, found with the held poll
-    a sidecar makes (an ingest token, kind stacks, after the last answered); `late`: requests rank SILENT
-    answers too, late."""
-
-    def __init__(self, collector: Collector):
-        super().__init__(daemon=True)
-        self.exporter = Exporter(collector.url, collector.token, {sc.RUN_ID: RUN})
-        self.resources = [resource(r) for r in range(RANKS)]
-        self.poll = httpx.Client(
-            base_url=collector.url,
-            headers={"Authorization": f"Bearer {scoped_token(collector.token, INGEST)}"},
-            timeout=30,
-        )
-        self.late: set[int] = set()
-        self.answered: set[tuple[int, int]] = set()
-        self.stop = threading.Event()
-        self.failure: BaseException | None = None
-
-    def steps(self) -> None:
-        """STEPS steps of one second each, the last ended 30 s ago: the job has been stuck since."""
-        t0 = time.time_ns() - (30 + STEPS) * 10**9
-        for step in range(STEPS):
-            for rank in range(RANKS):
-                start = t0 + step * 10**9
-                attributes = {sc.KIND: sc.KIND_STEP, sc.STEP: step, sc.COMPUTE_S: 0.8, sc.COMM_WAIT_S: 0.1}
-                self.exporter.trace([("step", start, start + 10**9, attributes)], self.resources[rank])
-        wait_until(self.exporter.flush, "the steps were not delivered", 60)
-
-    def run(self) -> None:
-        try:
-            after = None
-            while not self.stop.is_set():
-                self._heartbeats()
-                params = {"run_id": RUN, "state": "pending", "kind": "stacks", "wait": "1"}
-                pending = self.poll.get("/v1/commands", params=params | ({"after": str(after)} if after else {}))
-                pending.raise_for_status()
-                for command in pending.json():
-                    self._answer(command["id"], command["args"]["ranks"] or range(RANKS))
-                    after = max(after or 0, command["id"])
-                for request in list(self.late):
-                    self._answer(request, [SILENT], late=True)
-                self.exporter.flush()
-        except BaseException as e:  # the test reads it
-            self.failure = e
-
-    def _heartbeats(self) -> None:
-        for rank in range(RANKS):
-            blocked = rank != HUNG
-            attributes = {sc.STEP: STEPS, sc.PHASE: "" if blocked else "compute", sc.COMM_OP: "all_reduce"}
-            attributes |= {sc.COMM_GROUP: "world", sc.COMM_SEQ: STEPS - 1 + blocked, sc.COMM_DONE: not blocked}
-            self.exporter.event(sc.EVENT_HEARTBEAT, time.time_ns(), attributes, resource=self.resources[rank])
-
-    def _answer(self, request: int, ranks, late: bool = False) -> None:
-        for rank in ranks:
-            if (rank == SILENT and not late) or (request, rank) in self.answered:
-                continue
-            self.answered.add((request, rank))
-            self.exporter.event(
-                sc.EVENT_RANK_STACKS,
-                time.time_ns(),
-                {sc.STACKS_REQUEST: request},
-                body=stack_body(rank),
-                resource=self.resources[rank],
-            )
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.join(timeout=60)
-        self.exporter.flush()
-        self.exporter.shutdown()
-        self.poll.close()
-        assert self.failure is None, self.failure
-
-
-def ask(api, sql: str, params=None) -> list[list]:
-    response = api.post("/api/v1/query", json={"sql": sql, "params": params or []})
-    assert response.status_code == 200, response.text
-    return response.json()["rows"]
-
-
 def hang_finding(api) -> tuple[int, str, dict]:
-    rows = ask(api, "SELECT id, summary, evidence FROM findings WHERE run_id = ? AND analyzer = 'hangs'", [RUN])
-    assert len(rows) <= 1, rows
-    return (rows[0][0], rows[0][1], json.loads(rows[0][2])) if rows else (0, "", {})
+    return hung_job.hang_finding(api, RUN)
 
 
 @pytest.fixture(scope="module")
 def hung(live, api):
     """The hung job, from its steps to the collector's stop: what the collector said along the way (the hang
     finding once its stacks came, the route, the alert, `rankwatch stacks` three times), then the store."""
-    job = Job(live)
+    job = Job(live, Hung(RUN, RANKS, HUNG, STEPS, stack_body, SILENT))
     seen: dict = {}
     try:
         job.steps()

@@ -5,7 +5,8 @@ One alert name per analyzer; the labels follow Alertmanager's conventions
 analyzer's evidence adds: a failed rank's host and cause), so the alerts of
 one run and analyzer form one group, and an existing routing tree can page on
 `severity="critical"` as it does for every other source. A hang's alert says
-where every rank is (annotation `stacks`) once its ranks answered.
+where every rank is (annotation `stacks`) once its ranks answered, and what their Flight Recorders say
+(`flight_recorder`).
 """
 
 from collections.abc import Mapping
@@ -84,11 +85,16 @@ def dashboard_link(dashboard_url: str, run_id: str, analyzer: str, finding_id: i
 
 def annotations(summary: str, link: str, evidence: Mapping | None = None) -> dict[str, str]:
     """What an alert says: the finding's summary, its dashboard page, and where its evidence has where every
-    rank is (a hang's `stacks`, once every rank asked answered or its request settled), those lines."""
+    rank is (a hang's `stacks`, once every rank asked answered or its request settled), those lines, with what
+    the ranks' Flight Recorder entries say matched across ranks (`flight_recorder`), where they held any."""
     told = {"summary": summary, "dashboard": link}
     merged = (evidence or {}).get("stacks")
     if isinstance(merged, Mapping) and merged.get("settled") and merged.get("groups"):
         told["stacks"] = "\n".join(stacks.lines(merged))
+        if isinstance(recorder := (evidence or {}).get("flight_recorder"), Mapping):
+            from collector.analysis import recorded  # (the matchers: read for a hang's alert alone)
+
+            told["flight_recorder"] = "\n".join(recorded.lines(recorder))
     return told
 
 

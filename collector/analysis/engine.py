@@ -27,14 +27,16 @@ import importlib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import duckdb
 import numpy as np
 import pandas as pd
 
+from collector.analysis import recorded as recorders
 from collector.analysis.analyzers import Finding, Frames, Tiers
 from collector.analysis.analyzers.registry import ANALYZERS
+from collector.analysis.stacks import Answers
 from rankwatch.agent import semconv as sc
 
 log = logging.getLogger("rankwatch.analysis")
@@ -58,6 +60,13 @@ _COLLECTIVES = f"""SELECT run_id, rank, step, name, comm_group, group_size, dura
                     AND step > $after AND step <= $upto"""
 _DEVICES = """SELECT rank, epoch_ns(ts) AS ts, metric, value FROM device_samples
               WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)"""
+# some metrics' samples, each series' (a rank's GPU, a port) last of each slice of time
+_NODE_SAMPLES = f"""SELECT rank, max(epoch_ns(ts)) AS ts, metric, arg_max(value, ts) AS value, gpu,
+                             attrs->>{sc.json_path(sc.IB_PORT)} AS port
+                      FROM device_samples
+                      WHERE run_id = $run AND ts BETWEEN make_timestamp_ns($since) AND make_timestamp_ns($until)
+                        AND metric IN (SELECT unnest($metrics))
+                      GROUP BY rank, metric, gpu, port, (epoch_ns(ts) - $since) // $slice"""
 _WORKLOAD = f"""SELECT rank, step, tokens, TRY_CAST(attrs->>{sc.json_path(sc.STEP_FLOPS)} AS DOUBLE) AS flops
                 FROM current_steps WHERE run_id = $run AND step > $after AND step <= $upto"""
 _TIER_STEPS = f"""SELECT rank, step, epoch_ns(end_ts) AS end_ts, duration_s,
@@ -117,6 +126,35 @@ _LAST_STEPS = """SELECT f.rank, f.ts, max(s.step) AS last_step
                                  AND s.end_ts > make_timestamp_ns($since)
                  GROUP BY f.rank, f.ts"""
 LAST_STEP_S = 3600  # how far before the failures read a rank's last step is looked for
+# The run's newest stacks request (or the one asked for), and each rank's answer to it (its newest, should it
+# answer twice), ranks whose main threads stand in the same frames together: at 16,384 ranks a few groups
+# cross to Python, not the 16,384 answers (each up to 256 KiB with the Flight Recorder's entries)
+_STACKS_REQUESTS = """SELECT id, state, epoch_ns(created_at), CAST(args->'ranks' AS INTEGER[]) FROM commands
+                      WHERE run_id = $run AND kind = 'stacks' AND ($request IS NULL OR id = $request)
+                        AND (NOT $every_rank OR coalesce(json_type(args->'ranks'), 'NULL') = 'NULL')
+                        AND ($since IS NULL OR epoch_ns(created_at) >= $since)
+                        AND ($until IS NULL OR epoch_ns(created_at) <= $until)
+                      ORDER BY created_at DESC, id DESC LIMIT 2"""
+_MAIN_THREADS = "TRY_CAST(json_extract(body, '$.threads') AS JSON[])"
+_ANSWERS = f"""FROM events WHERE run_id = $run AND event = '{sc.EVENT_RANK_STACKS}' AND rank IS NOT NULL
+                               AND ts >= make_timestamp_ns($since)
+                               AND TRY_CAST(attrs->>{sc.json_path(sc.STACKS_REQUEST)} AS BIGINT) = $request"""
+_STACKS = f"""SELECT frames, list(rank ORDER BY rank) FROM (
+                SELECT rank, CASE WHEN json_valid(body) THEN coalesce(
+                                list_filter({_MAIN_THREADS}, lambda t: TRY_CAST(t->>'main' AS BOOLEAN))[1],
+                                list_filter({_MAIN_THREADS}, lambda t: t->>'name' = 'MainThread')[1]) -> 'frames'
+                             END AS frames
+                FROM (SELECT rank, arg_max(body, ts) AS body {_ANSWERS} GROUP BY rank))
+              GROUP BY frames"""
+# What answers a request has, without reading their bodies: a hang's every pass reads them again only when it changed
+_ANSWERED = f"SELECT count(*), max(epoch_ns(ts)) {_ANSWERS}"
+# Each rank's Flight Recorder in its answer, of the ranks whose answers were not read before
+_RECORDERS = f"""SELECT rank, CASE WHEN json_valid(body) THEN json_extract(body, '$.flight_recorder') END
+                 FROM (SELECT rank, arg_max(body, ts) AS body {_ANSWERS}
+                         AND NOT list_contains($read::INTEGER[], rank) GROUP BY rank)"""
+_RANKS_OF_RUN = """SELECT (SELECT list(rank) FROM ranks WHERE run_id = $run),
+                          (SELECT max(world_size) FROM runs WHERE run_id = $run)"""
+STACKS_CLOCK_S = 600  # how long before its request an answer may be dated (a rank's clock against the collector's)
 _FAILED_ROLLBACKS = """SELECT run_id, id, finding_id, result FROM commands
                        WHERE run_id = $run AND kind = 'rollback' AND state = 'failed'"""
 _APPLIED_ROLLBACKS = """SELECT id, CAST(result->>'restored_step' AS BIGINT) FROM commands
@@ -228,16 +266,18 @@ class Engine:
         self.rank_steps = rank_steps
         self.cursors: dict[str, Cursor] = {}
         self._history: dict[str, _History] = {}
+        self._stacks_read: dict[str, dict] = {}  # run -> the answers its stacks requests had, by what had come
         self._longest = max((a.READS.history for a in analyzers), default=0)  # the most steps any reads back
 
     def __getstate__(self) -> dict:
         """What is pickled to the writer process: settings and cursors, not the steps kept in memory."""
-        return {**self.__dict__, "_history": {}}
+        return {**self.__dict__, "_history": {}, "_stacks_read": {}}
 
     def release(self, run_id: str) -> None:
         """Drop the steps kept for a run (one that went quiet: memory is for the runs that step); its
         next pass reads them again."""
         self._history.pop(run_id, None)
+        self._stacks_read.pop(run_id, None)
 
     def forget(self, run_id: str) -> None:
         """Drop a run's cursor (a pass that failed to record: the next starts from the stored one)."""
@@ -444,9 +484,19 @@ class Engine:
         if any(r.tiers for r in reads):
             history = max(r.history for r in reads if r.tiers)
             frames.tiers = lambda: _tiers(con, run_id, first_new, first_new - 1 - history, upto)
+        if any(r.stacks for r in reads):
+            known = self._stacks_read.setdefault(run_id, {})
+            frames.stacks = lambda since, until: read_stacks(
+                con, run_id, every_rank=True, made=(since, until), known=known, recorded=True
+            )
         if any(r.devices for r in reads):
             frames.devices = lambda since, until: con.execute(
                 _DEVICES, {"run": run_id, "since": since, "until": until}
+            ).df()
+        if any(r.node_samples for r in reads):
+            frames.node_samples = lambda since, until, slice_ns, metrics: con.execute(
+                _NODE_SAMPLES,
+                {"run": run_id, "since": since, "until": until, "slice": slice_ns, "metrics": list(metrics)},
             ).df()
         return frames
 
@@ -485,6 +535,89 @@ def _resumed(con: duckdb.DuckDBPyConnection, run_id: str, since: int) -> np.ndar
         abandoned = con.execute(_ABANDONED, {"run": run_id, "restored": restored, "resumed": resumed}).fetchall()[0][0]
         marks += [resumed] if abandoned is None else [abandoned, resumed]
     return np.sort(np.array(marks, np.int64))
+
+
+def read_stacks(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    request: int | None = None,
+    every_rank: bool = False,
+    made: tuple[int | None, int | None] = (None, None),
+    known: dict | None = None,
+    recorded: bool = False,
+) -> Answers | None:
+    """The answers to the run's newest stacks request, or to `request` (the query API's and `rankwatch
+    stacks`'); None where the run has no such request. `every_rank` and `made` (Frames.stacks: where a hung
+    job's ranks were during a stall): the newest that asked every rank, made between `made`'s two moments
+    (ns; None: no bound), or the one before it while the newest has no answer yet, so that a request for a
+    few ranks, or one just made, does not take the whole picture away. `known`: the answers read before, kept
+    there for the next call, read again only where more came (16,384 answers of 128 KiB are 2 GiB of JSON).
+    `recorded`: with the Flight Recorder entries the answers hold (Answers.recorded), each answer's read once
+    where `known` keeps them."""
+    since, until = made
+    asked = {"run": run_id, "request": request, "every_rank": every_rank, "since": since, "until": until}
+    found = con.execute(_STACKS_REQUESTS, asked).fetchall()
+    if not found:
+        return None
+
+    def answers_to(row: tuple) -> Answers:
+        request_id, state, created_ns, ranks = row
+        return _answers(con, run_id, request_id, state, created_ns, ranks, known, recorded)
+
+    newest = answers_to(found[0])
+    if every_rank and not newest.stacks and len(found) > 1:
+        before = answers_to(found[1])
+        return before if before.stacks else newest
+    return newest
+
+
+def _answers(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    request_id: int,
+    state: str,
+    created_ns: int,
+    asked: list | None,
+    known: dict | None = None,
+    recorded: bool = False,
+) -> Answers:
+    """The answers to one stacks request; the ranks asked, those it names, else every rank of the run. `known`,
+    `recorded`: see read_stacks (the two newest requests' answers kept)."""
+    if asked is None:
+        ranks, world = con.execute(_RANKS_OF_RUN, {"run": run_id}).fetchall()[0]
+        asked = sorted(set(ranks or ()) | set(range(world or 0)))
+    params = {"run": run_id, "request": int(request_id), "since": int(created_ns) - STACKS_CLOCK_S * 10**9}
+    if known is not None:
+        key = (int(request_id), *con.execute(_ANSWERED, params).fetchall()[0])
+        if key in known:
+            return replace(known[key], state=state, asked=asked)
+    rows = con.execute(_STACKS, params).fetchall()
+    answers = Answers(int(request_id), state, int(created_ns), asked, [(r, _json(frames)) for frames, r in rows])
+    if recorded:  # the answers that came since those read before (the newest that were), added to them
+        before = next((a.recorded for a in reversed((known or {}).values()) if a.request == answers.request), None)
+        read = {**params, "read": list(before.seen if before else ())}
+        answers = replace(answers, recorded=recorders.read(run_id, _rows(con.execute(_RECORDERS, read)), before))
+    if known is not None:
+        for stale in [k for k in known if k[0] == key[0]]:
+            del known[stale]  # the request's answers as read before: these hold them
+        for stale in list(known)[:-1]:
+            del known[stale]  # all but the newest other request's
+        known[key] = answers
+    return answers
+
+
+def _rows(result: duckdb.DuckDBPyConnection, batch: int = 256) -> Iterator[tuple]:
+    """A query's rows, a batch at a time (256 answers' Flight Recorders are tens of MB of JSON)."""
+    while rows := result.fetchmany(batch):
+        yield from rows
+
+
+def _json(text: str | None) -> object:
+    """A JSON value as stored (None for none, or for what does not parse: the stacks merge reads it as no frames)."""
+    try:
+        return None if text is None else json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _failures(con: duckdb.DuckDBPyConnection, run_id: str, since: int) -> pd.DataFrame:

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from collector import ranksets
 
@@ -38,18 +38,31 @@ NO_STACK = "no stack of its main thread in its answer"
 ELSEWHERE = "elsewhere"
 
 
+class Verdicts(Protocol):
+    """What a hang reads of the answers' Flight Recorder entries matched across ranks (collector/analysis/recorded.py's
+    Recorded, which reads the analyzers: named here by what it gives, so this module stays below them)."""
+
+    @property
+    def verdict(self) -> dict | None: ...
+
+    @property
+    def words(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class Answers:
     """A stacks request and the answers to it so far, as the engine reads them. `asked`: the ranks asked
     (every rank of the run, where the request named none); `stacks`: (ranks, their main thread's frames as
     the answer gives them, outermost first; None where the answer holds none), ranks with the same frames
-    together; `state`: the request's (pending until it settles, STACKS_TTL_S after `created_ns`)."""
+    together; `state`: the request's (pending until it settles, STACKS_TTL_S after `created_ns`); `recorded`:
+    the Flight Recorder entries the answers hold, where read (collector/analysis/recorded.py)."""
 
     request: int
     state: str
     created_ns: int
     asked: Sequence[int]
     stacks: Sequence[tuple[Sequence[int], object]]
+    recorded: "Verdicts | None" = None
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ import pandas as pd
 
 from collector.analysis import findings, losses
 from collector.analysis.analyzers import Finding, failures, hangs, predicted, stragglers, whatif
-from collector.analysis.analyzers.collectives import analyze as match_collectives
-from collector.analysis.analyzers.p2p import analyze as match_p2p
 from collector.analysis.engine import replay
+from collector.analysis.recorded import match as match_recorded
 from collector.predict import steptime
 from collector.predict.stepmodel import Fitted
 from collector.receive.imports.flight_recorder import EVENT as DUMP_EVENT
@@ -106,12 +105,9 @@ def analyze_run(
         recorded = con.execute(_RECORDED, [run_id]).df()
         if recorded.empty and not con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchall()[0][0]:
             raise unknown_run(con, run_id)
-        groups = _process_groups(con, run_id)
-        collectives, p2p = recorded[~recorded["is_p2p"].astype(bool)], recorded[recorded["is_p2p"].astype(bool)]
-        first = recorded.groupby("rank")["record_id"].min()
-        wrapped = first.index[first > 0]  # their ring buffers went round: the oldest entries are lost
-        found = match_collectives(run_id, collectives, groups, ranks["rank"]) if len(collectives) else []
-        return Report(run_id, None, found + match_p2p(run_id, p2p, groups, ranks["rank"], wrapped), steps)
+        return Report(
+            run_id, None, match_recorded(run_id, recorded, _process_groups(con, run_id), ranks["rank"]), steps
+        )
     settings = {stragglers.ANALYZER: straggler_settings, hangs.ANALYZER: hang_settings}
     if model is not None:
         settings[predicted.ANALYZER] = predicted.Settings(model=model)

@@ -1,5 +1,6 @@
 """The query API, both ends: `POST /api/v1/query` on the collector, and the call that
-`rankwatch query --collector` and the dashboard make to it (through rankwatch/agent/apiclient.py).
+`rankwatch query --collector` and the dashboard make to it (through rankwatch/agent/apiclient.py); and a
+run's merged stacks, which `rankwatch stacks` reads.
 
   POST /api/v1/query  {"sql", "params"?, "timeout_s"?, "max_rows"?}
     200 {"columns", "types", "rows", "truncated"}
@@ -12,6 +13,17 @@
     413 {"error"}  a body over MAX_BODY
     503 {"error"}  the store's writer is restarting (Retry-After)
 
+  GET /v1/runs/{run}/stacks[?request=ID]
+    200 where every rank is: the answers to the run's newest stacks request (or to request ID) merged
+        (collector/analysis/stacks.py), the odd group out as the run's firing hang finding blames it, and
+        what that finding found in the answers' Flight Recorders (`flight_recorder`), where they are its own
+    400, 401, 403, 503 as above; 404 {"error"}  the run has no such stacks request
+
+  GET /v1/runs/{run}/nodes[?unhealthy=1]
+    200 {"run", "nodes"}  each host, its ranks and health, worst first (collector/reports/nodes.py); with
+        unhealthy=1 the unhealthy ones alone: a scheduler's drain list
+    400, 401, 403, 503 as above; 404 {"error"}  no such run
+
 Every field is checked here, before the request reaches the store's writer process, which runs the
 query (collector/store/readonly.py): the one process that can read the file while the collector holds it.
 """
@@ -20,6 +32,7 @@ import asyncio
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -29,6 +42,8 @@ from starlette.routing import Route
 from collector.receive import bodies
 from collector.receive.auth import Tokens
 from collector.store import readonly
+from collector.store.requests import Context, handles
+from collector.store.requests import Request as StoreRequest
 from rankwatch.agent.apiclient import ApiClient, ApiError
 from rankwatch.agent.config import QUERY
 
@@ -39,6 +54,16 @@ PATH = "/api/v1/query"
 MAX_BODY = 2**20  # a request carries SQL and a few parameters, never data
 MAX_PARAM_DEPTH = 4  # lists in lists a parameter may nest: DuckDB's binding time grows with the depth cubed
 _FIELDS = ("sql", "params", "timeout_s", "max_rows")
+STACKS_PATH = "/v1/runs/{run_id:path}/stacks"
+NODES_PATH = "/v1/runs/{run_id:path}/nodes"
+_YES_NO = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+MAX_RUN_ID = 256  # characters of a run id (collector/control/commands.py's bound)
+_MAX_ID = 2**63  # command ids are BIGINTs
+# the run's firing hang finding's culprits, and what it found in the Flight Recorders of the request's answers
+_CULPRITS = """SELECT ranks, CASE WHEN TRY_CAST(evidence->>'$.stacks.request' AS BIGINT) = ?
+                                  THEN evidence->'$.flight_recorder' END
+               FROM findings WHERE run_id = ? AND analyzer = ? AND kind = 'hang' AND state = 'firing'
+               ORDER BY id DESC LIMIT 1"""
 
 
 class QueryFailed(Exception):
@@ -62,7 +87,73 @@ def routes(store: Callable[[], "Store"], tokens: Tokens) -> list[Route]:
         except RuntimeError as e:  # the store's writer is restarting, or the query failed unforeseen
             return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
 
-    return [Route(PATH, query, methods=["POST"])]
+    async def stacks(request: Request) -> JSONResponse:
+        if (refusal := tokens.refused(request, QUERY)) is not None:
+            return refusal
+        run_id, asked = request.path_params["run_id"], request.query_params.get("request")
+        if not 0 < len(run_id) <= MAX_RUN_ID:
+            return JSONResponse({"error": f"a run id has 1 to {MAX_RUN_ID} characters"}, 400)
+        if asked is not None and not (asked.isascii() and asked.isdigit() and int(asked) < _MAX_ID):
+            return JSONResponse({"error": f"request takes a command id, an integer, not {asked[:30]!r}"}, 400)
+        try:
+            call = RunStacks(run_id, None if asked is None else int(asked))
+            return JSONResponse(await asyncio.wrap_future(store().call(call)))
+        except LookupError as e:
+            return JSONResponse({"error": str(e).strip("'\"")}, 404)
+        except RuntimeError as e:  # the store's writer is restarting, or the read failed unforeseen
+            return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
+
+    async def run_nodes(request: Request) -> JSONResponse:
+        if (refusal := tokens.refused(request, QUERY)) is not None:
+            return refusal
+        run_id, unhealthy = request.path_params["run_id"], request.query_params.get("unhealthy", "0")
+        if not 0 < len(run_id) <= MAX_RUN_ID:
+            return JSONResponse({"error": f"a run id has 1 to {MAX_RUN_ID} characters"}, 400)
+        if unhealthy.lower() not in _YES_NO:
+            return JSONResponse({"error": f"unhealthy takes 1 or 0, not {unhealthy[:30]!r}"}, 400)
+        from collector.reports import nodes  # (its request's module: the query API's other clients load none of it)
+
+        try:
+            return JSONResponse(
+                await asyncio.wrap_future(store().call(nodes.RunNodes(run_id, _YES_NO[unhealthy.lower()])))
+            )
+        except LookupError as e:
+            return JSONResponse({"error": str(e).strip("'\"")}, 404)
+        except RuntimeError as e:  # the store's writer is restarting, or the read failed unforeseen
+            return JSONResponse({"error": str(e)}, 503, {"Retry-After": "2"})
+
+    return [
+        Route(PATH, query, methods=["POST"]),
+        Route(STACKS_PATH, stacks, methods=["GET"]),
+        Route(NODES_PATH, run_nodes, methods=["GET"]),
+    ]
+
+
+@dataclass(frozen=True)
+class RunStacks(StoreRequest[dict]):
+    """A run's merged stacks: those of its newest stacks request, or of `request`."""
+
+    run_id: str
+    request: int | None = None
+
+
+@handles(RunStacks, beside=True, passes=(LookupError,))
+def _run_stacks(context: Context, r: RunStacks) -> dict:
+    """The merged answers (LookupError where the run has no such request), the odd group out as the run's firing
+    hang finding blames it, with what it found in their Flight Recorders. (The analysis is imported here, in the
+    writer process: the clients of this module, `rankwatch query` and the dashboard, load none of it.)"""
+    from collector.analysis.analyzers import hangs
+    from collector.analysis.engine import read_stacks
+    from collector.analysis.stacks import merge
+
+    answers = read_stacks(context.con, r.run_id, r.request)
+    if answers is None:
+        asked = "" if r.request is None else f" {r.request}"
+        raise LookupError(f"run {r.run_id!r} has no stacks request{asked}")
+    hung = [answers.request, r.run_id, hangs.ANALYZER]
+    culprits, recorders = context.con.execute(_CULPRITS, hung).fetchone() or ([], None)
+    told = {"flight_recorder": json.loads(recorders)} if recorders else {}
+    return {"run_id": r.run_id, **merge(answers, culprits or []), **told}
 
 
 def parse(body: bytes) -> readonly.Query:

@@ -1,6 +1,6 @@
 """Hangs: the collective a stalled job is blocked in and the ranks it waits for, from the hang
 analyzer's findings, where every rank's training thread is (the stacks its ranks gave when the hang
-fired), and where every rank was when last heard from."""
+fired) and what their Flight Recorders say, and where every rank was when last heard from."""
 
 import pandas as pd
 import streamlit as st
@@ -66,6 +66,16 @@ else:
         st.caption(
             "No rank has answered a stacks request since the stall began (the collector asks when a hang fires; "
             "`rankwatch stacks RUN` asks again)."
+        )
+    if isinstance(recorders := evidence.get("flight_recorder"), dict):
+        st.subheader("What the ranks' Flight Recorders say")
+        verdicts, said = told.recorders(recorders)
+        if not verdicts.empty:
+            st.table(literal_table(verdicts.set_index("culprits")))
+        st.caption(
+            f"From the torch Flight Recorder entries in the ranks' answers ({ui.literal(said)}): in each process "
+            "group, the collective some member never entered or entered otherwise, and the sends and receives a "
+            "peer never matched, with their sequence numbers."
         )
     ui.show_evidence(hang)
 ui.show_findings(

@@ -17,6 +17,8 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from collector.analysis.stacks import Answers
+
 NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge; its summary says why
 
 
@@ -65,6 +67,8 @@ class Reads:
     workload: bool = False
     tiers: bool = False
     failures: bool = False
+    stacks: bool = False
+    node_samples: bool = False
 
     def continues(self, episode_end: int, finding: Finding) -> bool:
         """Whether `finding` is the episode that ended at `episode_end` going on (same kind and ranks)."""
@@ -109,7 +113,12 @@ class Frames:
     moved between memory tiers over `steps` (Tiers; read only when asked). `failures`: the run's `rank_failed`
     events from shortly before `steps` (docs/telemetry.md), in time order: rank, ts (ns), step,
     body, cause, exception, message, signal, exit_code, attempt, and last_step, the newest step the rank stored
-    by then (within the hour before). `now_ns`: the moment
+    by then (within the hour before). `stacks(since_ns, until_ns)`: the answers to the run's newest request for
+    every rank's stacks made then (until None: now; collector/analysis/stacks.py's Answers, with the Flight Recorder
+    entries they hold; engine.read_stacks; None where it has none; read only when asked).
+    `node_samples(since_ns, until_ns, slice_ns, metrics)`: rank, ts (ns), metric, value, gpu, port (InfiniBand)
+    of the device samples of `metrics` then, thinned to each series' last sample in each `slice_ns` (read only
+    when asked: at 10 Hz a window of a large job is millions of samples). `now_ns`: the moment
     judged (a live pass: now; a run after the fact: when it was last heard from). `ended_ns`:
     when every rank said its training loop ended (None: not ended). `world_size`: the ranks the run
     says it has (None: unsaid; the ranks that reported so far may be only the first to). `resumed`:
@@ -135,6 +144,8 @@ class Frames:
     workload: Callable[[], pd.DataFrame] | None = None
     tiers: Callable[[], Tiers] | None = None
     failures: pd.DataFrame | None = None
+    stacks: Callable[[int, int | None], Answers | None] | None = None
+    node_samples: Callable[[int, int, int, list[str]], pd.DataFrame] | None = None
     kept: dict[str, dict] = field(default_factory=dict)
 
     @cached_property

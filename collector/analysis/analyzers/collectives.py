@@ -24,7 +24,7 @@ numbers count a rank's transfers, not the group's collectives.
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pandas as pd
 
@@ -59,24 +59,57 @@ def analyze(run_id: str, entries: pd.DataFrame, groups: pd.DataFrame, dumped: It
     return found
 
 
+class Members:
+    """A process group's member ranks, sorted (iterated, counted, compared as their tuple), hashed once: the
+    entries are grouped by their group's members, a world group's are thousands of ranks, and pandas hashes a
+    tuple anew, element by element, for every entry."""
+
+    __slots__ = ("_hash", "ranks")
+
+    def __init__(self, ranks: Iterable[int]):
+        self.ranks = tuple(sorted(ranks))
+        self._hash = hash(self.ranks)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Members) and self.ranks == other.ranks)
+
+    def __lt__(self, other: "Members") -> bool:  # (groups are sorted by their members)
+        return self.ranks < other.ranks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
 def membership(entries: pd.DataFrame, groups: pd.DataFrame) -> tuple[pd.Series, dict[tuple, str | None]]:
-    """Each entry's group members as a sorted tuple (from the `groups` its rank's dump lists; a group
-    no dump lists: the ranks that recorded it), and each (group, members)'s description."""
+    """Each entry's group Members (from the `groups` its rank's dump lists; a group no dump lists: the ranks
+    that recorded it), and each (group, members)'s description. Equal members are one object."""
+    one: dict[Members, Members] = {}
+
+    def interned(ranks: Iterable[int]) -> Members:
+        members = Members(ranks)
+        return one.setdefault(members, members)
+
     listed = groups[["rank", "group", "desc", "members"]].itertuples(index=False)
-    known = {(r, g): (tuple(sorted(m)), d) for r, g, d, m in listed}  # (rank, group) -> (members, desc)
+    known = {(r, g): (interned(m), d) for r, g, d, m in listed}  # (rank, group) -> (members, desc)
     members = pd.Series(
         [known.get(key, (None,))[0] for key in zip(entries["rank"], entries["group"])],
         index=entries.index,
         dtype=object,
     )
     unlisted = members.isna()
-    seen = entries[unlisted].groupby("group")["rank"].unique()
-    members[unlisted] = entries.loc[unlisted, "group"].map(lambda g: tuple(sorted(map(int, seen[g]))))
+    seen = {g: interned(map(int, r)) for g, r in entries[unlisted].groupby("group")["rank"].unique().items()}
+    members[unlisted] = [seen[g] for g in entries.loc[unlisted, "group"]]
     return members, {(g, m): d for (_, g), (m, d) in known.items()}
 
 
 def _judge(
-    run_id: str, group: str, desc: str | None, members: tuple[int, ...], rows: pd.DataFrame, seq: int, dumped: set[int]
+    run_id: str, group: str, desc: str | None, members: Members, rows: pd.DataFrame, seq: int, dumped: set[int]
 ) -> Finding | None:
     """The finding for collective `seq` of the group, if some member is missing from it or mismatched."""
     at = rows[rows["seq"] == seq]

@@ -52,6 +52,7 @@ import pandas as pd
 from collector import ranksets
 from collector.analysis import stacks
 from collector.analysis.analyzers import Finding, Frames, Reads
+from rankwatch.agent.config import HANG_FLOOR_S, HEARTBEAT_S
 
 ANALYZER = "hangs"
 RECENT = 20  # steps whose typical duration sets the timeout
@@ -62,8 +63,8 @@ READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True, stacks
 @dataclass(frozen=True)
 class Settings:
     factor: float = 5.0  # a stall lasts this many typical steps...
-    floor_s: float = 30.0  # ...and at least this long
-    heartbeat_s: float = 5.0  # the agent's heartbeat period
+    floor_s: float = HANG_FLOOR_S  # ...and at least this long
+    heartbeat_s: float = HEARTBEAT_S  # the agent's heartbeat period
     silent_after: float = 3.0  # heartbeats missed before a rank counts as gone
 
 
@@ -101,7 +102,10 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
 def _with_stacks(finding: Finding, frames: Frames, until_ns: int | None = None) -> Finding:
     """A stall with where every rank was, once ranks have answered a stacks request made during it (the live
     collector makes one when it first fires; `until_ns`: when a stall the steps closed ended): the merged
-    stacks in its evidence (`stacks`), and its summary naming the odd group out (collector/analysis/stacks.py)."""
+    stacks in its evidence (`stacks`), and its summary naming the odd group out (collector/analysis/stacks.py);
+    and, once every rank asked answered (or the request settled: a rank yet to answer would read as one that
+    never entered), what their Flight Recorder entries say matched across ranks (`flight_recorder`,
+    collector/analysis/recorded.py), where any answer holds them."""
     if frames.stacks is None:
         return finding
     answers = frames.stacks(finding.evidence["last_step_end_ns"], until_ns)
@@ -109,10 +113,14 @@ def _with_stacks(finding: Finding, frames: Frames, until_ns: int | None = None) 
         return finding
     merged = stacks.merge(answers, finding.ranks)
     told = stacks.odd_words(merged)
+    recorders = answers.recorded if merged["settled"] else None
+    matched, found = (recorders.verdict, recorders.words) if recorders is not None else (None, None)
     return replace(
         finding,
-        summary=finding.summary + (f"; stacks: {told}" if told else ""),
-        evidence={**finding.evidence, "stacks": merged},
+        summary=finding.summary
+        + (f"; stacks: {told}" if told else "")
+        + (f"; flight recorder: {found}" if found else ""),
+        evidence={**finding.evidence, "stacks": merged, **({"flight_recorder": matched} if matched else {})},
     )
 
 

@@ -37,7 +37,7 @@ import pandas as pd
 
 from collector import ranksets
 from collector.analysis.analyzers import Finding, hangs
-from collector.analysis.analyzers.collectives import COMPLETED, membership
+from collector.analysis.analyzers.collectives import COMPLETED, Members, membership
 
 SEND, RECV, BATCH = "send", "recv", "coalesced"
 MAX_PAIRS = 16  # pairs a finding's evidence lists (a hung pipeline of thousands of stages has thousands)
@@ -201,7 +201,7 @@ def _payload(op: _Op) -> str:
 
 
 def _finding(
-    run_id: str, group: str, desc: str | None, members: tuple[int, ...], pairs: list[dict], dumped: set[int]
+    run_id: str, group: str, desc: str | None, members: Members, pairs: list[dict], dumped: set[int]
 ) -> Finding:
     """The group's finding: its pairs' reasons, the first MAX_PAIRS as evidence."""
     waits = [w for p in pairs for w in p["waits"]]

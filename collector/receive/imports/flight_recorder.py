@@ -43,8 +43,9 @@ import pickle
 import pickletools
 import re
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import pyarrow as pa
@@ -56,6 +57,7 @@ from rankwatch.agent import semconv as sc
 EVENT = "flight_recorder_dump"
 _RANK_AT_END = re.compile(r"(\d+)(\.(json|pkl|pickle))?$")
 _P2P = ("send", "recv")
+_LISTS = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes")  # an entry's tensors, as it gives them
 # the peer in a send's or receive's name, both group ranks: "nccl:send 0->1", "nccl:recv 1<-0"
 _PEER = re.compile(r":(?:send|recv) \d+(?:->|<-)(\d+)$")
 _DEFAULT_GROUP = "default_pg"  # the description PyTorch gives the world's process group
@@ -158,15 +160,23 @@ def load(path: Path) -> dict:
 
 
 def _groups(path: Path, dump: dict) -> dict[str, dict]:
-    """The process groups a dump lists (pg_config): name -> {"desc", "ranks": member global ranks}."""
-    config = dump.get("pg_config") or {}
+    """The process groups a dump lists (see process_groups)."""
+    try:
+        return process_groups(dump.get("pg_config") or {})
+    except ValueError as e:
+        raise TraceError(f"{path}: {e}") from None
+
+
+def process_groups(config: Any) -> dict[str, dict]:
+    """The process groups a Flight Recorder lists (its pg_config): name -> {"desc", "ranks": member global
+    ranks}; ValueError where it is not a map of groups with their ranks."""
     groups = {}
     try:
         for name, pg in config.items():
             ranks = json.loads(pg["ranks"]) if isinstance(pg["ranks"], str) else pg["ranks"]
             groups[str(name)] = {"desc": pg.get("desc"), "ranks": [int(r) for r in ranks]}
     except (AttributeError, KeyError, TypeError, ValueError, RecursionError):  # ranks: JSON in a string, any depth
-        raise TraceError(f"{path}: pg_config is not a map of process groups with their ranks") from None
+        raise ValueError("pg_config is not a map of process groups with their ranks") from None
     return groups
 
 
@@ -199,10 +209,23 @@ def _whole_numbers(sizes: Any) -> bool:
     return isinstance(sizes, (list, tuple)) and all(isinstance(n, int) for n in sizes)
 
 
-def _op(entry: dict, groups: dict[str, dict]) -> tuple:
-    """One entry as (name, comm_group, group_size, seq, bytes, start_ns, end_ns, attrs JSON)."""
+class Entry(NamedTuple):
+    """One Flight Recorder entry as rankwatch reads it, wherever it came from (a dump imported here, a rank's
+    answer to a stacks request: collector/analysis/recorded.py): what the collective and point-to-point
+    matching read of it."""
+
+    name: str  # the op: the collective canonical_op reads in its profiling name, else the name without its prefix
+    group: str | None  # the process group's name
+    group_size: int | None  # its members, where the Flight Recorder lists the group
+    seq: int | None  # the op's number in its group: collective_seq_id, or p2p_seq_id for a send or receive
+    attrs: dict  # state, group_desc, profiling_name, record_id, is_p2p, peer and the four lists (docs/telemetry.md)
+
+
+def read_entry(entry: dict, groups: dict[str, dict]) -> Entry:
+    """One entry, its group's members and description read in `groups` (process_groups); raises (KeyError,
+    TypeError, ValueError, AttributeError) where it is not a Flight Recorder entry."""
     profiling = entry["profiling_name"]
-    name = canonical_op(profiling) or profiling.partition(":")[2] or profiling  # without "nccl:", "gloo:"
+    name = _name(profiling)
     pg = entry.get("process_group")  # (name, desc): a tuple in pickles, a list in JSON
     group, desc = (
         (str(pg[0]), pg[1])
@@ -212,13 +235,6 @@ def _op(entry: dict, groups: dict[str, dict]) -> tuple:
     known = groups.get(group, {}) if group is not None else {}
     p2p = bool(entry.get("is_p2p", name in _P2P))
     seq = entry.get("p2p_seq_id") if p2p else entry.get("collective_seq_id", entry.get("seq_id"))
-    # JSON dumps write 0 for a time not (yet) seen, pickles None
-    start = int(entry.get("time_discovered_started_ns") or entry["time_created_ns"])
-    duration_ms = entry.get("duration_ms")
-    end = int(entry.get("time_discovered_completed_ns") or (start + round(duration_ms * 1e6) if duration_ms else start))
-    sides = [_nbytes(entry.get(f"{side}_sizes"), entry.get(f"{side}_dtypes")) for side in ("input", "output")]
-    # nccl-tests bytes: the full buffer, the larger side (all_gather's output, reduce_scatter's input)
-    nbytes = max((b for b in sides if b is not None), default=None)
     attrs = {
         "state": _state(entry),
         "group_desc": desc if desc is not None else known.get("desc"),
@@ -226,18 +242,29 @@ def _op(entry: dict, groups: dict[str, dict]) -> tuple:
         "record_id": entry.get("record_id"),
         "is_p2p": p2p,
         "peer": _peer(profiling, known),
-        **{k: entry.get(k) for k in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes")},
+        **{k: entry.get(k) for k in _LISTS},
     }
-    return (
-        name,
-        group,
-        len(known["ranks"]) if known else None,
-        None if seq is None else int(seq),
-        nbytes,
-        start,
-        end,
-        json.dumps(attrs, default=str),
-    )
+    return Entry(name, group, len(known["ranks"]) if known else None, None if seq is None else int(seq), attrs)
+
+
+@lru_cache(maxsize=4096)
+def _name(profiling: str) -> str:
+    """The op a profiling name denotes, without "nccl:", "gloo:" (a rank's few names, read for every entry)."""
+    return canonical_op(profiling) or profiling.partition(":")[2] or profiling
+
+
+def _op(entry: dict, groups: dict[str, dict]) -> tuple:
+    """One entry as (name, comm_group, group_size, seq, bytes, start_ns, end_ns, attrs JSON): read_entry's,
+    with its times and bytes."""
+    read = read_entry(entry, groups)
+    # JSON dumps write 0 for a time not (yet) seen, pickles None
+    start = int(entry.get("time_discovered_started_ns") or entry["time_created_ns"])
+    duration_ms = entry.get("duration_ms")
+    end = int(entry.get("time_discovered_completed_ns") or (start + round(duration_ms * 1e6) if duration_ms else start))
+    sides = [_nbytes(entry.get(f"{side}_sizes"), entry.get(f"{side}_dtypes")) for side in ("input", "output")]
+    # nccl-tests bytes: the full buffer, the larger side (all_gather's output, reduce_scatter's input)
+    nbytes = max((b for b in sides if b is not None), default=None)
+    return (read.name, read.group, read.group_size, read.seq, nbytes, start, end, json.dumps(read.attrs, default=str))
 
 
 def _state(entry: dict) -> Any:
@@ -252,8 +279,10 @@ def _state(entry: dict) -> Any:
 def _peer(profiling: str, group: dict) -> int | None:
     """The global rank a send goes to or a receive comes from, where its group's members are known."""
     m = _PEER.search(profiling)
+    if not m:
+        return None
     ranks = sorted(group.get("ranks", []))
-    return ranks[int(m.group(1))] if m and int(m.group(1)) < len(ranks) else None
+    return ranks[int(m.group(1))] if int(m.group(1)) < len(ranks) else None
 
 
 class FlightRecorderDumps:
