@@ -3,7 +3,10 @@
 N simulated ranks each export step spans with ten children (four phases, six
 collectives), OTLP/HTTP protobuf, gzip, as the agent sends them. Request bodies
 are built before the clock starts so the sender costs little; both servers run
-as separate processes on loopback and receive the same bodies:
+as separate processes on loopback and receive the same bodies, in rounds (each
+round runs every server once, the order rotated), so that each collector's
+ratio is taken to the baseline of its own round, and the medians are reported:
+on a shared machine the rates swing from run to run with the other work.
 
   rankwatch  `rankwatch collector`: decode to Arrow, group commit to DuckDB, ack
              (twice: with the C trace decoder, and with its twin on the protobuf
@@ -11,11 +14,18 @@ as separate processes on loopback and receive the same bodies:
              time, C decoder, committing into a lake as one of its collectors)
   baseline   the same HTTP stack that only gunzips and parses the protobuf
 
-Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 40] [--concurrency 64] [--lake]
+Where the collector's CPU goes (on Linux, from /proc): CPU time per span of its server process
+(HTTP, token, inflating, handing out batches, awaiting acknowledgements), its decode
+workers and its writer process (Arrow into DuckDB, the commits, and the analysis that
+runs beside them on threads of its own), over the timed sends.
+
+Usage: python bench/ingest.py [--ranks 1024] [--steps 40] [--steps-per-request 20] [--concurrency 256]
+       [--rounds 3] [--lake]
 """
 
 import argparse
 import asyncio
+import functools
 import gzip
 import os
 import random
@@ -25,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -37,6 +48,8 @@ from rankwatch.agent import semconv as sc
 from rankwatch.launch import wait_healthy
 
 TOKEN = "bench-token-0123456789"
+BASELINE = "baseline (protobuf parse only)"
+STAGES = ("server", "decode", "writer")  # the collector's processes, as _stages names them
 BASELINE_APP = """
 import gzip, uvicorn
 from starlette.applications import Starlette
@@ -184,6 +197,31 @@ async def send_all(port: int, bodies: list[bytes], concurrency: int) -> tuple[fl
     return time.perf_counter() - started, latencies
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the process state on (field 3)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process (all its threads)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stages(server: int) -> dict[int, str]:
+    """The collector's processes by stage: its server; the writer, the first child it starts (before the
+    decode workers, whose pool is made on the open store); the decode workers. The baseline's one
+    process is its server."""
+    children = [
+        child
+        for task in Path(f"/proc/{server}/task").iterdir()
+        for child in map(int, (task / "children").read_text().split())
+        if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+    children.sort(key=lambda pid: int(_stat(pid)[19]))  # by start time
+    return {server: "server", **{pid: "writer" if i == 0 else "decode" for i, pid in enumerate(children)}}
+
+
 def measure(
     name: str,
     command: list[str],
@@ -194,17 +232,30 @@ def measure(
     concurrency: int,
     env: dict | None = None,
 ) -> dict:
-    """Steady-state figures: every rank has announced itself before the clock starts."""
+    """Steady-state figures: every rank has announced itself before the clock starts. With /proc,
+    the CPU each stage of the server spent per span over the timed sends (µs)."""
     server = subprocess.Popen(command, env={**os.environ, "RANKWATCH_TOKEN": TOKEN, **(env or {})})
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         asyncio.run(send_all(port, warm_up, concurrency))
+        stages = _stages(server.pid) if Path("/proc/thread-self/children").exists() else {}
+        before = {pid: _cpu_s(pid) for pid in stages}
         wall, latencies = asyncio.run(send_all(port, bodies, concurrency))
+        cpu: Counter = Counter()
+        for pid, stage in stages.items():
+            cpu[stage] += (_cpu_s(pid) - before[pid]) / spans * 1e6
     finally:
         server.terminate()
         server.wait()
     q = statistics.quantiles(latencies, n=100)
-    return {"name": name, "spans_s": spans / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "wall_s": wall}
+    return {
+        "name": name,
+        "spans_s": spans / wall,
+        "p50_ms": q[49] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "wall_s": wall,
+        "cpu_us": dict(cpu),
+    }
 
 
 def main() -> None:
@@ -213,6 +264,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--steps-per-request", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every server, medians reported")
     parser.add_argument("--workers", type=int, help="collector decode processes (default: one per core)")
     parser.add_argument(
         "--lake",
@@ -226,9 +278,8 @@ def main() -> None:
     console = Console()
     console.print(
         f"{args.ranks} ranks x {args.steps} steps x 11 spans = {spans:,} spans in {len(bodies):,} "
-        f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores"
+        f"requests, concurrency {args.concurrency}, {os.cpu_count()} cores, {args.rounds} rounds"
     )
-    results = []
     variants = [("C decoder", {}, None), ("Python decoder", {"RANKWATCH_DECODER": "python"}, None)]
     catalog_server = None
     if args.lake:
@@ -236,60 +287,56 @@ def main() -> None:
 
         catalog_server = postgres.start(free_port())
         variants.append(("C decoder, a lake shard", {}, catalog_server.database("ingest")))
-    for decoder, env, catalog in variants:
-        with tempfile.TemporaryDirectory() as tmp:
-            port = free_port()
-            collector = [
-                sys.executable,
-                "-m",
-                "rankwatch",
-                "collector",
-                "--db",
-                f"{tmp}/bench.duckdb",
-                "--port",
-                str(port),
-            ]
-            if catalog:
-                collector += ["--lake", catalog, "--data-path", f"{tmp}/lake"]
-            if args.workers is not None:
-                collector += ["--workers", str(args.workers)]
-            results.append(
-                measure(
-                    f"rankwatch, {decoder} (decode + {'DuckLake' if catalog else 'DuckDB'} commit)",
-                    collector,
-                    port,
-                    warm_up,
-                    bodies,
-                    spans,
-                    args.concurrency,
-                    env,
-                )
-            )
+    runs = [functools.partial(run_collector, args, variant) for variant in variants]
+    runs.append(functools.partial(run_baseline, args))
+    rounds: list[dict[str, dict]] = []
+    for n in range(args.rounds):
+        turn = runs[n % len(runs) :] + runs[: n % len(runs)]
+        rounds.append({result["name"]: result for result in (run(warm_up, bodies, spans) for run in turn)})
     if catalog_server:
         postgres.stop(catalog_server)
+    console.print(table_of(rounds))
+
+
+def run_collector(args, variant: tuple[str, dict, object], warm_up: list[bytes], bodies: list[bytes], spans: int):
+    decoder, env, catalog = variant
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        collector = [sys.executable, "-m", "rankwatch", "collector", "--db", f"{tmp}/bench.duckdb", "--port", str(port)]
+        if catalog:
+            collector += ["--lake", str(catalog), "--data-path", f"{tmp}/lake"]
+        if args.workers is not None:
+            collector += ["--workers", str(args.workers)]
+        name = f"rankwatch, {decoder} (decode + {'DuckLake' if catalog else 'DuckDB'} commit)"
+        return measure(name, collector, port, warm_up, bodies, spans, args.concurrency, env)
+
+
+def run_baseline(args, warm_up: list[bytes], bodies: list[bytes], spans: int) -> dict:
     port = free_port()
-    results.append(
-        measure(
-            "baseline (protobuf parse only)",
-            [sys.executable, "-c", BASELINE_APP, str(port)],
-            port,
-            warm_up,
-            bodies,
-            spans,
-            args.concurrency,
-        )
-    )
-    table = Table("server", "spans/s", "p50 ack ms", "p99 ack ms", "wall s", "vs baseline")
-    for r in results:
+    command = [sys.executable, "-c", BASELINE_APP, str(port)]
+    return measure(BASELINE, command, port, warm_up, bodies, spans, args.concurrency)
+
+
+def table_of(rounds: list[dict[str, dict]]) -> Table:
+    """Medians over the rounds; each server's ratio is the median of its ratios to its round's baseline."""
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[name][key] for r in rounds)
+
+    table = Table("server", "spans/s", "p50 ack ms", "p99 ack ms", "vs baseline (each round)", "CPU µs/span by stage")
+    for name in rounds[0]:
+        ratios = [r[name]["spans_s"] / r[BASELINE]["spans_s"] for r in rounds]
+        stages = [stage for stage in STAGES if stage in rounds[0][name]["cpu_us"]]
+        cpu = {stage: statistics.median(r[name]["cpu_us"][stage] for r in rounds) for stage in stages}
         table.add_row(
-            r["name"],
-            f"{r['spans_s']:,.0f}",
-            f"{r['p50_ms']:.1f}",
-            f"{r['p99_ms']:.1f}",
-            f"{r['wall_s']:.2f}",
-            f"{r['spans_s'] / results[-1]['spans_s']:.2f}x",
+            name,
+            f"{median(name, 'spans_s'):,.0f}",
+            f"{median(name, 'p50_ms'):.1f}",
+            f"{median(name, 'p99_ms'):.1f}",
+            f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})",
+            ", ".join(f"{stage} {x:.2f}" for stage, x in cpu.items()),
         )
-    console.print(table)
+    return table
 
 
 if __name__ == "__main__":

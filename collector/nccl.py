@@ -14,6 +14,7 @@ from functools import cache
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 _BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -106,11 +107,19 @@ def bandwidths(
         return pa.nulls(len(nbytes), pa.float64()), pa.nulls(len(nbytes), pa.float64())
     with np.errstate(divide="ignore", invalid="ignore"):
         algbw = np.where(seconds > 0, nbytes.to_numpy(zero_copy_only=False).astype(np.float64) / seconds / 1e9, np.nan)
+    # The bus factor once per distinct (name, group size) of the batch, of which there are a handful, not
+    # once per op in Python. NaN without a name or a size, or for no known collective (an op that moves
+    # no known bytes has a NaN algbw already).
+    named = pc.dictionary_encode(names)
+    sizes, size_of = np.unique(group_sizes.cast(pa.int64()).fill_null(-1).to_numpy(), return_inverse=True)
+    name_of = named.indices.fill_null(-1).to_numpy().astype(np.int64) + 1  # 0: no name
+    pairs, pair_of = np.unique(name_of * len(sizes) + size_of, return_inverse=True)
+    known = [None, *named.dictionary.to_pylist()]
     factors = np.array(
         [
-            np.nan if b is None or n is None or (f := bus_factor(name, n)) is None else f
-            for name, n, b in zip(names.to_pylist(), group_sizes.to_pylist(), nbytes.to_pylist())
+            np.nan if name is None or n < 0 or (f := bus_factor(name, n)) is None else f
+            for name, n in ((known[p // len(sizes)], int(sizes[p % len(sizes)])) for p in pairs.tolist())
         ]
-    )
+    )[pair_of]
     # NaN (no bytes, no time, unknown collective) is stored as null
     return pa.array(algbw, from_pandas=True), pa.array(algbw * factors, from_pandas=True)

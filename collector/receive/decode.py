@@ -59,6 +59,7 @@ RANGES = {"step": 2**40, "rank": 2**24, "tokens": 2**40}
 # as JSON: a Python stack trace fits).
 MAX_NAME_BYTES = 256
 MAX_TEXT_BYTES = 64 * 2**10
+MAX_STACKS_BYTES = 256 * 2**10  # a `rank_stacks` event's body: a rank's threads' stacks and Flight Recorder entries
 _TEXT_COLUMNS = frozenset({"attrs", "body"})
 # The resource attributes stored as they come (a resource's run id stands for its items' own)
 _RESOURCE_STRINGS = (sc.RUN_ID, sc.HOST_NAME, sc.DEVICE, sc.SOURCE)
@@ -172,8 +173,9 @@ def _too_long(v) -> bool:
 
 
 def _within_bounds(columns: Mapping[str, pa.Array]) -> list[tuple[np.ndarray, str]]:
-    """For each string or binary column with a cell past its bound (MAX_TEXT_BYTES for free text,
-    MAX_NAME_BYTES for the others), the mask of the cells within it and why the others are refused."""
+    """For each string or binary column with a cell past its bound (MAX_TEXT_BYTES for free text but a
+    `rank_stacks` event's body, MAX_STACKS_BYTES; MAX_NAME_BYTES for the others), the mask of the cells within
+    it and why the others are refused."""
     checks = []
     for name, array in columns.items():
         if not (pa.types.is_string(array.type) or pa.types.is_binary(array.type)):
@@ -181,8 +183,12 @@ def _within_bounds(columns: Mapping[str, pa.Array]) -> list[tuple[np.ndarray, st
         bound = MAX_TEXT_BYTES if name in _TEXT_COLUMNS else MAX_NAME_BYTES
         lengths = pc.binary_length(array)
         if (pc.max(lengths).as_py() or 0) > bound:
-            within = pc.less_equal(lengths, bound).fill_null(True).to_numpy(zero_copy_only=False)
-            checks.append((within, f"{name} longer than {bound:,} bytes"))
+            stacks = pc.equal(columns["event"], sc.EVENT_RANK_STACKS) if name == "body" and "event" in columns else None
+            bounds = bound if stacks is None else pc.if_else(stacks, MAX_STACKS_BYTES, bound)
+            within = pc.less_equal(lengths, bounds).fill_null(True).to_numpy(zero_copy_only=False)
+            if not within.all():
+                told = "" if stacks is None else f" ({MAX_STACKS_BYTES:,} for a {sc.EVENT_RANK_STACKS} event's)"
+                checks.append((within, f"{name} longer than {bound:,} bytes{told}"))
     return checks
 
 
