@@ -9,7 +9,8 @@ the request's id, within 10 s of the request, and the ranks not asked do not; ra
 loader's line, the others' at the all-reduce's line; no thread of the agent's is in an answer; the Flight
 Recorder entries say which all-reduce the others entered and rank 2 did not; the job then ends cleanly. And
 the capture's bounds (threads, frames, source lines, body size, entries), read in this process and in a
-one-rank gloo process.
+one-rank gloo process. And without anyone asking: the collector (a 2 s hang floor) finds each run hung, asks
+every rank for its stacks itself, and within 10 s of the finding its evidence shows rank 2 at its loader's line.
 """
 
 import importlib.util
@@ -41,6 +42,19 @@ ALL_REDUCE_LINE = next(n for n, line in enumerate(SOURCE, 1) if "dist.all_reduce
 RANKS = 4
 RUNS = {"stacks-sidecar": None, "stacks-own": ""}  # run id -> $RANKWATCH_NODE (None: the launcher's sidecar)
 ANSWER_S = 10.0  # a request's answers are all stored within this
+HANG_AFTER = ("--hang-after", "2", "--analyze-every", "0.5")  # the collector's: a stall of 2 s is a hang
+
+
+@dataclass
+class Found:
+    """A run's hang finding, the stacks request the collector made for it, the merged stacks in its evidence,
+    and how long after the finding was made they were there."""
+
+    run_id: str
+    finding: int
+    requests: list[tuple[int, str, int | None]]  # (id, created_by, finding_id) of the run's stacks commands
+    stacks: dict
+    shown_s: float
 
 
 @dataclass
@@ -54,12 +68,13 @@ class Asked:
 
 
 @pytest.fixture(scope="module")
-def hung(tmp_path_factory) -> tuple[Path, list[Asked], dict[str, int]]:
-    """Both runs hung, each asked for every rank's stacks and then for ranks 1 and 2's, then let on to their
-    end: the store, the requests, and each job's exit status."""
+def hung(tmp_path_factory) -> tuple[Path, list[Asked], dict[str, int], list[Found]]:
+    """Both runs hung, the hang found and its stacks shown, each asked for every rank's stacks and then for
+    ranks 1 and 2's, then let on to their end: the store, the requests, each job's exit status and the hangs."""
     directory = tmp_path_factory.mktemp("stacks")
     asked: list[Asked] = []
-    with job_collector(directory) as collector:
+    found: list[Found] = []
+    with job_collector(directory, *HANG_AFTER) as collector:
         api = ApiClient(collector.url, collector.token)
         jobs = {run_id: _start(collector, directory / run_id, run_id, node) for run_id, node in RUNS.items()}
         try:
@@ -72,6 +87,7 @@ def hung(tmp_path_factory) -> tuple[Path, list[Asked], dict[str, int]]:
                 )
                 assert job.poll() is None, (directory / run_id / "job.log").read_text()[-3000:]
             time.sleep(1.0)  # a rank's mark is written on the line before the call it then blocks in
+            found = [_found_with_stacks(api, run_id) for run_id in jobs]
             for run_id in jobs:
                 for ranks in (None, [1, 2]):
                     started = time.monotonic()
@@ -87,7 +103,35 @@ def hung(tmp_path_factory) -> tuple[Path, list[Asked], dict[str, int]]:
             for run_id in jobs:
                 _release(directory / run_id / "release")
             ended = {run_id: _ended(job) for run_id, job in jobs.items()}
-    return collector.db, asked, ended
+    return collector.db, asked, ended, found
+
+
+def _sql(api: ApiClient, sql: str, *params) -> list[list]:
+    return api.post("/api/v1/query", {"sql": sql, "params": list(params)})["rows"]
+
+
+def _found_with_stacks(api: ApiClient, run_id: str) -> Found:
+    """The run's hang finding once its evidence shows the stacks of every rank (the collector asks for them when
+    the hang fires), and how long after the finding was made that was."""
+    shown: dict = {}
+
+    def stacks_shown() -> bool:
+        rows = _sql(
+            api,
+            "SELECT id, epoch_ms(created_at), epoch_ms(now()), evidence->'$.stacks' FROM findings "
+            "WHERE run_id = ? AND analyzer = 'hangs' AND kind = 'hang' ORDER BY id LIMIT 1",
+            run_id,
+        )
+        if rows and rows[0][3] is not None and json.loads(rows[0][3])["answered"] == RANKS:
+            finding, made_ms, now_ms, merged = rows[0]
+            shown.update(finding=finding, stacks=json.loads(merged), shown_s=(now_ms - made_ms) / 1e3)
+        return bool(shown)
+
+    wait_until(stacks_shown, f"{run_id}: no hang finding showed every rank's stacks", 90)
+    requests = _sql(
+        api, "SELECT id, created_by, finding_id FROM commands WHERE run_id = ? AND kind = 'stacks' ORDER BY id", run_id
+    )
+    return Found(run_id, shown["finding"], [tuple(r) for r in requests], shown["stacks"], shown["shown_s"])
 
 
 def _start(collector, directory: Path, run_id: str, node: str | None) -> subprocess.Popen:
@@ -156,7 +200,7 @@ def main_frames(answer: dict) -> list[dict]:
 
 
 def test_every_rank_asked_answers_once_with_the_request_within_seconds_and_the_job_goes_on(hung):
-    db, asked, ended = hung
+    db, asked, ended, _ = hung
     assert ended == dict.fromkeys(RUNS, 0), "a job did not end cleanly after its hang"
     assert len(asked) == 2 * len(RUNS)
     for request in asked:
@@ -166,7 +210,7 @@ def test_every_rank_asked_answers_once_with_the_request_within_seconds_and_the_j
 
 
 def test_the_rank_blocked_in_its_loader_and_the_ranks_in_the_all_reduce_are_seen_at_their_lines(hung):
-    db, asked, _ = hung
+    db, asked, _, _ = hung
     for request in asked:
         for rank, answer in answers(db, request).items():
             frames = main_frames(answer)
@@ -186,7 +230,7 @@ def test_the_rank_blocked_in_its_loader_and_the_ranks_in_the_all_reduce_are_seen
 
 
 def test_no_thread_of_the_agent_is_in_an_answer(hung):
-    db, asked, _ = hung
+    db, asked, _, _ = hung
     for request in asked:
         for answer in answers(db, request).values():
             names = [t["name"] for t in answer["threads"]]
@@ -196,7 +240,7 @@ def test_no_thread_of_the_agent_is_in_an_answer(hung):
 def test_the_flight_recorder_says_which_all_reduce_rank_2_never_entered(hung):
     """torch 2.13's gloo records each collective of a group (`collective_seq_id`), retired once completed; a
     send or receive is not recorded. The others' newest entry is the all-reduce they wait in, one past rank 2's."""
-    db, asked, _ = hung
+    db, asked, _, _ = hung
     for request in (a for a in asked if a.ranks is None):
         newest = {}
         for rank, answer in answers(db, request).items():
@@ -209,6 +253,25 @@ def test_the_flight_recorder_says_which_all_reduce_rank_2_never_entered(hung):
             assert newest[rank]["profiling_name"] == "gloo:all_reduce" and not newest[rank]["retired"], newest[rank]
             assert newest[rank]["collective_seq_id"] == newest[2]["collective_seq_id"] + 1, newest
         assert newest[2]["retired"], newest[2]
+
+
+def test_a_hang_found_shows_every_ranks_stacks_within_seconds_with_the_loader_line_as_the_odd_one_out(hung):
+    """Nobody asks: the collector makes one stacks request for the hang finding when it fires, every rank answers,
+    and the finding's evidence merges them: rank 2 at its loader's line, the odd group out, the others together at
+    the all-reduce's line, within 10 s of the finding."""
+    *_, found = hung
+    for hang in found:
+        _, by, finding = hang.requests[0]
+        assert (by, finding) == ("analysis", hang.finding), hang.requests  # the collector's own, for this finding
+        assert hang.shown_s < ANSWER_S, hang
+        groups = hang.stacks["groups"]
+        assert sorted(tuple(g["ranks"]) for g in groups) == [(0, 1, 3), (2,)], groups
+        odd = groups[hang.stacks["odd"]]
+        assert odd["ranks"] == [2] and odd["line"].startswith("rank 2: "), odd
+        assert (odd["calls"][0]["file"], odd["calls"][0]["line"]) == (str(JOB), LOADER_LINE), odd
+        (others,) = [g for g in groups if g["ranks"] == [0, 1, 3]]
+        assert any(c["line"] == ALL_REDUCE_LINE for c in others["calls"]), others
+        print(f"{hang.run_id}: the hang's stacks shown {hang.shown_s:.2f} s after the finding: {odd['line']}")
 
 
 # --- the capture's bounds, in this process
