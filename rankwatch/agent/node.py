@@ -8,7 +8,8 @@ collector's outage: a rank that crashes loses nothing it had handed over. Starte
 `rankwatch run` and `rankwatch train` (or by a scheduler), it exports until told to stop (SIGTERM),
 then delivers what waits, reports what it could not, and notes it per rank where the launcher asked
 ($RANKWATCH_UNDELIVERED). It also takes its ranks' runs' stacks requests from the control API and asks
-its ranks (rankwatch/agent/nodecontrol.py), whose answers come back as their events; and it samples the GPUs
+its ranks (rankwatch/agent/nodecontrol.py), whose answers come back as their events (a rank that does not answer
+is read from outside, rankwatch/agent/pyspy.py); and it samples the GPUs
 its ranks hand over and the host's own readers, once per node, giving each rank's steps their GPU's energy
 (rankwatch/agent/nodesampler.py).
 """
@@ -18,7 +19,6 @@ import logging
 import os
 import queue
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -31,13 +31,12 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
 from rankwatch.agent.lost import Lost
 from rankwatch.agent.nodecontrol import NodeControl
-from rankwatch.agent.nodelink import BYE, CLOCK, EVENT, HELLO, READS, SAMPLES, STEPS, frame, take_frames
+from rankwatch.agent.nodelink import BYE, CLOCK, EVENT, HELLO, PEER, READS, SAMPLES, STEPS, frame, take_frames
 from rankwatch.agent.nodesampler import Feed, NodeSampler
 from rankwatch.agent.spanwire import AttributeValue
 from rankwatch.agent.stepspans import Comm, Move, StepMarks
 
 log = logging.getLogger("rankwatch.agent")
-_PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 MEMORY_EVENTS_ENV = "RANKWATCH_MEMORY_EVENTS"  # where the OOM killer's count is read, where not the cgroup's own
 READ_EVERY_S = 0.05  # how often a rank's link is read at most: what it sent waits in the socket, safe from its death
 SETTLE_S = 1.0  # how long a rank gone without a word waits for its peers' ends to be known, to tell whose was first
@@ -78,7 +77,7 @@ class Node:
     def __init__(self, path: str, collector: str, token: str | None, memory_events: Path | None = None):
         self._memory_events = memory_events or _memory_events()
         self.exporter = Exporter(collector, token, {sc.HOST_NAME: socket.gethostname()})
-        self.control = NodeControl(collector, token)  # the ranks' runs' stacks requests, asked of them
+        self.control = NodeControl(collector, token, self.exporter)  # the ranks' runs' stacks requests, asked of them
         self._failed: dict[object, list[tuple[int, object]]] = {}  # run id -> (when, rank) of its ranks' failures
         self._lock = threading.Lock()
         self._samples: queue.Queue = queue.Queue(SAMPLE_BATCHES)
@@ -104,29 +103,30 @@ class Node:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            _, uid, _ = _PEER.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+            pid, uid, _ = PEER.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER.size))
             if uid != os.getuid():  # (the socket's mode lets no one else connect; this says so in code)
                 conn.close()
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name="rankwatch-node-rank", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, pid), name="rankwatch-node-rank", daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        """One rank's frames until it closes its link; a rank gone without its goodbye (killed, crashed) and
-        without telling its failure itself is told here, on its behalf."""
+    def _serve(self, conn: socket.socket, pid: int) -> None:
+        """One rank's frames until it closes its link (from process `pid`, whose stacks the sidecar reads where it
+        does not answer a request for them); a rank gone without its goodbye (killed, crashed) and without telling
+        its failure itself is told here, on its behalf."""
         resource: Resource | None = None
         exporter = self.exporter
         finished, step, told, oom_kills = None, None, False, self._oom_kills()  # step: the one it is in, last said
         buffer = bytearray()
         feed: Feed | None = None  # what the node samples for the rank
-        with conn, self.control.linking(conn) as linked:
+        with conn, self.control.linking(conn, pid) as link:
             try:
                 while frames := self._read(conn, buffer):
                     for kind, body in frames:
                         if kind == HELLO:
                             resource = Resource.create(dict(body))
-                            linked(body)
+                            self.control.hello(link, resource)
                         elif resource is None:
                             log.warning("rankwatch node: a rank sent %r before saying who it is: closed", kind)
                             return
@@ -144,6 +144,9 @@ class Node:
                             finished = last if finished is None else max(finished, last)
                         elif kind == EVENT:
                             event, time_ns, attributes, text, severity = body
+                            request = attributes.get(sc.STACKS_REQUEST)
+                            if event == sc.EVENT_RANK_STACKS and not self.control.first_answer(link, request):
+                                continue  # its stacks were read from outside it already: one answer a request
                             if event == sc.EVENT_RANK_FAILED:
                                 told = True
                                 if attributes.get(sc.FAILURE_CAUSE) != sc.CAUSE_TERMINATED:  # a failure of its own

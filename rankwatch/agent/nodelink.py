@@ -24,6 +24,7 @@ job's private (0700) directory and the sidecar takes frames from its own user al
 arrives is from the job's own processes, which `marshal` is fit for.
 """
 
+import ctypes
 import logging
 import marshal
 import os
@@ -88,6 +89,22 @@ def plain(marks: StepMarks) -> tuple:
     return (*marks[:3], marks.phases, tuple(map(tuple, marks.comms)), tuple(map(tuple, marks.moves)), *marks[6:])
 
 
+PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_PR_SET_PTRACER = 0x59616D61  # prctl's option: this process may be traced by the pid given (Yama)
+
+
+def _let_trace(sock: socket.socket) -> None:
+    """Allow the sidecar at the other end of `sock` to read this process from outside (py-spy, for a rank whose
+    agent cannot answer: rankwatch/agent/pyspy.py). Where Yama's ptrace_scope is 1, the default of many
+    distributions, only a process's ancestors may trace it, and the sidecar is the ranks' sibling. A no-op
+    without Yama; never raises."""
+    try:
+        pid = PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER.size))[0]
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+    except (OSError, AttributeError, struct.error):
+        pass
+
+
 class NodeLink:
     """What a rank's session exports through (the surface of rankwatch/agent/export.py's Exporter that a session
     uses), handed to the sidecar at `path`. `fallback()` makes the exporter the rank uses if the
@@ -121,6 +138,7 @@ class NodeLink:
             sock.close()
             log.warning("rankwatch: no node sidecar at %s (%s): this rank exports its own telemetry", path, e)
             return None
+        _let_trace(sock)
         return cls(sock, fallback)
 
     def hand_over(

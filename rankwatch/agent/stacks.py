@@ -15,7 +15,8 @@ import linecache
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from rankwatch.agent import semconv as sc
 
@@ -31,6 +32,7 @@ SLACK_BYTES = 64  # what a body cut to its bound says of what it left out
 # Dumps of torch's Flight Recorders: NCCL's (a CUDA build's, FlightRecorder<CUDAEvent>) and the one of every other
 # backend, gloo's among them (FlightRecorder<c10::Event>); a job on NCCL reads NCCL's first
 _NCCL_DUMP, _DUMP = "_dump_nccl_trace_json", "_dump_fr_trace_json"
+T = TypeVar("T")
 
 
 def capture() -> dict:
@@ -44,12 +46,18 @@ def capture() -> dict:
         answer["flight_recorder_reason"] = reason
     if left_out:
         answer["threads_left_out"] = left_out
-    return _fit(answer)
+    return fit(answer)
 
 
-def answer(request_id: int) -> tuple[str, int, dict, str]:
-    """The rank's answer to stacks request `request_id` as an event: its name, time, attributes and body."""
-    return sc.EVENT_RANK_STACKS, time.time_ns(), {sc.STACKS_REQUEST: request_id}, body(capture())
+def answer(request_id: int, captured: dict | None = None) -> tuple[str, int, dict, str]:
+    """The rank's answer to stacks request `request_id` as an event: its name, time, attributes and body (what is
+    `captured` from outside the rank, rankwatch/agent/pyspy.py; else this process's capture, read now)."""
+    return (
+        sc.EVENT_RANK_STACKS,
+        time.time_ns(),
+        {sc.STACKS_REQUEST: request_id},
+        body(capture() if captured is None else captured),
+    )
 
 
 def body(captured: object) -> str:
@@ -63,46 +71,69 @@ def asks(command: dict, rank: int) -> bool:
 
 
 def _threads() -> tuple[list[dict], int]:
-    """Every thread's stack but the agent's, the main thread first, then by name; how many the bound left out."""
+    """Every thread's stack but the agent's, within the bounds; how many the bound left out."""
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     frames = sys._current_frames()
     try:
-        idents = sorted(
-            (i for i in frames if not names.get(i, "").startswith(AGENT_THREADS)),
-            key=lambda i: (i != main, names.get(i, ""), i),
+        return bounded_threads(
+            ((names.get(i, f"thread {i}"), i, i == main) for i in frames), lambda i: _stack(frames[i])
         )
-        threads = [
-            {"name": names.get(i, f"thread {i}"), "ident": i, "main": i == main, **_stack(frames[i])}
-            for i in idents[:MAX_THREADS]
-        ]
-        return threads, len(idents) - len(threads)
     finally:
-        del frames  # frames hold their locals: none kept past the capture
+        frames.clear()  # frames hold their locals: none kept past the capture
+
+
+def bounded_threads(threads: Iterable[tuple[str, int, bool]], stack: Callable[[int], dict]) -> tuple[list[dict], int]:
+    """Threads (name, ident, whether the main one) as an answer holds them, the agent's left out: the main thread
+    first, then by name, MAX_THREADS at most, each with `stack(ident)` (its frames: bounded_stack); how many the
+    bound left out. (Also for a rank's stacks read from outside it: rankwatch/agent/pyspy.py.)"""
+    kept = sorted((t for t in threads if not t[0].startswith(AGENT_THREADS)), key=lambda t: (not t[2], t[0], t[1]))
+    answered = [
+        {"name": name, "ident": ident, "main": main, **stack(ident)} for name, ident, main in kept[:MAX_THREADS]
+    ]
+    return answered, len(kept) - len(answered)
+
+
+def bounded_stack(frames: Iterable[T], entry: Callable[[T], dict]) -> dict:
+    """A thread's frames, given innermost first, as an answer holds them: outermost first, its innermost
+    MAX_FRAMES at most (`entry` makes each of those: bounded_frame), and how many deeper ones the bound cut."""
+    stack: list[dict] = []
+    deeper = 0
+    for frame in frames:
+        if len(stack) < MAX_FRAMES:
+            stack.append(entry(frame))
+        else:
+            deeper += 1
+    stack.reverse()
+    return {"frames": stack, **({"frames_left_out": deeper} if deeper else {})}
+
+
+def bounded_frame(file: str, line: int | None, function: str, code: str | None, **marks: object) -> dict:
+    """A frame as an answer holds it: its file's and function's names and its source line cut to their bounds."""
+    return {
+        "file": file[-MAX_NAME:],
+        "line": line,
+        "function": function[:MAX_NAME],
+        "code": (code or "")[:MAX_CODE] or None,
+        **marks,
+    }
 
 
 def _stack(frame) -> dict:
-    """A thread's frames, outermost first, its innermost MAX_FRAMES at most."""
-    stack: list[dict] = []
-    deeper = 0
+    return bounded_stack(_outwards(frame), _frame)
+
+
+def _outwards(frame) -> Iterator:
     while frame is not None:
-        if len(stack) < MAX_FRAMES:
-            code = frame.f_code
-            line = frame.f_lineno
-            text = linecache.getline(code.co_filename, line).strip() if line else ""
-            stack.append(
-                {
-                    "file": code.co_filename[-MAX_NAME:],
-                    "line": line,
-                    "function": code.co_name[:MAX_NAME],
-                    "code": text[:MAX_CODE] or None,
-                }
-            )
-        else:
-            deeper += 1
+        yield frame
         frame = frame.f_back
-    stack.reverse()
-    return {"frames": stack, **({"frames_left_out": deeper} if deeper else {})}
+
+
+def _frame(frame) -> dict:
+    code, line = frame.f_code, frame.f_lineno
+    return bounded_frame(
+        code.co_filename, line, code.co_name, linecache.getline(code.co_filename, line).strip() if line else None
+    )
 
 
 def flight_recorder(max_entries: int = MAX_ENTRIES) -> tuple[dict | None, str | None]:
@@ -142,7 +173,7 @@ def _size(value: object) -> int:
     return len(body(value).encode())
 
 
-def _fit(answer: dict, limit: int = BODY_BYTES) -> dict:
+def fit(answer: dict, limit: int = BODY_BYTES) -> dict:
     """`answer` within `limit` bytes of body: the oldest Flight Recorder entries dropped first, then the threads
     after the main one, last first (a thread is at most MAX_FRAMES frames of bounded text: the main one fits).
     Each item dropped takes its bytes and a comma; SLACK_BYTES pays for the count of those left out."""
