@@ -30,9 +30,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.alerts.config import AlertConfig
+from collector.alerts.outbox import Outbox
 from collector.analysis import findings
 from collector.analysis import live as analysis
 from collector.analysis.analyzers import power
+from collector.reports import powercaps
 from collector.store.db import connect
 from rankwatch.launch import wait_healthy
 from tests.conftest import free_port
@@ -108,8 +110,8 @@ def main() -> None:
         warm.run(con)
         for _ in track(range(args.repeat), description="drawing power reports", console=console):
             started = time.perf_counter()
-            report = analysis._power_report(con.cursor(), RUN)  # what a pass did before the power thread
-            findings.record(con, RUN, power.ANALYZER, report.findings, AlertConfig())
+            report = powercaps.live_report(con, RUN)  # what a pass did before the power thread
+            findings.record(con, RUN, power.ANALYZER, report.findings, [Outbox(AlertConfig())])
             inline.append(time.perf_counter() - started)
             for _ in range(100):
                 quiet.append(commit(con))
@@ -122,7 +124,7 @@ def main() -> None:
             others.append(time.perf_counter() - started)
 
             con.execute("DELETE FROM findings WHERE analyzer = 'power'")
-            live = analysis.Analysis(interval_s=PASS_S, power_every_s=3600)
+            live = analysis.Analysis(interval_s=PASS_S, power_report=powercaps.live_report, power_every_s=3600)
             live.touched([RUN], steps=True)
             started = time.perf_counter()
             live.run(con)

@@ -1,5 +1,5 @@
 """Quantities as people read them: "717 kW", "4.2 kJ", "50 GB/s", "3 min 20 s", "3.6%",
-"640–660 W", "1 rank".
+"640–660 W", "1 rank", "2025-03-01 14:05:09 UTC".
 
 One helper for findings' summaries, reports and the dashboard, so that a figure is shown with
 a unit that fits its size and as many significant digits as it carries (three; two for
@@ -9,6 +9,7 @@ percentages), never as "0.00 kJ", "5e+10 bytes/s" or "648-648 W", wherever it ap
 import itertools
 import math
 from dataclasses import dataclass
+from datetime import datetime
 
 PREFIXES = ("", "k", "M", "G", "T", "P")  # decimal (SI), as GPU power, NVLink and NCCL figures are given
 
@@ -115,6 +116,11 @@ def duration(seconds: float) -> str:
                 first, rest = first + 1, 0
             return f"{sign}{first} {unit}" + (f" {rest} {name}" if rest else "")
     raise AssertionError("unreachable: the loop ends at minutes")
+
+
+def clock(at: datetime) -> str:
+    """ "2025-03-01 14:05:09 UTC": a moment of the store's clock (UTC), to the second."""
+    return f"{at:%Y-%m-%d %H:%M:%S} UTC"
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:

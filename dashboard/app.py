@@ -4,7 +4,7 @@ alert's link also names its finding, `&finding=ID`, shown first)."""
 
 import streamlit as st
 
-from collector.analysis.analyzers import health
+from collector.findings import COLLECTOR_RUN_ID
 from collector.printable import printable
 from dashboard import ui
 
@@ -24,7 +24,7 @@ PAGES = [
 page = st.navigation(PAGES)
 runs = ui.frame("runs")
 st.sidebar.caption(f"reading {ui.literal(ui.data_source().label)}")
-collector_health = ui.frame("findings", run=health.RUN_ID)  # the collector's own findings belong to no run
+collector_health = ui.frame("findings", run=COLLECTOR_RUN_ID)  # the collector's own findings belong to no run
 for summary in collector_health.loc[collector_health["state"] == "firing", "summary"]:
     st.sidebar.warning(f"Collector: {ui.literal(summary)}")
 if runs.empty and page.title != "SQL":

@@ -21,6 +21,7 @@ import pytest
 
 from collector.alerts.config import AlertConfig, Receiver
 from collector.alerts.delivery import Delivery
+from collector.alerts.outbox import Outbox
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
 from collector.store.schema import DDL
@@ -119,9 +120,9 @@ def test_a_url_past_the_check_fails_its_own_deliveries_alone(tmp_path, url):
     delivery = Delivery(config)
     delivery.start(con)
     try:
-        findings.record(con, "run-a", "stragglers", [finding], config)
+        findings.record(con, "run-a", "stragglers", [finding], [Outbox(config)])
         good.wait_for(1)
-        findings.record(con, "run-a", "stragglers", [], config)  # a later alert: the resolution
+        findings.record(con, "run-a", "stragglers", [], [Outbox(config)])  # a later alert: the resolution
         good.wait_for(2)
         wait_until(
             lambda: con.execute("SELECT max(attempts) FROM outbox WHERE receiver = 'bad'").fetchone()[0] >= 2,

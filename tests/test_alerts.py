@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from collector.alerts import outbox, rules, webhook
 from collector.alerts.config import AlertConfig, AlertConfigError, Receiver, default_name, load
 from collector.alerts.delivery import Delivery
+from collector.alerts.outbox import Outbox
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding
 from collector.store.schema import DDL
@@ -59,7 +60,7 @@ def con():
 
 def test_a_new_finding_sends_one_v4_notification_per_receiver_and_group(con):
     config = AlertConfig(receivers=(Receiver("all", "http://a/"),), dashboard_url="http://dash:8501")
-    findings.record(con, "run-a", "stragglers", [straggler([3]), straggler(list(range(24, 32)))], config)
+    findings.record(con, "run-a", "stragglers", [straggler([3]), straggler(list(range(24, 32)))], [Outbox(config)])
     ((receiver, body),) = notifications(con)
     assert receiver == "all"
     assert set(body) == {
@@ -103,9 +104,9 @@ def test_a_new_finding_sends_one_v4_notification_per_receiver_and_group(con):
 def test_a_finding_redrawn_notifies_nobody_and_its_resolution_once(con):
     config = AlertConfig(receivers=(Receiver("all", "http://a/"),))
     for _ in range(3):
-        findings.record(con, "run-a", "stragglers", [straggler([3])], config)
-    findings.record(con, "run-a", "stragglers", [], config)
-    findings.record(con, "run-a", "stragglers", [], config)
+        findings.record(con, "run-a", "stragglers", [straggler([3])], [Outbox(config)])
+    findings.record(con, "run-a", "stragglers", [], [Outbox(config)])
+    findings.record(con, "run-a", "stragglers", [], [Outbox(config)])
     (_, fired), (_, resolved) = notifications(con)
     assert resolved["status"] == "resolved"
     (firing_alert,), (resolved_alert,) = fired["alerts"], resolved["alerts"]
@@ -130,9 +131,9 @@ def test_escalation_to_critical_sends_again_and_never_back(con):
     config = AlertConfig(
         receivers=(Receiver("all", "http://a/"), Receiver("pager", "http://p/", severities=frozenset({"critical"})))
     )
-    findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], config)
-    findings.record(con, "run-a", "stragglers", [straggler([3], "critical")], config)
-    findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], config)  # no flapping back
+    findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], [Outbox(config)])
+    findings.record(con, "run-a", "stragglers", [straggler([3], "critical")], [Outbox(config)])
+    findings.record(con, "run-a", "stragglers", [straggler([3], "warning")], [Outbox(config)])  # no flapping back
     sent = notifications(con)
     assert [(r, [(a["status"], a["labels"]["severity"]) for a in b["alerts"]]) for r, b in sent] == [
         ("all", [("firing", "warning")]),
@@ -149,10 +150,10 @@ def test_receivers_filter_by_analyzer_kind_and_severity(con):
             Receiver("critical", "http://c/", severities=frozenset({"critical"})),
         )
     )
-    findings.record(con, "run-a", "stragglers", [straggler([3])], config)
+    findings.record(con, "run-a", "stragglers", [straggler([3])], [Outbox(config)])
     assert notifications(con) == []
     hang = Finding("run-a", "hang", [1], 4, 4, "critical", 2.0, "rank 1 is stuck", analyzer="hangs")
-    findings.record(con, "run-a", "hangs", [hang], config)
+    findings.record(con, "run-a", "hangs", [hang], [Outbox(config)])
     assert [(r, b["alerts"][0]["labels"]["alertname"]) for r, b in notifications(con)] == [
         ("hangs", "RankwatchHang"),
         ("critical", "RankwatchHang"),
@@ -160,17 +161,17 @@ def test_receivers_filter_by_analyzer_kind_and_severity(con):
 
 
 def test_alerts_are_kept_without_receivers(con):
-    findings.record(con, "run-a", "stragglers", [straggler([3])], AlertConfig())
+    findings.record(con, "run-a", "stragglers", [straggler([3])], [Outbox(AlertConfig())])
     assert con.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
     assert con.execute("SELECT labels->>'alertname', ends_at FROM alerts").fetchall() == [("RankwatchStraggler", None)]
 
 
 def test_a_notification_never_overtakes_an_older_one_of_its_receiver(con):
     config = AlertConfig(receivers=(Receiver("hook", "http://127.0.0.1:9/hook"),))
-    findings.record(con, "run-a", "stragglers", [straggler([3])], config)
+    findings.record(con, "run-a", "stragglers", [straggler([3])], [Outbox(config)])
     (fired,) = outbox.due(con)
     outbox.postpone(con, fired, 60, "connection refused")  # the receiver is down
-    findings.record(con, "run-a", "stragglers", [], config)  # the resolution, written after the postponement
+    findings.record(con, "run-a", "stragglers", [], [Outbox(config)])  # the resolution, written after the postponement
     assert outbox.due(con) == []  # not before the firing notification it resolves
     con.execute("UPDATE outbox SET next_attempt_at = now() - INTERVAL 1 SECOND")  # the wait is over
     assert [n.id for n in outbox.due(con)] == [fired.id, fired.id + 1]
@@ -243,7 +244,7 @@ def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):
     )
     con = duckdb.connect(str(tmp_path / "store.duckdb"))
     con.execute(DDL)
-    findings.record(con, "run-a", "stragglers", [straggler([3])], config)
+    findings.record(con, "run-a", "stragglers", [straggler([3])], [Outbox(config)])
     delivery = Delivery(config)
     delivery.start(con)
     try:
@@ -251,7 +252,7 @@ def test_a_receiver_down_then_up_gets_every_notification_once(tmp_path):
             lambda: con.execute("SELECT attempts FROM outbox").fetchone()[0] >= 3,  # refused, retried
             "the receiver that is down was not retried",
         )
-        findings.record(con, "run-a", "stragglers", [straggler([5])], config)  # queued while it is down
+        findings.record(con, "run-a", "stragglers", [straggler([5])], [Outbox(config)])  # queued while it is down
         receiver = WebhookReceiver(port, SECRET).start()
         try:
             arrived = receiver.wait_for(2)

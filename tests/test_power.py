@@ -512,7 +512,7 @@ def test_live_power_reports_are_drawn_off_the_writer_thread(store, tmp_path, mon
     monkeypatch.setattr(powercaps, "recommend", recommend)
     con = connect(db)
     con.execute("DELETE FROM findings WHERE analyzer = 'power'")  # those its collector drew
-    live = analysis.Analysis(power_every_s=60)
+    live = analysis.Analysis(power_report=powercaps.live_report, power_every_s=60)
     try:
         live.touched(["pw-straggler"], steps=True)
         live.run(con)

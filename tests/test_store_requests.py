@@ -57,7 +57,7 @@ def test_health_counters_go_to_the_writers_analysis(context):
         requests.answer(context, HealthCounters({200: 1}, {}, 0, 1))
     analysis = Analysis()
     requests.answer(requests.Context(context.con, (analysis,)), HealthCounters({200: 1}, {0.1: 1}, 5, 10))
-    assert analysis._counters[0]["requests"] == {200: 1} and analysis._counters[0]["queue_bytes"] == 5
+    assert analysis.health.reported[0]["requests"] == {200: 1} and analysis.health.reported[0]["queue_bytes"] == 5
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The alert outbox: alerts and their notifications, written in the transaction that changes
-the findings, and read back by the delivery thread.
+the findings (`Outbox`, a consumer of what the analysis publishes: collector/findings.py), and read
+back by the delivery thread.
 
 A notification is committed with its finding change or not at all, so a collector killed at
 any moment neither loses an alert nor sends one for a change it rolled back; delivery.py
@@ -11,12 +12,13 @@ outbox rows along: the two never write the same row.
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import ClassVar
 
 import duckdb
 
 from collector.alerts import rules, webhook
 from collector.alerts.config import AlertConfig
-from collector.analysis.analyzers import Finding
+from collector.findings import NOT_JUDGED, Changes, Consumer, Finding
 
 _OPEN = """SELECT id, finding_id, labels, annotations, starts_at, fingerprint FROM alerts
            WHERE run_id = ? AND analyzer = ? AND ends_at IS NULL"""
@@ -32,6 +34,19 @@ class Notification:
     body: str
     attempts: int
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class Outbox(Consumer):
+    """The alerts of the analysis's finding changes, each written in the change's transaction for the
+    receivers of `config`; a verdict an analyzer could not draw (NOT_JUDGED) pages nobody."""
+
+    config: AlertConfig
+    name: ClassVar[str] = "alerts"
+
+    def on_changes(self, con: duckdb.DuckDBPyConnection, changes: Changes) -> None:
+        judged = [(fid, f) for fid, f in changes.drawn if f.kind != NOT_JUDGED]
+        notify(con, self.config, changes.run_id, changes.analyzer, judged, changes.ended)
 
 
 def notify(

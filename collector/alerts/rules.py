@@ -14,6 +14,7 @@ from urllib.parse import quote, urlencode
 
 from collector import ranksets
 from collector.analysis import stacks
+from collector.findings import CRITICAL, WARNING
 
 ALERTNAMES = {
     "stragglers": "RankwatchStraggler",
@@ -40,7 +41,7 @@ PAGES = {
 # Evidence an analyzer's alerts carry as labels besides the finding's own, for receivers to route on (the host
 # to drain, the cause to page on)
 EVIDENCE_LABELS = {"failures": ("rank", "host", "cause")}
-_SEVERITY_RANK = {"warning": 0, "critical": 1}
+_SEVERITY_RANK = {WARNING: 0, CRITICAL: 1}
 _RANGES_SHOWN = 4  # a long rank list is cut after this many ranges: labels stay short
 
 # Prometheus' label-set fingerprint (FNV-1a 64 over sorted names and values, 0xff between),

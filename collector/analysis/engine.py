@@ -34,9 +34,10 @@ import numpy as np
 import pandas as pd
 
 from collector.analysis import recorded as recorders
-from collector.analysis.analyzers import Finding, Frames, Tiers
+from collector.analysis.analyzers import Frames, Tiers
 from collector.analysis.analyzers.registry import ANALYZERS
 from collector.analysis.stacks import Answers
+from collector.findings import COLLECTOR, Finding
 from rankwatch.agent import semconv as sc
 
 log = logging.getLogger("rankwatch.analysis")
@@ -139,13 +140,14 @@ _MAIN_THREADS = "TRY_CAST(json_extract(body, '$.threads') AS JSON[])"
 _ANSWERS = f"""FROM events WHERE run_id = $run AND event = '{sc.EVENT_RANK_STACKS}' AND rank IS NOT NULL
                                AND ts >= make_timestamp_ns($since)
                                AND TRY_CAST(attrs->>{sc.json_path(sc.STACKS_REQUEST)} AS BIGINT) = $request"""
-_STACKS = f"""SELECT frames, list(rank ORDER BY rank) FROM (
+_STACKS = f"""SELECT frames, list(rank ORDER BY rank), read_by FROM (
                 SELECT rank, CASE WHEN json_valid(body) THEN coalesce(
                                 list_filter({_MAIN_THREADS}, lambda t: TRY_CAST(t->>'main' AS BOOLEAN))[1],
                                 list_filter({_MAIN_THREADS}, lambda t: t->>'name' = 'MainThread')[1]) -> 'frames'
-                             END AS frames
+                             END AS frames,
+                             CASE WHEN json_valid(body) THEN body->>'read_by' END AS read_by
                 FROM (SELECT rank, arg_max(body, ts) AS body {_ANSWERS} GROUP BY rank))
-              GROUP BY frames"""
+              GROUP BY frames, read_by"""
 # What answers a request has, without reading their bodies: a hang's every pass reads them again only when it changed
 _ANSWERED = f"SELECT count(*), max(epoch_ns(ts)) {_ANSWERS}"
 # Each rank's Flight Recorder in its answer, of the ranks whose answers were not read before
@@ -312,14 +314,14 @@ class Engine:
             self.cursors[run_id] = Cursor(*row) if row else Cursor()
         cursor = self.cursors.setdefault(run_id, Cursor())
         judged_to = cursor.step
-        rolled_back = self._rollbacks(con, run_id, cursor)
+        rolled_back = self._rewind_to_rollbacks(con, run_id, cursor)
         if ended_came or final or new or cursor.ended_ns is not None or cursor.ending:
             cursor.ended_ns, cursor.ending = self._ended(con, run_id, now_ns, final)
         world = con.execute(_WORLD, [run_id]).fetchall()[0][0]
-        self._ranks_came(con, run_id, cursor, world)
+        self._rewind_to_new_ranks(con, run_id, cursor, world)
         cursor.late = add_steps(cursor.late, arrived)
-        self._came_below(con, run_id, cursor)
-        self._past_ahead(con, run_id, cursor)
+        self._rewind_under_late_steps(con, run_id, cursor)
+        self._skip_judged_ahead(con, run_id, cursor)
         if cursor.step != judged_to:  # steps at or under those read may have changed (a rollback, late steps)
             self.release(run_id)
         before = STEPS_END if cursor.ahead is None else cursor.ahead
@@ -360,13 +362,13 @@ class Engine:
                     with _isolated(judged, analyzer.ANALYZER):
                         judged.found = analyzer.revise(judged.found, frames, settings)
         cursor.step, cursor.world = last, world
-        judged.more |= self._past_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
+        judged.more |= self._skip_judged_ahead(con, run_id, cursor)  # the steps past those judged ahead: next
         judged.ended = cursor.ended_ns is not None and not judged.more
         if judged.ended:  # judged to its end: nothing more to read
             self.release(run_id)
         return judged
 
-    def _ranks_came(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
+    def _rewind_to_new_ranks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor, world: int) -> None:
         """Ranks first heard from after steps were judged without them (a job whose world size is
         not said, its ranks' first exports apart): the cursor moves back to their first step."""
         if world <= cursor.world or cursor.step < 0:
@@ -375,7 +377,7 @@ class Engine:
         if first is not None:
             cursor.step = int(first) - 1
 
-    def _came_below(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> None:
+    def _rewind_under_late_steps(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> None:
         """Steps that came at or below steps already judged (a rank's steps went back: a step sent far
         ahead of the run, then the run's own; a job started again from a checkpoint; a batch sent
         again after later ones): the cursor moves back under the lowest range of them (the others
@@ -394,7 +396,7 @@ class Engine:
         cursor.step = min(cursor.step, low - 1)
         cursor.ahead, cursor.top = (None, None) if ahead is None else (int(ahead), top)
 
-    def _past_ahead(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> bool:
+    def _skip_judged_ahead(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> bool:
         """Once every step below those judged ahead is judged and the run has stepped past them, the
         cursor goes on from the newest of them; whether it did."""
         if cursor.ahead is None or cursor.top is None:
@@ -407,7 +409,7 @@ class Engine:
         cursor.step, cursor.ahead, cursor.top = cursor.top, None, None
         return True
 
-    def _rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
+    def _rewind_to_rollbacks(self, con: duckdb.DuckDBPyConnection, run_id: str, cursor: Cursor) -> int | None:
         """The cursor moved back to before the earliest step a rollback applied since the last pass
         restored (the steps from there are trained again); that step, or None."""
         applied = con.execute(_APPLIED_ROLLBACKS, {"run": run_id, "seen": cursor.rollback}).fetchall()
@@ -592,7 +594,8 @@ def _answers(
         if key in known:
             return replace(known[key], state=state, asked=asked)
     rows = con.execute(_STACKS, params).fetchall()
-    answers = Answers(int(request_id), state, int(created_ns), asked, [(r, _json(frames)) for frames, r in rows])
+    stacks = [(r, _json(frames), by) for frames, r, by in rows]
+    answers = Answers(int(request_id), state, int(created_ns), asked, stacks)
     if recorded:  # the answers that came since those read before (the newest that were), added to them
         before = next((a.recorded for a in reversed((known or {}).values()) if a.request == answers.request), None)
         read = {**params, "read": list(before.seen if before else ())}
@@ -710,7 +713,7 @@ def failing(failed: dict[str, list[int]], judged: Judged) -> list[Finding]:
             f"the {analyzer} analyzer failed on steps {first}–{last}: its findings there are missing "
             "(the log says why)",
             {"analyzer": analyzer, "failures": passes},
-            analyzer="collector",
+            analyzer=COLLECTOR,
         )
         for analyzer, (first, last, passes) in sorted(failed.items())
     ]

@@ -1,16 +1,17 @@
 """Findings in the store: an analyzer's conclusions for a run become rows that stay `firing`
-while they hold and turn `resolved` when they stop, with the alerts they raise or end written in
-the same transaction (collector/alerts/outbox.py). A finding still firing when its run ends turns
-`ended`, not `resolved`: it held to the end, so it is what went wrong with the run, not a recovery."""
+while they hold and turn `resolved` when they stop. Each change is published to the consumers given
+(collector/findings.py's `Consumer.on_changes`) inside its transaction, so that what they write (the
+alerts it raises or ends: collector/alerts/outbox.py) commits with it or not at all. A finding still
+firing when its run ends turns `ended`, not `resolved`: it held to the end, so it is what went wrong
+with the run, not a recovery."""
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import duckdb
 
-from collector.alerts import outbox
-from collector.alerts.config import AlertConfig
-from collector.analysis.analyzers import NOT_JUDGED, Finding, Reads
+from collector.analysis.analyzers import Reads
+from collector.findings import Changes, Consumer, Finding
 from collector.store.lake import next_id
 from collector.store.schema import RESOLVED
 
@@ -36,12 +37,13 @@ def record(
     run_id: str,
     analyzer: str,
     findings: list[Finding],
-    alerts: AlertConfig | None = None,
+    consumers: Sequence[Consumer] = (),
 ) -> None:
     """Make the firing rows of (run, analyzer) match `findings`, an analyzer's latest conclusions
     drawn afresh (the collector's health, power recommendations): same kind and ranks update the
     row (its span too: an onset estimated from a few slow steps sharpens as more come, and the row
-    must say what its summary says), new ones insert, the rest resolve."""
+    must say what its summary says), new ones insert, the rest resolve; the change published to
+    `consumers`."""
     with _transaction(con):
         firing = {
             (kind, tuple(ranks)): row[0]
@@ -53,8 +55,7 @@ def record(
             fid = firing.pop((f.kind, tuple(f.ranks)), None)
             drawn.append((_update(con, fid, f) if fid is not None else _insert(con, run_id, analyzer, f), f))
         _resolve(con, list(firing.values()))
-        if alerts is not None:
-            outbox.notify(con, alerts, run_id, analyzer, drawn, list(firing.values()))
+        _publish(con, consumers, Changes(run_id, analyzer, drawn, list(firing.values())))
 
 
 def record_pass(
@@ -63,7 +64,7 @@ def record_pass(
     found: Mapping[str, list[Finding]],
     reads: Mapping[str, Reads],
     last: int,
-    alerts: AlertConfig | None = None,
+    consumers: Sequence[Consumer] = (),
     cursor: tuple[int, int, int] | None = None,
 ) -> None:
     """One pass of the engine over a run, in one transaction: each finding goes on the firing row
@@ -71,8 +72,9 @@ def record_pass(
     the strongest finding speaking for it) or starts one, unless an episode that stopped holds it
     already (its steps judged again: `_RECORDED`), and the episodes of the analyzers that
     judged resolve where `Reads.holds` says they no longer fire once the steps up to `last` are
-    judged (collector/analysis/engine.py's `merge`, on rows). `cursor`: (step, rollback, world) the engine stands at
-    after the pass, recorded with its findings (a step is judged once, across restarts too)."""
+    judged (collector/analysis/engine.py's `merge`, on rows); each analyzer's changes published to
+    `consumers`. `cursor`: (step, rollback, world) the engine stands at after the pass, recorded with
+    its findings (a step is judged once, across restarts too)."""
     with _transaction(con):
         if cursor is not None:
             con.execute("INSERT OR REPLACE INTO analysis_cursors VALUES (?, ?, ?, ?)", [run_id, *cursor])
@@ -114,15 +116,9 @@ def record_pass(
                 fid for fid, _, end, redrawn, _ in firing.values() if end is None or not rules.holds(end, last, redrawn)
             ]
             _resolve(con, ended)
-            if alerts is not None:  # a verdict an analyzer could not draw pages nobody
-                outbox.notify(
-                    con,
-                    alerts,
-                    run_id,
-                    analyzer,
-                    [(fid, f) for fid, f in changed if fid not in ended and f.kind != NOT_JUDGED],
-                    ended,
-                )
+            _publish(
+                con, consumers, Changes(run_id, analyzer, [(fid, f) for fid, f in changed if fid not in ended], ended)
+            )
 
 
 def _recorded(con: duckdb.DuckDBPyConnection, run_id: str, analyzer: str, f: Finding) -> bool:
@@ -137,15 +133,15 @@ def end_run(
     con: duckdb.DuckDBPyConnection,
     run_id: str,
     reason: str,
-    alerts: AlertConfig | None = None,
+    consumers: Sequence[Consumer] = (),
     since_step: int | None = None,
     keep: tuple[str, ...] = (),
     state: str = RESOLVED,
 ) -> None:
     """Take a run's firing findings off firing, saying why in their evidence (`resolved`: "rolled
-    back", say), and end their alerts (once: nothing fires again for them); `state`: what they become
-    (`ENDED` at the run's end: they held to it); `since_step`: only those that began at it or after
-    (the steps a rollback abandoned); `keep`: analyzers whose findings stay."""
+    back", say), and publish them as ended (once: nothing fires again for them); `state`: what they
+    become (`ENDED` at the run's end: they held to it); `since_step`: only those that began at it or
+    after (the steps a rollback abandoned); `keep`: analyzers whose findings stay."""
     rows = [
         (fid, analyzer)
         for fid, analyzer, start in con.execute(
@@ -157,9 +153,14 @@ def end_run(
         return
     with _transaction(con):
         _resolve(con, [fid for fid, _ in rows], reason, state)
-        if alerts is not None:
-            for analyzer in {a for _, a in rows}:
-                outbox.notify(con, alerts, run_id, analyzer, [], [fid for fid, a in rows if a == analyzer])
+        for analyzer in {a for _, a in rows}:
+            _publish(con, consumers, Changes(run_id, analyzer, [], [fid for fid, a in rows if a == analyzer]))
+
+
+def _publish(con: duckdb.DuckDBPyConnection, consumers: Sequence[Consumer], changes: Changes) -> None:
+    """A change, to each consumer in turn, in the caller's transaction (what one raises rolls it back)."""
+    for consumer in consumers:
+        consumer.on_changes(con, changes)
 
 
 class _transaction:

@@ -22,11 +22,10 @@ import duckdb
 import numpy as np
 
 from collector.analysis.analyzers import gaps
-from collector.analysis.analyzers.gaps import Gaps
 from collector.analysis.engine import RANK_STEPS  # rank-steps a window holds at most, as a pass of the engine
+from collector.telemetryloss import NOT_SETTLED, Gaps, Loss
 from rankwatch.agent import semconv as sc
 
-BLOCK_FIELDS = ("first_rank", "last_rank", "first_step", "last_step", "rank_steps")  # a gap's, in JSON
 MARGIN_STEPS = 10
 MARGIN_S = 10.0
 
@@ -72,44 +71,6 @@ REPORTS_SLACK_S = 300  # reports read again behind the newest read: ranks export
 
 
 @dataclass(frozen=True)
-class Loss:
-    """A run's telemetry loss: the rank-steps the collector never got, and what the agents dropped."""
-
-    gaps: Gaps
-    spans_dropped: int = 0  # reported by the agents
-    rank_steps_dropped: int = 0
-
-    @property
-    def any(self) -> bool:
-        return bool(self.gaps.missing or self.spans_dropped or self.rank_steps_dropped)
-
-    def summary(self) -> str:
-        """One line for people; "" where nothing was lost."""
-        parts = [self.gaps.summary()] if self.gaps.missing else []
-        if self.spans_dropped or self.rank_steps_dropped:
-            parts.append(
-                f"the ranks' agents dropped {self.spans_dropped:,} spans ({self.rank_steps_dropped:,} rank-steps) "
-                "before export"
-            )
-        return "; ".join(parts)
-
-    def as_dict(self) -> dict:
-        g = self.gaps
-        return {
-            "rank_steps_expected": g.expected,
-            "rank_steps_missing": g.missing,
-            "missing_share": g.share,
-            "settled_step": g.settled_step,
-            "gaps": [dict(zip(BLOCK_FIELDS, b)) for b in g.blocks],
-            "gaps_left_out": g.left_out,
-            "agent_spans_dropped": self.spans_dropped,
-            "agent_rank_steps_dropped": self.rank_steps_dropped,
-            "partial_data": self.any,  # conclusions drawn on this run are drawn on partial data
-            "summary": self.summary(),
-        }
-
-
-@dataclass(frozen=True)
 class Reports:
     """What a run's agents reported: each rank's largest counts (spans, rank-steps), and the newest
     report read (what the next pass reads after, less REPORTS_SLACK_S)."""
@@ -139,7 +100,7 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> 
     recorded, reports = stored(con, run_id)
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
     # ranks heard from after steps settled without them: counted again from the start
-    recount = ranks != recorded.ranks and recorded.settled_step != gaps.NOT_SETTLED
+    recount = ranks != recorded.ranks and recorded.settled_step != NOT_SETTLED
     before = _arrived(con, run_id, Gaps() if recount else recorded)
     after = _advance(con, run_id, before, ranks, _bound(con, run_id, before.settled_step, final), 0 if final else 1)
     now = reports.read(con, run_id)
@@ -154,7 +115,7 @@ def record(con: duckdb.DuckDBPyConnection, run_id: str, final: bool = False) -> 
 def measure(con: duckdb.DuckDBPyConnection, run_id: str) -> Loss:
     """A whole run's loss, every step settled (after the fact: `rankwatch analyze`); reads only."""
     ranks = con.execute(_RANKS, {"run": run_id}).fetchall()[0][0]
-    found = _advance(con, run_id, Gaps(), ranks, _bound(con, run_id, gaps.NOT_SETTLED, True), 0)
+    found = _advance(con, run_id, Gaps(), ranks, _bound(con, run_id, NOT_SETTLED, True), 0)
     return Reports().read(con, run_id).loss(found)
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pandas as pd
 
-from collector.analysis.analyzers import Finding
 from collector.analysis.analyzers.collectives import analyze as match_collectives
 from collector.analysis.analyzers.p2p import analyze as match_p2p
+from collector.findings import Finding
 from collector.receive.imports.flight_recorder import process_groups, read_entry
 
 # The matchers' entries (analyzers/collectives.py, p2p.py): sizes and dtypes as JSON text

@@ -10,8 +10,10 @@ A place is the innermost few calls the user's code makes: each of the user's fra
 its line (`all_reduce` at train.py:120). Frames of libraries (torch, site-packages, the standard library,
 rankwatch's agent) are collapsed into the call the user's line made into them, named by the first of them
 that does more than pass the call on (a decorator's `wrapper`, nn.Module's `_call_impl`); a run of library
-frames that only passes a call on between two of the user's frames is left out. Ranks whose places agree
-there are one group, however their library internals or outer frames differ.
+frames that only passes a call on between two of the user's frames is left out. Native frames (an answer read
+from outside the rank's process by py-spy has them: libpython's, libgloo's, libnccl's) are a library's. Ranks
+whose places agree there are one group, however their library internals or outer frames differ; a group says
+which of its ranks were read from outside (`read_by`).
 """
 
 import os
@@ -53,7 +55,8 @@ class Verdicts(Protocol):
 class Answers:
     """A stacks request and the answers to it so far, as the engine reads them. `asked`: the ranks asked
     (every rank of the run, where the request named none); `stacks`: (ranks, their main thread's frames as
-    the answer gives them, outermost first; None where the answer holds none), ranks with the same frames
+    the answer gives them, outermost first; None where the answer holds none[, who read them from outside the
+    ranks' processes: the answers' `read_by`, None for their own agents]), ranks with the same frames
     together; `state`: the request's (pending until it settles, STACKS_TTL_S after `created_ns`); `recorded`:
     the Flight Recorder entries the answers hold, where read (collector/analysis/recorded.py)."""
 
@@ -61,7 +64,7 @@ class Answers:
     state: str
     created_ns: int
     asked: Sequence[int]
-    stacks: Sequence[tuple[Sequence[int], object]]
+    stacks: Sequence[tuple[Sequence[int], object] | tuple[Sequence[int], object, str | None]]
     recorded: "Verdicts | None" = None
 
 
@@ -70,10 +73,11 @@ class _Frame:
     file: str
     line: int | None
     function: str
+    native: bool = False
 
     @property
     def library(self) -> bool:
-        return bool(_LIBRARY.search(self.file))
+        return self.native or bool(_LIBRARY.search(self.file))
 
     @property
     def passing(self) -> bool:
@@ -84,18 +88,22 @@ def merge(answers: Answers, culprits: Iterable[int] = ()) -> dict:
     """The answers as one document: `groups` of ranks by place, the largest first, each with `ranks`,
     `where` (its calls in words, innermost first), `line` ("ranks 0-6,8-15: " and where) and `calls`
     ({calls, in, file, line}: the function called, or None for the innermost frame's own code; the user's
-    function, file and line); `asked` and `answered`, how many ranks were asked and answered of them;
+    function, file and line), and `read_by` where some of its ranks were read from outside their processes
+    ({reader: ranks}; the line says so); `asked` and `answered`, how many ranks were asked and answered of them;
     `odd`, the index of the odd group out (the minority group, where `culprits` are where one holds them;
     None for one group); the ranks asked that did not answer (`unanswered`); `settled`: whether no more
     can come (every rank asked answered, or the request is no longer pending)."""
     asked = sorted({int(r) for r in answers.asked})
     places: dict[tuple, tuple[list[dict], set[int]]] = {}
     answered: set[int] = set()
-    for ranks, frames in answers.stacks:
+    read_by: dict[int, str] = {}  # rank -> who read its answer from outside its process
+    for ranks, frames, *by in answers.stacks:
         calls = _calls(frames)
         key = tuple((c["calls"], c["in"], c["file"], c["line"]) for c in calls)
         places.setdefault(key, (calls, set()))[1].update(int(r) for r in ranks)
         answered.update(int(r) for r in ranks)
+        if by and by[0]:
+            read_by.update(dict.fromkeys((int(r) for r in ranks), by[0]))
     groups: list[dict[str, Any]] = sorted(
         ({"ranks": sorted(ranks), "calls": calls} for calls, ranks in places.values()),
         key=lambda g: (-len(g["ranks"]), g["ranks"][0]),
@@ -113,6 +121,9 @@ def merge(answers: Answers, culprits: Iterable[int] = ()) -> dict:
             f"{ELSEWHERE} ({g.pop('elsewhere')} places)" if "elsewhere" in g else _where(g["calls"]) or NO_STACK
         )
         g["line"] = f"{_ranks(g['ranks'])}: {g['where']}"
+        for who in sorted({read_by[r] for r in g["ranks"] if r in read_by}):
+            outside = g.setdefault("read_by", {})[who] = [r for r in g["ranks"] if read_by.get(r) == who]
+            g["line"] += f" ({'' if outside == g['ranks'] else _ranks(outside) + ' '}read from outside by {who})"
     unanswered = [r for r in asked if r not in answered]
     asked_answered = len(asked) - len(unanswered) if asked else len(answered)
     return {
@@ -121,7 +132,7 @@ def merge(answers: Answers, culprits: Iterable[int] = ()) -> dict:
         "settled": answers.state != "pending" or not unanswered,
         "asked": len(asked),
         "answered": asked_answered,
-        "groups": [{k: g[k] for k in ("ranks", "where", "line", "calls")} for g in groups],
+        "groups": [{k: g[k] for k in ("ranks", "where", "line", "calls", "read_by") if k in g} for g in groups],
         "odd": odd,
         "unanswered": unanswered,
     }
@@ -195,7 +206,9 @@ def _frame(frame: object) -> _Frame | None:
     file, line, function = frame.get("file"), frame.get("line"), frame.get("function")
     if not isinstance(file, str) or not isinstance(function, str):
         return None
-    return _Frame(file[-4 * MAX_NAME :], line if type(line) is int else None, function[:MAX_NAME])
+    return _Frame(
+        file[-4 * MAX_NAME :], line if type(line) is int else None, function[:MAX_NAME], frame.get("native") is True
+    )
 
 
 def _where(calls: list[dict]) -> str:

@@ -12,18 +12,22 @@ settles it (`applied` where every rank asked answered, else `failed` with the
 ranks that did not). These functions run in the store's writer process,
 the one process with the store open for writing: the control API sends them
 as requests (CreateCommand, ListCommands, UpdateCommand), answered on the
-writer thread between commits.
+writer thread between commits, and the analysis's passes publish their findings
+to `Rollbacks` and `StacksRequests` (consumers: collector/findings.py), which
+collector/server.py registers.
 """
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import duckdb
 
-from collector.analysis.analyzers import anomalies, hangs
 from collector.analysis.engine import read_stacks
 from collector.analysis.stacks import merge
+from collector.findings import ANOMALIES, HANG, HANGS, LOSS_SPIKE, NAN, Consumer, Pass
 from collector.receive.decode import RANGES
 from collector.store.lake import next_id
 from collector.store.requests import Context, Request, handles
@@ -50,11 +54,11 @@ MAX_ASKED = 16_384
 _COLUMNS = "id, run_id, kind, args, state, created_by, finding_id, apply_step, result, created_at, updated_at"
 
 
-# The anomalies (anomalies.py's kinds) a rollback answers unless asked otherwise: a non-finite value
+# The anomalies (analyzers/anomalies.py's kinds) a rollback answers unless asked otherwise: a non-finite value
 # and a loss spike. A gradient-norm spike alone is a warning: in early training the norm swings by
 # 2x while the loss keeps falling (a GPT-2 run on an H100 was rolled back twice for such swings
 # before any fault, and then stopped by its rollback budget), so rolling back on it is opt-in.
-ROLLBACK_ON = frozenset({"nan", "loss_spike"})
+ROLLBACK_ON = frozenset({NAN, LOSS_SPIKE})
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,7 @@ def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy:
         "SELECT 1 FROM commands WHERE run_id = ? AND kind = 'rollback' AND state IN ('pending', 'acked')", [run_id]
     ).fetchone():
         return []
-    findings = [f for f in con.execute(_UNANSWERED, [run_id, anomalies.ANALYZER]).fetchall() if f[1] in policy.on]
+    findings = [f for f in con.execute(_UNANSWERED, [run_id, ANOMALIES]).fetchall() if f[1] in policy.on]
     if not findings:
         return []
     finding_id, kind, step_start = min(findings, key=lambda f: f[2])  # the earliest: one rollback covers all
@@ -307,7 +311,7 @@ def rollbacks_for_anomalies(con: duckdb.DuckDBPyConnection, run_id: str, policy:
 
 
 _HANGS_UNASKED = """SELECT f.id FROM findings f
-                     WHERE f.run_id = ? AND f.analyzer = ? AND f.kind = 'hang' AND f.state = 'firing'
+                     WHERE f.run_id = ? AND f.analyzer = ? AND f.kind = ? AND f.state = 'firing'
                        AND NOT EXISTS (SELECT 1 FROM commands c WHERE c.finding_id = f.id AND c.kind = 'stacks')
                      ORDER BY f.id"""
 
@@ -317,7 +321,7 @@ def stacks_for_hangs(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict]:
     finding, made when it first fires (the hang analyzer's next passes read the answers)."""
     return [
         create(con, run_id, "stacks", {"ranks": None}, "analysis", finding_id)
-        for (finding_id,) in con.execute(_HANGS_UNASKED, [run_id, hangs.ANALYZER]).fetchall()
+        for (finding_id,) in con.execute(_HANGS_UNASKED, [run_id, HANGS, HANG]).fetchall()
     ]
 
 
@@ -340,6 +344,33 @@ def settle_stacks(
         result = {"answered": merged["answered"]} | ({"unanswered": missing} if missing else {})
         settled.append(update(con, command_id, "failed" if missing else "applied", result=result))
     return settled
+
+
+@dataclass(frozen=True)
+class Rollbacks(Consumer):
+    """A rollback for a run's anomalies, by `policy` (rollbacks_for_anomalies), after each pass that judged steps."""
+
+    policy: RollbackPolicy
+    name: ClassVar[str] = "rollbacks"
+
+    def on_pass(self, con: duckdb.DuckDBPyConnection, judged: Pass) -> None:
+        if judged.new_steps:
+            rollbacks_for_anomalies(con, judged.run_id, self.policy)
+
+
+class StacksRequests(Consumer):
+    """Every rank of a run asked for its stacks after the pass that draws a hang (stacks_for_hangs; not the last
+    pass, as the collector stops), and the requests whose time is up settled on the timer's passes
+    (settle_stacks)."""
+
+    name: ClassVar[str] = "stacks requests"
+
+    def on_pass(self, con: duckdb.DuckDBPyConnection, judged: Pass) -> None:
+        if judged.found.get(HANGS) and not judged.last:
+            stacks_for_hangs(con, judged.run_id)
+
+    def on_timer(self, con: duckdb.DuckDBPyConnection, runs: Sequence[str] | None) -> None:
+        settle_stacks(con, run_ids=None if runs is None else list(runs))
 
 
 def _select(con: duckdb.DuckDBPyConnection, where: str, params: list) -> list[dict]:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from collector.quantities import clock
+
 # No step or event for this long and a run that has not ended is silent: its agents send a heartbeat every 5 s,
 # and the hang analyzer's shortest stall is as long
 SILENT_S = 30.0
@@ -20,10 +22,6 @@ class RunStatus:
     words: str
     as_of: pd.Timestamp | None
     duration: str
-
-
-def clock(at: pd.Timestamp) -> str:
-    return f"{at:%Y-%m-%d %H:%M:%S} UTC"
 
 
 def run_status(row: pd.Series, live: bool, at: pd.Timestamp) -> RunStatus:

@@ -9,9 +9,8 @@ says once that cross-rank analyses do not apply."""
 import pandas as pd
 import streamlit as st
 
-from collector.analysis.analyzers import NOT_JUDGED
-from collector.analysis.analyzers.gaps import Gaps
-from collector.analysis.losses import Loss
+from collector.findings import NOT_JUDGED
+from collector.telemetryloss import Loss
 from dashboard import charts, evidence, ui
 
 RECENT = 10  # steps the "now" figures average over, against the RECENT before them
@@ -167,8 +166,7 @@ def _telemetry_loss() -> None:
     recorded = ui.frame("telemetry_loss", run=run)
     if recorded.empty:
         return
-    row = recorded.iloc[0]
-    loss = Loss(Gaps(*(row[c] for c in row.index[:6])), *(int(row[c]) for c in row.index[6:]))
+    loss = Loss.stored(recorded.iloc[0])
     if loss.any:
         said = loss.summary()
         st.warning(

@@ -2,47 +2,24 @@
 
 The contract the analysis engine (collector/analysis/engine.py) runs them under: an analyzer module
 names itself (`ANALYZER`), declares what it reads (`READS`) and judges a run's `Frames`
-(`judge(frames, settings)`), returning the findings its judgement of the new steps draws, one
-per episode (a conclusion held over consecutive steps), each spanning the steps it held at. An
+(`judge(frames, settings)`), returning the findings its judgement of the new steps draws
+(collector/findings.py's `Finding`), one per episode (a conclusion held over consecutive steps), each
+spanning the steps it held at. An
 analyzer that speaks to the others' findings of a pass also has `revise(found, frames, settings)`,
 run after every analyzer judged, given their findings by analyzer and returning them (the step-time
 model's: how much of a straggler's slowdown its state explains).
 """
 
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import pandas as pd
 
 from collector.analysis.stacks import Answers
-
-NOT_JUDGED = "not_judged"  # a finding's kind where an analyzer could not judge; its summary says why
-
-
-@dataclass
-class Finding:
-    """One conclusion, in the shape of the `findings` table."""
-
-    run_id: str  # a summary that states its onset says "since step N", N its step_start (`spanning`)
-    kind: str  # stragglers: rank | node | stage | widespread | not_judged; hangs: hang
-    ranks: list[int]
-    step_start: int | None  # None where the data knows no steps (Flight Recorder dumps)
-    step_end: int | None
-    severity: str
-    score: float  # how strong: the analyzer's own measure (docs/telemetry.md)
-    summary: str
-    evidence: dict = field(default_factory=dict)
-    analyzer: str = field(kw_only=True)
-
-    def spanning(self, step_start: int, step_end: int) -> "Finding":
-        """This finding speaking for an episode spanning `step_start` to `step_end`: one pass sees a
-        few history steps only, so the onset it states ("since step N" in its summary, N its
-        `step_start`) becomes the episode's, the earliest any pass found."""
-        summary = re.sub(rf"\bsince step {self.step_start}\b", f"since step {step_start}", self.summary)
-        return replace(self, step_start=step_start, step_end=step_end, summary=summary)
+from collector.findings import NOT_JUDGED as NOT_JUDGED  # the kind of a finding that says an analyzer could not judge
+from collector.findings import Finding
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
+from collector.findings import ANOMALIES, GRAD_SPIKE, LOSS_SPIKE, NAN, Finding
 
-ANALYZER = "anomalies"
+ANALYZER = ANOMALIES
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ def _judge(run_id: str, new: pd.DataFrame, per_step: pd.DataFrame, first_new: in
     medians (`per_step`, those before `first_new` the baseline)."""
     found = _non_finite(run_id, new)
     for column, kind, what, severity in (
-        ("loss", "loss_spike", "loss", "critical"),
-        ("grad_norm", "grad_spike", "gradient norm", "warning"),
+        ("loss", LOSS_SPIKE, "loss", "critical"),
+        ("grad_norm", GRAD_SPIKE, "gradient norm", "warning"),
     ):
         found += _spikes(run_id, per_step[column].dropna(), first_new, kind, what, severity, settings)
     return found
@@ -88,7 +89,7 @@ def _non_finite(run_id: str, steps: pd.DataFrame) -> list[Finding]:
     return [
         Finding(
             run_id,
-            "nan",
+            NAN,
             [],
             first,
             int(bad["step"].max()),

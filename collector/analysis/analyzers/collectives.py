@@ -29,7 +29,8 @@ from collections.abc import Iterable, Iterator
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, hangs
+from collector.analysis.analyzers import hangs
+from collector.findings import Finding
 
 COMPLETED = "completed"
 _CALL = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes")

@@ -25,9 +25,9 @@ from typing import Any
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, Frames, Reads
-from collector.quantities import data_size, percent
-from collector.reports.runs import clock
+from collector.analysis.analyzers import Frames, Reads
+from collector.findings import Finding
+from collector.quantities import clock, data_size, percent
 from rankwatch.agent import semconv as sc
 
 ANALYZER = "failures"

@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
 from collector.analysis.analyzers.changepoint import change_point
 from collector.analysis.analyzers.hardware import SLOWING
+from collector.findings import Finding
 from rankwatch.agent import semconv as sc
 
 ANALYZER = "fleet"

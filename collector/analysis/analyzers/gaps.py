@@ -9,62 +9,17 @@ A pure function of one window of settled steps (collector/analysis/losses.py cho
 records the result): the rank-steps missing in it, as blocks of consecutive ranks that lack the
 same run of steps, merged with the blocks of the windows before. 256 ranks silent for a thousand
 steps are one block, not 256,000 rows, at 16,384 ranks as at 8; the counts are exact whatever
-the number of blocks kept.
+the number of blocks kept. What they are and their words: collector/telemetryloss.py.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
-from collector import ranksets
+from collector.telemetryloss import Gaps
 
 MAX_BLOCKS = 256  # blocks kept per run; the rank-steps of those past it are counted (`left_out`)
-NOT_SETTLED = -1  # no step settled yet (steps are never negative)
-
-
-@dataclass(frozen=True)
-class Gaps:
-    """A run's missing rank-steps through `settled_step`. `blocks`: [first rank, last rank, first step,
-    last step, rank-steps missing], each a run of consecutive ranks lacking every step their peers
-    reported between the two steps, the MAX_BLOCKS largest, in step order; `left_out`: rank-steps
-    missing in the smaller blocks past them."""
-
-    settled_step: int = NOT_SETTLED
-    ranks: int = 0  # the ranks expected: the run's ranks seen
-    expected: int = 0  # rank-steps expected through settled_step
-    missing: int = 0
-    blocks: list[list[int]] = field(default_factory=list)
-    left_out: int = 0
-
-    @property
-    def share(self) -> float:
-        return self.missing / self.expected if self.expected else 0.0
-
-    def summary(self, max_ranges: int = 4) -> str:
-        """ "telemetry lost: 29,952 of 204,800 rank-steps (14.6%) never arrived; ranks 768–1023 from
-        step 41", the ranges of ranks that lost most first; "" where none was lost."""
-        if not self.missing:
-            return ""
-        by_ranks: dict[tuple[int, int], list[list[int]]] = {}
-        for block in self.blocks:
-            by_ranks.setdefault((block[0], block[1]), []).append(block)
-        ranked = sorted(by_ranks.items(), key=lambda kv: -sum(b[4] for b in kv[1]))[:max_ranges]
-        where = [f"{ranksets.phrase(range(r0, r1 + 1))} {self._steps(blocks)}" for (r0, r1), blocks in ranked]
-        rest = self.missing - sum(b[4] for _, blocks in ranked for b in blocks)
-        return (
-            f"telemetry lost: {self.missing:,} of {self.expected:,} rank-steps ({100 * self.share:.1f}%) never "
-            f"arrived; " + "; ".join(where) + (f"; {rest:,} more elsewhere" if rest else "")
-        )
-
-    def _steps(self, blocks: list[list[int]]) -> str:
-        """The steps a range of ranks lacks, in words."""
-        first, last = min(b[2] for b in blocks), max(b[3] for b in blocks)
-        if len(blocks) > 1:
-            return f"lack {sum(b[4] for b in blocks):,} rank-steps in {len(blocks)} stretches of steps {first}–{last}"
-        if last == self.settled_step:
-            return f"from step {first}"
-        return f"step {first}" if first == last else f"steps {first}–{last}"
 
 
 def judge(before: Gaps, missing: pd.DataFrame, steps: np.ndarray, ranks: int) -> Gaps:

@@ -51,10 +51,11 @@ import pandas as pd
 
 from collector import ranksets
 from collector.analysis import stacks
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
+from collector.findings import HANG, HANGS, Finding
 from rankwatch.agent.config import HANG_FLOOR_S, HEARTBEAT_S
 
-ANALYZER = "hangs"
+ANALYZER = HANGS
 RECENT = 20  # steps whose typical duration sets the timeout
 MAX_PAIRS = 64  # pairs of waiting rank and culprit a finding lists
 READS = Reads(history=RECENT, linger=0, every_pass=True, heartbeats=True, stacks=True)
@@ -276,7 +277,7 @@ def analyze(
     return [
         Finding(
             run_id,
-            "hang",
+            HANG,
             culprits,
             stalled_step,
             stalled_step,

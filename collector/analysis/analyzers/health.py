@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from collector.analysis.analyzers import Finding
+from collector.findings import COLLECTOR, COLLECTOR_RUN_ID, Finding
 
-ANALYZER = "collector"
-RUN_ID = ""  # the collector's findings belong to no run
+ANALYZER = COLLECTOR
+RUN_ID = COLLECTOR_RUN_ID  # the collector's findings belong to no run
 # What an export refused for its token (401) means: a job that runs with that token, whose telemetry is lost. (A
 # launcher's token check, one empty export before its job starts, is counted apart: it stops the job, loses nothing.)
 WRONG_TOKEN = "a job sends the wrong token and loses its telemetry"

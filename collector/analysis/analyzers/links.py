@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
 from collector.analysis.analyzers.stragglers import MEDIAN_NOISE
+from collector.findings import Finding
 
 ANALYZER = "links"
 _POINT_TO_POINT = ("send", "recv", "batch_isend_irecv")

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, hangs
+from collector.analysis.analyzers import hangs
 from collector.analysis.analyzers.collectives import COMPLETED, Members, membership
+from collector.findings import Finding
 
 SEND, RECV, BATCH = "send", "recv", "coalesced"
 MAX_PAIRS = 16  # pairs a finding's evidence lists (a hung pipeline of thousands of stages has thousands)

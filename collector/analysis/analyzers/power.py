@@ -54,12 +54,12 @@ import numpy as np
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding
+from collector.findings import POWER, Finding
 from collector.quantities import energy, energy_wh, percent, plural, power
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
 
-ANALYZER = "power"
+ANALYZER = POWER
 POWER_METRICS = (sc.POWER_W, sc.POWER_INSTANT_W)
 SIMULATED = "simulated GPUs, not measured hardware"  # how advice drawn from simulated samples is labelled
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
+from collector.findings import Finding
 from collector.predict import steptime
 from collector.predict.stepmodel import Fitted
 

@@ -4,7 +4,8 @@ of the run's failed rollback commands and the last step it reported."""
 
 import pandas as pd
 
-from collector.analysis.analyzers import Finding, Frames, Reads
+from collector.analysis.analyzers import Frames, Reads
+from collector.findings import Finding
 
 ANALYZER = "rollbacks"
 # a job stopped by its rollback budget has ended; that it stopped is what a person must read

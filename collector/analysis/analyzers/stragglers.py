@@ -54,8 +54,9 @@ import numpy as np
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import NOT_JUDGED, Finding, Frames, Reads, hardware
+from collector.analysis.analyzers import Frames, Reads, hardware
 from collector.analysis.analyzers.changepoint import change_point
+from collector.findings import NOT_JUDGED, Finding
 from rankwatch.agent import semconv as sc
 
 ANALYZER = "stragglers"

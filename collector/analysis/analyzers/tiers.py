@@ -30,8 +30,9 @@ import numpy as np
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import Finding, Frames, Reads, Tiers
+from collector.analysis.analyzers import Frames, Reads, Tiers
 from collector.analysis.analyzers.changepoint import change_point
+from collector.findings import Finding
 from collector.quantities import bandwidth, data_size, duration, percent
 from rankwatch.agent import semconv as sc
 
