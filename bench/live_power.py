@@ -82,7 +82,10 @@ def commit(con) -> float:
     """Seconds to append one small event row and commit it, as the writer commits a group."""
     started = time.perf_counter()
     con.execute("BEGIN")
-    con.execute("INSERT INTO events (run_id, rank, ts, event, attrs) VALUES ('bench-commits', 0, now(), 'tick', '{}')")
+    con.execute(
+        "INSERT INTO events (run_id, rank, ts, event, attrs) "
+        "VALUES ('bench-commits', 0, now()::TIMESTAMP, 'tick', '{}')"
+    )
     con.execute("COMMIT")
     return time.perf_counter() - started
 
