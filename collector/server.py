@@ -23,13 +23,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from collector import private
 from collector.alerts.config import AlertConfig
 from collector.alerts.delivery import Delivery
+from collector.alerts.outbox import Outbox
 from collector.analysis.analyzers import hangs, predicted
 from collector.analysis.live import Analysis, HealthCounters
 from collector.children import bound_heap
 from collector.control import api as control
-from collector.control.commands import ROLLBACK_ON, RollbackPolicy
+from collector.control.commands import ROLLBACK_ON, RollbackPolicy, Rollbacks, StacksRequests
+from collector.findings import Consumer
 from collector.metrics.collector import SelfMetrics
 from collector.metrics.runs import MAX_RUNS, RunMetrics
 from collector.predict.stepmodel import Fitted
@@ -37,13 +40,21 @@ from collector.receive import bodies, connections, otlp
 from collector.receive.auth import Tokens, load_or_create_token
 from collector.receive.decode import describe_decoder
 from collector.receive.ingest import Ingestor
-from collector.reports import queryapi
-from collector.store.db import connect
+from collector.reports import powercaps, queryapi
+from collector.store.db import StoreLocked, connect
 from collector.store.handle import NotStored, Overloaded, Store
-from collector.store.lake import Lake, open_lake
+from collector.store.lake import Lake, LakeError, open_lake
 from collector.store.upkeep import Upkeep
 from collector.store.writer import MEMORY_HEADROOM
-from rankwatch.agent.config import INGEST, checked_token
+from rankwatch.agent.config import (
+    ANALYZE_EVERY_S,
+    HANG_FLOOR_S,
+    INGEST,
+    MIN_TOKEN_CHARS,
+    OTLP_PORT,
+    TOKEN_ENV,
+    checked_token,
+)
 from rankwatch.agent.paths import DEFAULT_DB
 
 log = logging.getLogger("rankwatch.collector")
@@ -52,33 +63,89 @@ RETRY_AFTER_S = 2
 
 @dataclass
 class Config:
-    """How a collector is started (defaults are the newcomer's)."""
+    """How a collector is started. Each default, the newcomer's, is set here alone, with its one-line doc
+    (metadata "doc"): `rankwatch collector --help` prints both, and the command line sets only the options given."""
 
-    db: Path = DEFAULT_DB
-    host: str = "127.0.0.1"
-    port: int = 4318
-    token: str | None = None  # None: the token file beside the DB, created on first start; 16 characters at least
-    workers: int | None = None  # decode processes; None: one per core, 0: decode in a thread
-    max_queue_bytes: int = 128 * 2**20  # decompressed request bytes waiting for commit before exports get 503
-    max_reading_bytes: int = 64 * 2**20  # request body bytes being read, all connections together, before 503
-    writer_memory: int = MEMORY_HEADROOM  # the writer's address space past what it maps once the store is open
-    body_timeout_s: float = 60.0  # the longest an export's body may take to arrive (408 after)
-    header_timeout_s: float = 10.0  # the longest a connection may take to send its request headers
-    max_connections: int = 4096  # open connections (fewer where file descriptors are fewer)
-    analyze_every_s: float = 5.0  # how often the analyzers look at the runs that are sending
-    hang_after_s: float = 30.0  # the shortest stall reported as a hang (longer for slow steps)
-    rollback_on: frozenset[str] = ROLLBACK_ON  # the anomalies that become a rollback for the job; empty: none
-    power_every_s: float | None = 60.0  # how often power recommendations are redrawn; None: never
-    metrics_runs: int = MAX_RUNS  # active runs with /metrics series of their own; the rest counted as one
-    alerts: AlertConfig = AlertConfig()  # alert receivers (the receivers file, collector/alerts/config.py)
-    lake: Lake | None = None  # store into this lake (collector/store/lake.py), shared with other collectors
-    upkeep: Upkeep = field(default_factory=Upkeep)  # a lake's compaction and retention (collector/store/upkeep.py)
-    model: Fitted | None = None  # the step-time model (`rankwatch model fit`): explained stragglers, slow jobs
+    db: Path = field(default=DEFAULT_DB, metadata={"doc": "the store file; the token and alerts files beside it"})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"doc": "the address to listen on; loopback admits this machine's processes alone"},
+    )
+    port: int = field(default=OTLP_PORT, metadata={"doc": "the port to listen on"})
+    token: str | None = field(
+        default=None,
+        metadata={
+            "doc": f"the bearer token, {MIN_TOKEN_CHARS} characters at least; unset: the token file beside the store, "
+            "made on first start"
+        },
+    )
+    workers: int | None = field(
+        default=None, metadata={"doc": "decode processes; unset: one per core, 0: none (decoding in a thread)"}
+    )
+    max_queue_bytes: int = field(
+        default=128 * 2**20,
+        metadata={"doc": "request bytes (decompressed) waiting for commit before exports get 503 + Retry-After"},
+    )
+    max_reading_bytes: int = field(
+        default=64 * 2**20,
+        metadata={
+            "doc": "request body bytes being read, all connections together, before exports get 503 + Retry-After"
+        },
+    )
+    writer_memory: int = field(
+        default=MEMORY_HEADROOM,
+        metadata={
+            "doc": "memory the writer process (commits, analysis, queries) may take past what it maps at start; past "
+            "it a query gets 400 and a commit 503: raise it for jobs of tens of thousands of ranks"
+        },
+    )
+    body_timeout_s: float = field(
+        default=60.0, metadata={"doc": "the longest an export's body may take to arrive (408 after)"}
+    )
+    header_timeout_s: float = field(
+        default=10.0, metadata={"doc": "a connection that has not sent its request headers this long is closed"}
+    )
+    max_connections: int = field(
+        default=4096,
+        metadata={
+            "doc": "open connections (fewer where file descriptors are fewer); past it the one waiting longest for "
+            "its headers is closed"
+        },
+    )
+    analyze_every_s: float = field(
+        default=ANALYZE_EVERY_S, metadata={"doc": "how often the analyzers look at the runs that are sending"}
+    )
+    hang_after_s: float = field(
+        default=HANG_FLOOR_S, metadata={"doc": "the shortest stall reported as a hang; slower steps stretch it"}
+    )
+    rollback_on: frozenset[str] = field(
+        default=ROLLBACK_ON, metadata={"doc": "the anomalies that become a rollback for the job"}
+    )
+    power_every_s: float = field(
+        default=60.0,
+        metadata={
+            "doc": "how often power-cap recommendations are redrawn for the runs whose GPUs report power; 0: never"
+        },
+    )
+    metrics_runs: int = field(
+        default=MAX_RUNS, metadata={"doc": "active runs with /metrics series of their own; the rest counted as one"}
+    )
+    alerts: AlertConfig = field(
+        default=AlertConfig(), metadata={"doc": "alert receivers (the receivers file, collector/alerts/config.py)"}
+    )
+    lake: Lake | None = field(
+        default=None, metadata={"doc": "store into this lake (collector/store/lake.py), shared with other collectors"}
+    )
+    upkeep: Upkeep = field(
+        default_factory=Upkeep, metadata={"doc": "a lake's compaction and retention (collector/store/upkeep.py)"}
+    )
+    model: Fitted | None = field(
+        default=None, metadata={"doc": "the step-time model (`rankwatch model fit`): explained stragglers, slow jobs"}
+    )
 
 
-def create_app(config: Config) -> Starlette:
-    """The ASGI app; the store opens on startup and drains on shutdown."""
-    tokens = Tokens(checked_token(config.token, "--token") if config.token else load_or_create_token(config.db.parent))
+def create_app(config: Config, tokens: Tokens) -> Starlette:
+    """The ASGI app, taking `tokens` (`preflight`'s); the store opens on startup and drains on shutdown."""
     metrics = SelfMetrics()
     metrics.registry.register(RunMetrics(lambda request: state["ingestor"].store.call(request), config.metrics_runs))
     state: dict = {}
@@ -89,9 +156,9 @@ def create_app(config: Config) -> Starlette:
         analysis = Analysis(
             config.analyze_every_s,
             hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-            rollback=RollbackPolicy(on=config.rollback_on) if config.rollback_on else None,
-            alerts=config.alerts,
-            power_every_s=config.power_every_s,
+            consumers=consumers(config),
+            power_report=powercaps.live_report,
+            power_every_s=config.power_every_s or None,
             predicted_settings=predicted.Settings(model=config.model),
         )
         # the writer's tasks, run between its commits: the analysis, the alert delivery, a lake's upkeep
@@ -211,15 +278,47 @@ def create_app(config: Config) -> Starlette:
     return app
 
 
-def preflight(config: Config) -> None:
-    """What would stop the server from starting, as one exception before it starts:
-    StoreLocked when another collector holds the store, OSError when the address is taken."""
-    config.db.parent.mkdir(parents=True, exist_ok=True)
-    if config.lake:
-        open_lake(config.lake).close()
-    else:
-        connect(config.db).close()
-    check_address(config.host, config.port)
+def consumers(config: Config) -> list[Consumer]:
+    """What the analysis publishes its findings to, in this order: the alert outbox (in the findings'
+    transaction), rollbacks for anomalies (where any kind is rolled back), stacks requests for hangs."""
+    rollbacks = [Rollbacks(RollbackPolicy(on=config.rollback_on))] if config.rollback_on else []
+    return [Outbox(config.alerts), *rollbacks, StacksRequests()]
+
+
+class Unstartable(Exception):
+    """What stops a collector from starting, found before it starts, in one line: its store held by another
+    process, its lake refused, its address taken."""
+
+
+def preflight(config: Config) -> Tokens:
+    """What `serve` does before it starts, once: the data directory and what an earlier collector left in it made
+    owner-only (collector/private.py); the tokens it takes, from its own (the given one checked, else the file
+    beside the store read, or made: TokenError where it is short or a scoped one); `startable`'s checks."""
+    private.restrict(config.db)
+    own = (
+        checked_token(config.token, f"--token or ${TOKEN_ENV}")
+        if config.token is not None
+        else load_or_create_token(config.db.parent)
+    )
+    tokens = Tokens(own)
+    startable(config)
+    return tokens
+
+
+def startable(config: Config) -> None:
+    """Unstartable where another process holds the store, the lake cannot be opened, or nothing can listen
+    on the address."""
+    try:
+        config.db.parent.mkdir(parents=True, exist_ok=True)
+        if config.lake:
+            open_lake(config.lake).close()
+        else:
+            connect(config.db).close()
+        check_address(config.host, config.port)
+    except (StoreLocked, LakeError) as e:
+        raise Unstartable(str(e)) from None
+    except OSError as e:
+        raise Unstartable(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
 
 
 def check_address(host: str, port: int) -> None:
@@ -239,9 +338,11 @@ class _Server(uvicorn.Server):
 
 def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM, then drain the write queue and checkpoint; exit non-zero when the store gave
-    up on its writer (Store.failure), for a supervisor to start it again."""
+    up on its writer (Store.failure), for a supervisor to start it again. Its `preflight` first: Unstartable
+    or TokenError before anything is served."""
+    tokens = preflight(config)
     bound_heap()
-    app = create_app(config)
+    app = create_app(config, tokens)
     store = f"lake {config.lake.catalog!r}, data {config.lake.data_path}" if config.lake else f"store {config.db}"
     print(f"rankwatch collector on http://{config.host}:{config.port}  {store}", flush=True)
     print(describe_decoder(), flush=True)

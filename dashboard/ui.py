@@ -18,11 +18,12 @@ from dashboard import charts, evidence, queries, source, units
 from dashboard.markdown import literal, literal_table
 from dashboard.source import QueryFailed
 from rankwatch.agent import semconv as sc
+from rankwatch.agent.config import ANALYZE_EVERY_S
 
 T = TypeVar("T")
 
 CACHE_TTL_S = 2.0  # short: a live run changes every few seconds, and a page reads each query once
-LIVE_REFRESH_S = 5.0  # how often live parts of a page re-read a running collector (its analysis period)
+LIVE_REFRESH_S = ANALYZE_EVERY_S  # how often live parts of a page re-read a running collector (its analysis period)
 RANK_BINS, STEP_BINS, POINTS = 128, 120, 400  # what a chart gets at most, however large the job
 LEAD_STEPS = 10  # steps before a finding's onset its chart against peers shows, at least
 SIMULATED = " · simulated"  # after the label of a figure drawn from simulated GPUs' samples

@@ -18,7 +18,7 @@ from collector.receive.auth import load_or_create_token
 from collector.reports.query import write
 from dashboard.serve import HOST as DASHBOARD_HOST
 from dashboard.source import CollectorSource, to_frame
-from rankwatch.agent.config import QUERY, TOKEN_ENV, scoped_token
+from rankwatch.agent.config import DASHBOARD_PORT, QUERY, TOKEN_ENV, scoped_token
 from rankwatch.launch import listening, train, wait_healthy
 
 MIN_STEPS = 50  # the fewest steps that show both faults, each found and answered
@@ -63,7 +63,7 @@ FROM current_steps WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank
 """
 
 
-def run(db: Path, steps: int, port: int, dashboard_port: int | None = 8501) -> None:
+def run(db: Path, steps: int, port: int, dashboard_port: int | None = DASHBOARD_PORT) -> None:
     """The demo, end to end; `dashboard_port` None: without the dashboard."""
     token = load_or_create_token(db.parent)
     reader = scoped_token(token, QUERY)  # what the dashboard and the summary need: they only read

@@ -16,6 +16,8 @@ import duckdb
 import pytest
 
 from rankwatch import cli
+from rankwatch.cli.options import UsageError, output_file
+from rankwatch.cli.simulation import fits_in_memory
 from tests.conftest import free_port, rankwatch_cli
 
 
@@ -304,7 +306,7 @@ def test_every_output_file_is_checked_before_any_work(tmp_path, capsys):
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     walk(sub, (*path, name))
-            elif action.type is cli._output_file:
+            elif action.type is output_file:
                 found.add((path, action.option_strings[0]))
 
     walk(cli.build_parser(), ())
@@ -369,14 +371,14 @@ def test_simulate_refuses_a_fleet_larger_than_memory_holds(available_gib, monkey
         most = available_gib * 2**30 // simulate.bytes_per_rank(to_collector)
         err = refused(["simulate", "--ranks", str(most + 1), "--steps", "2", *where], capsys)
         assert f"hold at most {most:,} simulated ranks" in err and f"{available_gib} GiB available" in err
-        cli._fits_in_memory(most, to_collector)  # no error
+        fits_in_memory(most, to_collector)  # no error
 
 
 def test_simulate_bound_is_about_this_machine():
     """A hundred million ranks do not fit here (nor on any machine this runs on); a thousand do."""
-    with pytest.raises(cli.UsageError, match="GiB available here hold at most"):
-        cli._fits_in_memory(100_000_000, to_collector=False)
-    cli._fits_in_memory(1024, to_collector=True)
+    with pytest.raises(UsageError, match="GiB available here hold at most"):
+        fits_in_memory(100_000_000, to_collector=False)
+    fits_in_memory(1024, to_collector=True)
 
 
 @pytest.mark.parametrize("sql", ["SELECT 1; SELECT 2", "SELECT 1;SELECT 2;", "CREATE TABLE t (x INT); SELECT * FROM t"])

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from rankwatch.agent.config import HEARTBEAT_S
 from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
 from trainer import nodehealth
 from trainer.curve import CURVE_KINDS, Curve, curve
@@ -70,7 +71,7 @@ SIMULATOR_KINDS = (
     *CURVE_KINDS,
     *WEAR_KINDS,
 )
-HEARTBEAT_NS = 5 * 10**9  # the agent's heartbeat period
+HEARTBEAT_NS = int(HEARTBEAT_S * 10**9)  # the agent's heartbeat period
 # Peak memory a simulated rank costs (a step is drawn for every rank at once), measured with
 # `/usr/bin/time -f %M rankwatch simulate --steps 2` between 250k and 1M ranks written with --out
 # (~1 KiB a rank) and between 20k and 100k ranks sent to a collector (~5 KiB: each rank's spans wait

@@ -25,9 +25,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from collector.alerts.webhook import check_url, signing_key
+from rankwatch.agent.config import DASHBOARD_PORT
 from rankwatch.agent.paths import ALERTS_FILE
 
-DEFAULT_DASHBOARD_URL = "http://127.0.0.1:8501"
+DEFAULT_DASHBOARD_URL = f"http://127.0.0.1:{DASHBOARD_PORT}"
 _FILTERS = ("analyzers", "kinds", "severities")  # receiver keys, each matched against a label
 _LABEL = {"analyzers": "analyzer", "kinds": "kind", "severities": "severity"}
 

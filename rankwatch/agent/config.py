@@ -11,7 +11,14 @@ from urllib.parse import urlsplit
 
 from rankwatch.agent import paths
 
-DEFAULT_COLLECTOR = "http://127.0.0.1:4318"
+# The defaults every process of rankwatch shares, set here alone (a module of the standard library and paths.py):
+# a rank, its node's sidecar, the collector, the dashboard and the command line read them, so none can disagree.
+OTLP_PORT = 4318  # the collector's port: OTLP/HTTP's own
+DASHBOARD_PORT = 8501  # the dashboard's port: Streamlit's own
+HEARTBEAT_S = 5.0  # how often a rank says which step and phase it is in, between its steps too
+HANG_FLOOR_S = 30.0  # the shortest stall judged a hang (slower steps stretch it)
+ANALYZE_EVERY_S = 5.0  # how often the collector's analyzers judge each run that is sending
+DEFAULT_COLLECTOR = f"http://127.0.0.1:{OTLP_PORT}"
 COLLECTOR_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "RANKWATCH_COLLECTOR", "RANKWATCH_TOKEN", "RANKWATCH_TOKEN_FILE"
 MIN_TOKEN_CHARS = 16  # shorter is guessable; an empty one is what a crash between creating and writing leaves
 # "1": a rank without an NVML GPU simulates one (its samples say so); unset, it has no device telemetry

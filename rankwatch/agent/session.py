@@ -22,7 +22,7 @@ from opentelemetry._logs import SeverityNumber
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.clock import Clock, CpuTimer, Timer
-from rankwatch.agent.config import UNDELIVERED_ENV, simulate_gpu
+from rankwatch.agent.config import HEARTBEAT_S, UNDELIVERED_ENV, simulate_gpu
 from rankwatch.agent.export import Exporter, log
 from rankwatch.agent.host import HostState
 from rankwatch.agent.nodecontrol import answering
@@ -104,7 +104,7 @@ class Session:
         token: str | None,
         resource: dict | None = None,
         timer: Timer | None = None,
-        heartbeat_s: float = 5.0,
+        heartbeat_s: float = HEARTBEAT_S,
         sample_s: float = GPU_SAMPLE_S,
     ):
         self.run_id, self.rank, self.world_size = run_id, rank, world_size

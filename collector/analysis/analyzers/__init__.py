@@ -18,7 +18,6 @@ import numpy as np
 import pandas as pd
 
 from collector.analysis.stacks import Answers
-from collector.findings import NOT_JUDGED as NOT_JUDGED  # the kind of a finding that says an analyzer could not judge
 from collector.findings import Finding
 
 
