@@ -107,7 +107,9 @@ def stuck(tmp_path_factory) -> Stuck:
                 240,
             )
             assert job.poll() is None, (directory / "job.log").read_text()[-3000:]
-            time.sleep(1.0)  # rank 1's mark is written on the line before the regex
+            for rank, pid in _pids(marks).items():  # a mark is written on the line before the call: until it is in it
+                line = REGEX_LINE if rank == STUCK else ALL_REDUCE_LINE
+                wait_until(lambda: _at(pid, line), f"rank {rank} never reached line {line}", 120)
             started = time.monotonic()
             command = api.post("/v1/commands", {"run_id": RUN, "kind": "stacks", "args": {"ranks": None}})
             wait_until(lambda: len(_answered(api, command["id"])) == RANKS, "not every rank answered", 120)
@@ -119,6 +121,17 @@ def stuck(tmp_path_factory) -> Stuck:
         finally:
             _stop(job, marks)
     return Stuck(collector.db, command["id"], merged, answered_s, in_all_reduce, ended)
+
+
+def _at(pid: int, line: int) -> bool:
+    """Whether the process is inside the call at `line` of the job (its main thread's innermost line there, with
+    frames below it), as py-spy reads it from outside."""
+    read = pyspy.read([pid])[pid]
+    if isinstance(read, pyspy.Unread):
+        return False
+    frames = _main(read)["frames"]
+    mine = [i for i, f in enumerate(frames) if f["file"] == str(JOB)]
+    return bool(mine) and frames[mine[-1]]["line"] == line and mine[-1] < len(frames) - 1
 
 
 def _pids(marks: Path) -> dict[int, int]:
@@ -277,6 +290,7 @@ def test_a_rank_in_the_all_reduce_read_by_py_spy_stands_with_those_that_answered
     merged = stacks.merge(
         stacks.Answers(0, "pending", 0, [0, 2], [([0], frames, pyspy.READ_BY), ([2], _main(own)["frames"], None)])
     )
+    assert len(merged["groups"]) == 1, merged["groups"]
     (group,) = merged["groups"]
     assert group["ranks"] == [0, 2] and group["read_by"] == {pyspy.READ_BY: [0]}, group
     assert group["line"] == (
