@@ -200,15 +200,18 @@ def _calls(frames: object) -> list[dict]:
 
 
 def _frame(frame: object) -> _Frame | None:
-    """A frame of an answer as read: file and function names cut to MAX_NAME; None for what is not a frame."""
+    """A frame of an answer as read: file and function names cut to MAX_NAME; None for what is not a frame. A Python
+    function by its own name, as the rank's agent reads it (`call`), where py-spy gives its qualified one
+    (`_traced.<locals>.call`, from 0.4.3 on): ranks in the same place group together however they were read."""
     if not isinstance(frame, dict):
         return None
     file, line, function = frame.get("file"), frame.get("line"), frame.get("function")
     if not isinstance(file, str) or not isinstance(function, str):
         return None
-    return _Frame(
-        file[-4 * MAX_NAME :], line if type(line) is int else None, function[:MAX_NAME], frame.get("native") is True
-    )
+    native = frame.get("native") is True
+    if not native:
+        function = function.rsplit(".", 1)[-1]
+    return _Frame(file[-4 * MAX_NAME :], line if type(line) is int else None, function[:MAX_NAME], native)
 
 
 def _where(calls: list[dict]) -> str:
