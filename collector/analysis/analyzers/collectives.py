@@ -144,13 +144,9 @@ def _judge(
         f"{ranksets.phrase(waiting)} {'is' if len(waiting) == 1 else 'are'} blocked in {reference['op']} #{seq} "
         f"of {where}: " + "; ".join(reasons)
     )
-    return Finding(
+    return group_hang(
         run_id,
-        "hang",
         culprits,
-        None,
-        None,
-        "critical",
         len(waiting) / len(members),
         summary,
         {
@@ -162,7 +158,14 @@ def _judge(
             "expected": reference,
             "mismatched": [{"rank": rank, **_call(calls[rank])} for rank in mismatched],
         },
-        analyzer=hangs.ANALYZER,
+    )
+
+
+def group_hang(run_id: str, culprits: list[int], waiting_share: float, summary: str, evidence: dict) -> Finding:
+    """A group blocked for its culprits, as the Flight Recorder's matchers (this one, p2p.py) tell it: a critical
+    hang finding in the live hang analyzer's shape, scored by the share of the group's members left waiting."""
+    return Finding(
+        run_id, "hang", culprits, None, None, "critical", waiting_share, summary, evidence, analyzer=hangs.ANALYZER
     )
 
 

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from collector import ranksets
-from collector.analysis.analyzers import hangs
-from collector.analysis.analyzers.collectives import COMPLETED, Members, membership
+from collector.analysis.analyzers.collectives import COMPLETED, Members, group_hang, membership
 from collector.findings import Finding
 
 SEND, RECV, BATCH = "send", "recv", "coalesced"
@@ -217,13 +216,9 @@ def _finding(
     )
     reasons = [r for p in pairs[:SHOWN] for r in p["reasons"]]
     more = f"; and {len(pairs) - SHOWN} more pairs" if len(pairs) > SHOWN else ""
-    return Finding(
+    return group_hang(
         run_id,
-        "hang",
         culprits,
-        None,
-        None,
-        "critical",
         len(waiting) / len(members),
         f"{head}: " + "; ".join(reasons) + more,
         {
@@ -242,5 +237,4 @@ def _finding(
                 for p in pairs[:MAX_PAIRS]
             ],
         },
-        analyzer=hangs.ANALYZER,
     )
