@@ -35,10 +35,10 @@ NEXT_STEPS: dict[str, str] = {
     "stragglers / stage": "One pipeline stage is slow: rebalance its layers across stages, or check its hosts.",
     "stragglers / widespread": "Work is uneven across ranks: balance sequence lengths (packing, length-bucketed "
     "batches) rather than looking for one bad host.",
-    "hangs": "The culprit ranks never entered the collective the others wait in: dump their stacks "
-    "(`py-spy dump --pid`) and NCCL's flight recorder (run with `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` and "
-    "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, then `rankwatch import flight-recorder DIR --run ID`), then restart from "
-    "the last checkpoint.",
+    "hangs": "The culprit ranks never entered the collective the others wait in: the Hangs page shows the line "
+    "each rank is stuck at and what their Flight Recorders say (asked of every rank when the hang fired; "
+    "`rankwatch stacks RUN` asks again). Fix or drain the culprit's node (`rankwatch nodes RUN --unhealthy`), "
+    "then restart from the last checkpoint.",
     "anomalies / nan": "Rolled back automatically where the job takes commands (Checkpoints page); if it "
     "recurs, check the data batch at the first bad step, lower the learning rate or clip gradients.",
     "anomalies / loss_spike": "Rolled back automatically where the job takes commands (Checkpoints page); check "
