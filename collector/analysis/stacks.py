@@ -32,10 +32,11 @@ MAX_RANGES = 8  # rank ranges a line spells out before it counts the rest
 # Where a library's code lives: installed packages, the standard library, torch (installed or built in place),
 # rankwatch's agent (its wrappers of collectives), frozen and generated modules ("<frozen runpy>", "<string>")
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d[\d.]*/|/torch/|/rankwatch/agent/|^<")
-# Functions that only pass a call on: decorators' wrappers, nn.Module's call machinery, the agent's wrappers
+# Functions that only pass a call on: decorators' wrappers, nn.Module's call machinery; and every frame of the agent's (_AGENT)
 _PASSING = frozenset(
     {"wrapper", "wrapped", "inner", "call", "__call__", "_fn", "decorate_context", "_call_impl", "_wrapped_call_impl"}
 )
+_AGENT = "/rankwatch/agent/"
 NO_STACK = "no stack of its main thread in its answer"
 ELSEWHERE = "elsewhere"
 
@@ -81,7 +82,7 @@ class _Frame:
 
     @property
     def passing(self) -> bool:
-        return self.function in _PASSING
+        return self.function in _PASSING or _AGENT in self.file  # the agent's frames wrap the user's calls
 
 
 def merge(answers: Answers, culprits: Iterable[int] = ()) -> dict:
