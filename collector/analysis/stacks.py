@@ -32,7 +32,8 @@ MAX_RANGES = 8  # rank ranges a line spells out before it counts the rest
 # Where a library's code lives: installed packages, the standard library, torch (installed or built in place),
 # rankwatch's agent (its wrappers of collectives), frozen and generated modules ("<frozen runpy>", "<string>")
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python\d[\d.]*/|/torch/|/rankwatch/agent/|^<")
-# Functions that only pass a call on: decorators' wrappers, nn.Module's call machinery; and every frame of the agent's (_AGENT)
+# Functions that only pass a call on: decorators' wrappers, nn.Module's call machinery (and any frame of the
+# agent's: _AGENT)
 _PASSING = frozenset(
     {"wrapper", "wrapped", "inner", "call", "__call__", "_fn", "decorate_context", "_call_impl", "_wrapped_call_impl"}
 )
