@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint test-tools bench clean
+.PHONY: demo test check lint test-tools bench clean
 
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(BIN)/rankwatch
 test: lint test-tools
 	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
+# The quick loop while editing: the quality gates and the unit tests (modules marked `unit`: pure code on
+# small inputs, no processes), well under a minute once the venv is built.
+check: lint
+	$(BIN)/python -m pytest -m unit -q
+
 # The quality gates, before the tests: lint, format and types (configured in pyproject.toml).
 lint: $(BIN)/rankwatch
 	$(BIN)/ruff check .
@@ -29,18 +34,18 @@ lint: $(BIN)/rankwatch
 	$(BIN)/mypy
 
 # System packages some tests use (they skip without them): Debian's prometheus brings promtool
-# and the server that tests/test_prometheus.py scrapes the collector with; chromium and its
-# driver the headless browser of tests/test_dashboard_browser.py; postgresql the catalog database
-# of the lake that tests/test_lake.py's collectors share. Needs root.
+# and the server that tests/collector/metrics/test_prometheus.py scrapes the collector with; chromium and its
+# driver the headless browser of tests/dashboard/test_dashboard_browser.py; postgresql the catalog database
+# of the lake that tests/collector/store/test_lake.py's collectors share. Needs root.
 test-tools:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
-		|| echo "prometheus not installed: its tests in tests/test_prometheus.py will skip"
+		|| echo "prometheus not installed: its tests in tests/collector/metrics/test_prometheus.py will skip"
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || [ "$$(id -u)" != 0 ] \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver) \
-		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
+		|| echo "chromium not installed: tests/dashboard/test_dashboard_browser.py will skip"
 	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql) \
-		|| echo "postgresql not installed: tests/test_lake.py will skip"
+		|| echo "postgresql not installed: tests/collector/store/test_lake.py will skip"
 
 bench: $(BIN)/rankwatch
 	$(BIN)/python bench/ingest.py

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.conftest import Collector, free_port
-from tests.otlp_payloads import post, step_spans, trace_body
+from tests.support.collectors import Collector, free_port
+from tests.support.otlp_payloads import post, step_spans, trace_body
 
 
 def many_runs(runs: int, steps: int = 12) -> bytes:

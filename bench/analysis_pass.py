@@ -132,8 +132,9 @@ def pass_costs(ranks_list: list[int]) -> Table:
 
 def commit_latency(spikes: int) -> Table:
     """Commit to finding at 10 and 100 steps a second, through a real collector."""
-    from tests.conftest import Collector, free_port, wait_until
-    from tests.engine_jobs import exporters, live_findings, send_steps
+    from tests.support.collectors import Collector, free_port
+    from tests.support.engine_jobs import exporters, live_findings, send_steps
+    from tests.support.waits import wait_until
 
     table = Table(
         "steps/s",

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.analysis.analyzers import anomalies
 from collector.control.commands import ROLLBACK_ON
 from rankwatch.launch import train
-from tests.conftest import Collector, free_port
-from tests.otlp_payloads import query
+from tests.support.collectors import Collector, free_port
+from tests.support.otlp_payloads import query
 from trainer.curve import Curve, curve
 from trainer.faults import parse
 

@@ -49,9 +49,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collector.receive.decode import MAX_NAME_BYTES
 from collector.store.schema import DDL
-from tests.conftest import Collector, free_port
-from tests.floods import PeakRss, idle_connection, padded_trace, partial_upload
-from tests.otlp_payloads import post, step_spans, trace_body
+from tests.support.collectors import Collector, free_port
+from tests.support.floods import PeakRss, idle_connection, padded_trace, partial_upload
+from tests.support.otlp_payloads import post, step_spans, trace_body
 
 MiB = 2**20
 

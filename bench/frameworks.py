@@ -10,15 +10,19 @@ optimizer step's end and the next's, by the job's own clock: the framework's own
 each rank of the framework jobs writes), and for the plain script, which keeps none, an optimizer step
 hook of this file's around it (`--clock`, in both variants); its CPU per step likewise, from the
 process's CPU time (all its threads: the agent's export too), which other load on a shared machine
-disturbs far less than the wall clock. Once the collector has stopped, each instrumented run is checked
+disturbs far less than the wall clock, and the training thread's alone (`thread_cpu`: what the agent's
+hooks add to the thread that trains). Beside the ranks, the instrumented runs' node sidecar (its CPU up
+to 0.1 s before it exits, its start included) and the collector (its CPU over the run) are read from
+/proc, per optimizer step of the job: what they take from a machine whose cores the ranks also use.
+Once the collector has stopped, each instrumented run is checked
 in its store: every optimizer step of each rank recorded once (`steps`), with the loss the framework
 reported for it (`loss`: Lightning's per rank, the Trainer's the mean over the ranks; for the plain
 script, a loss on every step), and its phases (`phases`: a forward and a backward per micro-batch, then
 the optimizer, each lasting).
 
 The last line printed is one JSON object: for each job, the median over rounds of each variant's step
-time and CPU per step (ms), the medians over rounds of their ratios, and whether every instrumented run
-was complete.
+time, CPU and training thread's CPU per step (ms), the medians over rounds of their ratios, the sidecar's
+and the collector's CPU per step (ms), and whether every instrumented run was complete.
 
 With --cuda the jobs run on this machine's GPUs, a rank each (NCCL; the Trainer's GPT-2 at 124M parameters,
 bf16), as bench/gpu_checks.sh runs them.
@@ -76,12 +80,14 @@ def clock(out: Path, script: str, argv: list[str]) -> None:
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    ends: list[tuple[float, float]] = []
-    register_optimizer_step_post_hook(lambda *_: ends.append((time.perf_counter(), time.process_time())))
+    ends: list[tuple[float, float, float]] = []
+    register_optimizer_step_post_hook(
+        lambda *_: ends.append((time.perf_counter(), time.process_time(), time.thread_time()))
+    )
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
     out.mkdir(parents=True, exist_ok=True)
-    steps = [{"step": i, "end_s": end, "cpu_s": cpu} for i, (end, cpu) in enumerate(ends)]
+    steps = [{"step": i, "end_s": end, "cpu_s": cpu, "thread_cpu_s": own} for i, (end, cpu, own) in enumerate(ends)]
     (out / f"rank-{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"steps": steps}))
 
 
@@ -96,19 +102,54 @@ def command(job: Job, out: Path, args) -> list[str]:
     return [TORCHRUN, "--standalone", "--nproc-per-node", str(args.ranks), *script]
 
 
-def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> dict[int, list[dict]]:
-    """One run of the job, under `rankwatch run` as run `instrumented` (None: torchrun alone); what each rank
-    saw at each step."""
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system, all its threads), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sidecar_of(pid: int) -> int | None:
+    """The node sidecar (`rankwatch node`) that the `rankwatch run` process `pid` started, if it runs."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    for child in map(int, children):
+        try:
+            if b"\0node\0" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    return None
+
+
+def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> tuple[dict[int, list[dict]], float]:
+    """One run of the job, under `rankwatch run` as run `instrumented` (None: torchrun alone): what each rank saw at
+    each step, and the CPU seconds its node sidecar used (to its last reading, 0.1 s before it exited)."""
     out = tmp / (instrumented or f"{job.name}-plain-{time.monotonic_ns()}")
     line = command(job, out, args)
     if instrumented:
         line = [sys.executable, "-m", "rankwatch", "run", "--collector", url, "--run", instrumented, "--", *line]
-    done = subprocess.run(
-        line, capture_output=True, text=True, cwd=tmp, env={**os.environ, "RANKWATCH_TOKEN": TOKEN}, timeout=600
-    )
-    if done.returncode:
-        sys.exit(f"{job.name} ({'instrumented' if instrumented else 'plain'}) failed:\n{done.stderr[-3000:]}")
-    return {rank: json.loads((out / f"rank-{rank}.json").read_text())["steps"] for rank in range(args.ranks)}
+    env = {**os.environ, "RANKWATCH_TOKEN": TOKEN}
+    with open(tmp / "job.log", "w+") as log:
+        process = subprocess.Popen(line, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
+        sidecar, sidecar_s = None, 0.0
+        try:
+            while process.poll() is None:  # (a plain run has no sidecar: this only waits)
+                sidecar = sidecar or sidecar_of(process.pid)
+                sidecar_s = max(sidecar_s, cpu_s(sidecar)) if sidecar else 0.0
+                time.sleep(0.1)
+            process.wait(timeout=600)
+        finally:
+            process.kill()
+        if process.returncode:
+            log.seek(0)
+            sys.exit(f"{job.name} ({'instrumented' if instrumented else 'plain'}) failed:\n{log.read()[-3000:]}")
+    seen = {rank: json.loads((out / f"rank-{rank}.json").read_text())["steps"] for rank in range(args.ranks)}
+    return seen, sidecar_s
 
 
 def step_ms(seen: dict[int, list[dict]], warmup: int, clock: str = "end_s") -> float:
@@ -194,6 +235,9 @@ def main() -> None:
     skipped = {job.name: f"needs {', '.join(job.needs)}" for job in JOB_LIST if job not in jobs}
     times: dict[str, dict[str, list[float]]] = {job.name: {"plain": [], "instrumented": []} for job in jobs}
     cpu: dict[str, dict[str, list[float]]] = {job.name: {"plain": [], "instrumented": []} for job in jobs}
+    thread: dict[str, dict[str, list[float]]] = {job.name: {"plain": [], "instrumented": []} for job in jobs}
+    # the CPU per optimizer step of the processes beside the ranks: the node's sidecar and the collector
+    beside: dict[str, dict[str, list[float]]] = {job.name: {"sidecar": [], "collector": []} for job in jobs}
     seen_by_run: dict[str, tuple[Job, dict]] = {}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -209,11 +253,16 @@ def main() -> None:
                 for job in jobs:
                     for variant in ("plain", "instrumented")[:: 1 if r % 2 == 0 else -1]:
                         run_id = f"{job.name}-{r}" if variant == "instrumented" else None
-                        seen = run(job, run_id, url, Path(tmp), args)
+                        collector_before = cpu_s(collector.pid)
+                        seen, sidecar_s = run(job, run_id, url, Path(tmp), args)
                         times[job.name][variant].append(step_ms(seen, args.warmup))
                         cpu[job.name][variant].append(step_ms(seen, args.warmup, "cpu_s"))
+                        thread[job.name][variant].append(step_ms(seen, args.warmup, "thread_cpu_s"))
                         if run_id:
                             seen_by_run[run_id] = (job, seen)
+                            beside[job.name]["sidecar"].append(sidecar_s * 1e3 / args.steps)
+                            collector_s = cpu_s(collector.pid) - collector_before
+                            beside[job.name]["collector"].append(collector_s * 1e3 / args.steps)
                         print(
                             f"round {r} {job.name} {variant}: {times[job.name][variant][-1]:.2f} ms/step, "
                             f"CPU {cpu[job.name][variant][-1]:.2f} ms/step",
@@ -232,6 +281,8 @@ def main() -> None:
         result["jobs"][job.name] = {
             **medians(times[job.name]),
             **medians(cpu[job.name], "cpu_"),
+            **medians(thread[job.name], "thread_cpu_"),
+            **{f"{who}_cpu_ms": round(statistics.median(ms), 3) for who, ms in beside[job.name].items()},
             "complete": all(all(check.values()) for check in ran),
             **{what: all(check[what] for check in ran) for what in ("steps", "loss", "phases")},
         }

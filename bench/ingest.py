@@ -283,7 +283,7 @@ def main() -> None:
     variants = [("C decoder", {}, None), ("Python decoder", {"RANKWATCH_DECODER": "python"}, None)]
     catalog_server = None
     if args.lake:
-        from tests import postgres
+        from tests.support import postgres
 
         catalog_server = postgres.start(free_port())
         variants.append(("C decoder, a lake shard", {}, catalog_server.database("ingest")))

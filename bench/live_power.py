@@ -37,7 +37,7 @@ from collector.analysis.analyzers import power
 from collector.reports import powercaps
 from collector.store.db import connect
 from rankwatch.launch import wait_healthy
-from tests.conftest import free_port
+from tests.support.collectors import free_port
 
 RUN, TOKEN = "bench-live-power", "bench-token-0123456789"
 PASS_S = 1.0  # the analysis period (`rankwatch collector --analyze-every`)

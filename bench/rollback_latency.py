@@ -28,8 +28,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rankwatch.agent import semconv as sc
 from rankwatch.launch import train
-from tests.conftest import Collector, free_port
-from tests.otlp_payloads import query
+from tests.support.collectors import Collector, free_port
+from tests.support.otlp_payloads import query
 
 RUN = "latency"
 # the timeline's marks, in order, each as seconds from the spiked step's end

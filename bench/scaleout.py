@@ -3,7 +3,7 @@ is judged after its commit, and what a collector killed mid-run costs.
 
 For each count of collectors (`--shards`, default 0 1 2 4; 0 is the baseline, one collector storing into
 its DuckDB file, no lake): a PostgreSQL server on loopback (the lake's
-catalog; tests/postgres.py), N `rankwatch collector --lake` processes on one data directory, and a
+catalog; tests/support/postgres.py), N `rankwatch collector --lake` processes on one data directory, and a
 simulated job of `--ranks` ranks x `--steps` steps sent to all of them (`--collector A,B,...`: each
 node's ranks to one collector), rank 3 a straggler. The simulator sends as fast as the collectors take
 it (simulated time runs ahead of the clock), so the rate is the most these collectors commit here.
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from collector.store import lake  # noqa: E402
 from rankwatch.agent.apiclient import ApiClient, ApiError  # noqa: E402
 from rankwatch.launch import wait_healthy  # noqa: E402
-from tests import postgres  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support import postgres  # noqa: E402
+from tests.support.collectors import free_port  # noqa: E402
 
 TOKEN = "bench-scaleout-token-0123"
 RUN = "scaleout"

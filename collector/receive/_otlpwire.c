@@ -7,7 +7,7 @@
  * columnar layout (validity bitmaps, values, offsets), so Python only wraps
  * finished buffers. collector/receive/otlpwire.py is its twin on the protobuf runtime,
  * for where this is not built; both return the same result for every body
- * (tests/test_decode_differential.py).
+ * (tests/collector/receive/test_decode_differential.py).
  *
  * traces(bodies: list[bytes], wanted: tuple[tuple[str, str, str], ...], max_attributes: int) -> dict
  *   Decodes several requests at once, so that what costs per call (in Python

@@ -3,7 +3,7 @@
 The C decoder is an optional build (it needs a compiler); where it is not built,
 the collector decodes with this one, about ten times slower (docs/benchmarks.md).
 Both take and return the same things, described in collector/receive/_otlpwire.c, and
-tests/test_decode_differential.py holds them to the same result for any body,
+tests/collector/receive/test_decode_differential.py holds them to the same result for any body,
 valid or not. Here the protobuf runtime parses (and refuses what it cannot
 parse); the rest follows the C decoder's rules: the last of a repeated
 attribute key wins, attribute values nested past MAX_DEPTH make the request

@@ -3,7 +3,7 @@
 A step's trace is queued as one plain record (`Trace`) and encoded on the export thread by
 `encode_spans`, a few hand-written protobuf fields a span: the SDK's ReadableSpan, processor and
 encoder cost ~45 µs a span between the training thread and the export thread, whose time is GIL
-time the training thread may wait for (tests/test_span_encoding.py holds it to the official classes).
+time the training thread may wait for (tests/agent/test_span_encoding.py holds it to the official classes).
 """
 
 import functools

@@ -1,4 +1,4 @@
-"""A stock Hugging Face `transformers.Trainer` job that knows nothing of rankwatch (tests/test_frameworks.py
+"""A stock Hugging Face `transformers.Trainer` job that knows nothing of rankwatch (tests/agent/test_frameworks.py
 runs it under `rankwatch run -- torchrun`): a tiny GPT-2 built from its config, random tokens, on CPUs
 (gloo; with --cuda, GPT-2's 124M parameters on the rank's GPU, NCCL, bf16), with gradient clipping and
 gradient accumulation over `--accum` micro-batches. The loss the Trainer logs at each optimizer step (it
@@ -33,13 +33,15 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Seen(TrainerCallback):
-    """What the Trainer saw at each optimizer step: its logged loss and gradient norm, and when the step ended."""
+    """What the Trainer saw at each optimizer step: its logged loss and gradient norm, and when the step ended (by the
+    clock, the process's CPU time and the training thread's)."""
 
     def __init__(self) -> None:
         self.steps: dict[int, dict] = {}
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.steps.setdefault(state.global_step, {}).update(end_s=time.perf_counter(), cpu_s=time.process_time())
+        ended = {"end_s": time.perf_counter(), "cpu_s": time.process_time(), "thread_cpu_s": time.thread_time()}
+        self.steps.setdefault(state.global_step, {}).update(ended)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:

@@ -1,4 +1,4 @@
-"""A stock Lightning job that knows nothing of rankwatch (tests/test_frameworks.py runs it under
+"""A stock Lightning job that knows nothing of rankwatch (tests/agent/test_frameworks.py runs it under
 `rankwatch run -- torchrun`): a tiny LightningModule with automatic optimization (Lightning hands the
 optimizer a closure that runs the forward and backward: they run inside `optimizer.step`), DDP on CPUs
 (gloo; with --cuda a wider MLP on the ranks' GPUs, NCCL), gradient clipping and gradient accumulation
@@ -42,7 +42,7 @@ class Seen(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._loss += outputs["loss"].item()  # the closure's loss, already divided by accumulate_grad_batches
         if trainer.global_step > len(self.steps):  # this batch's optimizer step ran
-            ended = {"end_s": time.perf_counter(), "cpu_s": time.process_time()}
+            ended = {"end_s": time.perf_counter(), "cpu_s": time.process_time(), "thread_cpu_s": time.thread_time()}
             self.steps.append({"step": len(self.steps), "loss": self._loss, **ended})
             self._loss = 0.0
 

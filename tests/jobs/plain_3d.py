@@ -1,5 +1,5 @@
 """A plain PyTorch tensor- and pipeline-parallel training script that knows nothing of rankwatch
-(tests/test_zero_code.py runs it under `rankwatch run`): 4 ranks as a DeviceMesh of ("pp", "tp") =
+(tests/agent/test_zero_code.py runs it under `rankwatch run`): 4 ranks as a DeviceMesh of ("pp", "tp") =
 2 x 2; each pipeline stage an MLP whose layers are split over tp with DTensor (columns, then rows: one
 all-reduce in forward and one in backward per stage and microbatch), the stages run by a GPipe schedule
 over 4 microbatches (torch.distributed.pipelining), gloo on CPU."""

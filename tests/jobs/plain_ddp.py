@@ -1,4 +1,4 @@
-"""A plain PyTorch DDP training script that knows nothing of rankwatch (tests/test_zero_code.py runs it
+"""A plain PyTorch DDP training script that knows nothing of rankwatch (tests/agent/test_zero_code.py runs it
 under `rankwatch run`): a small MLP on random data over gloo, SGD with gradient clipping, with
 --fp16-comm DDP's own fp16 compression hook; with --cuda on its local rank's GPU over NCCL, and
 --sync-check makes any host-device sync after its first steps an error (torch's sync debug mode), so

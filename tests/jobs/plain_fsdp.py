@@ -1,4 +1,4 @@
-"""A plain PyTorch FSDP2 training script that knows nothing of rankwatch (tests/test_zero_code.py runs it
+"""A plain PyTorch FSDP2 training script that knows nothing of rankwatch (tests/agent/test_zero_code.py runs it
 under `rankwatch run`): two linear layers, each sharded with `fully_shard` over gloo on a one-dimensional
 DeviceMesh named "dp", so that every step
 all-gathers each layer's parameters for its forward and again for its backward, and reduce-scatters

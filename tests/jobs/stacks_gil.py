@@ -1,5 +1,5 @@
 """A plain PyTorch script that knows nothing of rankwatch, one rank of which holds the GIL in a C call where a test
-knows (tests/test_stacks_native.py runs it under `rankwatch run` on 4 gloo ranks): each rank trains a step; in the
+knows (tests/agent/test_stacks_native.py runs it under `rankwatch run` on 4 gloo ranks): each rank trains a step; in the
 second, the other ranks enter the step's all-reduce and wait there, while rank 1, once they are there, runs a regex
 that backtracks for ever (2^64 ways to split the a's) in one call into the regex engine, which never lets the GIL
 go: no other thread of the process runs Python meanwhile. Each rank writes its pid into a file of MARKS as it gets

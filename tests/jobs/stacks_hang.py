@@ -1,4 +1,4 @@
-"""A plain PyTorch script that knows nothing of rankwatch and hangs where a test knows (tests/test_stacks_agent.py
+"""A plain PyTorch script that knows nothing of rankwatch and hangs where a test knows (tests/agent/test_stacks_agent.py
 runs it under `rankwatch run` on 4 gloo ranks): each rank trains one step of a small model, then in the second
 rank 2 blocks in its data loader's `__next__` (reading the FIFO RELEASE) while the others enter the step's
 all-reduce and wait there for it. Each rank writes a file into MARKS as it gets there; a byte written to the FIFO

@@ -1,0 +1,13 @@
+"""Waiting for what other threads and processes do, as long as a loaded machine makes it take."""
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds: what a background thread or process does takes as long as a
+    loaded machine makes it take, so a test waits for it rather than sleeping a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} (after {timeout_s:.0f} s)"
+        time.sleep(0.05)
