@@ -34,7 +34,6 @@ from rankwatch.agent.spanwire import AttributeValue
 from rankwatch.agent.stepspans import COMPUTE_PHASES, SYNC, Comm, Move, StepMarks
 
 REALIGN_EVERY = 500  # steps between clock re-alignments
-EMIT_POLL_S = 0.02  # how often a step whose marks the GPU has not passed yet is looked at again
 
 
 @dataclass(slots=True)
@@ -168,10 +167,6 @@ class Session:
         self._last_collective: Collective | None = None
         self._emitting = threading.Lock()
         self._stop = threading.Event()
-        # a step's marks are read and handed on off the training thread, which only wakes this one (a session
-        # with nowhere to send them emits in place: it only gives its marks back)
-        self._emit_wanted = threading.Event()
-        self._emitter = threading.Thread(target=self._emit_loop, name="rankwatch-emit", daemon=True)
         self._ended = False
         self._last_step: int | None = None  # the step last begun: the one the `ended` event names
         self._heartbeat = threading.Thread(
@@ -180,7 +175,6 @@ class Session:
         self._align()
         if self.exporter:
             self._heartbeat.start()
-            self._emitter.start()
         if self.sampler:  # there is one where there is an exporter
             self.sampler.start()
 
@@ -217,10 +211,7 @@ class Session:
                 self._current = None
             current.end = self.timer.mark()
             self._pending.append(current)
-            if self._emitter.ident is not None:
-                self._emit_wanted.set()
-            else:
-                self._emit_ready()
+            self._emit_ready()
         if step and step % REALIGN_EVERY == 0:  # a collective: only when every rank ends its step normally
             self._align()
             self.timer.retie()
@@ -324,9 +315,6 @@ class Session:
     def shutdown(self) -> None:
         self.end()
         self._stop.set()
-        if self._emitter.ident is not None:
-            self._emit_wanted.set()
-            self._emitter.join()
         if self._stacks is not None:
             self._stacks.close()
         if self.sampler:
@@ -350,8 +338,8 @@ class Session:
     # -- turning marks into spans --------------------------------------------------------------------
     def _emit_ready(self, wait: bool = False) -> None:
         """Emit the finished steps whose marks are readable; `wait` (at shutdown) waits for them.
-        Called by the emitting thread at each step's end and while a step waits for the GPU, by the
-        heartbeat thread and the sampler's (a step held for its energy goes out once sampled)."""
+        Called at each step's end, and by the heartbeat thread: a step that became readable just
+        after it ended still goes out while the next one hangs."""
         with self._emitting:
             while self._pending and (wait or self._readable(self._pending[0])):
                 step = self._pending.popleft()
@@ -362,13 +350,6 @@ class Session:
                     if hasattr(mark, "synchronize"):
                         mark.synchronize()
                 self._emit(step)
-
-    def _emit_loop(self) -> None:
-        """Emits each step as it ends, and the steps the GPU had not passed yet as it passes them."""
-        while not self._stop.is_set():
-            self._emit_wanted.wait(EMIT_POLL_S if self._pending else None)
-            self._emit_wanted.clear()
-            self._emit_ready()
 
     def _readable(self, s: _Step) -> bool:
         """Its marks are readable, and the sampler has sampled past its end (for its energy)."""

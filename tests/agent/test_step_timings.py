@@ -10,11 +10,10 @@ its launch; at shutdown, a step still on the GPU waits for its buckets' end
 events, which are on streams of their own. On CPU, a real one-rank gloo DDP
 model through the agent's comm hook: every bucket timed, the exposed wait
 within the step and the phases adding up. A finished step reaches the collector
-soon, without waiting for the next step to end, and is emitted off the training thread.
+soon, without waiting for the next step to end.
 """
 
 import itertools
-import threading
 import time
 from types import SimpleNamespace
 
@@ -236,35 +235,6 @@ def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(coll
         assert time.monotonic() - ended < 3.5
     finally:
         session.shutdown()
-
-
-def test_steps_are_emitted_off_the_training_thread(collector):
-    """The training thread's step end only queues the step: reading its marks and handing it on (the spans,
-    or the sidecar's record) is the emitting thread's work, and every step still reaches the collector once."""
-    session = Session("run-aside", 0, 1, collector.url, collector.token)
-    assert session.exporter is not None
-    handed = session.exporter.step
-    threads: list[str] = []
-
-    def step_seen(marks) -> None:
-        threads.append(threading.current_thread().name)
-        handed(marks)
-
-    session.exporter.step = step_seen  # type: ignore[method-assign]
-    for i in range(20):
-        with session.step(i), session.phase("forward"):
-            time.sleep(0.001)
-    wait_until(lambda: len(threads) == 20, "the steps were not emitted", 30)
-    session.shutdown()
-    collector.stop()
-    assert threading.current_thread().name not in threads and set(threads) <= {
-        "rankwatch-emit",
-        "rankwatch-heartbeat",
-        "rankwatch-sampler",
-    }
-    assert query(collector.db, "SELECT list(step ORDER BY step) FROM steps WHERE run_id = 'run-aside'") == [
-        (list(range(20)),)
-    ]
 
 
 class Float32Event:
