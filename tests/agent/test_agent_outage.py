@@ -27,7 +27,7 @@ import pytest
 from tests.support.collectors import free_port, job_collector
 from tests.support.otlp_payloads import query
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(2 * 300)]  # both jobs run in one fixture: 300 s each
 
 PACE = 0.25  # s per step
 STEPS = 160  # long enough that the job outlives a collector restart on a busy machine

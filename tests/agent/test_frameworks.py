@@ -22,7 +22,7 @@ from tests.support.otlp_payloads import query
 from tests.support.paths import JOBS
 from tests.support.zero_code import rankwatch_run, torchrun
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(5 * 300)]  # the 5 jobs run in one fixture: 300 s each
 
 STEPS = 8
 

@@ -27,7 +27,7 @@ from tests.support.otlp_payloads import query
 from tests.support.sidecar import RANK, TOKEN, Node, free_port
 from tests.support.waits import wait_until
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(4 * 300)]  # 4 scenarios run before the store is read: 300 s each
 
 
 def rank(tmp_path: Path, collector_url: str, run_id: str, steps: int, then: str = "exit", node: Path | None = None):

@@ -18,7 +18,7 @@ from tests.support.otlp_payloads import query
 from tests.support.paths import JOBS
 from tests.support.zero_code import SCRIPT, rankwatch_run, torchrun, two_ranks
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(4 * 300)]  # the 4 jobs on CPUs run in one fixture: 300 s each
 
 STEPS = 40
 FSDP_STEPS = 12

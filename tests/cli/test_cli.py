@@ -78,7 +78,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> s
 
 
 def test_query_csv(store):
-    r = rankwatch_cli("query", SQL, "--db", str(store), "--format", "csv")
+    r = rankwatch_in_process("query", SQL, "--db", str(store), "--format", "csv")
     assert r.returncode == 0, r.stderr
     rows = list(csv.reader(io.StringIO(r.stdout)))
     assert rows == [["rank", "step", "loss", "duration_s"]] + [[str(v) for v in row] for row in EXPECTED]
@@ -153,11 +153,11 @@ def test_bad_sql_is_one_error_with_duckdbs_pointer_to_the_place_exit_2(store):
     assert_one_line_error(several, "one statement per query, not 2: run each on its own")
 
 
-def test_query_while_collector_holds_store(collector):
+def test_query_while_collector_holds_store(beside):
     assert_one_line_error(
-        rankwatch_in_process("query", "SELECT 1", "--db", str(collector.db)), "running collector", str(collector.db)
+        rankwatch_in_process("query", "SELECT 1", "--db", str(beside.db)), "running collector", str(beside.db)
     )
-    assert httpx.get(f"{collector.url}/healthz").status_code == 200  # the collector is unaffected
+    assert httpx.get(f"{beside.url}/healthz").status_code == 200  # the collector is unaffected
 
 
 def test_missing_store_one_line_exit_2(tmp_path):
@@ -233,16 +233,19 @@ def test_agent_imports_without_collector_deps():
     assert r.stdout.strip() == "DCGM_FI_DEV_POWER_USAGE 300"  # busy, at its cap
 
 
-def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(collector, tmp_path):
-    """A second collector on the same store, or on a port in use, ends at once with exit 2."""
-    held = rankwatch_cli("collector", "--db", str(collector.db), "--port", str(free_port()), "--token", collector.token)
+def test_collector_refuses_a_held_store_and_a_taken_port_in_one_line(beside, tmp_path):
+    """A second collector on the same store, or on a port in use, ends at once with exit 2 (its checks before it
+    serves, run in this process: a collector that got past them would serve here, and the test would time out)."""
+    held = rankwatch_in_process(
+        "collector", "--db", str(beside.db), "--port", str(free_port()), "--token", beside.token
+    )
     assert held.returncode == 2
     assert held.stderr.count("\n") == 1 and "held open by a running collector" in held.stderr
-    taken = rankwatch_cli(
-        "collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(collector.port), "--token", collector.token
+    taken = rankwatch_in_process(
+        "collector", "--db", str(tmp_path / "other.duckdb"), "--port", str(beside.port), "--token", beside.token
     )
     assert taken.returncode == 2
-    assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{collector.port}" in taken.stderr
+    assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{beside.port}" in taken.stderr
 
 
 @pytest.mark.parametrize("kinds", ["foo", "", "nan,grads"])

@@ -49,6 +49,7 @@ class Demo(Interactive):
                 pass
 
 
+@pytest.mark.timeout(600)  # the test's own bounds govern: 400 s for the job and its summary, 60 s for the stop
 def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
     demo = Demo(tmp_path)
     try:

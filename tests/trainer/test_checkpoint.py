@@ -18,9 +18,6 @@ replaces a waiting one, counted); the ring is sized from the bytes its buffers
 take and stays within its host limit; a tied weight is copied once and loaded
 back tied; and replicas holding other tensors, or a checkpoint of another
 model, are refused rather than spliced in.
-
-Run as a script (`python tests/trainer/test_checkpoint.py DIR`) this file is the
-writer that the SIGKILL test kills.
 """
 
 import hashlib
@@ -43,7 +40,8 @@ import torch
 from rankwatch import agent
 from rankwatch.agent import semconv as sc
 from rankwatch.launch import train
-from tests.support.collectors import job_collector
+from tests.support.checkpoint_writer import big_state
+from tests.support.collectors import Collector, job_collector
 from tests.support.commands import rankwatch_cli
 from tests.support.otlp_payloads import query
 from tests.support.paths import ROOT
@@ -303,37 +301,11 @@ def test_damaged_checkpoint_is_reported_and_skipped(tmp_path, how, caplog):
     fresh.ckpt.close()
 
 
-BIG = 8 << 20  # floats: a 32 MiB state, so that the writer is busy most of the time
-
-
-def big_state() -> torch.nn.ParameterList:
-    """One large tensor and many small ones, all equal to the step they were saved at."""
-    return torch.nn.ParameterList([torch.zeros(BIG), *(torch.zeros(7) for _ in range(50))])
-
-
-def write_forever(directory: Path) -> None:
-    """The process the SIGKILL test kills: resume, say where, then write a checkpoint every step."""
-    state = big_state()
-    ckpt = Checkpointer(directory, {"state": state}, memory=2, disk_every=1, keep=2)
-    try:
-        step = ckpt.restore(sys.maxsize)
-    except NoCheckpoint:
-        step = 0
-    print(step, flush=True)
-    while True:
-        step += 1
-        ckpt.wait_until_safe()
-        with torch.no_grad():
-            for p in state:
-                p.fill_(step)
-        ckpt.snapshot(step)
-
-
 def test_sigkill_leaves_only_loadable_checkpoints(tmp_path):
     chance, restored, partial_seen = random.Random(11), 0, 0
     for _ in range(4):
         writer = subprocess.Popen(
-            [sys.executable, "-m", "tests.trainer.test_checkpoint", str(tmp_path)],
+            [sys.executable, "-m", "tests.support.checkpoint_writer", str(tmp_path)],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
@@ -379,11 +351,22 @@ def test_trainer_refuses_checkpoint_settings_it_cannot_keep(argv, words, capsys)
 RUN = "run-checkpoint-restart"
 
 
+@dataclass
+class Restarted:
+    """The module's real jobs and the collector they sent to, stopped after them."""
+
+    collector: Collector
+    result: subprocess.CompletedProcess  # the 2-rank job's `rankwatch train`
+    directory: Path  # where it ran: its checkpoints beside the store it made there
+    alone_status: int  # the 1-rank job's exit status
+    alone: Path  # its checkpoints
+
+
 @pytest.fixture(scope="module")
-def restarted(tmp_path_factory):
+def restarted(tmp_path_factory) -> Restarted:
     """`rankwatch train --max-restarts 1` of a 2-rank job of 40 steps, a checkpoint on disk every 20, whose
-    rank 1 crashes at step 35, sending to a real collector, stopped after it: its store, the command's
-    result and the directory it ran in (its checkpoints beside the store it made there)."""
+    rank 1 crashes at step 35, then a 1-rank job as long (the replicas test's measure), both sending to one
+    real collector, stopped after them."""
     tmp_path = tmp_path_factory.mktemp("restart")
     with job_collector(tmp_path) as collector:
         result = rankwatch_cli(
@@ -393,11 +376,19 @@ def restarted(tmp_path_factory):
             env={"RANKWATCH_TOKEN": collector.token},
             cwd=tmp_path,
         )
-    return collector, result, tmp_path
+        alone_status = train(
+            nproc=1,
+            steps=40,
+            run_id="run-replicas-1",
+            collector=collector.url,
+            token=collector.token,
+            trainer_args=["--ckpt-every", "20", "--ckpt-dir", str(tmp_path / "run-replicas-1")],
+        )
+    return Restarted(collector, result, tmp_path, alone_status, tmp_path / "run-replicas-1")
 
 
 def test_torchrun_restart_resumes_from_the_last_durable_step(restarted):
-    collector, result, tmp_path = restarted
+    collector, result, tmp_path = restarted.collector, restarted.result, restarted.directory
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 20" in result.stdout
 
@@ -551,32 +542,22 @@ def test_measured_detection_latency_grows_the_reach():
     assert reach.ring(every=10) == rollback.ring_size(step_s, reach.latency_s, 10) > rollback.ring_size(step_s, 0, 10)
 
 
-def test_a_ddp_job_writes_its_replicated_state_once(collector, tmp_path, restarted):
+def test_a_ddp_job_writes_its_replicated_state_once(restarted):
     """A 2-rank DDP job's checkpoints take under 1.3x the bytes of a 1-rank job's (each rank writes half
     the tensors), and a start under the same run id resumes on every rank from the shares of both: the
     2-rank job is the restart test's (its checkpoints of steps 20 and 40, the second attempt started
     under the same run id and loading step 20 on both ranks), the 1-rank one trains as long."""
-    assert (
-        train(
-            nproc=1,
-            steps=40,
-            run_id="run-replicas-1",
-            collector=collector.url,
-            token=collector.token,
-            trainer_args=["--ckpt-every", "20", "--ckpt-dir", str(tmp_path / "run-replicas-1")],
-        )
-        == 0
-    )
+    assert restarted.alone_status == 0
 
     def size(directory: Path) -> int:
         return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
-    store, result, directory = restarted
+    store, result, directory = restarted.collector, restarted.result, restarted.directory
     assert result.returncode == 0, result.stderr[-3000:]
     shares = directory / "rankwatch-data" / "runs" / RUN / "checkpoints"
-    for rank_dir in (shares / "rank-0", shares / "rank-1", tmp_path / "run-replicas-1" / "rank-0"):  # the same steps
+    for rank_dir in (shares / "rank-0", shares / "rank-1", restarted.alone / "rank-0"):  # the same steps
         assert sorted(p.name for p in rank_dir.iterdir()) == ["step-00000020", "step-00000040"], rank_dir
-    one, two = size(tmp_path / "run-replicas-1"), size(shares)
+    one, two = size(restarted.alone), size(shares)
     assert one < two < 1.3 * one, (one, two)
 
     assert "resumed at step 20" in result.stdout  # the second attempt: both ranks load step 20 from the two shares
@@ -795,10 +776,6 @@ def test_the_gpu_bench_without_a_gpu_says_so_in_one_line():
     out = subprocess.run([sys.executable, str(bench), "--device", "cuda"], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
     assert "needs a CUDA GPU" in out.stderr
-
-
-if __name__ == "__main__":
-    write_forever(Path(sys.argv[1]))
 
 
 def test_a_rollback_does_not_wait_for_the_disk_to_take_a_step_it_drops(tmp_path, monkeypatch, events):

@@ -474,7 +474,7 @@ def test_the_collector_draws_power_recommendations_live_and_alerts_on_them(tmp_p
         db = simulated_store(
             tmp_path,
             {"pw-live": ["straggler:rank=5,slowdown=1.2"]},
-            ["--ranks", "16", "--steps", "80"],
+            ["--ranks", "16", "--steps", "30"],  # the store's straggler run: its 15 caps (test_recommend_json)
             ("--analyze-every", "0.5", "--power-every", "0.5", "--alerts", str(alerts)),
             until=lambda: deliveries.extend(receiver.wait_for(1, 60)),
         )
