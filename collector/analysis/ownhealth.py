@@ -46,4 +46,5 @@ class CollectorHealth:
         self.window.append(snapshot)
         while snapshot.at - self.window[0].at > settings.window_s:
             self.window.popleft()
-        return health.analyze(self.window[0], snapshot, con.execute(_OUTBOX).df(), settings)
+        outbox = [health.Waiting(*row) for row in con.execute(_OUTBOX).fetchall()]
+        return health.analyze(self.window[0], snapshot, outbox, settings)

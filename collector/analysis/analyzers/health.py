@@ -20,9 +20,9 @@ The collector being down is the one condition it cannot report itself: Prometheu
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import pandas as pd
+from typing import NamedTuple
 
 from collector.findings import COLLECTOR, COLLECTOR_RUN_ID, Finding
 
@@ -56,9 +56,19 @@ class Snapshot:
     analysis_failures: dict[str, int]  # what raised since the start (an analyzer, a part of the pass): how often
 
 
-def analyze(first: Snapshot, last: Snapshot, outbox: pd.DataFrame, settings: Settings = Settings()) -> list[Finding]:
-    """The collector's health findings between `first` and `last`.
-    `outbox`: receiver, pending (notifications waiting), waiting_s (the oldest one's wait)."""
+class Waiting(NamedTuple):
+    """A receiver's notifications waiting in the alert outbox (rows, not a frame: judged once per analysis
+    period on an idle collector too, where a frame's construction was most of the period's CPU)."""
+
+    receiver: str
+    pending: int  # notifications waiting
+    waiting_s: float  # the oldest one's wait
+
+
+def analyze(
+    first: Snapshot, last: Snapshot, outbox: Sequence[Waiting], settings: Settings = Settings()
+) -> list[Finding]:
+    """The collector's health findings between `first` and `last`; `outbox`: each receiver's waiting notifications."""
     s = settings
     found = []
     codes = {code: last.requests.get(code, 0) - first.requests.get(code, 0) for code in last.requests}
@@ -101,22 +111,20 @@ def analyze(first: Snapshot, last: Snapshot, outbox: pd.DataFrame, settings: Set
                 {"commit_p99_s": p99},
             )
         )
-    stuck = outbox[outbox["waiting_s"] > s.outbox_wait_s].sort_values("receiver")
-    if not stuck.empty:
+    stuck = sorted((w for w in outbox if w.waiting_s > s.outbox_wait_s), key=lambda w: w.receiver)
+    if stuck:
         found.append(
             _finding(
                 "alerts_undelivered",
                 "warning",
-                float(stuck["waiting_s"].max()),
+                float(max(w.waiting_s for w in stuck)),
                 "alert notifications wait for "
                 + ", ".join(
-                    f"receiver {r.receiver} ({r.pending}, the oldest for {_minutes(r.waiting_s)})"
-                    for r in stuck.itertuples()
+                    f"receiver {w.receiver} ({w.pending}, the oldest for {_minutes(w.waiting_s)})" for w in stuck
                 ),
                 {
                     "receivers": {
-                        r.receiver: {"pending": int(r.pending), "waiting_s": float(r.waiting_s)}
-                        for r in stuck.itertuples()
+                        w.receiver: {"pending": int(w.pending), "waiting_s": float(w.waiting_s)} for w in stuck
                     }
                 },
             )

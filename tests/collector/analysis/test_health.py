@@ -6,7 +6,6 @@ import math
 import time
 
 import httpx
-import pandas as pd
 
 from collector.analysis.analyzers import health
 from tests.support.collectors import free_port
@@ -14,7 +13,7 @@ from tests.support.otlp_payloads import query, step_spans, trace_body
 from tests.support.webhook_receiver import Receiver
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-NO_OUTBOX = pd.DataFrame({"receiver": [], "pending": [], "waiting_s": []})
+NO_OUTBOX: list[health.Waiting] = []
 BUCKETS = (0.01, 0.1, 1.0, 2.5, math.inf)
 MIB = 2**20
 
@@ -79,9 +78,7 @@ def test_queue_filling_slow_commits_and_failing_analysis():
 
 
 def test_alerts_waiting_too_long_name_their_receivers():
-    outbox = pd.DataFrame(
-        {"receiver": ["slack", "oncall", "fresh"], "pending": [3, 1, 4], "waiting_s": [1200.0, 3600.0, 30.0]}
-    )
+    outbox = [health.Waiting("slack", 3, 1200.0), health.Waiting("oncall", 1, 3600.0), health.Waiting("fresh", 4, 30.0)]
     (finding,) = health.analyze(snapshot(0), snapshot(60), outbox)
     assert (finding.kind, finding.run_id, finding.ranks) == ("alerts_undelivered", "", [])
     assert finding.summary == (
