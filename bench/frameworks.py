@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TOKEN = "bench-token-0123456789"
+RUN_TIMEOUT_S = 600  # one run of a job, plain or instrumented
 RANKS = 2  # on CPUs (with --cuda: a rank per GPU)
 
 
@@ -102,15 +103,6 @@ def command(job: Job, out: Path, args) -> list[str]:
     return [TORCHRUN, "--standalone", "--nproc-per-node", str(args.ranks), *script]
 
 
-def cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user and system, all its threads), 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def sidecar_of(pid: int) -> int | None:
     """The node sidecar (`rankwatch node`) that the `rankwatch run` process `pid` started, if it runs."""
     try:
@@ -129,6 +121,8 @@ def sidecar_of(pid: int) -> int | None:
 def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> tuple[dict[int, list[dict]], float]:
     """One run of the job, under `rankwatch run` as run `instrumented` (None: torchrun alone): what each rank saw at
     each step, and the CPU seconds its node sidecar used (to its last reading, 0.1 s before it exited)."""
+    from tests.support.proc_cpu import cpu_s  # (ROOT is on the path once main has run)
+
     out = tmp / (instrumented or f"{job.name}-plain-{time.monotonic_ns()}")
     line = command(job, out, args)
     if instrumented:
@@ -136,13 +130,14 @@ def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> tuple[
     env = {**os.environ, "RANKWATCH_TOKEN": TOKEN}
     with open(tmp / "job.log", "w+") as log:
         process = subprocess.Popen(line, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
-        sidecar, sidecar_s = None, 0.0
+        sidecar, sidecar_s, deadline = None, 0.0, time.monotonic() + RUN_TIMEOUT_S
         try:
             while process.poll() is None:  # (a plain run has no sidecar: this only waits)
+                if time.monotonic() > deadline:
+                    sys.exit(f"{job.name} ({'instrumented' if instrumented else 'plain'}) ran past {RUN_TIMEOUT_S} s")
                 sidecar = sidecar or sidecar_of(process.pid)
                 sidecar_s = max(sidecar_s, cpu_s(sidecar)) if sidecar else 0.0
                 time.sleep(0.1)
-            process.wait(timeout=600)
         finally:
             process.kill()
         if process.returncode:
@@ -230,6 +225,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from rankwatch.launch import wait_healthy
+    from tests.support.proc_cpu import cpu_s
 
     jobs = [job for job in JOB_LIST if all(importlib.util.find_spec(p) for p in job.needs)]
     skipped = {job.name: f"needs {', '.join(job.needs)}" for job in JOB_LIST if job not in jobs}

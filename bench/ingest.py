@@ -46,6 +46,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rankwatch.agent import semconv as sc
 from rankwatch.launch import wait_healthy
+from tests.support.proc_cpu import cpu_s
 
 TOKEN = "bench-token-0123456789"
 BASELINE = "baseline (protobuf parse only)"
@@ -202,12 +203,6 @@ def _stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system CPU seconds of a process (all its threads)."""
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _stages(server: int) -> dict[int, str]:
     """The collector's processes by stage: its server; the writer, the first child it starts (before the
     decode workers, whose pool is made on the open store); the decode workers. The baseline's one
@@ -239,11 +234,11 @@ def measure(
         wait_healthy(f"http://127.0.0.1:{port}", server)
         asyncio.run(send_all(port, warm_up, concurrency))
         stages = _stages(server.pid) if Path("/proc/thread-self/children").exists() else {}
-        before = {pid: _cpu_s(pid) for pid in stages}
+        before = {pid: cpu_s(pid) for pid in stages}
         wall, latencies = asyncio.run(send_all(port, bodies, concurrency))
         cpu: Counter = Counter()
         for pid, stage in stages.items():
-            cpu[stage] += (_cpu_s(pid) - before[pid]) / spans * 1e6
+            cpu[stage] += (cpu_s(pid) - before[pid]) / spans * 1e6
     finally:
         server.terminate()
         server.wait()

@@ -24,7 +24,6 @@ Usage: python bench/scaleout.py [--shards 0 1 2 4] [--ranks 16384] [--steps 20]
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from rankwatch.agent.apiclient import ApiClient, ApiError  # noqa: E402
 from rankwatch.launch import wait_healthy  # noqa: E402
 from tests.support import postgres  # noqa: E402
 from tests.support.collectors import free_port  # noqa: E402
+from tests.support.proc_cpu import cpu_s  # noqa: E402
 
 TOKEN = "bench-scaleout-token-0123"
 RUN = "scaleout"
@@ -49,18 +49,9 @@ SPANS_PER_RANK_STEP = 2  # the simulator's step span and its data-parallel all-r
 
 def _cpu_s(pid: int) -> float:
     """CPU seconds of a process and its live children (a collector: its writer and decoders)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    pids = [pid]
     children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(p) for p in children.read_text().split()]
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    pids = [pid, *(int(p) for p in children.read_text().split())] if children.exists() else [pid]
+    return sum(cpu_s(p) for p in pids)
 
 
 def _committed(url: str) -> float:

@@ -1,6 +1,5 @@
 """A pipeline-like job over gloo that knows nothing of rankwatch (tests/collector/analysis/test_p2p_match.py runs it
-under
-torchrun): each step, every stage receives its input from the stage before and sends its output to the
+under torchrun): each step, every stage receives its input from the stage before and sends its output to the
 stage after, as pipeline schedules do (the shape first, by send and recv, then the activations by
 batch_isend_irecv), then all stages all-reduce a scalar (a global gradient norm). At step --skip-at,
 stage --skip-rank sends nothing: the stage after it waits in its receive forever, the stages after that
