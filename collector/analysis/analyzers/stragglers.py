@@ -9,7 +9,9 @@ typical ratio over a window of steps up to the one judged (its median there,
 so one noisy step never counts) is then compared across ranks by robust
 statistics: median and MAD. In synchronous training the culprit computes long
 and waits little while its victims wait long, so a suspect must also wait
-less than its peers.
+less than its peers, and cost them time over the steps judged (the window's
+medians lag a change: a rank slow before a far slower peer took over is
+not that peer's straggler).
 
 The threshold follows the run's own noise. The noise is measured on the
 steps before (the median over steps of the cross-rank spread of one step's
@@ -332,12 +334,13 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
             (typical[a] - center) / max(noise_of_typical, s.jitter_floor * center) > z
             and typical[a] > typical[b] * (1 + s.pair_min_slowdown)
             and wait[b] - wait[a] >= s.pair_wait_share * (busy[a] - busy[b])
+            and _holds_up(m, rows, [int(m.ranks[a])])
         ):
             return ("rank", (int(m.ranks[a]),), f"rank {int(m.ranks[a])}", w, float(typical[a] / center))
         return None
     spread = max(1.4826 * float(np.median(np.abs(typical - center))), noise_of_typical, s.jitter_floor * center)
     slow = ((typical - center) / spread > z) & (typical > center * (1 + s.min_slowdown)) & (wait <= np.median(wait))
-    if slow.any():
+    if slow.any() and _holds_up(m, rows, m.ranks[slow].tolist()):
         elevated = frozenset(int(r) for r in m.ranks[typical > center * (1 + s.min_slowdown / 2)])
         return (
             *_pattern(tuple(int(r) for r in m.ranks[slow]), elevated, placement),
@@ -356,6 +359,13 @@ def _verdict(m: _Matrices, i: int, s: Settings, placement: list) -> tuple | None
     ):
         return ("widespread", (), "", s.window, cv)
     return None
+
+
+def _holds_up(m: _Matrices, rows: slice, columns: list[int]) -> bool:
+    """Whether the others wait for the suspects (`columns`) over the steps judged (`rows`), on average: the
+    window's medians lag a change, so a rank slow before its peer's slowdown began (whose cost the newest
+    steps already reverse) is no straggler of the steps judged, whatever its typical ratio still says."""
+    return bool(_waited_for(m.taken(rows), columns).mean() > 0)
 
 
 def _emerging(newest: np.ndarray, s: Settings) -> bool:

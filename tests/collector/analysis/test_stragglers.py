@@ -248,6 +248,50 @@ def test_a_slow_data_loader_is_named_as_input_with_the_wait_it_costs_the_others(
     assert 4 <= finding.step_start <= 14
 
 
+def handover_frame(ranks: int, until: int, slowdown: float, compute: float, seed: int) -> pd.DataFrame:
+    """Rank-steps of a synchronous job whose rank 0 computes `slowdown` times longer than its peers up to step
+    `until`, from where rank 1 waits 50 ms for each batch (a slow data loader) and rank 0 is its peers' like,
+    for 40 steps."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(until + 40):
+        c = compute * rng.lognormal(0, 0.05, ranks)
+        data = np.full(ranks, 0.0002)
+        if step < until:
+            c[0] *= slowdown
+        else:
+            data[1] = 0.050
+        busy = c + data
+        for rank in range(ranks):
+            wait = busy.max() - busy[rank] + 0.0005
+            rows.append(("r", rank, step, busy[rank] + wait, data[rank], c[rank], wait))
+    return pd.DataFrame(rows, columns=["run_id", "rank", "step", "duration_s", "data_s", "compute_s", "comm_wait_s"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.sampled_from([2, 4, 16]),
+    until=st.integers(0, 30),
+    slowdown=st.floats(1.3, 3.0),
+    compute=st.floats(0.001, 0.015),
+    seed=st.integers(0, 10**6),
+)
+def test_a_straggler_that_hands_over_to_a_slower_one_is_never_blamed_for_its_time(
+    ranks, until, slowdown, compute, seed
+):
+    """Rank 0 slow at first, then rank 1's loader far slower: every step is judged as the engine does, and no
+    finding names a rank the others did not wait for (its cost over its steps is positive: the window's medians
+    lag the change, the others' wait does not); the job's last finding is rank 1's input, to its last step."""
+    steps = handover_frame(ranks, until, slowdown, compute, seed)
+    placement = pd.DataFrame({"rank": range(ranks)})
+    found = judge(Frames("r", steps, 0, int(steps["step"].max()), placement, 0, world_size=ranks))
+    assert all(f.evidence.get("lost_s_per_step", 1) > 0 for f in found), [f.summary for f in found]
+    last = found[-1]
+    assert (last.kind, last.ranks, last.evidence["phase"], last.step_end) == ("rank", [1], "data", until + 39), [
+        f.summary for f in found
+    ]
+
+
 def test_a_slow_gpu_is_named_as_compute():
     (finding,) = analyze(frame(slow={5: (1.3, 20)}).assign(data_s=0.001), PLACEMENT)
     assert (finding.ranks, finding.evidence["phase"]) == ([5], "compute")
