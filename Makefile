@@ -19,13 +19,16 @@ demo: $(BIN)/rankwatch
 
 # The tests run three modules at a time (pytest-xdist): most of them wait on real processes and real
 # time, so three workers keep two cores busy; a module stays on one worker, its fixtures built once.
+# They write bytecode whatever the environment says (PYTHONDONTWRITEBYTECODE): the suite starts
+# several hundred Python processes (collectors, ranks, commands), each of which would otherwise compile
+# the project's modules again, as each worker would rewrite every test module's asserts again.
 test: lint test-tools
-	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # The quick loop while editing: the quality gates and the unit tests (modules marked `unit`: pure code on
 # small inputs, no processes), well under a minute once the venv is built.
 check: lint
-	$(BIN)/python -m pytest -m unit -q
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -m unit -q
 
 # The quality gates, before the tests: lint, format and types (configured in pyproject.toml).
 lint: $(BIN)/rankwatch
