@@ -45,6 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rankwatch.launch import wait_healthy  # noqa: E402
+from tests.support.proc_cpu import cpu_s  # noqa: E402
+
 JOBS = ROOT / "tests" / "jobs"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TOKEN = "bench-token-0123456789"
@@ -121,8 +125,6 @@ def sidecar_of(pid: int) -> int | None:
 def run(job: Job, instrumented: str | None, url: str, tmp: Path, args) -> tuple[dict[int, list[dict]], float]:
     """One run of the job, under `rankwatch run` as run `instrumented` (None: torchrun alone): what each rank saw at
     each step, and the CPU seconds its node sidecar used (to its last reading, 0.1 s before it exited)."""
-    from tests.support.proc_cpu import cpu_s  # (ROOT is on the path once main has run)
-
     out = tmp / (instrumented or f"{job.name}-plain-{time.monotonic_ns()}")
     line = command(job, out, args)
     if instrumented:
@@ -222,10 +224,6 @@ def main() -> None:
         parser.error("--steps must exceed --warmup by 2 or more")
 
     import duckdb
-
-    sys.path.insert(0, str(ROOT))
-    from rankwatch.launch import wait_healthy
-    from tests.support.proc_cpu import cpu_s
 
     jobs = [job for job in JOB_LIST if all(importlib.util.find_spec(p) for p in job.needs)]
     skipped = {job.name: f"needs {', '.join(job.needs)}" for job in JOB_LIST if job not in jobs}
