@@ -35,7 +35,10 @@ than the timeout), judged as it stood when it first passed the timeout. A pass
 whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
 it, and says so; where that names no culprit (every rank was in the same
-collective then), nothing is kept, and the passes that follow judge again.
+collective then), it finds nothing, and the passes that follow judge again: a
+stall nothing has been heard of since it began is as likely telemetry running
+late (a collector or network falling behind) as a hang, and the ranks' next
+heartbeats, or their silence, tell which.
 
 A stall also says where every rank's training thread was, once ranks have
 answered a stacks request made during it (the live collector makes one when the
@@ -136,10 +139,7 @@ def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
     if "silent_since_ns" in finding.evidence:  # every rank gone quiet: judged as it stood when last heard from
         return current
     if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
-        # kept once it names culprits, or judged from every rank's heartbeats since the stall began: from those
-        # of before it alone (delayed, a collector taking the run over), every rank may look blocked alike
-        if finding.ranks or finding.evidence["heard_in_stall"]:
-            kept[ANALYZER]["stall"] = finding
+        kept[ANALYZER]["stall"] = finding
         return current
     stalled_s = finding.evidence["stalled_s"]
     summary = _stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"]))
@@ -245,6 +245,8 @@ def analyze(
         collective = {"op": op, "group": group, "seq": int(seq), "waiting_ranks": waiting}
     elif not culprits and not alive.empty:  # no collective information: the ranks at the lowest step
         culprits = sorted(int(r) for r in alive.index[position == position.min()]) if position.nunique() > 1 else []
+    if not culprits and not heard_in_stall:  # nothing said since it began: telemetry late, not yet a hang
+        return []
     stalled_step = int(steps["step"].max()) + 1
     where = {
         int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}

@@ -181,11 +181,11 @@ def test_a_stall_under_way_keeps_the_culprits_it_was_first_judged_with():
     assert again.summary.startswith("no step has finished for 59 s: ranks 0, 2, 3 are blocked in all_reduce #10")
 
 
-def test_culprits_judged_before_the_stalls_heartbeats_came_are_not_kept():
+def test_a_stall_nothing_was_heard_of_since_it_began_waits_for_the_ranks_heartbeats():
     """The pass past the timeout has only the heartbeats sent before the stall (delayed, or a collector
-    that took the run over): every rank was in the last step's all-reduce then, alike. It says so,
-    and keeps nothing: the next pass, with the stall's heartbeats come, names rank 1, never in all-reduce
-    #10, and a pass after that keeps naming it."""
+    that took the run over, or fell behind): every rank was in the last step's all-reduce then, alike.
+    That is no hang yet (the telemetry may just be late) and nothing is kept: the next pass, with the
+    stall's heartbeats come, names rank 1, never in all-reduce #10, and a pass after that keeps naming it."""
     from collector.analysis.analyzers import Frames
     from collector.analysis.analyzers.hangs import judge
 
@@ -201,9 +201,7 @@ def test_culprits_judged_before_the_stalls_heartbeats_came_are_not_kept():
         frames = Frames("r", st, 10, 9, pd.DataFrame({"rank": list(RANKS)}), now, heartbeats=heartbeats, kept=kept)
         return judge(frames, Settings(floor_s=4.0))
 
-    (early,) = judged(before, last_end + 11 * S)
-    assert early.ranks == [] and not early.evidence["heard_in_stall"]
-    assert early.summary.endswith("not every rank has been heard from since the stall began")
+    assert judged(before, last_end + 11 * S) == []
     (found,) = judged(pd.concat([before, during]), last_end + 12 * S)
     assert found.ranks == [1] and found.evidence["heard_in_stall"]
     (again,) = judged(pd.concat([before, during]), last_end + 14 * S)
