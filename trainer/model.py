@@ -2,28 +2,11 @@
 tests to configs that fill a GPU. A pipeline stage is the model with the parts
 other stages hold removed (`stage`), as torchtitan cuts its models."""
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 512
-    seq_len: int = 64
-    layers: int = 2
-    heads: int = 4
-    dim: int = 128
-
-
-CONFIGS = {
-    "tiny": GPTConfig(),  # ~0.5M parameters: CPU tests and the demo
-    "small": GPTConfig(vocab=8192, seq_len=256, layers=6, heads=8, dim=512),  # ~25M
-    "gpt2": GPTConfig(vocab=50304, seq_len=1024, layers=12, heads=12, dim=768),  # ~124M
-    "1b": GPTConfig(vocab=50304, seq_len=2048, layers=24, heads=16, dim=2048),  # ~1.3B: fills a GPU
-}
+from trainer.job import GPTConfig
 
 
 class Block(nn.Module):

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,37 +39,10 @@ from torch.optim.adamw import adamw
 
 from rankwatch import agent
 from rankwatch.agent import semconv as sc
+from trainer.job import Spec
 
-SCHEDULES = ("serial", "overlap")
 PROBE_BYTES = 32 << 20  # large enough to time the disk, not its cache or its latency
 STATE = "optimizer_state"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What `--offload` moves off the GPU, and how its swaps are scheduled."""
-
-    optimizer: str  # "host" or "disk"
-    schedule: str = "serial"
-    activations: bool = False  # saved activations to disk in forward, back in backward
-
-    @classmethod
-    def parse(cls, text: str, schedule: str = "serial") -> "Spec":
-        """`optimizer=host|disk[,activations=disk]`; ValueError says what is wrong, in one line."""
-        fields = dict(part.partition("=")[::2] for part in text.split(",") if part)
-        where, activations = fields.pop("optimizer", None), fields.pop("activations", None)
-        if fields or where not in ("host", "disk") or activations not in (None, "disk"):
-            raise ValueError(f"--offload {text!r}: expected optimizer=host or optimizer=disk[,activations=disk]")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"--offload-schedule {schedule!r}: expected serial or overlap")
-        return cls(where, schedule, activations == "disk")
-
-    def refuses(self, parallel: bool) -> str | None:
-        """Why a job cannot run with this offload (None: it can): the reference steps a DDP job's optimizer."""
-        return "--offload steps a DDP job's optimizer on the host (not with --dp, --tp or --pp)" if parallel else None
-
-    def __str__(self) -> str:
-        return f"optimizer={self.optimizer}" + (",activations=disk" if self.activations else "")
 
 
 class Disk:

@@ -30,14 +30,13 @@ from trainer.checkpoint import Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
 from trainer.delays import Delay, WorkTime
 from trainer.device import DEVICES, DeviceError, choose
-from trainer.faults import TRAINER_KINDS, Fault, parse
+from trainer.faults import TRAINER_KINDS, parse
 from trainer.inject import slow_link_hook, slow_tp_link
+from trainer.job import CONFIGS, SCHEDULES, SNAPSHOT_EVERY, Spec, unfit
 from trainer.layout import Layout
 from trainer.mfu import mfu, peak_flops
-from trainer.model import CONFIGS, GPT
+from trainer.model import GPT
 from trainer.progress import Progress
-
-SNAPSHOT_EVERY = 10  # steps between the snapshots in memory, by default (--snapshot-every)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,7 +105,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--offload", metavar="optimizer=host|disk[,activations=disk]", help="the optimizer's state off the device"
     )
-    p.add_argument("--offload-schedule", default="serial", choices=offload.SCHEDULES)
+    p.add_argument("--offload-schedule", default="serial", choices=SCHEDULES)
     p.add_argument(
         "--device",
         choices=DEVICES,
@@ -139,7 +138,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(str(e))
     try:
-        args.offload = offload.Spec.parse(args.offload, args.offload_schedule) if args.offload else None
+        args.offload = Spec.parse(args.offload, args.offload_schedule) if args.offload else None
     except ValueError as e:
         p.error(str(e))
     if args.offload and (problem := args.offload.refuses(args.layout is not None)):
@@ -148,19 +147,6 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         if problem := unfit(f, args.layout, args.offload):
             p.error(f"{f.spec!r}: {problem}")
     return args
-
-
-def unfit(fault: Fault, layout: Layout | None, offloaded: offload.Spec | None = None) -> str | None:
-    """Why the job cannot inject `fault` (None: it can)."""
-    if fault.kind == "slow-disk" and (offloaded is None or offloaded.optimizer != "disk"):
-        return "a slow disk slows the swaps of --offload optimizer=disk"
-    if fault.kind == "slow-stage" and (layout is None or not fault.get("stage") < layout.pp):
-        return f"the job has {layout.pp if layout else 1} pipeline stage(s) (--pp)"
-    if fault.kind == "slow-link" and (fault.get("group") == "tp") != (layout is not None):
-        return "a DDP job slows its gradient all-reduces (no group=), a 3D job its tensor-parallel ones (group=tp)"
-    if fault.kind == "slow-link" and layout is not None and layout.tp < 2:
-        return "group=tp needs tensor parallelism (--tp 2 or more)"
-    return None
 
 
 def apply_power_cap(command: dict, device, rank: int) -> None:
@@ -216,9 +202,7 @@ def lowest(value: int) -> int:
     return min(values)
 
 
-def offloaded(
-    spec: offload.Spec, model: torch.nn.Module, directory: Path, lr: float, current: dict
-) -> offload.OffloadedAdamW:
+def offloaded(spec: Spec, model: torch.nn.Module, directory: Path, lr: float, current: dict) -> offload.OffloadedAdamW:
     """The offloaded AdamW, its swaps paced by this rank's `slow-disk` fault while it is active; where
     the state goes to disk, the disk probed first and the probe said (what its swaps are compared with)."""
     if spec.optimizer == "disk":

@@ -92,16 +92,14 @@ def cmd_train(args: argparse.Namespace) -> None:
             checkpoint_dir(store, args.run)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    checks.collector_takes(collector, token, unreachable_ok=True)  # before torch loads and torchrun starts a rank
+    checks.collector_takes(collector, token, unreachable_ok=True)  # before torchrun starts a rank
     _simulating(args)
 
     from rankwatch.launch import train
     from trainer.device import DeviceError
     from trainer.faults import TRAINER_KINDS, parse
+    from trainer.job import CONFIGS, SNAPSHOT_EVERY, Spec, unfit
     from trainer.layout import Layout
-    from trainer.model import CONFIGS
-    from trainer.offload import Spec
-    from trainer.train import SNAPSHOT_EVERY, unfit
 
     if args.model not in CONFIGS:
         raise UsageError(f"unknown --model {args.model!r}; models: {', '.join(CONFIGS)}")

@@ -50,7 +50,8 @@ def cuda_session(collector) -> Session:
 
 def test_one_gpu_ddp_exposes_almost_no_wait(collector, nccl):
     from trainer.data import TokenStream
-    from trainer.model import CONFIGS, GPT
+    from trainer.job import CONFIGS
+    from trainer.model import GPT
 
     torch.manual_seed(0)
     model = GPT(CONFIGS["small"]).cuda()
@@ -125,7 +126,8 @@ def test_a_step_with_the_agent_never_syncs(collector, nccl):
     norm recorded as GPU tensors, under torch's sync debug mode set to raise on any synchronizing call
     (a `.item()` on the loss would be one)."""
     from trainer.data import TokenStream
-    from trainer.model import CONFIGS, GPT
+    from trainer.job import CONFIGS
+    from trainer.model import GPT
 
     model = GPT(CONFIGS["small"]).cuda()
     ddp = DistributedDataParallel(model, device_ids=[0])

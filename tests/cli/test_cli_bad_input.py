@@ -181,6 +181,37 @@ def test_a_checkpoint_interval_that_is_no_snapshot_is_refused_before_torchrun():
     assert result.stdout == ""  # nothing was started
 
 
+LAUNCHER_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # any import of torch now raises ImportError
+from rankwatch import cli
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt5"], "unknown --model 'gpt5'"),
+        (["--ckpt-every", "25"], "--ckpt-every 25 is not a multiple of 10"),
+        (["--offload", "optimizer=gpu"], "expected optimizer=host or optimizer=disk"),
+        (["--tp", "2", "--offload", "optimizer=host"], "--offload steps a DDP job's optimizer on the host"),
+        (["--inject", "slow-link:rank=1,factor=2,group=tp"], "a DDP job slows its gradient all-reduces"),
+    ],
+)
+def test_the_launcher_checks_a_jobs_arguments_without_loading_torch(argv, message):
+    """Every check `rankwatch train` makes of the job it is asked for runs on torch-free modules
+    (trainer/job.py): only torchrun and the ranks load torch, two seconds of CPU each."""
+    result = subprocess.run(
+        [sys.executable, "-c", LAUNCHER_WITHOUT_TORCH, "train", "--nproc", "2", "--steps", "10", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
 @pytest.mark.parametrize("run", ["/abs", "../../elsewhere", "..", "a/b", ""])
 def test_train_refuses_a_run_id_that_would_put_its_checkpoints_outside_the_store(run, tmp_path, capsys):
     run = run.replace("/abs", str(tmp_path / "elsewhere"))

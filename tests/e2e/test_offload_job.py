@@ -49,7 +49,8 @@ def serial(tmp_path_factory):
 
 def state_bytes() -> int:
     """What AdamW keeps per parameter, both moments in fp32: what a step reads and writes."""
-    from trainer.model import CONFIGS, GPT
+    from trainer.job import CONFIGS
+    from trainer.model import GPT
 
     return 2 * 4 * GPT(CONFIGS["tiny"]).num_params()
 

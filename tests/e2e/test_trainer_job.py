@@ -32,7 +32,7 @@ from collector.nccl import bus_factor, canonical_op
 from tests.support.collectors import job_collector
 from tests.support.commands import Interactive, rankwatch_cli
 from tests.support.otlp_payloads import query
-from trainer.train import SNAPSHOT_EVERY
+from trainer.job import SNAPSHOT_EVERY
 
 pytestmark = pytest.mark.long
 
@@ -45,7 +45,8 @@ BATCH, LR, WARMUP = 8, 3e-3, 20  # the trainer's defaults (trainer/train.py)
 
 def gradient_bytes() -> int:
     """What DDP all-reduces each step: every unique trainable parameter once."""
-    from trainer.model import CONFIGS, GPT
+    from trainer.job import CONFIGS
+    from trainer.model import GPT
 
     model = GPT(CONFIGS["tiny"])
     unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}

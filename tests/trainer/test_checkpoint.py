@@ -48,7 +48,8 @@ from tests.support.paths import ROOT
 from trainer import checkpointfiles, hostring, rollback
 from trainer.checkpoint import MANIFEST, META, TENSORS, Checkpointer, NoCheckpoint
 from trainer.data import TokenStream
-from trainer.model import GPT, GPTConfig
+from trainer.job import GPTConfig
+from trainer.model import GPT
 from trainer.train import grow_ring
 
 pytestmark = pytest.mark.long

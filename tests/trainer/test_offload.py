@@ -16,7 +16,8 @@ from rankwatch import agent
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.session import Session
 from tests.support.otlp_payloads import query
-from trainer.offload import SCHEDULES, ActivationsToDisk, Disk, OffloadedAdamW, Spec, groups_of, probe
+from trainer.job import SCHEDULES, Spec
+from trainer.offload import ActivationsToDisk, Disk, OffloadedAdamW, groups_of, probe
 
 
 def model() -> torch.nn.Module:

@@ -23,8 +23,9 @@ def _rank(rank: int, out: str) -> None:
 
     from trainer.checkpoint import Checkpointer
     from trainer.data import TokenStream
+    from trainer.job import CONFIGS
     from trainer.layout import Layout
-    from trainer.model import CONFIGS, GPT
+    from trainer.model import GPT
     from trainer.sharded import Local
     from trainer.threed import ThreeD
 
