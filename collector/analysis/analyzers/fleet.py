@@ -219,39 +219,85 @@ def _per_step(steps: pd.DataFrame, placement: pd.DataFrame) -> tuple[pd.DataFram
     """Per step (index): its median end (ns), its median step time and the part of it every rank shares (less
     the time the others wait for the slowest rank's own time: compute and input wait); and per step and host
     (index), the sums of its ranks' compute and input wait excesses over their stage's median in the step, as a
-    share of the step's time, with their count."""
-    data = steps["data_s"].fillna(0.0) if "data_s" in steps else pd.Series(0.0, index=steps.index)
-    wait = steps["comm_wait_s"].fillna(0.0)
-    compute = steps["compute_s"].fillna(steps["duration_s"] - wait - data)
+    share of the step's time, with their count. In numpy, grouped by sorting: it runs at every pass with new
+    steps, and pandas' grouping costs milliseconds a call whatever the frame's size."""
+    duration = _floats(steps["duration_s"])
+    wait = np.nan_to_num(_floats(steps["comm_wait_s"]), nan=0.0)
+    data = np.nan_to_num(_floats(steps["data_s"]), nan=0.0) if "data_s" in steps else np.zeros(len(steps))
+    compute = _floats(steps["compute_s"])
+    compute = np.where(np.isnan(compute), duration - wait - data, compute)
     own = compute + data
-    by_step = steps.groupby("step")
+    step_ids, of_step = np.unique(steps["step"].to_numpy(), return_inverse=True)
+    n = len(step_ids)
+    step_s = _medians(of_step, duration, n)
+    own_max = np.full(n, -np.inf)
+    np.maximum.at(own_max, of_step, own)
     per_step = pd.DataFrame(
         {
-            "end_ns": by_step["end_ts"].median(),
-            "step_s": by_step["duration_s"].median(),
-            "own_median": own.groupby(steps["step"]).median(),
-            "own_max": own.groupby(steps["step"]).max(),
-        }
+            "end_ns": _medians(of_step, _floats(steps["end_ts"]), n),
+            "step_s": step_s,
+            "own_median": _medians(of_step, own, n),
+            "own_max": own_max,
+        },
+        index=pd.Index(step_ids, name="step"),
     )
     per_step["shared_s"] = per_step["step_s"] - (per_step["own_max"] - per_step["own_median"])
-    placed = placement.drop_duplicates("rank").set_index("rank") if not placement.empty else pd.DataFrame()
-    hosts = steps["rank"].map(placed["host"]) if "host" in placed else pd.Series(np.nan, index=steps.index)
-    stages = steps["rank"].map(placed["pp_stage"]).fillna(0) if "pp_stage" in placed else 0
-    if hosts.isna().all():
+    hosts, stages = _placed(steps["rank"].to_numpy(), placement)
+    placed_rows = pd.notna(hosts)
+    if not placed_rows.any():
         unplaced = pd.MultiIndex.from_tuples([], names=["step", "host"])
         return per_step, pd.DataFrame(columns=[COMPUTE, DATA, "n"], index=unplaced, dtype=float)
-    keys = [steps["step"], stages]
-    step_s = steps["step"].map(per_step["step_s"])
-    excess = pd.DataFrame(
+    _, of_stage_step = np.unique(np.stack([of_step, stages]), axis=1, return_inverse=True)
+    of_stage_step = of_stage_step.reshape(-1)
+    groups = of_stage_step.max() + 1
+    share = step_s[of_step]
+    compute_excess = (compute - _medians(of_stage_step, compute, groups)[of_stage_step]) / share
+    data_excess = (data - _medians(of_stage_step, data, groups)[of_stage_step]) / share
+    host_ids, of_host = np.unique(hosts[placed_rows], return_inverse=True)
+    keys, of_node = np.unique(np.stack([of_step[placed_rows], of_host.reshape(-1)]), axis=1, return_inverse=True)
+    of_node = of_node.reshape(-1)
+    node = pd.DataFrame(
         {
-            COMPUTE: (compute - compute.groupby(keys).transform("median")) / step_s,
-            DATA: (data - data.groupby(keys).transform("median")) / step_s,
-            "step": steps["step"],
-            "host": hosts,
-        }
-    ).dropna(subset=["host"])
-    node = excess.groupby(["step", "host"])[[COMPUTE, DATA]].median()  # a node's step: its typical rank's
-    return per_step, node.assign(n=1.0)
+            COMPUTE: _medians(of_node, compute_excess[placed_rows], keys.shape[1]),
+            DATA: _medians(of_node, data_excess[placed_rows], keys.shape[1]),
+            "n": 1.0,
+        },
+        index=pd.MultiIndex(levels=[step_ids, host_ids], codes=[keys[0], keys[1]], names=["step", "host"]),
+    )
+    return per_step, node
+
+
+def _placed(ranks: np.ndarray, placement: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each rank's host (None where unknown) and pipeline stage (0 where unknown), by its first row in `placement`."""
+    hosts, stages = np.full(len(ranks), None, dtype=object), np.zeros(len(ranks))
+    if placement.empty or "host" not in placement:
+        return hosts, stages
+    known, first = np.unique(placement["rank"].to_numpy(), return_index=True)
+    at = pd.Index(known).get_indexer(ranks)
+    found = at >= 0
+    hosts[found] = placement["host"].to_numpy(dtype=object)[first][at[found]]
+    if "pp_stage" in placement:
+        stages[found] = np.nan_to_num(_floats(placement["pp_stage"])[first][at[found]], nan=0.0)
+    return hosts, stages
+
+
+def _floats(column: pd.Series) -> np.ndarray:
+    return column.to_numpy(dtype=float, na_value=np.nan)
+
+
+def _medians(groups: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """The median of `values` in each of the `n` groups `groups` numbers (0..n-1), NaN skipped (all NaN: NaN)."""
+    kept = ~np.isnan(values)
+    groups, values = groups[kept], values[kept]
+    order = np.lexsort((values, groups))
+    ordered = values[order]
+    counts = np.bincount(groups, minlength=n)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    medians = np.full(n, np.nan)
+    has = counts > 0
+    low, high = starts[has] + (counts[has] - 1) // 2, starts[has] + counts[has] // 2
+    medians[has] = (ordered[low] + ordered[high]) / 2
+    return medians
 
 
 def _judged(frames: Frames, kept: dict, window: int, s: Settings) -> list[Finding]:

@@ -10,6 +10,8 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from collector.analysis.analyzers import Frames, fleet
 from rankwatch.agent import semconv as sc
@@ -281,3 +283,17 @@ def test_the_bench_prints_its_figures():
     assert {"precision", "recall", "median_lead_steps", "false_per_10k", "job_recall"} <= set(figures)
     assert figures["runs"] == 2 and figures["nodes"] == 4 and "worn nodes" in printed
     assert 0 <= figures["recall"] <= 1 and figures["false_per_10k"] >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 5), st.one_of(st.floats(-1e6, 1e6), st.just(float("nan")))), min_size=1, max_size=60
+    )
+)
+def test_a_groups_median_is_pandas_median_with_nan_skipped(rows):
+    """The fleet analyzer's grouped median (numpy, by sorting: it runs at every pass) is pandas' groupby median:
+    NaN skipped, a group of NaN alone NaN, an even count the mean of its middle two."""
+    groups, values = np.array([g for g, _ in rows]), np.array([v for _, v in rows])
+    expected = pd.Series(values).groupby(groups).median().reindex(range(6))
+    np.testing.assert_allclose(fleet._medians(groups, values, 6), expected.to_numpy(), rtol=1e-12, equal_nan=True)
