@@ -48,6 +48,7 @@ class PassSchedule:
         self.awaiting_ranks: set[str] = set()  # runs with steps reported that not every rank has reported yet
         self.committed_steps: dict[str, list[tuple[int, int]]] = {}  # run -> the steps committed since its pass
         self.timer_at = time.monotonic() + interval_s  # when every run is next judged, new steps or not
+        self.taken_at = 0.0  # when the last pass took the runs it judges
         self._threading()
 
     def _threading(self) -> None:
@@ -65,8 +66,8 @@ class PassSchedule:
     def heard(self, run_ids: Collection[str], steps: bool, ended: Iterable[str] = ()) -> None:
         """Runs a commit brought something for (`steps`: rank-steps, else only events such as
         heartbeats; `ended`: runs among them with `ended` events); new steps or ends wake a pass."""
-        now = time.monotonic()
         with self._lock:
+            now = time.monotonic()  # under the lock: ordered with a pass taking its runs (ended())
             self.heard_at.update((run_id, now) for run_id in run_ids)
             if steps:
                 self.with_new_steps.update(run_ids)
@@ -116,6 +117,7 @@ class PassSchedule:
             self.timer_at = time.monotonic() + self.interval_s
         cutoff = time.monotonic() - ACTIVE_FOR_S
         with self._lock:
+            self.taken_at = time.monotonic()
             quiet = [run for run, t in self.heard_at.items() if t <= cutoff]
             self.heard_at = {run: t for run, t in self.heard_at.items() if t > cutoff}
             stepped, self.with_new_steps = self.with_new_steps, set()
@@ -138,9 +140,12 @@ class PassSchedule:
             (self.awaiting_ranks.add if awaiting else self.awaiting_ranks.discard)(run_id)
 
     def ended(self, run_id: str) -> None:
-        """A run judged to its end: no longer under analysis."""
+        """A run judged to its end: no longer under analysis, unless a commit brought it something while
+        the pass judged it (a rank's last report of the telemetry its agent dropped, say): the next pass
+        reads that too."""
         with self._lock:
-            self.heard_at.pop(run_id, None)
+            if self.heard_at.get(run_id, 0.0) <= self.taken_at:
+                self.heard_at.pop(run_id, None)
 
     def again(self, run_id: str) -> None:
         """A run with steps left after its pass: judged again at once."""
