@@ -246,6 +246,7 @@ class Judged:
     rolled_back: int | None = None
     behind: bool = False  # steps were reported after `last` that not every rank has yet
     failed: list[str] = field(default_factory=list)  # the analyzers that raised: none of their findings
+    idle: bool = False  # nothing new to judge, and the pass did not ask for time's judgement alone: not judged
 
 
 class Engine:
@@ -298,14 +299,19 @@ class Engine:
         final: bool = False,
         ended_came: bool = True,
         arrived: Sequence[tuple[int, int]] = (),
+        timed: bool = True,
     ) -> Judged:
         """The next pass over `run_id`, its cursor moved past what it judged. `final`: the steps not
-        every rank has reported are judged too (nothing more will come). `ended_came`: `ended`
-        events may have come since the last pass (the live collector knows when any did); they are
-        looked for then, on a run's first pass, and while it is ended (steps after its end undo it).
+        every rank has reported are judged too (nothing more will come). `ended_came`: ranks'
+        ends (`ended` events, or `rank_failed`) may have come since the last pass (the live collector
+        knows when any did); `ended` events are looked for then, on a run's first pass, and while it is
+        ended (steps after its end undo it).
         `arrived`: the steps of the rows committed for the run since its last pass, as ranges (the
         live collector knows; after the fact nothing is known), so that steps arriving below steps
-        already judged are judged too."""
+        already judged are judged too. `timed`: the pass also judges what the passing of time alone
+        changes (a stall); a pass woken by a commit (False) judges the run only where there is a step
+        every rank has reported, an end, a rollback or steps under those judged (most commits of a
+        job bring some ranks' steps alone), and is `idle` otherwise, at the cost of a few reads."""
         new = run_id not in self.cursors
         if new and self.stored:
             row = con.execute(
@@ -340,6 +346,10 @@ class Engine:
             if nth is not None and nth[0] < upto:
                 last, more = int(nth[0]), True
         first_new = cursor.step + 1
+        moved = cursor.step != judged_to or rolled_back is not None or bool(cursor.late)
+        ending = ended_came or cursor.ended_ns is not None or cursor.ending
+        if not (timed or final or new or moved or ending) and last < first_new:
+            return Judged(run_id, first_new, last, behind=max(newest.values(), default=last) > last, idle=True)
         frames = self._frames(con, run_id, first_new, last, now_ns, cursor.ended_ns)
         judged = Judged(
             run_id,

@@ -230,10 +230,15 @@ class Analysis:
         another pass (the run is then judged again at once)."""
         committed = self.schedule.steps_of(run_id)
         try:
-            judged = self.engine.judge(con, run_id, time.time_ns(), final=last, ended_came=ended, arrived=committed)
+            judged = self.engine.judge(
+                con, run_id, time.time_ns(), final=last, ended_came=ended, arrived=committed, timed=timed
+            )
         except Exception:
             self.schedule.add_steps(run_id, committed)  # the next pass is told of them still
             raise
+        if judged.idle:  # a commit brought some ranks' steps alone: nothing to judge or record until the rest come
+            self.schedule.awaits_ranks(run_id, judged.behind)
+            return False
         self.failures.update(judged.failed)
         if judged.failed:  # the run says so itself: its findings over those steps are missing
             found = failing(self.analyzers_failed.setdefault(run_id, {}), judged)

@@ -1,11 +1,15 @@
 """When the live analysis's passes come (collector/analysis/live.py), and which runs each judges.
 
 Passes are driven by commits: the writer hands over each commit's tables, the schedule takes from them
-the runs the commit brought steps (or `ended` events) for and wakes the analysis thread, and the pass
-judges those runs' new steps at once, so a finding exists within a pass of the commit of the step that
-shows it, whatever the step rate. A timer wakes it too (every `interval_s`), for what time alone changes:
-a run that stopped sending steps (a stall), a job stopped by its rollback budget, a stacks request whose
-time is up. A run nothing came for in ACTIVE_FOR_S is no longer judged.
+the runs the commit brought steps (or ranks' ends: `ended` or `rank_failed` events) for and wakes the
+analysis thread, and the pass judges those runs' new steps at once, so a finding exists within a pass of
+the commit of the step that shows it (the commit that brings its last rank's report of it), whatever the
+step rate. Commits wake a pass at most every PASS_GAP_S: the steps of a faster job are judged together,
+each as if it were the newest, to the same findings (a pass costs tens of milliseconds whatever it
+judges, and a job of tiny steps, a pass each, kept a core busy). A timer wakes it too (every
+`interval_s`), for what time alone changes: a run that stopped sending steps (a stall), a job stopped by
+its rollback budget, a stacks request whose time is up. A run nothing came for in ACTIVE_FOR_S is no
+longer judged.
 
 The writer thread tells the schedule of commits and the analysis thread takes the runs due: they meet
 under its lock, and neither waits for the other's work.
@@ -21,15 +25,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.analysis.engine import ENDED, add_steps
+from rankwatch.agent import semconv as sc
 
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
+PASS_GAP_S = 0.25  # the least time between the passes commits wake, well within the second a finding may take
+_ENDS = pa.array([ENDED, sc.EVENT_RANK_FAILED])  # a rank's end: its training loop ended, or it failed
 
 
 @dataclass(frozen=True)
 class Due:
     """What a pass judges: `runs`, in the order it judges them; the runs with steps (`stepped`) and with
-    `ended` events (`ended`) committed since the last pass; and the runs gone quiet (`quiet`: no longer
-    judged, the steps kept for them may go)."""
+    ranks' ends (`ended`: `ended` or `rank_failed` events) committed since the last pass; and the runs gone
+    quiet (`quiet`: no longer judged, the steps kept for them may go)."""
 
     runs: list[str]
     stepped: set[str]
@@ -44,7 +51,7 @@ class PassSchedule:
         self.interval_s = interval_s
         self.heard_at: dict[str, float] = {}  # the runs under analysis -> when a commit last brought them something
         self.with_new_steps: set[str] = set()  # runs with steps committed since the last pass
-        self.with_new_ends: set[str] = set()  # runs with `ended` events committed since the last pass
+        self.with_new_ends: set[str] = set()  # runs with ranks' ends committed since the last pass
         self.awaiting_ranks: set[str] = set()  # runs with steps reported that not every rank has reported yet
         self.committed_steps: dict[str, list[tuple[int, int]]] = {}  # run -> the steps committed since its pass
         self.timer_at = time.monotonic() + interval_s  # when every run is next judged, new steps or not
@@ -55,9 +62,10 @@ class PassSchedule:
         """Made anew in the writer process (the schedule is handed to it pickled, without them)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._now = threading.Event()  # a wake that does not wait out PASS_GAP_S
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_wake")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_wake", "_now")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -65,7 +73,7 @@ class PassSchedule:
 
     def heard(self, run_ids: Collection[str], steps: bool, ended: Iterable[str] = ()) -> None:
         """Runs a commit brought something for (`steps`: rank-steps, else only events such as
-        heartbeats; `ended`: runs among them with `ended` events); new steps or ends wake a pass."""
+        heartbeats; `ended`: runs among them with ranks' ends); new steps or ends wake a pass."""
         with self._lock:
             now = time.monotonic()  # under the lock: ordered with a pass taking its runs (ended())
             self.heard_at.update((run_id, now) for run_id in run_ids)
@@ -88,7 +96,7 @@ class PassSchedule:
                 run_id
                 for part in tables.get(table, ())
                 if table == "events"
-                for run_id in pc.unique(part.filter(pc.equal(part["event"], ENDED))["run_id"]).to_pylist()
+                for run_id in pc.unique(part.filter(pc.is_in(part["event"], _ENDS))["run_id"]).to_pylist()
             }
             self.heard(run_ids, steps=table == "steps", ended=ended)
 
@@ -151,18 +159,24 @@ class PassSchedule:
         """A run with steps left after its pass: judged again at once."""
         with self._lock:
             self.with_new_steps.add(run_id)
-        self._wake.set()
+        self.wake()
 
     def due_in(self) -> float:
         """Seconds until the timer's next pass."""
         return max(self.timer_at - time.monotonic(), 0.0)
 
     def wait(self, at_most: float | None = None) -> None:
-        """Until a commit or a report wakes the analysis thread, or the timer's pass is due (or `at_most`)."""
+        """Until a commit or a report wakes the analysis thread, or the timer's pass is due (or `at_most`);
+        a commit's wake no sooner than PASS_GAP_S after the last pass took its runs."""
         self._wake.wait(self.due_in() if at_most is None else min(self.due_in(), at_most))
         self._wake.clear()
+        if (gap := self.taken_at + PASS_GAP_S - time.monotonic()) > 0:
+            self._now.wait(gap)
+        self._now.clear()
 
     def wake(self) -> None:
+        """Wake the analysis thread for a pass at once (a report, a backlog, the collector's stop)."""
+        self._now.set()
         self._wake.set()
 
 
