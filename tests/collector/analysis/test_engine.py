@@ -64,7 +64,8 @@ def _commit(con, run: str, rows: list[tuple[int, int]], start_ns: int | None = N
 def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data):
     """The ranks' steps arrive in commits of any size, each rank's in order but the ranks apart; a pass
     may come after any commit, and judges at most `budget` rank-steps: the steps judged, over all the
-    passes and a last one, are each step once, and none before every rank had reported it."""
+    passes and a last one, are each step once, and none before every rank had reported it, whether a
+    pass is the timer's or one a commit woke (which judges nothing where no step became complete)."""
     con, engine = _store(), Engine(rank_steps=budget)
     con.execute("INSERT INTO runs VALUES ('r', ?, now())", [ranks])
     sent = dict.fromkeys(range(ranks), 0)
@@ -75,8 +76,10 @@ def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data)
         _commit(con, "r", [(rank, s) for s in range(sent[rank], sent[rank] + n)])
         sent[rank] += n
         while data.draw(st.booleans()):
-            j = engine.judge(con, "r", 0)
+            woken = data.draw(st.booleans())  # by a commit (nothing ended), or the timer's
+            j = engine.judge(con, "r", 0, ended_came=not woken, timed=not woken)
             assert j.last < min(sent.values()) or j.last < j.first_new  # only steps every rank reported
+            assert not j.idle or (j.last < j.first_new and not j.found)
             judged += range(j.first_new, j.last + 1)
             if not j.more:
                 break
@@ -86,6 +89,24 @@ def test_every_committed_step_is_judged_exactly_once(ranks, steps, budget, data)
         if not j.more:
             break
     assert sorted(judged) == list(range(steps))
+
+
+def test_a_commit_that_completes_no_step_has_its_pass_call_no_analyzer():
+    """Rank 0's next steps alone: the pass that commit wakes calls no analyzer (idle, the run behind);
+    the timer's pass calls those that judge the passing of time (a stall); rank 1's report of the steps
+    completes them, and the pass its commit wakes judges them."""
+    con, engine = _store(), Engine()
+    con.execute("INSERT INTO runs VALUES ('r', 2, now())")
+    _commit(con, "r", [(0, 0), (1, 0)])
+    assert engine.judge(con, "r", 0, timed=False).last == 0  # a run's first pass judges what came
+    _commit(con, "r", [(0, 1), (0, 2)])
+    woken = engine.judge(con, "r", 0, ended_came=False, timed=False)
+    assert woken.idle and woken.behind and woken.found == {} and woken.last < woken.first_new
+    timer = engine.judge(con, "r", 0)
+    assert not timer.idle and "hangs" in timer.found and "stragglers" not in timer.found
+    _commit(con, "r", [(1, 1), (1, 2)])
+    woken = engine.judge(con, "r", 0, ended_came=False, timed=False)
+    assert not woken.idle and (woken.first_new, woken.last) == (1, 2) and "stragglers" in woken.found
 
 
 @settings(max_examples=10, deadline=None)
