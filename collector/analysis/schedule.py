@@ -4,12 +4,9 @@ Passes are driven by commits: the writer hands over each commit's tables, the sc
 the runs the commit brought steps (or ranks' ends: `ended` or `rank_failed` events) for and wakes the
 analysis thread, and the pass judges those runs' new steps at once, so a finding exists within a pass of
 the commit of the step that shows it (the commit that brings its last rank's report of it), whatever the
-step rate. Commits wake a pass at most every PASS_GAP_S: the steps of a faster job are judged together,
-each as if it were the newest, to the same findings (a pass costs tens of milliseconds whatever it
-judges, and a job of tiny steps, a pass each, kept a core busy). A timer wakes it too (every
-`interval_s`), for what time alone changes: a run that stopped sending steps (a stall), a job stopped by
-its rollback budget, a stacks request whose time is up. A run nothing came for in ACTIVE_FOR_S is no
-longer judged.
+step rate. A timer wakes it too (every `interval_s`), for what time alone changes: a run that stopped
+sending steps (a stall), a job stopped by its rollback budget, a stacks request whose time is up. A run
+nothing came for in ACTIVE_FOR_S is no longer judged.
 
 The writer thread tells the schedule of commits and the analysis thread takes the runs due: they meet
 under its lock, and neither waits for the other's work.
@@ -28,7 +25,6 @@ from collector.analysis.engine import ENDED, add_steps
 from rankwatch.agent import semconv as sc
 
 ACTIVE_FOR_S = 3600  # a run silent this long is no longer analysed (a hang has fired long before)
-PASS_GAP_S = 0.25  # the least time between the passes commits wake, well within the second a finding may take
 _ENDS = pa.array([ENDED, sc.EVENT_RANK_FAILED])  # a rank's end: its training loop ended, or it failed
 
 
@@ -62,10 +58,9 @@ class PassSchedule:
         """Made anew in the writer process (the schedule is handed to it pickled, without them)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._now = threading.Event()  # a wake that does not wait out PASS_GAP_S
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_wake", "_now")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_wake")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -159,24 +154,18 @@ class PassSchedule:
         """A run with steps left after its pass: judged again at once."""
         with self._lock:
             self.with_new_steps.add(run_id)
-        self.wake()
+        self._wake.set()
 
     def due_in(self) -> float:
         """Seconds until the timer's next pass."""
         return max(self.timer_at - time.monotonic(), 0.0)
 
     def wait(self, at_most: float | None = None) -> None:
-        """Until a commit or a report wakes the analysis thread, or the timer's pass is due (or `at_most`);
-        a commit's wake no sooner than PASS_GAP_S after the last pass took its runs."""
+        """Until a commit or a report wakes the analysis thread, or the timer's pass is due (or `at_most`)."""
         self._wake.wait(self.due_in() if at_most is None else min(self.due_in(), at_most))
         self._wake.clear()
-        if (gap := self.taken_at + PASS_GAP_S - time.monotonic()) > 0:
-            self._now.wait(gap)
-        self._now.clear()
 
     def wake(self) -> None:
-        """Wake the analysis thread for a pass at once (a report, a backlog, the collector's stop)."""
-        self._now.set()
         self._wake.set()
 
 

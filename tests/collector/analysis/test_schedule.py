@@ -1,14 +1,10 @@
 """The live analysis's pass schedule (collector/analysis/schedule.py): a run judged to its end leaves the
-runs under analysis, unless a commit brought it something while that pass judged it; commits wake a pass
-no sooner than PASS_GAP_S after the last, a report, a backlog or the stop at once."""
-
-import threading
-import time
+runs under analysis, unless a commit brought it something while that pass judged it; a rank's failure
+wakes a pass as its end does."""
 
 import pyarrow as pa
 import pytest
 
-from collector.analysis import schedule as schedule_module
 from collector.analysis.schedule import PassSchedule
 from rankwatch.agent import semconv as sc
 
@@ -37,25 +33,6 @@ def test_a_run_judged_to_its_end_with_nothing_after_leaves_the_analysis():
     assert schedule.active() == {"s"}
     schedule.heard(["r"], steps=False)  # a heartbeat after the end: judged again, as any run heard from
     assert schedule.active() == {"r", "s"}
-
-
-def test_commits_wake_a_pass_no_sooner_than_the_gap_after_the_last(monkeypatch):
-    """(Lower bounds on time only, and a gap far longer than a loaded machine's delays: a wake at once
-    is told from one that waited the gap whatever the load.)"""
-    monkeypatch.setattr(schedule_module, "PASS_GAP_S", 20.0)
-    schedule = PassSchedule(interval_s=3600)
-    schedule.due(every=False, last=False, judged=())  # a pass took its runs just now
-    schedule.heard(["r"], steps=True)
-    started = time.monotonic()
-    threading.Timer(0.2, schedule.wake).start()  # a report (or the stop) while the gap holds the pass
-    schedule.wait()
-    assert time.monotonic() - started < 10.0  # it came at once, whatever the gap
-    monkeypatch.setattr(schedule_module, "PASS_GAP_S", 0.5)
-    schedule.due(every=False, last=False, judged=())
-    schedule.heard(["r"], steps=True)
-    started = time.monotonic()
-    schedule.wait()
-    assert time.monotonic() - started >= 0.45
 
 
 def test_a_ranks_failure_wakes_a_pass_as_its_end_does():
