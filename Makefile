@@ -1,9 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Both build .venv on first use. torch is pinned to the CPU build that pip
-# finds locally, so the multi-GB CUDA wheels are never downloaded. pip leaves
-# the packages' bytecode to their first import, which compiles only the
-# modules used (installing took 81 s with it, 43 s without; the first import of
-# torch, pandas, Streamlit and the frameworks 10 s more, once).
+# finds locally, so the multi-GB CUDA wheels are never downloaded.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -13,7 +10,7 @@ TORCH  ?= torch==2.13.0
 
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile $(TORCH) -e '.[all,test]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[all,test]'
 	$(BIN)/python -c 'import collector.receive._otlpwire' || (echo "the C decoder collector/receive/_otlpwire.c did not build: install a C compiler and Python headers"; exit 1)
 	touch $@
 
