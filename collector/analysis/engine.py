@@ -348,8 +348,9 @@ class Engine:
         first_new = cursor.step + 1
         moved = cursor.step != judged_to or rolled_back is not None or bool(cursor.late)
         ending = ended_came or cursor.ended_ns is not None or cursor.ending
+        behind = max(newest.values(), default=last) > last
         if not (timed or final or new or moved or ending) and last < first_new:
-            return Judged(run_id, first_new, last, behind=max(newest.values(), default=last) > last, idle=True)
+            return Judged(run_id, first_new, last, behind=behind, idle=True)
         frames = self._frames(con, run_id, first_new, last, now_ns, cursor.ended_ns)
         judged = Judged(
             run_id,
@@ -357,7 +358,7 @@ class Engine:
             last,
             more=more or bool(cursor.late),
             rolled_back=rolled_back,
-            behind=max(newest.values(), default=last) > last,
+            behind=behind,
         )
         if frames is not None:
             for analyzer in self.analyzers:
