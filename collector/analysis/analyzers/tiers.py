@@ -201,27 +201,45 @@ def _slow(recent: pd.DataFrame, before: pd.DataFrame, probes: pd.DataFrame, s: S
     worst = limits.fillna(-1.0).idxmax(axis=1)
     limit = limits.max(axis=1)
     slow = {}
-    for rank in now.index[(now < limit).to_numpy()]:
+    slower = now.index[(now < limit).to_numpy()]
+    behind_peers = now < limits["peers"] if "peers" in limits else pd.Series(False, index=now.index)
+    against_peers = _against_peers(rates) if behind_peers[slower].any() else pd.DataFrame()
+    for rank in slower:
         of, bound = worst[rank], float(limit[rank])
         mine = rates.loc[rank]
         # its slow stretch ends at its newest slow step (the window's median is slow, so some step is; the newest
-        # may be fast again: a fault that ended) and begins where its own series changes level
+        # may be fast again: a fault that ended) and begins where its series changes level: its bandwidth over
+        # its peers' at each step where it fell behind its peers (a disk the whole machine shares, slowed for all,
+        # moves no onset), else its own bandwidth
         newest_slow = mine.index[(mine < bound).to_numpy()].max()
-        onset = _onset(mine[mine.index <= newest_slow])
+        relative = against_peers[rank].dropna() if behind_peers[rank] else mine.iloc[:0]
+        series = relative if (relative.index <= newest_slow).any() else mine
+        onset = _onset(series[series.index <= newest_slow])
         reference = float(references.at[rank, of]) if of in references else float(probed[rank])
         slow[int(rank)] = {"bps": float(now[rank]), "reference_bps": reference, "reference": of, "since_step": onset}
     return slow
 
 
 def _onset(rates: pd.Series) -> int:
-    """The step a rank's bandwidth series (by step) drops at: where its log-bandwidth changes level (a
-    change point, judged on the rank's own series, not on a threshold set by its peers, which a loaded
-    machine slows too); its first step where it never rose."""
+    """The step a rank's series of bandwidths (or of bandwidths over its peers', by step) drops at: where its
+    log changes level (a change point, judged on the rank's series, not on a threshold, which a loaded machine
+    moves); its first step where it never rose."""
     logs = np.log(rates.to_numpy(dtype=float))
     split = change_point(logs)
     if not split or logs[split:].mean() >= logs[:split].mean():
         return int(rates.index[0])
     return int(rates.index[split])
+
+
+def _against_peers(rates: pd.Series) -> pd.DataFrame:
+    """Each rank-step's bandwidth over the median of its peers' at the same step (index step, a column per rank;
+    NaN where the rank or all its peers moved no data at that step)."""
+    by_step = rates.unstack("rank")
+    ratios = np.full(by_step.shape, np.nan)
+    for i, row in enumerate(by_step.to_numpy(dtype=float)):
+        present = ~np.isnan(row)
+        ratios[i, present] = row[present] / _others_median(row[present])
+    return pd.DataFrame(ratios, index=by_step.index, columns=by_step.columns)
 
 
 def _others_median(values: np.ndarray) -> np.ndarray:
