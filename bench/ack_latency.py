@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.otlp_payloads import post, step_spans, trace_body
 
@@ -48,7 +48,7 @@ def latencies(extra_runs: int, seconds: float, directory: Path) -> list[float]:
                 assert post(collector, "traces", many_runs(extra_runs), timeout=300).status_code == 200
             taken, step = [], 0
             deadline = time.monotonic() + seconds
-            with httpx.Client() as client:
+            with loopback.Client() as client:
                 while time.monotonic() < deadline:
                     body = trace_body(step_spans("bench-live", 0, range(step, step + 5)))
                     started = time.perf_counter()

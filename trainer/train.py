@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     if activations:
         activations.close()
     agent.shutdown()
+    # every rank past its last collective before any tears its process group down: on gloo, a rank whose
+    # peer was still tearing down may abort at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

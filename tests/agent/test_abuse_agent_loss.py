@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +23,7 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.apiclient import ApiClient
 from rankwatch.agent.export import Exporter
 from rankwatch.agent.lost import Lost
+from tests.support import loopback
 from tests.support.commands import rankwatch_in_process
 from tests.support.otlp_payloads import query
 from tests.support.waits import wait_until
@@ -105,7 +105,7 @@ def test_refused_exports_are_counted_not_retried(module_collector):
 
 
 def _requests(collector, code: str) -> float:
-    page = httpx.get(f"{collector.url}/metrics", timeout=30).text
+    page = loopback.get(f"{collector.url}/metrics", timeout=30).text
     return sum(
         s.value
         for family in text_string_to_metric_families(page)

@@ -6,18 +6,18 @@ LOOK_S of training apart, and no more often than that needs, whatever the step t
 
 import time
 
-import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankwatch.agent.commands import MAX_STEPS_APART, Commands, Looks, steps_apart
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 
 RUN = "run-agent-commands"
 
 
 def create(collector, **args) -> dict:
-    response = httpx.post(
+    response = loopback.post(
         f"{collector.url}/v1/commands",
         json={"run_id": RUN, "kind": "rollback", "args": args},
         headers={"Authorization": f"Bearer {collector.token}"},

@@ -11,11 +11,11 @@ requests with the same reason and challenge, OTLP and JSON alike."""
 import socket
 import time
 
-import httpx
 import pytest
 from google.rpc.status_pb2 import Status
 
 from rankwatch.agent.apiclient import ApiClient, ApiError
+from tests.support import loopback
 from tests.support.collectors import free_port
 
 RUN = "api client ü&state=applied"  # a query string built by hand would filter on state
@@ -101,7 +101,7 @@ GUARDED = [
 def test_every_guarded_endpoint_refuses_alike(module_collector, authorization):
     for method, path, content_type, body in GUARDED:
         headers = {k: v for k, v in (("Authorization", authorization), ("Content-Type", content_type)) if v}
-        r = httpx.request(method, module_collector.url + path, headers=headers, content=body, timeout=30)
+        r = loopback.request(method, module_collector.url + path, headers=headers, content=body, timeout=30)
         assert (r.status_code, r.headers["WWW-Authenticate"]) == (401, "Bearer"), (path, r.text)
         reason = Status.FromString(r.content).message if path == "/v1/traces" else r.json()["error"]
         assert reason == "missing or wrong bearer token", path

@@ -17,7 +17,6 @@ import itertools
 import time
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -29,6 +28,7 @@ from rankwatch.agent.collectives import comm_hook
 from rankwatch.agent.session import Session
 from rankwatch.agent.stepspans import BUCKET, bubble
 from rankwatch.agent.timeline import length
+from tests.support import loopback
 from tests.support.otlp_payloads import query
 from tests.support.waits import wait_until
 
@@ -222,7 +222,7 @@ def test_a_finished_step_reaches_the_collector_without_waiting_for_the_next(coll
     ended = time.monotonic()
 
     def stored() -> bool:
-        answer = httpx.post(
+        answer = loopback.post(
             f"{collector.url}/api/v1/query",
             headers=collector.headers,
             timeout=10,

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.requests import Request
 
@@ -26,6 +25,7 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.config import SCOPES
 from rankwatch.agent.export import Exporter
 from rankwatch.launch import wait_healthy
+from tests.support import loopback
 from tests.support.collectors import free_port
 from tests.support.commands import rankwatch_in_process
 from tests.support.straggler_steps import MS, alerts_pending, send_straggler_steps
@@ -148,7 +148,9 @@ def test_a_token_file_keeps_the_token_out_of_ps_and_works(live, tmp_path):
     process, token, *_ = live
     assert token.encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes()
     headers = {"Authorization": f"Bearer {token}"}
-    assert httpx.post(f"{process.url}/api/v1/query", json={"sql": "SELECT 1"}, headers=headers, timeout=30).is_success
+    assert loopback.post(
+        f"{process.url}/api/v1/query", json={"sql": "SELECT 1"}, headers=headers, timeout=30
+    ).is_success
     (tmp_path / "t").write_text(token)
     result = rankwatch_in_process(
         "query", "SELECT 41 + 1 AS x", "--collector", process.url, "--token-file", str(tmp_path / "t")
@@ -183,7 +185,7 @@ def test_a_catalog_password_in_any_form_of_lake_is_refused_unseen(tmp_path, cata
 
 def test_a_receiver_url_appears_neither_on_metrics_nor_in_the_log(live):
     process, _, _, log_path = live
-    page = httpx.get(f"{process.url}/metrics", timeout=30).text
+    page = loopback.get(f"{process.url}/metrics", timeout=30).text
     assert 'rankwatch_collector_alerts_pending{receiver="webhook-' in page
     for text in (page, log_path.read_text()):
         assert "SECRET" not in text

@@ -24,11 +24,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import pytest
 
 from collector.receive.auth import load_or_create_token
 from rankwatch.launch import wait_healthy
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.commands import rankwatch_cli, rankwatch_in_process
 from tests.support.otlp_payloads import T0, post, query, step_spans, trace_body
@@ -157,7 +157,7 @@ def test_query_while_collector_holds_store(beside):
     assert_one_line_error(
         rankwatch_in_process("query", "SELECT 1", "--db", str(beside.db)), "running collector", str(beside.db)
     )
-    assert httpx.get(f"{beside.url}/healthz").status_code == 200  # the collector is unaffected
+    assert loopback.get(f"{beside.url}/healthz").status_code == 200  # the collector is unaffected
 
 
 def test_missing_store_one_line_exit_2(tmp_path):
@@ -293,7 +293,7 @@ def test_a_refused_token_stops_dashboard_and_simulate_in_one_line(beside, tmp_pa
         assert_one_line_error(simulate, "refused the token (HTTP 401", said)
         train = rankwatch_in_process("train", "--steps", "2", "--collector", beside.url, env=env)
         assert_one_line_error(train, "refused the token (HTTP 401", said)  # before torchrun starts a rank
-    rows = httpx.post(
+    rows = loopback.post(
         f"{beside.url}/api/v1/query",
         json={"sql": "SELECT count(*) FROM runs WHERE run_id = 'refused'"},
         headers=beside.headers,
@@ -409,11 +409,11 @@ def test_run_gives_the_job_an_ingest_token_in_a_file_of_its_own_never_the_collec
     made = rankwatch_in_process("token", "--scope", "ingest", "--token-file", str(token_file))
     assert made.returncode == 0 and made.stdout == ingest + "\n", made
     headers = {"Authorization": f"Bearer {ingest}"}
-    exported = httpx.post(
+    exported = loopback.post(
         f"{beside.url}/v1/traces", content=b"", headers=headers | {"Content-Type": "application/x-protobuf"}
     )
     assert exported.status_code == 200
-    queried = httpx.post(f"{beside.url}/api/v1/query", json={"sql": "SELECT 1"}, headers=headers, timeout=30)
+    queried = loopback.post(f"{beside.url}/api/v1/query", json={"sql": "SELECT 1"}, headers=headers, timeout=30)
     assert queried.status_code == 403 and "the query scope" in queried.json()["error"]
 
 
@@ -549,7 +549,7 @@ def test_power_apply_refuses_a_run_no_job_is_running(beside):
     ):
         result = rankwatch_in_process("power", "apply", run, "--watts", "300", "--collector", beside.url, env=env)
         assert_one_line_error(result, f"run {run} {said}", "no job is running" if run != "pa-ended" else "never")
-        commands = httpx.get(f"{beside.url}/v1/commands", params={"run_id": run}, headers=beside.headers, timeout=30)
+        commands = loopback.get(f"{beside.url}/v1/commands", params={"run_id": run}, headers=beside.headers, timeout=30)
         assert commands.json() == []
 
 

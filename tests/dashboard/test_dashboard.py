@@ -11,7 +11,6 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import duckdb
-import httpx
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -27,6 +26,7 @@ from dashboard import charts, evidence, ui
 from dashboard.source import COLLECTOR_ENV
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector, job_collector
 from tests.support.commands import rankwatch_in_process
 from tests.support.dashboard_pages import APP, PAGES, chart, drawn, open_page, reading, shown, texts
@@ -945,7 +945,7 @@ def test_a_refused_token_check_is_not_said_to_lose_a_jobs_telemetry(served, monk
             check_token(served.url, "not-the-token-0123456")
     spans = trace_body(step_spans("run-wrong-token", 0, [0]))
     for _ in range(6):  # a job's spans, sent with the wrong token: lost
-        assert httpx.post(f"{served.url}/v1/traces", content=spans, headers=wrong).status_code == 401
+        assert loopback.post(f"{served.url}/v1/traces", content=spans, headers=wrong).status_code == 401
     fired = f"""SELECT evidence->>'refused' FROM findings
                 WHERE run_id = '{health.RUN_ID}' AND kind = 'refused_exports'"""
 

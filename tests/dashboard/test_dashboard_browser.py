@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import loopback
 from tests.support.collectors import free_port
 from tests.support.dashboard_store import ENDED, FAILED, FLEET, FLIGHT, HANG, IMPORTED, LOADER, NAN
 
@@ -70,7 +71,7 @@ def dashboard(dashboard_store, tmp_path_factory):
     while True:
         assert process.poll() is None, "the dashboard exited"
         try:
-            if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
+            if loopback.get(f"{url}/_stcore/health", timeout=2).text == "ok":
                 break
         except httpx.HTTPError:
             pass

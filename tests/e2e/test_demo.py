@@ -10,6 +10,7 @@ import socket
 import httpx
 import pytest
 
+from tests.support import loopback
 from tests.support.collectors import free_port
 from tests.support.commands import Interactive, rankwatch_in_process
 
@@ -43,7 +44,7 @@ class Demo(Interactive):
         assert self.left_running() == ""
         for p in (self.port, self.dashboard_port):
             try:
-                httpx.get(f"http://127.0.0.1:{p}/", timeout=2)
+                loopback.get(f"http://127.0.0.1:{p}/", timeout=2)
                 raise AssertionError(f"port {p} still answers after the demo stopped")
             except httpx.TransportError:
                 pass
@@ -60,8 +61,8 @@ def test_demo_runs_the_job_serves_the_dashboard_and_stops_on_ctrl_c(tmp_path):
         assert f"; watch it at http://127.0.0.1:{demo.dashboard_port}/?run={run_id} (rankwatch dashboard)" in output
         assert "] rank 2 computes" in output, output  # the straggler, named
         assert "rolled back by the collector (1 rollback)" in output and "loss_spike" in output, output
-        assert httpx.get(f"http://127.0.0.1:{demo.dashboard_port}/_stcore/health", timeout=5).text == "ok"
-        assert httpx.get(f"http://127.0.0.1:{demo.port}/healthz", timeout=5).status_code == 200  # what it reads
+        assert loopback.get(f"http://127.0.0.1:{demo.dashboard_port}/_stcore/health", timeout=5).text == "ok"
+        assert loopback.get(f"http://127.0.0.1:{demo.port}/healthz", timeout=5).status_code == 200  # what it reads
         for rank in range(4):  # the job's checkpoints, beside its store
             assert list((tmp_path / "runs" / run_id / "checkpoints" / f"rank-{rank}").glob("step-*")), rank
         demo.assert_stops_cleanly_on(signal.SIGINT)

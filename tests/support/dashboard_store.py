@@ -13,11 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from collector.reports.query import run_remote
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port, simulated_store
 from tests.support.commands import rankwatch_in_process
 from tests.support.engine_jobs import exporters, send_steps
@@ -165,7 +164,7 @@ def _nan_run(collector: Collector) -> None:
             wait_until(exporter.flush, "telemetry not delivered", 120)
 
     steps(range(NAN["steps"]), t0, NAN["nan_from"])
-    with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=10) as http:
+    with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=10) as http:
         wait_until(lambda: http.get("/v1/commands", params={"run_id": NAN["run"]}).json(), "no rollback command")
         command = http.get("/v1/commands", params={"run_id": NAN["run"]}).json()[0]["id"]
         resumed = t0 + (NAN["steps"] + 5) * 100 * MS

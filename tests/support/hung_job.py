@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
 from opentelemetry.sdk.resources import Resource
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.config import INGEST, scoped_token
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector
 from tests.support.waits import wait_until
 
@@ -75,7 +75,7 @@ class Job(threading.Thread):
             Resource.create({sc.RUN_ID: job.run, sc.RANK: r, sc.WORLD_SIZE: job.ranks, sc.HOST_NAME: f"node-{r // 4}"})
             for r in range(job.ranks)
         ]
-        self.poll = httpx.Client(
+        self.poll = loopback.Client(
             base_url=collector.url,
             headers={"Authorization": f"Bearer {scoped_token(collector.token, INGEST)}"},
             timeout=30,

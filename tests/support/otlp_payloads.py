@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from rankwatch.agent import semconv as sc
+from tests.support import loopback
 
 T0 = 1_700_000_000_000_000_000  # ns; every payload's times are explicit offsets from here
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -77,7 +78,7 @@ def post(
     if gzip_body:
         body = gzip.compress(body)
         h["Content-Encoding"] = "gzip"
-    send = client.post if client is not None else httpx.post
+    send = client.post if client is not None else loopback.post
     return send(f"{collector.url}/v1/{signal}", content=body, headers=h, timeout=timeout)
 
 

@@ -1,9 +1,9 @@
 """Step spans of a job with a straggler, sent through the agent's real exporters."""
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankwatch.agent import semconv as sc
+from tests.support import loopback
 from tests.support.waits import wait_until
 
 MS = 1_000_000
@@ -38,7 +38,7 @@ def send_straggler_steps(exporters: dict, steps, t0: int, slow_rank: int | None)
 
 
 def alerts_pending(collector) -> float:
-    page = httpx.get(f"{collector.url}/metrics", timeout=10).text
+    page = loopback.get(f"{collector.url}/metrics", timeout=10).text
     return sum(
         s.value
         for f in text_string_to_metric_families(page)

@@ -16,7 +16,6 @@ import subprocess
 import time
 
 import duckdb
-import httpx
 import pytest
 
 from collector.alerts.config import AlertConfig, Receiver
@@ -25,6 +24,7 @@ from collector.alerts.outbox import Outbox
 from collector.analysis import findings
 from collector.analysis.analyzers import Finding, health
 from collector.store.schema import DDL
+from tests.support import loopback
 from tests.support.collectors import free_port
 from tests.support.commands import rankwatch_cli
 from tests.support.floods import PeakRss
@@ -53,7 +53,7 @@ def _alerts_file(tmp_path, *receivers: tuple[str, WebhookReceiver]) -> str:
 def _refuse_exports(collector, headers: dict[str, str], status: int) -> None:
     """As many refused exports as the collector's health needs to judge a rate: a health alert."""
     for _ in range(health.Settings().min_requests):
-        response = httpx.post(f"{collector.url}/v1/traces", content=b"{}", headers=headers, timeout=30)
+        response = loopback.post(f"{collector.url}/v1/traces", content=b"{}", headers=headers, timeout=30)
         assert response.status_code == status
 
 

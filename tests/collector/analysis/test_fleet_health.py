@@ -6,7 +6,6 @@ bench on a small size."""
 
 import json
 
-import httpx
 import numpy as np
 import pandas as pd
 import pytest
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from collector.analysis.analyzers import Frames, fleet
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.commands import bench, rankwatch_in_process
 from tests.support.waits import wait_until
@@ -217,7 +217,7 @@ def drained(tmp_path_factory):
             simulate.to_collector(exporter, RUN, topology, simulate.steps(topology, STEPS, faults), faults)
             assert exporter.flush()
             exporter.shutdown()
-            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=30) as http:
+            with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=30) as http:
 
                 def judged_to() -> int:
                     sql = "SELECT max(step) FROM analysis_cursors WHERE run_id = ?"
@@ -228,7 +228,7 @@ def drained(tmp_path_factory):
                 answers["all"] = http.get(f"/v1/runs/{RUN}/nodes")
                 answers["unknown"] = http.get("/v1/runs/no-such-run/nodes")
                 answers["bad"] = http.get(f"/v1/runs/{RUN}/nodes", params={"unhealthy": "maybe"})
-                answers["anonymous"] = httpx.get(f"{collector.url}/v1/runs/{RUN}/nodes")
+                answers["anonymous"] = loopback.get(f"{collector.url}/v1/runs/{RUN}/nodes")
             env = {"RANKWATCH_TOKEN": collector.token}
             answers["cli"] = rankwatch_in_process(
                 "nodes", RUN, "--unhealthy", "--json", "--collector", collector.url, env=env

@@ -20,7 +20,6 @@ stacks route, `rankwatch analyze` (text and JSON) and the dashboard's evidence r
 import json
 import time
 
-import httpx
 import pandas as pd
 import pytest
 
@@ -34,7 +33,7 @@ from collector.control import commands
 from collector.store.db import connect, create_tables
 from dashboard import evidence
 from rankwatch.agent import semconv as sc
-from tests.support import flight_dumps
+from tests.support import flight_dumps, loopback
 from tests.support.collectors import job_collector
 from tests.support.commands import rankwatch_in_process
 from tests.support.flight_dumps import entry
@@ -305,7 +304,7 @@ def live(tmp_path_factory):
     seen: dict = {}
     with job_collector(directory, "--analyze-every", "0.5", "--hang-after", "3") as collector:
         job = Job(collector, Hung(RUN, len(RANKS), HUNG, STEPS, gloo_body))
-        with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as api:
+        with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=60) as api:
             try:
                 job.steps()
                 job.start()

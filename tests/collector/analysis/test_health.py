@@ -5,9 +5,8 @@ import json
 import math
 import time
 
-import httpx
-
 from collector.analysis.analyzers import health
+from tests.support import loopback
 from tests.support.collectors import free_port
 from tests.support.otlp_payloads import query, step_spans, trace_body
 from tests.support.webhook_receiver import Receiver
@@ -97,13 +96,13 @@ def test_a_collector_refusing_a_job_pages_the_receiver(collector_factory, tmp_pa
         collector = collector_factory(None, "--analyze-every", "0.5", "--alerts", str(alerts))
         wrong = {"Authorization": "Bearer wrong-token", "Content-Type": "application/x-protobuf"}
         for _ in range(health.Settings().min_requests):  # launchers checking a wrong token: nothing lost, no page
-            checked = httpx.post(f"{collector.url}/v1/traces", content=b"", headers=wrong)
+            checked = loopback.post(f"{collector.url}/v1/traces", content=b"", headers=wrong)
             assert checked.status_code == 401
         time.sleep(2)  # passes of the analysis judge the collector's health
         assert receiver.deliveries == []
         spans = trace_body(step_spans("run-refused", 0, [0]))
         for _ in range(health.Settings().min_requests):  # a job's exports of spans refused: they are lost
-            response = httpx.post(f"{collector.url}/v1/traces", content=spans, headers=wrong)
+            response = loopback.post(f"{collector.url}/v1/traces", content=spans, headers=wrong)
             assert response.status_code == 401
         (delivery,) = receiver.wait_for(1)
     finally:

@@ -10,7 +10,6 @@ import re
 import threading
 import time
 
-import httpx
 import numpy as np
 import pandas as pd
 import pytest
@@ -23,6 +22,7 @@ from rankwatch.agent import semconv as sc
 from rankwatch.agent.apiclient import ApiClient
 from rankwatch.agent.gpumodel import THERMAL, GpuModel, operating_points
 from rankwatch.agent.simdevice import SimulatedDevice
+from tests.support import loopback
 from tests.support.collectors import free_port, simulated_store
 from tests.support.commands import rankwatch_in_process
 from tests.support.otlp_payloads import query
@@ -439,7 +439,7 @@ def test_power_apply_sends_a_pending_power_cap(collector, tmp_path):
     result = apply("--caps", str(caps), "--watts", "650")
     assert result.returncode == 0, result.stderr
     assert "2 ranks capped, the others at 650 W" in result.stdout
-    (command,) = httpx.get(
+    (command,) = loopback.get(
         f"{collector.url}/v1/commands", params={"run_id": "pw-live"}, headers=collector.headers, timeout=10
     ).json()
     assert (command["kind"], command["state"], command["created_by"]) == ("power_cap", "pending", "api")

@@ -10,7 +10,6 @@ import threading
 import time
 
 import duckdb
-import httpx
 import pandas as pd
 import pytest
 
@@ -20,7 +19,7 @@ from collector.control import commands
 from collector.store.db import connect, create_tables
 from dashboard import evidence
 from rankwatch.agent import semconv as sc
-from tests.support import hung_job
+from tests.support import hung_job, loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.commands import rankwatch_in_process
 from tests.support.hung_job import AT_ALL_REDUCE, AT_FORWARD, BLOCKED, IN_FORWARD, LIB, OUTER, Hung, Job, ask, frame
@@ -184,7 +183,7 @@ def live(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(live):
-    with httpx.Client(base_url=live.url, headers=live.headers, timeout=60) as client:
+    with loopback.Client(base_url=live.url, headers=live.headers, timeout=60) as client:
         yield client
 
 
@@ -275,7 +274,7 @@ def test_held_polls_wait_for_their_own_kinds(api):
     started = time.monotonic()
     held = listed(api, run_id="api-held", state="pending", kind="power_cap,rollback", wait="1.5")
     assert held == [] and time.monotonic() - started >= 1.4
-    other = httpx.Client(base_url=str(api.base_url), headers=api.headers, timeout=60)
+    other = loopback.Client(base_url=str(api.base_url), headers=api.headers, timeout=60)
     later = threading.Timer(0.5, created, (other, "api-held", [1]))
     later.start()
     started = time.monotonic()

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from collector.control.api import MAX_BODY, MAX_DEPTH, MAX_WAITING
 from rankwatch.agent.commands import Commands
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.commands import rankwatch_in_process
 from tests.support.waits import wait_until
@@ -46,14 +47,14 @@ def collector(module_collector):
 
 @pytest.fixture
 def client(collector):
-    with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=ANSWER_S) as http:
+    with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=ANSWER_S) as http:
         yield http
 
 
 @pytest.fixture
 def anonymous(collector):
     """A client that sends only the headers each request names."""
-    with httpx.Client(base_url=collector.url, timeout=ANSWER_S) as http:
+    with loopback.Client(base_url=collector.url, timeout=ANSWER_S) as http:
         yield http
 
 
@@ -391,7 +392,7 @@ def test_a_stored_row_that_cannot_be_sent_does_not_break_polling(tmp_path):
             )
         again = Collector(first.db, free_port(), "test-token-0123456", log=log).start()
         try:
-            with httpx.Client(base_url=again.url, headers=again.headers, timeout=ANSWER_S) as client:
+            with loopback.Client(base_url=again.url, headers=again.headers, timeout=ANSWER_S) as client:
                 pending = client.get("/v1/commands", params={"run_id": RUN, "state": "pending"})
                 assert pending.status_code == 200, pending.text
                 assert [c["args"] for c in pending.json()] == [{"watts": None}, {"caps": {"0": None}}]

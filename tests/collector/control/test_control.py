@@ -19,6 +19,7 @@ import pytest
 from collector.control.api import MAX_WAITING
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.otlp_payloads import query
 from tests.support.waits import wait_until
 
@@ -63,7 +64,7 @@ def commands(client, **params):
 @pytest.fixture
 def client(collector_factory):
     collector = collector_factory(None, "--analyze-every", "0.5")
-    with httpx.Client(
+    with loopback.Client(
         base_url=collector.url, headers={"Authorization": f"Bearer {collector.token}"}, timeout=10
     ) as http:
         http.collector = collector
@@ -73,7 +74,7 @@ def client(collector_factory):
 @pytest.fixture(scope="module")
 def refusing(module_collector):
     """A client of one collector for the module's refused requests: a refusal changes nothing, so they share it."""
-    with httpx.Client(base_url=module_collector.url, headers=module_collector.headers, timeout=10) as http:
+    with loopback.Client(base_url=module_collector.url, headers=module_collector.headers, timeout=10) as http:
         yield http
 
 
@@ -164,7 +165,7 @@ def test_the_token_is_required(client):
         httpx.Request("GET", f"{client.collector.url}/v1/commands", params={"run_id": RUN}),
         httpx.Request("POST", f"{client.collector.url}/v1/commands", json={"run_id": RUN, "kind": "rollback"}),
     ):
-        assert httpx.Client().send(request).status_code == 401
+        assert loopback.Client().send(request).status_code == 401
 
 
 def test_a_held_poll_answers_as_soon_as_a_command_is_queued(client):
@@ -190,7 +191,7 @@ def test_an_idle_held_poll_ends_at_its_wait_and_needs_the_token(client):
     started = time.monotonic()
     idle = client.get("/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 1.5})
     assert idle.status_code == 200 and idle.json() == [] and time.monotonic() - started >= 1.5
-    unauthorized = httpx.get(
+    unauthorized = loopback.get(
         f"{client.collector.url}/v1/commands", params={"run_id": RUN, "state": "pending", "wait": 20}, timeout=10
     )
     assert unauthorized.status_code == 401  # at once, never held

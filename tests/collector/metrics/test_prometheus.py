@@ -21,6 +21,7 @@ from collector.metrics import runs
 from collector.store.schema import DDL
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.commands import rankwatch_cli
 from tests.support.paths import ROOT
@@ -70,7 +71,7 @@ def collector(tmp_path_factory):
         exporter.shutdown()
 
         def straggler_live() -> bool:  # an analysis pass went over the last steps
-            page = httpx.get(f"{collector.url}/metrics", timeout=30).text
+            page = loopback.get(f"{collector.url}/metrics", timeout=30).text
             return any(
                 s.name == "rankwatch_run_suspect_rank_findings_firing" and s.labels == {"run": RUN, "rank": "3"}
                 for family in text_string_to_metric_families(page)
@@ -86,7 +87,7 @@ def collector(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(collector) -> str:
-    response = httpx.get(f"{collector.url}/metrics", timeout=30)
+    response = loopback.get(f"{collector.url}/metrics", timeout=30)
     assert response.status_code == 200
     return response.text
 
@@ -166,7 +167,7 @@ def test_prometheus_scrapes_the_collector(collector, tmp_path):
         while not result and time.monotonic() < deadline:
             time.sleep(0.5)
             with contextlib.suppress(httpx.TransportError, ValueError, KeyError):
-                result = httpx.get(
+                result = loopback.get(
                     f"http://127.0.0.1:{port}/api/v1/query",
                     params={"query": f'rankwatch_run_last_step{{run="{RUN}"}}'},
                     timeout=5,

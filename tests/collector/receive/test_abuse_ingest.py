@@ -30,6 +30,7 @@ from collector.receive.decode import MAX_ATTRIBUTES, MAX_ITEMS, MAX_NAME_BYTES, 
 from collector.receive.ingest import Outcome, Request, decode_batch
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.apiclient import ApiClient
+from tests.support import loopback
 from tests.support.otlp_payloads import T0, post, query
 
 pytestmark = pytest.mark.long
@@ -389,12 +390,12 @@ def test_a_poison_run_id_fails_no_honest_export_beside_it(module_collector):
     stop, refused = threading.Event(), []
 
     def attack() -> None:
-        with httpx.Client() as client:
+        with loopback.Client() as client:
             while not stop.is_set():
                 refused.append(post(module_collector, "traces", poison, client=client, timeout=60))
 
     def send(bodies: list[bytes]) -> list[int]:
-        with httpx.Client() as client:
+        with loopback.Client() as client:
             return [post(module_collector, "traces", body, client=client, timeout=60).status_code for body in bodies]
 
     attacker = threading.Thread(target=attack)

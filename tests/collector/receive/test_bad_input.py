@@ -20,6 +20,7 @@ from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.otlp_payloads import post, query, span_count, step_spans, trace_body
 
@@ -60,7 +61,7 @@ def assert_refused(r: httpx.Response, status: int, grpc_code: int, words: str, c
     body = Status.FromString(r.content)
     assert body.code == grpc_code
     assert words in body.message
-    health = httpx.get(f"{collector.url}/healthz", timeout=5)
+    health = loopback.get(f"{collector.url}/healthz", timeout=5)
     assert health.status_code == 200 and health.json()["status"] == "ok"
     return body
 
@@ -83,7 +84,7 @@ def test_json_not_an_object_400(live, body):
     assert r.status_code == 400, (r.status_code, r.content)  # malformed: never 503, which exporters retry forever
     assert r.headers["content-type"] == "application/json"
     assert r.json()["code"] == 3 and r.json()["message"]
-    assert httpx.get(f"{live.url}/healthz").status_code == 200
+    assert loopback.get(f"{live.url}/healthz").status_code == 200
 
 
 def test_text_plain_415(live):
@@ -112,7 +113,7 @@ def test_25_mib_body_413(live):
 
 def test_missing_token_401(live):
     body = trace_body(step_spans(RUN, 2, range(3)))
-    r = httpx.post(f"{live.url}/v1/traces", content=body, headers={"Content-Type": "application/x-protobuf"})
+    r = loopback.post(f"{live.url}/v1/traces", content=body, headers={"Content-Type": "application/x-protobuf"})
     assert_refused(r, 401, 16, "token", live)
     assert r.headers["www-authenticate"] == "Bearer"
 
@@ -132,7 +133,7 @@ def test_metrics_counts_refusals_and_commits(live):
         415: post(live, "traces", body, headers={"Content-Type": "text/plain"}),
     }
     assert {code: r.status_code for code, r in codes.items()} == {c: c for c in codes}
-    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    text = loopback.get(f"{live.url}/metrics", timeout=30).text
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)

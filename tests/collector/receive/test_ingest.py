@@ -12,7 +12,6 @@ no name and spans whose times sit at the edges of fixed64.
 
 import json
 
-import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -23,6 +22,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.collectors import Collector, free_port
 from tests.support.otlp_payloads import T0, post, query
 from tests.support.waits import wait_until
@@ -435,7 +435,7 @@ def posted(tmp_path_factory):
     collector = Collector(db, free_port(), "test-token-0123456").start()
     try:
         responses = {
-            "json": httpx.post(
+            "json": loopback.post(
                 f"{collector.url}/v1/traces",
                 content=json.dumps(_json_request("run-json")),
                 headers={**collector.headers, "Content-Type": "application/json"},

@@ -26,7 +26,7 @@ from collector.receive.auth import load_or_create_token
 from collector.store import lake, readonly
 from collector.store.schema import DDL
 from dashboard.source import FileSource, QueryFailed
-from tests.support import postgres
+from tests.support import loopback, postgres
 from tests.support.collectors import Collector, free_port
 from tests.support.otlp_payloads import post, step_spans, trace_body
 
@@ -157,7 +157,7 @@ def api(tmp_path_factory):
     with open(data.parent / "abuse-collector.log", "w") as log:
         collector = Collector(data / "rankwatch.duckdb", free_port(), planted[0], log=log).start()
         try:
-            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+            with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
                 http.collector, http.secrets = collector, planted
                 yield http
         finally:
@@ -248,7 +248,7 @@ def lake_api(tmp_path_factory):
                 patch.setenv("PGPASSWORD", password)
                 collector.start()
             try:
-                with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+                with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
                     http.server = server
                     http.secrets = [*planted, spilled, others, role, password, name]
                     http.paths = [
@@ -537,7 +537,7 @@ def test_ingest_goes_on_while_queries_hit_the_byte_cap(api):
         body = trace_body(step_spans("run-wide", 0, range(i * 10, i * 10 + 10)))
         sent = time.monotonic()
         assert post(collector, "traces", body).status_code == 200
-        assert httpx.get(f"{collector.url}/healthz", timeout=30).status_code == 200
+        assert loopback.get(f"{collector.url}/healthz", timeout=30).status_code == 200
         latencies.append(time.monotonic() - sent)
     worker.join()
     assert [r.status_code for r in answers] == [200] * 3 and all(r.json()["truncated"] for r in answers)
@@ -750,7 +750,7 @@ def test_the_writers_memory_is_set_on_the_command_line(tmp_path):
             limits = (writer / "limits").read_text().splitlines()
             cap = int(next(line for line in limits if line.startswith("Max address space")).split()[3])
             assert smaller - 256 * 2**20 < cap - address_space(writer) <= smaller  # less what it mapped since
-            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
+            with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=60) as http:
                 refused = http.post("/api/v1/query", json={"sql": "SELECT length(repeat('x', 900000000))"})
                 assert refused.status_code == 400 and refused.json()["error"].startswith("Out of Memory")
                 assert http.post("/api/v1/query", json={"sql": "SELECT 42"}).json()["rows"] == [[42]]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from collector.store import readonly
+from tests.support import loopback
 from tests.support.commands import rankwatch_in_process
 from tests.support.otlp_payloads import post, query, step_spans, trace_body, with_rank
 from tests.support.query_rows import JSON_ROWS, JSON_SQL
@@ -39,7 +40,7 @@ def api(tmp_path_factory):
         collector = Collector(data / "rankwatch.duckdb", free_port(), "test-token-0123456", log=log).start()
         fill(collector)
         try:
-            with httpx.Client(base_url=collector.url, headers=collector.headers, timeout=30) as http:
+            with loopback.Client(base_url=collector.url, headers=collector.headers, timeout=30) as http:
                 http.collector = collector
                 yield http
         finally:
@@ -134,8 +135,8 @@ def test_files_in_the_sql_files_directory_are_readable(api):
 
 def test_token_is_required(api):
     url = f"{api.collector.url}/api/v1/query"
-    assert httpx.post(url, json={"sql": "SELECT 1"}).status_code == 401
-    wrong = httpx.post(url, json={"sql": "SELECT 1"}, headers={"Authorization": "Bearer nope"})
+    assert loopback.post(url, json={"sql": "SELECT 1"}).status_code == 401
+    wrong = loopback.post(url, json={"sql": "SELECT 1"}, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json() == {"error": "missing or wrong bearer token"}
 
 

@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.receive import otlp
 from collector.receive.ingest import Request, decode_batch
 from collector.store import writer
+from tests.support import loopback
 from tests.support.otlp_payloads import post, query, step_spans, trace_body
 from tests.support.waits import wait_until
 from tests.support.writer_process import dead, writer_pid
@@ -33,11 +34,11 @@ ACK_BOUND_S = 0.5  # the p99 acknowledgement latency analysis may never push exp
 
 
 def _healthz(collector) -> httpx.Response:
-    return httpx.get(f"{collector.url}/healthz", timeout=30)
+    return loopback.get(f"{collector.url}/healthz", timeout=30)
 
 
 def _sql(collector, sql: str) -> httpx.Response:
-    return httpx.post(f"{collector.url}/api/v1/query", json={"sql": sql}, headers=collector.headers, timeout=30)
+    return loopback.post(f"{collector.url}/api/v1/query", json={"sql": sql}, headers=collector.headers, timeout=30)
 
 
 def test_a_killed_writer_is_restarted_from_its_wal_and_healthz_tells_the_truth(collector_factory):
@@ -92,7 +93,7 @@ def test_analysing_a_thousand_runs_holds_no_acknowledgement_up(collector_factory
     collector = collector_factory(None, "--analyze-every", "1")
     assert post(collector, "traces", _many_runs_body(1000, 12), timeout=120).status_code == 200
     latencies = []
-    with httpx.Client() as client:
+    with loopback.Client() as client:
         for i in range(120):  # about 10 s, while passes over the thousand runs go on
             body = trace_body(step_spans("run-live", 0, range(i * 5, i * 5 + 5)))
             started = time.perf_counter()

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rankwatch.agent import semconv as sc
 from rankwatch.agent.export import Exporter
+from tests.support import loopback
 from tests.support.otlp_payloads import T0, post, query, span_count, step_spans, trace_body, with_rank
 
 pytestmark = pytest.mark.long
@@ -100,7 +101,7 @@ def test_acknowledged_rows_survive_kill_9(collector_factory):
 
 def _counters(collector) -> dict[str, float]:
     """The collector's own count of duplicate trace exports and of spans it stored."""
-    page = httpx.get(f"{collector.url}/metrics", timeout=30).text
+    page = loopback.get(f"{collector.url}/metrics", timeout=30).text
     samples = {
         s.name: s.value
         for family in text_string_to_metric_families(page)
@@ -137,7 +138,7 @@ def test_retried_export_is_stored_once(collector_factory):
 
 def _sender(collector, bodies, results):
     """Send bodies one after another on one connection; record (rank, status, sent, done)."""
-    with httpx.Client(timeout=60) as client:
+    with loopback.Client(timeout=60) as client:
         for rank, body in bodies:
             sent = time.monotonic()
             try:
@@ -207,7 +208,7 @@ def test_overload_503_retry_after_then_all_stored_once(collector_factory):
         raise AssertionError(f"rank {rank} never accepted")
 
     def worker(t: int) -> None:
-        with httpx.Client(timeout=60) as client:
+        with loopback.Client(timeout=60) as client:
             start.wait()
             for j in range(per_thread):
                 if j and overloaded.is_set():

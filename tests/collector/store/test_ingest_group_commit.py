@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support import loopback
 from tests.support.otlp_payloads import post, query, step_spans, trace_body
 from tests.support.waits import wait_until
 from tests.support.writer_process import dead, writer_pid
@@ -37,7 +38,7 @@ def test_a_writer_killed_mid_flood_loses_no_acknowledged_request(collector_facto
     lock = threading.Lock()
 
     def send(rank: int) -> None:
-        with httpx.Client() as client:
+        with loopback.Client() as client:
             for n in range(REQUESTS):
                 deadline = time.monotonic() + 120
                 while (status := _status(collector, bodies[rank, n], client)) != 200:
@@ -87,12 +88,12 @@ def _status(collector, body: bytes, client: httpx.Client) -> int:
 
 
 def _healthy(collector) -> bool:
-    return httpx.get(f"{collector.url}/healthz", timeout=30).status_code == 200
+    return loopback.get(f"{collector.url}/healthz", timeout=30).status_code == 200
 
 
 def _stored_requests(collector) -> set[tuple[int, int]]:
     """The requests whose every step is in the store, read through the query API of the running collector."""
-    answer = httpx.post(
+    answer = loopback.post(
         f"{collector.url}/api/v1/query",
         json={"sql": f"SELECT rank, step // {STEPS}, count(*) FROM steps WHERE run_id = '{RUN}' GROUP BY ALL"},
         headers=collector.headers,
