@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 $(BIN)/rankwatch: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile $(TORCH) -e '.[all,test]'
-	@# the bytecode compiled on every core, where pip compiles on one (81 s for both, 59 s apart); the few files
+	@# the bytecode compiled on every core, where pip compiles on one (80 s for both, 58 s apart); the few files
 	@# no Python of this version parses (a package's tests for a newer one) are left, as pip leaves them
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	$(BIN)/python -c 'import collector.receive._otlpwire' || (echo "the C decoder collector/receive/_otlpwire.c did not build: install a C compiler and Python headers"; exit 1)
