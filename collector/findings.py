@@ -2,7 +2,7 @@
 on, and how a consumer subscribes (`Consumer`).
 
 The analysis (collector/analysis/) draws findings and records them; it knows its consumers only through this
-protocol, and collector/server.py registers them: the alert outbox (collector/alerts/outbox.py), rollbacks
+protocol, and collector/writertasks.py registers them: the alert outbox (collector/alerts/outbox.py), rollbacks
 and stacks requests (collector/control/commands.py). A leaf: it imports nothing of the project, so that the
 analyzers, the consumers and the dashboard all read it and none of them reads another for it.
 """

@@ -15,6 +15,7 @@ import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,27 +26,23 @@ from starlette.routing import Route
 
 from collector import private
 from collector.alerts.config import AlertConfig
-from collector.alerts.delivery import Delivery
-from collector.alerts.outbox import Outbox
-from collector.analysis.analyzers import hangs, predicted
-from collector.analysis.live import Analysis, HealthCounters
+from collector.analysis.healthcounters import HealthCounters
 from collector.children import bound_heap
 from collector.control import api as control
-from collector.control.commands import ROLLBACK_ON, RollbackPolicy, Rollbacks, StacksRequests
-from collector.findings import Consumer
+from collector.control.commands import ROLLBACK_ON
 from collector.metrics.collector import SelfMetrics
 from collector.metrics.runs import MAX_RUNS, RunMetrics
-from collector.predict.stepmodel import Fitted
 from collector.receive import bodies, connections, otlp
 from collector.receive.auth import Tokens, load_or_create_token
 from collector.receive.decode import describe_decoder
 from collector.receive.ingest import Ingestor
-from collector.reports import powercaps, queryapi
+from collector.reports import queryapi
 from collector.store.db import StoreLocked, connect
 from collector.store.handle import NotStored, Overloaded, Store
 from collector.store.lake import Lake, LakeError, open_lake
 from collector.store.upkeep import Upkeep
 from collector.store.writer import MEMORY_HEADROOM
+from collector.writertasks import WriterTasks
 from rankwatch.agent.config import (
     ANALYZE_EVERY_S,
     HANG_FLOOR_S,
@@ -56,6 +53,9 @@ from rankwatch.agent.config import (
     checked_token,
 )
 from rankwatch.agent.paths import DEFAULT_DB
+
+if TYPE_CHECKING:
+    from collector.predict.stepmodel import Fitted
 
 log = logging.getLogger("rankwatch.collector")
 RETRY_AFTER_S = 2
@@ -139,7 +139,7 @@ class Config:
     upkeep: Upkeep = field(
         default_factory=Upkeep, metadata={"doc": "a lake's compaction and retention (collector/store/upkeep.py)"}
     )
-    model: Fitted | None = field(
+    model: "Fitted | None" = field(
         default=None, metadata={"doc": "the step-time model (`rankwatch model fit`): explained stragglers, slow jobs"}
     )
 
@@ -153,20 +153,11 @@ def create_app(config: Config, tokens: Tokens) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        analysis = Analysis(
-            config.analyze_every_s,
-            hang_settings=hangs.Settings(floor_s=config.hang_after_s),
-            consumers=consumers(config),
-            power_report=powercaps.live_report,
-            power_every_s=config.power_every_s or None,
-            predicted_settings=predicted.Settings(model=config.model),
-        )
-        # the writer's tasks, run between its commits: the analysis, the alert delivery, a lake's upkeep
         store = Store(
             config.db,
             config.max_queue_bytes,
             on_commit=metrics.observe_commit,
-            tasks=(analysis, Delivery(config.alerts), config.upkeep),
+            tasks=writer_tasks(config),
             on_failure=stop_failed,
             memory_headroom=config.writer_memory,
             lake=config.lake,
@@ -278,11 +269,17 @@ def create_app(config: Config, tokens: Tokens) -> Starlette:
     return app
 
 
-def consumers(config: Config) -> list[Consumer]:
-    """What the analysis publishes its findings to, in this order: the alert outbox (in the findings'
-    transaction), rollbacks for anomalies (where any kind is rolled back), stacks requests for hangs."""
-    rollbacks = [Rollbacks(RollbackPolicy(on=config.rollback_on))] if config.rollback_on else []
-    return [Outbox(config.alerts), *rollbacks, StacksRequests()]
+def writer_tasks(config: Config) -> WriterTasks:
+    """What the store's writer runs beside its commits (collector/writertasks.py), built in its process."""
+    return WriterTasks(
+        analyze_every_s=config.analyze_every_s,
+        hang_after_s=config.hang_after_s,
+        power_every_s=config.power_every_s or None,
+        rollback_on=config.rollback_on,
+        alerts=config.alerts,
+        upkeep=config.upkeep,
+        model=config.model,
+    )
 
 
 class Unstartable(Exception):

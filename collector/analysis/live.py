@@ -1,12 +1,12 @@
 """Running the analysis engine (collector/analysis/engine.py) as telemetry arrives, in the writer process
 (the only one with the store open), on a thread of its own with a cursor of its own, so that
 commits, and the acknowledgements that wait for them, never wait for a pass however many runs it
-judges. The server hands an Analysis to the store's writer as one of its tasks
-(collector/store/writer.py), and its health counters as a HealthCounters request.
+judges. The writer builds an Analysis as one of its tasks (collector/writertasks.py), and the server hands it
+its health counters as a HealthCounters request (healthcounters.py).
 
 A pass judges the runs its schedule says are due (schedule.py: at once those a commit brought steps or
 ends for, and every active run every `interval_s`), and records each run's findings (findings.py),
-published to the consumers collector/server.py registers (collector/findings.py's `Consumer`): the alert
+published to the consumers collector/writertasks.py registers (collector/findings.py's `Consumer`): the alert
 outbox, in the transaction of the findings' change; rollbacks and stacks requests, once the pass's findings
 are committed (a hang finding that fires asks every rank of its run for its stacks, which the hang
 analyzer's next passes read). A run whose ranks all said their training loop ended has its firing findings
@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import duckdb
 import pyarrow as pa
@@ -29,13 +29,14 @@ import pyarrow as pa
 from collector.analysis import findings, losses
 from collector.analysis.analyzers import hangs, predicted, stragglers
 from collector.analysis.engine import Engine, failing
+from collector.analysis.healthcounters import HealthCounters
 from collector.analysis.lakefollow import FOLLOW_S, RENEW_S, LakeFollower
 from collector.analysis.ownhealth import CollectorHealth
 from collector.analysis.powerredraws import DrawReport, PowerRedraws
 from collector.analysis.schedule import PassSchedule
 from collector.findings import COLLECTOR, POWER, Consumer, Pass
 from collector.store import lake, schema
-from collector.store.requests import Context, Request, handles
+from collector.store.requests import Context, handles
 from rankwatch.agent.config import ANALYZE_EVERY_S
 
 log = logging.getLogger("rankwatch.analysis")
@@ -107,7 +108,7 @@ class Analysis:
         if self.lake is None:
             self.schedule.take(tables)
 
-    def report_health(self, counters: "HealthCounters") -> None:
+    def report_health(self, counters: HealthCounters) -> None:
         """The server's counters, judged on the analysis thread with the writer's, right away."""
         self.health.report(asdict(counters))
         self.schedule.wake()
@@ -301,17 +302,6 @@ class Analysis:
             except Exception:
                 log.exception("power analysis of run %s failed", run_id)
                 self.failures["power"] += 1
-
-
-@dataclass(frozen=True)
-class HealthCounters(Request[None]):
-    """The server's counters for the collector's health (health.Snapshot's fields but the writer's own),
-    handed to the writer's analysis once per analysis period."""
-
-    requests: dict[int, int]
-    commits: dict[float, int]
-    queue_bytes: int
-    max_queue_bytes: int
 
 
 @handles(HealthCounters)

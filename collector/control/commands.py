@@ -14,7 +14,7 @@ the one process with the store open for writing: the control API sends them
 as requests (CreateCommand, ListCommands, UpdateCommand), answered on the
 writer thread between commits, and the analysis's passes publish their findings
 to `Rollbacks` and `StacksRequests` (consumers: collector/findings.py), which
-collector/server.py registers.
+collector/writertasks.py registers.
 """
 
 import json
@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import duckdb
 
-from collector.analysis.engine import read_stacks
 from collector.analysis.stacks import merge
 from collector.findings import ANOMALIES, HANG, HANGS, LOSS_SPIKE, NAN, Consumer, Pass
 from collector.receive.decode import RANGES
@@ -336,6 +335,8 @@ def settle_stacks(
         "now() - to_microseconds($ttl) AND ($runs IS NULL OR list_contains($runs, run_id)) ORDER BY id",
         {"ttl": int(ttl_s * 1e6), "runs": run_ids},
     ).fetchall()
+    from collector.analysis.engine import read_stacks  # in the writer's process (collector/writertasks.py)
+
     settled = []
     for command_id, run_id in due:
         answers = read_stacks(con, run_id, command_id)

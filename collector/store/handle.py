@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TypeVar
 
@@ -56,13 +57,14 @@ class Store:
         path: Path,
         max_queue_bytes: int = 128 * 2**20,
         on_commit: Callable[[float, int], None] | None = None,
-        tasks: Sequence[writer.Task] = (),
+        tasks: Callable[[], Sequence[writer.Task]] = tuple,
         on_failure: Callable[[], None] | None = None,
         memory_headroom: int = writer.MEMORY_HEADROOM,
         lake: Lake | None = None,
     ):
         """Start the writer; raises StoreLocked (or the open error) if it cannot open `path`.
-        `tasks`: what the writer runs beside its commits (writer.Task), handed to each writer started.
+        `tasks`: builds what the writer runs beside its commits (writer.Task), called in each writer process
+        started (picklable: collector/writertasks.py's), so that this process need not import what they do.
         `on_failure`: called once the store has given up on its writer. `memory_headroom`: the
         writer's address space past what it maps once the store is open (writer.MEMORY_HEADROOM).
         `lake`: the writer stores into this lake (collector/store/lake.py), `path`'s directory holding
@@ -71,7 +73,7 @@ class Store:
         self.path = path
         self.max_queue_bytes = max_queue_bytes
         self._on_commit, self._on_failure = on_commit, on_failure
-        self._tasks = tuple(tasks)
+        self._tasks = tasks
         self._memory_headroom = memory_headroom
         self._lake = lake
         self._context = multiprocessing.get_context("spawn")
@@ -125,8 +127,10 @@ class Store:
 
     @property
     def healthy(self) -> bool:
-        """Whether a writer is up and taking requests (what /healthz reports)."""
-        return self._ready and self._process.is_alive()
+        """Whether a writer is up and taking requests (what /healthz reports). Its exit is read off its sentinel,
+        which does not reap it: the acknowledgements' thread reaps it, and of two threads reaping one process
+        the one that loses is told it still runs (`is_alive()`)."""
+        return self._ready and not wait([self._process.sentinel], timeout=0)
 
     @property
     def queued_bytes(self) -> int:

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -458,20 +458,20 @@ def _halves(group: list[Decoded]) -> tuple[list[Decoded], list[Decoded]]:
 
 def main(
     path: Path,
-    tasks: Sequence[Task],
+    tasks: Callable[[], Sequence[Task]],
     queued,
     acks,
     memory_headroom: int = MEMORY_HEADROOM,
     into: lake.Lake | None = None,
 ) -> None:
-    """The writer process: open the store (the file at `path`, or the lake `into`), say Ready (or
-    StartFailed), then run until told to stop, its address space capped at what it maps once the store
+    """The writer process: build its `tasks`, open the store (the file at `path`, or the lake `into`), say Ready
+    (or StartFailed), then run until told to stop, its address space capped at what it maps once the store
     is open plus `memory_headroom`."""
     die_with_parent()
     bound_heap()
     escape_logs()
     try:
-        writer = _Writer(path, tasks, into)
+        writer = _Writer(path, tasks(), into)
     except Exception as e:
         acks.put(StartFailed(str(e), isinstance(e, StoreLocked)))
         return

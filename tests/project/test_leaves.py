@@ -2,7 +2,8 @@
 (rankwatch/agent/gpumodel.py), the files' places (rankwatch/agent/paths.py) and the client of the collector's APIs
 (rankwatch/agent/apiclient.py) each import alone, with the standard library only, so the collector, the
 dashboard, the importers and a training host read them without the OpenTelemetry SDK, torch,
-duckdb or numpy. The agent package imports lazily, and `import agent; agent.init()` still works.
+duckdb or numpy. The agent package imports lazily, and `import agent; agent.init()` still works. The
+collector's server process imports no analysis: its writer builds it (collector/writertasks.py).
 
 Covered too: the SQL JSON paths built from the names read the attributes DuckDB stores; the fleet
 simulator plays the model's figures, not copies of an H100's; the store, its token and the
@@ -81,6 +82,22 @@ print("opentelemetry.sdk" in sys.modules)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"  # init() brought the session and its SDK in
+
+
+def test_the_collectors_server_imports_no_analysis_and_its_writer_builds_the_tasks_the_config_sets():
+    script = """
+import pickle, sys
+from pathlib import Path
+from collector.server import Config, writer_tasks
+heavy = sorted(m for m in sys.modules if m == "pandas" or m.startswith(("collector.analysis.", "collector.predict")))
+assert heavy == ["collector.analysis.healthcounters", "collector.analysis.stacks"], heavy  # requests, a pure merge
+tasks = pickle.loads(pickle.dumps(writer_tasks(Config(db=Path("x.duckdb"), hang_after_s=7.0))))()  # as a writer
+analysis = tasks[0]
+print(sorted(type(t).__name__ for t in tasks), analysis.engine.settings["hangs"].floor_s, "pandas" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["['Analysis',", "'Delivery',", "'Upkeep']", "7.0", "True"]
 
 
 ATTRIBUTES = sorted({v for k, v in vars(sc).items() if k.isupper() and isinstance(v, str) and "." in v})

@@ -22,8 +22,11 @@ def writer_pid(collector) -> int | None:
 
 
 def dead(pid: int) -> bool:
+    """Whether the process has exited: gone, or a zombie with no thread left. A killed process's main thread is
+    a zombie while its other threads still exit, for some milliseconds, and until they have its parent can
+    neither reap it nor tell it from a live one."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
+            return f.read().split(")")[-1].split()[0] == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or while, it was read
         return True

@@ -1,8 +1,8 @@
 """The writer process under abuse: killed outright, made to analyse a thousand runs at once, and handed
 a request its store refuses.
 
-(a) A writer killed with SIGKILL is noticed: /healthz says so while it is down, the collector starts a
-    new one that recovers the write-ahead log, no acknowledged row is lost, and exports and queries
+(a) A writer killed with SIGKILL is noticed: /healthz says so while it is down (whatever threads ask), the
+    collector starts a new one that recovers the write-ahead log, no acknowledged row is lost, and exports and queries
     work again. (b) Analysis never holds acknowledgements up: with a thousand runs to analyse,
     exports are still acknowledged within ACK_BOUND_S. (c) A request whose rows the store refuses
     fails alone: the others committed in its group are stored and acknowledged, in one line of the log.
@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import statistics
+import threading
 import time
 
 import duckdb
@@ -23,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.receive import otlp
 from collector.receive.ingest import Request, decode_batch
 from collector.store import writer
+from collector.store.handle import Store
 from tests.support import loopback
 from tests.support.otlp_payloads import post, query, step_spans, trace_body
 from tests.support.waits import wait_until
@@ -66,6 +68,41 @@ def test_a_killed_writer_is_restarted_from_its_wal_and_healthz_tells_the_truth(c
     assert rows.json()["rows"] == [[r, 30] for r in range(4)]  # every acknowledged row, once
     collector.stop()
     assert query(collector.db, "SELECT count(*) FROM steps") == [(120,)]
+
+
+def test_a_writer_is_never_reported_up_once_it_has_died_however_many_threads_ask(tmp_path):
+    """Eight threads read the store's health, as /healthz and a load balancer's probes do, while its writer
+    is killed, twice: none may see it healthy once it is dead, until a new writer is ready. (They did: a
+    thread that reaped the dead writer first left the others told it still ran.)"""
+    store = Store(tmp_path / "rankwatch.duckdb")
+    try:
+        for generation in range(2):
+            old, told_up, stop = store._process.pid, [], threading.Event()
+
+            def ask(old=old, generation=generation, told_up=told_up, stop=stop) -> None:
+                while not stop.is_set():
+                    # read in this order: dead first, and the generation after the health as before it
+                    if (
+                        dead(old)
+                        and store.generation == generation
+                        and store.healthy
+                        and store.generation == generation
+                    ):
+                        told_up.append(time.monotonic())
+
+            askers = [threading.Thread(target=ask) for _ in range(8)]
+            for asker in askers:
+                asker.start()
+            os.kill(old, signal.SIGKILL)
+            wait_until(
+                lambda generation=generation: store.generation > generation and store.healthy, "a new writer", 60
+            )
+            stop.set()
+            for asker in askers:
+                asker.join()
+            assert not told_up, f"told healthy {len(told_up)} times with its writer dead"
+    finally:
+        store.close()
 
 
 def test_a_writer_that_keeps_dying_stops_the_collector_with_status_1(collector_factory):

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from collector.analysis.live import Analysis, HealthCounters
+from collector.analysis.healthcounters import HealthCounters
+from collector.analysis.live import Analysis
 from collector.control import commands
 from collector.metrics import runs as runmetrics
 from collector.store import readonly, requests
