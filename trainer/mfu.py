@@ -28,7 +28,7 @@ def peak_flops(device: torch.device) -> float:
     return measure_matmul_flops()
 
 
-def measure_matmul_flops(n: int = 512, seconds: float = 0.3) -> float:
+def measure_matmul_flops(n: int = 512, seconds: float = 0.1) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm up
     count, start = 0, time.perf_counter()

@@ -165,11 +165,13 @@ def open_lake(lake: Lake, read_only: bool = False, tries: int = 5) -> duckdb.Duc
     raise AssertionError("unreachable")
 
 
-def cursor(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+def cursor(con: duckdb.DuckDBPyConnection, in_lake: bool | None = None) -> duckdb.DuckDBPyConnection:
     """A cursor of `con` (a connection of its own to the same database) that finds the tables by their
-    bare names as `con` does: in a lake, a connection's search path is its own."""
+    bare names as `con` does: in a lake, a connection's search path is its own. `in_lake`: whether `con`
+    is a lake's, where the caller knows (asking, `attached`, is a query of about a millisecond: the writer
+    makes a cursor for every read, the control API's held polls alone twenty a second)."""
     made = con.cursor()
-    if attached(made):
+    if attached(made) if in_lake is None else in_lake:
         _name_tables(made)
     return made
 

@@ -285,7 +285,7 @@ class _Writer:
 
     def _read(self, call: Call, acks) -> None:
         """Answer a call on a cursor of its own (a snapshot beside the commits) and put its answer."""
-        cursor = lake.cursor(self._con)
+        cursor = lake.cursor(self._con, in_lake=self._lake is not None)
         try:
             acks.put(self._answer(requests.Context(cursor, self._tasks), call))
         finally:
