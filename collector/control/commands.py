@@ -329,14 +329,15 @@ def settle_stacks(
 ) -> list[dict]:
     """The stacks requests pending for `ttl_s` since their creation (of `run_ids` alone, where given: in a lake,
     the runs a collector leads), settled: `applied` where every rank asked answered, else `failed` with the
-    ranks that did not (`unanswered`); each with how many answered."""
+    ranks that did not (`unanswered`); each with how many answered. (The analysis's reader is imported here, in
+    the writer's process: the server's, which sends this module's requests, loads none of the analysis.)"""
+    from collector.analysis.engine import read_stacks
+
     due = con.execute(
         "SELECT id, run_id FROM commands WHERE kind = 'stacks' AND state = 'pending' AND created_at <= "
         "now() - to_microseconds($ttl) AND ($runs IS NULL OR list_contains($runs, run_id)) ORDER BY id",
         {"ttl": int(ttl_s * 1e6), "runs": run_ids},
     ).fetchall()
-    from collector.analysis.engine import read_stacks  # in the writer's process (collector/writertasks.py)
-
     settled = []
     for command_id, run_id in due:
         answers = read_stacks(con, run_id, command_id)
