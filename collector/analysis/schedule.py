@@ -76,7 +76,7 @@ class PassSchedule:
                 self.with_new_steps.update(run_ids)
             self.with_new_ends.update(ended)
         if steps or ended:
-            self._wake.set()
+            self.wake()
 
     def take(self, tables: Mapping[str, Sequence[pa.Table]]) -> None:
         """A commit's tables (its steps: run_id, step; its events: run_id, event): the runs it brought
@@ -154,7 +154,7 @@ class PassSchedule:
         """A run with steps left after its pass: judged again at once."""
         with self._lock:
             self.with_new_steps.add(run_id)
-        self._wake.set()
+        self.wake()
 
     def due_in(self) -> float:
         """Seconds until the timer's next pass."""
@@ -166,6 +166,7 @@ class PassSchedule:
         self._wake.clear()
 
     def wake(self) -> None:
+        """Wake the analysis thread for a pass at once (a commit's runs, a report, a backlog, the collector's stop)."""
         self._wake.set()
 
 

@@ -10,7 +10,8 @@ from rankwatch.cli.serving import dashboard_port_free
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from collector.server import Config, Unstartable, startable
+    from collector.config import Config
+    from collector.server import Unstartable, startable
     from rankwatch.demo import MIN_STEPS, run
 
     if args.steps < MIN_STEPS:

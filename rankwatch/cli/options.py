@@ -2,7 +2,7 @@
 
 A value is checked where argparse reads it, by the same type function for every command that takes the
 option, so bad input is one line (`UsageError`) before any work. An option that sets a field of the
-collector's Config (collector/server.py) has no default or help of its own: both are the field's.
+collector's Config (collector/config.py) has no default or help of its own: both are the field's.
 """
 
 import argparse
@@ -187,7 +187,7 @@ def config_field(
 
 
 def _config_help(name: str, shown: Callable[[Any], str], note: str) -> str:
-    from collector.server import Config
+    from collector.config import Config
 
     (field,) = (f for f in fields(Config) if f.name == name)
     told = [note] if note else []

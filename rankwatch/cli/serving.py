@@ -15,7 +15,8 @@ ROLLBACK_KINDS = {"nan": "nan", "loss": "loss_spike", "grad": "grad_spike"}
 
 
 def cmd_collector(args: argparse.Namespace) -> None:
-    from collector.server import Config, Unstartable, serve
+    from collector.config import Config
+    from collector.server import Unstartable, serve
     from collector.store.upkeep import Upkeep
     from rankwatch.agent.config import TOKEN_FILE_ENV, token
 

@@ -11,7 +11,8 @@ import duckdb
 import pytest
 from starlette.requests import Request
 
-from collector.server import Config, Unstartable, preflight, serve
+from collector.config import Config
+from collector.server import Unstartable, preflight, serve
 from rankwatch.agent.config import INGEST, TokenError
 from tests.support.collectors import free_port
 

@@ -88,10 +88,12 @@ def test_the_collectors_server_imports_no_analysis_and_its_writer_builds_the_tas
     script = """
 import pickle, sys
 from pathlib import Path
-from collector.server import Config, writer_tasks
+import collector.server
+from collector.config import Config
+from collector.writertasks import WriterTasks
 heavy = sorted(m for m in sys.modules if m == "pandas" or m.startswith(("collector.analysis.", "collector.predict")))
 assert heavy == ["collector.analysis.healthcounters", "collector.analysis.stacks"], heavy  # requests, a pure merge
-tasks = pickle.loads(pickle.dumps(writer_tasks(Config(db=Path("x.duckdb"), hang_after_s=7.0))))()  # as a writer
+tasks = pickle.loads(pickle.dumps(WriterTasks(Config(db=Path("x.duckdb"), hang_after_s=7.0))))()  # as a writer
 analysis = tasks[0]
 print(sorted(type(t).__name__ for t in tasks), analysis.engine.settings["hangs"].floor_s, "pandas" in sys.modules)
 """
@@ -152,7 +154,7 @@ def test_the_simulators_samples_carry_the_gpu_models_limits():
 
 def test_the_store_and_what_lives_beside_it(tmp_path, monkeypatch):
     from collector.alerts.config import default_path
-    from collector.server import Config
+    from collector.config import Config
     from collector.store.readonly import files_dir
 
     monkeypatch.delenv(paths.DB_ENV, raising=False)
