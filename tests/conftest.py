@@ -2,6 +2,7 @@
 what the tests share besides fixtures)."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ def pytest_configure(config) -> None:
     settings.register_profile("repeatable", derandomize=True, database=None)
     settings.register_profile("explore", derandomize=False)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+@pytest.fixture(autouse=True)
+def _main_module_restored():
+    """Each test leaves `__main__` as it found it. Streamlit's script runner (AppTest) installs the app as
+    `__main__` and leaves it there, and a process started by spawn (the store's writer) runs `__main__`'s
+    file first: after a dashboard test, a worker's next writer would run the dashboard and die."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
 
 
 @pytest.fixture
