@@ -195,9 +195,13 @@ def test_collector_outage_and_restart(outage):
     steps_done = outage.steady_steps_at_restart
     assert steps_done < STEPS - 8, "the job ended too early for a periodic retry to deliver the backlog"
 
-    status, elapsed = outage.steady_ended
+    status, _ = outage.steady_ended
     assert status == 0, job.stderr
-    assert elapsed < STEPS * PACE + 20, elapsed  # no stall: ~40 s of steps, ~2 s of start-up
+    # no stall: the loop steps to a clock, so it ends on time unless a step waited for the network; its
+    # own figures, not the process's wall time, whose start-up on a loaded machine is not the agent's doing
+    loop_s, shutdown_s = (float(word) for word in job.stdout[-1].split()[1::2])
+    assert loop_s < STEPS * PACE + 5, job.stdout[-1]
+    assert shutdown_s < 10, job.stdout[-1]  # the backlog was delivered before: nothing left to retry
     assert outage.down_s >= 4.0
     assert [line for line in job.stdout if line.startswith("step ")] == [f"step {i}" for i in range(STEPS)]
     assert sum("unreachable; training goes on" in line for line in job.stderr) == 1, job.stderr
