@@ -31,7 +31,8 @@ Each stall is judged once: the one under way at the moment judged (with the
 culprits a pass first named for it, kept for the run's next passes: once the
 hung rank is back, the ranks catching up with it are no culprits), and each
 stall the new steps closed (a gap between one step's end and the next longer
-than the timeout), judged as it stood when it first passed the timeout. A pass
+than the timeout), judged as it stood when it first passed the timeout, or, where a pass judged it
+while under way, with the culprits that pass named and the length it came to. A pass
 whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
 it, and says so; where that names no culprit (every rank was in the same
@@ -89,7 +90,13 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
             continue  # closed by a step judged before, or by a rollback's restore (judged while under way)
         before = steps[steps["end_ts"] <= ends[g]]
         timeout = _timeout(before, settings)
-        if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
+        first = frames.kept.get(ANALYZER, {}).get("stall")
+        lasted_s = (ends[g + 1] - ends[g]) / 1e9
+        if first is not None and first.evidence["last_step_end_ns"] == ends[g]:
+            # judged while under way: the culprits first named (by now the hung rank may be back, and the
+            # ranks catching up with it are no culprits), the length it came to
+            found.append(_with_stacks(_restated(first, lasted_s, lasted_s / timeout), frames, int(ends[g + 1])))
+        elif lasted_s > timeout:  # judged as it stood just past its timeout
             stood = analyze(
                 before,
                 frames.heartbeats,
@@ -141,16 +148,17 @@ def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
     if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
         kept[ANALYZER]["stall"] = finding
         return current
-    stalled_s = finding.evidence["stalled_s"]
-    summary = _stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"]))
-    return [
-        replace(
-            first,
-            score=finding.score,
-            summary=summary,
-            evidence={**first.evidence, "stalled_s": stalled_s, "first_judged_stalled_s": first.evidence["stalled_s"]},
-        )
-    ]
+    return [_restated(first, finding.evidence["stalled_s"], finding.score)]
+
+
+def _restated(first: Finding, stalled_s: float, score: float) -> Finding:
+    """A stall as first judged (its culprits, its waits), with its length and score as of later."""
+    return replace(
+        first,
+        score=score,
+        summary=_stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"])),
+        evidence={**first.evidence, "stalled_s": stalled_s, "first_judged_stalled_s": first.evidence["stalled_s"]},
+    )
 
 
 def _no_stall(recent: pd.DataFrame, now_ns: int, s: Settings) -> bool:

@@ -181,6 +181,37 @@ def test_a_stall_under_way_keeps_the_culprits_it_was_first_judged_with():
     assert again.summary.startswith("no step has finished for 59 s: ranks 0, 2, 3 are blocked in all_reduce #10")
 
 
+def test_a_stall_the_steps_closed_keeps_the_culprits_a_pass_named_while_it_was_under_way():
+    """A pass just past the 30 s timeout names rank 1, never in all-reduce #10. A moment later rank 1 is
+    back and rank 3 lags behind the others, still there a second past the timeout (the moment a stall
+    the steps closed is judged at, where no pass saw it under way); then step 10 ends, 62 s after step 9.
+    The pass that judges that step finds the stall rank 1's, with the length it came to: rank 3 was
+    catching up, not hung."""
+    from collector.analysis.analyzers import Frames
+    from collector.analysis.analyzers.hangs import judge
+
+    st, kept = steps(), {}
+    last_end = int(st["end_ts"].max())
+    hung = beats(
+        [(r, last_end + 30 * S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 2, 3)]
+        + [(1, last_end + 30 * S, 10, "forward", "all_reduce", "world", 9, True)]
+    )
+    back = beats(
+        [(r, last_end + 30.6 * S, 10, "backward", "all_reduce", "world", 12, False) for r in (0, 1, 2)]
+        + [(3, last_end + 30.6 * S, 10, "forward", "all_reduce", "world", 11, True)]
+    )
+    ranks = pd.DataFrame({"rank": list(RANKS)})
+    (found,) = judge(Frames("r", st, 10, 9, ranks, last_end + int(30.5 * S), heartbeats=hung, kept=kept))
+    assert found.ranks == [1]
+
+    closed = pd.concat([st, pd.DataFrame([("r", r, 10, last_end + 62 * S, 62.0) for r in RANKS], columns=st.columns)])
+    heartbeats = pd.concat([hung, back])
+    (judged,) = judge(Frames("r", closed, 10, 10, ranks, last_end + 63 * S, heartbeats=heartbeats, kept=kept))
+    assert (judged.ranks, judged.step_start) == ([1], 10)
+    assert judged.evidence["stalled_s"] == pytest.approx(62) and judged.evidence["first_judged_stalled_s"] < 31
+    assert judged.summary.startswith("no step has finished for 62 s: ranks 0, 2, 3 are blocked in all_reduce #10")
+
+
 def test_a_stall_nothing_was_heard_of_since_it_began_waits_for_the_ranks_heartbeats():
     """The pass past the timeout has only the heartbeats sent before the stall (delayed, or a collector
     that took the run over, or fell behind): every rank was in the last step's all-reduce then, alike.
