@@ -715,11 +715,11 @@ def test_a_large_query_gives_its_address_space_back(api):
         if abs(before - last) < 8 * 2**20:
             break
     # a query of the tests before may still be running past its answer, holding memory the cap counts, and
-    # a machine loaded by other work may run this one past its 10 s (both seen): it is asked again until it
-    # runs whole, a minute at most
+    # a machine loaded by other work may run this one past its 10 s (both seen, together for two minutes in
+    # a loaded whole-suite run): it is asked again until it runs whole, two and a half minutes at most
     while (response := ask(api, "SELECT length(repeat('x', 500000000))")).status_code != 200:
         busy = "Out of Memory" in response.text or response.status_code == 408
-        if not busy or time.monotonic() > deadline + 60:
+        if not busy or time.monotonic() > deadline + 150:
             break
         time.sleep(1)
     assert response.status_code == 200, response.text[:300]
