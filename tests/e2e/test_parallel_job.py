@@ -24,7 +24,7 @@ from tests.support.collectors import job_collector
 from tests.support.commands import rankwatch_in_process
 from tests.support.otlp_payloads import query
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(2 * 300)]  # one job of 8 ranks: 182 s seen under load
 
 RUN = "run-3d"
 STEPS = 38
