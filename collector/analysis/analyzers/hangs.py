@@ -32,7 +32,7 @@ culprits a pass first named for it, kept for the run's next passes: once the
 hung rank is back, the ranks catching up with it are no culprits), and each
 stall the new steps closed (a gap between one step's end and the next longer
 than the timeout), judged as it stood when it first passed the timeout, or, where a pass judged it
-while under way, with the culprits that pass named and the length it came to. A pass
+while under way, with the culprits that pass named. A pass
 whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
 it, and says so; where that names no culprit (every rank was in the same
@@ -90,20 +90,14 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
             continue  # closed by a step judged before, or by a rollback's restore (judged while under way)
         before = steps[steps["end_ts"] <= ends[g]]
         timeout = _timeout(before, settings)
-        first = frames.kept.get(ANALYZER, {}).get("stall")
-        lasted_s = (ends[g + 1] - ends[g]) / 1e9
-        if first is not None and first.evidence["last_step_end_ns"] == ends[g]:
-            # judged while under way: the culprits first named (by now the hung rank may be back, and the
-            # ranks catching up with it are no culprits), the length it came to
-            found.append(_with_stacks(_restated(first, lasted_s, lasted_s / timeout), frames, int(ends[g + 1])))
-        elif lasted_s > timeout:  # judged as it stood just past its timeout
-            stood = analyze(
-                before,
-                frames.heartbeats,
-                int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1)),
-                settings,
-                frames.ranks,
-            )
+        if (ends[g + 1] - ends[g]) / 1e9 > timeout:  # judged as it stood just past its timeout
+            at = int(min(ends[g] + (timeout + 1) * 1e9, ends[g + 1] - 1))
+            stood = analyze(before, frames.heartbeats, at, settings, frames.ranks)
+            first = frames.kept.get(ANALYZER, {}).get("stall")
+            if stood and first is not None and first.evidence["last_step_end_ns"] == ends[g]:
+                # a pass judged it while under way: the culprits it named (by then the hung rank may have
+                # been back, and the ranks catching up with it are no culprits)
+                stood = [_restated(first, stood[0].evidence["stalled_s"], stood[0].score)]
             found += [_with_stacks(f, frames, int(ends[g + 1])) for f in stood]
     progressed = int(resumed[-1]) if len(resumed) else None
     current = analyze(steps, frames.heartbeats, now, settings, frames.ranks, progressed)
