@@ -18,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel
 from rankwatch.agent.clock import CudaTimer
 from rankwatch.agent.collectives import comm_hook, trace_collectives, untrace_collectives
 from rankwatch.agent.session import Session
-from tests.support.collectors import free_port
 from tests.support.otlp_payloads import query
 
 pytestmark = pytest.mark.cuda
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture
 def nccl():
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     yield
     untrace_collectives()  # trace_collectives wraps torch.distributed's functions: put them back
     dist.destroy_process_group()

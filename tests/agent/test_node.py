@@ -24,7 +24,7 @@ from rankwatch.agent.apiclient import ApiClient
 from tests.support.collectors import job_collector
 from tests.support.commands import rankwatch_cli
 from tests.support.otlp_payloads import query
-from tests.support.sidecar import RANK, TOKEN, Node, free_port
+from tests.support.sidecar import RANK, TOKEN, Node
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.long, pytest.mark.timeout(4 * 300)]  # 4 scenarios run before the store is read: 300 s each
@@ -35,7 +35,7 @@ def rank(tmp_path: Path, collector_url: str, run_id: str, steps: int, then: str 
     script.write_text(RANK)
     env = {**os.environ, "TOKEN": TOKEN, "RANKWATCH_NODE": str(node) if node else ""}
     return subprocess.Popen(
-        [sys.executable, str(script), collector_url, run_id, str(steps), then, free_port()],
+        [sys.executable, str(script), collector_url, run_id, str(steps), then],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -29,7 +29,7 @@ import pytest
 from rankwatch.agent import semconv as sc
 from rankwatch.agent import stacks
 from rankwatch.agent.apiclient import ApiClient
-from tests.support.collectors import free_port, job_collector
+from tests.support.collectors import job_collector
 from tests.support.otlp_payloads import query
 from tests.support.paths import JOBS
 from tests.support.waits import wait_until
@@ -347,7 +347,7 @@ import json, os, sys, time
 import torch, torch.distributed as dist
 from rankwatch.agent import stacks
 print(json.dumps(stacks.flight_recorder()), flush=True)
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 t = torch.ones(4)
 for _ in range(300):
     dist.all_reduce(t)
@@ -364,7 +364,7 @@ def test_the_flight_recorder_is_read_to_its_newest_entries_or_said_why_not(tmp_p
     MAX_ENTRIES (torch 2.13 keeps 2,000 by default); with the ring off (TORCH_FR_BUFFER_SIZE=0), none, and why."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FR_BUFFER_SIZE"}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(FR), str(free_port())],
+        [sys.executable, "-c", textwrap.dedent(FR)],
         env={**env, **({"TORCH_FR_BUFFER_SIZE": ring} if ring is not None else {})},
         capture_output=True,
         text=True,

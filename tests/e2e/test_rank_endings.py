@@ -80,7 +80,7 @@ def ddp_job(
 def gone_while_the_oom_killer_killed(collector: Collector, directory: Path) -> None:
     """Run "oom-killed": a rank beside a sidecar that reads the OOM killer's count of its cgroup (the file
     stands in for the kernel's), SIGKILLed as the count rises."""
-    from tests.support.sidecar import RANK, Node, free_port
+    from tests.support.sidecar import RANK, Node
 
     events = directory / "memory.events"
     events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
@@ -88,7 +88,7 @@ def gone_while_the_oom_killer_killed(collector: Collector, directory: Path) -> N
     script = directory / "rank.py"
     script.write_text(RANK)
     rank = subprocess.Popen(
-        [sys.executable, str(script), collector.url, "oom-killed", "200", f"wait:{directory / 'never'}", free_port()],
+        [sys.executable, str(script), collector.url, "oom-killed", "200", f"wait:{directory / 'never'}"],
         env={**os.environ, "TOKEN": collector.token, "RANKWATCH_NODE": str(node.path)},
         stdout=subprocess.PIPE,
         text=True,

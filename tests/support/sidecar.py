@@ -19,7 +19,7 @@ import torch, torch.distributed as dist
 from rankwatch import agent
 
 collector, run_id, steps, then = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[5], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # a port of its own
 agent.init(rank=0, world_size=1, collector=collector, token=os.environ["TOKEN"], run_id=run_id, cuda=False)
 agent.watch_collectives()
 t = torch.ones(256)
@@ -44,12 +44,6 @@ if then == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 agent.shutdown()
 """
-
-
-def free_port() -> str:
-    from tests.support.collectors import free_port as port
-
-    return str(port())
 
 
 class Node:
