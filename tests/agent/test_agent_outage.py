@@ -198,10 +198,10 @@ def test_collector_outage_and_restart(outage):
     status, _ = outage.steady_ended
     assert status == 0, job.stderr
     # no stall: the loop steps to a clock, so it ends on time unless a step waited for the network; its
-    # own figures, not the process's wall time, whose start-up on a loaded machine is not the agent's doing
-    loop_s, shutdown_s = (float(word) for word in job.stdout[-1].split()[1::2])
+    # own figure, not the process's wall time, whose start-up and last flush to a collector on a loaded
+    # machine are not the steps' (the fixture's wait bounds those)
+    loop_s = float(job.stdout[-1].split()[1])
     assert loop_s < STEPS * PACE + 5, job.stdout[-1]
-    assert shutdown_s < 30, job.stdout[-1]  # the last flush's own limit (10.4 s seen on a loaded machine)
     assert outage.down_s >= 4.0
     assert [line for line in job.stdout if line.startswith("step ")] == [f"step {i}" for i in range(STEPS)]
     assert sum("unreachable; training goes on" in line for line in job.stderr) == 1, job.stderr
