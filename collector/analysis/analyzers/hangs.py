@@ -31,8 +31,8 @@ Each stall is judged once: the one under way at the moment judged (with the
 culprits a pass first named for it, kept for the run's next passes: once the
 hung rank is back, the ranks catching up with it are no culprits), and each
 stall the new steps closed (a gap between one step's end and the next longer
-than the timeout), judged as it stood when it first passed the timeout, or, where a pass judged it
-while under way, with the culprits that pass named. A pass
+than the timeout), judged as it stood when it first passed the timeout (with
+the culprits a pass named, where one judged it while under way). A pass
 whose ranks have not all been heard from since the stall began (heartbeats
 delayed, a collector taking the run over) judges from where they stood before
 it, and says so; where that names no culprit (every rank was in the same
@@ -97,7 +97,7 @@ def judge(frames: Frames, settings: Settings = Settings()) -> list[Finding]:
             if stood and first is not None and first.evidence["last_step_end_ns"] == ends[g]:
                 # a pass judged it while under way: the culprits it named (by then the hung rank may have
                 # been back, and the ranks catching up with it are no culprits)
-                stood = [_restated(first, stood[0].evidence["stalled_s"], stood[0].score)]
+                stood = [_restated(first, stood[0])]
             found += [_with_stacks(f, frames, int(ends[g + 1])) for f in stood]
     progressed = int(resumed[-1]) if len(resumed) else None
     current = analyze(steps, frames.heartbeats, now, settings, frames.ranks, progressed)
@@ -142,14 +142,15 @@ def _as_first_judged(current: list[Finding], kept: dict) -> list[Finding]:
     if first is None or first.evidence["last_step_end_ns"] != finding.evidence["last_step_end_ns"]:
         kept[ANALYZER]["stall"] = finding
         return current
-    return [_restated(first, finding.evidence["stalled_s"], finding.score)]
+    return [_restated(first, finding)]
 
 
-def _restated(first: Finding, stalled_s: float, score: float) -> Finding:
-    """A stall as first judged (its culprits, its waits), with its length and score as of later."""
+def _restated(first: Finding, later: Finding) -> Finding:
+    """A stall as first judged (its culprits, its waits), with its length and score as judged `later`."""
+    stalled_s = later.evidence["stalled_s"]
     return replace(
         first,
-        score=score,
+        score=later.score,
         summary=_stalled(stalled_s) + first.summary.removeprefix(_stalled(first.evidence["stalled_s"])),
         evidence={**first.evidence, "stalled_s": stalled_s, "first_judged_stalled_s": first.evidence["stalled_s"]},
     )
