@@ -204,6 +204,12 @@ def analyze(
     run_id = str(steps["run_id"].iloc[0])
     ranks = sorted(int(r) for r in steps["rank"].unique())
     beats = heartbeats[heartbeats["ts"] <= now_ns].sort_values("ts").groupby("rank").tail(1).set_index("rank")
+    finished = steps.groupby("rank")["step"].max()
+    # a heartbeat naming a step its rank has since finished says when the rank was alive, not where it is
+    # (a job that recovered from a hang and ran its last steps between two beats: the hang's last lingers)
+    stale = beats["step"].astype("Float64").le(finished.reindex(beats.index)).fillna(False).to_numpy(bool)
+    if stale.any():
+        beats = beats.assign(**{c: beats[c].mask(stale) for c in beats.columns.drop("ts")})
     silent = sorted(
         r for r in ranks if r not in beats.index or (now_ns - beats.at[r, "ts"]) / 1e9 > s.silent_after * s.heartbeat_s
     )
@@ -224,7 +230,6 @@ def analyze(
     # delayed, a collector taking the run over) the culprits are judged from where the ranks were before it
     heard_in_stall = bool((alive["ts"] > last_end).all())
     # where each rank is: a rank between steps (its heartbeat names none) is past the last it finished
-    finished = steps.groupby("rank")["step"].max()
     position = alive["step"].astype("Float64").fillna(finished.reindex(alive.index).fillna(-1) + 0.5)
     if position.max() > int(steps["step"].max()) + 1:  # the job moved on: the steps between are lost or late
         return []

@@ -137,6 +137,22 @@ def test_ranks_between_steps_are_placed_after_the_last_step_they_finished():
     assert finding.ranks == [2] and "rank 2: between steps, after step 9" in finding.summary, finding.summary
 
 
+def test_a_heartbeat_of_a_step_its_rank_has_since_finished_says_nothing_of_where_it_is():
+    """Rank 1 hung in step 5 and came back; the job ran its last steps (6 to 9) between two heartbeats,
+    then ended, its end not yet arrived. The ranks' last heartbeats, of the hang, are steps behind the
+    steps they finished: they say the ranks were alive, not that rank 0 is still blocked in all-reduce #5."""
+    st = steps()
+    last_end = int(st["end_ts"].max())
+    hang = beats(
+        [(0, last_end - 3 * S, 5, "backward", "all_reduce", "world", 5, False)]
+        + [(r, last_end - 3 * S, 5, "forward", "all_reduce", "world", 4, True) for r in (1, 2, 3)]
+    )
+    assert analyze(st, hang, now_ns=last_end + 11 * S, settings=Settings(floor_s=10.0)) == []
+    still = hang.assign(step=10)  # the same heartbeats, sent in the step after the last finished: a hang
+    (finding,) = analyze(st, still, now_ns=last_end + 11 * S, settings=Settings(floor_s=10.0))
+    assert finding.ranks == [1, 2, 3] and "not every rank has been heard from" in finding.summary
+
+
 def test_silence_after_a_hang_is_no_recovery():
     """Rank 1 never entered all-reduce #10 and the others waited in it for 60 s; then every rank went
     quiet (killed, or its heartbeat thread gone): an hour later the job is hung still, as it stood when
