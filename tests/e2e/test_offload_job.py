@@ -1,7 +1,7 @@
 """Offloaded training end to end: real 2-rank torchrun jobs (`rankwatch train --offload optimizer=disk`,
 gloo on CPU, the `tiny` GPT) exporting to a live collector.
 
-A serial job whose rank 1's disk slows to 40 MB/s at step 6 (`slow-disk`): every rank-step reads and
+A serial job whose rank 1's disk slows to 20 MB/s at step 6 (`slow-disk`): every rank-step reads and
 writes its optimizer state between disk and host as transfer spans of the state's bytes, the disk's probe
 is said, the slow rank's steps wait on their swaps, and the collector names rank 1's disk, not rank 0's;
 the what-if of `rankwatch analyze` counts the swaps and the host optimizer as op types, not as idle.
@@ -24,6 +24,7 @@ from tests.support.otlp_payloads import query
 pytestmark = pytest.mark.long
 
 SLOW_FROM, STEPS = 6, 20
+MBPS = 20  # the slow disk's: a quarter of what a loaded machine's shared disk was seen to give (~80 MB/s)
 
 
 def _job(directory, run: str, *args: str, nproc: int = 2):
@@ -43,7 +44,7 @@ def serial(tmp_path_factory):
     return _job(
         tmp_path_factory.mktemp("offload-serial"),
         "run-serial",
-        *("--steps", str(STEPS), "--inject", f"slow-disk:rank=1,mbps=40,from={SLOW_FROM}"),
+        *("--steps", str(STEPS), "--inject", f"slow-disk:rank=1,mbps={MBPS},from={SLOW_FROM}"),
     )
 
 
@@ -81,7 +82,7 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
             FROM steps WHERE run_id = 'run-serial' GROUP BY ALL ORDER BY ALL""",
     )
     waited = {(rank, slowed): s for rank, slowed, s in waits}
-    assert waited[(1, True)] >= 0.95 * 2 * state_bytes() / 40e6, waited  # the state read and written at 40 MB/s
+    assert waited[(1, True)] >= 0.95 * 2 * state_bytes() / (MBPS * 1e6), waited  # the state read and written at MBPS
     assert waited[(1, True)] > 2 * max(waited[(1, False)], waited[(0, True)]), waited
     found = query(
         serial,
@@ -103,7 +104,7 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
         after = statistics.median(r for step, r in rates.items() if step >= SLOW_FROM)
         assert abs(math.log(rates[onset] / after)) < abs(math.log(rates[onset] / before)), (onset, rates)
     paced = re.match(r"rank 1 swaps to disk at ([\d.]+) MB/s since step \d+, against", slow[0][3])
-    assert paced and 30 <= float(paced.group(1)) <= 40, slow[0][3]  # the fault's cap, less its sleeps' overshoot
+    assert paced and 0.75 * MBPS <= float(paced.group(1)) <= MBPS, slow[0][3]  # the fault's cap, less its sleeps' overshoot
 
 
 def test_the_what_if_counts_swaps_and_the_host_optimizer_as_op_types_not_idle(serial):
