@@ -25,7 +25,9 @@ telemetry is late or lost (analyzers/gaps.py counts it), the job is not stuck.
 Nor is a job restoring a rollback's checkpoint: the steps it abandoned are no longer
 the run's, but they were progress, and so is training resuming (`Frames.resumed`).
 A heartbeat sent between two steps names none: its rank is past the last step it
-finished, behind the ranks already in the next.
+finished, behind the ranks already in the next. So is a rank whose last heartbeat
+names a step it has since finished (a job that ran its last steps between two
+beats): that heartbeat says when the rank was alive, not where it is.
 
 Each stall is judged once: the one under way at the moment judged (with the
 culprits a pass first named for it, kept for the run's next passes: once the
