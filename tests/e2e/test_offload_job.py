@@ -104,7 +104,8 @@ def test_the_slow_disks_rank_waits_on_its_swaps_and_its_disk_is_named(serial):
         after = statistics.median(r for step, r in rates.items() if step >= SLOW_FROM)
         assert abs(math.log(rates[onset] / after)) < abs(math.log(rates[onset] / before)), (onset, rates)
     paced = re.match(r"rank 1 swaps to disk at ([\d.]+) MB/s since step \d+, against", slow[0][3])
-    assert paced and 0.75 * MBPS <= float(paced.group(1)) <= MBPS, slow[0][3]  # the fault's cap, less its sleeps' overshoot
+    # the fault's cap, less its sleeps' overshoot
+    assert paced and 0.75 * MBPS <= float(paced.group(1)) <= MBPS, slow[0][3]
 
 
 def test_the_what_if_counts_swaps_and_the_host_optimizer_as_op_types_not_idle(serial):
