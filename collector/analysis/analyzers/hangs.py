@@ -259,7 +259,7 @@ def analyze(
         return []
     stalled_step = int(steps["step"].max()) + 1
     where = {
-        int(r): {"step": _int(beats.at[r, "step"]), "phase": beats.at[r, "phase"] or None}
+        int(r): {"step": _int(beats.at[r, "step"]), "phase": _text(beats.at[r, "phase"])}
         | ({"finished": _int(finished.get(r))} if pd.isna(beats.at[r, "step"]) else {})
         for r in culprits
         if r in beats.index
@@ -380,6 +380,10 @@ def _clock(ns: int) -> str:
 
 def _int(v) -> int | None:
     return None if pd.isna(v) else int(v)
+
+
+def _text(v) -> str | None:
+    return None if pd.isna(v) or not v else str(v)
 
 
 def _after(finished: int | None) -> str:

@@ -2,6 +2,8 @@
 real torchrun job's stored steps and heartbeats: tests/collector/analysis/test_live_analysis.py, beside the live
 verdict.)"""
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -151,6 +153,16 @@ def test_a_heartbeat_of_a_step_its_rank_has_since_finished_says_nothing_of_where
     still = hang.assign(step=10)  # the same heartbeats, sent in the step after the last finished: a hang
     (finding,) = analyze(st, still, now_ns=last_end + 11 * S, settings=Settings(floor_s=10.0))
     assert finding.ranks == [1, 2, 3] and "not every rank has been heard from" in finding.summary
+    # a hang in the step after: the rank whose last heartbeat is of the recovered hang is the one not there
+    now = last_end + 11 * S
+    lagging = beats(
+        [(r, now - S, 10, "backward", "all_reduce", "world", 10, False) for r in (0, 1, 3)]
+        + [(2, now - S, 5, "forward", "all_reduce", "world", 5, True)]
+    )
+    (finding,) = analyze(st, lagging, now_ns=now, settings=Settings(floor_s=10.0))
+    assert finding.ranks == [2] and "rank 2 never entered" in finding.summary, finding.summary
+    assert finding.evidence["culprit_last_seen"] == {2: {"step": None, "phase": None, "finished": 9}}
+    json.dumps(finding.evidence, allow_nan=False)  # as the store keeps it
 
 
 def test_silence_after_a_hang_is_no_recovery():
