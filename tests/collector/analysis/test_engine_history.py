@@ -106,8 +106,8 @@ def test_what_is_kept_follows_ranks_that_fall_silent_stalls_and_widespread_slown
     con = _store(faults=("data-skew:cv=0.3,from=40",))
     con.execute("DELETE FROM steps WHERE rank = 31 AND step >= 30")
     con.execute("UPDATE steps SET end_ts = end_ts + INTERVAL 60 SECOND WHERE step >= 90")
-    # through the stall the heartbeat of every rank but the silent one says where it is: rank 3 in step 89, the
-    # others in 90
+    # through the stall the heartbeat of every rank but the silent one says where it is: the others in step 90,
+    # rank 3 in step 89, which it had finished (so it is between steps, after it)
     con.execute(
         """INSERT INTO events (run_id, rank, ts, event, step, attrs)
            SELECT 'r', r, s.stalled + INTERVAL (t) SECOND, 'heartbeat', CASE WHEN r = 3 THEN 89 ELSE 90 END,
@@ -122,7 +122,7 @@ def test_what_is_kept_follows_ranks_that_fall_silent_stalls_and_widespread_slown
     assert {("stragglers", "widespread"), ("anomalies", "loss_spike")} <= found, found
     # the pass that judged step 90 found the stall it closed (as it stood past its 30 s timeout), rank 3's
     assert [f[2:5] + f[7:] for f in kept[90] if f[0] == "hangs"] == [
-        ((3,), 90, 90, "no step has finished for 31 s: rank 3 stopped (rank 3: in forward of step 89)")
+        ((3,), 90, 90, "no step has finished for 31 s: rank 3 stopped (rank 3: between steps, after step 89)")
     ]
 
 
